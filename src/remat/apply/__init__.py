@@ -1,0 +1,1 @@
+"""remat.apply (see DESIGN.md)."""

@@ -1,0 +1,56 @@
+"""``remat trace``: phase trace of the training step at the target (and boundary) shape."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from .._io import atomic_write_json
+from ..trace import StepTrace, to_perfetto, trace_workload
+from ..workload import parse_shape
+from .common import add_workload_args, load_from_args
+from .render import console, fmt_bytes, progress_bar
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="trace a training step by phase and find the blocking peak")
+    add_workload_args(p)
+    p.add_argument("--boundary-shape", default="", help="a second shape to trace (e.g. the first one that does not fit)")
+    p.add_argument("--warmup", type=int, default=2, help="untraced warm-up steps (default 2)")
+    p.add_argument("--steps", type=int, default=3, help="traced steps (default 3)")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.set_defaults(func=run)
+
+
+def render_trace(trace: StepTrace, title: str) -> None:
+    table = Table(title=title)
+    for col in ("phase", "start", "end", "peak", "ms"):
+        table.add_column(col, justify="right" if col != "phase" else "left")
+    for ph in trace.phases:
+        mark = " [bold red]<- blocking[/]" if ph.name == trace.peak_phase else ""
+        table.add_row(ph.name.value + mark, fmt_bytes(ph.start_bytes), fmt_bytes(ph.end_bytes),
+                      fmt_bytes(ph.peak_bytes), f"{ph.duration_ms:.1f}")
+    console.print(table)
+    cats = ", ".join(f"{c.value} {fmt_bytes(b)}" for c, b in trace.categories_at_peak.items() if b)
+    console.print(f"peak {fmt_bytes(trace.peak_bytes)} in [bold]{trace.peak_phase.value if trace.peak_phase else '?'}[/] "
+                  f"({trace.memory_source.value}); at the peak: {cats}")
+    top = ", ".join(f"{m.module} {fmt_bytes(m.bytes)}" for m in trace.top_modules_at_peak[:5])
+    console.print(f"largest contributors: {top}")
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = load_from_args(args)
+    boundary = parse_shape(args.boundary_shape)
+    with progress_bar() as progress:
+        trace = trace_workload(loaded, warmup=args.warmup, steps=args.steps, boundary_shape=boundary or None,
+                               progress=progress)
+    atomic_write_json(args.out / "trace.json", trace.to_json())
+    atomic_write_json(args.out / "trace.perfetto.json", to_perfetto(trace))
+    render_trace(trace, f"{loaded.spec} {loaded.shape or '(default shape)'}")
+    if trace.boundary is not None:
+        render_trace(trace.boundary, f"boundary shape {trace.boundary.context.shape}")
+        atomic_write_json(args.out / "trace.boundary.perfetto.json", to_perfetto(trace.boundary))
+    console.print(f"wrote {args.out / 'trace.json'} and {args.out / 'trace.perfetto.json'}")
+    return 0

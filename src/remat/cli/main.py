@@ -1,0 +1,54 @@
+"""``remat`` entry point.
+
+NOTE [exit codes]
+  0  success
+  1  a check ran and failed (verify, check): RematError subclasses with exit_code = 1
+  2  bad input (typed RematError), or argparse usage errors
+  3  an unexpected internal error (a bug in remat: the traceback is printed, please report it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from ..errors import RematError
+from .render import err_console
+
+# One module per subcommand, each with ``add_parser(subparsers)`` that sets ``func``.
+COMMANDS = ("trace", "plan", "verify", "frontier", "receipt", "check", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remat", description="Plan, apply and prove activation checkpointing.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"remat.cli.cmd_{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"remat.cli.cmd_{name}":
+                continue  # command not built yet
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RematError as exc:
+        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+        if exc.tip:
+            err_console.print(f"[yellow]tip:[/] {exc.tip}", highlight=False)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""remat.distributed (see DESIGN.md)."""

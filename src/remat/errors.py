@@ -1,0 +1,67 @@
+"""Typed errors. Library code raises these; only the CLI turns them into exit codes.
+
+Exit codes (see NOTE [exit codes] in remat.cli.main):
+  2  bad input: the user asked for something that cannot be done as asked
+  1  a check ran and failed (verification, receipt check)
+"""
+
+from __future__ import annotations
+
+
+class RematError(Exception):
+    """Base of every error remat raises on purpose. ``exit_code`` is what the CLI returns."""
+
+    exit_code: int = 2
+
+    def __init__(self, message: str, *, tip: str | None = None) -> None:
+        self.message = message
+        self.tip = tip
+        super().__init__(message if tip is None else f"{message}\nTip: {tip}")
+
+
+class WorkloadError(RematError):
+    """The workload spec, its factory, its shape keywords or its step is unusable."""
+
+
+class ShapeError(WorkloadError):
+    """A ``--shape k=v,...`` string is malformed or names a keyword the factory lacks."""
+
+
+class MemoryMeasurementError(RematError):
+    """A memory source was asked for on a device that cannot provide it."""
+
+
+class CandidateError(RematError):
+    """A requested checkpoint candidate does not exist or cannot be wrapped."""
+
+
+class BudgetError(RematError):
+    """The budget is malformed or no plan can reach it (the message names the floor)."""
+
+
+class PlanError(RematError):
+    """A plan is malformed, or cannot be applied to this model."""
+
+
+class FingerprintMismatch(PlanError):
+    """A plan made for one model was applied to another; the message lists what differs."""
+
+
+class VerificationFailed(RematError):
+    """Verification ran and found a difference from the control, or a hazard."""
+
+    exit_code = 1
+
+
+class DistributedError(RematError):
+    """A distributed run failed: a rank died, timed out, or the configuration is refused."""
+
+
+class ReceiptError(RematError):
+    """A receipt file is malformed, hostile, or of an unknown schema version."""
+
+
+class CheckFailed(RematError):
+    """``remat check`` re-ran a receipt's fixtures and at least one failed."""
+
+    exit_code = 1

@@ -1,0 +1,1 @@
+"""remat.frontier (see DESIGN.md)."""

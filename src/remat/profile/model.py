@@ -1,0 +1,172 @@
+"""What profiling hands to the planner: per-candidate costs and the peak rows of the step.
+
+NOTE [peak cost model]
+The planner predicts the whole-step peak of any assignment of modes to candidates from
+one profiled baseline step (no checkpointing), as a maximum over *rows*:
+
+    peak(choice) = max over rows r of
+        r.base_bytes
+        - sum over j in r.live      of candidate[j].saved_bytes[mode_j]
+        + sum over j in r.replaying of candidate[j].replay_extra_bytes[mode_j]
+
+``base_bytes`` is the largest live byte count the baseline reached at instants that
+share the same signature: ``live`` are the candidates whose forward has finished and
+whose backward has not started (their saved activations would be gone if checkpointed),
+``replaying`` the candidates whose backward is running (a checkpointed one re-materialises
+its activations there, plus its forward transients). ``saved_bytes[KEEP] = 0`` and
+``replay_extra_bytes[KEEP] = 0``. Added time is ``sum of replay_ms[mode_j]``.
+A parent and its child candidate are never both checkpointed (``parent`` links them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..types import CheckpointMode, HazardKind, MemorySource
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HazardRecord:
+    kind: HazardKind
+    detail: str               # e.g. "bn1.running_mean, bn1.num_batches_tracked mutated in forward"
+    guardable: bool = False   # remat can neutralise it (restore buffers around the replay)
+
+
+@dataclasses.dataclass(kw_only=True)
+class CandidateCost:
+    """One module that could be checkpointed, measured on the real step."""
+
+    name: str                          # module path, e.g. "h.3" or "blocks.2.mlp"
+    class_name: str
+    order: int                         # forward order (0 = first to run)
+    parent: str | None                 # enclosing candidate, if any
+    fwd_ms: float                      # warm median forward time (ms)
+    input_bytes: int                   # bytes of its inputs a checkpoint keeps (ms of nothing, kept anyway)
+    saved_bytes: dict[CheckpointMode, int]        # bytes freed until backward, per mode (KEEP: 0)
+    replay_ms: dict[CheckpointMode, float]        # added backward time per mode (KEEP: 0.0)
+    replay_extra_bytes: dict[CheckpointMode, int]  # extra live bytes while it replays (KEEP: 0)
+    hazards: list[HazardRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def modes(self) -> list[CheckpointMode]:
+        return [m for m in CheckpointMode if m in self.saved_bytes]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "class_name": self.class_name, "order": self.order, "parent": self.parent,
+            "fwd_ms": self.fwd_ms, "input_bytes": self.input_bytes,
+            "saved_bytes": {m.value: v for m, v in self.saved_bytes.items()},
+            "replay_ms": {m.value: v for m, v in self.replay_ms.items()},
+            "replay_extra_bytes": {m.value: v for m, v in self.replay_extra_bytes.items()},
+            "hazards": [{"kind": h.kind.value, "detail": h.detail, "guardable": h.guardable} for h in self.hazards],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CandidateCost":
+        return cls(
+            name=d["name"], class_name=d["class_name"], order=int(d["order"]), parent=d.get("parent"),
+            fwd_ms=float(d["fwd_ms"]), input_bytes=int(d["input_bytes"]),
+            saved_bytes={CheckpointMode(k): int(v) for k, v in d["saved_bytes"].items()},
+            replay_ms={CheckpointMode(k): float(v) for k, v in d["replay_ms"].items()},
+            replay_extra_bytes={CheckpointMode(k): int(v) for k, v in d["replay_extra_bytes"].items()},
+            hazards=[HazardRecord(kind=HazardKind(h["kind"]), detail=h["detail"], guardable=bool(h["guardable"]))
+                     for h in d.get("hazards", [])],
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeakRow:
+    """A group of instants of the baseline step sharing one signature (NOTE [peak cost model])."""
+
+    base_bytes: int
+    live: tuple[str, ...]        # candidates whose saved activations are held here
+    replaying: tuple[str, ...]   # candidates whose backward runs here
+    label: str = ""              # human hint, e.g. "backward of h.3"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base_bytes": self.base_bytes, "live": list(self.live), "replaying": list(self.replaying),
+                "label": self.label}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PeakRow":
+        return cls(base_bytes=int(d["base_bytes"]), live=tuple(d["live"]), replaying=tuple(d["replaying"]),
+                   label=d.get("label", ""))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamSignature:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelFingerprint:
+    """Identity of a model for plans and receipts: module tree, parameters, class sources."""
+
+    modules: tuple[tuple[str, str], ...]          # (path, class name) for every module
+    params: tuple[ParamSignature, ...]
+    class_source_hashes: tuple[tuple[str, str], ...]  # (qualified class name, sha256 of its source)
+    digest: str                                   # sha256 over all of the above
+
+    def to_json(self) -> dict[str, Any]:
+        return {"digest": self.digest, "modules": [list(m) for m in self.modules],
+                "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params],
+                "class_source_hashes": [list(c) for c in self.class_source_hashes]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ModelFingerprint":
+        return cls(modules=tuple((str(a), str(b)) for a, b in d["modules"]),
+                   params=tuple(ParamSignature(name=p["name"], shape=tuple(int(s) for s in p["shape"]), dtype=p["dtype"])
+                                for p in d["params"]),
+                   class_source_hashes=tuple((str(a), str(b)) for a, b in d["class_source_hashes"]),
+                   digest=str(d["digest"]))
+
+    def differences(self, other: "ModelFingerprint") -> list[str]:
+        """Human-readable list of what differs (empty when the digests agree)."""
+        if self.digest == other.digest:
+            return []
+        out: list[str] = []
+        a, b = dict(self.modules), dict(other.modules)
+        out += [f"module {m} missing" for m in sorted(a.keys() - b.keys())]
+        out += [f"module {m} is new" for m in sorted(b.keys() - a.keys())]
+        out += [f"module {m}: {a[m]} -> {b[m]}" for m in sorted(a.keys() & b.keys()) if a[m] != b[m]]
+        pa, pb = {p.name: p for p in self.params}, {p.name: p for p in other.params}
+        out += [f"parameter {n} missing" for n in sorted(pa.keys() - pb.keys())]
+        out += [f"parameter {n} is new" for n in sorted(pb.keys() - pa.keys())]
+        out += [f"parameter {n}: {list(pa[n].shape)} {pa[n].dtype} -> {list(pb[n].shape)} {pb[n].dtype}"
+                for n in sorted(pa.keys() & pb.keys()) if pa[n] != pb[n]]
+        ca, cb = dict(self.class_source_hashes), dict(other.class_source_hashes)
+        out += [f"source of class {c} changed" for c in sorted(ca.keys() & cb.keys()) if ca[c] != cb[c]]
+        return out or ["fingerprint digest differs"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class ProfileReport:
+    """Everything the planner needs, measured on one workload at one shape."""
+
+    candidates: list[CandidateCost]
+    rows: list[PeakRow]
+    excluded: dict[str, str]          # candidate name -> reason it cannot be planned as is
+    baseline_peak_bytes: int          # measured peak of the unmodified step
+    baseline_step_ms: float           # warm median of the unmodified step
+    memory_source: MemorySource
+    fingerprint: ModelFingerprint
+    simulated: bool = False           # figures from FakeTensorMode + a device model (issue 8)
+    device_model: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
+                "excluded": dict(self.excluded), "baseline_peak_bytes": self.baseline_peak_bytes,
+                "baseline_step_ms": self.baseline_step_ms, "memory_source": self.memory_source.value,
+                "fingerprint": self.fingerprint.to_json(), "simulated": self.simulated,
+                "device_model": self.device_model}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
+        return cls(candidates=[CandidateCost.from_json(c) for c in d["candidates"]],
+                   rows=[PeakRow.from_json(r) for r in d["rows"]], excluded=dict(d["excluded"]),
+                   baseline_peak_bytes=int(d["baseline_peak_bytes"]), baseline_step_ms=float(d["baseline_step_ms"]),
+                   memory_source=MemorySource(d["memory_source"]), fingerprint=ModelFingerprint.from_json(d["fingerprint"]),
+                   simulated=bool(d.get("simulated", False)), device_model=d.get("device_model"))

@@ -1,0 +1,1 @@
+"""remat.receipt (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""remat.verify (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""Built-in workloads: small but realistic training steps, one per architecture family."""
