@@ -36,6 +36,9 @@ def render_trace(trace: StepTrace, title: str) -> None:
     cats = ", ".join(f"{c.value} {fmt_bytes(b)}" for c, b in trace.categories_at_peak.items() if b)
     console.print(f"peak {fmt_bytes(trace.peak_bytes)} in [bold]{trace.peak_phase.value if trace.peak_phase else '?'}[/] "
                   f"({trace.memory_source.value}); at the peak: {cats}")
+    if trace.reference_peak_bytes is not None:
+        console.print(f"torch.profiler peak of the same step: {fmt_bytes(trace.reference_peak_bytes)} "
+                      f"(tracker/profiler = {trace.peak_bytes / max(1, trace.reference_peak_bytes):.3f})")
     top = ", ".join(f"{m.module} {fmt_bytes(m.bytes)}" for m in trace.top_modules_at_peak[:5])
     console.print(f"largest contributors: {top}")
 

@@ -77,6 +77,10 @@ class StepTrace:
     step_ms: list[float]             # wall time of each traced step
     timeline: list[TimelinePoint]    # the peak step's live bytes, downsampled
     num_alloc_retries: int = 0       # CUDA only
+    # CPU only: the same step's peak from torch.profiler's [memory] events. It also sees
+    # kernel workspaces that never become tensors (oneDNN convolutions), which the
+    # live-tensor tracker cannot; the two agree exactly on gpt and mlp.
+    reference_peak_bytes: int | None = None
     boundary: "StepTrace | None" = None
     schema_version: int = SCHEMA_VERSION
 
@@ -93,6 +97,7 @@ class StepTrace:
             "step_peaks": list(self.step_peaks),
             "step_ms": list(self.step_ms),
             "num_alloc_retries": self.num_alloc_retries,
+            "reference_peak_bytes": self.reference_peak_bytes,
             "timeline": [[p.t_ms, p.live_bytes, p.phase.value if p.phase else None] for p in self.timeline],
             "boundary": self.boundary.to_json() if self.boundary else None,
         }
@@ -111,6 +116,7 @@ class StepTrace:
             step_peaks=[int(x) for x in d["step_peaks"]],
             step_ms=[float(x) for x in d["step_ms"]],
             num_alloc_retries=int(d.get("num_alloc_retries", 0)),
+            reference_peak_bytes=None if d.get("reference_peak_bytes") is None else int(d["reference_peak_bytes"]),
             timeline=[TimelinePoint(t_ms=float(t), live_bytes=int(b), phase=Phase(p) if p else None)
                       for t, b, p in d.get("timeline", [])],
             boundary=cls.from_json(d["boundary"]) if d.get("boundary") else None,

@@ -8,7 +8,9 @@ from collections import defaultdict
 import torch
 
 from ..memory.cuda import read_cuda_stats, reset_cuda_peak
-from ..memory.measure import model_device
+from ..memory.measure import model_device, track_step_state
+from ..memory.reference import profiler_memory_peak
+from ..memory.tracker import LiveTensorTracker
 from ..types import MemCategory, MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
@@ -91,6 +93,11 @@ def trace_step(step: TrainingStep, *, context: TraceContext, warmup: int = 2, st
             best = (peak, rec, start_event, start_ns, end_ns)
     progress("tracing", total, total)
     assert best is not None
+    reference = None
+    if not on_cuda:
+        with LiveTensorTracker(keep_timeline=False) as state:
+            track_step_state(state, step)
+        reference = state.live_bytes + profiler_memory_peak(lambda: step.run(total)).peak_delta_bytes
     peak, rec, start_event, start_ns, end_ns = best
     cats, mods = _breakdown(rec, rec.tracker.peak_event, top_modules)
     return StepTrace(
@@ -105,6 +112,7 @@ def trace_step(step: TrainingStep, *, context: TraceContext, warmup: int = 2, st
         step_ms=step_ms,
         timeline=_timeline(rec, start_event, start_ns),
         num_alloc_retries=retries,
+        reference_peak_bytes=reference,
     )
 
 
