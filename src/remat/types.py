@@ -60,3 +60,17 @@ class HazardKind(str, enum.Enum):
     PYTHON_STATE = "python_state"            # a Python attribute of the module changed in forward
     DEVICE_MOVE = "device_move"              # a tensor moved between devices inside the region
     INPLACE_INPUT = "inplace_input"          # an op wrote in place into one of the region's inputs
+
+
+# NOTE [selective policy ops]
+# Selective checkpointing (SAC) saves the outputs of these ops (matmuls, attention,
+# convolutions: expensive to recompute, compact to keep) and recomputes everything else.
+# ``remat.profile`` predicts SAC savings and replay time from this set and ``remat.apply``
+# builds its policy from it, so the prediction and the wrapper can never disagree.
+# Names are aten overload-packet names (``func._overloadpacket.__name__``).
+SAC_SAVE_OPS: frozenset[str] = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "linear", "convolution", "_convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,7 +74,10 @@ class LiveTensorTracker(TorchDispatchMode):
         self.times_ns: list[int] = []                    # per event
         self.live_after: list[int] = []                  # per event: live bytes after it
         self.marks: list[PhaseMark] = []
-        self.module = ""                                 # set by ModuleScope (trace/profile)
+        self.module = ""                                 # set by StepRecorder (trace/profile)
+        # Optional per-op callback (func, args, out, duration_ns), for profiling passes only:
+        # op timing, device moves, in-place writes. None on the measuring hot path.
+        self.op_observer: Callable[[Any, tuple, Any, int], None] | None = None
         self._phase: Phase | None = None
         self._closed = False
         self._finalizers: list[weakref.finalize] = []
@@ -96,8 +99,9 @@ class LiveTensorTracker(TorchDispatchMode):
 
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        t0 = time.perf_counter_ns() if self.op_observer is not None else 0
         out = func(*args, **(kwargs or {}))
-        name = None
+        dt = time.perf_counter_ns() - t0 if self.op_observer is not None else 0
         if isinstance(out, torch.Tensor):
             self._see(out, op=func.__name__)
         elif isinstance(out, (tuple, list)):
@@ -109,6 +113,8 @@ class LiveTensorTracker(TorchDispatchMode):
                     for oo in o:
                         if isinstance(oo, torch.Tensor):
                             self._see(oo, op=name)
+        if self.op_observer is not None:  # after _see: the outputs' records exist
+            self.op_observer(func, args, out, dt)
         return out
 
     def _see(self, t: torch.Tensor, op: str) -> StorageRecord | None:

@@ -1,7 +1,10 @@
 """Per-candidate costs (saved bytes, replay ms, hazards) measured on the real step."""
 
+from .candidates import auto_candidates, resolve_candidates
 from .fingerprint import class_source_hash, fingerprint, module_revision
+from .measure import profile_step, profile_workload
 from .model import CandidateCost, HazardRecord, ModelFingerprint, ParamSignature, PeakRow, ProfileReport
 
 __all__ = ["CandidateCost", "HazardRecord", "ModelFingerprint", "ParamSignature", "PeakRow", "ProfileReport",
-           "class_source_hash", "fingerprint", "module_revision"]
+           "auto_candidates", "class_source_hash", "fingerprint", "module_revision", "profile_step",
+           "profile_workload", "resolve_candidates"]

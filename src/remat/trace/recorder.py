@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..memory.measure import optimizer_state_tensors, track_step_state
-from ..memory.tracker import LiveTensorTracker
+from ..memory.tracker import LiveTensorTracker, StorageRecord
 from ..types import MemCategory, Phase
 from ..workload.contract import TrainingStep
 
@@ -36,6 +36,7 @@ class ModuleWindow:
     fwd_peak: int = 0            # max live bytes during its forward (bytes)
     bwd_first_unpack: int | None = None
     bwd_last_unpack: int | None = None
+    input_keys: tuple[int, ...] = ()   # storage keys of its positional tensor inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,8 @@ class SavedTensor:
     nbytes: int
     module: str     # innermost module running at pack time ("" outside any module)
     is_param: bool  # parameters are never freed by checkpointing
+    event: int      # tracker event index at pack time
+    record: StorageRecord  # the storage's record (keys are reused after a free; records are not)
 
 
 class StepRecorder:
@@ -68,8 +71,9 @@ class StepRecorder:
         name = self.names.get(id(module))
         if name is None:
             return
+        keys = tuple(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
         win = ModuleWindow(name=name, fwd_start=self.tracker.events, fwd_start_ns=time.perf_counter_ns(),
-                           fwd_peak=self.tracker.live_bytes)
+                           fwd_peak=self.tracker.live_bytes, input_keys=keys)
         self.windows.append(win)
         self._stack.append((name, win))
         self.tracker.module = name
@@ -100,7 +104,8 @@ class StepRecorder:
             if rec.category is MemCategory.OTHER:
                 rec.category = MemCategory.ACTIVATIONS
             module = self.tracker.module
-            self.saved.append(SavedTensor(rec.key, rec.nbytes, module, rec.key in self.param_keys))
+            self.saved.append(SavedTensor(rec.key, rec.nbytes, module, rec.key in self.param_keys,
+                                          self.tracker.events, rec))
             return (module, t)
         return ("", t)
 

@@ -1,0 +1,142 @@
+"""``apply(model, plan)``: wrap exactly the planned modules, reversibly."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Iterator
+
+from torch import nn
+
+from ..errors import CandidateError, FingerprintMismatch, PlanError
+from ..plan.model import Plan
+from ..profile.fingerprint import fingerprint
+from .policy import SaveMatmulPolicy
+from .wrapper import CheckpointWrapper
+
+
+def load_plan(plan: Plan | str | Path) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise PlanError(f"expected a remat Plan or a path to plan.json, got {type(plan).__name__}")
+
+
+def check_plan_fingerprint(model: nn.Module, plan: Plan) -> None:
+    """Raise :class:`FingerprintMismatch` listing what differs when ``plan`` was made for another model."""
+    actual = fingerprint(model)
+    diffs = plan.fingerprint.differences(actual)
+    if diffs:
+        shown = "; ".join(diffs[:12]) + (f"; ... ({len(diffs) - 12} more)" if len(diffs) > 12 else "")
+        raise FingerprintMismatch(
+            f"the plan was made for another model ({len(diffs)} difference(s), plan -> this model): {shown}",
+            tip="re-run `remat plan` on this model, or pass check_fingerprint=False if you know the plan still fits",
+        )
+
+
+def resolve_modules(model: nn.Module, paths: list[str]) -> dict[str, nn.Module]:
+    """Module path -> module; :class:`CandidateError` naming the closest paths for an unknown one."""
+    named = dict(model.named_modules(remove_duplicate=False))
+    out: dict[str, nn.Module] = {}
+    for path in paths:
+        if path not in named:
+            close = difflib.get_close_matches(path, list(named), n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise CandidateError(f"the plan names module {path!r}, which this model does not have{hint}",
+                                 tip="list the model's modules with [n for n, _ in model.named_modules()]")
+        out[path] = named[path]
+    return out
+
+
+def _check_not_nested(paths: list[str]) -> None:
+    for outer in paths:
+        for inner in paths:
+            if inner != outer and (outer == "" or inner.startswith(outer + ".")):
+                raise PlanError(f"boundaries {outer!r} and {inner!r} are nested; a plan checkpoints a module "
+                                "or its children, never both")
+
+
+class ApplyHandle:
+    """What ``apply`` returns: the installed wrappers, and ``remove()`` to undo them exactly.
+
+    Usable as a context manager (removes on exit).
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, wrappers: tuple[CheckpointWrapper, ...]) -> None:
+        self.model = model
+        self.plan = plan
+        self.wrappers = wrappers
+        self._active = True
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def wrapper(self, path: str) -> CheckpointWrapper:
+        for w in self.wrappers:
+            if w.path == path:
+                return w
+        raise KeyError(path)
+
+    def reset_counts(self) -> None:
+        for w in self.wrappers:
+            w.reset_counts()
+
+    def remove(self) -> None:
+        """Restore every wrapped module's ``forward`` exactly (NOTE [instance forward])."""
+        if not self._active:
+            raise PlanError("this remat.apply handle was already removed")
+        for w in reversed(self.wrappers):
+            w.uninstall()
+        self._active = False
+
+    def __iter__(self) -> Iterator[CheckpointWrapper]:
+        return iter(self.wrappers)
+
+    def __enter__(self) -> "ApplyHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._active:
+            self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "removed"
+        return f"ApplyHandle({len(self.wrappers)} wrappers, {state}: {', '.join(w.path for w in self.wrappers)})"
+
+
+def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool = True,
+          policy: SaveMatmulPolicy | None = None) -> ApplyHandle:
+    """Checkpoint exactly the modules ``plan`` lists; returns a handle whose ``remove()`` undoes it.
+
+    ``plan`` is a :class:`~remat.plan.Plan` or a path to ``plan.json``. FULL boundaries use
+    non-reentrant ``torch.utils.checkpoint``; SELECTIVE ones add the op policy ``policy``
+    (default :class:`SaveMatmulPolicy`, NOTE [selective policy]); ``preserve_rng_state`` is the
+    plan's. Raises :class:`FingerprintMismatch` if the plan was made for another model,
+    :class:`CandidateError` for a module the model lacks, :class:`PlanError` if a planned
+    module is already wrapped.
+    """
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"remat.apply needs a torch.nn.Module, got {type(model).__name__}")
+    plan = load_plan(plan)
+    if check_fingerprint:
+        check_plan_fingerprint(model, plan)
+    paths = [b.module for b in plan.boundaries]
+    _check_not_nested(paths)
+    modules = resolve_modules(model, paths)
+    seen: dict[int, str] = {}
+    for path, module in modules.items():
+        if id(module) in seen:
+            raise PlanError(f"boundaries {seen[id(module)]!r} and {path!r} are the same module object")
+        seen[id(module)] = path
+        if isinstance(module.__dict__.get("forward"), CheckpointWrapper):
+            raise PlanError(f"module {path!r} is already checkpointed by remat.apply; remove the first handle first")
+    wrappers = tuple(
+        CheckpointWrapper(modules[b.module], b.module, b.mode, guarded=b.guarded,
+                          preserve_rng_state=plan.preserve_rng_state, policy=policy)
+        for b in plan.boundaries)
+    for w in wrappers:
+        w.install()
+    return ApplyHandle(model, plan, wrappers)
+

@@ -1,0 +1,146 @@
+"""``CheckpointWrapper``: the one object that replaces a planned module's ``forward``.
+
+NOTE [instance forward]
+A wrapper is installed as the *instance attribute* ``module.forward``. ``nn.Module.__call__``
+looks ``forward`` up on the instance first, so the module's own hooks still run, while its
+name, class, ``state_dict`` keys and parameter objects stay exactly as they were (an
+optimizer built before ``apply`` keeps working, and ``remove`` is a ``del`` away).
+The wrapper calls the original (bound) forward through non-reentrant
+``torch.utils.checkpoint.checkpoint``.
+
+NOTE [replay detection]
+Non-reentrant checkpoint calls the function it was given twice: once from our
+``__call__`` in the forward, and again from the unpack hook during backward (the
+*replay*, possibly cut short by ``early_stop``). ``_run`` tells the two apart by
+(a) whether our ``__call__`` is on the stack (``_depth``) and (b) whether the autograd
+engine is running a graph task on this thread (``_current_graph_task_id() != -1``).
+(b) also makes a forward that runs *inside* another region's replay count as a replay.
+
+NOTE [buffer guard]
+BatchNorm in train mode updates ``running_mean``/``running_var``/``num_batches_tracked``
+in its forward; inside a checkpoint that forward runs twice, so the statistics get two
+momentum updates and ``num_batches_tracked`` goes +2 per step (pytorch issue 96136),
+silently: gradients stay bitwise equal. A *guarded* wrapper snapshots every buffer of
+its module (floating and integer, whole subtree) when a replay starts and copies the
+snapshot back when the replay ends, also when ``early_stop`` aborts it with an
+exception. The replay's normalisation uses batch statistics, so its outputs do not
+depend on the running buffers; restoring them leaves exactly the forward's update.
+The restore writes only buffers that changed (in eval mode none do) and does so under
+``_unsafe_preserve_version_counter``, so autograd does not report an in-place change of
+a tensor the replay may have saved; in train mode BatchNorm's backward reads the saved
+batch statistics, never the running ones, so no gradient depends on the restored values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, ContextManager, Iterator, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..types import CheckpointMode
+from .policy import SaveMatmulPolicy, selective_context_fn
+
+
+class RegionObserver(Protocol):
+    """Something that wants to run around every execution of a wrapped forward (verify's probes)."""
+
+    def region(self, wrapper: "CheckpointWrapper", *, replay: bool) -> ContextManager[Any]: ...
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def restore_buffers(module: nn.Module) -> Iterator[None]:
+    """Snapshot every buffer of ``module`` (recursively) and write it back on exit (NOTE [buffer guard])."""
+    saved = [(buf, buf.detach().clone()) for buf in module.buffers() if buf is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                if not torch.equal(buf, value):  # eval mode: nothing changed, nothing written
+                    with torch.autograd._unsafe_preserve_version_counter(buf):
+                        buf.copy_(value)
+
+
+class CheckpointWrapper:
+    """Runs one planned module's forward under non-reentrant checkpointing.
+
+    ``path`` is the module path from ``model.named_modules()``; ``mode`` FULL or SELECTIVE;
+    ``guarded`` restores the module's buffers around the replay (NOTE [buffer guard]).
+    ``forward_calls``/``replay_calls`` count the forwards and replays since the last
+    :meth:`reset_counts` (units: calls).
+    """
+
+    def __init__(self, module: nn.Module, path: str, mode: CheckpointMode, *, guarded: bool = False,
+                 preserve_rng_state: bool = True, policy: SaveMatmulPolicy | None = None) -> None:
+        if mode not in (CheckpointMode.FULL, CheckpointMode.SELECTIVE):
+            raise ValueError(f"CheckpointWrapper mode must be full or selective, got {mode}")
+        self.path = path
+        self.mode = mode
+        self.guarded = guarded
+        self.preserve_rng_state = preserve_rng_state
+        self.policy = policy if mode is CheckpointMode.SELECTIVE else None
+        self.module = module
+        # What ``module.forward`` resolved to before us: a bound method, or an instance attribute
+        # somebody else installed (``had_instance_forward`` says which, so ``uninstall`` is exact).
+        self.had_instance_forward = "forward" in module.__dict__
+        self.original_forward: Callable[..., Any] = module.forward
+        self.observers: list[RegionObserver] = []
+        self.forward_calls = 0
+        self.replay_calls = 0
+        self._depth = 0  # > 0 while our __call__ (the real forward) is on the stack
+
+    # -- installation -------------------------------------------------------------------------
+    def install(self) -> None:
+        self.module.forward = self  # type: ignore[method-assign]  # NOTE [instance forward]
+
+    def uninstall(self) -> None:
+        if self.module.__dict__.get("forward") is not self:
+            from ..errors import PlanError
+            raise PlanError(f"{self.path}: its forward was replaced after remat.apply; cannot restore it exactly")
+        if self.had_instance_forward:
+            self.module.forward = self.original_forward  # type: ignore[method-assign]
+        else:
+            del self.module.__dict__["forward"]
+
+    # -- running ------------------------------------------------------------------------------
+    def reset_counts(self) -> None:
+        self.forward_calls = 0
+        self.replay_calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.forward_calls += 1
+        self._depth += 1
+        try:
+            extra: dict[str, Any] = {}
+            if self.mode is CheckpointMode.SELECTIVE:
+                extra["context_fn"] = selective_context_fn(self.policy)
+            # Keyword arguments ride in a partial: a forward keyword named like one of
+            # checkpoint's own (``debug``, ``context_fn``...) must not be taken by checkpoint.
+            fn = functools.partial(self._run, **kwargs) if kwargs else self._run
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra)
+        finally:
+            self._depth -= 1
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        replay = self._depth == 0 or _in_backward()  # NOTE [replay detection]
+        if replay:
+            self.replay_calls += 1
+        with contextlib.ExitStack() as stack:
+            for obs in list(self.observers):
+                stack.enter_context(obs.region(self, replay=replay))
+            if replay and self.guarded:
+                stack.enter_context(restore_buffers(self.module))
+            return self.original_forward(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        guard = ", guarded" if self.guarded else ""
+        rng = "" if self.preserve_rng_state else ", rng not preserved"
+        return f"CheckpointWrapper({self.path!r}, {self.mode.value}{guard}{rng})"

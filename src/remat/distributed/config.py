@@ -1,0 +1,127 @@
+"""What one distributed run does: the workload to rebuild on every rank, the plan, the engine.
+
+The config is plain JSON: the launcher writes it, every rank reads it and rebuilds the
+workload itself from ``spec`` + ``shape`` (nothing torch is pickled across processes), so
+the same file drives a local run and a multi-node torchrun job (NOTE [launcher], launch.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import DistributedError
+from ..plan.model import Plan
+
+CONFIG_SCHEMA_VERSION = 1
+
+REENTRANT_FIND_UNUSED_TIP = (
+    "use non-reentrant checkpointing (torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which is what "
+    "remat.apply does), or run DDP with find_unused_parameters=False"
+)
+
+
+class Engine(str, enum.Enum):
+    """The data-parallel engine the step runs under (PyTorch's own, never a home-made one)."""
+
+    DDP = "ddp"      # torch.nn.parallel.DistributedDataParallel
+    FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard on a 1-D device mesh
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistributedConfig:
+    """One distributed measurement: control (no plan) and, when ``plan`` is given, the plan.
+
+    ``steps`` warm steps are timed per side (after ``warmup`` >= 2 untimed ones, since DDP
+    rebuilds its buckets after the first iteration); ``comm_steps`` more run with the
+    compute timer on, for exposed communication (NOTE [exposed communication]).
+    ``timeout_s`` bounds every collective (``init_process_group(timeout=...)``).
+    """
+
+    spec: str
+    shape: dict[str, Any]
+    world_size: int
+    engine: Engine = Engine.DDP
+    plan: Plan | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    steps: int = 10
+    warmup: int = 2
+    comm_steps: int = 3
+    timeout_s: float = 120.0
+    seed: int = 0
+    ablation: bool = True                 # also time a no-op comm hook (same compute, no communication)
+    find_unused_parameters: bool = False  # DDP only
+    use_reentrant: bool = False           # the workload checkpoints itself with use_reentrant=True
+    schema_version: int = CONFIG_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.engine = Engine(self.engine)
+        if self.world_size < 1:
+            raise DistributedError(f"world size must be >= 1, got {self.world_size}")
+        if self.warmup < 2:
+            raise DistributedError(
+                f"warm-up must be at least 2 steps, got {self.warmup}",
+                tip="DDP rebuilds its gradient buckets after the first iteration; the second step is the first warm one",
+            )
+        if self.steps < 1 or self.comm_steps < 1:
+            raise DistributedError(f"steps and comm_steps must be >= 1, got steps={self.steps} comm_steps={self.comm_steps}")
+        if self.timeout_s <= 0:
+            raise DistributedError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise DistributedError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.engine is not Engine.DDP and self.find_unused_parameters:
+            raise DistributedError("find_unused_parameters is a DDP option; it does not apply to fsdp2")
+        if self.engine is Engine.DDP and self.find_unused_parameters and self.use_reentrant:
+            raise DistributedError(
+                "refusing reentrant activation checkpointing with DDP find_unused_parameters=True: the reentrant "
+                "replay runs its own backward, DDP marks the replayed parameters ready a second time and the first "
+                "backward fails with 'Expected to mark a variable ready only once'",
+                tip=REENTRANT_FIND_UNUSED_TIP,
+            )
+
+    @property
+    def backend(self) -> str:
+        """gloo on CPU, nccl on CUDA."""
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["engine"] = self.engine.value
+        d["plan"] = None if self.plan is None else self.plan.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> "DistributedConfig":
+        if not isinstance(d, dict):
+            raise DistributedError("distributed config JSON must be an object")
+        d = dict(d)
+        version = d.pop("schema_version", None)
+        if version != CONFIG_SCHEMA_VERSION:
+            raise DistributedError(f"distributed config schema_version {version} is not supported "
+                                   f"(this remat reads {CONFIG_SCHEMA_VERSION})")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise DistributedError(f"unknown keys in the distributed config: {', '.join(unknown)}")
+        if d.get("plan") is not None:
+            d["plan"] = Plan.from_json(d["plan"])
+        try:
+            return cls(**d)
+        except TypeError as exc:
+            raise DistributedError(f"malformed distributed config: {exc}") from exc
+
+    def save(self, path: Path | str) -> Path:
+        from .._io import atomic_write_json
+        return atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: Path | str) -> "DistributedConfig":
+        path = Path(path)
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DistributedError(f"cannot read the distributed config {path}: {exc}") from exc

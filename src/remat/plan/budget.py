@@ -1,0 +1,118 @@
+"""Budget and reserve parsing (``--budget 1.5GiB`` / ``60%``, ``--reserve 5%``), and the impossible-budget error."""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+
+from ..errors import BudgetError
+
+MIB = 2 ** 20
+
+# Decimal (SI) and binary (IEC) units, matched case-insensitively. Bare "K/M/G" are refused:
+# they are ambiguous between the two.
+_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+    "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+}
+_QUANTITY = re.compile(r"^\s*(?P<num>[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<unit>%|[A-Za-z]+)?\s*$")
+_BUDGET_FORMS = "bytes (123456), a size with a unit (800MiB, 1.5GiB, 2GB) or a percentage of the no-checkpoint peak (60%)"
+
+
+def format_bytes(n: int) -> str:
+    """``'1234567 bytes (1.18 MiB)'``: every budget message gives both."""
+    return f"{n} bytes ({n / MIB:.2f} MiB)"
+
+
+def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:
+    """Whole-step peak budget in bytes (rounded down to a whole byte).
+
+    ``text``: ``123456`` (bytes), ``800MiB``/``1.5GiB``/``2GB``/``512kB`` (units: B, kB, MB, GB, TB,
+    KiB, MiB, GiB, TiB, any case), or ``60%`` of ``baseline_peak_bytes`` (the measured peak of the
+    unmodified step). Malformed, zero or negative -> BudgetError.
+    """
+    if isinstance(text, bool):
+        raise BudgetError(f"budget must be {_BUDGET_FORMS}; got {text!r}")
+    if isinstance(text, int):
+        value, unit = Decimal(text), None
+    else:
+        m = _QUANTITY.match(str(text))
+        if m is None:
+            raise BudgetError(f"malformed budget {text!r}: expected {_BUDGET_FORMS}")
+        try:
+            value = Decimal(m["num"])
+        except InvalidOperation as exc:   # pragma: no cover - the regex admits only decimals
+            raise BudgetError(f"malformed budget {text!r}: {exc}") from exc
+        unit = m["unit"]
+    if value <= 0:
+        raise BudgetError(f"budget must be positive, got {text!r}")
+    if unit == "%":
+        if baseline_peak_bytes <= 0:
+            raise BudgetError(f"a percentage budget ({text!r}) needs the no-checkpoint peak, "
+                              f"which is {baseline_peak_bytes} bytes")
+        nbytes = int(Decimal(baseline_peak_bytes) * value / 100)
+    elif unit is None:
+        nbytes = int(value)
+    else:
+        scale = _UNITS.get(unit.lower())
+        if scale is None:
+            raise BudgetError(f"unknown unit {unit!r} in budget {text!r}; use one of "
+                              "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
+        nbytes = int(value * scale)
+    if nbytes < 1:
+        raise BudgetError(f"budget {text!r} is less than one byte")
+    return nbytes
+
+
+def parse_reserve(text: str | float) -> float:
+    """Fraction of the budget kept free, from ``5%`` or ``0.05``; must lie in [0, 1)."""
+    if isinstance(text, bool):
+        raise BudgetError(f"reserve must be a fraction like 0.05 or a percentage like 5%; got {text!r}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = _QUANTITY.match(str(text))
+        if m is None or m["unit"] not in (None, "%"):
+            raise BudgetError(f"malformed reserve {text!r}: write a fraction like 0.05 or a percentage like 5%")
+        value = float(m["num"]) / (100.0 if m["unit"] == "%" else 1.0)
+    if not math.isfinite(value) or not 0.0 <= value < 1.0:
+        hint = f" (did you mean {text}%?)" if isinstance(text, str) and "%" not in text and 1 <= value < 100 else ""
+        raise BudgetError(f"reserve must lie in [0, 1) (0% to under 100%), got {text!r}{hint}")
+    return value
+
+
+def effective_budget(budget_bytes: int, reserve: float, margin_bytes: int = 0) -> int:
+    """What the predicted peak must stay under: ``int(budget * (1 - reserve)) - margin`` (bytes).
+
+    Same rounding as ``Plan.effective_budget_bytes``; ``margin_bytes`` is the closed-loop
+    correction (NOTE [closed-loop margin] in remat.plan.planners).
+    """
+    return int(budget_bytes * (1.0 - reserve)) - int(margin_bytes)
+
+
+def min_budget_for(floor_bytes: int, reserve: float, margin_bytes: int = 0) -> int:
+    """Smallest budget (bytes) whose effective budget reaches ``floor_bytes``."""
+    b = max(1, math.ceil((floor_bytes + margin_bytes) / (1.0 - reserve)))
+    while effective_budget(b, reserve, margin_bytes) < floor_bytes:   # float rounding at the edge
+        b += 1
+    return b
+
+
+class InfeasibleBudget(BudgetError):
+    """No valid plan's predicted peak reaches the effective budget; carries the floor."""
+
+    def __init__(self, *, floor_bytes: int, budget_bytes: int, reserve: float, margin_bytes: int = 0) -> None:
+        self.floor_bytes = floor_bytes
+        self.budget_bytes = budget_bytes
+        self.reserve = reserve
+        self.margin_bytes = margin_bytes
+        self.effective_budget_bytes = effective_budget(budget_bytes, reserve, margin_bytes)
+        margin = f" - margin {margin_bytes} bytes" if margin_bytes else ""
+        super().__init__(
+            f"no plan reaches the effective budget of {format_bytes(self.effective_budget_bytes)} "
+            f"(budget {format_bytes(budget_bytes)} x (1 - reserve {reserve:g}){margin}); "
+            f"the floor, the lowest predicted peak any valid plan reaches, is {format_bytes(floor_bytes)}",
+            tip=f"ask for a budget of at least {format_bytes(min_budget_for(floor_bytes, reserve, margin_bytes))}, "
+                "lower the reserve, or make more candidates plannable (--candidates, --allow-hazards)")

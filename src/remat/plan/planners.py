@@ -1,0 +1,417 @@
+"""Planners: from a ProfileReport (and a budget) to a ``Plan``. Pure: no torch ops.
+
+Every planner is a small class with one override point, ``choose(ctx) -> {name: mode}``;
+``make_plan`` does everything around it (hazard policy, budget arithmetic, the Plan's
+figures), so the planners differ only in which candidates they pick.
+
+Specs: ``none``, ``all``, ``uniform:K``, ``sqrt``, ``selective`` (baselines: no budget
+needed, they never fail on one, they report their predicted peak), ``greedy`` and
+``optimal`` (need a budget; BudgetError when no plan reaches it).
+
+NOTE [hazard policy]
+Per candidate, from its own hazards and those of every candidate nested in it (a
+checkpointed parent replays its children too):
+- in ``report.excluded``: always excluded, with the profiler's reason;
+- RNG: not a hazard while RNG state is preserved (the replay draws the same numbers);
+  with ``preserve_rng_state=False`` it is a blocking hazard;
+- BUFFER_MUTATION with ``guardable=True``: planned normally, ``Boundary.guarded=True``
+  (remat.apply restores the buffers around the replay; verify proves they match);
+- any other hazard, or a non-guardable buffer mutation: excluded with the reason, unless
+  ``allow_hazards=True``, which plans it *unguarded* (``guarded=False``) so that
+  verification can be shown catching it;
+- no measured checkpoint mode: excluded (nothing to plan).
+Baseline planners obey the same exclusions.
+
+NOTE [top-level blocks]
+The baselines pick among *top-level* candidates: those without an enclosing candidate
+(``parent is None``, or a parent that is not itself a candidate), in forward order. The
+schedule of ``uniform:K`` and ``sqrt`` is laid over *all* top-level blocks, excluded ones
+included, and excluded blocks are then dropped: an exclusion never shifts which other
+blocks a baseline picks.
+
+NOTE [sqrt for per-module wrappers]
+Chen et al. (2016) cut a chain of n layers into sqrt(n) segments and keep only the
+segment boundaries, recomputing each segment as one unit: O(sqrt(n)) memory for one
+extra forward. remat wraps each module at its own call (so non-chain models work) and
+cannot fuse several modules into one checkpoint; a checkpointed module keeps its own
+input, so checkpointing every block already keeps one boundary per block, as Chen does
+with segments of length 1 (``all``). The sqrt(n) idea that survives per-module wrapping
+is the trade between the two ends: leave k = round(sqrt(n)) blocks un-checkpointed,
+evenly spaced, and checkpoint the other n - k. The kept blocks close each of k equal
+segments: block ceil((i + 1) n / k) - 1 for i = 0..k-1, so the *last* block is always
+kept. That choice is deliberate: the last block's backward runs first, right at the
+usual peak (end of forward), so checkpointing it frees nothing there and only re-adds
+its replay. n = 9 keeps blocks 2, 5, 8 and checkpoints 0, 1, 3, 4, 6, 7. n = 1 keeps
+its one block (no checkpoint).
+
+NOTE [uniform:K]
+``uniform:K`` checkpoints top-level blocks 0, K, 2K, ... in forward order (the first
+block and every K-th after it). ``uniform:1`` is ``all``.
+
+NOTE [greedy]
+Options (candidate, mode) are ranked by saved bytes per replay ms (free replays first,
+options that save nothing dropped). Passes run over that ranking, taking an option when
+it is valid (no nested candidate already taken; a candidate may be upgraded to a mode
+that saves more) and it lowers the total excess of the rows over the budget (the sum of
+max(0, row - budget): unlike "lowers the peak", this makes progress when several rows
+tie at the peak); passes repeat until the peak fits or a pass takes nothing. A final
+pass drops taken options, most expensive first, that are not needed to fit. Greedy can
+miss a plan that exists: it then raises BudgetError pointing at ``optimal``.
+
+NOTE [closed-loop margin]
+The closed loop (apply, measure, re-plan) corrects the model with one knob,
+``margin_bytes``: the internal target becomes ``int(budget * (1 - reserve)) - margin``.
+``replan_with_correction`` sets margin = max(previous margin, measured - predicted) of the
+plan that missed and plans again. If that plan was made with margin m and missed the
+effective budget E, then measured > E >= predicted + m, so the new margin is strictly
+larger than m: the target only tightens, and the loop the caller bounds cannot cycle.
+The Plan records ``budget_bytes`` and ``reserve`` as asked; the margin is the caller's to
+report (it is not a Plan field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..errors import BudgetError, PlanError
+from ..profile.model import CandidateCost, HazardRecord, ProfileReport
+from ..types import CheckpointMode, HazardKind
+from .budget import InfeasibleBudget, effective_budget, format_bytes
+from .cost import CostModel, ancestor_chains, checkpoint_modes
+from .model import Boundary, Exclusion, Plan
+
+PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "none")
+BUDGET_PLANNERS = ("optimal", "greedy")
+
+
+# -- eligibility (NOTE [hazard policy]) --------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eligibility:
+    """Which candidates a planner may checkpoint, which of them are guarded, and why others are not."""
+
+    allowed: dict[str, list[CheckpointMode]]   # name -> plannable modes (non-KEEP)
+    guarded: frozenset[str]                     # planned with buffers restored around the replay
+    excluded: list[Exclusion]                   # forward order; report.excluded first per candidate
+
+
+def _hazard_text(h: HazardRecord, where: str | None) -> str:
+    return f"{h.kind.value}: {h.detail}" + ("" if where is None else f" (in nested candidate {where})")
+
+
+def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
+                        preserve_rng_state: bool = True) -> Eligibility:
+    """Apply NOTE [hazard policy] to every candidate of ``report``."""
+    cands = sorted(report.candidates, key=lambda c: (c.order, c.name))
+    chains = ancestor_chains(cands)
+    nested: dict[str, list[CandidateCost]] = {c.name: [] for c in cands}
+    for c in cands:
+        for a in chains[c.name]:
+            nested[a].append(c)
+
+    allowed: dict[str, list[CheckpointMode]] = {}
+    guarded: set[str] = set()
+    excluded: list[Exclusion] = []
+    for c in cands:
+        if c.name in report.excluded:
+            excluded.append(Exclusion(module=c.name, reason=report.excluded[c.name]))
+            continue
+        modes = checkpoint_modes(c)
+        if not modes:
+            excluded.append(Exclusion(module=c.name, reason="no checkpoint mode was measured for it"))
+            continue
+        hazards = [(h, None) for h in c.hazards] + [(h, d.name) for d in nested[c.name] for h in d.hazards]
+        blocking, guardable = [], []
+        for h, where in hazards:
+            if h.kind is HazardKind.RNG and preserve_rng_state:
+                continue   # same random numbers on replay
+            if h.kind is HazardKind.BUFFER_MUTATION and h.guardable:
+                guardable.append((h, where))
+            elif h.kind is HazardKind.RNG:
+                blocking.append((HazardRecord(kind=h.kind, detail=f"{h.detail}; RNG state is not preserved"), where))
+            else:
+                blocking.append((h, where))
+        if blocking and not allow_hazards:
+            reasons = "; ".join(_hazard_text(h, w) for h, w in blocking)
+            excluded.append(Exclusion(module=c.name, reason=f"replay hazard: {reasons} "
+                                                             "(allow_hazards / --allow-hazards plans it unguarded)"))
+            continue
+        allowed[c.name] = modes
+        if guardable and not blocking:
+            guarded.add(c.name)
+    known = {c.name for c in cands}
+    excluded += [Exclusion(module=n, reason=r) for n, r in sorted(report.excluded.items()) if n not in known]
+    return Eligibility(allowed=allowed, guarded=frozenset(guarded), excluded=excluded)
+
+
+# -- planners ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanningContext:
+    report: ProfileReport
+    model: CostModel                  # compiled over the eligible candidates only
+    eligibility: Eligibility
+    budget_bytes: int | None          # effective target for the predicted peak (bytes), or None
+    top_level: list[CandidateCost]    # NOTE [top-level blocks], forward order, excluded ones included
+    requested_budget_bytes: int | None = None   # as asked, before reserve and margin (bytes)
+    reserve: float = 0.0
+    margin_bytes: int = 0
+
+    def eligible(self, name: str, mode: CheckpointMode) -> bool:
+        return mode in self.eligibility.allowed.get(name, ())
+
+
+class Planner:
+    """One override point: ``choose``. ``spec`` is what the Plan records."""
+
+    spec: str = ""
+    needs_budget: bool = False
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        raise NotImplementedError
+
+
+class NonePlanner(Planner):
+    spec = "none"
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        return {}
+
+
+class _TopLevelPlanner(Planner):
+    """Baselines: a mode for some top-level blocks, chosen by position."""
+
+    mode = CheckpointMode.FULL
+
+    def positions(self, n: int) -> list[int]:
+        return list(range(n))
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        blocks = [ctx.top_level[i] for i in self.positions(len(ctx.top_level))]
+        return {b.name: self.mode for b in blocks if ctx.eligible(b.name, self.mode)}
+
+
+class AllPlanner(_TopLevelPlanner):
+    spec = "all"
+
+
+class SelectivePlanner(_TopLevelPlanner):
+    spec = "selective"
+    mode = CheckpointMode.SELECTIVE
+
+
+class UniformPlanner(_TopLevelPlanner):
+    """NOTE [uniform:K]."""
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise PlanError(f"uniform:K needs K >= 1, got {k}")
+        self.k = k
+        self.spec = f"uniform:{k}"
+
+    def positions(self, n: int) -> list[int]:
+        return list(range(0, n, self.k))
+
+
+class SqrtPlanner(_TopLevelPlanner):
+    """NOTE [sqrt for per-module wrappers]."""
+
+    spec = "sqrt"
+
+    def positions(self, n: int) -> list[int]:
+        if n == 0:
+            return []
+        k = max(1, math.floor(math.sqrt(n) + 0.5))
+        kept = {-(-(i + 1) * n // k) - 1 for i in range(k)}
+        return [i for i in range(n) if i not in kept]
+
+
+class GreedyPlanner(Planner):
+    """NOTE [greedy]."""
+
+    spec = "greedy"
+    needs_budget = True
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        model, budget = ctx.model, ctx.budget_bytes
+        assert budget is not None
+        x = self.search(model, budget)
+        if x is None:
+            floor = model.peak(model.lowest_peak_x())
+            if floor > budget:
+                raise _infeasible(ctx, floor)
+            raise BudgetError(f"greedy found no plan under the effective budget of {format_bytes(budget)}, "
+                              f"though one exists (the floor is {format_bytes(floor)})",
+                              tip="use --planner optimal, which is exact")
+        return model.choice(x)
+
+    @staticmethod
+    def search(model: CostModel, budget: int) -> np.ndarray | None:
+        opts = model.options
+        x = np.zeros(len(opts), dtype=np.int64)
+        rows = model.base.copy()                      # (R,) bytes under the current x
+        taken: dict[int, int] = {}                    # candidate index -> option index
+
+        def excess(v: np.ndarray) -> int:
+            return int(np.clip(v - budget, 0, None).sum())
+
+        def ratio(k: int) -> float:
+            o = opts[k]
+            return math.inf if o.replay_ms <= 0 else o.saved_bytes / o.replay_ms
+
+        ranking = sorted((k for k, o in enumerate(opts) if o.saved_bytes > 0),
+                         key=lambda k: (-ratio(k), opts[k].index, k))
+        progressed = True
+        while progressed and excess(rows) > 0:
+            progressed = False
+            for k in ranking:
+                if excess(rows) == 0:
+                    break
+                j = opts[k].index
+                prev = taken.get(j)
+                if prev == k or any(i in taken for i in model.related[j]):
+                    continue
+                if prev is not None and opts[k].saved_bytes <= opts[prev].saved_bytes:
+                    continue
+                trial = rows + model.delta[:, k] - (model.delta[:, prev] if prev is not None else 0)
+                if excess(trial) < excess(rows):
+                    rows, taken[j] = trial, k
+                    x[k] = 1
+                    if prev is not None:
+                        x[prev] = 0
+                    progressed = True
+        if excess(rows) > 0:
+            return None
+        for k in sorted(taken.values(), key=lambda k: (-opts[k].replay_ms, k)):   # drop what is not needed
+            trial = rows - model.delta[:, k]
+            if int(trial.max()) <= budget:
+                rows, x[k] = trial, 0
+        return x
+
+
+class OptimalPlanner(Planner):
+    """Least predicted overhead with predicted peak <= effective budget, exact (HiGHS MILP, cost.py)."""
+
+    spec = "optimal"
+    needs_budget = True
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        assert ctx.budget_bytes is not None
+        x = ctx.model.cheapest_within(ctx.budget_bytes)
+        if x is None:
+            best = ctx.model.lowest_peak_x()
+            assert best is not None
+            raise _infeasible(ctx, ctx.model.peak(best))
+        return ctx.model.choice(x)
+
+
+def _infeasible(ctx: PlanningContext, floor: int) -> InfeasibleBudget:
+    assert ctx.requested_budget_bytes is not None
+    return InfeasibleBudget(floor_bytes=floor, budget_bytes=ctx.requested_budget_bytes, reserve=ctx.reserve,
+                            margin_bytes=ctx.margin_bytes)
+
+
+def planner_from_spec(spec: str) -> Planner:
+    """``optimal | greedy | sqrt | uniform:K | all | selective | none`` -> Planner; else PlanError."""
+    text = str(spec).strip().lower()
+    simple = {"none": NonePlanner, "all": AllPlanner, "sqrt": SqrtPlanner, "selective": SelectivePlanner,
+              "greedy": GreedyPlanner, "optimal": OptimalPlanner}
+    if text in simple:
+        return simple[text]()
+    if text.startswith("uniform:"):
+        arg = text.split(":", 1)[1]
+        try:
+            k = int(arg)
+        except ValueError:
+            raise PlanError(f"uniform:K needs an integer K >= 1, got {arg!r}") from None
+        return UniformPlanner(k)
+    raise PlanError(f"unknown planner {spec!r}; valid: {', '.join(PLANNER_SPECS)}")
+
+
+# -- entry points --------------------------------------------------------------------------
+
+def _top_level(report: ProfileReport) -> list[CandidateCost]:
+    names = {c.name for c in report.candidates}
+    return sorted((c for c in report.candidates if c.parent is None or c.parent not in names),
+                  key=lambda c: (c.order, c.name))
+
+
+def make_plan(report: ProfileReport, planner: str = "optimal", *, budget_bytes: int | None = None,
+              reserve: float = 0.05, allow_hazards: bool = False, preserve_rng_state: bool = True,
+              margin_bytes: int = 0) -> Plan:
+    """Plan checkpoint boundaries for ``report`` with the planner named by ``planner``.
+
+    ``budget_bytes``: whole-step peak budget (bytes; required by optimal/greedy). The
+    predicted peak must stay under ``int(budget * (1 - reserve)) - margin_bytes``
+    (NOTE [closed-loop margin]). Raises PlanError (unknown planner), BudgetError (missing or
+    bad budget; ``InfeasibleBudget``, naming the floor, when no plan reaches it),
+    CandidateError (malformed candidates).
+    """
+    p = planner_from_spec(planner)
+    if isinstance(reserve, bool) or not (isinstance(reserve, (int, float)) and 0.0 <= reserve < 1.0):
+        raise BudgetError(f"reserve must lie in [0, 1), got {reserve!r}")
+    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer))
+                                     or budget_bytes <= 0):
+        raise BudgetError(f"budget must be a positive whole number of bytes, got {budget_bytes!r}")
+    if p.needs_budget and budget_bytes is None:
+        raise BudgetError(f"planner {p.spec!r} needs a budget", tip="pass --budget, e.g. --budget 60% or 1.5GiB")
+    target = None if budget_bytes is None else effective_budget(int(budget_bytes), float(reserve), margin_bytes)
+
+    elig = classify_candidates(report, allow_hazards=allow_hazards, preserve_rng_state=preserve_rng_state)
+    model = CostModel(report, elig.allowed)
+    ctx = PlanningContext(report=report, model=model, eligibility=elig, budget_bytes=target,
+                          top_level=_top_level(report),
+                          requested_budget_bytes=None if budget_bytes is None else int(budget_bytes),
+                          reserve=float(reserve), margin_bytes=int(margin_bytes))
+    choice = p.choose(ctx)
+    x = model.vector(choice)
+
+    by_name = {c.name: c for c in report.candidates}
+    boundaries = []
+    for k in np.flatnonzero(x):
+        o = model.options[k]
+        boundaries.append((by_name[o.candidate].order, Boundary(
+            module=o.candidate, mode=o.mode, saved_bytes=o.saved_bytes, replay_ms=o.replay_ms,
+            guarded=o.candidate in elig.guarded)))
+    return Plan(
+        planner=p.spec,
+        budget_bytes=None if budget_bytes is None else int(budget_bytes),
+        reserve=float(reserve),
+        boundaries=[b for _, b in sorted(boundaries, key=lambda t: (t[0], t[1].module))],
+        excluded=list(elig.excluded),
+        predicted_peak_bytes=model.peak(x),
+        predicted_overhead_ms=model.overhead_ms(x),
+        baseline_peak_bytes=report.baseline_peak_bytes,
+        baseline_step_ms=report.baseline_step_ms,
+        fingerprint=report.fingerprint,
+        preserve_rng_state=preserve_rng_state,
+        memory_source=report.memory_source.value,
+        simulated=report.simulated,
+        device_model=report.device_model,
+    )
+
+
+def correction_margin(plan: Plan, measured_peak_bytes: int, margin_bytes: int = 0) -> int:
+    """New margin after measuring ``plan``: max(previous margin, measured - predicted), bytes."""
+    return max(int(margin_bytes), int(measured_peak_bytes) - int(plan.predicted_peak_bytes))
+
+
+def replan_with_correction(report: ProfileReport, previous: Plan, measured_peak_bytes: int, *,
+                           margin_bytes: int = 0, allow_hazards: bool = False) -> tuple[Plan, int]:
+    """Re-plan after ``previous`` was applied and measured (NOTE [closed-loop margin]).
+
+    Same planner, budget, reserve and RNG policy as ``previous``; ``margin_bytes`` is the
+    margin ``previous`` was planned with. Returns ``(new plan, new margin)``; raises
+    InfeasibleBudget when the tightened target is below the floor.
+    """
+    if previous.budget_bytes is None:
+        raise PlanError(f"plan by {previous.planner!r} has no budget to correct against")
+    margin = correction_margin(previous, measured_peak_bytes, margin_bytes)
+    plan = make_plan(report, previous.planner, budget_bytes=previous.budget_bytes, reserve=previous.reserve,
+                     allow_hazards=allow_hazards, preserve_rng_state=previous.preserve_rng_state,
+                     margin_bytes=margin)
+    return plan, margin

@@ -1,0 +1,256 @@
+"""``profile_workload``: per-candidate costs and peak rows from the real (unmodified) step.
+
+NOTE [what one profiled step gives]
+One warm baseline step runs under a StepRecorder (live bytes, module forward windows,
+saved-tensor pack/unpack events) with a per-op observer (op time, device moves, in-place
+writes into a candidate's inputs) and a hazard probe around each candidate's forward.
+From it, per candidate j:
+  saved_bytes[FULL]  storages packed for backward inside j's forward window, allocated in
+                     that window, not parameters, and packed by nobody outside j (those
+                     outlive j whatever we do), minus j's inputs that nobody saved (a
+                     checkpoint keeps them alive until j's backward).
+  saved_bytes[SELECTIVE]  the same less what SAC keeps: outputs of SAC_SAVE_OPS made in j
+                     (whether autograd saved them or not: SAC caches them all).
+  replay_ms[FULL]    j's warm median forward time (separate, lightly instrumented steps).
+  replay_ms[SELECTIVE]  that time less the share spent in SAC_SAVE_OPS, plus SAC's Python
+                     dispatch cost per op, once in forward and once in the replay
+                     (measured on this machine, see ``_dispatch_overhead_ns``).
+  replay_extra_bytes  how far j's forward rises above its entry level beyond what it saves:
+                     the transients a replay re-creates during backward.
+The rows follow NOTE [peak cost model] in profile/model.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..memory.measure import measure_step_peak
+from ..memory.tracker import StorageRecord
+from ..trace.recorder import ModuleWindow, StepRecorder
+from ..types import SAC_SAVE_OPS, CheckpointMode, HazardKind, MemorySource, ProgressFn, no_progress
+from ..workload.contract import TrainingStep
+from ..workload.loader import LoadedWorkload
+from .candidates import parent_of, resolve_candidates
+from .fingerprint import fingerprint
+from .hazards import HazardProbe
+from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
+
+
+def _packet(func: Any) -> str:
+    return func._overloadpacket.__name__
+
+
+class _Noop(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatch_overhead_ns(n: int = 400) -> float:
+    """Python dispatch cost per op (ns) on this machine: what SAC's mode adds to every op."""
+    x = torch.ones(4)
+    def run() -> int:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            torch.add(x, 1)
+        return time.perf_counter_ns() - t0
+    plain, moded = [], []
+    for _ in range(3):
+        plain.append(run())
+        with _Noop():
+            moded.append(run())
+    return max(0.0, (min(moded) - min(plain)) / n)
+
+
+class _OpLog:
+    """Per-op observer for the profiled step: times, SAC-op share, device moves, in-place inputs."""
+
+    def __init__(self, rec: StepRecorder) -> None:
+        self.rec = rec
+        self.ops: list[tuple[int, bool, int]] = []        # (event index, is SAC save op, ns)
+        self.sac_records: list[StorageRecord] = []        # storages produced by SAC_SAVE_OPS
+        self.device_moves: list[tuple[int, str]] = []     # (event, "cpu -> cuda:0")
+        self.inplace: list[tuple[int, int]] = []          # (event, storage key written in place)
+
+    def __call__(self, func: Any, args: tuple, out: Any, ns: int) -> None:
+        ev = self.rec.tracker.events
+        name = _packet(func)
+        is_save = name in SAC_SAVE_OPS
+        self.ops.append((ev, is_save, ns))
+        if is_save and isinstance(out, torch.Tensor):
+            rec = self.rec.tracker.records.get(out.untyped_storage()._cdata)
+            if rec is not None:
+                self.sac_records.append(rec)
+        if name in ("_to_copy", "copy_") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+            src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
+            if src.device != out.device:
+                self.device_moves.append((ev, f"{src.device} -> {out.device}"))
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+            self.inplace.append((ev, args[0].untyped_storage()._cdata))
+
+
+def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int) -> tuple[dict[str, float], list[float]]:
+    """Warm median forward ms per candidate (hooks only, no dispatch mode) and step times."""
+    starts: dict[int, int] = {}
+    samples: dict[str, list[float]] = defaultdict(list)
+
+    def pre(m: nn.Module, a: Any) -> None:
+        if names.get(id(m)) in wanted:
+            starts[id(m)] = time.perf_counter_ns()
+
+    def post(m: nn.Module, a: Any, o: Any) -> None:
+        n = names.get(id(m))
+        if n in wanted and id(m) in starts:
+            samples[n].append((time.perf_counter_ns() - starts.pop(id(m))) / 1e6)
+
+    step_ms: list[float] = []
+    h1, h2 = register_module_forward_pre_hook(pre), register_module_forward_hook(post)
+    try:
+        for i in range(steps):
+            t0 = time.perf_counter()
+            step.run(start + i)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        h1.remove()
+        h2.remove()
+    return {n: statistics.median(v) for n, v in samples.items()}, step_ms
+
+
+def _bwd_window(name: str, windows: dict[str, ModuleWindow]) -> tuple[int | None, int | None]:
+    first = last = None
+    for n, w in windows.items():
+        if (n == name or n.startswith(name + ".")) and w.bwd_first_unpack is not None:
+            first = w.bwd_first_unpack if first is None else min(first, w.bwd_first_unpack)
+            last = w.bwd_last_unpack if last is None else max(last, w.bwd_last_unpack)
+    return first, last
+
+
+def _rows(rec: StepRecorder, spans: dict[str, tuple[int, int, int | None, int | None]], start_event: int) -> list[PeakRow]:
+    """Group the baseline's instants by (live, replaying) signature; keep each group's max."""
+    best: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
+    live_after = rec.tracker.live_after
+    items = sorted(spans.items(), key=lambda kv: kv[1][0])
+    for ev in range(start_event, rec.tracker.events):
+        live = tuple(n for n, (fs, fe, bs, be) in items if bs is not None and fe <= ev < bs)
+        repl = tuple(n for n, (fs, fe, bs, be) in items if bs is not None and be is not None and bs <= ev <= be)
+        key = (live, repl)
+        b = live_after[ev]
+        if b > best.get(key, -1):
+            best[key] = b
+    rows = [PeakRow(base_bytes=b, live=k[0], replaying=k[1],
+                    label=("backward of " + ", ".join(k[1])) if k[1] else f"{len(k[0])} candidates held")
+            for k, b in best.items()]
+    # a row dominated by another with the same coefficients' support is redundant for the max
+    return sorted(rows, key=lambda r: -r.base_bytes)
+
+
+def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int = 2, repeats: int = 5,
+                 progress: ProgressFn = no_progress) -> ProfileReport:
+    model = step.workload.model
+    names = {id(m): n for n, m in model.named_modules()}
+    modules = dict(model.named_modules())
+    cand_set = set(candidate_names)
+    for i in range(warmup):
+        progress("profile: warm-up", i + 1, warmup)
+        step.run(i)
+    base = measure_step_peak(step, warmup)
+    fwd_ms, step_ms = _time_forwards(step, names, cand_set, repeats, warmup + 1)
+    progress("profile: timing", 1, 1)
+
+    probes = {n: HazardProbe(modules[n]) for n in candidate_names}
+    pre_h = register_module_forward_pre_hook(lambda m, a: probes[names[id(m)]].before() if names.get(id(m)) in probes else None)
+    post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after() if names.get(id(m)) in probes else None)
+    try:
+        with StepRecorder(step, names=names) as rec:
+            oplog = _OpLog(rec)
+            rec.tracker.op_observer = oplog
+            start_event = rec.tracker.events
+            rec.run(warmup + 1 + repeats)
+            rec.tracker.op_observer = None
+    finally:
+        pre_h.remove()
+        post_h.remove()
+    progress("profile: saved tensors", 1, 1)
+    overhead_ns = _dispatch_overhead_ns()
+
+    windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
+    for w in rec.windows:
+        windows_by_name[w.name].append(w)
+    last_window = {n: ws[-1] for n, ws in windows_by_name.items()}
+    packed_by: dict[int, list[tuple[int, str]]] = defaultdict(list)  # record id -> [(event, module)]
+    for s in rec.saved:
+        packed_by[id(s.record)].append((s.event, s.module))
+    saved_records = {id(s.record): s.record for s in rec.saved if not s.is_param}
+
+    excluded: dict[str, str] = {}
+    costs: list[CandidateCost] = []
+    spans: dict[str, tuple[int, int, int | None, int | None]] = {}
+    for name in candidate_names:
+        calls = len(windows_by_name.get(name, ()))
+        if calls != 1:
+            excluded[name] = ("not called during the step" if calls == 0 else
+                              f"called {calls} times per step (shared module): a wrapper would checkpoint every call")
+            continue
+        w = last_window[name]
+        fs, fe = w.fwd_start, w.fwd_end
+        inside = {rid: r for rid, r in saved_records.items()
+                  if fs <= r.alloc_event < fe and all(fs <= ev < fe for ev, _ in packed_by[rid])}
+        full_saved = sum(r.nbytes for r in inside.values())
+        packed_keys_anywhere = {s.key for s in rec.saved}
+        unsaved_inputs = sum(rec.tracker.records[k].nbytes for k in set(w.input_keys)
+                             if k in rec.tracker.records and k not in packed_keys_anywhere)
+        full_saved -= unsaved_inputs
+        sac_kept = sum({id(r): r.nbytes for r in oplog.sac_records if fs <= r.alloc_event < fe}.values())
+        ops_in = [(is_save, ns) for ev, is_save, ns in oplog.ops if fs <= ev <= fe]
+        total_ns = sum(ns for _, ns in ops_in) or 1
+        save_share = sum(ns for s, ns in ops_in if s) / total_ns
+        rise = max(0, w.fwd_peak - (rec.tracker.live_after[fs - 1] if fs > 0 else 0))
+        extra = max(0, rise - max(full_saved, 0))
+        t_fwd = fwd_ms.get(name, (w.fwd_end_ns - w.fwd_start_ns) / 1e6)
+        hazards: list[HazardRecord] = list(probes[name].found)
+        moves = [d for ev, d in oplog.device_moves if fs <= ev < fe]
+        if moves:
+            hazards.append(HazardRecord(kind=HazardKind.DEVICE_MOVE, detail=f"tensor moved inside the region: {moves[0]}"))
+        inputs = set(w.input_keys)
+        if any(fs <= ev < fe and key in inputs for ev, key in oplog.inplace):
+            hazards.append(HazardRecord(kind=HazardKind.INPLACE_INPUT, detail="writes in place into one of its inputs"))
+        saved = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved}
+        replay = {CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd}
+        extras = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra}
+        n_ops = len(ops_in)
+        if sac_kept > 0 and n_ops:
+            saved[CheckpointMode.SELECTIVE] = full_saved - sac_kept
+            replay[CheckpointMode.SELECTIVE] = t_fwd * (1.0 - save_share) + 2 * n_ops * overhead_ns / 1e6
+            extras[CheckpointMode.SELECTIVE] = extra
+        bs, be = _bwd_window(name, {n: ws[-1] for n, ws in windows_by_name.items()})
+        spans[name] = (fs, fe, bs, be)
+        costs.append(CandidateCost(name=name, class_name=type(modules[name]).__name__, order=fs,
+                                   parent=parent_of(name, cand_set), fwd_ms=t_fwd,
+                                   input_bytes=unsaved_inputs, saved_bytes=saved, replay_ms=replay,
+                                   replay_extra_bytes=extras, hazards=hazards))
+    costs.sort(key=lambda c: c.order)
+    for i, c in enumerate(costs):
+        c.order = i
+    kept = {c.name for c in costs}
+    for c in costs:  # a parent that was excluded no longer constrains its children
+        if c.parent is not None and c.parent not in kept:
+            c.parent = parent_of(c.parent, kept)
+    rows = _rows(rec, {n: s for n, s in spans.items() if n in kept}, start_event)
+    return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
+                         baseline_step_ms=statistics.median(step_ms), memory_source=base.source,
+                         fingerprint=fingerprint(model))
+
+
+def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = None, warmup: int = 2,
+                     repeats: int = 5, progress: ProgressFn = no_progress) -> ProfileReport:
+    """Profile every candidate of ``loaded`` (auto-discovered unless named) on its real step."""
+    step = TrainingStep(loaded.workload)
+    names = resolve_candidates(loaded.workload.model, candidates)
+    return profile_step(step, names, warmup=warmup, repeats=repeats, progress=progress)

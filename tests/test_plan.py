@@ -1,0 +1,377 @@
+"""remat.plan: cost model, planners, budget parsing, hazards, Plan JSON. Pure (made-up profiles).
+
+Ground truths are independent of the code under test: hand-computed peaks, and an
+exhaustive search that re-implements NOTE [peak cost model] in plain Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remat.errors import BudgetError, CandidateError, PlanError
+from remat.plan import (InfeasibleBudget, Plan, make_plan, parse_budget, parse_reserve, peak_floor,
+                        predict_overhead_ms, predict_peak, replan_with_correction)
+from remat.profile.model import CandidateCost, HazardRecord, ModelFingerprint, PeakRow, ProfileReport
+from remat.types import CheckpointMode, HazardKind, MemorySource
+
+K, F, S = CheckpointMode.KEEP, CheckpointMode.FULL, CheckpointMode.SELECTIVE
+FP = ModelFingerprint(modules=(("", "M"),), params=(), class_source_hashes=(), digest="d" * 64)
+
+
+def cand(name, order, *, parent=None, saved=None, extra=None, ms=None, hazards=()) -> CandidateCost:
+    saved, extra, ms = saved or {}, extra or {}, ms or {}
+    return CandidateCost(name=name, class_name="Block", order=order, parent=parent, fwd_ms=1.0, input_bytes=0,
+                         saved_bytes={K: 0, **saved}, replay_ms={K: 0.0, **ms},
+                         replay_extra_bytes={K: 0, **{m: extra.get(m, 0) for m in saved}}, hazards=list(hazards))
+
+
+def report(cands, rows, *, excluded=None, baseline=None) -> ProfileReport:
+    return ProfileReport(candidates=cands, rows=rows, excluded=excluded or {},
+                         baseline_peak_bytes=baseline or max((r.base_bytes for r in rows), default=1000),
+                         baseline_step_ms=10.0, memory_source=MemorySource.CPU_LIVE_TENSORS, fingerprint=FP)
+
+
+def row(base, live=(), replaying=(), label=""):
+    return PeakRow(base_bytes=base, live=tuple(live), replaying=tuple(replaying), label=label)
+
+
+# -- cost model on a hand-built report --------------------------------------------------------
+
+@pytest.fixture
+def hand() -> ProfileReport:
+    # a (with child a.x), b, c; rows: end of forward, then backward of c, b, a.
+    return report(
+        [cand("a", 0, saved={F: 100, S: 60}, extra={F: 30, S: 10}, ms={F: 2.0, S: 1.0}),
+         cand("a.x", 1, parent="a", saved={F: 40}, extra={F: 5}, ms={F: 0.5}),
+         cand("b", 2, saved={F: 80}, extra={F: 20}, ms={F: 1.5}),
+         cand("c", 3, saved={F: 50}, extra={F: 50}, ms={F: 1.0})],
+        [row(1000, live=("a", "a.x", "b", "c"), label="end of forward"),
+         row(1010, live=("a", "a.x", "b"), replaying=("c",), label="backward of c"),
+         row(900, live=("a", "a.x"), replaying=("b",), label="backward of b"),
+         row(700, replaying=("a", "a.x"), label="backward of a")])
+
+
+@pytest.mark.parametrize("choice, peak", [
+    ({}, 1010),
+    ({"b": F}, 930),                        # rows 920, 930, 920, 700
+    ({"a": F, "b": F, "c": F}, 880),        # rows 770, 880, 820, 730
+    ({"a.x": F, "c": F}, 1020),             # c's replay extra lands on the peak row: worse than none
+    ({"a": S}, 950),                        # rows 940, 950, 840, 710
+    ({"a": F, "b": F, "c": K}, 830),        # explicit KEEP is the same as absent
+])
+def test_predict_peak_hand_computed(hand, choice, peak):
+    assert predict_peak(hand, choice) == peak
+
+
+def test_predict_overhead_and_floor(hand):
+    assert predict_overhead_ms(hand, {"a": F, "b": F, "c": F}) == pytest.approx(4.5)
+    assert predict_overhead_ms(hand, {"a": S, "a.x": K}) == pytest.approx(1.0)
+    # row 2 >= 1010 - (a or a.x: at most 100) - 80 = 830, reached by {a: F, b: F}
+    assert peak_floor(hand) == 830
+    assert peak_floor(hand, ["a.x", "c"]) == 970   # {a.x}: rows 960, 970, 860, 705
+
+
+def test_cost_model_rejects_bad_choices(hand):
+    with pytest.raises(CandidateError, match="nope"):
+        predict_peak(hand, {"nope": F})
+    with pytest.raises(CandidateError, match="selective"):
+        predict_peak(hand, {"b": S})
+    with pytest.raises(PlanError, match="a.x"):
+        predict_peak(hand, {"a": F, "a.x": F})
+
+
+def test_optimal_on_hand_report(hand):
+    # Cheapest under 900: {a.x, b} (2.0 ms, peak 890); every cheaper choice misses (checked by hand).
+    plan = make_plan(hand, "optimal", budget_bytes=900, reserve=0.0)
+    assert {b.module: b.mode for b in plan.boundaries} == {"a.x": F, "b": F}
+    assert plan.predicted_peak_bytes == 890 and plan.predicted_overhead_ms == pytest.approx(2.0)
+    assert [b.module for b in plan.boundaries] == ["a.x", "b"]   # forward order
+    with pytest.raises(InfeasibleBudget) as err:
+        make_plan(hand, "optimal", budget_bytes=829, reserve=0.0)
+    assert err.value.floor_bytes == 830 and "830 bytes" in str(err.value) and "MiB" in str(err.value)
+    assert "829 bytes" in str(err.value)
+
+
+# -- optimal == exhaustive search ----------------------------------------------------------------
+
+def brute_force(rep: ProfileReport):
+    """Every valid assignment: (cost ms, peak bytes, choice), by NOTE [peak cost model] in plain Python."""
+    cs = rep.candidates
+    parent = {c.name: c.parent for c in cs}
+
+    def ancestors(n):
+        out, p = [], parent[n]
+        while p is not None:
+            out.append(p)
+            p = parent[p]
+        return out
+
+    per = [[K] + [m for m in (F, S) if m in c.saved_bytes] for c in cs]
+    for modes in itertools.product(*per):
+        choice = {c.name: m for c, m in zip(cs, modes) if m is not K}
+        if any(a in choice for n in choice for a in ancestors(n)):
+            continue
+        by = {c.name: c for c in cs}
+        peak = max(r.base_bytes - sum(by[n].saved_bytes[choice[n]] for n in r.live if n in choice)
+                   + sum(by[n].replay_extra_bytes[choice[n]] for n in r.replaying if n in choice) for r in rep.rows)
+        yield sum(by[n].replay_ms[m] for n, m in choice.items()), peak, choice
+
+
+@st.composite
+def instances(draw):
+    n = draw(st.integers(1, 7))
+    cands = []
+    for i in range(n):
+        parent = draw(st.one_of(st.none(), st.integers(0, i - 1))) if i else None
+        modes = draw(st.sampled_from([(), (F,), (S,), (F, S)]))
+        saved = {m: draw(st.integers(-20, 150)) for m in modes}
+        extra = {m: draw(st.integers(0, 60)) for m in modes}
+        ms = {m: draw(st.integers(0, 40)) / 4 for m in modes}     # quarter ms: exact float sums, real ties
+        cands.append(cand(f"m{i}", i, parent=None if parent is None else f"m{parent}",
+                          saved=saved, extra=extra, ms=ms))
+    names = [c.name for c in cands]
+    rows = []
+    for _ in range(draw(st.integers(1, 6))):
+        live = draw(st.lists(st.sampled_from(names), unique=True))
+        replaying = draw(st.lists(st.sampled_from([x for x in names if x not in live] or ["m0"]), unique=True))
+        replaying = [x for x in replaying if x not in live]
+        rows.append(row(draw(st.integers(0, 1000)), live, replaying))
+    budget = draw(st.integers(1, 1100))
+    reserve = draw(st.sampled_from([0.0, 0.05, 0.1]))
+    return report(cands, rows), budget, reserve
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_optimal_equals_exhaustive_search(inst):
+    rep, budget, reserve = inst
+    target = int(budget * (1 - reserve))
+    every = list(brute_force(rep))
+    floor = min(p for _, p, _ in every)
+    assert peak_floor(rep) == floor
+    fits = [(c, p) for c, p, _ in every if p <= target]
+    if not fits:
+        with pytest.raises(InfeasibleBudget) as err:
+            make_plan(rep, "optimal", budget_bytes=budget, reserve=reserve)
+        assert err.value.floor_bytes == floor and f"{floor} bytes" in str(err.value)
+        assert err.value.effective_budget_bytes == target
+        return
+    plan = make_plan(rep, "optimal", budget_bytes=budget, reserve=reserve)
+    choice = {b.module: b.mode for b in plan.boundaries}
+    best_cost = min(c for c, _ in fits)
+    best_peak = min(p for c, p in fits if c == best_cost)          # tie-break: lowest peak among the cheapest
+    cost, peak = next((c, p) for c, p, ch in every if ch == choice)  # the plan is one of the valid assignments
+    assert cost == best_cost == pytest.approx(plan.predicted_overhead_ms)
+    assert peak == plan.predicted_peak_bytes == best_peak <= target
+    # greedy, when it answers, fits and is never cheaper than optimal
+    try:
+        g = make_plan(rep, "greedy", budget_bytes=budget, reserve=reserve)
+    except BudgetError:
+        return
+    assert g.predicted_peak_bytes <= target and g.predicted_overhead_ms >= best_cost - 1e-9
+
+
+# -- planning-time bound --------------------------------------------------------------------------
+
+def chain_report(n_blocks: int, children: int, seed: int = 0) -> ProfileReport:
+    """A transformer-like chain: blocks with nested children, rows through forward and backward."""
+    rng = random.Random(seed)
+    cands, order = [], 0
+    for i in range(n_blocks):
+        kids = [f"h.{i}.{k}" for k in range(children)]
+        kid_saved = [rng.randint(1, 40) * 2 ** 20 for _ in kids]
+        full = sum(kid_saved) + rng.randint(1, 10) * 2 ** 20
+        cands.append(cand(f"h.{i}", order, saved={F: full, S: full // 2}, extra={F: full // 3, S: full // 8},
+                          ms={F: rng.uniform(1, 5), S: rng.uniform(0.3, 1)}))
+        order += 1
+        for name, sb in zip(kids, kid_saved):
+            cands.append(cand(name, order, parent=f"h.{i}", saved={F: sb, S: sb // 2}, extra={F: sb // 4, S: sb // 8},
+                              ms={F: rng.uniform(0.2, 2), S: rng.uniform(0.05, 0.5)}))
+            order += 1
+    rows, live, base = [], [], 100 * 2 ** 20
+    for c in cands:                                   # forward: each candidate's activations join the live set
+        base += c.saved_bytes[F] if c.parent is None else 0
+        live.append(c.name)
+        rows.append(row(base, live, label=f"forward of {c.name}"))
+    for c in reversed(cands):                         # backward: each candidate replays, then frees
+        live.remove(c.name)
+        rows.append(row(base + rng.randint(0, 8) * 2 ** 20, live, (c.name,), label=f"backward of {c.name}"))
+        base -= c.saved_bytes[F] if c.parent is None else 0
+    return report(cands, rows)
+
+
+def test_planning_100_candidates_is_fast():
+    rep = chain_report(25, 3)                         # 100 candidates x 2 modes, 200 rows
+    assert len(rep.candidates) == 100 and len(rep.rows) == 200
+    for frac in (0.45, 0.7):
+        start = time.perf_counter()
+        plan = make_plan(rep, "optimal", budget_bytes=int(rep.baseline_peak_bytes * frac), reserve=0.05)
+        assert time.perf_counter() - start < 1.0
+        assert plan.predicted_peak_bytes <= plan.effective_budget_bytes
+
+
+# -- baselines on a 9-block chain ----------------------------------------------------------------
+
+@pytest.fixture
+def chain9() -> ProfileReport:
+    rep = chain_report(9, 1)
+    # blocks 4 and 7 have no selective mode
+    for c in rep.candidates:
+        if c.name in ("h.4", "h.7"):
+            for d in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
+                del d[S]
+    return rep
+
+
+def blocks(plan: Plan) -> list[str]:
+    return [b.module for b in plan.boundaries]
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("none", []),
+    ("all", list(range(9))),
+    ("uniform:1", list(range(9))),
+    ("uniform:2", [0, 2, 4, 6, 8]),
+    ("uniform:4", [0, 4, 8]),
+    ("sqrt", [0, 1, 3, 4, 6, 7]),                # keeps 2, 5, 8 (NOTE [sqrt for per-module wrappers])
+])
+def test_baselines_choose_expected_blocks(chain9, spec, expected):
+    plan = make_plan(chain9, spec)
+    assert blocks(plan) == [f"h.{i}" for i in expected]
+    assert all(b.mode is F for b in plan.boundaries) and plan.planner == spec and plan.budget_bytes is None
+    assert plan.predicted_peak_bytes == predict_peak(chain9, {b.module: b.mode for b in plan.boundaries})
+
+
+def test_selective_baseline_and_budget_free_reporting(chain9):
+    plan = make_plan(chain9, "selective", budget_bytes=1, reserve=0.0)   # baselines never fail on a budget
+    assert blocks(plan) == [f"h.{i}" for i in range(9) if i not in (4, 7)]
+    assert all(b.mode is S for b in plan.boundaries)
+    assert plan.predicted_peak_bytes > plan.effective_budget_bytes
+
+
+@pytest.mark.parametrize("spec", ["uniform:0", "uniform:x", "uniform:", "chen", ""])
+def test_bad_planner_specs(chain9, spec):
+    with pytest.raises(PlanError, match="uniform|optimal"):
+        make_plan(chain9, spec)
+
+
+def test_budget_planners_need_a_budget(chain9):
+    for spec in ("optimal", "greedy"):
+        with pytest.raises(BudgetError, match="needs a budget"):
+            make_plan(chain9, spec)
+
+
+def test_greedy_fits_and_optimal_is_no_worse(chain9):
+    budget = int(chain9.baseline_peak_bytes * 0.6)
+    g = make_plan(chain9, "greedy", budget_bytes=budget)
+    o = make_plan(chain9, "optimal", budget_bytes=budget)
+    assert g.predicted_peak_bytes <= g.effective_budget_bytes and o.predicted_peak_bytes <= o.effective_budget_bytes
+    assert o.predicted_overhead_ms <= g.predicted_overhead_ms + 1e-9
+
+
+# -- hazards ------------------------------------------------------------------------------------
+
+def hazard_report(**kw) -> ProfileReport:
+    bn = HazardRecord(kind=HazardKind.BUFFER_MUTATION, detail="bn.running_mean mutated", guardable=True)
+    stuck = HazardRecord(kind=HazardKind.BUFFER_MUTATION, detail="cache mutated", guardable=False)
+    py = HazardRecord(kind=HazardKind.PYTHON_STATE, detail="self.calls changed")
+    rng = HazardRecord(kind=HazardKind.RNG, detail="dropout")
+    cs = [cand("bn", 0, saved={F: 10}, ms={F: 1.0}, hazards=[bn]),
+          cand("py", 1, saved={F: 10}, ms={F: 1.0}, hazards=[py]),
+          cand("drop", 2, saved={F: 10}, ms={F: 1.0}, hazards=[rng]),
+          cand("stuck", 3, saved={F: 10}, ms={F: 1.0}, hazards=[stuck]),
+          cand("blk", 4, saved={F: 30}, ms={F: 1.0}),
+          cand("blk.inner", 5, parent="blk", saved={F: 10}, ms={F: 1.0}, hazards=[bn]),
+          cand("odd", 6, saved={F: 10}, ms={F: 1.0})]
+    return report(cs, [row(100, [c.name for c in cs])], excluded={"odd": "cannot be wrapped: returns a generator"})
+
+
+def test_hazards_excluded_guarded_or_allowed():
+    rep = hazard_report()
+    plan = make_plan(rep, "all")
+    by = {b.module: b for b in plan.boundaries}
+    assert set(by) == {"bn", "drop", "blk"}
+    assert by["bn"].guarded and by["blk"].guarded and not by["drop"].guarded   # blk inherits its child's BN
+    reasons = {e.module: e.reason for e in plan.excluded}
+    assert set(reasons) == {"py", "stuck", "odd"}
+    assert "self.calls" in reasons["py"] and "cache mutated" in reasons["stuck"]
+    assert reasons["odd"] == "cannot be wrapped: returns a generator"
+
+    allowed = make_plan(rep, "all", allow_hazards=True)
+    by = {b.module: b for b in allowed.boundaries}
+    assert set(by) == {"bn", "py", "drop", "stuck", "blk"}          # report.excluded stays excluded
+    assert not by["py"].guarded and not by["stuck"].guarded and by["bn"].guarded
+    assert [e.module for e in allowed.excluded] == ["odd"]
+
+    no_rng = make_plan(rep, "all", preserve_rng_state=False)
+    assert "drop" not in blocks(no_rng) and any(e.module == "drop" and "RNG" in e.reason for e in no_rng.excluded)
+    assert not no_rng.preserve_rng_state
+
+    opt = make_plan(rep, "optimal", budget_bytes=10 ** 6)
+    assert {e.module for e in opt.excluded} == {"py", "stuck", "odd"}
+    with pytest.raises(InfeasibleBudget) as err:                     # only eligible candidates count for the floor
+        make_plan(rep, "optimal", budget_bytes=60, reserve=0.0)
+    assert err.value.floor_bytes == 100 - 10 - 10 - 30               # bn + drop + blk
+
+
+# -- budget parsing ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("1.5GiB", 3 * 2 ** 29), ("800MiB", 800 * 2 ** 20), ("2GB", 2 * 10 ** 9), ("123456", 123456),
+    ("60%", 600), ("12.5 %", 125), (" 1 kib ", 1024), ("0.1GB", 10 ** 8), (4096, 4096), ("150%", 1500),
+])
+def test_parse_budget(text, expected):
+    assert parse_budget(text, 1000) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1.5 GiBs", "-1GiB", "0", "0%", "1G", "GiB", "1e", "0.4", "nan", "inf", True])
+def test_parse_budget_errors(text):
+    with pytest.raises(BudgetError):
+        parse_budget(text, 1000)
+
+
+def test_parse_budget_percent_needs_baseline():
+    with pytest.raises(BudgetError, match="no-checkpoint peak"):
+        parse_budget("50%", 0)
+
+
+@pytest.mark.parametrize("text, expected", [("5%", 0.05), ("0.05", 0.05), ("0", 0.0), (0.1, 0.1), ("12.5%", 0.125)])
+def test_parse_reserve(text, expected):
+    assert parse_reserve(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["5", "100%", "-1%", "1", "x", "5MiB"])
+def test_parse_reserve_errors(text):
+    with pytest.raises(BudgetError):
+        parse_reserve(text)
+
+
+# -- Plan JSON, margin knob ------------------------------------------------------------------
+
+def test_plan_json_round_trip(tmp_path):
+    plan = make_plan(hazard_report(), "optimal", budget_bytes=80, reserve=0.05)
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan and again.boundaries and again.excluded
+    assert Plan.load(plan.save(tmp_path / "plan.json")) == plan
+
+
+def test_margin_knob_and_replan(chain9):
+    budget = int(chain9.baseline_peak_bytes * 0.7)
+    first = make_plan(chain9, "optimal", budget_bytes=budget)
+    measured = first.effective_budget_bytes + 3 * 2 ** 20            # it missed by 3 MiB
+    second, margin = replan_with_correction(chain9, first, measured)
+    assert margin == measured - first.predicted_peak_bytes > 0
+    assert second.predicted_peak_bytes <= first.effective_budget_bytes - margin
+    assert second.predicted_overhead_ms >= first.predicted_overhead_ms
+    assert second.budget_bytes == budget and second.reserve == first.reserve
+    with pytest.raises(InfeasibleBudget, match="margin"):
+        make_plan(chain9, "optimal", budget_bytes=budget, margin_bytes=budget)
+    with pytest.raises(PlanError):
+        replan_with_correction(chain9, make_plan(chain9, "all"), 1)

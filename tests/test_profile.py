@@ -1,0 +1,130 @@
+"""Profiling: candidates, saved bytes vs a measured checkpoint, the peak rows, hazards."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from torch.utils.checkpoint import checkpoint
+
+from remat.errors import CandidateError
+from remat.memory import LiveTensorTracker, measure_step_peak, track_step_state
+from remat.profile import ProfileReport, auto_candidates, profile_workload, resolve_candidates
+from remat.types import CheckpointMode as M
+from remat.types import HazardKind, Phase
+from remat.workload import TrainingStep, load_workload
+
+from .conftest import FIXTURES, TINY
+
+HAZ = f"{FIXTURES / 'hazard_workload.py'}:build"
+
+
+def _wrap(model, names):
+    """Independent of remat.apply: torch's own non-reentrant checkpoint on the named modules."""
+    mods = dict(model.named_modules())
+    for n in names:
+        orig = mods[n].forward
+        mods[n].forward = functools.partial(lambda o, *a, **k: checkpoint(o, *a, use_reentrant=False, **k), orig)
+
+
+def _predict(report: ProfileReport, choice: dict) -> int:
+    """NOTE [peak cost model], evaluated directly (kept independent of remat.plan's code)."""
+    c = {x.name: x for x in report.candidates}
+    return max(r.base_bytes - sum(c[j].saved_bytes[choice.get(j, M.KEEP)] for j in r.live)
+               + sum(c[j].replay_extra_bytes[choice.get(j, M.KEEP)] for j in r.replaying) for r in report.rows)
+
+
+def _forward_end_live(spec, shape, names):
+    lw = load_workload(spec, shape)
+    _wrap(lw.workload.model, names)
+    step = TrainingStep(lw.workload)
+    step.run(0)
+    step.run(1)
+    with LiveTensorTracker() as t:
+        track_step_state(t, step)
+        seen = {}
+        step.run(2, marker=lambda ph: (seen.setdefault(ph, t.live_bytes), t.mark(ph)))
+    return seen[Phase.BACKWARD]  # live bytes when the forward has returned the loss
+
+
+def test_auto_candidates():
+    gpt = load_workload("gpt", TINY["gpt"]).workload.model
+    assert auto_candidates(gpt) == ["h.0", "h.0.ln_1", "h.0.attn", "h.0.ln_2", "h.0.mlp",
+                                    "h.1", "h.1.ln_1", "h.1.attn", "h.1.ln_2", "h.1.mlp"]
+    cnn = load_workload("cnn", TINY["cnn"]).workload.model
+    assert [c for c in auto_candidates(cnn) if c.count(".") == 1] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_resolve_candidate_specs():
+    gpt = load_workload("gpt", TINY["gpt"]).workload.model
+    assert resolve_candidates(gpt, ["h.1"]) == ["h.1"]
+    assert resolve_candidates(gpt, ["MLP"]) == ["h.0.mlp", "h.1.mlp"]
+    assert resolve_candidates(gpt, [r"h\.\d+\.attn"]) == ["h.0.attn", "h.1.attn"]
+    with pytest.raises(CandidateError, match="matches no module"):
+        resolve_candidates(gpt, ["h.9"])
+    with pytest.raises(CandidateError, match="not a module path"):
+        resolve_candidates(gpt, ["(["])
+
+
+@pytest.mark.parametrize("spec,shape,name", [
+    ("gpt", {**TINY["gpt"], "batch_size": 4, "seq_len": 32}, "h.0"),
+    ("gpt", {**TINY["gpt"], "batch_size": 4, "seq_len": 32}, "h.1.attn"),
+    ("mlp", TINY["mlp"], "blocks.1"),
+])
+def test_saved_bytes_equal_what_a_real_checkpoint_frees(spec, shape, name):
+    report = profile_workload(load_workload(spec, shape), candidates=[name], repeats=2)
+    cost = report.candidates[0]
+    freed = _forward_end_live(spec, shape, []) - _forward_end_live(spec, shape, [name])
+    assert cost.saved_bytes[M.FULL] > 0
+    assert cost.saved_bytes[M.FULL] == freed
+
+
+@pytest.mark.parametrize("spec,shape,plans", [
+    ("gpt", {**TINY["gpt"], "n_layer": 4, "batch_size": 4, "seq_len": 32},
+     [["h.0"], ["h.0", "h.1", "h.2", "h.3"], ["h.1.mlp", "h.3.attn"], ["h.0", "h.2.attn"]]),
+    ("mlp", {**TINY["mlp"], "depth": 6}, [["blocks.1"], ["blocks.0", "blocks.3", "blocks.5"]]),
+])
+def test_predicted_peak_matches_measured(spec, shape, plans):
+    report = profile_workload(load_workload(spec, shape), repeats=2)
+    assert _predict(report, {}) == report.baseline_peak_bytes
+    for names in plans:
+        lw = load_workload(spec, shape)
+        _wrap(lw.workload.model, names)
+        step = TrainingStep(lw.workload)
+        step.run(0)
+        step.run(1)
+        measured = measure_step_peak(step, 2).peak_bytes
+        assert _predict(report, {n: M.FULL for n in names}) == pytest.approx(measured, rel=0.03), names
+
+
+def test_selective_mode_measured_where_matmuls_exist():
+    report = profile_workload(load_workload("gpt", TINY["gpt"]), candidates=["h.0"], repeats=2)
+    c = report.candidates[0]
+    assert M.SELECTIVE in c.saved_bytes
+    assert c.saved_bytes[M.SELECTIVE] < c.saved_bytes[M.FULL]  # SAC keeps the matmul outputs
+
+
+def test_hazard_inventory():
+    report = profile_workload(load_workload(HAZ), candidates=["blocks.0", "blocks.1", "blocks.3", "shared"],
+                              repeats=2)
+    by = {c.name: {h.kind for h in c.hazards} for c in report.candidates}
+    assert by["blocks.0"] == set()
+    assert HazardKind.PYTHON_STATE in by["blocks.1"]
+    detail = next(h.detail for c in report.candidates if c.name == "blocks.1" for h in c.hazards)
+    assert "calls" in detail
+    assert HazardKind.INPLACE_INPUT in by["blocks.3"]
+    assert "shared" in report.excluded and "2 times" in report.excluded["shared"]
+
+
+def test_hazards_cnn_batchnorm_guardable_and_gpt_rng():
+    cnn = profile_workload(load_workload("cnn", TINY["cnn"]), candidates=["blocks.0"], repeats=2)
+    (h,) = cnn.candidates[0].hazards
+    assert h.kind is HazardKind.BUFFER_MUTATION and h.guardable and "num_batches_tracked" in h.detail
+    gpt = profile_workload(load_workload("gpt", TINY["gpt"]), candidates=["h.0.mlp", "h.0.ln_1"], repeats=2)
+    kinds = {c.name: [h.kind for h in c.hazards] for c in gpt.candidates}
+    assert kinds == {"h.0.mlp": [HazardKind.RNG], "h.0.ln_1": []}
+
+
+def test_report_json_round_trip():
+    r = profile_workload(load_workload("mlp", TINY["mlp"]), repeats=2)
+    assert ProfileReport.from_json(r.to_json()).to_json() == r.to_json()
