@@ -317,7 +317,7 @@ def test_hazards_excluded_guarded_or_allowed():
     opt = make_plan(rep, "optimal", budget_bytes=10 ** 6)
     assert {e.module for e in opt.excluded} == {"py", "stuck", "odd"}
     with pytest.raises(InfeasibleBudget) as err:                     # only eligible candidates count for the floor
-        make_plan(rep, "optimal", budget_bytes=60, reserve=0.0)
+        make_plan(rep, "optimal", budget_bytes=49, reserve=0.0)
     assert err.value.floor_bytes == 100 - 10 - 10 - 30               # bn + drop + blk
 
 

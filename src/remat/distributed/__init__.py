@@ -1,1 +1,18 @@
-"""remat.distributed (see DESIGN.md)."""
+"""remat.distributed: the plan at world size N, on torch.distributed (DDP and FSDP2).
+
+The only package that touches ``torch.distributed``. :func:`run_distributed` starts the
+ranks with torchrun (NOTE [launcher] in launch.py), each rank rebuilds the workload, runs
+the control and the plan under the same engine configuration, and rank 0 writes
+``distributed.json`` (:class:`DistributedReport`): per-rank step time and peak, collectives,
+exposed communication (NOTE [exposed communication] in intervals.py), the no-op-comm
+ablation, and gradient equivalence.
+"""
+
+from .config import DistributedConfig, Engine
+from .launch import free_port, run_config, run_distributed, torchrun_command
+from .report import (CollectiveCount, DistributedReport, Equivalence, GradComparison, RankFigures, RankResult,
+                     RankSide, SideReport)
+
+__all__ = ["CollectiveCount", "DistributedConfig", "DistributedReport", "Engine", "Equivalence", "GradComparison",
+           "RankFigures", "RankResult", "RankSide", "SideReport", "free_port", "run_config", "run_distributed",
+           "torchrun_command"]

@@ -1,0 +1,91 @@
+"""``remat plan``: profile candidates, plan under a peak budget, apply and measure (closed loop)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from .._io import atomic_write_json
+from ..apply.closed_loop import ClosedLoopResult, plan_closed_loop
+from ..plan import PLANNER_SPECS, Plan, parse_budget, parse_reserve
+from ..profile import ProfileReport, profile_workload
+from .common import add_workload_args, load_from_args
+from .render import console, fmt_bytes, progress_bar
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="choose the cheapest checkpoint boundaries whose step peak fits a budget")
+    add_workload_args(p)
+    add_plan_args(p)
+    p.add_argument("--out", required=True, type=Path, help="output folder (plan.json, profile.json)")
+    p.set_defaults(func=run)
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", default=None,
+                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
+                        "no-checkpoint peak (60%%); required by the optimal and greedy planners")
+    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
+    p.add_argument("--planner", default="optimal", help=f"one of: {', '.join(PLANNER_SPECS)} (default optimal)")
+    p.add_argument("--candidates", default=None,
+                   help="comma-separated module paths, class names or regexes (default: repeated blocks and their children)")
+    p.add_argument("--allow-hazards", action="store_true",
+                   help="plan hazardous candidates unguarded (to show verification catching them)")
+    p.add_argument("--no-measure", action="store_true", help="skip the apply-and-measure closed loop")
+
+
+def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, ClosedLoopResult | Plan]:  # noqa: ANN001
+    """Shared by ``plan`` and ``receipt``: profile, then plan (closed loop unless --no-measure)."""
+    from ..plan import make_plan
+    loaded = load_from_args(args)
+    reserve = parse_reserve(args.reserve)
+    if args.budget is not None:
+        parse_budget(args.budget, 1 << 50)  # syntax check before minutes of profiling
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
+    report = profile_workload(loaded, candidates=candidates, progress=progress)
+    budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
+    if args.no_measure:
+        return report, make_plan(report, args.planner, budget_bytes=budget, reserve=reserve,
+                                 allow_hazards=args.allow_hazards)
+    return report, plan_closed_loop(loaded, report, args.planner, budget_bytes=budget, reserve=reserve,
+                                    allow_hazards=args.allow_hazards, progress=progress)
+
+
+def render_plan(plan: Plan) -> None:
+    table = Table(title=f"plan: {plan.planner}")
+    for col in ("module", "mode", "saves", "replay ms", "guarded"):
+        table.add_column(col, justify="left" if col in ("module", "mode") else "right")
+    for b in plan.boundaries:
+        table.add_row(b.module, b.mode.value, fmt_bytes(b.saved_bytes), f"{b.replay_ms:.2f}", "yes" if b.guarded else "")
+    console.print(table)
+    if plan.excluded:
+        console.print("excluded: " + "; ".join(f"{e.module} ({e.reason})" for e in plan.excluded[:6])
+                      + (" ..." if len(plan.excluded) > 6 else ""))
+    budget = f"{fmt_bytes(plan.budget_bytes)} less {plan.reserve:.0%} reserve = {fmt_bytes(plan.effective_budget_bytes)}" \
+        if plan.budget_bytes else "none"
+    console.print(f"budget: {budget}")
+    console.print(f"peak: baseline {fmt_bytes(plan.baseline_peak_bytes)}, predicted {fmt_bytes(plan.predicted_peak_bytes)}"
+                  + (f", measured {fmt_bytes(plan.measured_peak_bytes)} ({plan.memory_source})"
+                     if plan.measured_peak_bytes is not None else ""))
+    console.print(f"step: baseline {plan.baseline_step_ms:.1f} ms, predicted +{plan.predicted_overhead_ms:.1f} ms"
+                  + (f", measured {plan.measured_step_ms:.1f} ms" if plan.measured_step_ms is not None else ""))
+
+
+def run(args: argparse.Namespace) -> int:
+    with progress_bar() as progress:
+        report, result = plan_from_args(args, progress)
+    plan = result.plan if isinstance(result, ClosedLoopResult) else result
+    atomic_write_json(args.out / "profile.json", report.to_json())
+    plan.save(args.out / "plan.json")
+    render_plan(plan)
+    if isinstance(result, ClosedLoopResult) and len(result.attempts) > 1:
+        console.print(f"closed loop: {len(result.attempts)} tries; measured peaks "
+                      + ", ".join(fmt_bytes(a.measured_peak_bytes) for a in result.attempts))
+    if plan.effective_budget_bytes is not None and plan.measured_peak_bytes is not None \
+            and plan.measured_peak_bytes > plan.effective_budget_bytes:
+        console.print("[bold red]the measured peak misses the budget[/]")
+        return 1
+    console.print(f"wrote {args.out / 'plan.json'}")
+    return 0

@@ -1,0 +1,448 @@
+"""The rank program: ``python -m remat.distributed.worker --config run.json --out DIR``, one per rank.
+
+It is started by torchrun (``torch.distributed.run``), locally by :mod:`remat.distributed.launch`
+or by hand on several nodes (NOTE [launcher]), and reads the standard torchrun environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``PORT``).
+Each rank rebuilds the workload from the config, runs the control and the plan, and rank 0
+gathers every rank's :class:`RankResult` and writes ``DIR/distributed.json``.
+
+NOTE [rank files]
+Besides the report, every rank leaves files in DIR that let the launcher tell what happened
+to it without trusting any one process to say so:
+
+  rank-R.pid        {"pid", "host"}: written first; the launcher kills stragglers by this PID
+  rank-R.progress   "done total what": the last step finished
+  rank-R.error.json the exception a rank caught (type, message, tip, traceback tail)
+  rank-R.sigterm    non-empty when the launcher stopped the rank (faulthandler writes the stack
+                    from the signal handler itself, so even a rank blocked in C++ leaves it)
+  rank-R.done       the rank reached the end (report gathered, barrier passed)
+
+A started rank with none of error/sigterm/done died on its own (crash, os._exit, OOM kill).
+
+NOTE [teardown]
+Success: ``barrier()``, ``destroy_process_group()``, ``os._exit(0)``. Failure: the error file,
+then ``os._exit(1)`` at once (no barrier, no destroy: both can block on a dead peer). Exiting
+through ``os._exit`` skips interpreter shutdown, where a gloo thread join once hung holding
+the GIL. The launcher waits with a timeout in any case and kills stragglers by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import gc
+import importlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from .._io import atomic_write_json
+from ..errors import DistributedError, RematError
+from ..memory.measure import measure_step_peak, track_step_state
+from ..plan.model import Plan
+from ..types import MemorySource, Phase
+from ..workload.contract import TrainingStep
+from ..workload.loader import load_workload
+from .config import REENTRANT_FIND_UNUSED_TIP, DistributedConfig, Engine
+from .engines import EngineContext, make_context, unwrap, wrap
+from .instrument import CollectiveEvent, CommRecorder, ComputeTimer, ShardAwareTracker
+from .intervals import exposed_ns, total_ns
+from .report import CollectiveCount, GradComparison, RankResult, RankSide, assemble
+
+REPORT_NAME = "distributed.json"
+# Test-only hooks (read from the environment, which torchrun passes on to every rank):
+FAULT_ENV = "REMAT_DISTRIBUTED_TEST_FAULT"   # "exit:RANK:STEP" or "hang:RANK:STEP" (after STEP steps)
+APPLY_ENV = "REMAT_DISTRIBUTED_TEST_APPLY"   # "module:fn" used instead of remat.apply.apply
+
+
+def rank_file(out: Path, rank: int, kind: str) -> Path:
+    return out / f"rank-{rank}.{kind}"
+
+
+class RankFiles:
+    """NOTE [rank files]: this rank's side of them."""
+
+    def __init__(self, out: Path, rank: int) -> None:
+        self.out, self.rank = out, rank
+        self.what = "starting"
+        self._sigterm_file: Any = None
+
+    def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for kind in ("error.json", "sigterm", "done", "progress"):
+            rank_file(self.out, self.rank, kind).unlink(missing_ok=True)
+        self._sigterm_file = open(rank_file(self.out, self.rank, "sigterm"), "w")  # noqa: SIM115 (lives until exit)
+        faulthandler.register(signal.SIGTERM, file=self._sigterm_file, all_threads=True, chain=True)
+        atomic_write_json(rank_file(self.out, self.rank, "pid"), {"pid": os.getpid(), "host": socket.gethostname()})
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        self.what = what
+        path = rank_file(self.out, self.rank, "progress")
+        tmp = path.with_suffix(".progress.tmp")
+        tmp.write_text(f"{done} {total} {what}\n")
+        os.replace(tmp, path)
+
+    def error(self, exc: BaseException) -> None:
+        atomic_write_json(rank_file(self.out, self.rank, "error.json"), {
+            "rank": self.rank, "type": type(exc).__name__,
+            "message": exc.message if isinstance(exc, RematError) else str(exc),
+            "tip": exc.tip if isinstance(exc, RematError) else None,
+            "what": self.what,
+            "traceback": "".join(traceback.format_exception(exc))[-4000:],
+        })
+
+    def done(self) -> None:
+        rank_file(self.out, self.rank, "done").write_text("ok\n")
+
+
+def _maybe_fault(rank: int, steps_done: int) -> None:
+    """Test-only: make this rank exit or hang after ``steps_done`` steps (FAULT_ENV)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, r, s = spec.split(":")
+    if int(r) == rank and int(s) == steps_done:
+        if kind == "exit":
+            os._exit(1)
+        while kind == "hang":
+            time.sleep(1.0)
+
+
+def _resolve_apply() -> Callable[..., Any]:
+    target = os.environ.get(APPLY_ENV)
+    if target:
+        mod, _, fn = target.rpartition(":")
+        return getattr(importlib.import_module(mod), fn)
+    try:
+        from ..apply import apply
+    except ImportError as exc:
+        raise DistributedError("remat.apply.apply is not available in this installation; a plan cannot be applied") from exc
+    return apply
+
+
+def _leading_dim(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (tuple, list)):
+        for b in batch:
+            n = _leading_dim(b)
+            if n:
+                return n
+    if isinstance(batch, dict):
+        for b in batch.values():
+            n = _leading_dim(b)
+            if n:
+                return n
+    return 0
+
+
+def equivalence_criterion(device: str, dtype: str) -> tuple[str, float, float]:
+    """(criterion, rtol, atol): bitwise on CPU float32 (same engine config), a tolerance elsewhere."""
+    if device.startswith("cpu") and dtype == "float32":
+        return "bitwise", 0.0, 0.0
+    rtol, atol = (1e-5, 1e-7) if dtype == "float32" else (1e-2, 1e-3)
+    return f"allclose(rtol={rtol:g}, atol={atol:g})", rtol, atol
+
+
+class GradSnapshot:
+    """A phase marker that copies the gradients once, after the first backward (before the optimizer)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.grads: list[tuple[str, torch.Tensor | None]] | None = None
+
+    def __call__(self, phase: Phase) -> None:
+        if phase is not Phase.OPTIMIZER or self.grads is not None:
+            return
+        out: list[tuple[str, torch.Tensor | None]] = []
+        for name, p in unwrap(self.model).named_parameters():
+            g = p.grad
+            if g is not None:
+                g = getattr(g, "_local_tensor", g).detach().clone()  # FSDP2: this rank's shard
+            out.append((name, g))
+        self.grads = out
+
+
+def compare_grads(control: list[tuple[str, torch.Tensor | None]], plan: list[tuple[str, torch.Tensor | None]],
+                  rtol: float, atol: float) -> GradComparison:
+    """By position (wrappers may rename modules; the parameter order is the model's)."""
+    mismatched: list[str] = []
+    if len(control) != len(plan):
+        mismatched.append(f"parameter count {len(control)} (control) vs {len(plan)} (plan)")
+    bitwise, within, worst, worst_name = True, True, 0.0, None
+    for (name, a), (_, b) in zip(control, plan):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                mismatched.append(f"{name}: gradient missing on the {'control' if a is None else 'plan'} side")
+            continue
+        if a.shape != b.shape:
+            mismatched.append(f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            continue
+        if not torch.equal(a, b):
+            bitwise = False
+            diff = float((a.double() - b.double()).abs().max())
+            if diff > worst or worst_name is None:
+                worst, worst_name = diff, name
+            if not torch.allclose(a, b, rtol=rtol, atol=atol):
+                within = False
+    return GradComparison(params_compared=min(len(control), len(plan)), bitwise_equal=bitwise,
+                          within_tolerance=within, max_abs_diff=worst, worst_param=worst_name, mismatched=mismatched)
+
+
+@dataclasses.dataclass
+class _Built:
+    step: TrainingStep
+    recorder: CommRecorder | None
+    handle: Any
+
+
+class RankRunner:
+    """Everything one rank measures, for the control and then for the plan."""
+
+    def __init__(self, config: DistributedConfig, ctx: EngineContext, files: RankFiles) -> None:
+        self.cfg = config
+        self.ctx = ctx
+        self.files = files
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.cuda = ctx.device.type == "cuda"
+        self.done = 0
+        per_side = config.warmup + config.steps + 1 + config.comm_steps
+        per_side += (config.warmup + config.steps) if config.ablation else 0
+        self.total = per_side * (2 if config.plan is not None else 1)
+
+    # -- building -------------------------------------------------------------------------------
+    def build(self, plan: Plan | None, *, timed: bool) -> _Built:
+        loaded = load_workload(self.cfg.spec, self.cfg.shape, device=str(self.ctx.device), dtype=self.cfg.dtype)
+        model = loaded.workload.model
+        handle = _resolve_apply()(model, plan) if plan is not None else None  # the plan first, then the engine
+        recorder = CommRecorder() if timed else None
+        wrapped = wrap(model, self.ctx, recorder)
+        step = TrainingStep(dataclasses.replace(loaded.workload, model=wrapped))
+        return _Built(step, recorder, handle)
+
+    def data_step(self, i: int) -> int:
+        """Rank r's i-th step reads the workload's batch(i * world_size + r): disjoint data per rank."""
+        return i * self.world_size + self.rank
+
+    def seed(self) -> None:
+        torch.manual_seed(self.cfg.seed + 1000 * self.rank)  # dropout: same masks for control and plan
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.ctx.device)
+
+    def run_step(self, built: _Built, i: int, what: str, marker: Callable[[Phase], None] | None = None) -> float:
+        loss = built.step.run(self.data_step(i), marker) if marker else built.step.run(self.data_step(i))
+        self.done += 1
+        self.files.progress(self.done, self.total, what)
+        _maybe_fault(self.rank, self.done)
+        return loss
+
+    def peak(self, built: _Built, i: int) -> tuple[int, str | None, str]:
+        if self.cuda:
+            m = measure_step_peak(built.step, self.data_step(i))
+            return m.peak_bytes, None, m.source.value
+        with ShardAwareTracker(keep_timeline=False) as tracker:
+            track_step_state(tracker, built.step)
+            built.step.run(self.data_step(i), marker=tracker.mark)
+        phase = tracker.peak_phase
+        return tracker.peak_bytes, None if phase is None else phase.value, MemorySource.CPU_LIVE_TENSORS.value
+
+    # -- one side ----------------------------------------------------------------------------------
+    def side(self, label: str, plan: Plan | None) -> tuple[RankSide, GradSnapshot, str, int]:
+        cfg = self.cfg
+        built = self.build(plan, timed=True)
+        rec = built.recorder
+        assert rec is not None
+        snapshot = GradSnapshot(built.step.workload.model)
+        samples = _leading_dim(built.step.workload.batch(self.data_step(0)))
+        self.seed()
+        i = 0
+        loss0 = float("nan")
+        for w in range(cfg.warmup):
+            loss = self.run_step(built, i, f"{label}: warm-up", snapshot if w == 0 else None)
+            loss0 = loss if w == 0 else loss0
+            i += 1
+        step_ms: list[float] = []
+        for k in range(cfg.steps):
+            rec.step = k
+            self.sync()
+            t0 = time.perf_counter_ns()
+            self.run_step(built, i, f"{label}: timed steps")
+            self.sync()
+            step_ms.append((time.perf_counter_ns() - t0) / 1e6)
+            i += 1
+        rec.step = -1
+        per_step = [_count(rec.of_step(k)) for k in range(cfg.steps)]
+        peak_bytes, peak_phase, memory_source = self.peak(built, i)
+        self.done += 1
+        i += 1
+        exposed: list[float] | None = None if self.cuda else []
+        comm: list[float] | None = None if self.cuda else []
+        for j in range(cfg.comm_steps):
+            rec.step = cfg.steps + j
+            timer = ComputeTimer()
+            with timer:
+                self.run_step(built, i, f"{label}: overlap steps")
+            i += 1
+            events = rec.of_step(cfg.steps + j)
+            intervals = [(e.start_ns, e.end_ns) for e in events]
+            if exposed is not None and comm is not None:
+                exposed.append(exposed_ns(intervals, timer.intervals) / 1e6)
+                comm.append(total_ns(intervals) / 1e6)
+        self._release(built)
+        ablation = self.ablation(label, plan) if cfg.ablation else None
+        side = RankSide(step_ms=step_ms, peak_bytes=peak_bytes, peak_phase=peak_phase, exposed_comm_ms=exposed,
+                        comm_ms=comm, collectives=per_step[0],
+                        collectives_stable=all(c == per_step[0] for c in per_step), ablation_step_ms=ablation,
+                        loss0=loss0)
+        return side, snapshot, memory_source, samples
+
+    def ablation(self, label: str, plan: Plan | None) -> list[float]:
+        built = self.build(plan, timed=False)
+        self.seed()
+        for i in range(self.cfg.warmup):
+            self.run_step(built, i, f"{label}: ablation warm-up")
+        out = []
+        for k in range(self.cfg.steps):
+            self.sync()
+            t0 = time.perf_counter_ns()
+            self.run_step(built, self.cfg.warmup + k, f"{label}: ablation (no-op comm)")
+            self.sync()
+            out.append((time.perf_counter_ns() - t0) / 1e6)
+        self._release(built)
+        return out
+
+    def _release(self, built: _Built) -> None:
+        if built.handle is not None and hasattr(built.handle, "remove"):
+            built.handle.remove()
+        built.step = None  # type: ignore[assignment]
+        gc.collect()
+
+    def run(self) -> RankResult:
+        control, snap_c, source, samples = self.side("control", None)
+        plan_side, grads = None, None
+        if self.cfg.plan is not None:
+            plan_side, snap_p, _, _ = self.side("plan", self.cfg.plan)
+            _, rtol, atol = equivalence_criterion(self.cfg.device, self.cfg.dtype)
+            grads = compare_grads(snap_c.grads or [], snap_p.grads or [], rtol, atol)
+        return RankResult(rank=self.rank, host=socket.gethostname(), samples_per_step=samples, memory_source=source,
+                          control=control, plan=plan_side, grads=grads)
+
+
+def _count(events: list[CollectiveEvent]) -> dict[str, CollectiveCount]:
+    counts: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for e in events:
+        counts[e.op] += 1
+        nbytes[e.op] += e.nbytes
+    return {op: CollectiveCount(count=counts[op], bytes=nbytes[op]) for op in sorted(counts)}
+
+
+def _notes(cfg: DistributedConfig) -> list[str]:
+    notes = ["ablation_step_ms: the same steps with a no-op comm hook (no communication); "
+             "only its time is meaningful, the numbers it trains on are not"]
+    if cfg.device.startswith("cuda"):
+        notes.append("exposed_comm_ms is null on CUDA: comm-hook callbacks do not mark kernel completion; "
+                     "it needs the profiler's kernel trace, which is not read yet")
+    elif cfg.engine is Engine.FSDP2:
+        notes.append("peak bytes count each DTensor by its local shard (NOTE [FSDP2 peaks on CPU])")
+    return notes
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError) as exc:
+        raise DistributedError(f"environment variable {name} is missing or not an integer: this program is meant "
+                               "to be started by torchrun (python -m torch.distributed.run)") from exc
+
+
+def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size != cfg.world_size:
+        raise DistributedError(f"rank {rank}: torchrun started {world_size} ranks but the config asks for "
+                               f"{cfg.world_size}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // local_world))
+    if cfg.device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    files.what = "init_process_group"
+    dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    ctx = make_context(cfg, device)
+    try:
+        result = RankRunner(cfg, ctx, files).run()
+    except RuntimeError as exc:
+        if "Expected to mark a variable ready only once" in str(exc):
+            raise DistributedError(
+                f"rank {rank}: DDP marked a parameter ready twice in one backward ('Expected to mark a variable "
+                "ready only once'): reentrant activation checkpointing with find_unused_parameters=True",
+                tip=REENTRANT_FIND_UNUSED_TIP) from exc
+        raise
+    files.what = "gathering results"
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    if rank == 0:
+        assert gathered is not None
+        criterion, _, _ = equivalence_criterion(cfg.device, cfg.dtype)
+        report = assemble(
+            results=gathered, world_size=world_size, engine=cfg.engine.value, backend=cfg.backend,
+            device=cfg.device, dtype=cfg.dtype, spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup,
+            comm_steps=cfg.comm_steps,
+            comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
+                         if cfg.engine is Engine.DDP else
+                         "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
+            torch_version=torch.__version__,
+            plan_boundaries=[] if cfg.plan is None else [b.module for b in cfg.plan.boundaries],
+            criterion=criterion, notes=_notes(cfg))
+        atomic_write_json(out / REPORT_NAME, report.to_json())
+    files.what = "teardown"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    parser = argparse.ArgumentParser(prog="python -m remat.distributed.worker",
+                                     description="one rank of a remat distributed run (start it with torchrun)")
+    parser.add_argument("--config", required=True, type=Path, help="distributed config JSON (DistributedConfig)")
+    parser.add_argument("--out", required=True, type=Path, help="folder for distributed.json and the rank files")
+    args = parser.parse_args(argv)
+    files = RankFiles(args.out, int(os.environ.get("RANK", "0")))
+    code = 0
+    try:
+        files.start()
+        cfg = DistributedConfig.load(args.config)
+        run_rank(cfg, args.out, files)
+        files.done()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the error file
+        try:
+            files.error(exc)
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # NOTE [teardown]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""Paired control vs planned runs, negative controls, RNG policy and overhead: ``verify_plan``.
+
+NOTE [paired runs]
+Control and planned model are two fresh builds of the same workload
+(``LoadedWorkload.rebuild``: the loader seeds model init, and we check the two builds
+are bitwise equal before stepping). Each side has its own optimizer and its own copy of
+every global generator (torch CPU/CUDA, Python ``random``, NumPy): both start from the
+same seeded state, and before each step a side's generators are restored, after it
+saved, so the two runs interleave step by step in one process yet each sees exactly the
+random stream it would see alone. Step k of both sides is then compared: loss, the
+root module's outputs, every parameter gradient, the global gradient norm, parameters
+after ``optimizer.step()``, every buffer, every Python attribute of every module, and
+the generators' states. After the training steps one eval-mode step (forward and
+backward, no optimizer step) is compared the same way. The process's own generator
+states are restored when verification ends.
+
+NOTE [hazards vs divergence]
+A difference inside a checkpointed region that survives the step (a buffer, a Python
+attribute, a generator advanced by the replay) is a *hazard*, reported with the boundary
+and the state that changed (``blocks.2.calls: 1 -> 2``,
+``blocks.0.bn1.num_batches_tracked: +2 instead of +1``). Device moves inside a region are
+hazards too. Any hazard, any out-of-tolerance step, a negative control that is not
+rejected, or a control that does not repeat itself fails verification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..apply import ApplyHandle, apply, check_plan_fingerprint, load_plan
+from ..errors import RematError, WorkloadError
+from ..plan.model import Plan
+from ..types import HazardKind, ProgressFn, no_progress
+from ..workload import LoadedWorkload, TrainingStep
+from .compare import (TensorDiff, boundary_of, clone_tensors, diff_python_state, diff_tensor, diff_tensors,
+                      owner_module, python_state, tolerance_for)
+from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
+                    StepComparison, Tolerance, VerifyReport)
+from .probe import RegionProbe, RngState, StepRecorder, seed_everything
+
+__all__ = ["GradientPerturbation", "measure_rng_overhead", "verify_plan"]
+
+Fault = Callable[[nn.Module], str | None]  # perturbs a model's grads after backward; returns what it did
+
+
+# -- one side of a pair ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class _StepState:
+    loss: torch.Tensor
+    outputs: list[torch.Tensor]
+    digests: list[Any]
+    grad_order: list[str]
+    grads: dict[str, torch.Tensor | None]
+    params: dict[str, torch.Tensor] | None
+    buffers_before: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    pystate: dict[str, Any]
+    rng: RngState
+    calls: dict[str, tuple[int, int]]  # boundary -> (forward calls, replay calls) this step
+    fault: str | None
+
+
+class _Side:
+    """A fresh build, optionally planned, stepped with its own generators (NOTE [paired runs])."""
+
+    def __init__(self, loaded: LoadedWorkload, plan: Plan | None, *, fault: Fault | None = None,
+                 probe: bool = False, stack: contextlib.ExitStack) -> None:
+        self.workload = loaded.workload
+        self.model = loaded.workload.model
+        self.handle: ApplyHandle | None = None
+        if plan is not None:
+            self.handle = apply(self.model, plan, check_fingerprint=False)  # checked once in verify_plan
+            stack.callback(self._remove)
+        self.trainer = TrainingStep(self.workload)
+        self.fault = fault
+        self.recorder = stack.enter_context(StepRecorder(self.model, record_grad_order=True))
+        self.probe = stack.enter_context(RegionProbe(self.handle)) if (probe and self.handle) else None
+        self.rng: RngState | None = None
+        self.buffers = clone_tensors(self.model.named_buffers())
+
+    def _remove(self) -> None:
+        if self.handle is not None and self.handle.active:
+            self.handle.remove()
+
+    def step(self, step: int, mode: str) -> _StepState:
+        assert self.rng is not None
+        self.rng.restore()
+        self.recorder.reset()
+        if self.handle is not None:
+            self.handle.reset_counts()
+        training = {m: m.training for m in self.model.modules()}
+        if mode == "eval":
+            self.model.eval()
+        try:
+            batch = self.workload.batch(step)
+            loss = self.trainer.forward(batch)
+            loss.backward()
+            fault = self.fault(self.model) if self.fault is not None else None
+            grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.model.named_parameters()}
+            if mode == "train":
+                self.trainer.optimizer.step()
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+        finally:
+            for m, flag in training.items():
+                m.training = flag
+        before, self.buffers = self.buffers, clone_tensors(self.model.named_buffers())
+        self.rng = RngState.capture()
+        calls = {w.path: (w.forward_calls, w.replay_calls) for w in self.handle.wrappers} if self.handle else {}
+        return _StepState(
+            loss=loss.detach().clone(), outputs=list(self.recorder.outputs),
+            digests=list(self.recorder.digests), grad_order=list(self.recorder.grad_order), grads=grads,
+            params=clone_tensors(self.model.named_parameters()) if mode == "train" else None,
+            buffers_before=before, buffers=self.buffers, pystate=python_state(self.model), rng=self.rng,
+            calls=calls, fault=fault)
+
+
+def _check_same_init(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    for name in sa:
+        if name not in sb or not torch.equal(sa[name], sb[name]):
+            raise WorkloadError(f"two builds of the workload differ at {name!r}: the control cannot be paired",
+                                tip="make the factory deterministic (remat seeds torch before building; seed "
+                                    "python random / numpy too if your init uses them)")
+
+
+# -- comparing one step ----------------------------------------------------------------------------
+
+def _model_tolerance(model: nn.Module) -> Tolerance:
+    for p in model.parameters():
+        tol = tolerance_for(p.dtype)
+        if tol is not None:
+            return tol
+    return TOLERANCES["float32"]
+
+
+def _grad_norm(grads: dict[str, torch.Tensor | None]) -> float:
+    norms = [g.detach().double().norm() for g in grads.values() if g is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms)).cpu()) if norms else 0.0
+
+
+def _max(diffs: list[TensorDiff], attr: str) -> float:
+    return max((getattr(d, attr) for d in diffs), default=0.0)
+
+
+def _int_delta_detail(name: str, c: _StepState, p: _StepState) -> str | None:
+    """``"x.num_batches_tracked: +2 instead of +1"`` for integer buffers, else None."""
+    ca, pa = c.buffers.get(name), p.buffers.get(name)
+    cb, pb = c.buffers_before.get(name), p.buffers_before.get(name)
+    if any(t is None for t in (ca, pa, cb, pb)) or ca.is_floating_point() or ca.shape != cb.shape:
+        return None
+    dc, dp = (ca - cb), (pa - pb)
+    if dc.numel() == 1:
+        return f"{name}: {int(dp):+d} instead of {int(dc):+d}"
+    return f"{name}: changed by up to {int(dp.abs().max()):+d} instead of {int(dc.abs().max()):+d}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Compared:
+    step: StepComparison
+    hazards: list[Hazard]
+
+
+def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, boundaries: list[str],
+             tol: Tolerance, probe: RegionProbe | None) -> _Compared:
+    loss = diff_tensor("loss", c.loss, p.loss)
+    if len(c.outputs) == len(p.outputs):
+        outputs = [diff_tensor(f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(c.outputs, p.outputs))]
+    else:
+        outputs = [diff_tensor("outputs", None, torch.zeros(()))]
+    grads = diff_tensors("grad", c.grads, p.grads)
+    params = diff_tensors("param", c.params, p.params) if c.params is not None and p.params is not None else []
+    buffers = diff_tensors("buffer", c.buffers, p.buffers)
+    norm_c, norm_p = _grad_norm(c.grads), _grad_norm(p.grads)
+    norm_ok = math.isfinite(norm_p) and tol.allows(abs(norm_p - norm_c), abs(norm_c))
+    py = diff_python_state(c.pystate, p.pystate)
+    rng = c.rng.differences(p.rng)
+
+    all_diffs = [loss, *outputs, *grads, *params, *buffers]
+    divergent = [d.name for d in all_diffs if not d.ok]
+    divergent += [] if norm_ok else ["grad_norm"]
+    divergent += [f"python {d}" for d in py] + [f"rng {g}" for g in rng]
+    module, where = (None, None)
+    if divergent:
+        module, where = _first_divergence(c, p, grads, buffers, params, py, rng, tol)
+
+    replay_mut = set().union(*(s.replay_mutations for s in probe.stats.values())) if probe else set()
+    hazards: list[Hazard] = []
+    for d in buffers:
+        name = d.name.removeprefix("buffer ")
+        b = boundary_of(owner_module(name), boundaries)
+        if d.ok or b is None:
+            continue
+        detail = _int_delta_detail(name, c, p) or (
+            f"{name}: differs from the control by up to {d.max_abs:.3g} (rel {d.max_rel:.2g})")
+        if name in replay_mut:
+            detail += " (changed again by the replay)"
+        hazards.append(Hazard(module=b, kind=HazardKind.BUFFER_MUTATION, detail=detail, mode=mode, seed=seed, step=step))
+    for line in py:
+        b = boundary_of(owner_module(line.split(":")[0]), boundaries)
+        if b is not None:
+            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=line, mode=mode, seed=seed, step=step))
+    if rng:
+        drawers = sorted(k for k, s in (probe.stats.items() if probe else []) if s.rng_draws_replay)
+        hazards.append(Hazard(
+            module=", ".join(drawers) or "(not attributed)", kind=HazardKind.RNG, mode=mode, seed=seed, step=step,
+            detail=f"{' and '.join(rng)} generator state after the step differs from the control"
+                   + (f": the replay of {', '.join(drawers)} drew from the live generator" if drawers else "")))
+
+    comparison = StepComparison(
+        seed=seed, step=step, mode=mode, loss=(float(c.loss), float(p.loss)),
+        outputs_max_abs=_max(outputs, "max_abs") if outputs else None,
+        grad_max_abs=_max(grads, "max_abs"), grad_max_rel=_max(grads, "max_rel"),
+        grads_bitwise=all(d.bitwise for d in grads), grad_norm=(norm_c, norm_p),
+        params_max_abs=_max(params, "max_abs") if c.params is not None else None,
+        buffers_max_abs=_max(buffers, "max_abs"),
+        bitwise=all(d.bitwise for d in all_diffs), divergent=divergent,
+        first_divergent_module=module, first_divergence=where, passed=not divergent)
+    return _Compared(step=comparison, hazards=hazards)
+
+
+def _first_divergence(c: _StepState, p: _StepState, grads: list[TensorDiff], buffers: list[TensorDiff],
+                      params: list[TensorDiff], py: list[str], rng: list[str],
+                      tol: Tolerance) -> tuple[str | None, str]:
+    """NOTE [first divergent module] in remat.verify.probe."""
+    for (path_c, dc), (path_p, dp) in zip(c.digests, p.digests):
+        if path_c != path_p:
+            return path_c or "(root)", "forward call order"
+        if not dc.close_to(dp, tol.rtol, tol.atol):
+            return path_c or "(root)", "forward output"
+    if len(c.digests) != len(p.digests):
+        return "(root)", "forward call order"
+    bad = {d.name.removeprefix("grad "): d for d in grads if not d.ok}
+    order = c.grad_order + [n for n in c.grads if n not in c.grad_order]
+    for name in order:
+        if name in bad:
+            return owner_module(name) or "(root)", "gradient"
+    for kind, diffs in (("buffer", buffers),):
+        for d in diffs:
+            if not d.ok:
+                return owner_module(d.name.removeprefix(f"{kind} ")) or "(root)", "buffer"
+    if py:
+        return owner_module(py[0].split(":")[0]) or "(root)", "python attribute"
+    for d in params:
+        if not d.ok:
+            return owner_module(d.name.removeprefix("param ")) or "(root)", "parameter after optimizer step"
+    if rng:
+        return None, "generator state"
+    return None, "loss or outputs"
+
+
+# -- a pair of runs --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class _PairResult:
+    comparisons: list[StepComparison]
+    hazards: list[Hazard]
+    activity: list[BoundaryActivity]
+    error: str | None             # the planned side raised (message), else None
+    faults: list[str]             # what the fault did, per step
+
+    @property
+    def rejected(self) -> bool:
+        return self.error is not None or bool(self.hazards) or any(not s.passed for s in self.comparisons)
+
+    def reason(self) -> str:
+        if self.error is not None:
+            return f"the planned step raised {self.error}"
+        bad = [s for s in self.comparisons if not s.passed]
+        if bad:
+            s = bad[0]
+            where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
+                if s.first_divergent_module else ""
+            return f"seed {s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:3])} out of tolerance{where}"
+        if self.hazards:
+            return f"hazard in {self.hazards[0].module}: {self.hazards[0].detail}"
+        return "no difference from the control"
+
+
+def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: int, eval_pass: bool,
+              fault: Fault | None = None, tick: Callable[[], None] = lambda: None) -> _PairResult:
+    """Control vs ``plan`` (None: the control again) for ``steps`` steps of ``seed`` (NOTE [paired runs])."""
+    comparisons: list[StepComparison] = []
+    hazards: list[Hazard] = []
+    faults: list[str] = []
+    calls: dict[str, dict[str, tuple[int, int]]] = {}
+    error: str | None = None
+    boundaries = [b.module for b in plan.boundaries] if plan is not None else []
+    with contextlib.ExitStack() as stack:
+        control = _Side(loaded.rebuild(), None, stack=stack)
+        planned = _Side(loaded.rebuild(), plan, fault=fault, probe=True, stack=stack)
+        _check_same_init(control.model, planned.model)
+        tol = _model_tolerance(control.model)
+        seed_everything(seed)
+        control.rng = planned.rng = RngState.capture()
+        schedule = [(k, "train") for k in range(steps)] + ([(steps, "eval")] if eval_pass else [])
+        for k, mode in schedule:
+            c = control.step(k, mode)
+            try:
+                p = planned.step(k, mode)
+            except RematError:
+                raise
+            except Exception as exc:  # the planned step itself failed (e.g. a CheckpointError): a finding
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                break
+            if p.fault:
+                faults.append(p.fault)
+            calls.setdefault(mode, p.calls)
+            res = _compare(c, p, seed=seed, step=k, mode=mode, boundaries=boundaries, tol=tol, probe=planned.probe)
+            comparisons.append(res.step)
+            hazards += res.hazards
+            tick()
+        activity = _activity(plan, planned.probe, calls) if plan is not None else []
+        for a in activity:
+            hazards += [Hazard(module=a.module, kind=HazardKind.DEVICE_MOVE, detail=f"{m} inside the region", seed=seed)
+                        for m in a.device_moves]
+    return _PairResult(comparisons=comparisons, hazards=hazards, activity=activity, error=error, faults=faults)
+
+
+def _activity(plan: Plan, probe: RegionProbe | None, calls: dict[str, dict[str, tuple[int, int]]]) -> list[BoundaryActivity]:
+    out = []
+    for b in plan.boundaries:
+        st = probe.stats.get(b.module) if probe is not None else None
+        out.append(BoundaryActivity(
+            module=b.module, mode=b.mode.value, guarded=b.guarded,
+            forward_calls={m: c[b.module][0] for m, c in calls.items() if b.module in c},
+            replay_calls={m: c[b.module][1] for m, c in calls.items() if b.module in c},
+            draws_rng=bool(st and st.rng_draws_forward), replay_mutations=sorted(st.replay_mutations) if st else [],
+            device_moves=list(st.device_moves) if st else []))
+    return out
+
+
+# -- negative controls, RNG ------------------------------------------------------------------------
+
+class GradientPerturbation:
+    """Fault for the perturbed-gradient control: scale the largest gradient by ``1 + rel``."""
+
+    def __init__(self, rel: float) -> None:
+        self.rel = rel
+        self.param: str | None = None
+
+    def __call__(self, model: nn.Module) -> str | None:
+        best, best_max = None, 0.0
+        for name, p in model.named_parameters():
+            if p.grad is not None and p.grad.is_floating_point():
+                m = float(p.grad.detach().abs().max())
+                if m > best_max:
+                    best, best_max = (name, p), m
+        if best is None:
+            return None
+        self.param = best[0]
+        with torch.no_grad():
+            best[1].grad.mul_(1.0 + self.rel)
+        return f"grad {best[0]} x (1 + {self.rel:g})"
+
+
+def _perturbation_for(model_tol: Tolerance) -> float:
+    return max(PERTURBATION, 4.0 * model_tol.rtol)  # NOTE [tolerances]
+
+
+def _rng_policy(plan: Plan, drawers: list[str]) -> RngPolicy:
+    if plan.preserve_rng_state:
+        why = ("RNG state is stashed at each boundary's forward and restored for its replay, so dropout masks "
+               f"repeat exactly ({', '.join(drawers)} draw random numbers)" if drawers else
+               "RNG state is stashed and restored around each replay; no planned boundary draws random numbers")
+        return RngPolicy(preserve_rng_state=True, policy="preserve", justification=why,
+                         boundaries_drawing_rng=tuple(drawers))
+    why = (f"preservation is off, but {', '.join(drawers)} draw random numbers: replays see other masks" if drawers
+           else "preservation is off; no planned boundary draws random numbers, so replays need no RNG state")
+    return RngPolicy(preserve_rng_state=False, policy="off", justification=why, boundaries_drawing_rng=tuple(drawers))
+
+
+def measure_rng_overhead(loaded: LoadedWorkload, plan: Plan, *, steps: int = 5, warmup: int = 1,
+                         tick: Callable[[], None] = lambda: None) -> RngTiming:
+    """Warm median step time of the planned step with and without ``preserve_rng_state`` (ms).
+
+    One fresh build; each iteration times one step per variant, alternating which goes first.
+    """
+    lw = loaded.rebuild()
+    trainer = TrainingStep(lw.workload)
+    cuda = lw.device.startswith("cuda")
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(warmup + steps):
+        for preserve in ((True, False) if i % 2 == 0 else (False, True)):
+            with apply(lw.workload.model, dataclasses.replace(plan, preserve_rng_state=preserve),
+                       check_fingerprint=False):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                trainer.run(i)
+                if cuda:
+                    torch.cuda.synchronize()
+                if i >= warmup:
+                    times[preserve].append((time.perf_counter() - t0) * 1e3)
+        tick()
+    return RngTiming(with_ms=statistics.median(times[True]), without_ms=statistics.median(times[False]), steps=steps)
+
+
+# -- the entry point -------------------------------------------------------------------------------
+
+def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int = 3, seeds: int = 3,
+                timing_steps: int = 5, progress: ProgressFn = no_progress) -> VerifyReport:
+    """Prove (or refute) that ``plan`` applied to ``loaded`` is the same training procedure as the control.
+
+    Runs ``seeds`` paired control/planned runs of ``steps`` steps plus an eval step each
+    (NOTE [paired runs]), a repeatability check of the control, the negative controls
+    (RNG preservation off; one gradient perturbed), and times RNG preservation
+    (``timing_steps`` per variant, 0 to skip). Returns the report; call
+    ``report.raise_if_failed()`` to turn a failure into :class:`VerificationFailed`.
+    """
+    plan = load_plan(plan)
+    if steps < 1 or seeds < 1 or timing_steps < 0:
+        raise RematError(f"steps and seeds must be >= 1 and timing_steps >= 0 (got {steps}, {seeds}, {timing_steps})")
+    check_plan_fingerprint(loaded.workload.model, plan)
+    seed_values = list(range(seeds))
+    neg_steps = min(steps, 2)
+    total = seeds * (steps + 1) + steps + neg_steps + 1 + (timing_steps + 1 if timing_steps else 0)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        progress("verify", min(done, total), total)
+
+    outer_rng = RngState.capture()
+    try:
+        per_step: list[StepComparison] = []
+        hazards: list[Hazard] = []
+        failures: list[str] = []
+        activity: list[BoundaryActivity] = []
+        for seed in seed_values:
+            res = _run_pair(loaded, plan, seed=seed, steps=steps, eval_pass=True, tick=tick)
+            per_step += res.comparisons
+            hazards += res.hazards
+            activity = activity or res.activity
+            if res.error is not None:
+                failures.append(f"seed {seed}: the planned step raised {res.error}")
+        for s in per_step:
+            if not s.passed:
+                where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
+                    if s.first_divergent_module else ""
+                failures.append(f"seed {s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])} "
+                                f"out of tolerance{where}")
+        hazards = _dedupe(hazards)
+        failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
+
+        # Positive control: the unmodified step must repeat itself, or no difference means anything.
+        repeat = _run_pair(loaded, None, seed=seed_values[0], steps=steps, eval_pass=False, tick=tick)
+        repeatable = not repeat.rejected
+        if not repeatable:
+            failures.append(f"the control does not repeat itself with the same seed ({repeat.reason()}): "
+                            "checkpointing cannot be told apart from nondeterminism")
+
+        drawers = sorted(a.module for a in activity if a.draws_rng)
+        negative = [_rng_off_control(loaded, plan, drawers, seed_values[0], neg_steps, tick)]
+        tick()
+        tol = _model_tolerance(loaded.workload.model)
+        negative.append(_perturbed_control(loaded, plan, seed_values[0], _perturbation_for(tol), tick))
+        failures += [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
+                     if n.applicable and not n.rejected]
+
+        timing = measure_rng_overhead(loaded, plan, steps=timing_steps, tick=tick) if timing_steps else None
+        first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
+        if first is None and hazards:
+            first = hazards[0].module
+        return VerifyReport(
+            passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
+            dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
+            seeds=seed_values, tolerances=dict(TOLERANCES), perturbation=_perturbation_for(tol), per_step=per_step,
+            first_divergent_module=first, rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards,
+            negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures)
+    finally:
+        outer_rng.restore()
+
+
+def _rng_off_control(loaded: LoadedWorkload, plan: Plan, drawers: list[str], seed: int, steps: int,
+                     tick: Callable[[], None]) -> NegativeControl:
+    name = "rng_preservation_off"
+    if not drawers:
+        return NegativeControl(name=name, applicable=False, rejected=None,
+                               detail="not applicable: no planned boundary draws random numbers in its forward "
+                                      "(every generator's state was unchanged across each boundary's forward)")
+    res = _run_pair(loaded, dataclasses.replace(plan, preserve_rng_state=False), seed=seed, steps=steps,
+                    eval_pass=False, tick=tick)
+    return NegativeControl(name=name, applicable=True, rejected=res.rejected,
+                           detail=f"same plan with preserve_rng_state=False: {res.reason()}")
+
+
+def _perturbed_control(loaded: LoadedWorkload, plan: Plan, seed: int, rel: float,
+                       tick: Callable[[], None]) -> NegativeControl:
+    name = "perturbed_gradient"
+    fault = GradientPerturbation(rel)
+    res = _run_pair(loaded, plan, seed=seed, steps=1, eval_pass=False, fault=fault, tick=tick)
+    if fault.param is None:
+        return NegativeControl(name=name, applicable=False, rejected=None,
+                               detail="not applicable: every gradient is zero or missing")
+    caught = any(f"grad {fault.param}" in s.divergent for s in res.comparisons)
+    return NegativeControl(name=name, applicable=True, rejected=caught and res.rejected,
+                           detail=f"{res.faults[0] if res.faults else fault.param}: {res.reason()}")
+
+
+def _dedupe(hazards: list[Hazard]) -> list[Hazard]:
+    """One hazard per (module, kind, state, mode): the first occurrence."""
+    seen: set[tuple[str, HazardKind, str, str]] = set()
+    out = []
+    for h in hazards:
+        key = (h.module, h.kind, h.detail.split(":")[0], h.mode)
+        if key not in seen:
+            seen.add(key)
+            out.append(h)
+    return out
+
