@@ -24,6 +24,10 @@ _LAZY = {
     "StepTrace": "remat.trace",
     "apply": "remat.apply",
     "export_check_fn": "remat.apply",
+    "profile_workload": "remat.profile",
+    "make_plan": "remat.plan",
+    "verify_plan": "remat.verify",
+    "VerifyReport": "remat.verify",
 }
 
 __all__ = [

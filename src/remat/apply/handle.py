@@ -28,11 +28,13 @@ def check_plan_fingerprint(model: nn.Module, plan: Plan) -> None:
     actual = fingerprint(model)
     diffs = plan.fingerprint.differences(actual)
     if diffs:
-        shown = "; ".join(diffs[:12]) + (f"; ... ({len(diffs) - 12} more)" if len(diffs) > 12 else "")
-        raise FingerprintMismatch(
-            f"the plan was made for another model ({len(diffs)} difference(s), plan -> this model): {shown}",
+        shown = "".join(f"\n  - {d}" for d in diffs[:40]) + (f"\n  ... ({len(diffs) - 40} more)" if len(diffs) > 40 else "")
+        exc = FingerprintMismatch(
+            f"the plan was made for another model ({len(diffs)} difference(s), plan -> this model):{shown}",
             tip="re-run `remat plan` on this model, or pass check_fingerprint=False if you know the plan still fits",
         )
+        exc.differences = diffs  # type: ignore[attr-defined]  # the full list, for callers
+        raise exc
 
 
 def resolve_modules(model: nn.Module, paths: list[str]) -> dict[str, nn.Module]:

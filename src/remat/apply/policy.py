@@ -20,47 +20,33 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, ContextManager
 
-import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
-aten = torch.ops.aten
+from ..types import SAC_SAVE_OPS
+
+# The op set is shared with remat.profile (NOTE [selective policy ops] in remat.types), so the
+# profiler's SELECTIVE prediction and this wrapper can never disagree.
+DEFAULT_SAVE_OPS: frozenset[str] = SAC_SAVE_OPS
 
 
-def _existing(*names: str) -> frozenset[Any]:
-    """The ``aten`` overloads among ``names`` that this torch build has (``op.overload``)."""
-    out = []
-    for name in names:
-        op_name, _, overload = name.partition(".")
-        packet = getattr(aten, op_name, None)
-        if packet is not None and hasattr(packet, overload or "default"):
-            out.append(getattr(packet, overload or "default"))
-    return frozenset(out)
-
-
-# Outputs worth keeping: FLOP-heavy ops whose recompute costs more than the bytes they hold.
-DEFAULT_SAVE_OPS: frozenset[Any] = _existing(
-    "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "_scaled_mm.default",
-    "convolution.default", "_convolution.default",
-    "_scaled_dot_product_flash_attention.default",
-    "_scaled_dot_product_flash_attention_for_cpu.default",
-    "_scaled_dot_product_efficient_attention.default",
-    "_scaled_dot_product_cudnn_attention.default",
-    "_flash_attention_forward.default", "_efficient_attention_forward.default",
-)
+def op_name(op: Any) -> str:
+    """Overload-packet name of an aten op: ``aten.addmm.default`` -> ``"addmm"``."""
+    packet = getattr(op, "_overloadpacket", None) or getattr(op, "overloadpacket", None)
+    return str(getattr(packet, "__name__", op))
 
 
 class SaveMatmulPolicy:
-    """SAC policy: save the outputs of ``save_ops`` (matmul, conv, attention), recompute the rest.
+    """SAC policy: save the outputs of ``save_ops`` (matmul, conv, attention; packet names), recompute the rest.
 
     One override point, :meth:`decide`; ``__call__`` has the signature
     ``create_selective_checkpoint_contexts`` expects.
     """
 
-    def __init__(self, save_ops: frozenset[Any] = DEFAULT_SAVE_OPS) -> None:
+    def __init__(self, save_ops: frozenset[str] = DEFAULT_SAVE_OPS) -> None:
         self.save_ops = save_ops
 
     def decide(self, op: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in self.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op_name(op) in self.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return self.decide(op)

@@ -57,13 +57,20 @@ def _in_backward() -> bool:
 
 @contextlib.contextmanager
 def restore_buffers(module: nn.Module) -> Iterator[None]:
-    """Snapshot every buffer of ``module`` (recursively) and write it back on exit (NOTE [buffer guard])."""
-    saved = [(buf, buf.detach().clone()) for buf in module.buffers() if buf is not None]
+    """Snapshot every buffer of ``module`` (recursively) and write it back on exit (NOTE [buffer guard]).
+
+    Restores values in place, and also the buffer *objects* if the forward rebound one
+    (``self.steps = self.steps + 1``), so the module ends exactly as the replay found it.
+    """
+    saved = [(owner, name, buf, buf.detach().clone())
+             for owner in module.modules() for name, buf in owner._buffers.items() if buf is not None]
     try:
         yield
     finally:
         with torch.no_grad():
-            for buf, value in saved:
+            for owner, name, buf, value in saved:
+                if owner._buffers.get(name) is not buf:
+                    owner._buffers[name] = buf
                 if not torch.equal(buf, value):  # eval mode: nothing changed, nothing written
                     with torch.autograd._unsafe_preserve_version_counter(buf):
                         buf.copy_(value)

@@ -8,6 +8,8 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
+from ..errors import WorkloadError
+from ..simulate import DEVICE_MODELS, simulate_workload
 from ..trace import StepTrace, to_perfetto, trace_workload
 from ..workload import parse_shape
 from .common import add_workload_args, load_from_args
@@ -21,6 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untraced warm-up steps (default 2)")
     p.add_argument("--steps", type=int, default=3, help="traced steps (default 3)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--simulate", action="store_true",
+                   help="run the step under FakeTensorMode: any shape, nothing allocated, memory_source 'simulated'")
+    p.add_argument("--target-device", choices=sorted(DEVICE_MODELS), default=None,
+                   help="with --simulate: device whose kernels and roofline times to predict "
+                        "(default: h100 with --device cuda, else cpu)")
     p.set_defaults(func=run)
 
 
@@ -44,14 +51,30 @@ def render_trace(trace: StepTrace, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_from_args(args)
     boundary = parse_shape(args.boundary_shape)
+    if args.target_device and not args.simulate:
+        raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
+    sim = None
     with progress_bar() as progress:
-        trace = trace_workload(loaded, warmup=args.warmup, steps=args.steps, boundary_shape=boundary or None,
-                               progress=progress)
+        if args.simulate:
+            target = args.target_device or ("h100" if args.device.startswith("cuda") else "cpu")
+            sim = simulate_workload(args.workload, parse_shape(args.shape), dtype=args.dtype, target_device=target,
+                                    warmup=args.warmup, steps=args.steps, boundary_shape=boundary or None,
+                                    progress=progress)
+            trace = sim.trace
+        else:
+            trace = trace_workload(load_from_args(args), warmup=args.warmup, steps=args.steps,
+                                   boundary_shape=boundary or None, progress=progress)
     atomic_write_json(args.out / "trace.json", trace.to_json())
     atomic_write_json(args.out / "trace.perfetto.json", to_perfetto(trace))
-    render_trace(trace, f"{loaded.spec} {loaded.shape or '(default shape)'}")
+    render_trace(trace, f"{trace.context.workload} {trace.context.shape or '(default shape)'}")
+    if sim is not None:
+        atomic_write_json(args.out / "simulation.json", sim.to_json())
+        dm = sim.device_model
+        console.print(f"simulated for {dm.description}: predicted step {sim.runtime.step_ms:.1f} ms "
+                      f"(roofline x {dm.calibration:g}); peak {fmt_bytes(trace.peak_bytes)} "
+                      f"{'fits' if sim.fits else '[bold red]does not fit[/]'} in {fmt_bytes(dm.memory_bytes)}; "
+                      f"simulated in {sim.wall_s:.1f} s")
     if trace.boundary is not None:
         render_trace(trace.boundary, f"boundary shape {trace.boundary.context.shape}")
         atomic_write_json(args.out / "trace.boundary.perfetto.json", to_perfetto(trace.boundary))

@@ -18,7 +18,7 @@ from ..errors import RematError
 from .render import err_console
 
 # One module per subcommand, each with ``add_parser(subparsers)`` that sets ``func``.
-COMMANDS = ("trace", "plan", "verify", "frontier", "receipt", "check", "demo")
+COMMANDS = ("trace", "plan", "verify", "frontier", "distributed", "receipt", "check", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,7 +75,8 @@ class DistributedConfig:
             raise DistributedError(f"device must be cpu or cuda, got {self.device!r}")
         if self.engine is not Engine.DDP and self.find_unused_parameters:
             raise DistributedError("find_unused_parameters is a DDP option; it does not apply to fsdp2")
-        if self.engine is Engine.DDP and self.find_unused_parameters and self.use_reentrant:
+        reentrant = self.use_reentrant or bool(getattr(self.plan, "use_reentrant", False))
+        if self.engine is Engine.DDP and self.find_unused_parameters and reentrant:
             raise DistributedError(
                 "refusing reentrant activation checkpointing with DDP find_unused_parameters=True: the reentrant "
                 "replay runs its own backward, DDP marks the replayed parameters ready a second time and the first "

@@ -73,19 +73,19 @@ def _wrap_ddp(model: nn.Module, ctx: EngineContext, recorder: CommRecorder | Non
 def _wrap_fsdp2(model: nn.Module, ctx: EngineContext, recorder: CommRecorder | None) -> nn.Module:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from . import instrument
-
-    if not hasattr(instrument, "TimedAllGather"):
-        raise DistributedError(f"this torch ({torch.__version__}) has no FSDP2 custom comm hooks "
+    try:
+        from . import fsdp2_comm
+    except ImportError as exc:
+        raise DistributedError(f"this torch ({torch.__version__}) has no FSDP2 custom comm primitives "
                                "(FSDPModule.set_custom_all_gather); collectives cannot be timed",
-                               tip="use torch >= 2.8, or --engine ddp")
+                               tip="use torch >= 2.8, or --engine ddp") from exc
     for name in shard_units(model):
         fully_shard(model.get_submodule(name), mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
     if recorder is None:
-        all_gather, reduce_scatter = instrument.NoopAllGather(), instrument.NoopReduceScatter()
+        all_gather, reduce_scatter = fsdp2_comm.NoopAllGather(), fsdp2_comm.NoopReduceScatter()
     else:
-        all_gather, reduce_scatter = instrument.TimedAllGather(recorder), instrument.TimedReduceScatter(recorder)
+        all_gather, reduce_scatter = fsdp2_comm.TimedAllGather(recorder), fsdp2_comm.TimedReduceScatter(recorder)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(all_gather)

@@ -7,8 +7,8 @@ Every collective of the step goes through a hook the engine offers for exactly t
   ``default_hooks.allreduce_hook``: the start is stamped when DDP hands over a ready
   bucket, the end in a ``fut.then(...)`` callback, which runs when the all-reduce future
   completes (on gloo this agrees with the profiler's ``gloo:all_reduce`` events).
-* FSDP2: ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` with
-  subclasses of FSDP2's own ``DefaultAllGather`` / ``DefaultReduceScatter``: the start is
+* FSDP2 (fsdp2_comm.py, imported only for FSDP2): ``FSDPModule.set_custom_all_gather`` /
+  ``set_custom_reduce_scatter`` with subclasses of FSDP2's own ``DefaultAllGather`` / ``DefaultReduceScatter``: the start is
   stamped at the call, the end when a synchronous call returns or, for an async one, in a
   callback on ``work.get_future()``. FSDP2 issues the reduce-scatter synchronously on CPU.
 
@@ -27,8 +27,8 @@ the kernel finished; those times would come from the profiler's kernel trace, wh
 package does not read yet, so exposed communication is reported as null on CUDA.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP compares the comm hooks' annotations
+# with the real types (dist.GradBucket, torch.futures.Future[torch.Tensor]).
 import dataclasses
 import functools
 import threading
@@ -41,12 +41,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory.tracker import LiveTensorTracker, StorageRecord
-
-try:  # FSDP2's comm primitives (torch >= 2.8); absent: FSDP2 runs without collective timing
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-except ImportError:  # pragma: no cover - depends on the torch version
-    DefaultAllGather = DefaultReduceScatter = None  # type: ignore[assignment,misc]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CollectiveEvent:
@@ -122,64 +116,6 @@ def noop_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Fu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
-
-
-# -- FSDP2 -------------------------------------------------------------------------------------
-
-def _stamp_on_done(recorder: CommRecorder, pending: _Pending, _fut: torch.futures.Future) -> None:
-    recorder.end(pending)
-
-
-def _finish(recorder: CommRecorder, pending: _Pending, work: Any) -> Any:
-    if work is None:  # synchronous: the call returned after the collective finished
-        recorder.end(pending)
-    else:
-        work.get_future().then(functools.partial(_stamp_on_done, recorder, pending))
-    return work
-
-
-if DefaultAllGather is not None:
-
-    class TimedAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
-        """FSDP2's default all-gather, timed: NOTE [collective timing]."""
-
-        def __init__(self, recorder: CommRecorder) -> None:
-            self.recorder = recorder
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     async_op: bool = False) -> Any:
-            pending = self.recorder.begin("all_gather", tensor_bytes(output_tensor))
-            return _finish(self.recorder, pending, super().__call__(output_tensor, input_tensor, group, async_op))
-
-    class TimedReduceScatter(DefaultReduceScatter):  # type: ignore[misc,valid-type]
-        """FSDP2's default reduce-scatter, timed: NOTE [collective timing]."""
-
-        def __init__(self, recorder: CommRecorder) -> None:
-            self.recorder = recorder
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     op: Any, async_op: bool = False) -> Any:
-            pending = self.recorder.begin("reduce_scatter", tensor_bytes(input_tensor))
-            return _finish(self.recorder, pending,
-                           super().__call__(output_tensor, input_tensor, group, op, async_op))
-
-    class NoopAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
-        """The ablation: no communication; other ranks' slots stay zero (no NaN, same compute)."""
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.zeros(*size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     async_op: bool = False) -> None:
-            return None  # all_gather_copy_in already wrote this rank's slot
-
-    class NoopReduceScatter(DefaultReduceScatter):  # type: ignore[misc,valid-type]
-        """The ablation: no communication; this rank keeps its own (unreduced) chunk."""
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     op: Any, async_op: bool = False) -> None:
-            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
-            return None
 
 
 # -- compute intervals ---------------------------------------------------------------------------

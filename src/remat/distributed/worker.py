@@ -32,8 +32,6 @@ import argparse
 import dataclasses
 import faulthandler
 import gc
-import importlib
-import json
 import os
 import signal
 import socket
@@ -62,9 +60,8 @@ from .intervals import exposed_ns, total_ns
 from .report import CollectiveCount, GradComparison, RankResult, RankSide, assemble
 
 REPORT_NAME = "distributed.json"
-# Test-only hooks (read from the environment, which torchrun passes on to every rank):
+# Test-only fault injection (read from the environment, which torchrun passes on to every rank):
 FAULT_ENV = "REMAT_DISTRIBUTED_TEST_FAULT"   # "exit:RANK:STEP" or "hang:RANK:STEP" (after STEP steps)
-APPLY_ENV = "REMAT_DISTRIBUTED_TEST_APPLY"   # "module:fn" used instead of remat.apply.apply
 
 
 def rank_file(out: Path, rank: int, kind: str) -> Path:
@@ -120,16 +117,10 @@ def _maybe_fault(rank: int, steps_done: int) -> None:
             time.sleep(1.0)
 
 
-def _resolve_apply() -> Callable[..., Any]:
-    target = os.environ.get(APPLY_ENV)
-    if target:
-        mod, _, fn = target.rpartition(":")
-        return getattr(importlib.import_module(mod), fn)
-    try:
-        from ..apply import apply
-    except ImportError as exc:
-        raise DistributedError("remat.apply.apply is not available in this installation; a plan cannot be applied") from exc
-    return apply
+def _apply_plan(model: torch.nn.Module, plan: Plan) -> Any:
+    """``remat.apply.apply``: non-reentrant checkpointing of exactly the planned modules; returns its handle."""
+    from ..apply import apply
+    return apply(model, plan)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -228,7 +219,7 @@ class RankRunner:
     def build(self, plan: Plan | None, *, timed: bool) -> _Built:
         loaded = load_workload(self.cfg.spec, self.cfg.shape, device=str(self.ctx.device), dtype=self.cfg.dtype)
         model = loaded.workload.model
-        handle = _resolve_apply()(model, plan) if plan is not None else None  # the plan first, then the engine
+        handle = _apply_plan(model, plan) if plan is not None else None  # the plan first, then the engine
         recorder = CommRecorder() if timed else None
         wrapped = wrap(model, self.ctx, recorder)
         step = TrainingStep(dataclasses.replace(loaded.workload, model=wrapped))
@@ -388,6 +379,7 @@ def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
         device = torch.device("cpu")
     files.what = "init_process_group"
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    files.what = "building the engine"
     ctx = make_context(cfg, device)
     try:
         result = RankRunner(cfg, ctx, files).run()

@@ -14,11 +14,31 @@ which adds the two candidates' savings independently, would double count. The ch
 MILP states it (one ``<= 1`` row per candidate, tighter than one row per pair).
 
 NOTE [exact integer check]
-All byte figures are integers; HiGHS works in floating point with tolerances around 1e-7
-of its scaled rows. So every row is stated with ``+ 0.5`` bytes of slack (for integer
-data ``expr <= rhs + 0.5`` is the same set as ``expr <= rhs``), every solution is rounded
-to 0/1 and re-checked here in exact int64 arithmetic, and if that check fails the row
-bound is tightened by the overshoot and the MILP solved again (a few tries at most).
+All byte figures are integers; HiGHS works in floating point with tolerances around 1e-7.
+Bytes are scaled by a power of two (exact in floating point) so that HiGHS sees figures
+below 2**20; every budget row carries ``+ 0.5`` bytes of slack (for integer data
+``expr <= rhs + 0.5`` is the same set as ``expr <= rhs``); every solution is rounded to 0/1
+and re-checked here in exact int64 arithmetic, and if that check fails the bound is
+tightened by the overshoot and the MILP solved again (a few tries at most).
+
+NOTE [MILP reductions]
+Before each MILP, exact reductions (none can remove an optimal plan or change its cost):
+- row bounds: per row, ``upper`` (every candidate at its worst option) and ``lower`` (at
+  its best). Minimising cost under a budget B, a row with upper <= B can never bind. For
+  the peak, t >= max(lower) is a valid bound on t, and a row with upper <= that bound is
+  implied by it.
+- dominance: row r is dropped when a kept row s has row_r(x) <= row_s(x) for every x
+  (checked with the same per-candidate bound on row_r - row_s). Chains of forward rows
+  are mostly dominated by the backward rows that follow them.
+- options that lower no remaining row (and cost >= 0) are fixed to KEEP.
+Then two MILPs for ``optimal``: least overhead, then least peak with the overhead capped
+at that optimum (the tie-break), each exact up to HiGHS's 1e-6 absolute objective gap.
+Minimising the peak uses an *integer* t counted in units of the byte scale (1 byte while
+figures stay below 2**20, else 2**(bits - 20) bytes: about 1 ppm of the largest figure):
+with a continuous t HiGHS shaves its 1e-6 tolerance off the optimum and then rejects its
+own answer ("Solve error"). So ``peak_floor`` is exact for figures below 1 MiB and
+otherwise at most one scale unit above the true floor (never below it); budgets are
+always checked exactly in bytes.
 """
 
 from __future__ import annotations
@@ -41,8 +61,11 @@ MIB = 2 ** 20
 Allowed = Union[None, Iterable[str], Mapping[str, Iterable[CheckpointMode]]]
 
 _SOLVER_TIME_LIMIT_S = 30.0   # a planning MILP normally takes milliseconds
+_TIE_BREAK_TIME_LIMIT_S = 0.25   # the lower-peak tie-break among equally cheap plans is best effort
 _EXACT_TRIES = 4              # NOTE [exact integer check]
-_COST_TIE_RTOL = 1e-7         # overheads this close (relative, ms) count as equally cheap
+_COST_TIE_RTOL = 1e-6         # overheads this close (relative to max(1 ms, overhead)) count as equally cheap
+_SCALE_BITS = 20              # NOTE [exact integer check]
+_DOMINANCE_MAX_ROWS = 400     # O(R^2 C) dominance pruning above this would cost more than it saves
 
 
 def checkpoint_modes(candidate: CandidateCost) -> list[CheckpointMode]:
@@ -227,42 +250,48 @@ class CostModel:
     def cheapest_within(self, budget_bytes: int) -> np.ndarray | None:
         """The least-overhead valid x with peak(x) <= budget_bytes, exact under the model; None if none exists.
 
-        Among equally cheap choices (overheads within 1e-7 relative) the lowest peak wins:
-        a second MILP minimises the peak with the overhead capped at the optimum found by
-        the first, so the tie-break can never make the plan more expensive.
+        Among equally cheap choices (overheads within 1e-6 x max(1 ms, overhead)) the lowest
+        peak wins: a second MILP minimises the peak with the overhead capped at the optimum
+        found by the first, so the tie-break can never make the plan more expensive. The
+        tie-break is best effort: it gets a short time limit (its best answer so far is
+        taken), and if it fails the first answer stands.
         """
-        n_opt = len(self.options)
-        if n_opt == 0:
-            x0 = np.zeros(0, dtype=np.int64)
-            return x0 if self.peak(x0) <= budget_bytes else None
-        # Rows that stay under the budget whatever is chosen cannot bind: drop them (exact).
-        upper = self.base + np.clip(self.delta, 0, None).sum(axis=1)
-        binding = np.flatnonzero(upper > budget_bytes)
-        x1 = self._solve_exact(objective=self.replay_ms, rows=binding, budget_bytes=budget_bytes)
+        x1 = self._solve_exact(minimise_peak=False, budget_bytes=budget_bytes)
         if x1 is None:
             return None
         cost1 = self.overhead_ms(x1)
-        x2 = self.lowest_peak_x(budget_bytes=budget_bytes,
-                                max_overhead_ms=cost1 + _COST_TIE_RTOL * max(1.0, abs(cost1)))
-        if x2 is not None and self.peak(x2) < self.peak(x1) and self.peak(x2) <= budget_bytes:
+        cap_ms = cost1 + _COST_TIE_RTOL * max(1.0, abs(cost1))
+        if self.peak(x1) <= int(self._row_bounds()[1].max()):
+            return x1      # already at the peak's lower bound: nothing to break
+        try:
+            x2 = self._solve_exact(minimise_peak=True, budget_bytes=budget_bytes, max_overhead_ms=cap_ms,
+                                   time_limit_s=_TIE_BREAK_TIME_LIMIT_S, best_effort=True)
+        except PlanError:
+            return x1
+        if x2 is not None and self.peak(x2) < self.peak(x1) and self.overhead_ms(x2) <= cap_ms:
             return x2
         return x1
 
-    def lowest_peak_x(self, *, budget_bytes: int | None = None, max_overhead_ms: float | None = None) -> np.ndarray | None:
-        """A valid x of least predicted peak (optionally with peak <= budget, overhead <= cap); None if none."""
-        n_opt = len(self.options)
-        if n_opt == 0:
-            x0 = np.zeros(0, dtype=np.int64)
-            return x0 if budget_bytes is None or self.peak(x0) <= budget_bytes else None
-        return self._solve_exact(objective=None, rows=np.arange(len(self.base)), budget_bytes=budget_bytes,
-                                 max_overhead_ms=max_overhead_ms)
+    def lowest_peak_x(self) -> np.ndarray:
+        """A valid x of least predicted peak (exact under the model)."""
+        x = self._solve_exact(minimise_peak=True, budget_bytes=None)
+        assert x is not None   # unconstrained: the all-KEEP choice is always valid
+        return x
 
-    def _solve_exact(self, *, objective: np.ndarray | None, rows: np.ndarray, budget_bytes: int | None,
-                     max_overhead_ms: float | None = None) -> np.ndarray | None:
-        """Solve, round, re-check exactly; retighten on a tolerance overshoot (NOTE [exact integer check])."""
-        slack = 0.0
+    def _solve_exact(self, *, minimise_peak: bool, budget_bytes: int | None, max_overhead_ms: float | None = None,
+                     time_limit_s: float = _SOLVER_TIME_LIMIT_S, best_effort: bool = False) -> np.ndarray | None:
+        """Reduce, solve, round, re-check exactly; retighten on a tolerance overshoot (NOTE [exact integer check])."""
+        rows, cols, t_lb = self._reduce(minimise_peak=minimise_peak, budget_bytes=budget_bytes)
+        if budget_bytes is not None and t_lb > budget_bytes:
+            return None   # some row exceeds the budget whatever is chosen
+        if len(cols) == 0:
+            x = np.zeros(len(self.options), dtype=np.int64)
+            return x if budget_bytes is None or self.peak(x) <= budget_bytes else None
+        slack = 0
         for _ in range(_EXACT_TRIES):
-            x = self._milp(objective, rows, budget_bytes, slack, max_overhead_ms)
+            x = self._milp(rows, cols, minimise_peak=minimise_peak, budget_bytes=budget_bytes, slack=slack,
+                           max_overhead_ms=max_overhead_ms, t_lb=t_lb, time_limit_s=time_limit_s,
+                           best_effort=best_effort)
             if x is None:
                 return None
             over = 0 if budget_bytes is None else self.peak(x) - budget_bytes
@@ -273,53 +302,99 @@ class CostModel:
                         f"after {_EXACT_TRIES} tries (budget {budget_bytes} bytes)",
                         tip="this points at extreme byte figures in the profile; try --planner greedy")
 
-    def _milp(self, objective: np.ndarray | None, rows: np.ndarray, budget_bytes: int | None, slack: float,
-              max_overhead_ms: float | None) -> np.ndarray | None:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import csr_array, hstack, vstack
+    def _reduce(self, *, minimise_peak: bool, budget_bytes: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """Rows and options the MILP needs, and a lower bound on the peak (NOTE [MILP reductions])."""
+        groups = self._groups()
+        if len(groups) == 0:
+            return np.arange(len(self.base)), np.zeros(0, dtype=np.int64), int(self.base.max())
+        upper, lower = self._row_bounds()
+        t_lb = int(lower.max())
+        cut = t_lb if minimise_peak else budget_bytes
+        rows = np.flatnonzero(upper > cut) if cut is not None else np.arange(len(self.base))
+        if 1 < len(rows) <= _DOMINANCE_MAX_ROWS:
+            rows = self._undominated(rows, groups)
+        cols = np.flatnonzero((self.delta[rows] < 0).any(axis=0) | (self.replay_ms < 0))
+        return rows, cols, t_lb
 
-        n_opt = len(self.options)
-        minimise_peak = objective is None
-        n_var = n_opt + (1 if minimise_peak else 0)          # [x (binary) ..., t (peak, bytes)]
+    def _groups(self) -> np.ndarray:
+        """Index of each plannable candidate's first option (options of a candidate are contiguous)."""
+        return np.array([opts[0] for opts in self.options_of if opts], dtype=np.int64)
+
+    def _row_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(R,) upper and lower bounds of each row over all choices (bytes), per-candidate worst/best option."""
+        groups = self._groups()
+        if len(groups) == 0:
+            return self.base.copy(), self.base.copy()
+        hi = np.maximum.reduceat(self.delta, groups, axis=1)                # (R, C) worst option per candidate
+        lo = np.minimum.reduceat(self.delta, groups, axis=1)                # (R, C) best option per candidate
+        return self.base + np.clip(hi, 0, None).sum(axis=1), self.base + np.clip(lo, None, 0).sum(axis=1)
+
+    def _undominated(self, rows: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        """Drop row r when some kept row s satisfies row_r(x) <= row_s(x) for every x."""
+        d, b = self.delta[rows], self.base[rows]
+        alive = np.ones(len(rows), dtype=bool)
+        for i in range(len(rows)):
+            # max over x of row_i(x) - row_s(x), for every s at once: (R,)
+            gap = b[i] - b + np.clip(np.maximum.reduceat(d[i] - d, groups, axis=1), 0, None).sum(axis=1)
+            gap[i] = 1
+            if (alive & (gap <= 0)).any():
+                alive[i] = False
+        return rows[alive]
+
+    def _milp(self, rows: np.ndarray, cols: np.ndarray, *, minimise_peak: bool, budget_bytes: int | None,
+              slack: int, max_overhead_ms: float | None, t_lb: int, time_limit_s: float,
+              best_effort: bool) -> np.ndarray | None:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_array, hstack
+
+        n_x = len(cols)
+        n_var = n_x + (1 if minimise_peak else 0)           # [x (binary) ..., t (peak, scaled bytes)]
+        delta = self.delta[np.ix_(rows, cols)]
+        base = self.base[rows]
+        # NOTE [exact integer check]: bytes scaled by a power of two, so HiGHS sees figures < 2**20.
+        top = int(max(np.abs(delta).max(initial=0), np.abs(base).max(initial=0), abs(budget_bytes or 0), 1))
+        scale = 2 ** max(0, top.bit_length() - _SCALE_BITS)
+        a_rows = csr_array(delta / scale)
         constraints = []
-        delta = csr_array(self.delta[rows].astype(np.float64))
-        base = self.base[rows].astype(np.float64)
-        if minimise_peak:
+        if len(rows) == 0:
+            pass
+        elif minimise_peak:
             # base_r + delta_r x <= t  <=>  delta_r x - t <= -base_r
-            a = hstack([delta, csr_array(-np.ones((len(rows), 1)))], format="csr")
-            constraints.append(LinearConstraint(a, -np.inf, -base))
-        elif len(rows):
-            constraints.append(LinearConstraint(delta, -np.inf, budget_bytes - base + 0.5 - slack))
-        if self.cliques:
-            data, ri, ci = [], [], []
-            for r, opts in enumerate(self.cliques):
-                data += [1.0] * len(opts)
-                ri += [r] * len(opts)
-                ci += opts
-            clique = csr_array((data, (ri, ci)), shape=(len(self.cliques), n_var))
-            constraints.append(LinearConstraint(clique, -np.inf, 1.0))
+            a = hstack([a_rows, csr_array(-np.ones((len(rows), 1)))], format="csr")
+            constraints.append(LinearConstraint(a, -np.inf, -base / scale))
+        else:
+            constraints.append(LinearConstraint(a_rows, -np.inf, (budget_bytes - base + 0.5 - slack) / scale))
+        pos = {int(o): i for i, o in enumerate(cols)}
+        cliques = [[pos[o] for o in c if o in pos] for c in self.cliques]
+        cliques = [c for c in cliques if len(c) >= 2]
+        if cliques:
+            ri = [r for r, c in enumerate(cliques) for _ in c]
+            ci = [i for c in cliques for i in c]
+            constraints.append(LinearConstraint(csr_array((np.ones(len(ci)), (ri, ci)), shape=(len(cliques), n_var)),
+                                                -np.inf, 1.0))
+        ms = self.replay_ms[cols]
         if max_overhead_ms is not None:
-            row = np.concatenate([self.replay_ms, np.zeros(n_var - n_opt)])[None, :]
+            row = np.concatenate([ms, np.zeros(n_var - n_x)])[None, :]
             constraints.append(LinearConstraint(csr_array(row), -np.inf, max_overhead_ms))
-        lb = np.zeros(n_var)
-        ub = np.ones(n_var)
-        integrality = np.ones(n_var)
+        lb, ub, integrality = np.zeros(n_var), np.ones(n_var), np.ones(n_var)
         if minimise_peak:
-            lb[-1] = -np.inf
-            ub[-1] = np.inf if budget_bytes is None else budget_bytes + 0.5 - slack
-            integrality[-1] = 0
+            # t: an integer count of ``scale`` bytes (NOTE [MILP reductions]); t >= ceil(peak / scale).
+            lb[-1] = -((-t_lb) // scale)
+            ub[-1] = np.inf if budget_bytes is None else -((slack - budget_bytes) // scale)
             c = np.zeros(n_var)
             c[-1] = 1.0
         else:
-            c = objective.astype(np.float64)
-        res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=constraints or None,
-                   options={"mip_rel_gap": 0.0, "time_limit": _SOLVER_TIME_LIMIT_S, "presolve": True})
-        if res.status == 2:   # infeasible
+            c = ms.astype(np.float64)
+        res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=constraints,
+                   options={"mip_rel_gap": 0.0, "time_limit": time_limit_s, "presolve": True})
+        if res.status == 2 or (best_effort and res.x is None):   # infeasible, or no incumbent in time
             return None
-        if res.status != 0 or res.x is None:
+        if (res.status != 0 and not best_effort) or res.x is None:
             raise PlanError(f"the MILP solver did not finish: {res.message}",
                             tip="try --planner greedy, or fewer candidates")
-        return np.rint(res.x[:n_opt]).astype(np.int64)
+        x = np.zeros(len(self.options), dtype=np.int64)
+        x[cols] = np.rint(res.x[:n_x]).astype(np.int64)
+        return x
 
 
 def predict_peak(report: ProfileReport, choice: Mapping[str, CheckpointMode]) -> int:
@@ -337,6 +412,4 @@ def predict_overhead_ms(report: ProfileReport, choice: Mapping[str, CheckpointMo
 def peak_floor(report: ProfileReport, allowed: Allowed = None) -> int:
     """Lowest predicted peak (bytes) any valid choice over ``allowed`` reaches (exact under the model)."""
     model = CostModel(report, allowed)
-    x = model.lowest_peak_x()
-    assert x is not None   # unconstrained: the all-KEEP choice is always valid
-    return model.peak(x)
+    return model.peak(model.lowest_peak_x())

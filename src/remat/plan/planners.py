@@ -96,7 +96,7 @@ class Eligibility:
 
     allowed: dict[str, list[CheckpointMode]]   # name -> plannable modes (non-KEEP)
     guarded: frozenset[str]                     # planned with buffers restored around the replay
-    excluded: list[Exclusion]                   # forward order; report.excluded first per candidate
+    excluded: list[Exclusion]                   # forward order, then report.excluded names that are no candidate
 
 
 def _hazard_text(h: HazardRecord, where: str | None) -> str:
@@ -303,9 +303,7 @@ class OptimalPlanner(Planner):
         assert ctx.budget_bytes is not None
         x = ctx.model.cheapest_within(ctx.budget_bytes)
         if x is None:
-            best = ctx.model.lowest_peak_x()
-            assert best is not None
-            raise _infeasible(ctx, ctx.model.peak(best))
+            raise _infeasible(ctx, ctx.model.peak(ctx.model.lowest_peak_x()))
         return ctx.model.choice(x)
 
 

@@ -33,8 +33,9 @@ def fingerprint(model: nn.Module) -> ModelFingerprint:
     modules = tuple((name, type(m).__qualname__) for name, m in model.named_modules())
     params = tuple(ParamSignature(name=n, shape=tuple(p.shape), dtype=str(p.dtype).replace("torch.", ""))
                    for n, p in model.named_parameters(remove_duplicate=False))
-    classes = {f"{type(m).__module__}.{type(m).__qualname__}": class_source_hash(type(m)) for m in model.modules()}
-    hashes = tuple(sorted(classes.items()))
+    # keyed by qualname, not module: a file workload's module name depends on where the
+    # checkout lives, and a receipt must re-check from any clone
+    hashes = tuple(sorted({(type(m).__qualname__, class_source_hash(type(m))) for m in model.modules()}))
     payload = json.dumps([modules, [(p.name, p.shape, p.dtype) for p in params], hashes])
     return ModelFingerprint(modules=modules, params=params, class_source_hashes=hashes,
                             digest=hashlib.sha256(payload.encode()).hexdigest())

@@ -136,14 +136,16 @@ def short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def changed_attributes(control: dict[str, Any], planned: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``[("blocks.2.calls", 1, 2), ...]``: attributes whose values differ (control value, planned value)."""
+    keys = list(control) + [k for k in planned if k not in control]
+    return [(k, control.get(k, "<absent>"), planned.get(k, "<absent>")) for k in keys
+            if control.get(k, "<absent>") != planned.get(k, "<absent>")]
+
+
 def diff_python_state(control: dict[str, Any], planned: dict[str, Any]) -> list[str]:
     """``["blocks.2.calls: 1 -> 2", ...]`` (control value -> planned value)."""
-    out = []
-    for key in list(control) + [k for k in planned if k not in control]:
-        c, p = control.get(key, "<absent>"), planned.get(key, "<absent>")
-        if c != p:
-            out.append(f"{key}: {short_repr(c)} -> {short_repr(p)}")
-    return out
+    return [f"{k}: {short_repr(c)} -> {short_repr(p)}" for k, c, p in changed_attributes(control, planned)]
 
 
 def owner_module(name: str) -> str:

@@ -148,10 +148,12 @@ class RngPolicy:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RngTiming:
-    """Warm step time of the planned step with and without RNG preservation (ms, medians)."""
+    """Warm whole-step time of the planned step with and without RNG preservation (ms)."""
 
-    with_ms: float
-    without_ms: float
+    with_ms: float                      # p50
+    without_ms: float                   # p50
+    with_p95_ms: float
+    without_p95_ms: float
     steps: int                          # timed steps per variant
 
     @property
@@ -160,7 +162,7 @@ class RngTiming:
 
     def to_json(self) -> dict[str, Any]:
         return {"with_ms": self.with_ms, "without_ms": self.without_ms, "overhead_ms": self.overhead_ms,
-                "steps": self.steps}
+                "with_p95_ms": self.with_p95_ms, "without_p95_ms": self.without_p95_ms, "steps": self.steps}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -185,6 +187,7 @@ class VerifyReport:
     boundaries: list[BoundaryActivity]
     repeatable: bool                    # the control twice, same seed: equal (else nothing can be proved)
     failures: list[str]                 # why it failed, one line each
+    warnings: list[str] = dataclasses.field(default_factory=list)  # e.g. non-finite control gradients
     schema_version: int = VERIFY_SCHEMA_VERSION
 
     @property
@@ -208,6 +211,7 @@ class VerifyReport:
             "boundaries": [b.to_json() for b in self.boundaries],
             "repeatable": self.repeatable,
             "failures": list(self.failures),
+            "warnings": list(self.warnings),
         }
 
     def raise_if_failed(self) -> None:

@@ -41,8 +41,8 @@ from ..errors import RematError, WorkloadError
 from ..plan.model import Plan
 from ..types import HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
-from .compare import (TensorDiff, boundary_of, clone_tensors, diff_python_state, diff_tensor, diff_tensors,
-                      owner_module, python_state, tolerance_for)
+from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors,
+                      owner_module, python_state, short_repr, tolerance_for)
 from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
                     StepComparison, Tolerance, VerifyReport)
 from .probe import RegionProbe, RngState, StepRecorder, seed_everything
@@ -64,6 +64,7 @@ class _StepState:
     params: dict[str, torch.Tensor] | None
     buffers_before: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
+    pystate_before: dict[str, Any]
     pystate: dict[str, Any]
     rng: RngState
     calls: dict[str, tuple[int, int]]  # boundary -> (forward calls, replay calls) this step
@@ -87,6 +88,7 @@ class _Side:
         self.probe = stack.enter_context(RegionProbe(self.handle)) if (probe and self.handle) else None
         self.rng: RngState | None = None
         self.buffers = clone_tensors(self.model.named_buffers())
+        self.pystate = python_state(self.model)
 
     def _remove(self) -> None:
         if self.handle is not None and self.handle.active:
@@ -114,13 +116,14 @@ class _Side:
             for m, flag in training.items():
                 m.training = flag
         before, self.buffers = self.buffers, clone_tensors(self.model.named_buffers())
+        py_before, self.pystate = self.pystate, python_state(self.model)
         self.rng = RngState.capture()
         calls = {w.path: (w.forward_calls, w.replay_calls) for w in self.handle.wrappers} if self.handle else {}
         return _StepState(
             loss=loss.detach().clone(), outputs=list(self.recorder.outputs),
             digests=list(self.recorder.digests), grad_order=list(self.recorder.grad_order), grads=grads,
             params=clone_tensors(self.model.named_parameters()) if mode == "train" else None,
-            buffers_before=before, buffers=self.buffers, pystate=python_state(self.model), rng=self.rng,
+            buffers_before=before, buffers=self.buffers, pystate_before=py_before, pystate=self.pystate, rng=self.rng,
             calls=calls, fault=fault)
 
 
@@ -152,16 +155,43 @@ def _max(diffs: list[TensorDiff], attr: str) -> float:
     return max((getattr(d, attr) for d in diffs), default=0.0)
 
 
-def _int_delta_detail(name: str, c: _StepState, p: _StepState) -> str | None:
-    """``"x.num_batches_tracked: +2 instead of +1"`` for integer buffers, else None."""
-    ca, pa = c.buffers.get(name), p.buffers.get(name)
-    cb, pb = c.buffers_before.get(name), p.buffers_before.get(name)
-    if any(t is None for t in (ca, pa, cb, pb)) or ca.is_floating_point() or ca.shape != cb.shape:
+def _buffer_hazard(name: str, d: TensorDiff, c: _StepState, p: _StepState) -> str | None:
+    """What a replay did to buffer ``name`` *in this step*, or None if it only carries an earlier difference.
+
+    NOTE [hazards vs divergence]: once a buffer differs, later steps differ too; a hazard is
+    reported at the step where the planned run's change first departs from the control's.
+    """
+    ca, pa, cb, pb = c.buffers[name], p.buffers[name], c.buffers_before.get(name), p.buffers_before.get(name)
+    if cb is None or pb is None or cb.shape != ca.shape or pb.shape != pa.shape:
+        return f"{name}: replaced with a different tensor ({list(ca.shape)} -> {list(pa.shape)})"
+    equal_before = torch.equal(cb, pb)
+    if not ca.is_floating_point() and not ca.is_complex():
+        dc, dp = ca - cb, pa - pb
+        if not equal_before and torch.equal(dc, dp):
+            return None
+        if dc.numel() == 1:
+            return f"{name}: {int(dp):+d} instead of {int(dc):+d}"
+        return f"{name}: changed by up to {int(dp.abs().max()):+d} instead of {int(dc.abs().max()):+d}"
+    if equal_before:
+        return f"{name}: differs from the control by up to {d.max_abs:.3g} (rel {d.max_rel:.2g})"
+    c_changed, p_changed = not torch.equal(ca, cb), not torch.equal(pa, pb)
+    if c_changed == p_changed:
         return None
-    dc, dp = (ca - cb), (pa - pb)
-    if dc.numel() == 1:
-        return f"{name}: {int(dp):+d} instead of {int(dc):+d}"
-    return f"{name}: changed by up to {int(dp.abs().max()):+d} instead of {int(dc.abs().max()):+d}"
+    return f"{name}: changed in the {'planned run' if p_changed else 'control'} only"
+
+
+def _attribute_hazard(key: str, ca: Any, pa: Any, c: _StepState, p: _StepState) -> str | None:
+    """Like :func:`_buffer_hazard` for a Python attribute: ``blocks.2.calls: 1 -> 2``."""
+    cb, pb = c.pystate_before.get(key, "<absent>"), p.pystate_before.get(key, "<absent>")
+    if cb == pb:
+        return f"{key}: {short_repr(ca)} -> {short_repr(pa)}"
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ca, pa, cb, pb))
+    if numbers:
+        dc, dp = ca - cb, pa - pb
+        return None if dc == dp else f"{key}: {dp:+g} instead of {dc:+g} this step ({ca} -> {pa})"
+    if (ca != cb) == (pa != pb):
+        return None
+    return f"{key}: {short_repr(ca)} -> {short_repr(pa)}"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -181,8 +211,10 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, b
     params = diff_tensors("param", c.params, p.params) if c.params is not None and p.params is not None else []
     buffers = diff_tensors("buffer", c.buffers, p.buffers)
     norm_c, norm_p = _grad_norm(c.grads), _grad_norm(p.grads)
-    norm_ok = math.isfinite(norm_p) and tol.allows(abs(norm_p - norm_c), abs(norm_c))
-    py = diff_python_state(c.pystate, p.pystate)
+    norm_ok = (norm_c == norm_p or (math.isnan(norm_c) and math.isnan(norm_p))
+               or (math.isfinite(norm_p) and tol.allows(abs(norm_p - norm_c), abs(norm_c))))
+    changed = changed_attributes(c.pystate, p.pystate)
+    py = [f"{k}: {short_repr(a)} -> {short_repr(b)}" for k, a, b in changed]
     rng = c.rng.differences(p.rng)
 
     all_diffs = [loss, *outputs, *grads, *params, *buffers]
@@ -198,17 +230,17 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, b
     for d in buffers:
         name = d.name.removeprefix("buffer ")
         b = boundary_of(owner_module(name), boundaries)
-        if d.ok or b is None:
+        detail = None if (d.ok or b is None or name not in p.buffers) else _buffer_hazard(name, d, c, p)
+        if detail is None:
             continue
-        detail = _int_delta_detail(name, c, p) or (
-            f"{name}: differs from the control by up to {d.max_abs:.3g} (rel {d.max_rel:.2g})")
         if name in replay_mut:
             detail += " (changed again by the replay)"
         hazards.append(Hazard(module=b, kind=HazardKind.BUFFER_MUTATION, detail=detail, mode=mode, seed=seed, step=step))
-    for line in py:
-        b = boundary_of(owner_module(line.split(":")[0]), boundaries)
-        if b is not None:
-            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=line, mode=mode, seed=seed, step=step))
+    for key, ca, pa in changed:
+        b = boundary_of(owner_module(key), boundaries)
+        detail = None if b is None else _attribute_hazard(key, ca, pa, c, p)
+        if detail is not None:
+            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=detail, mode=mode, seed=seed, step=step))
     if rng:
         drawers = sorted(k for k, s in (probe.stats.items() if probe else []) if s.rng_draws_replay)
         hazards.append(Hazard(
@@ -379,11 +411,12 @@ def _rng_policy(plan: Plan, drawers: list[str]) -> RngPolicy:
     return RngPolicy(preserve_rng_state=False, policy="off", justification=why, boundaries_drawing_rng=tuple(drawers))
 
 
-def measure_rng_overhead(loaded: LoadedWorkload, plan: Plan, *, steps: int = 5, warmup: int = 1,
+def measure_rng_overhead(loaded: LoadedWorkload, plan: Plan, *, steps: int = 10, warmup: int = 2,
                          tick: Callable[[], None] = lambda: None) -> RngTiming:
-    """Warm median step time of the planned step with and without ``preserve_rng_state`` (ms).
+    """Warm whole-step time of the planned step with and without ``preserve_rng_state`` (ms, p50/p95).
 
-    One fresh build; each iteration times one step per variant, alternating which goes first.
+    One fresh build; each iteration times one step per variant (batch, forward, backward,
+    optimizer), alternating which variant goes first so drift hits both alike.
     """
     lw = loaded.rebuild()
     trainer = TrainingStep(lw.workload)
@@ -402,13 +435,19 @@ def measure_rng_overhead(loaded: LoadedWorkload, plan: Plan, *, steps: int = 5, 
                 if i >= warmup:
                     times[preserve].append((time.perf_counter() - t0) * 1e3)
         tick()
-    return RngTiming(with_ms=statistics.median(times[True]), without_ms=statistics.median(times[False]), steps=steps)
+    return RngTiming(with_ms=statistics.median(times[True]), without_ms=statistics.median(times[False]),
+                     with_p95_ms=_p95(times[True]), without_p95_ms=_p95(times[False]), steps=steps)
+
+
+def _p95(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 # -- the entry point -------------------------------------------------------------------------------
 
 def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int = 3, seeds: int = 3,
-                timing_steps: int = 5, progress: ProgressFn = no_progress) -> VerifyReport:
+                timing_steps: int = 10, progress: ProgressFn = no_progress) -> VerifyReport:
     """Prove (or refute) that ``plan`` applied to ``loaded`` is the same training procedure as the control.
 
     Runs ``seeds`` paired control/planned runs of ``steps`` steps plus an eval step each
@@ -423,7 +462,7 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
     check_plan_fingerprint(loaded.workload.model, plan)
     seed_values = list(range(seeds))
     neg_steps = min(steps, 2)
-    total = seeds * (steps + 1) + steps + neg_steps + 1 + (timing_steps + 1 if timing_steps else 0)
+    total = seeds * (steps + 1) + steps + neg_steps + 1 + (timing_steps + 2 if timing_steps else 0)
     done = 0
 
     def tick() -> None:
@@ -444,12 +483,15 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
             activity = activity or res.activity
             if res.error is not None:
                 failures.append(f"seed {seed}: the planned step raised {res.error}")
-        for s in per_step:
-            if not s.passed:
-                where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
-                    if s.first_divergent_module else ""
-                failures.append(f"seed {s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])} "
-                                f"out of tolerance{where}")
+        bad = [s for s in per_step if not s.passed]
+        if bad:
+            s = bad[0]
+            where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
+                if s.first_divergent_module else ""
+            more = f" and {len(s.divergent) - 4} more" if len(s.divergent) > 4 else ""
+            failures.append(f"{len(bad)} of {len(per_step)} compared steps differ from the control; first: seed "
+                            f"{s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])}{more} out of "
+                            f"tolerance{where}")
         hazards = _dedupe(hazards)
         failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
 
@@ -462,7 +504,6 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
 
         drawers = sorted(a.module for a in activity if a.draws_rng)
         negative = [_rng_off_control(loaded, plan, drawers, seed_values[0], neg_steps, tick)]
-        tick()
         tol = _model_tolerance(loaded.workload.model)
         negative.append(_perturbed_control(loaded, plan, seed_values[0], _perturbation_for(tol), tick))
         failures += [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
@@ -472,12 +513,17 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
         first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
         if first is None and hazards:
             first = hazards[0].module
+        warnings = [f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
+                    f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
+                    for s in _first_non_finite_per_seed(per_step)]
+        progress("verify", total, total)
         return VerifyReport(
             passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
             dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
             seeds=seed_values, tolerances=dict(TOLERANCES), perturbation=_perturbation_for(tol), per_step=per_step,
             first_divergent_module=first, rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards,
-            negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures)
+            negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures,
+            warnings=warnings)
     finally:
         outer_rng.restore()
 
@@ -506,6 +552,14 @@ def _perturbed_control(loaded: LoadedWorkload, plan: Plan, seed: int, rel: float
     caught = any(f"grad {fault.param}" in s.divergent for s in res.comparisons)
     return NegativeControl(name=name, applicable=True, rejected=caught and res.rejected,
                            detail=f"{res.faults[0] if res.faults else fault.param}: {res.reason()}")
+
+
+def _first_non_finite_per_seed(per_step: list[StepComparison]) -> list[StepComparison]:
+    out: dict[int, StepComparison] = {}
+    for s in per_step:
+        if s.seed not in out and not math.isfinite(s.grad_norm[0]):
+            out[s.seed] = s
+    return list(out.values())
 
 
 def _dedupe(hazards: list[Hazard]) -> list[Hazard]:

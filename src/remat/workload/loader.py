@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -86,7 +87,10 @@ def _resolve_factory(spec: str) -> Callable[..., Any]:
         path = Path(where)
         if not path.is_file():
             raise WorkloadError(f"workload file not found: {path}")
-        mod_name = f"remat_user_workload_{abs(hash(str(path.resolve())))}"
+        # a stable name (not hash(): salted per process) so class qualnames, and with them
+        # model fingerprints, are the same in every process that loads this file
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+        mod_name = f"remat_user_workload_{digest}"
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         if module_spec is None or module_spec.loader is None:
             raise WorkloadError(f"cannot import {path} as a Python module")

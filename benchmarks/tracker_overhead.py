@@ -1,0 +1,51 @@
+"""Cost of the CPU live-tensor tracker, and its agreement with torch.profiler (issue 2).
+
+    .venv/bin/python benchmarks/tracker_overhead.py [--steps 15]
+
+Plain and tracked steps are interleaved (plain, tracked, plain, tracked, ...) on one
+TrainingStep so machine drift hits both alike; the figure is median(tracked) / median(plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from remat.memory import LiveTensorTracker, measure_step_peak, profiler_memory_peak, track_step_state
+from remat.workload import TrainingStep, load_workload
+
+CASES = [("gpt", {"batch_size": 8, "seq_len": 256}), ("mlp", {}), ("cnn", {})]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=15)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, steps {args.steps}")
+    print("| workload | shape | plain p50 ms | tracked p50 ms | overhead | tracker peak | profiler peak | tracker/profiler |")
+    print("|---|---|---|---|---|---|---|---|")
+    for spec, shape in CASES:
+        step = TrainingStep(load_workload(spec, shape).workload)
+        for i in range(3):
+            step.run(i)
+        plain, tracked = [], []
+        peak = 0
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            step.run(10 + i)
+            plain.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            peak = measure_step_peak(step, 10 + i).peak_bytes
+            tracked.append((time.perf_counter() - t0) * 1e3)
+        with LiveTensorTracker(keep_timeline=False) as t:
+            track_step_state(t, step)
+        ref = t.live_bytes + profiler_memory_peak(lambda: step.run(99)).peak_delta_bytes
+        p, q = statistics.median(plain), statistics.median(tracked)
+        print(f"| {spec} | {shape or 'default'} | {p:.1f} | {q:.1f} | {100 * (q / p - 1):+.1f}% | {peak} | {ref} | {peak / ref:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""``remat distributed``: the control and the plan at world size N (DDP or FSDP2), side by side.
+
+``add_distributed_args`` + ``run_distributed_from_args`` are also what ``frontier`` and
+``verify`` call to honour ``--world-size N [--engine ddp|fsdp2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from .._io import atomic_write_json
+from ..distributed import DistributedConfig, DistributedReport, Engine, run_config
+from ..distributed.launch import WORKER_MODULE
+from ..plan.model import Plan
+from ..workload import parse_shape
+from .common import add_workload_args
+from .render import console, fmt_bytes, progress_bar
+
+
+def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """``--world-size`` and the options of a distributed run (all prefixed, to sit beside any command's own)."""
+    g = p.add_argument_group("distributed (torch.distributed, launched with torchrun)")
+    g.add_argument("--world-size", type=int, default=None, required=required,
+                   help="run the step on N ranks of this host and write DIR/distributed.json" +
+                        ("" if required else " (default: no distributed run)"))
+    g.add_argument("--engine", choices=[e.value for e in Engine], default=Engine.DDP.value,
+                   help="ddp (DistributedDataParallel) or fsdp2 (fully_shard) (default: ddp)")
+    g.add_argument("--dist-steps", type=int, default=10, help="timed warm steps per rank and side (default 10)")
+    g.add_argument("--dist-warmup", type=int, default=2, help="untimed warm-up steps, at least 2 (default 2)")
+    g.add_argument("--dist-comm-steps", type=int, default=3,
+                   help="extra steps with the compute timer on, for exposed communication (default 3)")
+    g.add_argument("--dist-timeout", type=float, default=120.0,
+                   help="seconds any one collective may take before the rank fails (default 120)")
+    g.add_argument("--dist-wall-timeout", type=float, default=3600.0,
+                   help="seconds the whole distributed run may take (default 3600)")
+    g.add_argument("--find-unused-parameters", action="store_true", help="DDP find_unused_parameters=True")
+    g.add_argument("--no-ablation", action="store_true", help="skip the no-op comm hook ablation")
+
+
+def config_from_args(args: argparse.Namespace, plan: Plan | None) -> DistributedConfig:
+    return DistributedConfig(spec=args.workload, shape=parse_shape(args.shape), world_size=args.world_size,
+                             engine=Engine(args.engine), plan=plan, device=args.device, dtype=args.dtype,
+                             steps=args.dist_steps, warmup=args.dist_warmup, comm_steps=args.dist_comm_steps,
+                             timeout_s=args.dist_timeout, ablation=not args.no_ablation,
+                             find_unused_parameters=args.find_unused_parameters)
+
+
+def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_dir: Path) -> DistributedReport | None:
+    """Run, write ``out_dir/distributed.json``, print the table; None when ``--world-size`` was not given.
+
+    Rank files, torchrun's log and the config go to ``out_dir/distributed/``.
+    """
+    if not getattr(args, "world_size", None):
+        return None
+    config = config_from_args(args, plan)
+    with progress_bar() as progress:
+        report = run_config(config, work_dir=Path(out_dir) / "distributed", wall_timeout_s=args.dist_wall_timeout,
+                            progress=progress)
+    path = atomic_write_json(Path(out_dir) / "distributed.json", report.to_json())
+    render_report(report)
+    console.print(f"wrote {path}")
+    return report
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def render_report(report: DistributedReport) -> None:
+    table = Table(title=f"{report.spec} on {report.world_size} ranks, {report.engine} over {report.backend} "
+                        f"({report.steps} timed steps per rank)")
+    for col in ("side", "rank", "p50 ms", "p95 ms", "peak", "exposed comm ms", "comm ms", "no-comm ms"):
+        table.add_column(col, justify="left" if col == "side" else "right")
+    for name in ("control", "plan"):
+        side = report.side(name)
+        if side is None:
+            continue
+        for r in side.per_rank:
+            table.add_row(name, str(r.rank), _ms(r.p50_ms), _ms(r.p95_ms), fmt_bytes(r.peak_bytes),
+                          _ms(r.exposed_comm_ms), _ms(r.comm_ms), _ms(r.ablation_step_ms))
+    console.print(table)
+    for name in ("control", "plan"):
+        side = report.side(name)
+        if side is None:
+            continue
+        colls = ", ".join(f"{op} x{c.count} ({fmt_bytes(c.bytes)})" for op, c in side.collectives.items()) or "none"
+        console.print(f"[bold]{name}[/]: {side.global_samples_per_s:.1f} samples/s, per step: {colls}")
+    eq = report.equivalence
+    if eq is not None:
+        verdict = "[green]same training step[/]" if eq.ok else "[bold red]DIFFERENT[/]"
+        console.print(f"equivalence ({eq.criterion}): {verdict}: grads {'match' if eq.grads_match else 'differ'} "
+                      f"(max |diff| {eq.max_abs_diff:.3g}), first loss {'equal' if eq.loss_equal else 'differs'}, "
+                      f"collective counts {'unchanged' if eq.collective_counts_equal else 'CHANGED'} by the plan")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("distributed", help="measure the control and a plan at world size N (DDP or FSDP2)")
+    add_workload_args(p)
+    p.add_argument("--plan", type=Path, default=None, help="plan.json to apply on every rank (default: control only)")
+    p.add_argument("--out", required=True, type=Path, help="output folder (distributed.json)")
+    p.add_argument("--emit-config", type=Path, default=None, metavar="PATH",
+                   help="only write the run's config to PATH and print the torchrun command for several nodes")
+    add_distributed_args(p, required=True)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan) if args.plan is not None else None
+    if args.emit_config is not None:
+        config_from_args(args, plan).save(args.emit_config)
+        console.print(f"wrote {args.emit_config}; on each node run (world size = nnodes x nproc-per-node):")
+        console.print(f"  torchrun --nnodes NNODES --nproc-per-node NPROC --rdzv-backend c10d "
+                      f"--rdzv-endpoint HOST0:29500 --rdzv-id JOB --max-restarts 0 -m {WORKER_MODULE} "
+                      f"--config {args.emit_config} --out {args.out}", highlight=False, soft_wrap=True)
+        return 0
+    report = run_distributed_from_args(args, plan, args.out)
+    assert report is not None
+    return 0 if report.equivalence is None or report.equivalence.ok else 1

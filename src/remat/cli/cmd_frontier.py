@@ -1,0 +1,96 @@
+"""``remat frontier``: peak vs warm step time for a set of plans, batch capacity, Pareto set, ship decision."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich import box
+from rich.table import Table
+
+from .._io import atomic_write_bytes, atomic_write_json
+from ..errors import RematError
+from ..frontier import DEFAULT_PLANS, Decision, FrontierReport, parse_plan_requests, render_frontier_png, run_frontier
+from ..plan import parse_budget, parse_reserve
+from ..profile import profile_workload
+from .common import add_workload_args, load_from_args
+from .render import console, fmt_bytes, progress_bar
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("frontier", help="measure peak vs step time for several plans, capacity, and which to ship")
+    add_workload_args(p)
+    p.add_argument("--budget", required=True,
+                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
+                        "no-checkpoint peak (60%%)")
+    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
+    p.add_argument("--plans", default=None,
+                   help="comma-separated planner specs; planner@X plans at budget X (default: "
+                        + ",".join(DEFAULT_PLANS).replace("%", "%%") + "; the control 'none' is always measured)")
+    p.add_argument("--steps", type=int, default=10, help="timed warm steps per plan, interleaved (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default 2)")
+    p.add_argument("--capacity-key", default="batch_size",
+                   help="shape keyword whose largest fitting value is searched (default batch_size; e.g. seq_len)")
+    p.add_argument("--no-capacity", action="store_true", help="skip the capacity search")
+    p.add_argument("--capacity-max", type=int, default=None, help="largest value tried (default 64x the current one)")
+    p.add_argument("--capacity-tries", type=int, default=8, help="most probes per plan (default 8)")
+    p.add_argument("--capacity-steps", type=int, default=3, help="timed steps per plan at its capacity (default 3)")
+    p.add_argument("--out", required=True, type=Path, help="output folder (frontier.json, frontier.png)")
+    p.set_defaults(func=run)
+
+
+def render_frontier(report: FrontierReport) -> None:
+    key = report.capacity_key or "capacity"
+    table = Table(title=f"frontier: {report.context.get('workload')} {report.context.get('shape') or ''}",
+                  box=box.SIMPLE_HEAD, pad_edge=False, caption=f"cap = largest {key} whose peak fits; samples/s at cap; ovh = p50 vs control; "
+                          "* = on the Pareto set (peak vs p50)")
+    for col in ("plan", "peak MiB", "p50/p95 ms", "ovh", "cap", "samples/s", "decision"):
+        table.add_column(col, justify="left" if col in ("plan", "decision") else "right", no_wrap=True)
+    for p in report.points:
+        style = {"ship": "bold green", "infeasible": "dim", "failed": "red"}.get(p.decision.value, "")
+        cap = "-" if p.capacity is None else (f"{p.capacity}" + ("" if p.capacity_search is None or
+                                                                  p.capacity_search.resolved else "+"))
+        decision = p.decision.value + (" *" if p.pareto else "")
+        table.add_row(p.plan, "-" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:.2f}",
+                      "-" if p.p50_ms is None else f"{p.p50_ms:.1f}/{p.p95_ms:.1f}",
+                      "-" if p.overhead_pct is None else f"{p.overhead_pct:+.0f}%", cap,
+                      "-" if p.samples_per_s is None else f"{p.samples_per_s:.1f}",
+                      f"[{style}]{decision}[/]" if style else decision)
+    console.print(table)
+    console.print(f"budget {fmt_bytes(report.budget_bytes)} less {report.reserve:.0%} reserve = "
+                  f"{fmt_bytes(report.effective_budget_bytes)}; peaks from {report.context.get('memory_source')}; "
+                  f"times: {report.context.get('steps')} warm steps per plan, interleaved round-robin")
+    for p in report.points:
+        if p.decision is not Decision.SHIP:
+            console.print(f"  {p.plan}: {p.decision.value}: {p.reason}", highlight=False)
+    shipped = report.shipped
+    if shipped is not None:
+        console.print(f"[bold green]ship {shipped.plan}[/]: {shipped.reason}", highlight=False)
+    else:
+        console.print("[bold red]no measured plan clears the budget with the reserve[/]")
+
+
+def run(args: argparse.Namespace) -> int:
+    # cheap checks first: a typo should not cost minutes of profiling
+    reserve = parse_reserve(args.reserve)
+    parse_budget(args.budget, 1 << 50)
+    parse_plan_requests(args.plans)
+    for name in ("steps", "warmup", "capacity_tries", "capacity_steps"):
+        if getattr(args, name) < 1:
+            raise RematError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.capacity_max is not None and args.capacity_max < 1:
+        raise RematError(f"--capacity-max must be at least 1, got {args.capacity_max}")
+    loaded = load_from_args(args)
+    with progress_bar() as progress:
+        report = profile_workload(loaded, progress=progress)
+        budget = parse_budget(args.budget, report.baseline_peak_bytes)
+        frontier = run_frontier(loaded, budget_bytes=budget, reserve=reserve, plans=args.plans, steps=args.steps,
+                                warmup=args.warmup, capacity_key=None if args.no_capacity else args.capacity_key,
+                                capacity_max=args.capacity_max, capacity_tries=args.capacity_tries,
+                                capacity_steps=args.capacity_steps, report=report, progress=progress)
+    png = render_frontier_png(frontier)
+    atomic_write_json(args.out / "frontier.json", frontier.to_json())
+    atomic_write_bytes(args.out / "frontier.png", png)
+    render_frontier(frontier)
+    console.print(f"wrote {args.out / 'frontier.json'} and {args.out / 'frontier.png'}")
+    return 0 if frontier.shipped is not None else 1

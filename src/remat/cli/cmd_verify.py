@@ -1,0 +1,83 @@
+"""``remat verify``: paired control vs planned runs, hazards, negative controls -> DIR/verify.json."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from .._io import atomic_write_json
+from ..apply import load_plan
+from ..verify import VerifyReport, verify_plan
+from .common import add_workload_args, load_from_args
+from .render import console, progress_bar
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="prove the planned step trains exactly like the unmodified one")
+    add_workload_args(p)
+    p.add_argument("--plan", required=True, type=Path, help="plan.json from `remat plan`")
+    p.add_argument("--steps", type=int, default=3, help="training steps per paired run (default 3)")
+    p.add_argument("--seeds", type=int, default=3, help="paired runs with seeds 0..N-1 (default 3)")
+    p.add_argument("--timing-steps", type=int, default=10,
+                   help="timed steps per variant for the RNG preservation overhead (default 10, 0 to skip)")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.set_defaults(func=run)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else ("0" if x == 0 else f"{x:.2e}")
+
+
+def render_report(report: VerifyReport, max_lines: int = 12) -> None:
+    table = Table(title=f"verify {report.workload} ({report.planner} plan, {report.dtype})")
+    for col in ("seed", "step", "mode", "loss", "|dloss|", "grad abs err", "grad rel err", "bitwise", "result"):
+        table.add_column(col, justify="left" if col in ("mode", "result") else "right")
+    for s in report.per_step:
+        table.add_row(str(s.seed), str(s.step), s.mode, f"{s.loss[0]:.5f}", _fmt(abs(s.loss[1] - s.loss[0])),
+                      _fmt(s.grad_max_abs), _fmt(s.grad_max_rel), "yes" if s.bitwise else "no",
+                      "[green]ok[/]" if s.passed else "[bold red]DIFF[/]")
+    console.print(table)
+    first_bad = next((s for s in report.per_step if not s.passed), None)
+    if first_bad is not None:
+        console.print(f"first difference: seed {first_bad.seed} step {first_bad.step} ({first_bad.mode}) in "
+                      f"[bold]{first_bad.first_divergent_module or '-'}[/] ({first_bad.first_divergence}): "
+                      f"{', '.join(first_bad.divergent[:4])}", highlight=False)
+    for b in report.boundaries:
+        calls = ", ".join(f"{m} {b.forward_calls[m]} forward + {b.replay_calls.get(m, 0)} replay"
+                          for m in b.forward_calls)
+        console.print(f"  {b.module} ({b.mode}{', guarded' if b.guarded else ''}): {calls} per step"
+                      f"{'; draws RNG' if b.draws_rng else ''}", highlight=False)
+    pol = report.rng_policy
+    timing = "" if report.rng_timing is None else (
+        f"; preservation costs {report.rng_timing.overhead_ms:+.2f} ms/step "
+        f"(p50 {report.rng_timing.with_ms:.2f} vs {report.rng_timing.without_ms:.2f} ms over {report.rng_timing.steps} "
+        "warm steps each)")
+    console.print(f"RNG policy: [bold]{pol.policy}[/] ({pol.justification}){timing}", highlight=False)
+    for n in report.negative_controls:
+        state = ("[green]rejected[/]" if n.rejected else "[bold red]NOT rejected[/]") if n.applicable else "n/a"
+        console.print(f"negative control {n.name}: {state} ({n.detail})", highlight=False)
+    for h in report.hazards[:max_lines]:
+        console.print(f"[bold red]hazard[/] {h.module} ({h.kind.value}, {h.mode}): {h.detail}", highlight=False)
+    if len(report.hazards) > max_lines:
+        console.print(f"... and {len(report.hazards) - max_lines} more hazards in verify.json")
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    if report.passed:
+        console.print("[bold green]PASSED[/]: the planned step is the same training procedure as the control")
+    else:
+        console.print(f"[bold red]FAILED[/]: first divergent module {report.first_divergent_module or '-'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)  # bad plan -> PlanError, exit 2, before building anything
+    loaded = load_from_args(args)
+    with progress_bar() as progress:
+        report = verify_plan(loaded, plan, steps=args.steps, seeds=args.seeds, timing_steps=args.timing_steps,
+                             progress=progress)
+    out = atomic_write_json(args.out / "verify.json", report.to_json())
+    render_report(report)
+    console.print(f"wrote {out}")
+    report.raise_if_failed()  # VerificationFailed: exit 1
+    return 0

@@ -1,0 +1,172 @@
+"""Frontier results: one point per plan, the report, and their JSON form.
+
+Units: bytes for memory, milliseconds for step time, samples per second for throughput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from ..errors import RematError
+
+FRONTIER_SCHEMA_VERSION = 1
+
+
+class Decision(str, enum.Enum):
+    """What the frontier says about one plan (NOTE [ship decision] in pareto.py)."""
+
+    SHIP = "ship"              # the cheapest measured plan whose peak clears the budget with the reserve
+    REJECT = "reject"          # measured, and not shipped: the reason says why
+    INFEASIBLE = "infeasible"  # the planner found no plan for its budget (a data point: the floor)
+    FAILED = "failed"          # could not be measured at the base shape (e.g. CUDA out of memory)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CapacityTry:
+    """One probe of the capacity search: the shape value tried and what happened."""
+
+    value: int                     # value of the capacity key (e.g. batch_size=32)
+    peak_bytes: int | None         # measured whole-step peak; on an abort, the live bytes when it stopped
+    oom: bool = False              # CUDA out of memory, or the CPU tracker saw the limit exceeded
+    error: str | None = None       # anything else that stopped this try (the search ends there)
+
+    def fits(self, limit_bytes: int) -> bool:
+        return not self.oom and self.error is None and self.peak_bytes is not None and self.peak_bytes <= limit_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value, "peak_bytes": self.peak_bytes, "oom": self.oom, "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CapacityTry":
+        return cls(value=int(d["value"]), peak_bytes=None if d.get("peak_bytes") is None else int(d["peak_bytes"]),
+                   oom=bool(d.get("oom", False)), error=d.get("error"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CapacityResult:
+    """Largest fitting value of the capacity key, with every probe that led to it (NOTE [capacity search])."""
+
+    key: str
+    capacity: int                  # largest value that fit (0: not even 1 fits)
+    resolved: bool                 # True: capacity + 1 was tried and did not fit, or capacity == max_value
+    capped: bool                   # True: the search stopped at max_value, which fit
+    limit_bytes: int               # the peak each try had to stay under
+    tries: tuple[CapacityTry, ...]
+    note: str = ""                 # why the search stopped early, if it did
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "capacity": self.capacity, "resolved": self.resolved, "capped": self.capped,
+                "limit_bytes": self.limit_bytes, "tries": [t.to_json() for t in self.tries], "note": self.note}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CapacityResult":
+        return cls(key=str(d["key"]), capacity=int(d["capacity"]), resolved=bool(d["resolved"]),
+                   capped=bool(d["capped"]), limit_bytes=int(d["limit_bytes"]),
+                   tries=tuple(CapacityTry.from_json(t) for t in d["tries"]), note=str(d.get("note", "")))
+
+
+@dataclasses.dataclass(kw_only=True)
+class FrontierPoint:
+    """One plan measured on the workload at the base shape, plus its capacity under the budget."""
+
+    plan: str                                  # label: "none", "uniform:2", "optimal@50%", ...
+    planner: str                               # planner spec the plan came from
+    plan_budget_bytes: int | None = None       # budget the planner was given (optimal/greedy)
+    predicted_peak_bytes: int | None = None    # the cost model's figure (None: infeasible)
+    boundaries: list[str] = dataclasses.field(default_factory=list)  # "h.0:full", "blocks.3:selective"
+    peak_bytes: int | None = None              # measured whole-step peak at the base shape
+    memory_source: str | None = None           # "cpu-live-tensors" or "cuda-allocator"
+    num_alloc_retries: int | None = None       # CUDA only: retries in the measured steps
+    p50_ms: float | None = None                # warm whole-step median (interleaved round-robin)
+    p95_ms: float | None = None
+    step_ms: list[float] = dataclasses.field(default_factory=list)   # the warm samples, in round order
+    overhead_pct: float | None = None          # (p50 - control p50) / control p50 * 100
+    capacity: int | None = None                # largest capacity-key value that fits (None: not searched)
+    capacity_search: CapacityResult | None = None
+    capacity_p50_ms: float | None = None       # warm step median at the capacity shape
+    samples_per_s: float | None = None         # batch_size at capacity / capacity p50
+    fits: bool = False                         # measured peak <= budget x (1 - reserve)
+    pareto: bool = False                       # on the Pareto set of (peak, p50) among measured points
+    decision: Decision = Decision.REJECT
+    reason: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.peak_bytes is not None and self.p50_ms is not None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["decision"] = self.decision.value
+        d["capacity_search"] = None if self.capacity_search is None else self.capacity_search.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "FrontierPoint":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["decision"] = Decision(d["decision"])
+        kw["capacity_search"] = None if d.get("capacity_search") is None else CapacityResult.from_json(d["capacity_search"])
+        return cls(**kw)
+
+
+@dataclasses.dataclass(kw_only=True)
+class FrontierReport:
+    """Every plan's point, the budget they were judged against, and where they were measured."""
+
+    context: dict[str, Any]                    # workload, shape, device, versions, host, date, settings
+    budget_bytes: int
+    reserve: float
+    capacity_key: str
+    points: list[FrontierPoint]
+    control: str = "none"                      # label of the unmodified step (overheads are against it)
+    shipped_plan: dict[str, Any] | None = None  # the shipped plan's Plan JSON (for receipts / remat.apply)
+    schema_version: int = FRONTIER_SCHEMA_VERSION
+
+    @property
+    def effective_budget_bytes(self) -> int:
+        return int(self.budget_bytes * (1.0 - self.reserve))
+
+    @property
+    def shipped(self) -> FrontierPoint | None:
+        return next((p for p in self.points if p.decision is Decision.SHIP), None)
+
+    def point(self, label: str) -> FrontierPoint:
+        for p in self.points:
+            if p.plan == label:
+                return p
+        raise KeyError(label)
+
+    def to_json(self) -> dict[str, Any]:
+        shipped = self.shipped
+        return {
+            "schema_version": self.schema_version,
+            "context": dict(self.context),
+            "budget_bytes": self.budget_bytes,
+            "reserve": self.reserve,
+            "effective_budget_bytes": self.effective_budget_bytes,
+            "capacity_key": self.capacity_key,
+            "control": self.control,
+            "shipped": None if shipped is None else shipped.plan,
+            "points": [p.to_json() for p in self.points],
+            "shipped_plan": self.shipped_plan,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> "FrontierReport":
+        if not isinstance(d, dict):
+            raise RematError("frontier JSON must be an object")
+        try:
+            version = int(d["schema_version"])
+            if version != FRONTIER_SCHEMA_VERSION:
+                raise RematError(f"frontier schema_version {version} is not supported "
+                                 f"(this remat reads {FRONTIER_SCHEMA_VERSION})")
+            return cls(context=dict(d["context"]), budget_bytes=int(d["budget_bytes"]), reserve=float(d["reserve"]),
+                       capacity_key=str(d["capacity_key"]), points=[FrontierPoint.from_json(p) for p in d["points"]],
+                       control=str(d.get("control", "none")), shipped_plan=d.get("shipped_plan"),
+                       schema_version=version)
+        except RematError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RematError(f"malformed frontier JSON: {type(exc).__name__}: {exc}") from exc

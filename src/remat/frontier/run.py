@@ -1,0 +1,302 @@
+"""``run_frontier``: plan a set of ways to checkpoint, measure each, search capacity, decide.
+
+NOTE [frontier pipeline]
+1. Profile the workload once (or take the caller's ``ProfileReport``) and make one plan per
+   requested spec (``parse_plan_requests``). An ``optimal``/``greedy`` request without
+   ``@`` is planned at the frontier's budget *with* its reserve and through the closed
+   loop (apply, measure, re-plan: remat.apply.closed_loop), because it is the plan most
+   likely to ship. ``planner@X`` requests are sweep points: planned open-loop at budget X
+   (bytes, a unit, or a share of the control's profiled peak) with no reserve, so
+   ``optimal@50%`` means "predicted peak <= 50% of the control's". An impossible budget
+   is a point with decision INFEASIBLE and the floor in its reason, never an error.
+   The control (``none``) is always measured, first, even when not requested: every
+   overhead is relative to it, in the same process run.
+2. Peaks: every plan alone on the device (NOTE [solo peaks] in measure.py).
+3. Time: all plans interleaved round-robin (NOTE [interleaved timing]).
+4. Capacity: per plan, search the capacity key (NOTE [capacity search]) against the
+   effective budget, budget x (1 - reserve), the same bar the ship decision uses, so the
+   samples/s reported are "qualified": reached by a configuration that clears the reserve.
+   Then time every plan at its own capacity, again interleaved, for samples/s.
+5. Pareto set and the ship decision (NOTE [ship decision] in pareto.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Sequence
+
+import torch
+
+from .. import __version__
+from ..apply.closed_loop import plan_closed_loop
+from ..errors import BudgetError, PlanError, RematError, WorkloadError
+from ..plan import BUDGET_PLANNERS, InfeasibleBudget, Plan, make_plan, parse_budget, planner_from_spec
+from ..profile import ProfileReport, profile_workload
+from ..trace.model import TraceContext, host_info
+from ..types import ProgressFn, no_progress
+from ..workload.loader import LoadedWorkload
+from .capacity import search_capacity
+from .measure import (Arm, PlanArm, measure_arm_peak, prepare_arm, probe_capacity, release_memory, shape_value,
+                      time_round_robin)
+from .model import CapacityTry, Decision, FrontierPoint, FrontierReport
+from .pareto import decide
+
+CONTROL = "none"
+DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "optimal",
+                                  "optimal@90%", "optimal@70%", "optimal@50%", "optimal@35%")
+MIB = 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """One plan to put on the frontier: ``planner`` spec, and for ``planner@X`` the budget text X."""
+
+    label: str
+    planner: str
+    budget: str | None = None   # "70%", "1.5GiB", "123456"; None: the frontier's budget (budget planners)
+
+    @property
+    def needs_budget(self) -> bool:
+        return self.planner.split(":")[0] in BUDGET_PLANNERS
+
+
+def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
+    """``"none,all,uniform:2,optimal,optimal@50%"`` -> requests, control first; PlanError/BudgetError if bad.
+
+    Planner specs are those of ``remat plan`` (none, all, uniform:K, sqrt, selective, greedy,
+    optimal); ``optimal@X``/``greedy@X`` plan at budget X (see NOTE [frontier pipeline]).
+    """
+    if specs is None:
+        specs = DEFAULT_PLANS
+    items = [s.strip() for s in (specs.split(",") if isinstance(specs, str) else specs)]
+    items = [s for s in items if s]
+    if not items:
+        raise PlanError("no plans to measure: give a comma-separated list, e.g. none,all,optimal")
+    out: list[PlanRequest] = []
+    seen: set[str] = set()
+    for item in items:
+        planner, sep, budget = item.partition("@")
+        planner = planner.strip().lower()
+        planner_from_spec(planner)  # PlanError for an unknown planner
+        req = PlanRequest(label=item.replace(" ", ""), planner=planner, budget=budget.strip() if sep else None)
+        if sep:
+            if not req.needs_budget:
+                raise PlanError(f"{item!r}: only {', '.join(BUDGET_PLANNERS)} take a budget (planner@budget)")
+            parse_budget(req.budget, 1 << 50)  # syntax only; a share is resolved against the control's peak
+        if req.label not in seen:
+            seen.add(req.label)
+            out.append(req)
+    if CONTROL not in seen:
+        out.insert(0, PlanRequest(label=CONTROL, planner=CONTROL))
+    else:
+        out.sort(key=lambda r: r.label != CONTROL)  # control first, the rest in the order given
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f} MiB"
+
+
+def _boundaries(plan: Plan) -> list[str]:
+    return [f"{b.module}:{b.mode.value}" for b in plan.boundaries]
+
+
+def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[PlanRequest], *, budget_bytes: int,
+                reserve: float, closed_loop: bool, progress: ProgressFn) -> tuple[dict[str, Plan], list[FrontierPoint]]:
+    plans: dict[str, Plan] = {}
+    points: list[FrontierPoint] = []
+    control_peak = report.baseline_peak_bytes
+    for i, req in enumerate(requests):
+        progress("frontier: planning", i, len(requests))
+        point = FrontierPoint(plan=req.label, planner=req.planner)
+        if req.needs_budget and req.budget is None:
+            b, r = budget_bytes, reserve
+        elif req.needs_budget:
+            b, r = parse_budget(req.budget, control_peak), 0.0  # type: ignore[arg-type]
+        else:
+            b, r = None, reserve
+        point.plan_budget_bytes = b
+        try:
+            if closed_loop and req.needs_budget and req.budget is None:
+                plan = plan_closed_loop(loaded, report, req.planner, budget_bytes=b, reserve=r, steps=1).plan
+            else:
+                plan = make_plan(report, req.planner, budget_bytes=b, reserve=r)
+        except InfeasibleBudget as exc:
+            point.decision = Decision.INFEASIBLE
+            point.reason = (f"infeasible (floor {_mib(exc.floor_bytes)}, "
+                            f"{exc.floor_bytes / max(1, control_peak):.0%} of the control's peak; "
+                            f"target {_mib(exc.effective_budget_bytes)})")
+            points.append(point)
+            continue
+        except BudgetError as exc:
+            point.decision = Decision.INFEASIBLE
+            point.reason = f"infeasible: {exc.message}"
+            points.append(point)
+            continue
+        point.predicted_peak_bytes = plan.predicted_peak_bytes
+        point.boundaries = _boundaries(plan)
+        plans[req.label] = plan
+        points.append(point)
+    progress("frontier: planning", len(requests), len(requests))
+    return plans, points
+
+
+def _context(loaded: LoadedWorkload, *, warmup: int, steps: int, capacity_key: str | None, report: ProfileReport,
+             extra: dict) -> dict:
+    ctx = dataclasses.asdict(TraceContext.capture(workload=loaded.spec, shape=loaded.shape, dtype=loaded.dtype,
+                                                  device=loaded.device, warmup=warmup, steps=steps))
+    ctx.update({k: v for k, v in host_info().items() if k != "python"})  # python_version is there
+    if loaded.device.startswith("cuda") and torch.cuda.is_available():
+        ctx["cuda_device"] = torch.cuda.get_device_name(torch.device(loaded.device))
+    ctx.update({
+        "remat_version": __version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timing": "warm whole steps (batch, forward, backward, optimizer), plans interleaved round-robin",
+        "peaks": "each plan alone on the device, one warm step",
+        "memory_source": report.memory_source.value,
+        "control_profiled_peak_bytes": report.baseline_peak_bytes,
+        "capacity_key": capacity_key,
+        **extra,
+    })
+    return ctx
+
+
+def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 0.05,
+                 plans: str | Sequence[str] | None = None, steps: int = 10, warmup: int = 2,
+                 capacity_key: str | None = "batch_size", capacity_max: int | None = None,
+                 capacity_tries: int = 8, capacity_steps: int = 3, closed_loop: bool = True,
+                 report: ProfileReport | None = None, progress: ProgressFn = no_progress) -> FrontierReport:
+    """Measure every requested plan on ``loaded`` and decide which one to ship (NOTE [frontier pipeline]).
+
+    ``budget_bytes``: whole-step peak budget (bytes); a plan fits when its measured peak is
+    <= ``int(budget_bytes * (1 - reserve))``. ``plans``: specs as in
+    :func:`parse_plan_requests` (default :data:`DEFAULT_PLANS`). ``steps``: timed warm steps
+    per plan (>= 10 for a published figure; fewer allowed for tests). ``capacity_key``: shape
+    keyword to search (None: skip capacity); ``capacity_max`` bounds it (default 64x its
+    current value), ``capacity_tries`` bounds the probes per plan, ``capacity_steps`` is the
+    timed steps per plan at capacity. ``report``: a profile of ``loaded`` made earlier.
+    Raises BudgetError/PlanError for malformed inputs, WorkloadError for a capacity key
+    the workload lacks; infeasible plans and out-of-memory probes are data points.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise BudgetError(f"budget must be a positive whole number of bytes, got {budget_bytes!r}")
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0.0 <= reserve < 1.0:
+        raise BudgetError(f"reserve must lie in [0, 1), got {reserve!r}")
+    if steps < 1 or warmup < 1:
+        raise RematError(f"the frontier needs steps >= 1 and warmup >= 1 (got steps={steps}, warmup={warmup})")
+    requests = parse_plan_requests(plans)
+    start = None
+    if capacity_key is not None:
+        start = shape_value(loaded, capacity_key)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+            raise WorkloadError(f"capacity key {capacity_key!r} must be a positive integer shape keyword; "
+                                f"its value here is {start!r}")
+    if report is None:
+        report = profile_workload(loaded, progress=progress)
+    limit = int(budget_bytes * (1.0 - reserve))
+
+    plan_by_label, points = _make_plans(loaded, report, requests, budget_bytes=budget_bytes, reserve=reserve,
+                                        closed_loop=closed_loop, progress=progress)
+    arms = [PlanArm(p.plan, plan_by_label[p.plan]) for p in points if p.plan in plan_by_label]
+    by_label = {p.plan: p for p in points}
+
+    # 2. peaks, one plan at a time
+    measured: list[Arm] = []
+    for i, arm in enumerate(arms):
+        progress("frontier: peaks", i, len(arms))
+        point = by_label[arm.label]
+        try:
+            peak = measure_arm_peak(loaded, arm, warmup=warmup)
+        except torch.OutOfMemoryError as exc:
+            point.decision = Decision.FAILED
+            point.reason = f"out of memory at the base shape: {str(exc).splitlines()[0][:200]}"
+            release_memory()
+            continue
+        point.peak_bytes = peak.peak_bytes
+        point.memory_source = peak.source.value
+        point.num_alloc_retries = peak.num_alloc_retries if peak.source.value == "cuda-allocator" else None
+        measured.append(arm)
+    progress("frontier: peaks", len(arms), len(arms))
+
+    # 3. time, interleaved
+    prepared = [prepare_arm(loaded, arm) for arm in measured]
+    try:
+        timings = time_round_robin(prepared, warmup=warmup, steps=steps, progress=progress, what="frontier: timing")
+    finally:
+        for p in prepared:
+            p.close()
+        prepared.clear()
+        release_memory()
+    for arm in measured:
+        point = by_label[arm.label]
+        point.step_ms = [round(t, 4) for t in timings.step_ms[arm.label]]
+        point.p50_ms = timings.p50(arm.label)
+        point.p95_ms = timings.p95(arm.label)
+        if point.num_alloc_retries is not None:
+            point.num_alloc_retries += timings.num_alloc_retries[arm.label]
+        plan = plan_by_label[arm.label]
+        plan.measured_peak_bytes = point.peak_bytes
+        plan.measured_step_ms = point.p50_ms
+
+    # 4. capacity
+    if capacity_key is not None and measured:
+        _capacity(loaded, measured, by_label, key=capacity_key, start=start, limit=limit,  # type: ignore[arg-type]
+                  max_value=capacity_max or 64 * start, max_tries=capacity_tries,  # type: ignore[operator]
+                  steps=capacity_steps, progress=progress)
+
+    # 5. decide
+    shipped = decide(points, budget_bytes=budget_bytes, reserve=reserve, control=CONTROL)
+    context = _context(loaded, warmup=warmup, steps=steps, capacity_key=capacity_key, report=report,
+                       extra={"capacity_start": start, "capacity_max": (capacity_max or 64 * start) if start else None,
+                              "capacity_tries": capacity_tries, "capacity_steps": capacity_steps,
+                              "closed_loop": closed_loop})
+    return FrontierReport(context=context, budget_bytes=budget_bytes, reserve=float(reserve),
+                          capacity_key=capacity_key or "", points=points, control=CONTROL,
+                          shipped_plan=None if shipped is None else plan_by_label[shipped.plan].to_json())
+
+
+def _capacity(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, FrontierPoint], *, key: str, start: int,
+              limit: int, max_value: int, max_tries: int, steps: int, progress: ProgressFn) -> None:
+    for i, arm in enumerate(arms):
+        progress("frontier: capacity", i, len(arms))
+        point = by_label[arm.label]
+        first = CapacityTry(value=start, peak_bytes=point.peak_bytes) if start <= max_value else None
+        result = search_capacity(lambda v, arm=arm: probe_capacity(loaded, arm, key, v, limit),
+                                 key=key, start=start, limit_bytes=limit, max_value=max_value,
+                                 max_tries=max_tries, first=first)
+        point.capacity_search = result
+        point.capacity = result.capacity
+    progress("frontier: capacity", len(arms), len(arms))
+
+    # time every plan at its own capacity, interleaved, for samples/s
+    timed = [a for a in arms if (by_label[a.label].capacity or 0) >= 1]
+    if not timed or steps < 1:
+        return
+    try:
+        batch = None if key == "batch_size" else shape_value(loaded, "batch_size")
+    except WorkloadError:
+        batch = None
+    prepared = []
+    try:
+        for arm in timed:
+            prepared.append(prepare_arm(loaded, arm, **{key: by_label[arm.label].capacity}))
+        timings = time_round_robin(prepared, warmup=1, steps=steps, progress=progress,
+                                   what="frontier: timing at capacity")
+    except torch.OutOfMemoryError as exc:  # all plans resident at capacity did not fit together
+        for arm in timed:
+            by_label[arm.label].capacity_search = dataclasses.replace(
+                by_label[arm.label].capacity_search,  # type: ignore[arg-type]
+                note=f"not timed at capacity: {str(exc).splitlines()[0][:160]}")
+        return
+    finally:
+        for p in prepared:
+            p.close()
+        prepared.clear()
+        release_memory()
+    for arm in timed:
+        point = by_label[arm.label]
+        point.capacity_p50_ms = timings.p50(arm.label)
+        per_step = point.capacity if key == "batch_size" else batch
+        if isinstance(per_step, int) and not isinstance(per_step, bool) and point.capacity_p50_ms > 0:
+            point.samples_per_s = per_step / (point.capacity_p50_ms / 1e3)

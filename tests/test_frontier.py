@@ -1,0 +1,289 @@
+"""remat.frontier: Pareto set, ship decision, capacity search (pure, on made-up data), and the
+measured path end to end on tiny workloads (library and CLI). Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from remat.cli.main import main
+from remat.errors import BudgetError, PlanError
+from remat.frontier import (CapacityTry, Decision, FrontierPoint, FrontierReport, PlanArm, decide, pareto_flags,
+                            parse_plan_requests, probe_capacity, run_frontier, search_capacity)
+from remat.frontier.measure import Arm, percentile
+from remat.plan import make_plan
+from remat.profile import profile_workload
+from remat.workload import load_workload
+
+from .conftest import TINY
+
+MIB = 2 ** 20
+MLP = {**TINY["mlp"], "batch_size": 64}   # activations ~20% of the peak: "all" fits 90%, "none" does not
+
+
+# -- pure: Pareto set ------------------------------------------------------------------------
+
+def _sweep_pareto(xy):
+    """Independent check: sort by (peak, p50); a point is on the set iff no earlier-sorted point
+    (peak <=) has p50 <= its own with the pair not identical."""
+    flags = []
+    for i, (a, b) in enumerate(xy):
+        flags.append(not any((c <= a and d <= b and (c, d) != (a, b)) for j, (c, d) in enumerate(xy) if j != i))
+    return flags
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_pareto_flags_match_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    xy = [(rng.randint(1, 5) * 100, float(rng.randint(1, 5))) for _ in range(n)]  # small grid: many ties
+    flags = pareto_flags(xy)
+    assert flags == _sweep_pareto(xy)
+    # every dropped point is dominated by a kept one (the set covers the rest)
+    kept = [p for p, f in zip(xy, flags) if f]
+    for p, f in zip(xy, flags):
+        if not f:
+            assert any(q[0] <= p[0] and q[1] <= p[1] for q in kept)
+
+
+def test_identical_points_are_both_pareto():
+    assert pareto_flags([(1, 1.0), (1, 1.0), (2, 2.0)]) == [True, True, False]
+
+
+# -- pure: decision --------------------------------------------------------------------------
+
+def _pt(label, peak_mib, p50, **kw):
+    return FrontierPoint(plan=label, planner=label.split("@")[0], peak_bytes=int(peak_mib * MIB), p50_ms=p50,
+                         p95_ms=p50 * 1.1, **kw)
+
+
+def test_decide_ships_fastest_plan_that_fits_and_gives_reasons():
+    pts = [
+        _pt("none", 100, 10.0),          # fastest, over budget
+        _pt("a", 80, 12.0),              # fits, fastest that fits -> ship
+        _pt("b", 85, 13.0),              # fits, dominated by a
+        _pt("c", 60, 15.0),              # fits, Pareto, slower than a
+        _pt("d", 95, 11.0),              # over budget, Pareto
+        FrontierPoint(plan="optimal@10%", planner="optimal", decision=Decision.INFEASIBLE,
+                      reason="infeasible (floor 50.00 MiB)"),
+    ]
+    shipped = decide(pts, budget_bytes=90 * MIB, reserve=0.0)
+    by = {p.plan: p for p in pts}
+    assert shipped is by["a"] and by["a"].decision is Decision.SHIP and by["a"].pareto
+    assert by["none"].decision is Decision.REJECT and by["none"].reason.startswith("over budget")
+    assert by["d"].reason.startswith("over budget") and by["d"].pareto
+    assert by["b"].reason.startswith("dominated by a")
+    assert by["c"].reason.startswith("slower than shipped a") and by["c"].pareto
+    assert by["optimal@10%"].decision is Decision.INFEASIBLE and "floor" in by["optimal@10%"].reason
+    assert not by["optimal@10%"].pareto
+    assert by["a"].overhead_pct == pytest.approx(20.0)
+    assert [p.fits for p in pts] == [False, True, True, True, False, False]
+
+
+def test_decide_reserve_and_no_fit():
+    pts = [_pt("none", 100, 10.0), _pt("all", 88, 14.0)]
+    # 88 MiB fits 90 MiB, but not 90 MiB less 5% (85.5 MiB): nothing ships
+    assert decide(pts, budget_bytes=90 * MIB, reserve=0.05) is None
+    assert all(p.decision is Decision.REJECT and p.reason.startswith("over budget") for p in pts)
+    # the control ships when it fits: nothing is cheaper than not checkpointing
+    assert decide(pts, budget_bytes=200 * MIB, reserve=0.05).plan == "none"
+
+
+def test_decide_tie_breaks_on_lower_peak():
+    pts = [_pt("none", 100, 10.0), _pt("x", 70, 12.0), _pt("y", 60, 12.0)]
+    assert decide(pts, budget_bytes=80 * MIB, reserve=0.0).plan == "y"
+    assert pts[1].reason.startswith("dominated by y")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_decide_shipped_is_pareto_and_fastest_fitting(seed):
+    rng = random.Random(100 + seed)
+    pts = [_pt(f"p{i}", rng.randint(50, 120), float(rng.randint(5, 30))) for i in range(rng.randint(1, 8))]
+    shipped = decide(pts, budget_bytes=90 * MIB, reserve=0.05)
+    fitting = [p for p in pts if p.peak_bytes <= int(90 * MIB * 0.95)]
+    if not fitting:
+        assert shipped is None
+        return
+    assert shipped.pareto and shipped.p50_ms == min(p.p50_ms for p in fitting)
+    assert sum(p.decision is Decision.SHIP for p in pts) == 1
+    assert all(p.reason for p in pts)
+
+
+# -- pure: capacity search -------------------------------------------------------------------
+
+def _linear(per_item=100, base=50, oom_from=None, error_at=None, log=None):
+    def measure(v):
+        if log is not None:
+            log.append(v)
+        if error_at is not None and v >= error_at:
+            return CapacityTry(value=v, peak_bytes=None, error="modules differ")
+        if oom_from is not None and v >= oom_from:
+            return CapacityTry(value=v, peak_bytes=None, oom=True)
+        return CapacityTry(value=v, peak_bytes=base + per_item * v)
+    return measure
+
+
+@pytest.mark.parametrize("start,limit,expected", [(8, 50 + 100 * 37, 37), (8, 50 + 100 * 8, 8), (8, 50 + 100 * 3, 3),
+                                                  (1, 50 + 100 * 1000, 512), (8, 10, 0), (5, 50 + 100 * 5, 5)])
+def test_capacity_doubling_then_bisection_is_exact(start, limit, expected):
+    log = []
+    r = search_capacity(_linear(log=log), key="batch_size", start=start, limit_bytes=limit, max_value=512,
+                        max_tries=30)
+    assert r.capacity == expected and r.resolved
+    assert r.capped == (expected == 512)
+    assert len(log) == len(set(log)), "no value measured twice"
+    assert log[0] == start
+    brute = max((v for v in range(1, 513) if 50 + 100 * v <= limit), default=0)
+    assert r.capacity == brute
+
+
+def test_capacity_oom_is_a_data_point():
+    # OOM from 20 on, although the byte limit would allow 37: the search does not crash and stops below
+    r = search_capacity(_linear(oom_from=20), key="batch_size", start=8, limit_bytes=50 + 100 * 37,
+                        max_value=512, max_tries=20)
+    assert r.capacity == 19 and r.resolved
+    assert any(t.oom for t in r.tries) and all(t.peak_bytes is None for t in r.tries if t.oom)
+
+
+def test_capacity_error_stops_the_search_with_a_note():
+    r = search_capacity(_linear(error_at=16), key="seq_len", start=8, limit_bytes=10 ** 9, max_value=512)
+    assert r.capacity == 8 and not r.resolved and "modules differ" in r.note
+
+
+def test_capacity_is_bounded_by_max_tries_and_reuses_first():
+    log = []
+    first = CapacityTry(value=8, peak_bytes=850)
+    r = search_capacity(_linear(log=log), key="batch_size", start=8, limit_bytes=50 + 100 * 37, max_value=512,
+                        max_tries=3, first=first)
+    assert len(r.tries) == 3 and log == [16, 32] and r.tries[0] is first
+    assert r.capacity == 32 and not r.resolved and "max_tries" in r.note
+
+
+def test_capacity_bad_arguments():
+    with pytest.raises(Exception, match="start >= 1"):
+        search_capacity(_linear(), key="batch_size", start=0, limit_bytes=1, max_value=4)
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(xs, 50) == 3.0 and percentile(xs, 100) == 5.0 and percentile(xs, 95) == pytest.approx(4.8)
+
+
+# -- plan requests ---------------------------------------------------------------------------
+
+def test_plan_requests_put_the_control_first():
+    reqs = parse_plan_requests("all, optimal@50%,optimal, all")
+    assert [r.label for r in reqs] == ["none", "all", "optimal@50%", "optimal"]
+    assert reqs[2].budget == "50%" and reqs[3].budget is None and reqs[3].needs_budget
+    assert [r.label for r in parse_plan_requests("sqrt,none")] == ["none", "sqrt"]
+
+
+@pytest.mark.parametrize("spec,err", [("magic", PlanError), ("all@50%", PlanError), ("optimal@lots", BudgetError),
+                                      ("", PlanError)])
+def test_bad_plan_requests(spec, err):
+    with pytest.raises(err):
+        parse_plan_requests(spec)
+
+
+# -- measured: capacity probes on a real step --------------------------------------------------
+
+def test_probe_over_the_cpu_limit_is_an_oom_data_point_not_a_crash():
+    loaded = load_workload("mlp", MLP)
+    report = profile_workload(loaded, warmup=1, repeats=1)
+    arm = PlanArm("all", make_plan(report, "all"))
+    ok = probe_capacity(loaded, arm, "batch_size", 8, 10 ** 9)
+    assert ok.fits(10 ** 9) and not ok.oom and ok.peak_bytes > 0
+    small = probe_capacity(loaded, arm, "batch_size", 64, ok.peak_bytes)  # 8x the batch cannot fit 1x's peak
+    assert small.oom and small.peak_bytes > ok.peak_bytes and small.error is None
+
+    class Broken(Arm):
+        def prepare(self, fresh):
+            raise PlanError("no such module at this shape")
+    bad = probe_capacity(loaded, Broken("broken"), "batch_size", 8, 10 ** 9)
+    assert bad.error and "no such module" in bad.error and not bad.oom
+
+
+# -- measured: the whole frontier --------------------------------------------------------------
+
+def test_run_frontier_on_tiny_mlp():
+    loaded = load_workload("mlp", MLP)
+    report = profile_workload(loaded, warmup=1, repeats=2)
+    budget = int(report.baseline_peak_bytes * 0.92)
+    progress_calls = []
+    fr = run_frontier(loaded, budget_bytes=budget, reserve=0.02, plans="all,sqrt,optimal@88%,optimal@10%",
+                      steps=2, warmup=1, capacity_max=256, capacity_tries=4, capacity_steps=1, report=report,
+                      progress=lambda *a: progress_calls.append(a))
+    d = json.loads(json.dumps(fr.to_json()))  # JSON-clean
+    assert {"schema_version", "context", "budget_bytes", "points"} <= d.keys()
+    assert [p["plan"] for p in d["points"]] == ["none", "all", "sqrt", "optimal@88%", "optimal@10%"]
+    for p in d["points"]:
+        assert {"plan", "peak_bytes", "p50_ms", "p95_ms", "overhead_pct", "capacity", "samples_per_s", "pareto",
+                "decision", "reason"} <= p.keys()
+    assert progress_calls and d["context"]["capacity_key"] == "batch_size"
+
+    measured = [p for p in fr.points if p.measured]
+    assert all(len(p.step_ms) == 2 and p.p95_ms >= p.p50_ms for p in measured)
+    # Pareto flags against brute force on the measured points
+    xy = [(p.peak_bytes, p.p50_ms) for p in measured]
+    assert [p.pareto for p in measured] == _sweep_pareto(xy)
+    # decision: the fastest plan that fits ships; the control does not fit and is rejected as over budget
+    limit = fr.effective_budget_bytes
+    fitting = [p for p in measured if p.peak_bytes <= limit]
+    assert fitting, "'all' must fit 90% on this workload"
+    assert fr.shipped is min(fitting, key=lambda p: (p.p50_ms, p.peak_bytes))
+    ctrl = fr.point("none")
+    assert ctrl.decision is Decision.REJECT and ctrl.reason.startswith("over budget") and ctrl.overhead_pct == 0
+    assert fr.point("optimal@10%").decision is Decision.INFEASIBLE and "floor" in fr.point("optimal@10%").reason
+    assert d["shipped_plan"]["planner"] == fr.shipped.planner
+    # capacity: every measured plan searched; the control's base batch does not fit, a fitting plan's does
+    assert ctrl.capacity < MLP["batch_size"] and fr.shipped.capacity >= MLP["batch_size"]
+    assert fr.shipped.samples_per_s and fr.shipped.samples_per_s > 0
+    for p in measured:
+        assert p.capacity_search is not None and len(p.capacity_search.tries) <= 4
+        for t in p.capacity_search.tries:
+            if t.value <= p.capacity and not t.oom:
+                assert t.peak_bytes <= limit
+    assert FrontierReport.from_json(d).to_json() == d
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+def _shape(spec, **kw):
+    return ",".join(f"{k}={v}" for k, v in {**TINY[spec], **kw}.items())
+
+
+def test_cli_writes_json_png_and_table(tmp_path, capsys):
+    out = tmp_path / "fr"
+    rc = main(["frontier", "--workload", "gpt", "--shape", _shape("gpt", batch_size=4), "--budget", "95%",
+               "--plans", "none,all,optimal", "--steps", "2", "--warmup", "1", "--capacity-max", "8",
+               "--capacity-tries", "3", "--capacity-steps", "1", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc in (0, 1)  # 1 only when nothing fits: timings and peaks are measured, not asserted
+    d = json.loads((out / "frontier.json").read_text())
+    assert {"schema_version", "context", "budget_bytes", "points"} <= d.keys()
+    assert [p["plan"] for p in d["points"]] == ["none", "all", "optimal"]
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "frontier" in text and "decision" in text
+    assert (rc == 0) == (d["shipped"] is not None)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--budget", "lots"], "budget"),
+    (["--budget=-5%"], "budget"),
+    (["--budget", "50%", "--plans", "none,magic"], "planner"),
+    (["--budget", "50%", "--reserve", "150%"], "reserve"),
+    (["--budget", "50%", "--steps", "0"], "steps"),
+])
+def test_cli_bad_inputs_exit_2(argv, needle, tmp_path, capsys):
+    rc = main(["frontier", "--workload", "mlp", "--shape", _shape("mlp"), *argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err.lower() and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_budget_is_required(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["frontier", "--workload", "mlp", "--out", str(tmp_path)])
+    assert exc.value.code == 2

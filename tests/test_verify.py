@@ -1,0 +1,183 @@
+"""remat.verify: clean plans pass bitwise; RNG-off, perturbed gradients, BatchNorm and counters are caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from remat.cli.main import main
+from remat.plan import Boundary, Plan
+from remat.profile import fingerprint
+from remat.types import CheckpointMode, HazardKind
+from remat.verify import DeviceMoveDetector, VerifyReport, verify_plan
+from remat.workload import LoadedWorkload, load_workload
+
+from .conftest import FIXTURES, TINY
+
+FOREIGN = f"{FIXTURES / 'foreign_workload.py'}:build"
+REQUIRED_KEYS = {"schema_version", "passed", "steps", "seeds", "tolerances", "per_step", "first_divergent_module",
+                 "rng_policy", "rng_overhead_ms", "hazards", "negative_controls"}
+
+
+def make_plan(model: nn.Module, paths: list[str], *, mode: CheckpointMode = CheckpointMode.FULL,
+              guarded: bool = False, preserve_rng_state: bool = True) -> Plan:
+    return Plan(planner="test", budget_bytes=None, reserve=0.0,
+                boundaries=[Boundary(module=p, mode=mode, saved_bytes=0, replay_ms=0.0, guarded=guarded) for p in paths],
+                excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
+                baseline_step_ms=0.0, fingerprint=fingerprint(model), preserve_rng_state=preserve_rng_state)
+
+
+def negative(report: VerifyReport, name: str):
+    return next(n for n in report.negative_controls if n.name == name)
+
+
+@pytest.fixture(scope="module")
+def gpt() -> LoadedWorkload:
+    return load_workload("gpt", TINY["gpt"])  # dropout 0.1
+
+
+@pytest.fixture(scope="module")
+def cnn() -> LoadedWorkload:
+    return load_workload("cnn", TINY["cnn"])
+
+
+CNN_BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_gpt_every_block_verifies_clean_and_bitwise(gpt):
+    report = verify_plan(gpt, make_plan(gpt.workload.model, ["h.0", "h.1"]), timing_steps=2)
+    assert report.passed, report.failures
+    assert len(report.per_step) == 3 * (3 + 1)  # 3 seeds x (3 train steps + 1 eval step)
+    assert all(s.bitwise and s.passed for s in report.per_step)  # CPU float32, eager non-reentrant: bit-exact
+    assert {s.mode for s in report.per_step} == {"train", "eval"}
+    assert report.hazards == [] and report.first_divergent_module is None and report.repeatable
+    # Negative controls ran and were rejected; RNG-off is caught in the last block, where backward starts.
+    rng_off = negative(report, "rng_preservation_off")
+    assert rng_off.applicable and rng_off.rejected and "first divergent module h.1" in rng_off.detail
+    assert negative(report, "perturbed_gradient").rejected
+    assert report.rng_policy.policy == "preserve" and report.rng_policy.boundaries_drawing_rng == ("h.0", "h.1")
+    # The report says each block runs twice per step, in train and in eval mode.
+    assert [(b.module, b.forward_calls, b.replay_calls) for b in report.boundaries] == [
+        ("h.0", {"train": 1, "eval": 1}, {"train": 1, "eval": 1}),
+        ("h.1", {"train": 1, "eval": 1}, {"train": 1, "eval": 1})]
+    data = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert REQUIRED_KEYS <= data.keys()
+    assert isinstance(data["rng_overhead_ms"], float)
+    assert {"loss", "grad_max_abs", "grad_max_rel", "bitwise", "grad_norm"} <= data["per_step"][0].keys()
+    assert data["negative_controls"][0].keys() >= {"name", "rejected"}
+
+
+def test_gpt_selective_verifies_clean(gpt):
+    report = verify_plan(gpt, make_plan(gpt.workload.model, ["h.0", "h.1"], mode=CheckpointMode.SELECTIVE),
+                         steps=2, seeds=1, timing_steps=0)
+    assert report.passed, report.failures
+    assert report.rng_timing is None and report.to_json()["rng_overhead_ms"] is None
+
+
+def test_plan_without_rng_preservation_fails_and_names_the_block(gpt):
+    report = verify_plan(gpt, make_plan(gpt.workload.model, ["h.0", "h.1"], preserve_rng_state=False),
+                         steps=2, seeds=1, timing_steps=0)
+    assert not report.passed
+    assert report.rng_policy.policy == "off" and "draw random numbers" in report.rng_policy.justification
+    bad = next(s for s in report.per_step if not s.passed)
+    assert (bad.step, bad.first_divergence) == (0, "gradient")
+    assert report.first_divergent_module.startswith("h.1.")
+    assert any(h.kind is HazardKind.RNG and "h.0" in h.module for h in report.hazards)  # replays drew live RNG
+
+
+def test_cnn_guarded_batchnorm_verifies_clean(cnn):
+    report = verify_plan(cnn, make_plan(cnn.workload.model, CNN_BLOCKS, guarded=True), steps=2, seeds=2,
+                         timing_steps=0)
+    assert report.passed, report.failures
+    assert all(s.bitwise for s in report.per_step)  # buffers included
+    rng_off = negative(report, "rng_preservation_off")
+    assert not rng_off.applicable and rng_off.rejected is None and "no planned boundary draws" in rng_off.detail
+    assert negative(report, "perturbed_gradient").rejected
+    assert all(b.replay_mutations == [] for b in report.boundaries)  # the guard undid the replay's update
+
+
+def test_cnn_unguarded_batchnorm_is_caught_with_module_named(cnn):
+    report = verify_plan(cnn, make_plan(cnn.workload.model, CNN_BLOCKS), steps=2, seeds=1, timing_steps=0)
+    assert not report.passed
+    details = [h.detail for h in report.hazards if h.kind is HazardKind.BUFFER_MUTATION and h.module == "blocks.0"]
+    assert any(d.startswith("blocks.0.bn1.num_batches_tracked: +2 instead of +1") for d in details), details
+    assert report.first_divergent_module == "blocks.0.bn1"
+    train0 = report.per_step[0]
+    assert train0.grads_bitwise and not train0.passed  # gradients equal, statistics not: issue 96136
+    assert any(s.mode == "eval" and s.first_divergence == "forward output" for s in report.per_step)
+    assert "blocks.0.bn1.running_mean" in report.boundaries[0].replay_mutations
+
+
+def test_python_counter_in_a_block_is_caught():
+    lw = load_workload(FOREIGN, {"counting": 1})
+    report = verify_plan(lw, make_plan(lw.workload.model, ["blocks.1"]), steps=2, seeds=1, timing_steps=0)
+    assert not report.passed
+    hz = [h for h in report.hazards if h.kind is HazardKind.PYTHON_STATE]
+    assert [(h.module, h.detail, h.mode) for h in hz] == [("blocks.1", "blocks.1.calls: 1 -> 2", "train"),
+                                                          ("blocks.1", "blocks.1.calls: +2 instead of +1 this step (3 -> 6)", "eval")]
+    assert report.first_divergent_module == "blocks.1"
+
+
+def test_foreign_workload_verifies_clean():
+    """Tied weights, keyword args into blocks, tuple outputs, in-place activations, dropout: all clean."""
+    lw = load_workload(FOREIGN)
+    report = verify_plan(lw, make_plan(lw.workload.model, ["blocks.0", "blocks.1"]), steps=2, seeds=2,
+                         timing_steps=0)
+    assert report.passed, report.failures
+    assert all(s.bitwise for s in report.per_step)
+    assert negative(report, "rng_preservation_off").rejected and negative(report, "perturbed_gradient").rejected
+
+
+def test_planned_step_that_raises_is_a_failure_not_a_crash():
+    # SELECTIVE saves fc2's matmul output, which the block then scales in place: torch refuses at backward.
+    lw = load_workload(FOREIGN)
+    report = verify_plan(lw, make_plan(lw.workload.model, ["blocks.0"], mode=CheckpointMode.SELECTIVE),
+                         steps=1, seeds=1, timing_steps=0)
+    assert not report.passed
+    assert any("raised RuntimeError" in f and "mutated" in f for f in report.failures), report.failures
+
+
+def test_device_move_detector_sees_cross_device_copies():
+    with DeviceMoveDetector() as det:
+        torch.ones(3).to("meta")
+        torch.ones(3) * 2.0
+    assert det.moves == ["_to_copy: cpu -> meta"]
+
+
+def test_cli_verify_writes_json_and_maps_exit_codes(tmp_path, capsys):
+    shape = ",".join(f"{k}={v}" for k, v in TINY["cnn"].items())
+    model = load_workload("cnn", TINY["cnn"]).workload.model
+    args = ["verify", "--workload", "cnn", "--shape", shape, "--steps", "1", "--seeds", "1", "--timing-steps", "1"]
+    good = make_plan(model, CNN_BLOCKS, guarded=True).save(tmp_path / "good.json")
+    assert main([*args, "--plan", str(good), "--out", str(tmp_path / "a")]) == 0
+    data = json.loads((tmp_path / "a" / "verify.json").read_text())
+    assert REQUIRED_KEYS <= data.keys() and data["passed"] is True
+    assert "PASSED" in capsys.readouterr().out
+
+    bad = make_plan(model, CNN_BLOCKS).save(tmp_path / "bad.json")  # unguarded BatchNorm
+    assert main([*args, "--plan", str(bad), "--out", str(tmp_path / "b")]) == 1
+    data = json.loads((tmp_path / "b" / "verify.json").read_text())
+    assert data["passed"] is False and data["hazards"][0]["module"] == "blocks.0"
+
+    (tmp_path / "broken.json").write_text("{not json")
+    assert main([*args, "--plan", str(tmp_path / "broken.json"), "--out", str(tmp_path / "c")]) == 2
+    other = make_plan(load_workload("mlp", TINY["mlp"]).workload.model, ["blocks.0"]).save(tmp_path / "other.json")
+    assert main([*args, "--plan", str(other), "--out", str(tmp_path / "d")]) == 2  # fingerprint mismatch
+    assert "another model" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "verify.json").exists()
+
+
+def test_report_json_round_trips_non_finite_numbers():
+    from remat.verify import StepComparison
+    s = StepComparison(seed=0, step=0, mode="train", loss=(1.0, float("nan")), outputs_max_abs=None,
+                       grad_max_abs=float("inf"), grad_max_rel=float("inf"), grads_bitwise=False,
+                       grad_norm=(1.0, 2.0), params_max_abs=0.0, buffers_max_abs=0.0, bitwise=False,
+                       divergent=["grad w"], first_divergent_module="w", first_divergence="gradient", passed=False)
+    d = s.to_json()
+    json.dumps(d, allow_nan=False)
+    assert d["grad_max_abs"] == "inf" and d["loss"] == [1.0, "nan"]
+    assert dataclasses.is_dataclass(s)
