@@ -54,8 +54,6 @@ from ..errors import CandidateError, PlanError
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
 
-MIB = 2 ** 20
-
 # What may be checkpointed: None (every candidate, every measured mode), candidate names
 # (every measured mode of each), or name -> modes.
 Allowed = Union[None, Iterable[str], Mapping[str, Iterable[CheckpointMode]]]
@@ -207,8 +205,9 @@ class CostModel:
                 continue
             k = self.option_index.get((name, mode))
             if k is None:
+                modes = [self.options[i].mode.value for i in self.options_of[self.index[name]]]
                 raise CandidateError(f"candidate {name!r} cannot be planned in mode {mode.value!r} "
-                                     f"(measured or allowed modes: {[self.options[i].mode.value for i in self.options_of[self.index[name]]]})")
+                                     f"(measured and allowed modes: {modes})")
             x[k] = 1
         self.check_valid(x)
         return x

@@ -17,8 +17,9 @@ checkpointed parent replays its children too):
 - BUFFER_MUTATION with ``guardable=True``: planned normally, ``Boundary.guarded=True``
   (remat.apply restores the buffers around the replay; verify proves they match);
 - any other hazard, or a non-guardable buffer mutation: excluded with the reason, unless
-  ``allow_hazards=True``, which plans it *unguarded* (``guarded=False``) so that
-  verification can be shown catching it;
+  ``allow_hazards=True``, which plans every hazardous candidate *unguarded*
+  (``guarded=False``, guardable BatchNorm included) so that verification can be shown
+  catching it;
 - no measured checkpoint mode: excluded (nothing to plan).
 Baseline planners obey the same exclusions.
 
@@ -73,7 +74,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 
 import numpy as np
 
@@ -141,7 +141,9 @@ def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
                                                              "(allow_hazards / --allow-hazards plans it unguarded)"))
             continue
         allowed[c.name] = modes
-        if guardable and not blocking:
+        # --allow-hazards plans *everything* unguarded, BatchNorm included (issue 3), so that
+        # verification can be shown catching the double update the guard prevents
+        if guardable and not blocking and not allow_hazards:
             guarded.add(c.name)
     known = {c.name for c in cands}
     excluded += [Exclusion(module=n, reason=r) for n, r in sorted(report.excluded.items()) if n not in known]

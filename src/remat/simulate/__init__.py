@@ -11,9 +11,9 @@ from .devices import DEVICE_MODELS, DeviceModel, fit_calibration, get_device_mod
 from .errors import SimulationError
 from .runtime import OpTypeCost, RuntimePrediction, op_ms, predict_runtime
 from .semantics import KernelSemantics, SimulationDispatch, SimulationFunctions
-from .simulation import Simulation, simulate_trace, simulate_workload
+from .simulation import Simulation, estimate_step_runtime, simulate_trace, simulate_workload
 
 __all__ = ["DEVICE_MODELS", "DeviceModel", "KernelSemantics", "OpCostRecorder", "OpRecord", "OpTypeCost",
            "RuntimePrediction", "Simulation", "SimulatedWorkload", "SimulationDispatch", "SimulationError",
-           "SimulationFunctions", "fake_module_", "fake_workload", "fit_calibration", "get_device_model",
+           "SimulationFunctions", "estimate_step_runtime", "fake_module_", "fake_workload", "fit_calibration", "get_device_model",
            "load_simulated", "op_ms", "predict_runtime", "simulate_trace", "simulate_workload"]

@@ -21,6 +21,7 @@ from torch._subclasses import fake_tensor as _ft
 from ..trace.model import StepTrace, TimelinePoint, TraceContext
 from ..trace.tracer import trace_step
 from ..types import MemorySource, Phase, ProgressFn, no_progress
+from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload, ShapeValue
 from .build import SimulatedWorkload, load_simulated
 from .costs import OpCostRecorder
@@ -66,6 +67,17 @@ class Simulation:
         }
 
 
+def estimate_step_runtime(step: TrainingStep, device: DeviceModel, step_index: int) -> RuntimePrediction:
+    """Run one step under :class:`OpCostRecorder` and price it on ``device``.
+
+    Call it inside ``SimulatedWorkload.session()`` (nothing is computed), after the warm-up
+    steps; on a real step it works too, but then it really runs the step.
+    """
+    with OpCostRecorder(step.workload.model) as costs:
+        step.run(step_index, marker=costs.marker)
+    return predict_runtime(costs.ops, device)
+
+
 def _rescale_timeline(trace: StepTrace, predicted: dict[Phase, float]) -> list[TimelinePoint]:
     wall_start: dict[Phase, float] = {}
     pred_start: dict[Phase, float] = {}
@@ -96,14 +108,12 @@ def _simulate_one(sim: SimulatedWorkload, *, warmup: int, steps: int, progress: 
     try:
         with sim.session():
             trace = trace_step(step, context=ctx, warmup=warmup, steps=steps, progress=progress)
-            with OpCostRecorder(step.workload.model) as costs:
-                step.run(warmup + steps + 1, marker=costs.marker)
+            runtime = estimate_step_runtime(step, sim.device_model, warmup + steps + 1)
     except _FAKE_ERRORS as exc:
         raise SimulationError(
             f"workload {lw.spec!r} cannot be simulated: {type(exc).__name__}: {exc}",
             tip="the step needs a tensor's value (data-dependent shape or unsupported op); "
                 "trace it for real on a smaller shape instead") from exc
-    runtime = predict_runtime(costs.ops, sim.device_model)
     trace.memory_source = MemorySource.SIMULATED
     trace.reference_peak_bytes = None
     trace.timeline = _rescale_timeline(trace, runtime.phase_ms)
