@@ -134,6 +134,9 @@ def diagnose(out: Path, world_size: int, *, returncode: int | None, timed_out: f
     by_kind = {k: [s for s in states if s.kind == k] for k in ("died", "error", "stopped", "not started", "done")}
     others = "; ".join(f"rank {s.rank} {s.detail}" for s in states)
     tip = f"every rank's files and torchrun's output are in {out} ({log.name})"
+    stacks = [s.rank for s in states if s.kind == "stopped"]
+    if stacks:
+        tip += "; where the stopped ranks were: " + ", ".join(rank_file(out, r, "sigterm").name for r in stacks)
     if timed_out is not None:
         stuck = [s for s in states if s.kind != "done"]
         return DistributedError(

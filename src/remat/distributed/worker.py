@@ -281,6 +281,7 @@ class RankRunner:
         per_step = [_count(rec.of_step(k)) for k in range(cfg.steps)]
         peak_bytes, peak_phase, memory_source = self.peak(built, i)
         self.done += 1
+        self.files.progress(self.done, self.total, f"{label}: peak step")
         i += 1
         exposed: list[float] | None = None if self.cuda else []
         comm: list[float] | None = None if self.cuda else []
