@@ -66,3 +66,33 @@ def test_bad_plan_inputs_exit_2(argv, needle, tmp_path, capsys):
     assert rc == 2, err
     assert needle in err.lower()
     assert "Traceback" not in err
+
+
+def test_simulated_profile_bytes_equal_real_on_cpu():
+    """--simulate on the cpu device model: the same saved bytes and rows as the real profile."""
+    from remat.profile import profile_simulated, profile_workload
+    shape = {**TINY["mlp"], "depth": 3}
+    sim = profile_simulated("mlp", shape, target_device="cpu")
+    real = profile_workload(load_workload("mlp", shape), repeats=2)
+    assert sim.simulated and sim.device_model == "cpu" and sim.memory_source.value == "simulated"
+    assert sim.baseline_peak_bytes == real.baseline_peak_bytes
+    assert [(c.name, c.saved_bytes, c.replay_extra_bytes) for c in sim.candidates] == \
+           [(c.name, c.saved_bytes, c.replay_extra_bytes) for c in real.candidates]
+    assert {r.base_bytes for r in sim.rows} == {r.base_bytes for r in real.rows}
+
+
+def test_plan_simulate_records_device_model(tmp_path):
+    rc = main(["plan", "--simulate", "--target-device", "h100", "--workload", "gpt", "--shape",
+               _shape("gpt", n_layer=4, seq_len=64), "--budget", "70%", "--out", str(tmp_path)])
+    assert rc == 0
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.simulated and plan.device_model == "h100" and plan.memory_source == "simulated"
+    assert plan.measured_peak_bytes is None  # nothing was run, nothing claims to be measured
+    assert plan.predicted_peak_bytes <= plan.effective_budget_bytes
+
+
+@pytest.mark.parametrize("argv,needle", [(["--target-device", "h100"], "only applies with --simulate"),
+                                         (["--simulate", "--target-device", "tpu"], "unknown target device")])
+def test_simulate_flag_errors(argv, needle, tmp_path, capsys):
+    rc = main(["plan", "--workload", "mlp", "--shape", _shape("mlp"), "--budget", "90%", "--out", str(tmp_path), *argv])
+    assert rc == 2 and needle in capsys.readouterr().err.replace("\n", " ")

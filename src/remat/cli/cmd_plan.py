@@ -10,7 +10,9 @@ from rich.table import Table
 from .._io import atomic_write_json
 from ..apply.closed_loop import ClosedLoopResult, plan_closed_loop
 from ..plan import PLANNER_SPECS, Plan, parse_budget, parse_reserve
-from ..profile import ProfileReport, profile_workload
+from ..errors import WorkloadError
+from ..profile import ProfileReport, profile_simulated, profile_workload
+from ..workload import parse_shape
 from .common import add_workload_args, load_from_args
 from .render import console, fmt_bytes, progress_bar
 
@@ -34,16 +36,31 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-hazards", action="store_true",
                    help="plan hazardous candidates unguarded (to show verification catching them)")
     p.add_argument("--no-measure", action="store_true", help="skip the apply-and-measure closed loop")
+    p.add_argument("--simulate", action="store_true",
+                   help="profile under FakeTensorMode (any shape, nothing allocated) with times from a device "
+                        "model; the plan records that its figures are simulated (no closed loop)")
+    p.add_argument("--target-device", default=None, help="with --simulate: h100, a100, h200 or cpu")
 
 
 def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, ClosedLoopResult | Plan]:  # noqa: ANN001
     """Shared by ``plan`` and ``receipt``: profile, then plan (closed loop unless --no-measure)."""
     from ..plan import make_plan
-    loaded = load_from_args(args)
     reserve = parse_reserve(args.reserve)
     if args.budget is not None:
         parse_budget(args.budget, 1 << 50)  # syntax check before minutes of profiling
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
+    if getattr(args, "target_device", None) and not getattr(args, "simulate", False):
+        raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
+    if getattr(args, "simulate", False):
+        from ..simulate import get_device_model
+        target = args.target_device or ("h100" if args.device.startswith("cuda") else "cpu")
+        get_device_model(target)  # a typed error for an unknown device, before profiling
+        report = profile_simulated(args.workload, parse_shape(args.shape), dtype=args.dtype, target_device=target,
+                                   candidates=candidates, progress=progress)
+        budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
+        return report, make_plan(report, args.planner, budget_bytes=budget, reserve=reserve,
+                                 allow_hazards=args.allow_hazards)
+    loaded = load_from_args(args)
     report = profile_workload(loaded, candidates=candidates, progress=progress)
     budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
     if args.no_measure:
@@ -69,6 +86,9 @@ def render_plan(plan: Plan) -> None:
     console.print(f"peak: baseline {fmt_bytes(plan.baseline_peak_bytes)}, predicted {fmt_bytes(plan.predicted_peak_bytes)}"
                   + (f", measured {fmt_bytes(plan.measured_peak_bytes)} ({plan.memory_source})"
                      if plan.measured_peak_bytes is not None else ""))
+    if plan.simulated:
+        console.print(f"[yellow]simulated[/]: bytes from FakeTensorMode, times from the {plan.device_model} device model "
+                      "(no step was run; nothing was measured)")
     console.print(f"step: baseline {plan.baseline_step_ms:.1f} ms, predicted +{plan.predicted_overhead_ms:.1f} ms"
                   + (f", measured {plan.measured_step_ms:.1f} ms" if plan.measured_step_ms is not None else ""))
 

@@ -39,6 +39,7 @@ class HazardProbe:
     """Before/after snapshots around one candidate's forward."""
 
     module: nn.Module
+    compare_rng_state: bool = True   # off under FakeTensorMode: fake dropout leaves the real RNG alone
     buffers: dict[str, int] = dataclasses.field(default_factory=dict)
     python: dict[str, Any] = dataclasses.field(default_factory=dict)
     rng: torch.Tensor | None = None
@@ -47,7 +48,7 @@ class HazardProbe:
     def before(self) -> None:
         self.buffers = buffer_versions(self.module)
         self.python = python_state(self.module)
-        self.rng = torch.random.get_rng_state()
+        self.rng = torch.random.get_rng_state() if self.compare_rng_state else None
 
     def after(self) -> None:
         mutated = [n for n, v in buffer_versions(self.module).items() if self.buffers.get(n) != v]

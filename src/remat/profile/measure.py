@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from .candidates import parent_of, resolve_candidates
 from .fingerprint import fingerprint
 from .hazards import HazardProbe
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
+
+if TYPE_CHECKING:
+    from ..simulate.runtime import RuntimePrediction
 
 
 def _packet(func: Any) -> str:
@@ -69,6 +72,20 @@ def _dispatch_overhead_ns(n: int = 400) -> float:
     return max(0.0, (min(moded) - min(plain)) / n)
 
 
+_RNG_OPS = ("bernoulli", "native_dropout", "rand", "randn", "randint", "randperm", "normal", "uniform",
+            "exponential", "geometric", "cauchy", "log_normal", "multinomial", "poisson")
+
+
+def _draws_random(name: str, args: tuple) -> bool:
+    """Ops that consume the RNG (fused attention kernels take dropout_p as an argument)."""
+    base = name.rstrip("_")
+    if base in _RNG_OPS or base.startswith("_fused_dropout"):
+        return True
+    if "attention" in name and len(args) > 3 and isinstance(args[3], float) and args[3] > 0.0:
+        return True  # _scaled_dot_product_*_attention(q, k, v, dropout_p, ...)
+    return False
+
+
 class _OpLog:
     """Per-op observer for the profiled step: times, SAC-op share, device moves, in-place inputs."""
 
@@ -78,6 +95,7 @@ class _OpLog:
         self.sac_records: list[StorageRecord] = []        # storages produced by SAC_SAVE_OPS
         self.device_moves: list[tuple[int, str]] = []     # (event, "cpu -> cuda:0")
         self.inplace: list[tuple[int, int]] = []          # (event, storage key written in place)
+        self.rng_ops: list[tuple[int, str]] = []          # (event, op) ops that draw random numbers
 
     def __call__(self, func: Any, args: tuple, out: Any, ns: int) -> None:
         ev = self.rec.tracker.events
@@ -92,6 +110,8 @@ class _OpLog:
             src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
             if src.device != out.device:
                 self.device_moves.append((ev, f"{src.device} -> {out.device}"))
+        if _draws_random(name, args):
+            self.rng_ops.append((ev, name))
         if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
             self.inplace.append((ev, args[0].untyped_storage()._cdata))
 
@@ -152,7 +172,13 @@ def _rows(rec: StepRecorder, spans: dict[str, tuple[int, int, int | None, int | 
 
 
 def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int = 2, repeats: int = 5,
+                 runtime: Callable[[int], RuntimePrediction] | None = None,
                  progress: ProgressFn = no_progress) -> ProfileReport:
+    """Profile ``candidate_names`` on ``step`` (NOTE [what one profiled step gives]).
+
+    ``runtime``: a simulated step's predicted times (remat.simulate): under FakeTensorMode
+    wall clocks mean nothing, so forward/replay ms come from the device model instead.
+    """
     model = step.workload.model
     names = {id(m): n for n, m in model.named_modules()}
     modules = dict(model.named_modules())
@@ -161,10 +187,15 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         progress("profile: warm-up", i + 1, warmup)
         step.run(i)
     base = measure_step_peak(step, warmup)
-    fwd_ms, step_ms = _time_forwards(step, names, cand_set, repeats, warmup + 1)
+    predicted: RuntimePrediction | None = None
+    if runtime is None:
+        fwd_ms, step_ms = _time_forwards(step, names, cand_set, repeats, warmup + 1)
+    else:
+        predicted = runtime(warmup + 1)
+        fwd_ms, step_ms = {n: predicted.replay_ms(n, CheckpointMode.FULL) for n in candidate_names}, [predicted.step_ms]
     progress("profile: timing", 1, 1)
 
-    probes = {n: HazardProbe(modules[n]) for n in candidate_names}
+    probes = {n: HazardProbe(modules[n], compare_rng_state=runtime is None) for n in candidate_names}
     pre_h = register_module_forward_pre_hook(lambda m, a: probes[names[id(m)]].before() if names.get(id(m)) in probes else None)
     post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after() if names.get(id(m)) in probes else None)
     try:
@@ -178,7 +209,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         pre_h.remove()
         post_h.remove()
     progress("profile: saved tensors", 1, 1)
-    overhead_ns = _dispatch_overhead_ns()
+    overhead_ns = _dispatch_overhead_ns() if runtime is None else 0.0
 
     windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
     for w in rec.windows:
@@ -218,6 +249,10 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         moves = [d for ev, d in oplog.device_moves if fs <= ev < fe]
         if moves:
             hazards.append(HazardRecord(kind=HazardKind.DEVICE_MOVE, detail=f"tensor moved inside the region: {moves[0]}"))
+        rng = [op for ev, op in oplog.rng_ops if fs <= ev < fe]
+        if rng and not any(h.kind is HazardKind.RNG for h in hazards):
+            hazards.append(HazardRecord(kind=HazardKind.RNG, detail=f"draws random numbers in forward ({rng[0]}): "
+                                                                     "safe while RNG state is preserved"))
         inputs = set(w.input_keys)
         if any(fs <= ev < fe and key in inputs for ev, key in oplog.inplace):
             hazards.append(HazardRecord(kind=HazardKind.INPLACE_INPUT, detail="writes in place into one of its inputs"))
@@ -227,7 +262,8 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         n_ops = len(ops_in)
         if sac_kept > 0 and n_ops:
             saved[CheckpointMode.SELECTIVE] = full_saved - sac_kept
-            replay[CheckpointMode.SELECTIVE] = t_fwd * (1.0 - save_share) + 2 * n_ops * overhead_ns / 1e6
+            replay[CheckpointMode.SELECTIVE] = (t_fwd * (1.0 - save_share) + 2 * n_ops * overhead_ns / 1e6
+                                                if predicted is None else predicted.replay_ms(name, CheckpointMode.SELECTIVE))
             extras[CheckpointMode.SELECTIVE] = extra
         bs, be = _bwd_window(name, {n: ws[-1] for n, ws in windows_by_name.items()})
         spans[name] = (fs, fe, bs, be)
@@ -246,6 +282,28 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
                          baseline_step_ms=statistics.median(step_ms), memory_source=base.source,
                          fingerprint=fingerprint(model))
+
+
+def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, dtype: str = "float32",
+                      target_device: str = "cpu", candidates: list[str] | None = None, warmup: int = 2,
+                      progress: ProgressFn = no_progress) -> ProfileReport:
+    """Profile under FakeTensorMode at any shape, times from a device model (issue 8).
+
+    Bytes are exact storage bytes of the same step (remat.simulate); ms are roofline
+    predictions for ``target_device``. Nothing is allocated, so a 1B-parameter model at a
+    long sequence plans on a laptop.
+    """
+    from ..simulate import estimate_step_runtime, load_simulated
+    sim = load_simulated(spec, shape, dtype=dtype, target_device=target_device)
+    step = sim.training_step()
+    with sim.session():
+        names = resolve_candidates(sim.loaded.workload.model, candidates)
+        report = profile_step(step, names, warmup=warmup, progress=progress,
+                              runtime=lambda k: estimate_step_runtime(step, sim.device_model, k))
+    report.simulated = True
+    report.device_model = sim.device_model.name
+    report.memory_source = MemorySource.SIMULATED
+    return report
 
 
 def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = None, warmup: int = 2,

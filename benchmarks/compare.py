@@ -1,0 +1,498 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark of remat ``optimal`` against the anchors (issue 5).
+
+    .venv/bin/python benchmarks/compare.py            # gpt, mlp, cnn; writes benchmarks/RESULTS.md section
+    .venv/bin/python benchmarks/compare.py --quick    # smaller shapes, fewer steps, no torch.compile
+
+For each workload, in ONE process and one interleaved round-robin (remat.frontier's
+NOTE [interleaved timing]), it measures the whole training step (batch, forward,
+backward, optimizer) of:
+
+  none            the unmodified step (the control; every overhead is against it)
+  all             every block checkpointed (HF / Megatron "full")                 [remat planner]
+  uniform:2       every 2nd block                                                  [remat planner]
+  sqrt            Chen et al.'s sqrt(n) trade, per-module form (plan/planners.py)  [remat planner]
+  sac-matmuls     torch SAC, "save matmuls / attention / conv, recompute the rest",
+                  on every block (= remat's ``selective`` planner, apply/policy.py)
+  ckpt_seq:S      torch.utils.checkpoint.checkpoint_sequential over the block chain,
+                  S segments (S = 2, ceil(sqrt n), n); see SequentialArm for ModuleList models
+  compile-amb0.5  torch.compile with torch._functorch.config.activation_memory_budget = 0.5
+  remat optimal@B remat's optimal plan for a peak budget B (share of the control's
+                  profiled peak), planned with no reserve through the closed loop
+
+Peaks: each arm alone, one warm step, CPU live-tensor tracker; the compiled arm's peak
+comes from torch.profiler's allocator events instead (see CompileArm: the tracker cannot
+see compiled graphs). Capacity: the largest batch_size whose peak fits each budget
+(remat.frontier.search_capacity, probes memoised across budgets).
+
+Results go to benchmarks/results/compare.json (raw) and, unless --no-write, to the
+"## Frontier and anchors (issue 5)" section of benchmarks/RESULTS.md (other sections
+are left as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from remat.apply.closed_loop import plan_closed_loop
+from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
+                            search_capacity, time_round_robin)
+from remat.frontier.measure import release_memory
+from remat.memory import PeakMeasurement, LiveTensorTracker, profiler_memory_peak, track_step_state
+from remat.plan import InfeasibleBudget, make_plan
+from remat.profile import profile_workload
+from remat.types import MemorySource
+from remat.workload import LoadedWorkload, TrainingStep, load_workload
+
+HERE = Path(__file__).resolve().parent
+MIB = 2 ** 20
+SECTION = "## Frontier and anchors (issue 5)"
+
+# Shapes: defaults of the built-ins, sized to take ~0.3-0.8 s a step on one core here, with
+# activations (not AdamW state) dominating the peak, so that checkpointing has something to do.
+FULL = {
+    "gpt": {"batch_size": 8, "seq_len": 128},                  # 6 layers, d_model 256, vocab 1024
+    "mlp": {"batch_size": 512},                                 # 12 uneven blocks, width 256
+    "cnn": {"batch_size": 32},                                  # ResNet, 6 BasicBlocks (BatchNorm)
+}
+QUICK = {
+    "gpt": {"batch_size": 4, "seq_len": 64, "n_layer": 4, "d_model": 128},
+    "mlp": {"batch_size": 256, "depth": 6, "width": 128},
+    "cnn": {"batch_size": 16, "blocks_per_stage": 1},
+}
+
+
+# -- the anchors as remat.frontier arms -------------------------------------------------------
+
+class SequentialCheckpoint(nn.Module):
+    """Runs a chain of blocks with torch's ``checkpoint_sequential`` (non-reentrant)."""
+
+    def __init__(self, blocks: list[nn.Module], segments: int) -> None:
+        super().__init__()
+        self.chain = nn.ModuleList(blocks)
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(list(self.chain), self.segments, x, use_reentrant=False)
+
+
+# NOTE [checkpoint_sequential on ModuleList models]
+# checkpoint_sequential needs the blocks as one chain x -> b0 -> b1 -> ... -> b(n-1).
+# cnn keeps them in an nn.Sequential (``model.blocks``), which is swapped for a
+# SequentialCheckpoint over the same block objects. gpt (``model.h``) and mlp
+# (``model.blocks``) keep them in an nn.ModuleList that the parent's forward iterates as a
+# plain chain (``for block in self.h: x = block(x)``; read in workload/builtins/), so the
+# ModuleList is swapped for a one-element ModuleList holding a SequentialCheckpoint over
+# the original blocks: the parent's loop then calls the whole chain once. The parameters
+# are the same objects (the optimizer is made after the swap). For any other parent
+# (a ModuleList used with skips, extra arguments...) the arm is skipped with that reason.
+_CHAIN_LOOPS = {("GPT", "h"), ("ResidualMLP", "blocks")}
+
+
+class SequentialArm(Arm):
+    def __init__(self, container: str, segments: int) -> None:
+        super().__init__(f"ckpt_seq:{segments}")
+        self.container = container
+        self.segments = segments
+
+    def prepare(self, fresh: LoadedWorkload):  # noqa: ANN201
+        model = fresh.workload.model
+        parent_path, _, attr = self.container.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Sequential):
+            setattr(parent, attr, SequentialCheckpoint(list(old), self.segments))
+        elif isinstance(old, nn.ModuleList) and (type(parent).__name__, attr) in _CHAIN_LOOPS:
+            setattr(parent, attr, nn.ModuleList([SequentialCheckpoint(list(old), self.segments)]))
+        else:
+            raise RuntimeError(f"{self.container} is a {type(old).__name__} whose parent's forward is not known "
+                               "to be a plain chain")
+        return lambda: setattr(parent, attr, old)
+
+
+class CompileArm(Arm):
+    """torch.compile of the model (activation_memory_budget set process-wide before any compile).
+
+    NOTE [compiled peaks]
+    The live-tensor tracker is a TorchDispatchMode; Dynamo refuses to run compiled code
+    under one ("non-infra torch dispatch mode present, this is not supported today in
+    torch.compile", torch/_dynamo/convert_frame.py) and runs the frame eagerly, so the
+    tracker reports the *eager* step's peak. Worse, once skipped the frame stayed eager for
+    the rest of the process here (the profiler then also showed the eager peak). So this
+    arm never runs under the tracker: its peak is torch.profiler's running sum of CPU
+    allocator ``[memory]`` events over one warm step plus the step's starting state
+    (parameters, buffers, optimizer state, counted as the tracker counts them), which
+    agreed with the tracker on eager steps (remat.memory.reference). Capacity is not
+    searched for it: the probes run under the tracker, and every new batch size recompiles.
+    """
+
+    def __init__(self, budget: float) -> None:
+        super().__init__(f"compile-amb{budget:g}")
+        self.compile_s: float | None = None
+
+    def prepare(self, fresh: LoadedWorkload):  # noqa: ANN201
+        fresh.workload.model = torch.compile(fresh.workload.model)
+        return None
+
+    def measure_peak(self, step: TrainingStep, step_index: int) -> PeakMeasurement:
+        tracker = LiveTensorTracker(keep_timeline=False)
+        track_step_state(tracker, step)   # registration only: no dispatch mode entered
+        start = tracker.live_bytes
+        tracker.close()
+        ref = profiler_memory_peak(lambda: step.run(step_index))
+        return PeakMeasurement(start + ref.peak_delta_bytes, MemorySource.CPU_LIVE_TENSORS, None)
+
+
+# -- one workload -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ArmResult:
+    label: str
+    kind: str                               # control | remat-optimal | baseline
+    peak_bytes: int | None = None
+    peak_source: str = ""
+    step_ms: list[float] = dataclasses.field(default_factory=list)
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+    overhead_pct: float | None = None
+    capacity: dict[str, int | None] = dataclasses.field(default_factory=dict)  # budget label -> batch
+    capacity_note: str = ""
+    skipped: str = ""                        # why this arm has no figures
+    boundaries: list[str] = dataclasses.field(default_factory=list)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _top_container(report) -> tuple[str, int]:  # noqa: ANN001
+    names = {c.name for c in report.candidates}
+    top = [c.name for c in report.candidates if c.parent is None or c.parent not in names]
+    parents = {n.rpartition(".")[0] for n in top}
+    if len(parents) != 1 or not all(n.rpartition(".")[2].isdigit() for n in top):
+        raise RuntimeError(f"top-level candidates {top} are not the children of one container")
+    return parents.pop(), len(top)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warmup: int, compile_: bool,
+                 compile_budget: float, cap_tries: int, cap_max_factor: int, log) -> dict:  # noqa: ANN001
+    t_start = time.perf_counter()
+    loaded = load_workload(spec, shape)
+    log(f"[{spec}] profiling {shape}")
+    report = profile_workload(loaded)
+    control_peak = report.baseline_peak_bytes
+    container, n_blocks = _top_container(report)
+    results: dict[str, ArmResult] = {}
+    arms: list[Arm] = []
+
+    def add(arm: Arm, kind: str, **kw: Any) -> None:
+        arms.append(arm)
+        results[arm.label] = ArmResult(label=arm.label, kind=kind, **kw)
+
+    for spec_ in ("none", "all", "uniform:2", "sqrt"):
+        plan = make_plan(report, spec_)
+        add(PlanArm(spec_, plan), "control" if spec_ == "none" else "baseline",
+            boundaries=[f"{b.module}:{b.mode.value}" for b in plan.boundaries])
+    plan = make_plan(report, "selective")
+    add(PlanArm("sac-matmuls", plan), "baseline", boundaries=[f"{b.module}:{b.mode.value}" for b in plan.boundaries])
+    for s in sorted({2, math.ceil(math.sqrt(n_blocks)), n_blocks}):
+        add(SequentialArm(container, s), "baseline")
+    if compile_:
+        add(CompileArm(compile_budget), "baseline")
+    else:
+        results[f"compile-amb{compile_budget:g}"] = ArmResult(label=f"compile-amb{compile_budget:g}", kind="baseline",
+                                                               skipped="not run (--quick or --no-compile)")
+    for pct in budgets:
+        label = f"remat optimal@{pct}%"
+        b = int(control_peak * pct / 100)
+        try:
+            res = plan_closed_loop(loaded, report, "optimal", budget_bytes=b, reserve=0.0, steps=1)
+        except InfeasibleBudget as exc:
+            results[label] = ArmResult(label=label, kind="remat-optimal",
+                                       skipped=f"infeasible: floor {exc.floor_bytes / MIB:.2f} MiB "
+                                               f"({exc.floor_bytes / control_peak:.0%} of the control)")
+            continue
+        add(PlanArm(label, res.plan), "remat-optimal",
+            boundaries=[f"{b.module}:{b.mode.value}" for b in res.plan.boundaries],
+            extra={"predicted_peak_bytes": res.plan.predicted_peak_bytes, "closed_loop_tries": len(res.attempts)})
+
+    # peaks, one arm at a time
+    live: list[Arm] = []
+    for arm in arms:
+        log(f"[{spec}] peak of {arm.label}")
+        t0 = time.perf_counter()
+        try:
+            peak = measure_arm_peak(loaded, arm, warmup=warmup)
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+            results[arm.label].skipped = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            log(f"[{spec}]   skipped: {results[arm.label].skipped}")
+            continue
+        results[arm.label].peak_bytes = peak.peak_bytes
+        results[arm.label].peak_source = ("torch.profiler allocator events" if isinstance(arm, CompileArm)
+                                          else peak.source.value)
+        if isinstance(arm, CompileArm):
+            results[arm.label].extra["first_build_s"] = round(time.perf_counter() - t0, 1)
+        live.append(arm)
+
+    # time, interleaved
+    log(f"[{spec}] timing {len(live)} arms x {steps} steps, interleaved")
+    prepared = [prepare_arm(loaded, a) for a in live]
+    try:
+        timings = time_round_robin(prepared, warmup=warmup, steps=steps,
+                                   progress=lambda w, d, t: log(f"[{spec}]   round {d}/{t}") if d in (0, t) else None)
+    finally:
+        for p in prepared:
+            p.close()
+        prepared.clear()
+        release_memory()
+    ctrl = timings.p50("none")
+    for a in live:
+        r = results[a.label]
+        r.step_ms = [round(x, 3) for x in timings.step_ms[a.label]]
+        r.p50_ms = timings.p50(a.label)
+        r.p95_ms = _percentile(timings.step_ms[a.label], 95)
+        r.overhead_pct = (r.p50_ms - ctrl) / ctrl * 100
+
+    # capacity per budget: probes memoised per arm at the largest budget, reused for the smaller ones
+    start = int(shape.get("batch_size") or 8)
+    limits = {f"{p}%": int(control_peak * p / 100) for p in budgets}
+    top_limit = max(limits.values())
+    for a in live:
+        r = results[a.label]
+        if isinstance(a, CompileArm):
+            r.capacity_note = "not searched: see NOTE [compiled peaks] (tracker probes; recompiles per shape)"
+            continue
+        log(f"[{spec}] capacity of {a.label}")
+        cache: dict[int, CapacityTry] = {start: CapacityTry(value=start, peak_bytes=r.peak_bytes)}
+
+        def measure(v: int, a: Arm = a, cache: dict = cache) -> CapacityTry:
+            # probed against the largest budget: a probe aborted there is over every smaller one too,
+            # and one that finished carries its full peak, which each search compares with its own limit
+            if v not in cache:
+                cache[v] = probe_capacity(loaded, a, "batch_size", v, top_limit)
+            return cache[v]
+
+        notes = []
+        for name, lim in limits.items():
+            res = search_capacity(measure, key="batch_size", start=start, limit_bytes=lim,
+                                  max_value=cap_max_factor * start, max_tries=cap_tries)
+            r.capacity[name] = res.capacity
+            if not res.resolved:
+                notes.append(f"{name}: {res.note}")
+        r.capacity_note = "; ".join(notes)
+        r.extra["capacity_probes"] = {v: (t.peak_bytes, t.oom) for v, t in sorted(cache.items())}
+
+    summary = summarise(results, budgets=budgets, control_peak=control_peak)
+    return {"workload": spec, "shape": shape, "control_peak_bytes": control_peak,
+            "control_p50_ms": ctrl, "n_blocks": n_blocks, "container": container,
+            "budgets": {f"{p}%": int(control_peak * p / 100) for p in budgets},
+            "arms": [dataclasses.asdict(r) for r in results.values()], "summary": summary,
+            "wall_s": round(time.perf_counter() - t_start, 1)}
+
+
+def summarise(results: dict[str, ArmResult], *, budgets: list[int], control_peak: int) -> list[dict]:
+    out = []
+    for pct in budgets:
+        name = f"{pct}%"
+        limit = int(control_peak * pct / 100)
+        remat = results.get(f"remat optimal@{pct}%")
+        fits = [r for r in results.values() if r.kind == "baseline" and r.peak_bytes is not None
+                and r.p50_ms is not None and r.peak_bytes <= limit]
+        best = min(fits, key=lambda r: r.p50_ms, default=None)
+        row: dict[str, Any] = {"budget": name, "budget_bytes": limit,
+                               "fitting_baselines": [r.label for r in sorted(fits, key=lambda r: r.p50_ms)]}
+        if remat is None or remat.p50_ms is None:
+            row["remat"] = None if remat is None else remat.skipped
+            out.append(row)
+            continue
+        row.update({"remat_peak_bytes": remat.peak_bytes, "remat_fits": remat.peak_bytes <= limit,
+                    "remat_overhead_pct": remat.overhead_pct, "remat_p50_ms": remat.p50_ms,
+                    "remat_capacity": remat.capacity.get(name)})
+        if best is not None:
+            row.update({"best_baseline": best.label, "best_overhead_pct": best.overhead_pct,
+                        "best_p50_ms": best.p50_ms,
+                        "p50_ratio": remat.p50_ms / best.p50_ms,
+                        "overhead_ratio": (remat.overhead_pct / best.overhead_pct
+                                           if best.overhead_pct and best.overhead_pct > 0 else None)})
+        row["capacity_vs"] = {r.label: r.capacity.get(name) for r in results.values()
+                              if r.kind != "remat-optimal" and r.capacity}
+        out.append(row)
+    return out
+
+
+# -- markdown ---------------------------------------------------------------------------------------
+
+def _f(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render_markdown(data: dict) -> str:
+    m = data["machine"]
+    lines = [SECTION, "",
+             f"Measured {m['date']} on `{m['host']}`: {m['nproc']} CPU cores (`nproc`), torch {m['torch']}, "
+             f"python {m['python']}, `torch.set_num_threads({m['threads']})`, {m['platform']}.",
+             "",
+             "Command (one run, all workloads, every arm interleaved round-robin per workload):",
+             "", "```", data["command"], "```", "",
+             "**The machine was shared and noisy**: 2 cores used by several people at once (load average "
+             f"{m['load_before']} before the run, {m['load_after']} after). Absolute milliseconds are not "
+             "reproducible here; what is comparable is each arm against the control and against each other "
+             "*within one workload*, because all arms of a workload ran interleaved (one step of each per round, "
+             "rotated order), so drift hit them alike. Figures are medians (p50) and p95 of "
+             f"{data['steps']} warm whole steps per arm (batch, forward, backward, AdamW/SGD step) after "
+             f"{data['warmup']} warm-up rounds; peaks are one warm step with the arm alone "
+             "(CPU live-tensor tracker; the compiled arm: torch.profiler allocator events, see below).",
+             "",
+             "Budgets are shares of the control's profiled peak. A baseline *fits* a budget when its measured "
+             "peak is at most the budget (no reserve, for everyone). remat's `optimal@B` was planned for "
+             "exactly that (reserve 0, closed loop). *ratio* = remat's p50 / the fastest fitting baseline's p50 "
+             "(< 1: remat is faster); *ovh ratio* = the same with overheads over the control (p50 - control p50), "
+             "given when the baseline's overhead is positive. Capacity = largest `batch_size` whose measured peak "
+             "fits the budget (doubling then bisection, at most "
+             f"{data['cap_tries']} probes, up to {data['cap_max_factor']}x the base batch).",
+             ""]
+    for w in data["workloads"]:
+        if "error" in w:
+            lines += [f"### {w['workload']}", "", f"failed: `{w['error']}`", ""]
+            continue
+        cp = w["control_peak_bytes"]
+        lines += [f"### {w['workload']} `{json.dumps(w['shape'])}`", "",
+                  f"{w['n_blocks']} blocks in `{w['container']}`; control peak {cp / MIB:.1f} MiB, "
+                  f"control p50 {w['control_p50_ms']:.0f} ms; wall time of this workload {w['wall_s']:.0f} s.", ""]
+        bud = list(w["budgets"])
+        head = "| arm | peak MiB | % ctrl | p50 ms | p95 ms | overhead | " + " | ".join(
+            f"fits {b}" for b in bud) + " | " + " | ".join(f"cap@{b}" for b in bud) + " |"
+        lines += [head, "|" + "---|" * (6 + 2 * len(bud))]
+        for a in w["arms"]:
+            if a["skipped"] or a["p50_ms"] is None:
+                lines.append(f"| {a['label']} | skipped: {a['skipped']} |" + " |" * (5 + 2 * len(bud)))
+                continue
+            fits = ["yes" if a["peak_bytes"] <= w["budgets"][b] else "no" for b in bud]
+            caps = [str(a["capacity"].get(b, "-")) if a["capacity"] else "n/a" for b in bud]
+            name = f"**{a['label']}**" if a["kind"] == "remat-optimal" else a["label"]
+            lines.append(f"| {name} | {a['peak_bytes'] / MIB:.1f} | {a['peak_bytes'] / cp:.0%} | {a['p50_ms']:.0f} | "
+                         f"{a['p95_ms']:.0f} | {a['overhead_pct']:+.1f}% | " + " | ".join(fits) + " | "
+                         + " | ".join(caps) + " |")
+        lines += ["", "| budget | remat optimal: ovh, p50 | fastest fitting baseline: ovh, p50 | ratio | ovh ratio | "
+                  "remat capacity vs baselines' |", "|---|---|---|---|---|---|"]
+        for s in w["summary"]:
+            if s.get("remat_p50_ms") is None:
+                lines.append(f"| {s['budget']} | {s.get('remat') or 'no plan'} | | | | |")
+                continue
+            best = (f"{s['best_baseline']}: {s['best_overhead_pct']:+.1f}%, {s['best_p50_ms']:.0f} ms"
+                    if s.get("best_baseline") else "none fits")
+            caps = ", ".join(f"{k} {v}" for k, v in s["capacity_vs"].items() if v is not None)
+            lines.append(f"| {s['budget']} | {s['remat_overhead_pct']:+.1f}%, {s['remat_p50_ms']:.0f} ms"
+                         f"{'' if s['remat_fits'] else ' (MISSES the budget)'} | {best} | "
+                         f"{_f(s.get('p50_ratio'), '{:.2f}')} | {_f(s.get('overhead_ratio'), '{:.2f}')} | "
+                         f"{s['remat_capacity']} vs {caps} |")
+        notes = [f"- {a['label']}: capacity {a['capacity_note']}" for a in w["arms"] if a.get("capacity_note")]
+        comp = next((a for a in w["arms"] if a["label"].startswith("compile")), None)
+        if comp and comp.get("extra", {}).get("first_build_s") is not None:
+            notes.append(f"- {comp['label']}: first build + compile + warm-up + measured step took "
+                         f"{comp['extra']['first_build_s']} s (FX/AOT caches on disk may have been warm).")
+        if notes:
+            lines += [""] + notes
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace (or append) our section of RESULTS.md; every other section is kept as it is."""
+    text = path.read_text() if path.exists() else "# remat benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section.rstrip() + "\n\n", text, count=1)
+    else:
+        text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
+    from remat._io import atomic_write_text
+    atomic_write_text(path, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes, 10 steps, no torch.compile")
+    ap.add_argument("--workloads", default="gpt,mlp,cnn")
+    ap.add_argument("--budgets", default="70,50", help="budgets, %% of the control's peak (default 70,50)")
+    ap.add_argument("--steps", type=int, default=10, help="timed warm steps per arm (default 10)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: a shared machine)")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="run torch.compile even with --quick")
+    ap.add_argument("--compile-budget", type=float, default=0.5)
+    ap.add_argument("--cap-tries", type=int, default=6)
+    ap.add_argument("--cap-max-factor", type=int, default=8)
+    ap.add_argument("--json", type=Path, default=HERE / "results" / "compare.json")
+    ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="print the Markdown, do not touch RESULTS.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    # process-wide, before any compile: only compiled graphs read it, eager arms are unaffected
+    import torch._functorch.config as functorch_config
+    functorch_config.activation_memory_budget = args.compile_budget
+    shapes = QUICK if args.quick else FULL
+    compile_ = (not args.quick or args.compile) and not args.no_compile
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+    data: dict[str, Any] = {
+        "command": " ".join([".venv/bin/python", "benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    "host": platform.node(), "nproc": os.cpu_count(), "torch": torch.__version__,
+                    "python": platform.python_version(), "threads": torch.get_num_threads(),
+                    "platform": platform.platform(terse=True), "load_before": _load()},
+        "steps": args.steps, "warmup": args.warmup, "cap_tries": args.cap_tries,
+        "cap_max_factor": args.cap_max_factor, "workloads": []}
+    for spec in args.workloads.split(","):
+        try:
+            w = run_workload(spec, shapes[spec], budgets=budgets, steps=args.steps, warmup=args.warmup,
+                             compile_=compile_, compile_budget=args.compile_budget, cap_tries=args.cap_tries,
+                             cap_max_factor=args.cap_max_factor, log=log)
+        except Exception as exc:  # noqa: BLE001 - keep the other workloads' results
+            traceback.print_exc()
+            w = {"workload": spec, "error": f"{type(exc).__name__}: {exc}"}
+        data["workloads"].append(w)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1, default=str))
+    data["machine"]["load_after"] = _load()
+    args.json.write_text(json.dumps(data, indent=1, default=str))
+    md = render_markdown(data)
+    print(md)
+    if not args.no_write:
+        write_section(args.results, md)
+        log(f"wrote {args.results} ({SECTION!r}) and {args.json}")
+    return 0
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
