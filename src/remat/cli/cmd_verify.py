@@ -10,6 +10,7 @@ from rich.table import Table
 from .._io import atomic_write_json
 from ..apply import load_plan
 from ..verify import VerifyReport, verify_plan
+from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import add_workload_args, load_from_args
 from .render import console, progress_bar
 
@@ -23,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timing-steps", type=int, default=10,
                    help="timed steps per variant for the RNG preservation overhead (default 10, 0 to skip)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    add_distributed_args(p)
     p.set_defaults(func=run)
 
 
@@ -80,4 +82,9 @@ def run(args: argparse.Namespace) -> int:
     render_report(report)
     console.print(f"wrote {out}")
     report.raise_if_failed()  # VerificationFailed: exit 1
+    # --world-size N: the same plan against the same unplanned engine configuration, on N ranks
+    dist = run_distributed_from_args(args, plan, args.out)
+    if dist is not None and dist.equivalence is not None and not dist.equivalence.ok:
+        console.print(f"[bold red]distributed equivalence failed at world size {dist.world_size}[/]")
+        return 1
     return 0
