@@ -291,3 +291,32 @@ def test_cli_budget_is_required(tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["frontier", "--workload", "mlp", "--out", str(tmp_path)])
     assert exc.value.code == 2
+
+
+def test_a_plan_whose_step_raises_is_a_failed_point(monkeypatch):
+    loaded = load_workload("mlp", MLP)
+    report = profile_workload(loaded, warmup=1, repeats=1)
+    original = PlanArm.prepare
+
+    def prepare(self, fresh):
+        if self.label == "all":
+            raise RuntimeError("replay blew up")
+        return original(self, fresh)
+    monkeypatch.setattr(PlanArm, "prepare", prepare)
+    fr = run_frontier(loaded, budget_bytes=report.baseline_peak_bytes * 2, reserve=0.0, plans="all,sqrt",
+                      steps=1, warmup=1, capacity_key=None, report=report)
+    assert fr.point("all").decision is Decision.FAILED and "replay blew up" in fr.point("all").reason
+    assert fr.point("none").decision is Decision.SHIP  # the control fits twice its own peak
+    assert fr.point("sqrt").capacity is None and fr.point("sqrt").measured
+
+
+def test_plans_reapply_by_module_path_when_the_shape_key_changes_parameters():
+    # gpt's seq_len sizes the position embedding: the fingerprint differs, the module tree does not
+    loaded = load_workload("gpt", TINY["gpt"])
+    report = profile_workload(loaded, warmup=1, repeats=1)
+    arm = PlanArm("all", make_plan(report, "all"))
+    base = probe_capacity(loaded, arm, "seq_len", TINY["gpt"]["seq_len"], 10 ** 9)  # full fingerprint check
+    longer = probe_capacity(loaded, arm, "seq_len", 2 * TINY["gpt"]["seq_len"], 10 ** 9)
+    assert base.error is None and longer.error is None and longer.peak_bytes > base.peak_bytes
+    deeper = probe_capacity(loaded, arm, "n_layer", 3, 10 ** 9)  # a new block: the plan no longer describes it
+    assert deeper.error and "module tree differs" in deeper.error

@@ -59,7 +59,9 @@ def render_frontier(report: FrontierReport) -> None:
     console.print(table)
     console.print(f"budget {fmt_bytes(report.budget_bytes)} less {report.reserve:.0%} reserve = "
                   f"{fmt_bytes(report.effective_budget_bytes)}; peaks from {report.context.get('memory_source')}; "
-                  f"times: {report.context.get('steps')} warm steps per plan, interleaved round-robin")
+                  f"times: {report.context.get('steps')} warm steps per plan, "
+                  + ("interleaved round-robin" if report.context.get("interleaved", True)
+                     else "each plan alone (interleaved builds ran out of device memory)"))
     for p in report.points:
         if p.decision is not Decision.SHIP:
             console.print(f"  {p.plan}: {p.decision.value}: {p.reason}", highlight=False)

@@ -37,8 +37,8 @@ from ..trace.model import TraceContext, host_info
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from .capacity import search_capacity
-from .measure import (Arm, PlanArm, measure_arm_peak, prepare_arm, probe_capacity, release_memory, shape_value,
-                      time_round_robin)
+from .measure import (Arm, PlanArm, Timings, measure_arm_peak, prepare_arm, probe_capacity, release_memory,
+                      shape_value, time_round_robin)
 from .model import CapacityTry, Decision, FrontierPoint, FrontierReport
 from .pareto import decide
 
@@ -98,6 +98,10 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.2f} MiB"
 
 
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
 def _boundaries(plan: Plan) -> list[str]:
     return [f"{b.module}:{b.mode.value}" for b in plan.boundaries]
 
@@ -134,6 +138,13 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
             point.reason = f"infeasible: {exc.message}"
             points.append(point)
             continue
+        except RematError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the closed loop ran the plan and it failed: a data point
+            point.decision = Decision.FAILED
+            point.reason = f"the plan's step raised {_first_line(exc)}"
+            points.append(point)
+            continue
         point.predicted_peak_bytes = plan.predicted_peak_bytes
         point.boundaries = _boundaries(plan)
         plans[req.label] = plan
@@ -152,7 +163,8 @@ def _context(loaded: LoadedWorkload, *, warmup: int, steps: int, capacity_key: s
     ctx.update({
         "remat_version": __version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "timing": "warm whole steps (batch, forward, backward, optimizer), plans interleaved round-robin",
+        "timing": "warm whole steps (batch, forward, backward, optimizer), plans interleaved round-robin "
+                  "(unless interleaved is false: all plans resident at once ran out of device memory)",
         "peaks": "each plan alone on the device, one warm step",
         "memory_source": report.memory_source.value,
         "control_profiled_peak_bytes": report.baseline_peak_bytes,
@@ -208,9 +220,12 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         point = by_label[arm.label]
         try:
             peak = measure_arm_peak(loaded, arm, warmup=warmup)
-        except torch.OutOfMemoryError as exc:
+        except RematError:
+            raise  # e.g. FingerprintMismatch: the report was made for another model
+        except Exception as exc:  # noqa: BLE001 - OOM, or the wrapped step raised: a data point
             point.decision = Decision.FAILED
-            point.reason = f"out of memory at the base shape: {str(exc).splitlines()[0][:200]}"
+            point.reason = (f"out of memory at the base shape: {_first_line(exc)}"
+                            if isinstance(exc, torch.OutOfMemoryError) else f"the plan's step raised {_first_line(exc)}")
             release_memory()
             continue
         point.peak_bytes = peak.peak_bytes
@@ -220,14 +235,7 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     progress("frontier: peaks", len(arms), len(arms))
 
     # 3. time, interleaved
-    prepared = [prepare_arm(loaded, arm) for arm in measured]
-    try:
-        timings = time_round_robin(prepared, warmup=warmup, steps=steps, progress=progress, what="frontier: timing")
-    finally:
-        for p in prepared:
-            p.close()
-        prepared.clear()
-        release_memory()
+    timings, interleaved = _time_arms(loaded, measured, warmup=warmup, steps=steps, progress=progress)
     for arm in measured:
         point = by_label[arm.label]
         point.step_ms = [round(t, 4) for t in timings.step_ms[arm.label]]
@@ -250,10 +258,41 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     context = _context(loaded, warmup=warmup, steps=steps, capacity_key=capacity_key, report=report,
                        extra={"capacity_start": start, "capacity_max": (capacity_max or 64 * start) if start else None,
                               "capacity_tries": capacity_tries, "capacity_steps": capacity_steps,
-                              "closed_loop": closed_loop})
+                              "closed_loop": closed_loop, "interleaved": interleaved})
     return FrontierReport(context=context, budget_bytes=budget_bytes, reserve=float(reserve),
                           capacity_key=capacity_key or "", points=points, control=CONTROL,
                           shipped_plan=None if shipped is None else plan_by_label[shipped.plan].to_json())
+
+
+def _time_arms(loaded: LoadedWorkload, arms: list[Arm], *, warmup: int, steps: int,
+               progress: ProgressFn) -> tuple[Timings, bool]:
+    """Interleaved timings of every arm; if all builds resident at once run out of device
+    memory, each arm alone instead (returns ``interleaved=False``: the context says so)."""
+    prepared: list = []
+    try:
+        for arm in arms:
+            prepared.append(prepare_arm(loaded, arm))
+        return time_round_robin(prepared, warmup=warmup, steps=steps, progress=progress,
+                                what="frontier: timing"), True
+    except torch.OutOfMemoryError:
+        pass
+    finally:
+        for p in prepared:
+            p.close()
+        prepared.clear()
+        release_memory()
+    merged = Timings(step_ms={}, num_alloc_retries={})
+    for arm in arms:
+        one = [prepare_arm(loaded, arm)]
+        try:
+            t = time_round_robin(one, warmup=warmup, steps=steps, progress=progress, what="frontier: timing (alone)")
+        finally:
+            one[0].close()
+            one.clear()
+            release_memory()
+        merged.step_ms.update(t.step_ms)
+        merged.num_alloc_retries.update(t.num_alloc_retries)
+    return merged, False
 
 
 def _capacity(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, FrontierPoint], *, key: str, start: int,

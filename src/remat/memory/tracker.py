@@ -75,9 +75,10 @@ class LiveTensorTracker(TorchDispatchMode):
         self.live_after: list[int] = []                  # per event: live bytes after it
         self.marks: list[PhaseMark] = []
         self.module = ""                                 # set by StepRecorder (trace/profile)
-        # Optional per-op callback (func, args, out, duration_ns), for profiling passes only:
+        # Optional per-op callback (func, args, out, duration_ns, first event index of the op),
+        # for profiling passes only:
         # op timing, device moves, in-place writes. None on the measuring hot path.
-        self.op_observer: Callable[[Any, tuple, Any, int], None] | None = None
+        self.op_observer: Callable[[Any, tuple, Any, int, int], None] | None = None
         self._phase: Phase | None = None
         self._closed = False
         self._finalizers: list[weakref.finalize] = []
@@ -100,6 +101,7 @@ class LiveTensorTracker(TorchDispatchMode):
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         t0 = time.perf_counter_ns() if self.op_observer is not None else 0
+        first_event = self.events
         out = func(*args, **(kwargs or {}))
         dt = time.perf_counter_ns() - t0 if self.op_observer is not None else 0
         if isinstance(out, torch.Tensor):
@@ -114,7 +116,7 @@ class LiveTensorTracker(TorchDispatchMode):
                         if isinstance(oo, torch.Tensor):
                             self._see(oo, op=name)
         if self.op_observer is not None:  # after _see: the outputs' records exist
-            self.op_observer(func, args, out, dt)
+            self.op_observer(func, args, out, dt, first_event)
         return out
 
     def _see(self, t: torch.Tensor, op: str) -> StorageRecord | None:

@@ -97,8 +97,7 @@ class _OpLog:
         self.inplace: list[tuple[int, int]] = []          # (event, storage key written in place)
         self.rng_ops: list[tuple[int, str]] = []          # (event, op) ops that draw random numbers
 
-    def __call__(self, func: Any, args: tuple, out: Any, ns: int) -> None:
-        ev = self.rec.tracker.events
+    def __call__(self, func: Any, args: tuple, out: Any, ns: int, ev: int) -> None:
         name = _packet(func)
         is_save = name in SAC_SAVE_OPS
         self.ops.append((ev, is_save, ns))

@@ -1,0 +1,97 @@
+"""``remat receipt``: the whole pipeline (trace, profile, plan, frontier, verify) -> DIR/receipt.json + reports."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ..plan import parse_budget, parse_reserve
+from ..receipt import Receipt, ReceiptFiles, RunSettings, make_receipt, write_receipt
+from ..types import ProgressFn
+from ..workload import parse_shape
+from .common import add_workload_args, load_from_args
+from .render import console, err_console, fmt_bytes, progress_bar
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("receipt", help="run the whole pipeline and publish a receipt CI can re-check")
+    add_workload_args(p)
+    p.add_argument("--boundary-shape", default="", help="a second shape to trace, e.g. the first one that does not fit")
+    p.add_argument("--budget", required=True,
+                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
+                        "no-checkpoint peak (60%%)")
+    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
+    p.add_argument("--candidates", default=None, help="comma-separated module paths, class names or regexes")
+    add_run_args(p)
+    p.add_argument("--out", required=True, type=Path, help="output folder (receipt.json, report.html, report.md)")
+    p.set_defaults(func=run)
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    d = RunSettings()
+    p.add_argument("--verify-steps", type=int, default=d.verify_steps, help=f"steps per paired run (default {d.verify_steps})")
+    p.add_argument("--verify-seeds", type=int, default=d.verify_seeds, help=f"paired runs (default {d.verify_seeds})")
+    p.add_argument("--plans", default=",".join(d.frontier_plans),
+                   help="frontier plans, as remat frontier takes them (default: "
+                        + ",".join(d.frontier_plans).replace("%", "%%") + ")")
+    p.add_argument("--frontier-steps", type=int, default=d.frontier_steps,
+                   help=f"timed warm steps per plan (default {d.frontier_steps})")
+    p.add_argument("--no-capacity", action="store_true", help="skip the batch capacity search")
+    p.add_argument("--saving-tolerance", default="10%",
+                   help="how far a boundary's measured saving may fall before remat check fails (default 10%%)")
+
+
+def settings_from_args(args: argparse.Namespace) -> RunSettings:
+    return RunSettings(verify_steps=args.verify_steps, verify_seeds=args.verify_seeds,
+                       frontier_plans=[s.strip() for s in args.plans.split(",") if s.strip()],
+                       frontier_steps=args.frontier_steps, capacity_key=None if args.no_capacity else "batch_size",
+                       saving_tolerance=parse_reserve(args.saving_tolerance))
+
+
+@contextlib.contextmanager
+def stage_progress(t0: float | None = None) -> Iterator[ProgressFn]:
+    """rich bars (stderr) plus one kept line per finished stage, with the time since ``t0``."""
+    start = t0 if t0 is not None else time.perf_counter()
+    finished: set[str] = set()
+    with progress_bar() as bar:
+        def update(what: str, done: int, total: int) -> None:
+            bar(what, done, total)
+            if done >= total and what not in finished:
+                finished.add(what)
+                err_console.print(f"  [green]done[/] {what} [dim]({time.perf_counter() - start:.0f} s)[/]",
+                                  highlight=False)
+        yield update
+
+
+def render_decision(receipt: Receipt, files: ReceiptFiles) -> None:
+    d = receipt.decision
+    color = "green" if d.status == "ship" else "red"
+    for i, line in enumerate(d.why):
+        console.print(f"[bold {color}]{line}[/]" if i == 0 else f"  {line}", highlight=False)
+    console.print(f"budget {fmt_bytes(d.budget_bytes)} less {d.reserve:.0%} reserve = {fmt_bytes(d.effective_budget_bytes)}; "
+                  f"control peak {fmt_bytes(d.control_peak_bytes)}, shipped peak {fmt_bytes(d.shipped_peak_bytes)}",
+                  highlight=False)
+    console.print(f"wrote {files.receipt}, {files.html} and {files.markdown}", highlight=False)
+    console.print(f"re-check it in CI: remat check {files.receipt}", highlight=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    reserve = parse_reserve(args.reserve)
+    parse_budget(args.budget, 1 << 50)  # cheap syntax checks before minutes of measuring
+    settings = settings_from_args(args)
+    boundary = parse_shape(args.boundary_shape) or None
+    loaded = load_from_args(args)
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
+    command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
+    with stage_progress() as progress:
+        receipt = make_receipt(loaded, budget=args.budget, reserve=reserve, boundary_shape=boundary,
+                               settings=settings, candidates=candidates, command=command, progress=progress)
+    files = write_receipt(receipt, args.out)
+    render_decision(receipt, files)
+    return 0 if receipt.shipped else 1
+

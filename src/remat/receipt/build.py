@@ -1,0 +1,379 @@
+"""``make_receipt``: the whole pipeline, trace -> profile -> plan -> frontier -> verify, as one receipt.
+
+NOTE [receipt pipeline]
+1. Trace the unmodified step at the target shape and, when given, the boundary shape.
+2. Profile the candidates once; every later stage reuses this profile.
+3. Plan with the optimal planner through the closed loop (apply, measure, re-plan), so
+   the receipt records predicted *and* measured peaks of the plan most likely to ship.
+4. Frontier: every plan in ``settings.frontier_plans`` (the control always) measured
+   solo for its peak and interleaved for time; the frontier's ship decision picks the
+   fastest plan whose measured peak clears budget x (1 - reserve).
+5. Verify the plan the frontier ships (paired seeded runs, hazards, negative controls).
+   Verification runs after the frontier so that the plan proved is the plan shipped,
+   whichever planner made it.
+6. Trace the shipped plan's step (the "plan" curve of the timeline) and measure each
+   boundary's saving (NOTE [measured saving]).
+
+NOTE [measured saving]
+A boundary's *measured saving* is read at the turn from forward to backward, where every
+activation the step keeps is alive: live bytes of the unmodified step there, minus live
+bytes with only that boundary checkpointed (fresh build, ``saving_warmup`` warm steps,
+one measured step; CPU live-tensor tracker or ``torch.cuda.memory_allocated``). It is the
+bytes checkpointing that one module frees until its backward, net of the inputs the
+checkpoint keeps, measured rather than predicted. ``remat check`` measures it again and
+fails when it fell by more than ``saving_tolerance`` (default 10%).
+
+NOTE [receipt decision]
+The shipped plan is the frontier's (NOTE [ship decision] in frontier/pareto.py), but only
+once verified: a plan with boundaries that fails verification ships nothing and is listed
+as rejected with the failure. The control ships when it fits (nothing to checkpoint).
+``clears`` compares the shipped plan's measured peak with budget x (1 - reserve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..apply import apply
+from ..apply.closed_loop import ClosedLoopResult, plan_closed_loop
+from ..errors import BudgetError, WorkloadError
+from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
+from ..memory.measure import model_device, track_step_state
+from ..memory.tracker import LiveTensorTracker
+from ..plan import InfeasibleBudget, Plan, parse_budget
+from ..profile import ProfileReport, module_revision, profile_workload
+from ..trace import StepTrace, TraceContext, trace_step, trace_workload
+from ..types import MemorySource, Phase, ProgressFn, no_progress
+from ..verify import TOLERANCES, VerifyReport, verify_plan
+from ..workload import LoadedWorkload, TrainingStep
+from .model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
+                    RejectedPlan, RunSettings, UnsupportedMode)
+
+MIB = 2 ** 20
+FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs planned, train + eval
+
+
+def _mib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / MIB:.2f} MiB"
+
+
+# -- measurements ----------------------------------------------------------------------------------
+
+def held_bytes_at_backward(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 1) -> int:
+    """Live bytes when backward starts, on a fresh build with ``plan`` applied (NOTE [measured saving])."""
+    fresh = loaded.rebuild()
+    handle = apply(fresh.workload.model, plan) if plan is not None and plan.boundaries else None
+    held: list[int] = []
+    try:
+        step = TrainingStep(fresh.workload)
+        for i in range(warmup):
+            step.run(i)
+        device = model_device(step)
+        if device.type == "cuda":
+            def cuda_marker(phase: Phase) -> None:
+                if phase is Phase.BACKWARD:
+                    torch.cuda.synchronize(device)
+                    held.append(torch.cuda.memory_allocated(device))
+            step.run(warmup, marker=cuda_marker)
+        else:
+            with LiveTensorTracker(keep_timeline=False) as tracker:
+                track_step_state(tracker, step)
+
+                def marker(phase: Phase) -> None:
+                    tracker.mark(phase)
+                    if phase is Phase.BACKWARD:
+                        held.append(tracker.live_bytes)
+                step.run(warmup, marker=marker)
+    finally:
+        if handle is not None:
+            handle.remove()
+    if not held:  # pragma: no cover - TrainingStep.run always marks backward
+        raise WorkloadError("the step never reached backward: cannot measure what checkpointing saves")
+    return held[0]
+
+
+def measure_savings(loaded: LoadedWorkload, plan: Plan, *, warmup: int = 1,
+                    progress: ProgressFn = no_progress) -> tuple[int, dict[str, int]]:
+    """(control's held bytes, {boundary: bytes saved by checkpointing it alone}) (NOTE [measured saving])."""
+    total = len(plan.boundaries) + 1
+    progress("savings", 0, total)
+    control = held_bytes_at_backward(loaded, None, warmup=warmup)
+    out: dict[str, int] = {}
+    for i, b in enumerate(plan.boundaries):
+        progress("savings", i + 1, total)
+        alone = dataclasses.replace(plan, boundaries=[b])
+        out[b.module] = control - held_bytes_at_backward(loaded, alone, warmup=warmup)
+    progress("savings", total, total)
+    return control, out
+
+
+def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int,
+                  progress: ProgressFn = no_progress) -> StepTrace:
+    """Phase trace of the step with ``plan`` applied to a fresh build (the timeline's "plan" curve)."""
+    fresh = loaded.rebuild()
+    handle = apply(fresh.workload.model, plan)
+    try:
+        ctx = TraceContext.capture(workload=fresh.spec, shape=fresh.shape, dtype=fresh.dtype, device=fresh.device,
+                                   warmup=warmup, steps=steps)
+        return trace_step(TrainingStep(fresh.workload), context=ctx, warmup=warmup, steps=steps, progress=progress)
+    finally:
+        handle.remove()
+
+
+# -- per boundary ----------------------------------------------------------------------------------
+
+def _attributed(module: str, v: VerifyReport) -> bool:
+    """Whether a verification failure names ``module`` (a divergent tensor under it, a hazard in it)."""
+    def under(name: str | None) -> bool:
+        return name is not None and (name == module or name.startswith(module + "."))
+    names = [d.split(" ", 1)[-1] for s in v.per_step for d in s.divergent]
+    return (any(under(n) for n in names) or any(under(s.first_divergent_module) for s in v.per_step)
+            or any(module in [m.strip() for m in h.module.split(",")] for h in v.hazards))
+
+
+def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport, verification: VerifyReport | None,
+                      savings: dict[str, int], settings: RunSettings) -> list[BoundaryRecord]:
+    named = dict(loaded.workload.model.named_modules(remove_duplicate=False))
+    costs = {c.name: c for c in report.candidates}
+    tol = TOLERANCES.get(loaded.dtype, TOLERANCES["float32"])
+    activity = {a.module: a for a in verification.boundaries} if verification else {}
+    rejected = tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected) \
+        if verification else ()
+    out = []
+    for b in plan.boundaries:
+        module = named[b.module]
+        params = tuple(f"{b.module}.{n}" for n, _ in module.named_parameters())
+        passed: bool | None = None
+        if verification is not None:
+            if verification.passed:
+                passed = True
+            else:  # a failure exonerates this boundary only when it is attributed to others
+                blamed = [x.module for x in plan.boundaries if _attributed(x.module, verification)]
+                passed = bool(blamed) and b.module not in blamed
+        act = activity.get(b.module)
+        cost = costs.get(b.module)
+        out.append(BoundaryRecord(
+            module=b.module, class_name=type(module).__qualname__, mode=b.mode.value, guarded=b.guarded,
+            revision=module_revision(module), predicted_saving_bytes=b.saved_bytes,
+            measured_saving_bytes=savings[b.module], saving_tolerance=settings.saving_tolerance,
+            replay_ms=float(cost.replay_ms.get(b.mode, b.replay_ms)) if cost else float(b.replay_ms),
+            fixture=Fixture(
+                name=FIXTURE_NAME, seeds=tuple(range(settings.verify_seeds)), steps=settings.verify_steps,
+                modes=("train", "eval"), dtype=loaded.dtype, tolerance=tol, parameters=params, passed=passed,
+                forward_calls_per_step=None if act is None else act.forward_calls.get("train"),
+                replay_calls_per_step=None if act is None else act.replay_calls.get("train"),
+                draws_rng=None if act is None else act.draws_rng, negative_controls=rejected)))
+    return out
+
+
+# -- decision --------------------------------------------------------------------------------------
+
+def _describe(plan: Plan | None) -> list[str]:
+    return [] if plan is None else [f"{b.module}:{b.mode.value}" for b in plan.boundaries]
+
+
+def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTrace,
+            verification: VerifyReport | None, budget_bytes: int, reserve: float,
+            closed_loop_note: str) -> ReceiptDecision:
+    limit = int(budget_bytes * (1.0 - reserve))
+    points = frontier.points if frontier is not None else []
+    by = {p.plan: p for p in points}
+    control = by.get(frontier.control) if frontier is not None else None
+    control_peak = control.peak_bytes if control is not None and control.peak_bytes is not None else trace.peak_bytes
+    control_p50 = control.p50_ms if control is not None else None
+    shipped_pt: FrontierPoint | None = frontier.shipped if frontier is not None else None
+    has_boundaries = plan is not None and bool(plan.boundaries)
+    verified = None if verification is None else verification.passed
+    rejected = [RejectedPlan(plan=p.plan, decision=p.decision.value, reason=p.reason, peak_bytes=p.peak_bytes,
+                             p50_ms=p.p50_ms) for p in points if p is not shipped_pt]
+    if shipped_pt is not None and has_boundaries and verified is False:
+        assert verification is not None
+        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision="unverified",
+                                        reason="fits, but failed verification: " + "; ".join(verification.failures[:3]),
+                                        peak_bytes=shipped_pt.peak_bytes, p50_ms=shipped_pt.p50_ms))
+        shipped_pt = None
+    ship = shipped_pt is not None
+    peak = shipped_pt.peak_bytes if shipped_pt is not None else None
+    why: list[str] = []
+    n_fit = sum(1 for p in points if p.fits)
+    n_measured = sum(1 for p in points if p.measured)
+    ctrl_fits = control_peak is not None and control_peak <= limit
+    budget_text = f"{_mib(limit)} (budget {_mib(budget_bytes)} less {reserve:.0%} reserve)"
+    if ship and not has_boundaries:
+        why.append(f"Ship no checkpointing: the unmodified step's peak {_mib(control_peak)} already clears {budget_text}.")
+    elif ship:
+        assert shipped_pt is not None and plan is not None
+        mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
+        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}.")
+        phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
+        if not ctrl_fits:
+            why.append(f"Without checkpointing the step peaks at {_mib(control_peak)}{phase}, over the {budget_text}.")
+        why.append(f"With this plan the measured peak is {_mib(peak)}: it clears by "
+                   f"{_mib(limit - (peak or 0))} ({1 - (peak or 0) / budget_bytes:.0%} of the budget left free).")
+        if shipped_pt.p50_ms is not None and control_p50:
+            why.append(f"It costs {(shipped_pt.p50_ms - control_p50) / control_p50:+.0%} step time (warm p50 "
+                       f"{shipped_pt.p50_ms:.1f} ms vs {control_p50:.1f} ms), the least of the {n_fit} of "
+                       f"{n_measured} measured plans that clear.")
+        if verification is not None:
+            seeds, steps = len(verification.seeds), verification.steps
+            bitwise = all(s.bitwise for s in verification.per_step)
+            negs = [n.name for n in verification.negative_controls if n.applicable and n.rejected]
+            why.append(f"Verified against the seeded control: {seeds} seed(s) x {steps} step(s) + an eval step "
+                       f"{'match bitwise' if bitwise else 'match within tolerance'}; no replay hazards"
+                       + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
+    else:
+        if shipped_pt is None and rejected and rejected[0].decision == "unverified":
+            why.append(f"Nothing ships: {rejected[0].plan} fits but {rejected[0].reason[len('fits, but '):]}.")
+        elif closed_loop_note:
+            why.append(f"Nothing ships: {closed_loop_note}")
+        else:
+            why.append(f"Nothing ships: no measured plan's peak clears {budget_text}.")
+        why.append(f"The unmodified step peaks at {_mib(control_peak)}.")
+    return ReceiptDecision(
+        status="ship" if ship else "no-plan", shipped=shipped_pt.plan if shipped_pt else None,
+        boundaries=_describe(plan) if ship else [], budget_bytes=budget_bytes, reserve=reserve,
+        effective_budget_bytes=limit, control_peak_bytes=control_peak, shipped_peak_bytes=peak,
+        clears=ship and peak is not None and peak <= limit,
+        headroom_bytes=None if peak is None else limit - peak,
+        reserve_left=None if peak is None else 1.0 - peak / budget_bytes,
+        control_p50_ms=control_p50, shipped_p50_ms=shipped_pt.p50_ms if shipped_pt else None,
+        overhead_pct=shipped_pt.overhead_pct if shipped_pt else None, verified=verified if ship else verified,
+        rejected=rejected, why=why)
+
+
+# -- unsupported modes -----------------------------------------------------------------------------
+
+def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None) -> list[UnsupportedMode]:
+    """What this receipt's evidence does not cover: the modes a reader must not assume."""
+    out = [
+        UnsupportedMode(mode="torch.compile", status="not run",
+                        detail="every figure is from eager mode; torch.compile keeps checkpoint regions but plans "
+                               "memory itself (activation_memory_budget), so peaks and times would differ"),
+        UnsupportedMode(mode="reentrant checkpointing", status="unsupported",
+                        detail="remat applies non-reentrant torch.utils.checkpoint only (use_reentrant=False); "
+                               "reentrant replay checks nothing and can give silently wrong gradients"),
+        UnsupportedMode(mode="autocast / mixed precision", status="not run",
+                        detail=f"the step ran as the workload defines it, in {loaded.dtype}, without autocast"),
+    ]
+    for dt in ("float32", "bfloat16", "float16"):
+        if dt != loaded.dtype:
+            out.append(UnsupportedMode(mode=f"dtype {dt}", status="not run",
+                                       detail=f"peaks and equivalence were measured in {loaded.dtype} only "
+                                              f"(tolerances differ per dtype)"))
+    if loaded.device.startswith("cuda"):
+        out.append(UnsupportedMode(mode="device cpu", status="not run", detail="measured on CUDA only"))
+    else:
+        out.append(UnsupportedMode(mode="device cuda", status="not run",
+                                   detail="peaks are from the CPU live-tensor tracker; the CUDA caching allocator "
+                                          "(fragmentation, workspaces, alloc retries) was not measured"))
+    out.append(UnsupportedMode(mode="world size > 1 (DDP, FSDP2)", status="not run",
+                               detail="one process only; `remat distributed` measures per-rank peaks and exposed "
+                                      "communication at world size N"))
+    def text(shape: dict) -> str:
+        return ", ".join(f"{k}={v}" for k, v in shape.items()) or "the default shape"
+    shapes = f"the plan was measured and verified at {text(loaded.shape)} only"
+    if boundary_shape:
+        shapes += f"; the boundary shape {text(boundary_shape)} was traced without it"
+    out.append(UnsupportedMode(mode="other shapes", status="not run", detail=shapes))
+    if plan is not None and plan.boundaries and plan.preserve_rng_state:
+        out.append(UnsupportedMode(mode="preserve_rng_state=False", status="unsupported",
+                                   detail="the plan replays with the forward's RNG state; without it dropout "
+                                          "gradients differ (the rng_preservation_off negative control)"))
+    return out
+
+
+# -- the pipeline ----------------------------------------------------------------------------------
+
+def _capacity_key(loaded: LoadedWorkload, key: str | None) -> str | None:
+    if key is None:
+        return None
+    try:
+        v = shape_value(loaded, key)
+    except WorkloadError:
+        return None
+    return key if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
+def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
+                 boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
+                 candidates: list[str] | None = None, command: str = "",
+                 progress: ProgressFn = no_progress) -> Receipt:
+    """Run the whole pipeline on ``loaded`` and return the receipt (NOTE [receipt pipeline]).
+
+    ``budget``: whole-step peak budget as ``remat plan`` takes it (bytes, ``800MiB``, ``60%``
+    of the unmodified peak); ``reserve``: share of the budget kept free. Raises the stages'
+    typed errors for bad input (BudgetError, WorkloadError...); a budget no plan reaches is
+    not an error: the receipt says nothing ships and why.
+    """
+    settings = settings or RunSettings()
+    if not 0.0 <= reserve < 1.0:
+        raise BudgetError(f"reserve must lie in [0, 1), got {reserve}")
+    if not isinstance(budget, int):
+        parse_budget(budget, 1 << 50)  # syntax check before minutes of measuring
+
+    # 1. traces of the unmodified step
+    target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
+                            boundary_shape=boundary_shape or None, progress=progress)
+    boundary_trace, target.boundary = target.boundary, None
+
+    # 2. profile, 3. plan (closed loop)
+    report = profile_workload(loaded, candidates=candidates, progress=progress)
+    budget_bytes = parse_budget(budget, report.baseline_peak_bytes)
+    closed: ClosedLoopResult | None = None
+    note = ""
+    try:
+        closed = plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
+                                  progress=progress)
+    except InfeasibleBudget as exc:
+        note = exc.message
+    except BudgetError as exc:
+        note = exc.message
+
+    # 4. frontier
+    frontier = run_frontier(loaded, budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans,
+                            steps=settings.frontier_steps, warmup=settings.frontier_warmup,
+                            capacity_key=_capacity_key(loaded, settings.capacity_key),
+                            capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps,
+                            report=report, progress=progress)
+    shipped = frontier.shipped
+    if shipped is not None and frontier.shipped_plan is not None:
+        plan: Plan | None = Plan.from_json(frontier.shipped_plan)
+        label: str | None = shipped.plan
+    else:  # nothing fits: show what the closed loop planned, unshipped
+        plan = closed.plan if closed is not None else None
+        label = "optimal" if closed is not None else None
+
+    # 5. verify what ships, 6. its trace and per-boundary savings
+    verification: VerifyReport | None = None
+    vnote = ""
+    planned_trace: StepTrace | None = None
+    savings: dict[str, int] = {}
+    held: int | None = None
+    if plan is not None and plan.boundaries:
+        verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
+                                   timing_steps=settings.verify_timing_steps, progress=progress)
+        planned_trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
+                                      progress=progress)
+        held, savings = measure_savings(loaded, plan, warmup=settings.saving_warmup, progress=progress)
+    else:
+        vnote = ("not run: the shipped plan checkpoints nothing, so the step is the control itself"
+                 if plan is not None else "not run: no plan reaches the budget")
+    records = _boundary_records(loaded, plan, report, verification, savings, settings) if plan is not None else []
+    decision = _decide(frontier=frontier, plan=plan, trace=target, verification=verification,
+                       budget_bytes=budget_bytes, reserve=reserve, closed_loop_note=note)
+    memory_source = MemorySource.CUDA_ALLOCATOR.value if loaded.device.startswith("cuda") \
+        else MemorySource.CPU_LIVE_TENSORS.value
+    return Receipt(
+        context=ReceiptContext.capture(loaded, boundary_shape=boundary_shape, memory_source=memory_source,
+                                       command=command),
+        settings=settings,
+        traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=planned_trace),
+        plan=ReceiptPlan(label=label, plan=plan, boundaries=records, control_held_bytes=held,
+                         closed_loop=list(closed.attempts) if closed else [],
+                         closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note),
+        verification=verification, verification_note=vnote, frontier=frontier, decision=decision,
+        unsupported=unsupported_modes(loaded, plan, boundary_shape))
+

@@ -1,0 +1,443 @@
+"""The receipt: every figure behind one checkpointing decision, as versioned plain JSON.
+
+A :class:`Receipt` embeds the stage reports as their own JSON forms (``StepTrace``,
+``Plan``, ``VerifyReport``, ``FrontierReport``) and adds what only the receipt knows: the
+context it was made in, per-boundary records (revision hash, measured saving, replay
+cost, the fixture that covers it), the decision and the modes it does not cover.
+``Receipt.from_json`` validates against :data:`~remat.receipt.schema.RECEIPT_SCHEMA`
+first (NOTE [hostile receipts]); every failure is a :class:`ReceiptError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..apply.closed_loop import Attempt
+from ..errors import ReceiptError, RematError
+from ..frontier.model import FrontierReport
+from ..plan.model import Plan
+from ..trace.model import StepTrace
+from ..types import HazardKind
+from ..verify.model import (BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming, StepComparison,
+                            Tolerance, VerifyReport)
+from ..workload.loader import LoadedWorkload, _resolve_factory
+from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
+
+ShapeDict = dict[str, Any]
+
+
+# -- context ---------------------------------------------------------------------------------------
+
+def git_revision(cwd: Path | str | None = None) -> tuple[str | None, bool | None]:
+    """(``git rev-parse HEAD``, whether tracked files differ from it) in ``cwd``; (None, None)
+    outside a repository, without git, or on any error: never raises."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None, None
+        rev = head.stdout.strip()
+        if not rev or any(c not in "0123456789abcdef" for c in rev):
+            return None, None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                                capture_output=True, text=True, timeout=10)
+        dirty = None if status.returncode != 0 else bool(status.stdout.strip())
+        return rev, dirty
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None, None
+
+
+def resolved_shape(spec: str, shape: ShapeDict) -> ShapeDict:
+    """Every shape keyword the factory takes, with its default where ``shape`` leaves it out
+    (JSON scalars only; device and dtype are recorded separately). ``remat check`` compares
+    it, so a changed default (``batch_size=8`` -> ``16`` in the user's factory) is caught."""
+    import inspect
+    factory = _resolve_factory(spec)
+    out: ShapeDict = {}
+    for p in inspect.signature(factory).parameters.values():
+        if p.name in ("device", "dtype") or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            continue
+        if p.default is not p.empty and isinstance(p.default, (bool, int, float, str)) and \
+                not (isinstance(p.default, float) and not math.isfinite(p.default)):
+            out[p.name] = p.default
+    out.update(shape)
+    return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReceiptContext:
+    """Where, on what, and from which code revision the receipt was made."""
+
+    workload: str                     # the spec as given: built-in name, file.py:fn or module:fn
+    shape: ShapeDict                  # the shape keywords given (what `remat check` passes again)
+    resolved_shape: ShapeDict         # with the factory's defaults filled in
+    boundary_shape: ShapeDict | None  # the second traced shape, if any
+    dtype: str
+    device: str
+    torch_version: str
+    python_version: str
+    platform: str
+    hostname: str
+    cpu_count: int | None
+    threads: int                      # torch intra-op threads
+    remat_version: str
+    git_revision: str | None          # HEAD of the repository in the working directory, if any
+    git_dirty: bool | None            # tracked files differ from HEAD
+    created: str                      # ISO 8601, UTC
+    command: str                      # the command line that made it ("" from the library)
+    memory_source: str                # cpu-live-tensors or cuda-allocator
+
+    @classmethod
+    def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: str,
+                command: str = "") -> "ReceiptContext":
+        rev, dirty = git_revision()
+        return cls(workload=loaded.spec, shape=dict(loaded.shape), resolved_shape=resolved_shape(loaded.spec, loaded.shape),
+                   boundary_shape=dict(boundary_shape) if boundary_shape else None, dtype=loaded.dtype,
+                   device=loaded.device, torch_version=torch.__version__, python_version=platform.python_version(),
+                   platform=platform.platform(), hostname=socket.gethostname(), cpu_count=os.cpu_count(),
+                   threads=torch.get_num_threads(), remat_version=__version__, git_revision=rev, git_dirty=dirty,
+                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command=command, memory_source=memory_source)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ReceiptContext":
+        return cls(**d)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunSettings:
+    """How much was run. ``remat demo`` runs less than the defaults and says so in ``note``."""
+
+    trace_warmup: int = 2
+    trace_steps: int = 3
+    verify_steps: int = 3
+    verify_seeds: int = 3
+    verify_timing_steps: int = 10
+    frontier_plans: list[str] = dataclasses.field(default_factory=lambda: [
+        "none", "all", "uniform:2", "sqrt", "selective", "optimal", "optimal@70%", "optimal@50%"])
+    frontier_steps: int = 10
+    frontier_warmup: int = 2
+    capacity_key: str | None = "batch_size"
+    capacity_tries: int = 6
+    capacity_steps: int = 3
+    saving_tolerance: float = 0.10    # a boundary's re-measured saving may fall this much (relative)
+    saving_warmup: int = 1
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("trace_warmup", "trace_steps", "verify_steps", "verify_seeds", "frontier_steps",
+                     "frontier_warmup", "capacity_tries", "capacity_steps", "saving_warmup"):
+            if getattr(self, name) < 1:
+                raise RematError(f"receipt setting {name} must be at least 1, got {getattr(self, name)}")
+        if self.verify_timing_steps < 0:
+            raise RematError(f"verify_timing_steps must be >= 0, got {self.verify_timing_steps}")
+        if not 0.0 <= self.saving_tolerance <= 1.0:
+            raise RematError(f"saving_tolerance must lie in [0, 1], got {self.saving_tolerance}")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RunSettings":
+        return cls(**{**d, "frontier_plans": list(d["frontier_plans"])})
+
+
+# -- per boundary ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fixture:
+    """The equivalence fixture that covers a boundary: verify's paired control/planned runs.
+
+    ``remat check`` re-runs exactly this (same seeds, steps, tolerance)."""
+
+    name: str                       # "paired-step": remat.verify.verify_plan
+    seeds: tuple[int, ...]
+    steps: int                      # training steps per seed (plus one eval step when "eval" in modes)
+    modes: tuple[str, ...]          # ("train", "eval")
+    dtype: str
+    tolerance: Tolerance            # max |planned - control| <= atol + rtol * max |control|, per tensor
+    parameters: tuple[str, ...]     # the boundary's parameters whose gradients the fixture compares
+    passed: bool | None             # None: not run (nothing shipped with boundaries)
+    forward_calls_per_step: int | None
+    replay_calls_per_step: int | None
+    draws_rng: bool | None
+    negative_controls: tuple[str, ...]  # the deliberately wrong runs the fixture rejected
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "seeds": list(self.seeds), "steps": self.steps, "modes": list(self.modes),
+                "dtype": self.dtype, "tolerance": self.tolerance.to_json(), "parameters": list(self.parameters),
+                "passed": self.passed, "forward_calls_per_step": self.forward_calls_per_step,
+                "replay_calls_per_step": self.replay_calls_per_step, "draws_rng": self.draws_rng,
+                "negative_controls": list(self.negative_controls)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Fixture":
+        return cls(name=d["name"], seeds=tuple(d["seeds"]), steps=d["steps"], modes=tuple(d["modes"]), dtype=d["dtype"],
+                   tolerance=Tolerance(**d["tolerance"]), parameters=tuple(d["parameters"]), passed=d["passed"],
+                   forward_calls_per_step=d["forward_calls_per_step"], replay_calls_per_step=d["replay_calls_per_step"],
+                   draws_rng=d["draws_rng"], negative_controls=tuple(d["negative_controls"]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoundaryRecord:
+    """Why one wrapper exists, and which check catches it going stale (seed 000)."""
+
+    module: str                     # module path, e.g. "h.2"
+    class_name: str
+    mode: str                       # "full" or "selective"
+    guarded: bool
+    revision: str                   # remat.profile.module_revision: class sources + parameter shapes
+    predicted_saving_bytes: int     # the planner's figure (profile of the unmodified step)
+    measured_saving_bytes: int      # NOTE [measured saving] in build.py
+    saving_tolerance: float         # check fails when the saving falls by more than this share
+    replay_ms: float                # measured warm forward time of the module: the added backward time
+    fixture: Fixture
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["fixture"] = self.fixture.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "BoundaryRecord":
+        return cls(**{**d, "fixture": Fixture.from_json(d["fixture"])})
+
+
+# -- plan, decision, unsupported -------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class ReceiptTraces:
+    target: StepTrace                 # the unmodified step at the target shape (the control)
+    boundary: StepTrace | None        # the unmodified step at the boundary shape
+    planned: StepTrace | None         # the shipped plan's step at the target shape
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target": self.target.to_json(), "boundary": None if self.boundary is None else self.boundary.to_json(),
+                "planned": None if self.planned is None else self.planned.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ReceiptTraces":
+        return cls(target=StepTrace.from_json(d["target"]),
+                   boundary=None if d["boundary"] is None else StepTrace.from_json(d["boundary"]),
+                   planned=None if d["planned"] is None else StepTrace.from_json(d["planned"]))
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReceiptPlan:
+    label: str | None                 # frontier label of the plan ("optimal", "none"); None: nothing to show
+    plan: Plan | None
+    boundaries: list[BoundaryRecord]
+    control_held_bytes: int | None    # live bytes at the start of backward, unmodified step
+    closed_loop: list[Attempt]        # the optimal planner's apply-measure-replan tries
+    closed_loop_boundaries: list[str]  # what that closed loop planned ("h.1:full")
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "plan": None if self.plan is None else self.plan.to_json(),
+                "boundaries": [b.to_json() for b in self.boundaries], "control_held_bytes": self.control_held_bytes,
+                "closed_loop": [dataclasses.asdict(a) for a in self.closed_loop],
+                "closed_loop_boundaries": list(self.closed_loop_boundaries), "note": self.note}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ReceiptPlan":
+        return cls(label=d["label"], plan=None if d["plan"] is None else Plan.from_json(d["plan"]),
+                   boundaries=[BoundaryRecord.from_json(b) for b in d["boundaries"]],
+                   control_held_bytes=d["control_held_bytes"], closed_loop=[Attempt(**a) for a in d["closed_loop"]],
+                   closed_loop_boundaries=list(d["closed_loop_boundaries"]), note=d["note"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RejectedPlan:
+    plan: str
+    decision: str                     # "reject", "infeasible", "failed", or "unverified"
+    reason: str
+    peak_bytes: int | None = None
+    p50_ms: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReceiptDecision:
+    """What ships and why (NOTE [receipt decision] in build.py)."""
+
+    status: str                       # "ship" or "no-plan"
+    shipped: str | None               # frontier label of the shipped plan
+    boundaries: list[str]             # "h.1:full"
+    budget_bytes: int
+    reserve: float                    # the required reserve: share of the budget kept free
+    effective_budget_bytes: int       # budget x (1 - reserve): what the peak must stay under
+    control_peak_bytes: int | None
+    shipped_peak_bytes: int | None
+    clears: bool                      # shipped peak <= effective budget
+    headroom_bytes: int | None        # effective budget - shipped peak
+    reserve_left: float | None        # 1 - shipped peak / budget
+    control_p50_ms: float | None
+    shipped_p50_ms: float | None
+    overhead_pct: float | None
+    verified: bool | None             # None: nothing to verify (no boundaries)
+    rejected: list[RejectedPlan]
+    why: list[str]                    # the decision in a few sentences, first line first
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rejected"] = [r.to_json() for r in self.rejected]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ReceiptDecision":
+        return cls(**{**d, "rejected": [RejectedPlan(**r) for r in d["rejected"]], "boundaries": list(d["boundaries"]),
+                      "why": list(d["why"])})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnsupportedMode:
+    """An execution mode the receipt's evidence does not cover."""
+
+    mode: str                         # "torch.compile", "reentrant checkpointing", "bfloat16", ...
+    status: str                       # "not run" (might work, not measured) or "unsupported" (remat refuses)
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- verify report from JSON (remat.verify writes it; the receipt reads it back) ------------------
+
+def _f(x: Any) -> float:
+    return float(x)  # "inf"/"nan" strings included (verify's JSON encoding of non-finite values)
+
+
+def _opt_f(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def verify_report_from_json(d: dict[str, Any]) -> VerifyReport:
+    timing = d["rng_timing"]
+    return VerifyReport(
+        passed=d["passed"], workload=d["workload"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
+        planner=d["planner"], plan_digest=d["plan_digest"], steps=d["steps"], seeds=list(d["seeds"]),
+        tolerances={k: Tolerance(**v) for k, v in d["tolerances"].items()}, perturbation=float(d["perturbation"]),
+        per_step=[StepComparison(
+            seed=s["seed"], step=s["step"], mode=s["mode"], loss=(_f(s["loss"][0]), _f(s["loss"][1])),
+            outputs_max_abs=_opt_f(s["outputs_max_abs"]), grad_max_abs=_f(s["grad_max_abs"]),
+            grad_max_rel=_f(s["grad_max_rel"]), grads_bitwise=s["grads_bitwise"],
+            grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])), params_max_abs=_opt_f(s["params_max_abs"]),
+            buffers_max_abs=_f(s["buffers_max_abs"]), bitwise=s["bitwise"], divergent=list(s["divergent"]),
+            first_divergent_module=s["first_divergent_module"], first_divergence=s["first_divergence"],
+            passed=s["passed"]) for s in d["per_step"]],
+        first_divergent_module=d["first_divergent_module"],
+        rng_policy=RngPolicy(preserve_rng_state=d["rng_policy"]["preserve_rng_state"], policy=d["rng_policy"]["policy"],
+                             justification=d["rng_policy"]["justification"],
+                             boundaries_drawing_rng=tuple(d["rng_policy"]["boundaries_drawing_rng"])),
+        rng_timing=None if timing is None else RngTiming(with_ms=timing["with_ms"], without_ms=timing["without_ms"],
+                                                         with_p95_ms=timing["with_p95_ms"],
+                                                         without_p95_ms=timing["without_p95_ms"], steps=timing["steps"]),
+        hazards=[Hazard(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=h["mode"],
+                        seed=h["seed"], step=h["step"]) for h in d["hazards"]],
+        negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
+        boundaries=[BoundaryActivity(**{**b, "forward_calls": dict(b["forward_calls"]),
+                                        "replay_calls": dict(b["replay_calls"])}) for b in d["boundaries"]],
+        repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
+        schema_version=d["schema_version"])
+
+
+# -- the receipt -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class Receipt:
+    context: ReceiptContext
+    settings: RunSettings
+    traces: ReceiptTraces
+    plan: ReceiptPlan
+    verification: VerifyReport | None
+    verification_note: str            # why verification was not run, or ""
+    frontier: FrontierReport | None
+    decision: ReceiptDecision
+    unsupported: list[UnsupportedMode]
+    schema_version: int = RECEIPT_SCHEMA_VERSION
+
+    @property
+    def shipped(self) -> bool:
+        return self.decision.status == "ship"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "kind": RECEIPT_KIND,
+            "context": self.context.to_json(),
+            "settings": self.settings.to_json(),
+            "traces": self.traces.to_json(),
+            "plan": self.plan.to_json(),
+            "verification": None if self.verification is None else self.verification.to_json(),
+            "verification_note": self.verification_note,
+            "frontier": None if self.frontier is None else self.frontier.to_json(),
+            "decision": self.decision.to_json(),
+            "unsupported": [u.to_json() for u in self.unsupported],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Receipt":
+        """Validate (version, then schema, then cross-references) and build; :class:`ReceiptError` if anything is off."""
+        version = check_version(data)
+        validate(data)
+        try:
+            receipt = cls(
+                schema_version=version,
+                context=ReceiptContext.from_json(data["context"]),
+                settings=RunSettings.from_json(data["settings"]),
+                traces=ReceiptTraces.from_json(data["traces"]),
+                plan=ReceiptPlan.from_json(data["plan"]),
+                verification=None if data["verification"] is None else verify_report_from_json(data["verification"]),
+                verification_note=data["verification_note"],
+                frontier=None if data["frontier"] is None else FrontierReport.from_json(data["frontier"]),
+                decision=ReceiptDecision.from_json(data["decision"]),
+                unsupported=[UnsupportedMode(**u) for u in data["unsupported"]],
+            )
+        except ReceiptError:
+            raise
+        except (RematError, KeyError, TypeError, ValueError) as exc:
+            msg = exc.message if isinstance(exc, RematError) else f"{type(exc).__name__}: {exc}"
+            raise ReceiptError(f"malformed receipt: {msg}") from exc
+        receipt._check_references()
+        return receipt
+
+    def _check_references(self) -> None:
+        """The parts must agree with each other (a hand-edited receipt could mix them)."""
+        plan = self.plan.plan
+        planned = [] if plan is None else [b.module for b in plan.boundaries]
+        recorded = [b.module for b in self.plan.boundaries]
+        if planned != recorded:
+            raise ReceiptError(f"malformed receipt: the plan's boundaries {planned} differ from the boundary "
+                               f"records {recorded}")
+        if self.decision.status == "ship" and plan is None:
+            raise ReceiptError("malformed receipt: the decision ships a plan but the receipt holds none")
+        if self.context.workload != self.traces.target.context.workload:
+            raise ReceiptError("malformed receipt: the context and the target trace name different workloads")
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> "Receipt":
+        return cls.from_json(parse_json_bounded(text))
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Receipt":
+        return cls.from_json(read_json_file(path))
+
+
+def load_receipt(path: Path | str) -> Receipt:
+    """Read and validate ``receipt.json`` (NOTE [hostile receipts]); :class:`ReceiptError` if it is not one."""
+    return Receipt.load(path)

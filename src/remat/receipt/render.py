@@ -1,0 +1,439 @@
+"""Rendering a receipt for people: ``report.html`` (self-contained) and ``report.md`` (pull requests).
+
+Both are functions of the receipt alone (``render_html(receipt)``, ``render_markdown(receipt)``
+take a :class:`Receipt` or its JSON): whoever holds ``receipt.json`` can re-render them,
+and nothing in them comes from anywhere else. The HTML embeds its plots as base64 PNG,
+loads nothing from the network and needs no JavaScript. Every string that comes from the
+receipt is escaped (HTML: ``html.escape``; Markdown: table pipes, backticks and angle
+brackets), because a receipt is data someone else may have written.
+
+Order, for a reviewer who did not run it: the decision, the frontier plot, the phase
+timeline (control vs plan), the boundary table, equivalence, hazards, modes not covered,
+then the context.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from typing import Any, Iterable, Sequence
+
+from ..frontier.plot import render_frontier_png
+from ..trace.model import StepTrace
+from .model import Receipt
+
+MIB = 2 ** 20
+PHASE_COLORS = {"batch": "#9e9e9e", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c"}
+
+
+def _as_receipt(receipt: Receipt | dict[str, Any]) -> Receipt:
+    return receipt if isinstance(receipt, Receipt) else Receipt.from_json(receipt)
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Bytes for a reader: MiB from 64 KiB up (so figures side by side share a unit), else KiB or B."""
+    if n is None:
+        return "-"
+    x = float(n)
+    if abs(x) >= 1024 ** 3:
+        return f"{x / 1024 ** 3:.2f} GiB"
+    if abs(x) >= 64 * 1024:
+        return f"{x / MIB:.2f} MiB"
+    if abs(x) >= 1024:
+        return f"{x / 1024:.1f} KiB"
+    return f"{x:.0f} B"
+
+
+def _ms(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f} ms"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1f}%"
+
+
+def _err(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def _shape(shape: dict[str, Any] | None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in (shape or {}).items()) or "default shape"
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+def _phase_spans(trace: StepTrace) -> list[tuple[str, float, float]]:
+    """(phase, start, end) as % of the traced step, from the trace's per-phase durations."""
+    total = sum(p.duration_ms for p in trace.phases) or 1.0
+    spans, t = [], 0.0
+    for p in trace.phases:
+        spans.append((p.name.value, 100.0 * t / total, 100.0 * (t + p.duration_ms) / total))
+        t += p.duration_ms
+    return spans
+
+
+def timeline_png(receipt: Receipt | dict[str, Any]) -> bytes:
+    """Live bytes over one step, control vs shipped plan, with the budget and phase strips (PNG bytes).
+
+    x is the share of each step's own traced duration: under the live-tensor tracker absolute
+    times are inflated and noisy (the frontier has the real, interleaved step times), while
+    the share shows where in the step memory rises, and how the plan's backward grows."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # OO API: no pyplot, no global backend switch
+    from matplotlib.patches import Patch
+
+    r = _as_receipt(receipt)
+    curves = [("control", "control (no checkpointing)", r.traces.target, "#555555")]
+    if r.traces.planned is not None:
+        curves.append(("plan", f"plan {r.plan.label or ''}".strip(), r.traces.planned, "#2ca02c"))
+    fig = Figure(figsize=(9, 5.0), dpi=100)
+    FigureCanvasAgg(fig)
+    gs = fig.add_gridspec(2, 1, height_ratios=[8, 1.2], hspace=0.06)
+    ax = fig.add_subplot(gs[0])
+    strip = fig.add_subplot(gs[1], sharex=ax)
+    for short, label, trace, color in curves:
+        total = sum(p.duration_ms for p in trace.phases) or (trace.timeline[-1].t_ms if trace.timeline else 1.0) or 1.0
+        xs = [100.0 * p.t_ms / total for p in trace.timeline]
+        ys = [p.live_bytes / MIB for p in trace.timeline]
+        ax.plot(xs, ys, color=color, linewidth=1.4, drawstyle="steps-post",
+                label=f"{label}: peak {trace.peak_bytes / MIB:.1f} MiB")
+        if trace.timeline:
+            i = max(range(len(ys)), key=ys.__getitem__)
+            ax.scatter([xs[i]], [ys[i]], color=color, s=28, zorder=4)
+    d = r.decision
+    ax.axhline(d.budget_bytes / MIB, color="#d62728", linewidth=1, label=f"budget {d.budget_bytes / MIB:.1f} MiB")
+    if d.reserve > 0:
+        ax.axhline(d.effective_budget_bytes / MIB, color="#d62728", linestyle="--", linewidth=1,
+                   label=f"less {d.reserve:.0%} reserve: {d.effective_budget_bytes / MIB:.1f} MiB")
+    ax.set_ylabel(f"live bytes (MiB, {r.context.memory_source})")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(0, 100)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower center")
+    ax.set_title(f"one training step: {r.context.workload} ({_shape(r.context.shape)})", fontsize=10)
+    ax.tick_params(labelbottom=False)
+    for row, (short, _, trace, _) in enumerate(curves):
+        for name, a, b in _phase_spans(trace):
+            strip.broken_barh([(a, max(b - a, 0.05))], (row + 0.12, 0.76), color=PHASE_COLORS.get(name, "#999"))
+    strip.set_yticks([i + 0.5 for i in range(len(curves))], [c[0] for c in curves], fontsize=8)
+    strip.set_ylim(0, len(curves))
+    strip.invert_yaxis()
+    strip.set_xlabel("% of the step (each curve scaled to its own traced duration)")
+    strip.legend(handles=[Patch(color=c, label=n) for n, c in PHASE_COLORS.items()], fontsize=7, ncol=4,
+                 loc="upper right", bbox_to_anchor=(1.0, -0.75), frameon=False)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return buf.getvalue()
+
+
+def frontier_png(receipt: Receipt | dict[str, Any]) -> bytes | None:
+    r = _as_receipt(receipt)
+    if r.frontier is None or not any(p.measured for p in r.frontier.points):
+        return None
+    return render_frontier_png(r.frontier)
+
+
+# -- shared content --------------------------------------------------------------------------------
+
+def _summary_rows(r: Receipt) -> list[tuple[str, str, str]]:
+    d = r.decision
+    tc = r.traces.target
+    tp = r.traces.planned
+    return [
+        ("step peak (measured)", fmt_bytes(d.control_peak_bytes), fmt_bytes(d.shipped_peak_bytes)),
+        ("blocking phase (trace)", tc.peak_phase.value if tc.peak_phase else "-",
+         tp.peak_phase.value if tp is not None and tp.peak_phase else "-"),
+        ("warm step time p50", _ms(d.control_p50_ms), _ms(d.shipped_p50_ms)),
+        ("step time vs control", "", _pct(d.overhead_pct)),
+        ("held at start of backward", fmt_bytes(r.plan.control_held_bytes),
+         fmt_bytes(None if r.plan.control_held_bytes is None or tp is None else
+                   next((ph.start_bytes for ph in tp.phases if ph.name.value == "backward"), None))),
+    ]
+
+
+def _verify_rows(r: Receipt) -> list[list[str]]:
+    v = r.verification
+    if v is None:
+        return []
+    return [[str(s.seed), str(s.step), s.mode, f"{s.loss[0]:.6f}", _err(abs(s.loss[1] - s.loss[0])),
+             _err(s.grad_max_abs), _err(s.grad_max_rel), "yes" if s.bitwise else "no",
+             "ok" if s.passed else "DIFF: " + ", ".join(s.divergent[:3])] for s in v.per_step]
+
+
+def _boundary_rows(r: Receipt) -> list[list[str]]:
+    rows = []
+    for b in r.plan.boundaries:
+        f = b.fixture
+        seeds = f"{len(f.seeds)} seed(s) x {f.steps} step(s) + eval" if "eval" in f.modes else \
+            f"{len(f.seeds)} seed(s) x {f.steps} step(s)"
+        calls = "" if f.replay_calls_per_step is None else \
+            f"; {f.forward_calls_per_step} fwd + {f.replay_calls_per_step} replay/step"
+        rows.append([b.module, b.class_name, b.mode + (" (guarded)" if b.guarded else ""), b.revision,
+                     fmt_bytes(b.measured_saving_bytes), fmt_bytes(b.predicted_saving_bytes),
+                     f"{b.replay_ms:.1f}", f"{f.name}: {seeds}{calls}" + ("; draws RNG" if f.draws_rng else ""),
+                     f"rtol {f.tolerance.rtol:g}, atol {f.tolerance.atol:g} ({f.dtype}); saving -{b.saving_tolerance:.0%}",
+                     {True: "pass", False: "FAIL", None: "not run"}[f.passed]])
+    return rows
+
+
+BOUNDARY_HEADERS = ["module", "class", "mode", "revision", "saves (measured)", "saves (predicted)", "replay ms",
+                    "fixture", "tolerance", "result"]
+FRONTIER_HEADERS = ["plan", "boundaries", "peak", "p50 / p95", "vs control", "capacity", "samples/s", "decision",
+                    "reason"]
+VERIFY_HEADERS = ["seed", "step", "mode", "loss", "|dloss|", "grad abs err", "grad rel err", "bitwise", "result"]
+
+
+def _frontier_rows(r: Receipt) -> list[list[str]]:
+    f = r.frontier
+    if f is None:
+        return []
+    rows = []
+    for p in f.points:
+        cap = "-" if p.capacity is None else f"{f.capacity_key}={p.capacity}" + (
+            "" if p.capacity_search is None or p.capacity_search.resolved else "+")
+        bnd = ", ".join(p.boundaries) if len(p.boundaries) <= 4 else f"{', '.join(p.boundaries[:3])} +{len(p.boundaries) - 3}"
+        rows.append([p.plan, bnd or "(none)", fmt_bytes(p.peak_bytes),
+                     "-" if p.p50_ms is None else f"{p.p50_ms:.1f} / {p.p95_ms:.1f} ms", _pct(p.overhead_pct), cap,
+                     "-" if p.samples_per_s is None else f"{p.samples_per_s:.1f}",
+                     p.decision.value + (" (Pareto)" if p.pareto else ""), p.reason])
+    return rows
+
+
+def _hazard_lines(r: Receipt) -> list[str]:
+    out = []
+    if r.verification is not None:
+        out += [f"{h.module} ({h.kind.value}, {h.mode}, seed {h.seed} step {h.step}): {h.detail}"
+                for h in r.verification.hazards]
+    return out
+
+
+def _excluded_lines(r: Receipt) -> list[str]:
+    plan = r.plan.plan
+    return [] if plan is None else [f"{e.module}: {e.reason}" for e in plan.excluded]
+
+
+def _context_rows(r: Receipt) -> list[tuple[str, str]]:
+    c, s = r.context, r.settings
+    rows = [
+        ("workload", c.workload), ("shape", _shape(c.shape)),
+        ("resolved shape", _shape(c.resolved_shape)),
+        ("boundary shape", _shape(c.boundary_shape) if c.boundary_shape else "-"),
+        ("dtype / device", f"{c.dtype} / {c.device}"), ("memory source", c.memory_source),
+        ("torch / python", f"{c.torch_version} / {c.python_version}"),
+        ("host", f"{c.hostname} ({c.platform}, {c.cpu_count} CPUs, {c.threads} torch threads)"),
+        ("remat", c.remat_version),
+        ("git revision", "-" if c.git_revision is None else c.git_revision + (" (uncommitted changes)" if c.git_dirty else "")),
+        ("created", c.created), ("command", c.command or "-"),
+        ("traces", f"{s.trace_warmup} warm-up + {s.trace_steps} traced step(s) per shape"),
+        ("verification", f"{s.verify_seeds} seed(s) x {s.verify_steps} step(s) + eval; RNG timing "
+                         f"{s.verify_timing_steps} step(s)"),
+        ("frontier", f"{len(s.frontier_plans)} plans, {s.frontier_warmup} warm-up + {s.frontier_steps} timed steps "
+                     f"each (interleaved); capacity {s.capacity_key or 'not searched'}"
+                     + (f" ({s.capacity_tries} tries, {s.capacity_steps} timed steps)" if s.capacity_key else "")),
+    ]
+    if s.note:
+        rows.append(("note", s.note))
+    return rows
+
+
+def _title(r: Receipt) -> str:
+    return f"remat receipt: {r.context.workload} ({_shape(r.context.shape)})"
+
+
+def _headline(r: Receipt) -> str:
+    d = r.decision
+    if d.status == "ship" and d.boundaries:
+        return f"SHIP {d.shipped}: checkpoint {len(d.boundaries)} module(s)"
+    if d.status == "ship":
+        return "SHIP no checkpointing: the step already fits"
+    return "NOTHING SHIPS"
+
+
+# -- HTML ------------------------------------------------------------------------------------------
+
+def e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _html_table(headers: Sequence[str] | None, rows: Iterable[Sequence[str]], *, cls: str = "") -> str:
+    head = "" if headers is None else "<thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr></thead>"
+    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{e(cls)}">{head}<tbody>{body}</tbody></table>'
+
+
+def _img(png: bytes | None, alt: str) -> str:
+    if png is None:
+        return f'<p class="muted">{e(alt)}: nothing to plot.</p>'
+    return f'<img alt="{e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+
+
+def _ul(lines: list[str], empty: str) -> str:
+    if not lines:
+        return f'<p class="muted">{e(empty)}</p>'
+    return "<ul>" + "".join(f"<li>{e(x)}</li>" for x in lines) + "</ul>"
+
+
+_CSS = """
+body{font:15px/1.5 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1b1f24;max-width:1180px;margin:24px auto;padding:0 20px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
+.muted{color:#57606a}.verdict{border-radius:8px;padding:14px 18px;margin:14px 0}
+.ship{background:#dafbe1;border:1px solid #4ac26b}.noplan{background:#ffebe9;border:1px solid #ff8182}
+.verdict h2{border:0;margin:0 0 6px;font-size:20px}.verdict ol{margin:6px 0 0 0;padding-left:22px}
+table{border-collapse:collapse;margin:8px 0;font-size:13px}th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}td.num{text-align:right}table.kv td:first-child{color:#57606a;white-space:nowrap}
+img{max-width:100%;border:1px solid #d0d7de;border-radius:6px}code{background:#f6f8fa;padding:1px 4px;border-radius:4px}
+.grid{display:grid;grid-template-columns:1fr 1fr;gap:12px}.fail{color:#cf222e;font-weight:600}.pass{color:#1a7f37;font-weight:600}
+"""
+
+
+def render_html(receipt: Receipt | dict[str, Any]) -> str:
+    """The self-contained report (plots embedded, no network, no JavaScript), from the receipt alone."""
+    r = _as_receipt(receipt)
+    d = r.decision
+    v = r.verification
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{e(_title(r))}</title>"
+             f"<style>{_CSS}</style></head><body>"]
+    parts.append(f"<h1>{e(_title(r))}</h1><p class=\"muted\">{e(r.context.created)} · remat {e(r.context.remat_version)}"
+                 f" · {e(r.context.device)} {e(r.context.dtype)} · git {e(r.context.git_revision or 'n/a')}</p>")
+    # 1. the decision
+    cls = "ship" if d.status == "ship" else "noplan"
+    parts.append(f'<div class="verdict {cls}"><h2>{e(_headline(r))}</h2><ol>'
+                 + "".join(f"<li>{e(w)}</li>" for w in d.why) + "</ol></div>")
+    parts.append(_html_table(["", "control", f"shipped ({d.shipped or '-'})"], _summary_rows(r), cls="kv"))
+    parts.append(_html_table(["budget", "required reserve", "peak must stay under", "clears", "headroom"],
+                             [[fmt_bytes(d.budget_bytes), f"{d.reserve:.0%}", fmt_bytes(d.effective_budget_bytes),
+                               "yes" if d.clears else "no", fmt_bytes(d.headroom_bytes)]]))
+    # 2. frontier
+    parts.append("<h2>Frontier: peak vs step time</h2>")
+    parts.append(_img(frontier_png(r), "frontier plot"))
+    parts.append(_html_table(FRONTIER_HEADERS, _frontier_rows(r)))
+    if r.plan.closed_loop:
+        tries = "; ".join(f"predicted {fmt_bytes(a.predicted_peak_bytes)}, measured {fmt_bytes(a.measured_peak_bytes)}"
+                          f"{' (fits)' if a.fits else ' (misses)'}" for a in r.plan.closed_loop)
+        parts.append(f"<p class=\"muted\">Optimal planner, closed loop ({e(', '.join(r.plan.closed_loop_boundaries))}):"
+                     f" {e(tries)}.</p>")
+    # 3. timeline
+    parts.append("<h2>Phase timeline: live bytes over one step</h2>")
+    parts.append(_img(timeline_png(r), "phase timeline, control vs plan"))
+    phase_rows = []
+    planned = {p.name.value: p for p in r.traces.planned.phases} if r.traces.planned else {}
+    for p in r.traces.target.phases:
+        q = planned.get(p.name.value)
+        phase_rows.append([p.name.value, fmt_bytes(p.peak_bytes), fmt_bytes(q.peak_bytes if q else None),
+                           _ms(p.duration_ms), _ms(q.duration_ms if q else None)])
+    parts.append(_html_table(["phase", "peak: control", "peak: plan", "time: control (traced)", "time: plan (traced)"],
+                             phase_rows))
+    if r.traces.boundary is not None:
+        b = r.traces.boundary
+        parts.append(f"<p class=\"muted\">Boundary shape {e(_shape(b.context.shape))} (unmodified): peak "
+                     f"{e(fmt_bytes(b.peak_bytes))} in {e(b.peak_phase.value if b.peak_phase else '-')}.</p>")
+    # 4. boundaries
+    parts.append("<h2>Boundaries: why each wrapper exists</h2>")
+    if r.plan.boundaries:
+        parts.append(_html_table(BOUNDARY_HEADERS, _boundary_rows(r)))
+        parts.append("<p class=\"muted\">saves (measured): live bytes at the start of backward, control minus this "
+                     "boundary alone checkpointed. remat check fails when a revision changes or a saving falls by more "
+                     "than its tolerance.</p>")
+    else:
+        parts.append(f"<p class=\"muted\">{e(r.plan.note or 'No boundaries: nothing is checkpointed.')}</p>")
+    # 5. equivalence
+    parts.append("<h2>Equivalence with the unmodified step</h2>")
+    if v is None:
+        parts.append(f"<p class=\"muted\">{e(r.verification_note)}</p>")
+    else:
+        verdict = '<span class="pass">PASSED</span>' if v.passed else '<span class="fail">FAILED</span>'
+        parts.append(f"<p>{verdict}: {e(len(v.seeds))} seed(s) x {e(v.steps)} step(s) + an eval step per seed; "
+                     f"tolerance per tensor max|planned - control| &lt;= atol + rtol x max|control| "
+                     f"({e(', '.join(f'{k}: rtol {t.rtol:g}' for k, t in v.tolerances.items() if k == v.dtype))}); "
+                     f"control repeatable: {e('yes' if v.repeatable else 'NO')}.</p>")
+        parts.append(_html_table(VERIFY_HEADERS, _verify_rows(r)))
+        parts.append(_html_table(["negative control", "result", "detail"],
+                                 [[n.name, ("rejected" if n.rejected else "NOT rejected") if n.applicable else "n/a",
+                                   n.detail] for n in v.negative_controls]))
+        pol = v.rng_policy
+        timing = "" if v.rng_timing is None else (f"; preservation costs {v.rng_timing.overhead_ms:+.2f} ms/step")
+        parts.append(f"<p>RNG policy: <b>{e(pol.policy)}</b>: {e(pol.justification)}{e(timing)}</p>")
+        if v.failures:
+            parts.append("<p class=\"fail\">Failures:</p>" + _ul(list(v.failures), ""))
+        if v.warnings:
+            parts.append(_ul(list(v.warnings), ""))
+    # 6. hazards
+    parts.append("<h2>Hazards</h2>")
+    parts.append(_ul(_hazard_lines(r), "No replay hazard was observed in the checkpointed regions."))
+    excluded = _excluded_lines(r)
+    if excluded:
+        parts.append(f"<p class=\"muted\">Candidates the planner excluded ({len(excluded)}):</p>"
+                     + _ul(excluded[:30] + ([f"... {len(excluded) - 30} more in receipt.json"] if len(excluded) > 30 else []), ""))
+    # 7. unsupported
+    parts.append("<h2>Not covered by this receipt</h2>")
+    parts.append(_html_table(["mode", "status", "detail"], [[u.mode, u.status, u.detail] for u in r.unsupported]))
+    # 8. context
+    parts.append("<h2>Context</h2>")
+    parts.append(_html_table(None, _context_rows(r), cls="kv"))
+    parts.append("<p class=\"muted\">Re-check in CI: <code>remat check receipt.json</code> (add <code>--quick</code> "
+                 "for revision hashes and equivalence only). Rendered from receipt.json alone.</p>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+# -- Markdown --------------------------------------------------------------------------------------
+
+def md(x: Any) -> str:
+    """Escape a receipt string for a Markdown table cell (no HTML, no code spans, no cell breaks)."""
+    s = str(x).replace("\\", "\\\\").replace("|", "\\|").replace("`", "'").replace("\n", " ")
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*").replace("_", "\\_")
+
+
+def _md_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(md(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(md(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def render_markdown(receipt: Receipt | dict[str, Any]) -> str:
+    """The pull-request summary: decision, boundaries, frontier, equivalence, what is not covered."""
+    r = _as_receipt(receipt)
+    d = r.decision
+    v = r.verification
+    lines = [f"## {md(_title(r))}", "", f"**{md(_headline(r))}**", ""]
+    lines += [f"{i}. {md(w)}" for i, w in enumerate(d.why, 1)]
+    lines += ["", *_md_table(["", "control", f"shipped ({d.shipped or '-'})"], _summary_rows(r)), ""]
+    lines += [f"Budget {md(fmt_bytes(d.budget_bytes))}, required reserve {d.reserve:.0%}: the peak must stay under "
+              f"{md(fmt_bytes(d.effective_budget_bytes))}; clears: **{'yes' if d.clears else 'no'}**"
+              + (f" (headroom {md(fmt_bytes(d.headroom_bytes))})." if d.headroom_bytes is not None else "."), ""]
+    lines += ["### Boundaries", ""]
+    if r.plan.boundaries:
+        lines += _md_table(BOUNDARY_HEADERS, _boundary_rows(r))
+    else:
+        lines.append(md(r.plan.note or "No boundaries: nothing is checkpointed."))
+    lines += ["", "### Frontier", ""]
+    lines += _md_table(FRONTIER_HEADERS, _frontier_rows(r)) if r.frontier else ["not run"]
+    lines += ["", "### Equivalence", ""]
+    if v is None:
+        lines.append(md(r.verification_note))
+    else:
+        bitwise = all(s.bitwise for s in v.per_step)
+        lines.append(f"**{'PASSED' if v.passed else 'FAILED'}**: {len(v.seeds)} seed(s) x {v.steps} step(s) + eval, "
+                     f"{'bitwise equal' if bitwise else 'within tolerance'}; control repeatable: "
+                     f"{'yes' if v.repeatable else 'NO'}; RNG policy: {md(v.rng_policy.policy)}.")
+        lines.append("")
+        lines += [f"- negative control {md(n.name)}: "
+                  + md(("rejected" if n.rejected else "NOT rejected") if n.applicable else "n/a") + f" ({md(n.detail)})"
+                  for n in v.negative_controls]
+        lines += [f"- failure: {md(f)}" for f in v.failures]
+    lines += ["", "### Hazards", ""]
+    hz = _hazard_lines(r)
+    lines += [f"- {md(h)}" for h in hz] or ["No replay hazard was observed in the checkpointed regions."]
+    lines += ["", "### Not covered", ""]
+    lines += [f"- **{md(u.mode)}** ({md(u.status)}): {md(u.detail)}" for u in r.unsupported]
+    c = r.context
+    lines += ["", f"<sub>{md(c.workload)} · {md(c.dtype)} on {md(c.device)} · torch {md(c.torch_version)} · "
+                  f"remat {md(c.remat_version)} · git {md(c.git_revision or 'n/a')} · {md(c.created)}. "
+                  f"Re-check: remat check receipt.json. Full report: report.html.</sub>", ""]
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""Writing a receipt folder: ``receipt.json``, ``report.html``, ``report.md``, all or nothing.
+
+NOTE [atomic receipt folder]
+Everything is rendered in memory first (a rendering error leaves the folder untouched),
+then each file is written to a temp file in the same folder and fsynced, and only when all
+three exist are they renamed over the old ones, ``receipt.json`` last: it is the source of
+truth, and the reports are derived from it. A crash between two renames can leave a new
+report beside the old receipt, never a half-written file; each report names the sha256 of
+the receipt it was rendered from, so a mismatched pair is visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .model import Receipt
+from .render import render_html, render_markdown
+
+RECEIPT_FILE = "receipt.json"
+HTML_FILE = "report.html"
+MD_FILE = "report.md"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiptFiles:
+    receipt: Path
+    html: Path
+    markdown: Path
+    digest: str          # sha256 of receipt.json's bytes
+
+
+def receipt_bytes(receipt: Receipt) -> bytes:
+    return (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _stage(folder: Path, name: str, data: bytes) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())   # mkstemp makes 0600; a report is for reading
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def write_receipt(receipt: Receipt, out_dir: Path | str) -> ReceiptFiles:
+    """Render and write the receipt folder (NOTE [atomic receipt folder])."""
+    out = Path(out_dir)
+    data = receipt_bytes(receipt)
+    digest = hashlib.sha256(data).hexdigest()
+    # round trip through the loader: never publish a receipt `remat check` would refuse
+    Receipt.loads(data)
+    stamp = f"receipt.json sha256 {digest}"
+    html_text = render_html(receipt).replace("</body>", f'<p class="muted">{stamp}</p></body>', 1)
+    md_text = render_markdown(receipt) + f"\n<sub>{stamp}</sub>\n"
+    out.mkdir(parents=True, exist_ok=True)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, payload in ((HTML_FILE, html_text.encode("utf-8")), (MD_FILE, md_text.encode("utf-8")),
+                              (RECEIPT_FILE, data)):
+            staged.append((_stage(out, name, payload), out / name))
+        for tmp, final in staged:      # receipt.json last
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+    return ReceiptFiles(receipt=out / RECEIPT_FILE, html=out / HTML_FILE, markdown=out / MD_FILE, digest=digest)
