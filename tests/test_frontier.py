@@ -320,3 +320,15 @@ def test_plans_reapply_by_module_path_when_the_shape_key_changes_parameters():
     assert base.error is None and longer.error is None and longer.peak_bytes > base.peak_bytes
     deeper = probe_capacity(loaded, arm, "n_layer", 3, 10 ** 9)  # a new block: the plan no longer describes it
     assert deeper.error and "module tree differs" in deeper.error
+
+
+def test_capacity_granularity_bounds_the_bisection():
+    log = []
+    limit = 50 + 100 * 2000
+    r = search_capacity(_linear(log=log), key="batch_size", start=1024, limit_bytes=limit, max_value=1 << 14,
+                        max_tries=30, granularity=128)
+    assert r.resolved and 2000 - 128 < r.capacity <= 2000
+    assert all(v % 128 == 0 for v in log), log
+    exact = search_capacity(_linear(), key="batch_size", start=1024, limit_bytes=limit, max_value=1 << 14,
+                            max_tries=30)
+    assert exact.capacity == 2000 and len(exact.tries) > len(r.tries)

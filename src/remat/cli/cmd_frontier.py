@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity-max", type=int, default=None, help="largest value tried (default 64x the current one)")
     p.add_argument("--capacity-tries", type=int, default=8, help="most probes per plan (default 8)")
     p.add_argument("--capacity-steps", type=int, default=3, help="timed steps per plan at its capacity (default 3)")
+    p.add_argument("--capacity-granularity", type=int, default=1,
+                   help="stop bisecting when the bracket is this narrow (default 1: the exact value)")
     p.add_argument("--out", required=True, type=Path, help="output folder (frontier.json, frontier.png)")
     p.set_defaults(func=run)
 
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     reserve = parse_reserve(args.reserve)
     parse_budget(args.budget, 1 << 50)
     parse_plan_requests(args.plans)
-    for name in ("steps", "warmup", "capacity_tries", "capacity_steps"):
+    for name in ("steps", "warmup", "capacity_tries", "capacity_steps", "capacity_granularity"):
         if getattr(args, name) < 1:
             raise RematError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.capacity_max is not None and args.capacity_max < 1:
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         frontier = run_frontier(loaded, budget_bytes=budget, reserve=reserve, plans=args.plans, steps=args.steps,
                                 warmup=args.warmup, capacity_key=None if args.no_capacity else args.capacity_key,
                                 capacity_max=args.capacity_max, capacity_tries=args.capacity_tries,
-                                capacity_steps=args.capacity_steps, report=report, progress=progress)
+                                capacity_steps=args.capacity_steps, capacity_granularity=args.capacity_granularity,
+                                report=report, progress=progress)
     png = render_frontier_png(frontier)
     atomic_write_json(args.out / "frontier.json", frontier.to_json())
     atomic_write_bytes(args.out / "frontier.png", png)

@@ -10,12 +10,14 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from rich.markup import escape
+
 from ..plan import parse_budget, parse_reserve
 from ..receipt import Receipt, ReceiptFiles, RunSettings, make_receipt, write_receipt
 from ..types import ProgressFn
 from ..workload import parse_shape
 from .common import add_workload_args, load_from_args
-from .render import console, err_console, fmt_bytes, progress_bar
+from .render import console, err_console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +65,7 @@ def stage_progress(t0: float | None = None) -> Iterator[ProgressFn]:
             bar(what, done, total)
             if done >= total and what not in finished:
                 finished.add(what)
-                err_console.print(f"  [green]done[/] {what} [dim]({time.perf_counter() - start:.0f} s)[/]",
+                err_console.print(f"  [green]done[/] {escape(what)} [dim]({time.perf_counter() - start:.0f} s)[/]",
                                   highlight=False)
         yield update
 
@@ -72,12 +74,9 @@ def render_decision(receipt: Receipt, files: ReceiptFiles) -> None:
     d = receipt.decision
     color = "green" if d.status == "ship" else "red"
     for i, line in enumerate(d.why):
-        console.print(f"[bold {color}]{line}[/]" if i == 0 else f"  {line}", highlight=False)
-    console.print(f"budget {fmt_bytes(d.budget_bytes)} less {d.reserve:.0%} reserve = {fmt_bytes(d.effective_budget_bytes)}; "
-                  f"control peak {fmt_bytes(d.control_peak_bytes)}, shipped peak {fmt_bytes(d.shipped_peak_bytes)}",
-                  highlight=False)
-    console.print(f"wrote {files.receipt}, {files.html} and {files.markdown}", highlight=False)
-    console.print(f"re-check it in CI: remat check {files.receipt}", highlight=False)
+        console.print(f"[bold {color}]{escape(line)}[/]" if i == 0 else f"  {escape(line)}", highlight=False)
+    console.print(escape(f"wrote {files.receipt}, {files.html} and {files.markdown}"), highlight=False)
+    console.print(escape(f"re-check it in CI: remat check {files.receipt}"), highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:

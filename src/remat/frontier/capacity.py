@@ -9,8 +9,11 @@ the peak does not decrease as v grows (true of batch size and sequence length).
   search: ``capped``). If it does not fit, halve until one fits or 1 does not (then the
   capacity is 0).
 - Then bisect between the largest fitting and the smallest failing value until they
-  are adjacent (``resolved``) or ``max_tries`` probes have been made; the capacity is
-  always a value that was measured to fit (or 0), never an interpolation.
+  are ``granularity`` apart or closer (``resolved``; granularity 1, the default, means
+  adjacent: the exact capacity) or ``max_tries`` probes have been made. Bisection points
+  are rounded down to a multiple of ``granularity`` (a batch of 2048 need not be resolved
+  to the sample). The capacity is always a value that was measured to fit (or 0), never
+  an interpolation.
 - An out-of-memory is a data point: ``measure`` returns a ``CapacityTry`` with
   ``oom=True`` (the caller turns CUDA OOM, or the CPU tracker seeing the limit crossed,
   into that), and the search treats it as "does not fit". Any other failure
@@ -32,11 +35,11 @@ MeasureFn = Callable[[int], CapacityTry]
 
 
 def search_capacity(measure: MeasureFn, *, key: str, start: int, limit_bytes: int, max_value: int,
-                    max_tries: int = 8, first: CapacityTry | None = None) -> CapacityResult:
+                    max_tries: int = 8, first: CapacityTry | None = None, granularity: int = 1) -> CapacityResult:
     """Largest ``key`` value whose measured peak <= ``limit_bytes`` (bytes); see NOTE [capacity search]."""
-    if start < 1 or max_value < 1 or max_tries < 1:
-        raise RematError(f"capacity search needs start >= 1, max_value >= 1 and max_tries >= 1; "
-                         f"got start={start}, max_value={max_value}, max_tries={max_tries}")
+    if start < 1 or max_value < 1 or max_tries < 1 or granularity < 1:
+        raise RematError(f"capacity search needs start >= 1, max_value >= 1, max_tries >= 1 and granularity >= 1; "
+                         f"got start={start}, max_value={max_value}, max_tries={max_tries}, granularity={granularity}")
     tries: list[CapacityTry] = []
     lo, hi = 0, None          # lo: largest value known to fit (0: none); hi: smallest known not to
     note = ""
@@ -68,12 +71,14 @@ def search_capacity(measure: MeasureFn, *, key: str, start: int, limit_bytes: in
             if hi <= 1:
                 break
             ok = probe(hi // 2)
-        elif hi - lo > 1:                  # bracketed: bisect
-            ok = probe((lo + hi) // 2)
+        elif hi - lo > granularity:        # bracketed: bisect
+            mid = (lo + hi) // 2
+            mid = max(lo + 1, mid - mid % granularity)
+            ok = probe(mid)
         else:
             break
     capped = hi is None and lo >= max_value
-    resolved = capped or (hi is not None and hi - lo <= 1)
+    resolved = capped or (hi is not None and hi - lo <= granularity)
     if not resolved and not note:
         bound = "unknown" if hi is None else str(hi)
         note = f"max_tries={max_tries} reached: capacity is at least {lo}, the first failing value {bound}"

@@ -208,6 +208,11 @@ def measure_step_peak_within(step: TrainingStep, step_index: int, limit_bytes: i
     """
     if is_cuda(step):
         return measure_step_peak(step, step_index)
+    return _tracked_step_within(step, step_index, limit_bytes)
+
+
+def _tracked_step_within(step: TrainingStep, step_index: int, limit_bytes: int) -> PeakMeasurement:
+    """One step under the live-tensor tracker, stopped as soon as live tensor bytes cross the limit (any device)."""
     with _LimitTracker(limit_bytes) as tracker:
         track_step_state(tracker, step)
         loss = step.run(step_index, marker=tracker.mark)
@@ -225,18 +230,17 @@ def probe_capacity(loaded: LoadedWorkload, arm: Arm, key: str, value: int, limit
                    warmup: int = 1) -> CapacityTry:
     """One capacity probe: ``arm`` on a fresh build at ``key=value``; an OOM is a data point, never raised.
 
-    On CPU the warm-up steps run under the limit too (a step that cannot fit cold will not
-    fit warm: the warm step adds the optimizer state), so no probe allocates much beyond
-    the limit. Any other failure is returned as ``error`` (the search stops there).
+    The warm-up steps run under the live-tensor tracker with the limit, on every device (a
+    step that cannot fit cold will not fit warm: the warm step adds the optimizer state; and
+    on CUDA the allocator's peak is never below the live tensor bytes), so no probe
+    allocates much beyond the limit. The measured step then uses the device's own source.
+    Any other failure is returned as ``error`` (the search stops there).
     """
     prepared: Prepared | None = None
     try:
         prepared = prepare_arm(loaded, arm, **{key: value})
         for i in range(warmup):
-            if is_cuda(prepared.step):
-                prepared.step.run(i)
-            else:
-                measure_step_peak_within(prepared.step, i, limit_bytes)
+            _tracked_step_within(prepared.step, i, limit_bytes)
         peak = measure_step_peak_within(prepared.step, warmup, limit_bytes)
         return CapacityTry(value=value, peak_bytes=peak.peak_bytes)
     except PeakLimitExceeded as exc:

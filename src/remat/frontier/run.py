@@ -177,7 +177,8 @@ def _context(loaded: LoadedWorkload, *, warmup: int, steps: int, capacity_key: s
 def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 0.05,
                  plans: str | Sequence[str] | None = None, steps: int = 10, warmup: int = 2,
                  capacity_key: str | None = "batch_size", capacity_max: int | None = None,
-                 capacity_tries: int = 8, capacity_steps: int = 3, closed_loop: bool = True,
+                 capacity_tries: int = 8, capacity_steps: int = 3, capacity_granularity: int = 1,
+                 closed_loop: bool = True,
                  report: ProfileReport | None = None, progress: ProgressFn = no_progress) -> FrontierReport:
     """Measure every requested plan on ``loaded`` and decide which one to ship (NOTE [frontier pipeline]).
 
@@ -187,7 +188,8 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     per plan (>= 10 for a published figure; fewer allowed for tests). ``capacity_key``: shape
     keyword to search (None: skip capacity); ``capacity_max`` bounds it (default 64x its
     current value), ``capacity_tries`` bounds the probes per plan, ``capacity_steps`` is the
-    timed steps per plan at capacity. ``report``: a profile of ``loaded`` made earlier.
+    timed steps per plan at capacity, ``capacity_granularity`` how close the bisection gets
+    (1: the exact value). ``report``: a profile of ``loaded`` made earlier.
     Raises BudgetError/PlanError for malformed inputs, WorkloadError for a capacity key
     the workload lacks; infeasible plans and out-of-memory probes are data points.
     """
@@ -251,13 +253,14 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     if capacity_key is not None and measured:
         _capacity(loaded, measured, by_label, key=capacity_key, start=start, limit=limit,  # type: ignore[arg-type]
                   max_value=capacity_max or 64 * start, max_tries=capacity_tries,  # type: ignore[operator]
-                  steps=capacity_steps, progress=progress)
+                  granularity=capacity_granularity, steps=capacity_steps, progress=progress)
 
     # 5. decide
     shipped = decide(points, budget_bytes=budget_bytes, reserve=reserve, control=CONTROL)
     context = _context(loaded, warmup=warmup, steps=steps, capacity_key=capacity_key, report=report,
                        extra={"capacity_start": start, "capacity_max": (capacity_max or 64 * start) if start else None,
                               "capacity_tries": capacity_tries, "capacity_steps": capacity_steps,
+                              "capacity_granularity": capacity_granularity,
                               "closed_loop": closed_loop, "interleaved": interleaved})
     return FrontierReport(context=context, budget_bytes=budget_bytes, reserve=float(reserve),
                           capacity_key=capacity_key or "", points=points, control=CONTROL,
@@ -296,14 +299,14 @@ def _time_arms(loaded: LoadedWorkload, arms: list[Arm], *, warmup: int, steps: i
 
 
 def _capacity(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, FrontierPoint], *, key: str, start: int,
-              limit: int, max_value: int, max_tries: int, steps: int, progress: ProgressFn) -> None:
+              limit: int, max_value: int, max_tries: int, granularity: int, steps: int, progress: ProgressFn) -> None:
     for i, arm in enumerate(arms):
         progress("frontier: capacity", i, len(arms))
         point = by_label[arm.label]
         first = CapacityTry(value=start, peak_bytes=point.peak_bytes) if start <= max_value else None
         result = search_capacity(lambda v, arm=arm: probe_capacity(loaded, arm, key, v, limit),
                                  key=key, start=start, limit_bytes=limit, max_value=max_value,
-                                 max_tries=max_tries, first=first)
+                                 max_tries=max_tries, first=first, granularity=granularity)
         point.capacity_search = result
         point.capacity = result.capacity
     progress("frontier: capacity", len(arms), len(arms))

@@ -221,7 +221,7 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
             seeds, steps = len(verification.seeds), verification.steps
             bitwise = all(s.bitwise for s in verification.per_step)
             negs = [n.name for n in verification.negative_controls if n.applicable and n.rejected]
-            why.append(f"Verified against the seeded control: {seeds} seed(s) x {steps} step(s) + an eval step "
+            why.append(f"Verified against the seeded control: {_n(seeds, 'seed')} x {_n(steps, 'step')} + an eval step "
                        f"{'match bitwise' if bitwise else 'match within tolerance'}; no replay hazards"
                        + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
     else:
@@ -287,6 +287,17 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
 
 # -- the pipeline ----------------------------------------------------------------------------------
 
+def _stage(progress: ProgressFn, name: str) -> ProgressFn:
+    """Prefix a stage's progress labels ("warm-up" -> "trace boundary shape: warm-up")."""
+    def update(what: str, done: int, total: int) -> None:
+        progress(f"{name}: {what}", done, total)
+    return update
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
 def _capacity_key(loaded: LoadedWorkload, key: str | None) -> str | None:
     if key is None:
         return None
@@ -316,8 +327,11 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
 
     # 1. traces of the unmodified step
     target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
-                            boundary_shape=boundary_shape or None, progress=progress)
-    boundary_trace, target.boundary = target.boundary, None
+                            progress=_stage(progress, "trace"))
+    boundary_trace = None
+    if boundary_shape:
+        boundary_trace = trace_workload(loaded.rebuild(**boundary_shape), warmup=settings.trace_warmup,
+                                        steps=settings.trace_steps, progress=_stage(progress, "trace boundary shape"))
 
     # 2. profile, 3. plan (closed loop)
     report = profile_workload(loaded, candidates=candidates, progress=progress)
@@ -356,7 +370,7 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
         verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
                                    timing_steps=settings.verify_timing_steps, progress=progress)
         planned_trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
-                                      progress=progress)
+                                      progress=_stage(progress, "trace with the plan"))
         held, savings = measure_savings(loaded, plan, warmup=settings.saving_warmup, progress=progress)
     else:
         vnote = ("not run: the shipped plan checkpoints nothing, so the step is the control itself"

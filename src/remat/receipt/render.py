@@ -205,6 +205,18 @@ def _frontier_rows(r: Receipt) -> list[list[str]]:
     return rows
 
 
+def _frontier_caption(r: Receipt) -> str:
+    f, s = r.frontier, r.settings
+    if f is None:
+        return ""
+    key = f.capacity_key or "capacity"
+    return (f"Peaks: each plan alone, one warm step ({f.context.get('memory_source', r.context.memory_source)}). "
+            f"Times: warm whole steps, all plans interleaved round-robin, {s.frontier_steps} per plan. "
+            f"capacity: the largest {key} whose peak still clears the budget less the reserve "
+            f"(+: the search stopped before finding the limit, {s.capacity_tries} probes per plan); samples/s at "
+            f"that capacity. Pareto: no other plan has both a lower peak and a lower p50.")
+
+
 def _hazard_lines(r: Receipt) -> list[str]:
     out = []
     if r.verification is not None:
@@ -313,6 +325,7 @@ def render_html(receipt: Receipt | dict[str, Any]) -> str:
     parts.append("<h2>Frontier: peak vs step time</h2>")
     parts.append(_img(frontier_png(r), "frontier plot"))
     parts.append(_html_table(FRONTIER_HEADERS, _frontier_rows(r)))
+    parts.append(f"<p class=\"muted\">{e(_frontier_caption(r))}</p>")
     if r.plan.closed_loop:
         tries = "; ".join(f"predicted {fmt_bytes(a.predicted_peak_bytes)}, measured {fmt_bytes(a.measured_peak_bytes)}"
                           f"{' (fits)' if a.fits else ' (misses)'}" for a in r.plan.closed_loop)
@@ -413,7 +426,8 @@ def render_markdown(receipt: Receipt | dict[str, Any]) -> str:
     else:
         lines.append(md(r.plan.note or "No boundaries: nothing is checkpointed."))
     lines += ["", "### Frontier", ""]
-    lines += _md_table(FRONTIER_HEADERS, _frontier_rows(r)) if r.frontier else ["not run"]
+    lines += [*_md_table(FRONTIER_HEADERS, _frontier_rows(r)), "", md(_frontier_caption(r))] if r.frontier \
+        else ["not run"]
     lines += ["", "### Equivalence", ""]
     if v is None:
         lines.append(md(r.verification_note))

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 from ..errors import ReceiptError
 from ..types import HazardKind
 
-MAX_BYTES = 64 * 2 ** 20     # a receipt with three 2000-point timelines is well under 1 MiB
+MAX_BYTES = 16 * 2 ** 20     # a receipt with three 2000-point timelines is well under 1 MiB
 MAX_DEPTH = 32
 MAX_LIST = 100_000
 MAX_STR = 100_000

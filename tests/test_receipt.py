@@ -1,0 +1,399 @@
+"""remat receipt / check: the receipt's keys and reports, check passing and failing for the right
+reasons, hostile receipts refused with a typed error (exit 2), and atomic writes.
+
+The workload is a small residual MLP written into a temporary folder, so the tests can edit
+its source (a changed class) and its default shape (a batch that no longer fits)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from remat.cli.main import main
+from remat.errors import ReceiptError
+from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, check_receipt, git_revision, load_receipt,
+                           make_receipt, render_html, render_markdown, vet_workload_spec, write_receipt)
+from remat.receipt import write as write_mod
+from remat.workload import load_workload
+
+WORKLOAD = '''"""A tiny residual MLP workload for remat's receipt tests (its source is edited by the tests)."""
+
+import torch
+from torch import nn
+
+import remat
+
+HIDDEN = 4  # hidden width = HIDDEN x width
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int, depth: int, hidden: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width, hidden) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(batch_size: int = 256, width: int = 16, depth: int = 4, device: str = "cpu", dtype=torch.float32):
+    model = Net(width, depth, HIDDEN * width).to(device=device, dtype=dtype)
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch_size, width, generator=g), torch.randn(batch_size, 1, generator=g)
+        return x.to(device), y.to(device)
+
+    def loss(model, b):
+        x, y = b
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    return remat.Workload(model=model, batch=batch, loss=loss)
+'''
+
+SETTINGS = RunSettings(trace_warmup=1, trace_steps=1, verify_steps=2, verify_seeds=2, verify_timing_steps=2,
+                       frontier_plans=["none", "all", "optimal"], frontier_steps=2, frontier_warmup=1,
+                       capacity_key="batch_size", capacity_tries=2, capacity_steps=1, note="test sizes")
+TOP_KEYS = {"schema_version", "kind", "context", "settings", "traces", "plan", "verification", "verification_note",
+            "frontier", "decision", "unsupported"}
+
+
+def _text(out: str) -> str:
+    """CLI output with rich's line wrapping undone."""
+    return " ".join(out.split())
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(folder holding work.py and out/receipt.json, the Receipt): made once for the module."""
+    root = tmp_path_factory.mktemp("receipt")
+    (root / "work.py").write_text(WORKLOAD)
+    mp = pytest.MonkeyPatch()
+    mp.chdir(root)
+    torch.set_num_threads(1)
+    try:
+        loaded = load_workload("work.py:build", {})
+        receipt = make_receipt(loaded, budget="85%", reserve=0.05, boundary_shape={"batch_size": 512},
+                               settings=SETTINGS, command="pytest")
+        write_receipt(receipt, root / "out")
+    finally:
+        mp.undo()
+    return root, receipt
+
+
+@pytest.fixture
+def work(made, tmp_path, monkeypatch):
+    """A private copy of the workload and receipt, with the working directory there."""
+    root, _ = made
+    shutil.copy(root / "work.py", tmp_path / "work.py")
+    shutil.copytree(root / "out", tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# -- the receipt ---------------------------------------------------------------------------------
+
+def test_receipt_has_every_part(made):
+    root, receipt = made
+    d = json.loads((root / "out" / "receipt.json").read_text())
+    assert set(d) == TOP_KEYS
+    assert d["schema_version"] == RECEIPT_SCHEMA_VERSION
+    ctx = d["context"]
+    for k in ("workload", "shape", "resolved_shape", "dtype", "device", "torch_version", "python_version", "hostname",
+              "remat_version", "git_revision", "created"):
+        assert k in ctx
+    assert ctx["workload"] == "work.py:build" and ctx["resolved_shape"]["batch_size"] == 256
+    assert d["traces"]["target"]["peak_bytes"] > 0 and d["traces"]["boundary"]["context"]["shape"]["batch_size"] == 512
+    assert d["traces"]["planned"]["peak_bytes"] < d["traces"]["target"]["peak_bytes"]
+
+    dec = d["decision"]
+    assert dec["status"] == "ship" and dec["clears"] and dec["verified"] is True
+    assert dec["control_peak_bytes"] > dec["effective_budget_bytes"] >= dec["shipped_peak_bytes"]
+    assert dec["rejected"] and all(r["reason"] for r in dec["rejected"])
+    assert dec["why"][0].startswith("Ship ")
+
+    bounds = d["plan"]["boundaries"]
+    assert bounds and [b["module"] for b in bounds] == [b["module"] for b in d["plan"]["plan"]["boundaries"]]
+    for b in bounds:
+        assert re.fullmatch(r"[0-9a-f]{16}", b["revision"])
+        assert b["measured_saving_bytes"] > 0 and b["replay_ms"] >= 0
+        # CPU tracker: checkpointing one block alone frees what the profile said it holds
+        assert b["measured_saving_bytes"] == pytest.approx(b["predicted_saving_bytes"], rel=0.25)
+        fx = b["fixture"]
+        assert fx["name"] == "paired-step" and fx["seeds"] == [0, 1] and fx["steps"] == 2 and fx["passed"] is True
+        assert fx["tolerance"] == {"rtol": 1e-5, "atol": 1e-8}
+        assert all(p.startswith(b["module"] + ".") for p in fx["parameters"])
+
+    v = d["verification"]
+    assert v["passed"] and {n["name"] for n in v["negative_controls"]} == {"rng_preservation_off", "perturbed_gradient"}
+    assert d["frontier"]["points"][0]["plan"] == "none"
+    modes = {u["mode"] for u in d["unsupported"]}
+    assert {"torch.compile", "reentrant checkpointing", "dtype bfloat16", "device cuda"} <= modes
+    assert any(m.startswith("world size") for m in modes)
+    assert d["settings"]["note"] == "test sizes"
+
+
+def test_receipt_round_trips_exactly(made):
+    root, receipt = made
+    data = json.loads((root / "out" / "receipt.json").read_text())
+    assert Receipt.from_json(data).to_json() == data == receipt.to_json()
+
+
+def test_html_is_self_contained_and_leads_with_the_decision(made):
+    root, receipt = made
+    html = (root / "out" / "report.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)
+    assert "<script" not in html.lower() and "http://" not in html and "https://" not in html
+    assert html.count("data:image/png;base64,") == 2          # frontier + timeline
+    first = {k: html.find(k) for k in (f"SHIP {receipt.decision.shipped}", "Frontier", "Phase timeline", "Boundaries", "Equivalence",
+                                       "Hazards", "Not covered")}
+    assert -1 not in first.values() and list(first.values()) == sorted(first.values())
+    for b in receipt.plan.boundaries:
+        assert f"<td>{b.module}</td>" in html and b.revision in html
+    md = (root / "out" / "report.md").read_text()
+    assert f"**SHIP {receipt.decision.shipped}" in md and "| module |" in md and receipt.plan.boundaries[0].revision in md
+    assert render_html(receipt.to_json()) == render_html(receipt)   # from the JSON alone
+
+
+def test_reports_escape_strings_from_the_receipt(made):
+    _, receipt = made
+    d = receipt.to_json()
+    d["decision"]["why"][0] = '<script>alert("x")</script> | `rm -rf`'
+    d["unsupported"][0]["detail"] = '<img src="http://evil.example/x.png">'
+    html = render_html(d)
+    assert "<script>" not in html and "&lt;script&gt;" in html and 'src="http://evil' not in html
+    md = render_markdown(d)
+    assert "<script>" not in md and "&lt;script&gt;" in md and "\\|" in md and "`rm" not in md
+
+
+# -- check -------------------------------------------------------------------------------------------
+
+def test_check_passes_on_a_fresh_receipt(work, capsys):
+    assert main(["check", "out/receipt.json"]) == 0
+    out = _text(capsys.readouterr().out)
+    assert "receipt holds" in out and "equivalence" in out and "clears" in out and "savings within" in out
+
+
+def test_check_fails_naming_the_boundary_when_its_code_changes(work, capsys):
+    src = (work / "work.py").read_text()
+    (work / "work.py").write_text(src.replace("torch.tanh(self.fc1(x))", "torch.sigmoid(self.fc1(x))"))
+    assert main(["check", "out/receipt.json", "--quick"]) == 1
+    out = _text(capsys.readouterr().out)
+    boundary = load_receipt(work / "out" / "receipt.json").plan.boundaries[0]
+    assert f"FAIL model [{boundary.module}]" in out and "revision" in out and "source of class Block changed" in out
+
+
+def test_check_fails_when_a_shape_change_breaks_the_budget(work, capsys):
+    src = (work / "work.py").read_text()
+    (work / "work.py").write_text(src.replace("batch_size: int = 256", "batch_size: int = 384"))
+    receipt = load_receipt(work / "out" / "receipt.json")
+    report = check_receipt(receipt)
+    kinds = {f.kind for f in report.failures}
+    assert not report.passed and {"shape", "peak"} <= kinds
+    peak = next(f for f in report.failures if f.kind == "peak")
+    assert "no longer clears" in peak.message
+    assert all(b.module in peak.message for b in receipt.plan.boundaries)
+    assert main(["check", "out/receipt.json"]) == 1
+    assert "batch_size: 256 -> 384" in _text(capsys.readouterr().out)
+
+
+def test_check_fails_when_a_boundary_module_is_gone(work, capsys):
+    d = json.loads((work / "out" / "receipt.json").read_text())
+    src = (work / "work.py").read_text()
+    (work / "work.py").write_text(src.replace("depth: int = 4", "depth: int = 0"))
+    assert main(["check", "out/receipt.json", "--quick"]) == 1
+    out = _text(capsys.readouterr().out)
+    gone = [b["module"] for b in d["plan"]["boundaries"]]
+    assert gone and all(f"FAIL model [{m}]: boundary {m} (Block): the module is gone" in out for m in gone)
+
+
+# -- hostile and malformed receipts: typed ReceiptError, exit 2 ---------------------------------------
+
+def _nest(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _mutate(d: dict, path: str, value) -> dict:
+    keys = path.split(".")
+    node = d
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return d
+
+
+@pytest.mark.parametrize("case,make,expect", [
+    ("truncated", lambda text, d: text[: len(text) // 2], "not valid JSON"),
+    ("empty", lambda text, d: "", "not valid JSON"),
+    ("not an object", lambda text, d: "[1, 2, 3]", "top level must be a JSON object"),
+    ("unknown version", lambda text, d: json.dumps(_mutate(d, "schema_version", 99)), "schema_version 99 is not supported"),
+    ("version as string", lambda text, d: json.dumps(_mutate(d, "schema_version", "1")), "schema_version"),
+    ("wrong type", lambda text, d: json.dumps(_mutate(d, "decision.budget_bytes", "lots")), "$.decision.budget_bytes"),
+    ("bool for int", lambda text, d: json.dumps(_mutate(d, "decision.budget_bytes", True)), "$.decision.budget_bytes"),
+    ("bad revision", lambda text, d: json.dumps(_mutate(d, "plan.boundaries.0.revision", "../../etc")), "revision"),
+    ("bad module path", lambda text, d: json.dumps(_mutate(d, "plan.boundaries.0.module", "__import__('os')")),
+     "module"),
+    ("missing field", lambda text, d: json.dumps({k: v for k, v in d.items() if k != "decision"}), "missing field"),
+    ("unknown field", lambda text, d: json.dumps({**d, "exec": "print(1)"}), "unknown field"),
+    ("deeply nested", lambda text, d: json.dumps({**d, "context": None})[:-1] + ', "x": ' + _nest(100_000) + "}",
+     "deeper than"),
+    ("duplicate keys", lambda text, d: text.replace('"kind": "remat-receipt"',
+                                                    '"kind": "remat-receipt", "kind": "remat-receipt"', 1),
+     "duplicate key"),
+    ("NaN", lambda text, d: text.replace('"reserve": 0.05', '"reserve": NaN', 1), "NaN"),
+    ("plan/records disagree", lambda text, d: json.dumps(_mutate(d, "plan.boundaries", [])), "differ from"),
+])
+def test_malformed_receipts_are_refused_with_exit_2(work, capsys, case, make, expect):
+    path = work / "out" / "receipt.json"
+    text = path.read_text()
+    path.write_text(make(text, json.loads(text)))
+    with pytest.raises(ReceiptError) as exc:
+        load_receipt(path)
+    assert expect in exc.value.message
+    assert main(["check", str(path)]) == 2
+    assert "error:" in _text(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("spec,expect", [
+    ("os:system", "may not call into 'os'"),
+    ("subprocess:run", "may not call into 'subprocess'"),
+    ("torch.utils:_private", "public function"),
+    ("/etc/passwd.py:build", "outside the working directory"),
+    ("../elsewhere.py:build", "outside the working directory"),
+    ("missing.py:build", "does not exist"),
+    ("no_colon_here", "not a built-in"),
+])
+def test_hostile_or_missing_workload_specs_are_refused(work, capsys, spec, expect):
+    path = work / "out" / "receipt.json"
+    d = json.loads(path.read_text())
+    d["context"]["workload"] = spec
+    d["traces"]["target"]["context"]["workload"] = spec
+    path.write_text(json.dumps(d))
+    assert main(["check", str(path), "--quick"]) == 2
+    assert expect in _text(capsys.readouterr().err)
+
+
+def test_workload_spec_policy_admits_the_legitimate_ones(tmp_path):
+    (tmp_path / "w.py").write_text("def build(): pass\n")
+    assert vet_workload_spec("gpt") == "gpt"
+    assert vet_workload_spec("w.py:build", cwd=tmp_path) == "w.py:build"
+    assert vet_workload_spec("remat.workload.builtins.mlp:build")
+    assert vet_workload_spec("mypackage.models:build")
+
+
+# -- atomic writes ---------------------------------------------------------------------------------
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_failure_while_rendering_leaves_the_existing_receipt_untouched(work, monkeypatch):
+    out = work / "out"
+    before = _snapshot(out)
+    receipt = load_receipt(out / "receipt.json")
+    receipt.decision.why[0] = "a different decision"
+
+    def boom(_):
+        raise RuntimeError("renderer crashed")
+    monkeypatch.setattr(write_mod, "render_html", boom)
+    with pytest.raises(RuntimeError, match="renderer crashed"):
+        write_receipt(receipt, out)
+    assert _snapshot(out) == before
+
+
+def test_a_failure_while_staging_files_leaves_no_half_written_receipt(work, monkeypatch):
+    out = work / "out"
+    before = _snapshot(out)
+    receipt = load_receipt(out / "receipt.json")
+    receipt.decision.why[0] = "a different decision"
+    real, calls = write_mod._stage, []
+
+    def flaky(folder, name, data):
+        calls.append(name)
+        if name == "receipt.json":
+            raise OSError(28, "No space left on device")
+        return real(folder, name, data)
+    monkeypatch.setattr(write_mod, "_stage", flaky)
+    with pytest.raises(OSError):
+        write_receipt(receipt, out)
+    assert calls == ["report.html", "report.md", "receipt.json"]
+    assert _snapshot(out) == before          # no temp files left, nothing replaced
+
+
+def test_written_files_are_readable_and_named_by_digest(made):
+    root, _ = made
+    for name in ("receipt.json", "report.html", "report.md"):
+        assert (root / "out" / name).stat().st_mode & 0o044, f"{name} is not readable by others"
+    import hashlib
+    digest = hashlib.sha256((root / "out" / "receipt.json").read_bytes()).hexdigest()
+    assert digest in (root / "out" / "report.html").read_text() and digest in (root / "out" / "report.md").read_text()
+
+
+# -- context ---------------------------------------------------------------------------------------
+
+def test_git_revision_is_none_outside_a_repository_and_never_raises(tmp_path, monkeypatch):
+    assert git_revision(tmp_path) == (None, None)
+
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert git_revision(tmp_path) == (None, None)
+
+
+# -- the other decisions, and the CLI entry points ---------------------------------------------------
+
+def test_control_that_fits_ships_no_checkpointing_and_nothing_fitting_fails_check(work):
+    loaded = load_workload("work.py:build", {})
+    fits = make_receipt(loaded, budget="200%", settings=SETTINGS)
+    assert fits.decision.status == "ship" and fits.decision.boundaries == [] and fits.verification is None
+    assert fits.decision.why[0].startswith("Ship no checkpointing")
+    assert check_receipt(fits, quick=True).passed
+    hopeless = make_receipt(loaded, budget="10%", settings=SETTINGS)
+    assert hopeless.decision.status == "no-plan" and not hopeless.decision.clears
+    assert "floor" in hopeless.decision.why[0]
+    files = write_receipt(hopeless, work / "hopeless")
+    html = files.html.read_text()
+    assert "NOTHING SHIPS" in html and html.count("data:image/png;base64,") == 2
+    report = check_receipt(load_receipt(files.receipt), quick=True)
+    assert not report.passed and report.failures[0].kind == "decision"
+
+
+def test_receipt_cli_rejects_bad_input_before_measuring(work, capsys):
+    assert main(["receipt", "--workload", "work.py:build", "--budget", "lots", "--out", "x"]) == 2
+    assert main(["receipt", "--workload", "work.py:build", "--budget", "80%", "--reserve", "150%", "--out", "x"]) == 2
+    assert not (work / "x").exists()
+
+
+def test_demo_cli_end_to_end_on_a_tiny_shape(work, monkeypatch, capsys):
+    from remat.cli import cmd_demo
+    monkeypatch.setattr(cmd_demo, "DEMO_WORKLOAD", "work.py:build")
+    monkeypatch.setattr(cmd_demo, "DEMO_SHAPE", {"batch_size": 256})
+    monkeypatch.setattr(cmd_demo, "DEMO_BOUNDARY_SHAPE", {"batch_size": 512})
+    monkeypatch.setattr(cmd_demo, "DEMO_BUDGET", "85%")
+    monkeypatch.setattr(cmd_demo, "DEMO_SETTINGS", SETTINGS)
+    assert main(["demo", "--out", "demo"]) == 0
+    out = _text(capsys.readouterr().out)
+    assert "Ship " in out and "demo/report.html" in out and "remat check demo/receipt.json" in out
+    assert main(["check", "demo/receipt.json", "--quick"]) == 0
