@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+import torch
 
 from rich.markup import escape
 
@@ -25,12 +28,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="revision hashes and equivalence only (fast, for every CI run)")
     p.add_argument("--workload", default=None,
                    help="workload spec to use instead of the receipt's (the receipt's is imported otherwise)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: as many as the receipt was made with)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         receipt = load_receipt(args.receipt)   # before anything is imported or run
+        if args.threads is not None and args.threads < 1:
+            raise ReceiptError(f"--threads must be at least 1, got {args.threads}")
+        # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
+        torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
         with progress_bar() as progress:
             report = check_receipt(receipt, quick=args.quick, workload=args.workload, progress=progress)
     except ReceiptError as exc:

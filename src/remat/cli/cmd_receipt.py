@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import torch
 from rich.markup import escape
 
+from ..errors import RematError
 from ..plan import parse_budget, parse_reserve
 from ..receipt import Receipt, ReceiptFiles, RunSettings, make_receipt, write_receipt
 from ..types import ProgressFn
@@ -44,6 +46,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontier-steps", type=int, default=d.frontier_steps,
                    help=f"timed warm steps per plan (default {d.frontier_steps})")
     p.add_argument("--no-capacity", action="store_true", help="skip the batch capacity search")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--saving-tolerance", default="10%",
                    help="how far a boundary's measured saving may fall before remat check fails (default 10%%)")
 
@@ -81,6 +84,10 @@ def render_decision(receipt: Receipt, files: ReceiptFiles) -> None:
 
 def run(args: argparse.Namespace) -> int:
     reserve = parse_reserve(args.reserve)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise RematError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     parse_budget(args.budget, 1 << 50)  # cheap syntax checks before minutes of measuring
     settings = settings_from_args(args)
     boundary = parse_shape(args.boundary_shape) or None

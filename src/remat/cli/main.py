@@ -14,6 +14,8 @@ import importlib
 import sys
 from typing import Sequence
 
+from rich.markup import escape
+
 from ..errors import RematError
 from .render import err_console
 
@@ -41,9 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except RematError as exc:
-        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+        # messages carry user text (paths, module names): never let rich read them as markup
+        err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False)
         if exc.tip:
-            err_console.print(f"[yellow]tip:[/] {exc.tip}", highlight=False)
+            err_console.print(f"[yellow]tip:[/] {escape(exc.tip)}", highlight=False)
         return exc.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted")

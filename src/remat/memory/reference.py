@@ -9,7 +9,10 @@ starting bytes) to compare whole-step peaks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import contextlib
+import os
+import sys
+from typing import Callable, Iterator
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -21,9 +24,30 @@ class ProfilerPeak:
     events: int            # number of [memory] events seen
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Silence fd 2 while the profiler starts/stops: its native layer prints 'USDT: ...
+    profiler_start/stop' lines there that no Python setting turns off."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def profiler_memory_peak(fn: Callable[[], object]) -> ProfilerPeak:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        prof.__enter__()
+    try:
         fn()
+    finally:
+        with _quiet_native_stderr():
+            prof.__exit__(None, None, None)
     events = [ev for ev in prof.profiler.kineto_results.events() if ev.name() == "[memory]"]
     events.sort(key=lambda ev: ev.start_ns())
     running = peak = 0

@@ -240,7 +240,7 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
         headroom_bytes=None if peak is None else limit - peak,
         reserve_left=None if peak is None else 1.0 - peak / budget_bytes,
         control_p50_ms=control_p50, shipped_p50_ms=shipped_pt.p50_ms if shipped_pt else None,
-        overhead_pct=shipped_pt.overhead_pct if shipped_pt else None, verified=verified if ship else verified,
+        overhead_pct=shipped_pt.overhead_pct if shipped_pt else None, verified=verified,
         rejected=rejected, why=why)
 
 

@@ -215,7 +215,7 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     if not plan.boundaries:
         checked.append("the receipt ships no checkpointing: no boundary to re-check")
     elif not model:
-        checked.append(f"{len(plan.boundaries)} boundary revision(s) unchanged: "
+        checked.append(f"{len(plan.boundaries)} boundary revision{'s' * (len(plan.boundaries) != 1)} unchanged: "
                        + ", ".join(f"{b.module} {b.revision}" for b in receipt.plan.boundaries))
     if model:
         skipped.append("equivalence, peak and savings not re-run: the model is not the one the receipt was made "
@@ -229,7 +229,8 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
         report = verify_plan(loaded, plan, steps=fx.steps, seeds=len(fx.seeds), timing_steps=0, progress=progress)
         if report.passed:
             bitwise = all(s.bitwise for s in report.per_step)
-            checked.append(f"equivalence: {len(fx.seeds)} seed(s) x {fx.steps} step(s) + eval "
+            checked.append(f"equivalence: {len(fx.seeds)} seed{'s' * (len(fx.seeds) != 1)} x {fx.steps} "
+                           f"step{'s' * (fx.steps != 1)} + eval "
                            f"{'bitwise equal' if bitwise else 'within tolerance'}; negative controls rejected")
         else:
             blamed = report.first_divergent_module

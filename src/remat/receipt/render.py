@@ -62,6 +62,10 @@ def _err(x: float | None) -> str:
     return "0" if x == 0 else f"{x:.2e}"
 
 
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
 def _shape(shape: dict[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in (shape or {}).items()) or "default shape"
 
@@ -170,8 +174,7 @@ def _boundary_rows(r: Receipt) -> list[list[str]]:
     rows = []
     for b in r.plan.boundaries:
         f = b.fixture
-        seeds = f"{len(f.seeds)} seed(s) x {f.steps} step(s) + eval" if "eval" in f.modes else \
-            f"{len(f.seeds)} seed(s) x {f.steps} step(s)"
+        seeds = f"{_n(len(f.seeds), 'seed')} x {_n(f.steps, 'step')}" + (" + eval" if "eval" in f.modes else "")
         calls = "" if f.replay_calls_per_step is None else \
             f"; {f.forward_calls_per_step} fwd + {f.replay_calls_per_step} replay/step"
         rows.append([b.module, b.class_name, b.mode + (" (guarded)" if b.guarded else ""), b.revision,
@@ -242,9 +245,9 @@ def _context_rows(r: Receipt) -> list[tuple[str, str]]:
         ("remat", c.remat_version),
         ("git revision", "-" if c.git_revision is None else c.git_revision + (" (uncommitted changes)" if c.git_dirty else "")),
         ("created", c.created), ("command", c.command or "-"),
-        ("traces", f"{s.trace_warmup} warm-up + {s.trace_steps} traced step(s) per shape"),
-        ("verification", f"{s.verify_seeds} seed(s) x {s.verify_steps} step(s) + eval; RNG timing "
-                         f"{s.verify_timing_steps} step(s)"),
+        ("traces", f"{s.trace_warmup} warm-up + {_n(s.trace_steps, 'traced step')} per shape"),
+        ("verification", f"{_n(s.verify_seeds, 'seed')} x {_n(s.verify_steps, 'step')} + eval; RNG timing "
+                         f"{_n(s.verify_timing_steps, 'step')}"),
         ("frontier", f"{len(s.frontier_plans)} plans, {s.frontier_warmup} warm-up + {s.frontier_steps} timed steps "
                      f"each (interleaved); capacity {s.capacity_key or 'not searched'}"
                      + (f" ({s.capacity_tries} tries, {s.capacity_steps} timed steps)" if s.capacity_key else "")),
@@ -261,7 +264,7 @@ def _title(r: Receipt) -> str:
 def _headline(r: Receipt) -> str:
     d = r.decision
     if d.status == "ship" and d.boundaries:
-        return f"SHIP {d.shipped}: checkpoint {len(d.boundaries)} module(s)"
+        return f"SHIP {d.shipped}: checkpoint {_n(len(d.boundaries), 'module')}"
     if d.status == "ship":
         return "SHIP no checkpointing: the step already fits"
     return "NOTHING SHIPS"
@@ -361,7 +364,7 @@ def render_html(receipt: Receipt | dict[str, Any]) -> str:
         parts.append(f"<p class=\"muted\">{e(r.verification_note)}</p>")
     else:
         verdict = '<span class="pass">PASSED</span>' if v.passed else '<span class="fail">FAILED</span>'
-        parts.append(f"<p>{verdict}: {e(len(v.seeds))} seed(s) x {e(v.steps)} step(s) + an eval step per seed; "
+        parts.append(f"<p>{verdict}: {e(_n(len(v.seeds), 'seed'))} x {e(_n(v.steps, 'step'))} + an eval step per seed; "
                      f"tolerance per tensor max|planned - control| &lt;= atol + rtol x max|control| "
                      f"({e(', '.join(f'{k}: rtol {t.rtol:g}' for k, t in v.tolerances.items() if k == v.dtype))}); "
                      f"control repeatable: {e('yes' if v.repeatable else 'NO')}.</p>")
@@ -433,7 +436,7 @@ def render_markdown(receipt: Receipt | dict[str, Any]) -> str:
         lines.append(md(r.verification_note))
     else:
         bitwise = all(s.bitwise for s in v.per_step)
-        lines.append(f"**{'PASSED' if v.passed else 'FAILED'}**: {len(v.seeds)} seed(s) x {v.steps} step(s) + eval, "
+        lines.append(f"**{'PASSED' if v.passed else 'FAILED'}**: {_n(len(v.seeds), 'seed')} x {_n(v.steps, 'step')} + eval, "
                      f"{'bitwise equal' if bitwise else 'within tolerance'}; control repeatable: "
                      f"{'yes' if v.repeatable else 'NO'}; RNG policy: {md(v.rng_policy.policy)}.")
         lines.append("")

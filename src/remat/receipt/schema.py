@@ -265,8 +265,9 @@ class Map(Spec):
 
 
 class Obj(Spec):
-    """An object with named fields. ``extra=True`` admits fields the schema does not name
-    (stage reports may grow fields; the receipt's own objects do not)."""
+    """An object with named fields. ``extra=True`` admits fields the schema does not name:
+    the stage reports a receipt embeds (trace, plan, verify, frontier) may grow fields, which
+    their ``from_json`` ignores; the receipt's own objects admit none."""
 
     def __init__(self, required: dict[str, Spec], optional: dict[str, Spec] | None = None, *,
                  extra: bool = False) -> None:
@@ -350,7 +351,7 @@ STEP_TRACE = Obj({
     "num_alloc_retries": Int(0), "reference_peak_bytes": Opt(BYTES),
     "timeline": List(Tuple(Num(), BYTES, Opt(PHASE)), max_len=20_000),
     "boundary": Enum(None),   # the receipt keeps target and boundary traces side by side, not nested
-})
+}, extra=True)
 
 FINGERPRINT = Obj({
     "digest": Str(r"[0-9a-f]{64}", what="a sha256 hex digest"),
@@ -367,7 +368,7 @@ PLAN = Obj({
     "baseline_step_ms": Num(), "fingerprint": FINGERPRINT, "preserve_rng_state": Bool(),
     "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(Num()), "memory_source": SHORT,
     "simulated": Bool(), "device_model": Opt(SHORT), "schema_version": Enum(1),
-})
+}, extra=True)
 
 FIXTURE = Obj({
     "name": SHORT, "seeds": List(Int(0, 10_000), min_len=1, max_len=100), "steps": Int(1, 1000),
@@ -408,7 +409,7 @@ VERIFICATION = Obj({
                             "forward_calls": Map(Int(0), max_len=4), "replay_calls": Map(Int(0), max_len=4),
                             "draws_rng": Bool(), "replay_mutations": List(TEXT), "device_moves": List(TEXT)})),
     "repeatable": Bool(), "failures": List(TEXT), "warnings": List(TEXT),
-})
+}, extra=True)
 
 FRONTIER_POINT = Obj({
     "plan": SHORT, "planner": SHORT, "decision": Enum("ship", "reject", "infeasible", "failed"), "reason": TEXT,
@@ -428,7 +429,7 @@ FRONTIER = Obj({
     "schema_version": Enum(1), "context": Map(JsonValue(), max_len=200), "budget_bytes": Int(1),
     "reserve": Num(0, 0.999999), "effective_budget_bytes": Int(), "capacity_key": SHORT, "control": SHORT,
     "shipped": Opt(SHORT), "points": List(FRONTIER_POINT, max_len=200), "shipped_plan": Opt(PLAN),
-})
+}, extra=True)
 
 REJECTED = Obj({"plan": SHORT, "decision": SHORT, "reason": TEXT, "peak_bytes": Opt(BYTES), "p50_ms": Opt(MS)})
 DECISION = Obj({
