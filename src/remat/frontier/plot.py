@@ -49,7 +49,8 @@ def render_frontier_png(report: FrontierReport, *, title: str | None = None) -> 
     ax.set_xlabel("warm step time p50 (ms; whisker to p95)")
     ax.set_ylabel(f"measured step peak (MiB, {pts[0].memory_source if pts else '?'})")
     ctx = report.context
-    ax.set_title(title or f"remat frontier: {ctx.get('workload', '?')} {ctx.get('shape') or ''}", fontsize=10)
+    ax.set_title(title or f"remat frontier: {ctx.get('workload', '?')} {ctx.get('shape') or '(default shape)'}",
+                 fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     buf = io.BytesIO()
