@@ -181,3 +181,19 @@ def test_report_json_round_trips_non_finite_numbers():
     json.dumps(d, allow_nan=False)
     assert d["grad_max_abs"] == "inf" and d["loss"] == [1.0, "nan"]
     assert dataclasses.is_dataclass(s)
+
+
+def test_selective_on_guarded_batchnorm_blocks_verifies_clean():
+    """Regression: the BN guard's snapshot used to run inside SAC's recompute mode and fail
+    ("aten.clone.default encountered during backward but not found in storage")."""
+    from remat.plan import make_plan
+    from remat.profile import profile_workload
+    from remat.types import CheckpointMode
+    from remat.verify import verify_plan
+    from remat.workload import load_workload
+    shape = {"batch_size": 4, "image_size": 8, "width": 8, "blocks_per_stage": 1}
+    loaded = load_workload("cnn", shape)
+    plan = make_plan(profile_workload(loaded, repeats=1), "selective")
+    assert plan.boundaries and all(b.mode is CheckpointMode.SELECTIVE and b.guarded for b in plan.boundaries)
+    report = verify_plan(loaded, plan, steps=2, seeds=1, timing_steps=0)
+    assert report.passed, report.failures

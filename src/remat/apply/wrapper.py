@@ -39,6 +39,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ..types import CheckpointMode
@@ -62,12 +63,16 @@ def restore_buffers(module: nn.Module) -> Iterator[None]:
     Restores values in place, and also the buffer *objects* if the forward rebound one
     (``self.steps = self.steps + 1``), so the module ends exactly as the replay found it.
     """
-    saved = [(owner, name, buf, buf.detach().clone())
-             for owner in module.modules() for name, buf in owner._buffers.items() if buf is not None]
+    # The snapshot and the write-back run with every dispatch mode popped: inside a SELECTIVE
+    # replay, SAC's recompute mode would otherwise see our clone/copy_ as ops of the region
+    # and fail ("aten.clone.default encountered during backward but not found in storage").
+    with _disable_current_modes():
+        saved = [(owner, name, buf, buf.detach().clone())
+                 for owner in module.modules() for name, buf in owner._buffers.items() if buf is not None]
     try:
         yield
     finally:
-        with torch.no_grad():
+        with torch.no_grad(), _disable_current_modes():
             for owner, name, buf, value in saved:
                 if owner._buffers.get(name) is not buf:
                     owner._buffers[name] = buf

@@ -22,6 +22,7 @@ from collections import defaultdict
 from typing import Any, Iterator
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -158,21 +159,27 @@ class RegionProbe:
     @contextlib.contextmanager
     def region(self, wrapper: CheckpointWrapper, *, replay: bool) -> Iterator[None]:
         st = self.stats[wrapper.path]
-        rng_before = RngState.capture()
-        # Replays must leave the module as the forward left it: snapshot what they could change.
-        state_before = _module_state(wrapper.module, wrapper.path) if replay else None
+        # Snapshots run with every dispatch mode popped: inside a SELECTIVE replay, SAC's
+        # recompute mode must not see our clones as ops of the region.
+        with _disable_current_modes():
+            rng_before = RngState.capture()
+            # Replays must leave the module as the forward left it: snapshot what they could change.
+            state_before = _module_state(wrapper.module, wrapper.path) if replay else None
         detector = DeviceMoveDetector() if self.detect_device_moves else None
         try:
             with detector if detector is not None else contextlib.nullcontext():
                 yield
         finally:
-            if RngState.capture().differences(rng_before):
+            with _disable_current_modes():
+                rng_drawn = bool(RngState.capture().differences(rng_before))
+                changed = (_diff_module_state(state_before, _module_state(wrapper.module, wrapper.path))
+                           if state_before is not None else [])
+            if rng_drawn:
                 if replay:
                     st.rng_draws_replay += 1
                 else:
                     st.rng_draws_forward += 1
-            if state_before is not None:
-                st.replay_mutations.update(_diff_module_state(state_before, _module_state(wrapper.module, wrapper.path)))
+            st.replay_mutations.update(changed)
             if detector is not None:
                 phase = "replay" if replay else "forward"
                 st.device_moves.extend(f"{m} ({phase})" for m in detector.moves if f"{m} ({phase})" not in st.device_moves)
