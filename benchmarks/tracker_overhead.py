@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/tracker_overhead.py [--steps 15]
 
-Plain and tracked steps are interleaved (plain, tracked, plain, tracked, ...) on one
-TrainingStep so machine drift hits both alike; the figure is median(tracked) / median(plain).
+Plain, no-op-mode and tracked steps are interleaved on one TrainingStep so machine drift
+hits them alike; the figures are median(x) / median(plain). The no-op column is a
+TorchDispatchMode that only calls the op: the floor any Python dispatch mode pays.
 """
 
 from __future__ import annotations
@@ -14,8 +15,15 @@ import time
 
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from remat.memory import LiveTensorTracker, measure_step_peak, profiler_memory_peak, track_step_state
 from remat.workload import TrainingStep, load_workload
+
+class NoopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return func(*args, **(kwargs or {}))
+
 
 CASES = [("gpt", {"batch_size": 8, "seq_len": 256}), ("mlp", {}), ("cnn", {})]
 
@@ -25,26 +33,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, steps {args.steps}")
-    print("| workload | shape | plain p50 ms | tracked p50 ms | overhead | tracker peak | profiler peak | tracker/profiler |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | shape | plain p50 ms | no-op mode | tracked p50 ms | tracker overhead | tracker peak B | profiler peak B | tracker/profiler |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for spec, shape in CASES:
         step = TrainingStep(load_workload(spec, shape).workload)
         for i in range(3):
             step.run(i)
-        plain, tracked = [], []
+        plain, noop, tracked = [], [], []
         peak = 0
         for i in range(args.steps):
             t0 = time.perf_counter()
             step.run(10 + i)
             plain.append((time.perf_counter() - t0) * 1e3)
             t0 = time.perf_counter()
+            with NoopMode():
+                step.run(10 + i)
+            noop.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
             peak = measure_step_peak(step, 10 + i).peak_bytes
             tracked.append((time.perf_counter() - t0) * 1e3)
         with LiveTensorTracker(keep_timeline=False) as t:
             track_step_state(t, step)
         ref = t.live_bytes + profiler_memory_peak(lambda: step.run(99)).peak_delta_bytes
-        p, q = statistics.median(plain), statistics.median(tracked)
-        print(f"| {spec} | {shape or 'default'} | {p:.1f} | {q:.1f} | {100 * (q / p - 1):+.1f}% | {peak} | {ref} | {peak / ref:.4f} |")
+        p, n, q = statistics.median(plain), statistics.median(noop), statistics.median(tracked)
+        print(f"| {spec} | {shape or 'default'} | {p:.1f} | {100 * (n / p - 1):+.1f}% | {q:.1f} | {100 * (q / p - 1):+.1f}% "
+              f"| {peak} | {ref} | {peak / ref:.4f} |")
 
 
 if __name__ == "__main__":

@@ -13,20 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat.apply import ApplyHandle, CheckpointWrapper, SaveMatmulPolicy, apply, export_check_fn
 from remat.errors import CandidateError, FingerprintMismatch, PlanError
-from remat.plan import Boundary, Plan
-from remat.profile import fingerprint
+from remat.plan import Plan
 from remat.types import CheckpointMode
 from remat.workload import load_workload
 
-from .conftest import TINY
-
-
-def make_plan(model: nn.Module, paths: list[str], *, mode: CheckpointMode = CheckpointMode.FULL,
-              guarded: bool = False, preserve_rng_state: bool = True) -> Plan:
-    return Plan(planner="test", budget_bytes=None, reserve=0.0,
-                boundaries=[Boundary(module=p, mode=mode, saved_bytes=0, replay_ms=0.0, guarded=guarded) for p in paths],
-                excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
-                baseline_step_ms=0.0, fingerprint=fingerprint(model), preserve_rng_state=preserve_rng_state)
+from .conftest import TINY, hand_plan as make_plan
 
 
 def fwd_bwd(loaded, seed: int = 0, step: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

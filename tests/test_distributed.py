@@ -205,3 +205,17 @@ def test_equivalence_checks_can_fail():
 
 def test_distributed_is_exported():
     assert remat.DistributedError is DistributedError
+
+
+def test_verify_world_size_flag_runs_the_same_plan_on_two_ranks(rank_env, tmp_path):
+    """`remat verify --world-size 2`: single-process proof, then the distributed one (issue 6 CLI)."""
+    plan_path = block_plan().save(tmp_path / "plan.json")
+    out = tmp_path / "v"
+    code = main(["verify", "--workload", "gpt", "--shape", ",".join(f"{k}={v}" for k, v in SHAPE.items()),
+                 "--plan", str(plan_path), "--steps", "1", "--seeds", "1", "--timing-steps", "0", "--out", str(out),
+                 "--world-size", "2", "--engine", "ddp", "--dist-steps", "2", "--dist-comm-steps", "1",
+                 "--no-ablation", "--dist-timeout", "20", "--dist-wall-timeout", "75"])
+    assert code == 0
+    assert json.loads((out / "verify.json").read_text())["passed"] is True
+    d = json.loads((out / "distributed.json").read_text())
+    assert d["world_size"] == 2 and d["equivalence"]["ok"] is True

@@ -7,28 +7,17 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from remat.cli.main import main
-from remat.plan import Boundary, Plan
-from remat.profile import fingerprint
 from remat.types import CheckpointMode, HazardKind
 from remat.verify import DeviceMoveDetector, VerifyReport, verify_plan
 from remat.workload import LoadedWorkload, load_workload
 
-from .conftest import FIXTURES, TINY
+from .conftest import FIXTURES, TINY, hand_plan as make_plan
 
 FOREIGN = f"{FIXTURES / 'foreign_workload.py'}:build"
 REQUIRED_KEYS = {"schema_version", "passed", "steps", "seeds", "tolerances", "per_step", "first_divergent_module",
                  "rng_policy", "rng_overhead_ms", "hazards", "negative_controls"}
-
-
-def make_plan(model: nn.Module, paths: list[str], *, mode: CheckpointMode = CheckpointMode.FULL,
-              guarded: bool = False, preserve_rng_state: bool = True) -> Plan:
-    return Plan(planner="test", budget_bytes=None, reserve=0.0,
-                boundaries=[Boundary(module=p, mode=mode, saved_bytes=0, replay_ms=0.0, guarded=guarded) for p in paths],
-                excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
-                baseline_step_ms=0.0, fingerprint=fingerprint(model), preserve_rng_state=preserve_rng_state)
 
 
 def negative(report: VerifyReport, name: str):

@@ -9,27 +9,41 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write_bytes(path: Path | str, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file ordinary permissions
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def stage_bytes(folder: Path | str, name: str, data: bytes) -> Path:
+    """Write ``data`` to a new temp file beside ``folder/name`` (fsynced, ordinary permissions).
+
+    The caller renames it into place (``os.replace``), alone or with others (receipt folder).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are for reading
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> Path:
+    path = Path(path)
+    tmp = stage_bytes(path.parent, path.name, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def atomic_write_text(path: Path | str, text: str) -> Path:

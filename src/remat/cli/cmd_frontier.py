@@ -11,8 +11,9 @@ from rich.table import Table
 from .._io import atomic_write_bytes, atomic_write_json
 from ..errors import RematError
 from ..frontier import DEFAULT_PLANS, Decision, FrontierReport, parse_plan_requests, render_frontier_png, run_frontier
-from ..plan import parse_budget, parse_reserve
+from ..plan import Plan, parse_budget, parse_reserve
 from ..profile import profile_workload
+from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import add_workload_args, load_from_args
 from .render import console, fmt_bytes, progress_bar
 
@@ -38,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity-granularity", type=int, default=1,
                    help="stop bisecting when the bracket is this narrow (default 1: the exact value)")
     p.add_argument("--out", required=True, type=Path, help="output folder (frontier.json, frontier.png)")
+    add_distributed_args(p)
     p.set_defaults(func=run)
 
 
@@ -98,4 +100,12 @@ def run(args: argparse.Namespace) -> int:
     atomic_write_bytes(args.out / "frontier.png", png)
     render_frontier(frontier)
     console.print(f"wrote {args.out / 'frontier.json'} and {args.out / 'frontier.png'}")
-    return 0 if frontier.shipped is not None else 1
+    if frontier.shipped is None:
+        return 1
+    # --world-size N: the shipped plan against the control on N ranks (distributed.json)
+    if getattr(args, "world_size", None):
+        shipped = Plan.from_json(frontier.shipped_plan) if frontier.shipped_plan else None
+        dist = run_distributed_from_args(args, shipped, args.out)
+        if dist is not None and dist.equivalence is not None and not dist.equivalence.ok:
+            return 1
+    return 0

@@ -4,7 +4,7 @@ NOTE [live-tensor tracker]
 torch has no allocator statistics on CPU, and process RSS says nothing (glibc keeps freed
 pages). A ``TorchDispatchMode`` sees every op's outputs, including backward and optimizer
 ops; for each output we look at its *storage* (views and in-place results share one, so
-each is counted once, keyed by the StorageImpl address) and attach a ``weakref.finalize``
+each is counted once, keyed by the StorageImpl address) and attach a weakref callback
 to the storage's Python object, which torch keeps alive exactly as long as the storage
 (PyObject preservation), so the finaliser marks the free. Pre-existing tensors (parameters,
 gradients, optimizer state) are registered with :meth:`LiveTensorTracker.track` so that
@@ -20,6 +20,7 @@ per new storage; benchmarks/RESULTS.md has the measured cost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -81,7 +82,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.op_observer: Callable[[Any, tuple, Any, int, int], None] | None = None
         self._phase: Phase | None = None
         self._closed = False
-        self._finalizers: list[weakref.finalize] = []
+        self._refs: dict[int, weakref.ref] = {}         # storage key -> weakref whose callback frees it
 
     # -- registration -------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: MemCategory) -> None:
@@ -120,7 +121,7 @@ class LiveTensorTracker(TorchDispatchMode):
         return out
 
     def _see(self, t: torch.Tensor, op: str) -> StorageRecord | None:
-        if t.device.type == "meta":
+        if t.is_meta:
             return None
         try:
             storage = t.untyped_storage()
@@ -138,13 +139,16 @@ class LiveTensorTracker(TorchDispatchMode):
                             op=op, module=self.module, phase=self._phase)
         self.records[key] = rec
         self.history.append(rec)
-        self._finalizers.append(weakref.finalize(storage, self._free, key))
+        # a bare weakref with a callback (cheaper than weakref.finalize, which also registers
+        # an atexit hook); dropping the ref in close() cancels the callback
+        self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
         self._event(nbytes)
         return rec
 
-    def _free(self, key: int) -> None:
+    def _free(self, key: int, _ref: Any = None) -> None:
         if self._closed:
             return
+        self._refs.pop(key, None)
         rec = self.records.pop(key, None)
         if rec is None:
             return
@@ -170,9 +174,7 @@ class LiveTensorTracker(TorchDispatchMode):
     def close(self) -> None:
         """Stop counting and detach every finaliser (the tracker holds no storage alive)."""
         self._closed = True
-        for f in self._finalizers:
-            f.detach()
-        self._finalizers.clear()
+        self._refs.clear()
 
     # -- reading -----------------------------------------------------------------------
     def reset_peak(self) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._io import stage_bytes
 from .model import Receipt
 from .render import render_html, render_markdown
 
@@ -38,26 +38,6 @@ def receipt_bytes(receipt: Receipt) -> bytes:
     return (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _stage(folder: Path, name: str, data: bytes) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())   # mkstemp makes 0600; a report is for reading
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
 def write_receipt(receipt: Receipt, out_dir: Path | str) -> ReceiptFiles:
     """Render and write the receipt folder (NOTE [atomic receipt folder])."""
     out = Path(out_dir)
@@ -73,7 +53,7 @@ def write_receipt(receipt: Receipt, out_dir: Path | str) -> ReceiptFiles:
     try:
         for name, payload in ((HTML_FILE, html_text.encode("utf-8")), (MD_FILE, md_text.encode("utf-8")),
                               (RECEIPT_FILE, data)):
-            staged.append((_stage(out, name, payload), out / name))
+            staged.append((stage_bytes(out, name, payload), out / name))
         for tmp, final in staged:      # receipt.json last
             os.replace(tmp, final)
     finally:
