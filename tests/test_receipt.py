@@ -328,14 +328,14 @@ def test_a_failure_while_staging_files_leaves_no_half_written_receipt(work, monk
     before = _snapshot(out)
     receipt = load_receipt(out / "receipt.json")
     receipt.decision.why[0] = "a different decision"
-    real, calls = write_mod._stage, []
+    real, calls = write_mod.stage_bytes, []
 
     def flaky(folder, name, data):
         calls.append(name)
         if name == "receipt.json":
             raise OSError(28, "No space left on device")
         return real(folder, name, data)
-    monkeypatch.setattr(write_mod, "_stage", flaky)
+    monkeypatch.setattr(write_mod, "stage_bytes", flaky)
     with pytest.raises(OSError):
         write_receipt(receipt, out)
     assert calls == ["report.html", "report.md", "receipt.json"]
