@@ -90,3 +90,12 @@ def test_cli_bad_input_exit_2_without_traceback(argv, needle, tmp_path, capsys):
     assert needle in err.replace("\n", " ")
     assert "Traceback" not in err
     assert not (tmp_path / "o" / "trace.json").exists()  # nothing half-written
+
+
+def test_error_in_the_models_own_code_exits_3_with_the_traceback(tmp_path, capsys):
+    rc = main(["trace", "--workload", f"{FIXTURES / 'custom_workload.py'}:broken_model", "--warmup", "1",
+               "--steps", "1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert "internal error" in err and "RuntimeError" in err and "mat1 and mat2" in err.replace("\n", " ")
+    assert not (tmp_path / "o" / "trace.json").exists()

@@ -51,6 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
+    except Exception as exc:  # a bug in remat, or an error from the user's own model code
+        err_console.print_exception(max_frames=8)
+        err_console.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))}\n"
+                          "If the traceback ends in your model or loss code, fix it there; otherwise this "
+                          "is a remat bug: please report it with the command line.", highlight=False)
+        return 3
 
 
 if __name__ == "__main__":
