@@ -56,7 +56,7 @@ from remat.apply.closed_loop import plan_closed_loop
 from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
                             search_capacity, time_round_robin)
 from remat.frontier.measure import release_memory
-from remat.memory import PeakMeasurement, LiveTensorTracker, profiler_memory_peak, track_step_state
+from remat.memory import PeakMeasurement, profiler_step_peak
 from remat.plan import InfeasibleBudget, make_plan
 from remat.profile import profile_workload
 from remat.types import MemorySource
@@ -156,12 +156,7 @@ class CompileArm(Arm):
         return None
 
     def measure_peak(self, step: TrainingStep, step_index: int) -> PeakMeasurement:
-        tracker = LiveTensorTracker(keep_timeline=False)
-        track_step_state(tracker, step)   # registration only: no dispatch mode entered
-        start = tracker.live_bytes
-        tracker.close()
-        ref = profiler_memory_peak(lambda: step.run(step_index))
-        return PeakMeasurement(start + ref.peak_delta_bytes, MemorySource.CPU_LIVE_TENSORS, None)
+        return PeakMeasurement(profiler_step_peak(step, step_index), MemorySource.CPU_LIVE_TENSORS, None)
 
 
 # -- one workload -----------------------------------------------------------------------------
@@ -511,12 +506,7 @@ def check_compile_tracker(log) -> dict:  # noqa: ANN001
     """
     from remat.memory import measure_step_peak
 
-    def prof(step: TrainingStep, i: int) -> int:
-        tracker = LiveTensorTracker(keep_timeline=False)
-        track_step_state(tracker, step)
-        start = tracker.live_bytes
-        tracker.close()
-        return start + profiler_memory_peak(lambda: step.run(i)).peak_delta_bytes
+    prof = profiler_step_peak
 
     shape = {"batch_size": 1024, "width": 256, "depth": 4}
     out: dict[str, float] = {}

@@ -17,7 +17,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.memory import LiveTensorTracker, measure_step_peak, profiler_memory_peak, track_step_state
+from remat.memory import measure_step_peak, profiler_step_peak
 from remat.workload import TrainingStep, load_workload
 
 class NoopMode(TorchDispatchMode):
@@ -52,9 +52,7 @@ def main() -> None:
             t0 = time.perf_counter()
             peak = measure_step_peak(step, 10 + i).peak_bytes
             tracked.append((time.perf_counter() - t0) * 1e3)
-        with LiveTensorTracker(keep_timeline=False) as t:
-            track_step_state(t, step)
-        ref = t.live_bytes + profiler_memory_peak(lambda: step.run(99)).peak_delta_bytes
+        ref = profiler_step_peak(step, 99)
         p, n, q = statistics.median(plain), statistics.median(noop), statistics.median(tracked)
         print(f"| {spec} | {shape or 'default'} | {p:.1f} | {100 * (n / p - 1):+.1f}% | {q:.1f} | {100 * (q / p - 1):+.1f}% "
               f"| {peak} | {ref} | {peak / ref:.4f} |")

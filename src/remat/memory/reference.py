@@ -12,9 +12,12 @@ import dataclasses
 import contextlib
 import os
 import sys
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from torch.profiler import ProfilerActivity, profile
+
+if TYPE_CHECKING:
+    from ..workload.contract import TrainingStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +58,18 @@ def profiler_memory_peak(fn: Callable[[], object]) -> ProfilerPeak:
         running += ev.nbytes()
         peak = max(peak, running)
     return ProfilerPeak(peak, running, len(events))
+
+
+def profiler_step_peak(step: "TrainingStep", step_index: int) -> int:
+    """Whole-step peak (bytes) of ``step.run(step_index)`` by torch.profiler: the live state
+    at its start (parameters, gradients, optimizer state, counted as the tracker counts them)
+    plus the peak of the profiler's running sum over the step."""
+    from .measure import track_step_state
+    from .tracker import LiveTensorTracker
+    # registration only: the tracker's dispatch mode is never entered, so this also works on
+    # a torch.compile'd model (Dynamo runs frames eagerly under a Python dispatch mode)
+    state = LiveTensorTracker(keep_timeline=False)
+    track_step_state(state, step)
+    start = state.live_bytes
+    state.close()
+    return start + profiler_memory_peak(lambda: step.run(step_index)).peak_delta_bytes

@@ -8,9 +8,8 @@ from collections import defaultdict
 import torch
 
 from ..memory.cuda import read_cuda_stats, reset_cuda_peak
-from ..memory.measure import model_device, track_step_state
-from ..memory.reference import profiler_memory_peak
-from ..memory.tracker import LiveTensorTracker
+from ..memory.measure import model_device
+from ..memory.reference import profiler_step_peak
 from ..types import MemCategory, MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
@@ -93,11 +92,7 @@ def trace_step(step: TrainingStep, *, context: TraceContext, warmup: int = 2, st
             best = (peak, rec, start_event, start_ns, end_ns)
     progress("tracing", total, total)
     assert best is not None
-    reference = None
-    if not on_cuda:
-        with LiveTensorTracker(keep_timeline=False) as state:
-            track_step_state(state, step)
-        reference = state.live_bytes + profiler_memory_peak(lambda: step.run(total)).peak_delta_bytes
+    reference = None if on_cuda else profiler_step_peak(step, total)
     peak, rec, start_event, start_ns, end_ns = best
     cats, mods = _breakdown(rec, rec.tracker.peak_event, top_modules)
     return StepTrace(
