@@ -24,16 +24,12 @@ COMMANDS = ("trace", "plan", "verify", "frontier", "distributed", "receipt", "ch
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
     parser = argparse.ArgumentParser(prog="remat", description="Plan, apply and prove activation checkpointing.")
+    parser.add_argument("--version", action="version", version=f"remat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"remat.cli.cmd_{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"remat.cli.cmd_{name}":
-                continue  # command not built yet
-            raise
-        mod.add_parser(sub)
+        importlib.import_module(f"remat.cli.cmd_{name}").add_parser(sub)
     return parser
 
 
