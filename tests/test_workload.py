@@ -99,3 +99,11 @@ def test_error_in_the_models_own_code_exits_3_with_the_traceback(tmp_path, capsy
     assert rc == 3
     assert "internal error" in err and "RuntimeError" in err and "mat1 and mat2" in err.replace("\n", " ")
     assert not (tmp_path / "o" / "trace.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only build's message")
+def test_cuda_requested_on_a_cpu_build_is_a_typed_error():
+    with pytest.raises(WorkloadError, match="torch.cuda.is_available"):
+        load_workload("gpt", device="cuda")
+    with pytest.raises(WorkloadError, match="unknown device"):
+        load_workload("gpt", device="tpu9")

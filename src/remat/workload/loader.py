@@ -123,6 +123,18 @@ def factory_keywords(factory: Callable[..., Any]) -> tuple[set[str], bool]:
     return names, var_kw
 
 
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise WorkloadError(f"unknown device {device!r}: {exc}", tip="use cpu or cuda (cuda:N)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise WorkloadError(f"device {device!r} was asked for but torch.cuda.is_available() is False "
+                            f"(torch {torch.__version__})",
+                            tip="use --device cpu, or install a CUDA build of torch (README), "
+                                "or plan for a GPU from here with --simulate --target-device h100")
+
+
 def load_workload(
     spec: str,
     shape: dict[str, ShapeValue] | None = None,
@@ -132,6 +144,7 @@ def load_workload(
 ) -> LoadedWorkload:
     """Build the workload ``spec`` at ``shape``; typed :class:`WorkloadError` on any misuse."""
     shape = dict(shape or {})
+    _check_device(device)
     factory = _resolve_factory(spec)
     names, var_kw = factory_keywords(factory)
     unknown = sorted(k for k in shape if k not in names and not var_kw)
