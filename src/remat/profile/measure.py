@@ -166,8 +166,58 @@ def _rows(rec: StepRecorder, spans: dict[str, tuple[int, int, int | None, int | 
     rows = [PeakRow(base_bytes=b, live=k[0], replaying=k[1],
                     label=("backward of " + ", ".join(k[1])) if k[1] else f"{len(k[0])} candidates held")
             for k, b in best.items()]
-    # a row dominated by another with the same coefficients' support is redundant for the max
-    return sorted(rows, key=lambda r: -r.base_bytes)
+    return sorted(rows, key=lambda r: -r.base_bytes)  # the planner prunes dominated rows itself
+
+
+class _StepEvidence:
+    """What one recorded baseline step says about any forward window (NOTE [what one profiled step gives])."""
+
+    def __init__(self, rec: StepRecorder, oplog: _OpLog) -> None:
+        self.rec = rec
+        self.oplog = oplog
+        self.packed_at: dict[int, list[int]] = defaultdict(list)   # record id -> pack events
+        for s in rec.saved:
+            self.packed_at[id(s.record)].append(s.event)
+        self.saved_records = {id(s.record): s.record for s in rec.saved if not s.is_param}
+        self.packed_keys = {s.key for s in rec.saved}
+
+    def full_saved_bytes(self, w: ModuleWindow) -> tuple[int, int]:
+        """(bytes a FULL checkpoint frees until backward, bytes of inputs it keeps that nobody saved)."""
+        fs, fe = w.fwd_start, w.fwd_end
+        inside = sum(r.nbytes for rid, r in self.saved_records.items()
+                     if fs <= r.alloc_event < fe and all(fs <= ev < fe for ev in self.packed_at[rid]))
+        live = self.rec.tracker.records
+        unsaved_inputs = sum(live[k].nbytes for k in set(w.input_keys) if k in live and k not in self.packed_keys)
+        return inside - unsaved_inputs, unsaved_inputs
+
+    def sac_figures(self, w: ModuleWindow) -> tuple[int, float, int]:
+        """(bytes SAC keeps, share of forward time in SAC_SAVE_OPS, number of ops) in the window."""
+        fs, fe = w.fwd_start, w.fwd_end
+        kept = sum({id(r): r.nbytes for r in self.oplog.sac_records if fs <= r.alloc_event < fe}.values())
+        ops = [(is_save, ns) for ev, is_save, ns in self.oplog.ops if fs <= ev <= fe]
+        total_ns = sum(ns for _, ns in ops) or 1
+        return kept, sum(ns for is_save, ns in ops if is_save) / total_ns, len(ops)
+
+    def forward_rise(self, w: ModuleWindow) -> int:
+        """How far live bytes rose above the window's entry level during its forward (bytes)."""
+        entry = self.rec.tracker.live_after[w.fwd_start - 1] if w.fwd_start > 0 else 0
+        return max(0, w.fwd_peak - entry)
+
+    def hazards(self, w: ModuleWindow, probed: list[HazardRecord]) -> list[HazardRecord]:
+        """The probe's findings plus what the op log saw inside the window."""
+        fs, fe = w.fwd_start, w.fwd_end
+        out = list(probed)
+        moves = [d for ev, d in self.oplog.device_moves if fs <= ev < fe]
+        if moves:
+            out.append(HazardRecord(kind=HazardKind.DEVICE_MOVE, detail=f"tensor moved inside the region: {moves[0]}"))
+        rng = [op for ev, op in self.oplog.rng_ops if fs <= ev < fe]
+        if rng and not any(h.kind is HazardKind.RNG for h in out):
+            out.append(HazardRecord(kind=HazardKind.RNG, detail=f"draws random numbers in forward ({rng[0]}): "
+                                                                "safe while RNG state is preserved"))
+        inputs = set(w.input_keys)
+        if any(fs <= ev < fe and key in inputs for ev, key in self.oplog.inplace):
+            out.append(HazardRecord(kind=HazardKind.INPLACE_INPUT, detail="writes in place into one of its inputs"))
+        return out
 
 
 def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int = 2, repeats: int = 5,
@@ -214,10 +264,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     for w in rec.windows:
         windows_by_name[w.name].append(w)
     last_window = {n: ws[-1] for n, ws in windows_by_name.items()}
-    packed_by: dict[int, list[tuple[int, str]]] = defaultdict(list)  # record id -> [(event, module)]
-    for s in rec.saved:
-        packed_by[id(s.record)].append((s.event, s.module))
-    saved_records = {id(s.record): s.record for s in rec.saved if not s.is_param}
+    evidence = _StepEvidence(rec, oplog)
 
     excluded: dict[str, str] = {}
     costs: list[CandidateCost] = []
@@ -229,47 +276,24 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
                               f"called {calls} times per step (shared module): a wrapper would checkpoint every call")
             continue
         w = last_window[name]
-        fs, fe = w.fwd_start, w.fwd_end
-        inside = {rid: r for rid, r in saved_records.items()
-                  if fs <= r.alloc_event < fe and all(fs <= ev < fe for ev, _ in packed_by[rid])}
-        full_saved = sum(r.nbytes for r in inside.values())
-        packed_keys_anywhere = {s.key for s in rec.saved}
-        unsaved_inputs = sum(rec.tracker.records[k].nbytes for k in set(w.input_keys)
-                             if k in rec.tracker.records and k not in packed_keys_anywhere)
-        full_saved -= unsaved_inputs
-        sac_kept = sum({id(r): r.nbytes for r in oplog.sac_records if fs <= r.alloc_event < fe}.values())
-        ops_in = [(is_save, ns) for ev, is_save, ns in oplog.ops if fs <= ev <= fe]
-        total_ns = sum(ns for _, ns in ops_in) or 1
-        save_share = sum(ns for s, ns in ops_in if s) / total_ns
-        rise = max(0, w.fwd_peak - (rec.tracker.live_after[fs - 1] if fs > 0 else 0))
-        extra = max(0, rise - max(full_saved, 0))
+        full_saved, unsaved_inputs = evidence.full_saved_bytes(w)
+        sac_kept, save_share, n_ops = evidence.sac_figures(w)
+        extra = max(0, evidence.forward_rise(w) - max(full_saved, 0))
         t_fwd = fwd_ms.get(name, (w.fwd_end_ns - w.fwd_start_ns) / 1e6)
-        hazards: list[HazardRecord] = list(probes[name].found)
-        moves = [d for ev, d in oplog.device_moves if fs <= ev < fe]
-        if moves:
-            hazards.append(HazardRecord(kind=HazardKind.DEVICE_MOVE, detail=f"tensor moved inside the region: {moves[0]}"))
-        rng = [op for ev, op in oplog.rng_ops if fs <= ev < fe]
-        if rng and not any(h.kind is HazardKind.RNG for h in hazards):
-            hazards.append(HazardRecord(kind=HazardKind.RNG, detail=f"draws random numbers in forward ({rng[0]}): "
-                                                                     "safe while RNG state is preserved"))
-        inputs = set(w.input_keys)
-        if any(fs <= ev < fe and key in inputs for ev, key in oplog.inplace):
-            hazards.append(HazardRecord(kind=HazardKind.INPLACE_INPUT, detail="writes in place into one of its inputs"))
         saved = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved}
         replay = {CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd}
         extras = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra}
-        n_ops = len(ops_in)
         if sac_kept > 0 and n_ops:
             saved[CheckpointMode.SELECTIVE] = full_saved - sac_kept
             replay[CheckpointMode.SELECTIVE] = (t_fwd * (1.0 - save_share) + 2 * n_ops * overhead_ns / 1e6
                                                 if predicted is None else predicted.replay_ms(name, CheckpointMode.SELECTIVE))
             extras[CheckpointMode.SELECTIVE] = extra
-        bs, be = _bwd_window(name, {n: ws[-1] for n, ws in windows_by_name.items()})
-        spans[name] = (fs, fe, bs, be)
-        costs.append(CandidateCost(name=name, class_name=type(modules[name]).__name__, order=fs,
+        bs, be = _bwd_window(name, last_window)
+        spans[name] = (w.fwd_start, w.fwd_end, bs, be)
+        costs.append(CandidateCost(name=name, class_name=type(modules[name]).__name__, order=w.fwd_start,
                                    parent=parent_of(name, cand_set), fwd_ms=t_fwd,
                                    input_bytes=unsaved_inputs, saved_bytes=saved, replay_ms=replay,
-                                   replay_extra_bytes=extras, hazards=hazards))
+                                   replay_extra_bytes=extras, hazards=evidence.hazards(w, probes[name].found)))
     costs.sort(key=lambda c: c.order)
     for i, c in enumerate(costs):
         c.order = i

@@ -122,10 +122,8 @@ class StepRecorder:
     def marker(self, phase: Phase) -> None:
         """PhaseMarker for TrainingStep.run: labels phases and categories as they become known."""
         t = self.tracker
-        if phase is Phase.FORWARD:
-            pass
-        elif phase is Phase.BACKWARD:
-            # the batch is whatever the batch phase produced and is still live: nothing to tag here
+        if phase is Phase.BACKWARD:
+            # backward unpacks attribute to the forward windows recorded so far
             self._open = {}
             for win in self.windows:
                 self._open.setdefault(win.name, []).append(win)
