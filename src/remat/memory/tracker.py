@@ -105,10 +105,6 @@ class LiveTensorTracker(TorchDispatchMode):
         first_event = self.events
         out = func(*args, **(kwargs or {}))
         dt = time.perf_counter_ns() - t0 if self.op_observer is not None else 0
-        if args and out is args[0] and self.op_observer is None and not func.__name__.startswith(("resize", "set_")):
-            # an in-place op returned its own input: same storage, already counted when it was
-            # made or registered (the optimizer's many mul_/add_ skip the lookup: ~1/3 of ops)
-            return out
         if isinstance(out, torch.Tensor):
             self._see(out, op=func.__name__)
         elif isinstance(out, (tuple, list)):
