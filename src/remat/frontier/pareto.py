@@ -23,13 +23,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..units import mib
 from .model import Decision, FrontierPoint
 
-MIB = 2 ** 20
 
-
-def _mib(n: int) -> str:
-    return f"{n / MIB:.2f} MiB"
 
 
 def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -77,16 +74,16 @@ def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
             p.decision = Decision.SHIP
             vs = f", {p.overhead_pct:+.1f}% vs control" if p.overhead_pct is not None and p is not ctrl else ""
             p.reason = (f"lowest p50 ({p.p50_ms:.2f} ms{vs}) among plans whose measured peak clears "
-                        f"{_mib(limit)} (budget {_mib(budget_bytes)} less {reserve:.0%} reserve)")
+                        f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)")
             continue
         p.decision = Decision.REJECT
         dom = dominator(p)
         if not p.fits:
-            p.reason = f"over budget: peak {_mib(p.peak_bytes)} > {_mib(limit)}"  # type: ignore[arg-type]
+            p.reason = f"over budget: peak {mib(p.peak_bytes)} > {mib(limit)}"  # type: ignore[arg-type]
             if dom is not None:
                 p.reason += f"; also dominated by {dom.plan}"
         elif dom is not None:
-            p.reason = (f"dominated by {dom.plan} (peak {_mib(dom.peak_bytes)} <= {_mib(p.peak_bytes)}, "  # type: ignore[arg-type]
+            p.reason = (f"dominated by {dom.plan} (peak {mib(dom.peak_bytes)} <= {mib(p.peak_bytes)}, "  # type: ignore[arg-type]
                         f"p50 {dom.p50_ms:.2f} <= {p.p50_ms:.2f} ms)")
         else:
             assert shipped is not None  # p fits, so something ships

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import io
 
+from ..units import MIB
 from .model import Decision, FrontierReport
 
-MIB = 2 ** 20
 
 
 def render_frontier_png(report: FrontierReport, *, title: str | None = None) -> bytes:

@@ -36,6 +36,7 @@ from ..profile import ProfileReport, profile_workload
 from ..trace.model import TraceContext, host_info
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
+from ..units import mib
 from .capacity import search_capacity
 from .measure import (Arm, PlanArm, Timings, measure_arm_peak, prepare_arm, probe_capacity, release_memory,
                       shape_value, time_round_robin)
@@ -45,7 +46,6 @@ from .pareto import decide
 CONTROL = "none"
 DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "optimal",
                                   "optimal@90%", "optimal@70%", "optimal@50%", "optimal@35%")
-MIB = 2 ** 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,9 +94,6 @@ def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
     return out
 
 
-def _mib(n: int) -> str:
-    return f"{n / MIB:.2f} MiB"
-
 
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
@@ -128,9 +125,9 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
                 plan = make_plan(report, req.planner, budget_bytes=b, reserve=r)
         except InfeasibleBudget as exc:
             point.decision = Decision.INFEASIBLE
-            point.reason = (f"infeasible (floor {_mib(exc.floor_bytes)}, "
+            point.reason = (f"infeasible (floor {mib(exc.floor_bytes)}, "
                             f"{exc.floor_bytes / max(1, control_peak):.0%} of the control's peak; "
-                            f"target {_mib(exc.effective_budget_bytes)})")
+                            f"target {mib(exc.effective_budget_bytes)})")
             points.append(point)
             continue
         except BudgetError as exc:

@@ -7,8 +7,8 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from ..errors import BudgetError
+from ..units import MIB
 
-MIB = 2 ** 20
 
 # Decimal (SI) and binary (IEC) units, matched case-insensitively. Bare "K/M/G" are refused:
 # they are ambiguous between the two.

@@ -49,15 +49,12 @@ from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import TOLERANCES, VerifyReport, verify_plan
 from ..workload import LoadedWorkload, TrainingStep
+from ..units import mib
 from .model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
                     RejectedPlan, RunSettings, UnsupportedMode)
 
-MIB = 2 ** 20
 FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs planned, train + eval
 
-
-def _mib(n: int | float | None) -> str:
-    return "-" if n is None else f"{n / MIB:.2f} MiB"
 
 
 # -- measurements ----------------------------------------------------------------------------------
@@ -201,18 +198,18 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     n_fit = sum(1 for p in points if p.fits)
     n_measured = sum(1 for p in points if p.measured)
     ctrl_fits = control_peak is not None and control_peak <= limit
-    budget_text = f"{_mib(limit)} (budget {_mib(budget_bytes)} less {reserve:.0%} reserve)"
+    budget_text = f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)"
     if ship and not has_boundaries:
-        why.append(f"Ship no checkpointing: the unmodified step's peak {_mib(control_peak)} already clears {budget_text}.")
+        why.append(f"Ship no checkpointing: the unmodified step's peak {mib(control_peak)} already clears {budget_text}.")
     elif ship:
         assert shipped_pt is not None and plan is not None
         mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
         why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}.")
         phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
         if not ctrl_fits:
-            why.append(f"Without checkpointing the step peaks at {_mib(control_peak)}{phase}, over the {budget_text}.")
-        why.append(f"With this plan the measured peak is {_mib(peak)}: it clears by "
-                   f"{_mib(limit - (peak or 0))} ({1 - (peak or 0) / budget_bytes:.0%} of the budget left free).")
+            why.append(f"Without checkpointing the step peaks at {mib(control_peak)}{phase}, over the {budget_text}.")
+        why.append(f"With this plan the measured peak is {mib(peak)}: it clears by "
+                   f"{mib(limit - (peak or 0))} ({1 - (peak or 0) / budget_bytes:.0%} of the budget left free).")
         if shipped_pt.p50_ms is not None and control_p50:
             why.append(f"It costs {(shipped_pt.p50_ms - control_p50) / control_p50:+.0%} step time (warm p50 "
                        f"{shipped_pt.p50_ms:.1f} ms vs {control_p50:.1f} ms), the least of the {n_fit} of "
@@ -231,7 +228,7 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
             why.append(f"Nothing ships: {closed_loop_note}")
         else:
             why.append(f"Nothing ships: no measured plan's peak clears {budget_text}.")
-        why.append(f"The unmodified step peaks at {_mib(control_peak)}.")
+        why.append(f"The unmodified step peaks at {mib(control_peak)}.")
     return ReceiptDecision(
         status="ship" if ship else "no-plan", shipped=shipped_pt.plan if shipped_pt else None,
         boundaries=_describe(plan) if ship else [], budget_bytes=budget_bytes, reserve=reserve,

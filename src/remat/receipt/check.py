@@ -41,6 +41,7 @@ from ..types import ProgressFn, no_progress
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
 from ..workload.loader import _resolve_factory
+from ..units import mib
 from .build import measure_savings
 from .model import Receipt, resolved_shape
 
@@ -48,11 +49,7 @@ from .model import Receipt, resolved_shape
 _DENIED_PACKAGES = frozenset({"torch", "torchvision", "torchaudio", "numpy", "scipy", "matplotlib", "rich", "pip",
                               "setuptools", "pkg_resources", "pytest", "_pytest", "IPython", "jinja2"})
 _REMAT_WORKLOADS = "remat.workload.builtins."
-MIB = 2 ** 20
 
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / MIB:.2f} MiB"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -250,11 +247,11 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     if peak > limit:
         failures.append(CheckFinding(
             kind="peak", boundary=plan.boundaries[0].module if len(plan.boundaries) == 1 else None,
-            message=f"peak {_mib(peak)} with the plan ({names}) no longer clears {_mib(limit)} (budget "
-                    f"{_mib(d.budget_bytes)} less the required {d.reserve:.0%} reserve); the receipt measured "
-                    f"{_mib(d.shipped_peak_bytes)}"))
+            message=f"peak {mib(peak)} with the plan ({names}) no longer clears {mib(limit)} (budget "
+                    f"{mib(d.budget_bytes)} less the required {d.reserve:.0%} reserve); the receipt measured "
+                    f"{mib(d.shipped_peak_bytes)}"))
     else:
-        checked.append(f"peak {_mib(peak)} clears {_mib(limit)} (receipt: {_mib(d.shipped_peak_bytes)})")
+        checked.append(f"peak {mib(peak)} clears {mib(limit)} (receipt: {mib(d.shipped_peak_bytes)})")
     progress("check", 4, 5)
 
     # 5. per-boundary savings
@@ -267,10 +264,10 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
             if now < floor:
                 failures.append(CheckFinding(
                     kind="saving", boundary=b.module,
-                    message=f"boundary {b.module}: saves {_mib(now)}, down from {_mib(b.measured_saving_bytes)} "
+                    message=f"boundary {b.module}: saves {mib(now)}, down from {mib(b.measured_saving_bytes)} "
                             f"(more than the {b.saving_tolerance:.0%} tolerance)"))
             else:
-                ok.append(f"{b.module} {_mib(now)}")
+                ok.append(f"{b.module} {mib(now)}")
         if ok:
             checked.append(f"savings within tolerance: {', '.join(ok)}")
     progress("check", 5, 5)

@@ -22,9 +22,9 @@ from typing import Any, Iterable, Sequence
 
 from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
+from ..units import MIB
 from .model import Receipt
 
-MIB = 2 ** 20
 PHASE_COLORS = {"batch": "#9e9e9e", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c"}
 
 
