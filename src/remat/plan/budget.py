@@ -22,6 +22,26 @@ _QUANTITY = re.compile(
 _BUDGET_FORMS = "bytes (123456), a size with a unit (800MiB, 1.5GiB, 2GB) or a percentage of the no-checkpoint peak (60%)"
 
 
+# NOTE [bounded budget parsing]
+# ``Decimal("1e999999999")`` is built instantly, but ``int()`` of it writes a billion digits
+# (minutes), and arithmetic on it overflows (``decimal.Overflow``, ``OverflowError``). So the
+# text is capped in length and the number's order of magnitude is read from its exponent
+# (``Decimal.adjusted()``, no expansion) before any arithmetic: a budget is at most
+# :data:`MAX_BUDGET_BYTES` and at least one byte; a percentage at most :data:`MAX_PERCENT`.
+MAX_TEXT = 64
+MAX_BUDGET_BYTES = 2 ** 60     # 1 EiB: no device remat plans for holds more
+MAX_PERCENT = Decimal(10 ** 6)  # a budget a million percent of the peak is no budget
+
+
+def _magnitude_ok(value: Decimal, limit: Decimal) -> bool:
+    """``0 < value <= limit``, decided from the exponent first so a huge exponent costs nothing."""
+    if value.adjusted() > limit.adjusted() + 1:
+        return False
+    if value.adjusted() < -30:       # far below one byte of any unit: caught as "less than one byte"
+        return True
+    return value <= limit
+
+
 def format_bytes(n: int) -> str:
     """``'1234567 bytes (1.18 MiB)'``: every budget message gives both."""
     return f"{n} bytes ({n / MIB:.2f} MiB)"
@@ -37,31 +57,43 @@ def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:
     if isinstance(text, bool):
         raise BudgetError(f"budget must be {_BUDGET_FORMS}; got {text!r}")
     if isinstance(text, int):
+        if not 0 < text <= MAX_BUDGET_BYTES:
+            raise BudgetError(f"budget must lie between 1 byte and {MAX_BUDGET_BYTES} bytes (1 EiB), got {show_number(text)}")
         value, unit = Decimal(text), None
     else:
+        if len(str(text)) > MAX_TEXT:
+            raise BudgetError(f"malformed budget {str(text)[:MAX_TEXT]!r}...: longer than {MAX_TEXT} characters; "
+                              f"expected {_BUDGET_FORMS}")
         m = _QUANTITY.match(str(text))
         if m is None:
             raise BudgetError(f"malformed budget {text!r}: expected {_BUDGET_FORMS}")
         try:
             value = Decimal(m["num"])
-        except InvalidOperation as exc:   # pragma: no cover - the regex admits only decimals
-            raise BudgetError(f"malformed budget {text!r}: {exc}") from exc
+        except InvalidOperation:   # an exponent too long for decimal itself (the regex admits only decimals)
+            raise BudgetError(f"malformed budget {text!r}: the number is out of range; expected {_BUDGET_FORMS}") from None
         unit = m["unit"]
     if value <= 0:
         raise BudgetError(f"budget must be positive, got {text!r}")
+    if value.adjusted() < -30:
+        raise BudgetError(f"budget {text!r} is less than one byte")
     if unit == "%":
+        if not _magnitude_ok(value, MAX_PERCENT):
+            raise BudgetError(f"budget {text!r} is out of range: a percentage of the no-checkpoint peak is at most "
+                              f"{MAX_PERCENT}%")
         if baseline_peak_bytes <= 0:
             raise BudgetError(f"a percentage budget ({text!r}) needs the no-checkpoint peak, "
                               f"which is {baseline_peak_bytes} bytes")
         nbytes = int(Decimal(baseline_peak_bytes) * value / 100)
-    elif unit is None:
-        nbytes = int(value)
     else:
-        scale = _UNITS.get(unit.lower())
+        scale = 1 if unit is None else _UNITS.get(unit.lower())
         if scale is None:
             raise BudgetError(f"unknown unit {unit!r} in budget {text!r}; use one of "
                               "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
+        if not _magnitude_ok(value, Decimal(MAX_BUDGET_BYTES) / scale):
+            raise BudgetError(f"budget {text!r} is out of range: at most {MAX_BUDGET_BYTES} bytes (1 EiB)")
         nbytes = int(value * scale)
+    if nbytes > MAX_BUDGET_BYTES:
+        raise BudgetError(f"budget {text!r} is out of range: at most {MAX_BUDGET_BYTES} bytes (1 EiB)")
     if nbytes < 1:
         raise BudgetError(f"budget {text!r} is less than one byte")
     return nbytes
@@ -74,7 +106,7 @@ def parse_reserve(text: str | float) -> float:
     if isinstance(text, (int, float)):
         value = float(text)
     else:
-        m = _QUANTITY.match(str(text))
+        m = _QUANTITY.match(str(text)) if len(str(text)) <= MAX_TEXT else None
         if m is None or m["unit"] not in (None, "%"):
             raise BudgetError(f"malformed reserve {text!r}: write a fraction like 0.05 or a percentage like 5%")
         value = float(m["num"]) / (100.0 if m["unit"] == "%" else 1.0)
@@ -82,6 +114,12 @@ def parse_reserve(text: str | float) -> float:
         hint = f" (did you mean {text}%?)" if isinstance(text, str) and "%" not in text and 1 <= value < 100 else ""
         raise BudgetError(f"reserve must lie in [0, 1) (0% to under 100%), got {text!r}{hint}")
     return value
+
+
+def show_number(n: int) -> str:
+    """An integer for a message: digits, or how many there are when there are too many to print."""
+    s = str(n) if abs(n) < 10 ** 30 else f"an integer of {len(str(abs(n)))} digits"
+    return s
 
 
 def effective_budget(budget_bytes: int, reserve: float, margin_bytes: int = 0) -> int:

@@ -7,15 +7,17 @@ its fingerprint. ``remat.apply`` consumes it; receipts embed it.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from .._json import read_json_file, validate
 from ..errors import PlanError
 from ..profile.model import ModelFingerprint
 from ..types import CheckpointMode
+from .schema import PLAN
 
 PLAN_SCHEMA_VERSION = 1
+MAX_PLAN_BYTES = 16 * 2 ** 20   # a plan for 10,000 modules is about 2 MiB
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,38 +79,36 @@ class Plan:
         return d
 
     @classmethod
-    def from_json(cls, d: Any) -> "Plan":
+    def from_json(cls, d: Any, *, source: str = "plan") -> "Plan":
+        """Build from plan JSON checked against :data:`remat.plan.schema.PLAN` first; :class:`PlanError` if off."""
         if not isinstance(d, dict):
-            raise PlanError("plan JSON must be an object")
-        try:
-            version = int(d["schema_version"])
-            if version != PLAN_SCHEMA_VERSION:
-                raise PlanError(f"plan schema_version {version} is not supported (this remat reads {PLAN_SCHEMA_VERSION})")
-            return cls(
-                planner=str(d["planner"]),
-                budget_bytes=None if d["budget_bytes"] is None else int(d["budget_bytes"]),
-                reserve=float(d["reserve"]),
-                boundaries=[Boundary(module=str(b["module"]), mode=CheckpointMode(b["mode"]),
-                                     saved_bytes=int(b["saved_bytes"]), replay_ms=float(b["replay_ms"]),
-                                     guarded=bool(b.get("guarded", False))) for b in d["boundaries"]],
-                excluded=[Exclusion(module=str(e["module"]), reason=str(e["reason"])) for e in d["excluded"]],
-                predicted_peak_bytes=int(d["predicted_peak_bytes"]),
-                predicted_overhead_ms=float(d["predicted_overhead_ms"]),
-                baseline_peak_bytes=int(d["baseline_peak_bytes"]),
-                baseline_step_ms=float(d["baseline_step_ms"]),
-                fingerprint=ModelFingerprint.from_json(d["fingerprint"]),
-                preserve_rng_state=bool(d.get("preserve_rng_state", True)),
-                measured_peak_bytes=None if d.get("measured_peak_bytes") is None else int(d["measured_peak_bytes"]),
-                measured_step_ms=None if d.get("measured_step_ms") is None else float(d["measured_step_ms"]),
-                memory_source=str(d.get("memory_source", "cpu-live-tensors")),
-                simulated=bool(d.get("simulated", False)),
-                device_model=d.get("device_model"),
-                schema_version=version,
-            )
-        except PlanError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"malformed plan JSON: {type(exc).__name__}: {exc}") from exc
+            raise PlanError(f"malformed {source}: the top level must be a JSON object, got {type(d).__name__}")
+        version = d.get("schema_version")
+        if type(version) is not int or version != PLAN_SCHEMA_VERSION:
+            raise PlanError(f"{source}: schema_version {str(version)[:40]} is not supported "
+                            f"(this remat reads {PLAN_SCHEMA_VERSION})")
+        validate(d, PLAN, error=PlanError, what=source)
+        return cls(
+            planner=d["planner"],
+            budget_bytes=d["budget_bytes"],
+            reserve=float(d["reserve"]),
+            boundaries=[Boundary(module=b["module"], mode=CheckpointMode(b["mode"]), saved_bytes=b["saved_bytes"],
+                                 replay_ms=float(b["replay_ms"]), guarded=b.get("guarded", False))
+                        for b in d["boundaries"]],
+            excluded=[Exclusion(module=e["module"], reason=e["reason"]) for e in d["excluded"]],
+            predicted_peak_bytes=d["predicted_peak_bytes"],
+            predicted_overhead_ms=float(d["predicted_overhead_ms"]),
+            baseline_peak_bytes=d["baseline_peak_bytes"],
+            baseline_step_ms=float(d["baseline_step_ms"]),
+            fingerprint=ModelFingerprint.from_json(d["fingerprint"]),
+            preserve_rng_state=d.get("preserve_rng_state", True),
+            measured_peak_bytes=d.get("measured_peak_bytes"),
+            measured_step_ms=None if d.get("measured_step_ms") is None else float(d["measured_step_ms"]),
+            memory_source=d.get("memory_source", "cpu-live-tensors"),
+            simulated=d.get("simulated", False),
+            device_model=d.get("device_model"),
+            schema_version=version,
+        )
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json
@@ -116,11 +116,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: Path | str) -> "Plan":
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"plan file not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_json(data)
+        """Read ``plan.json`` through the hardened loader (NOTE [hostile JSON] in remat/_json.py)."""
+        data = read_json_file(path, error=PlanError, what="plan file", max_bytes=MAX_PLAN_BYTES,
+                              tip="remat plan ... --out DIR writes DIR/plan.json")
+        return cls.from_json(data, source=f"plan {path}")

@@ -1,0 +1,45 @@
+"""The JSON schema of ``plan.json`` (NOTE [hostile JSON] in remat/_json.py).
+
+A plan file may come from anywhere (a colleague, a pull request, an old run), so
+:meth:`remat.plan.Plan.load` reads it through the hardened loader and checks it here before
+building a :class:`~remat.plan.Plan`: exact types (``"guarded": "no"`` is refused, never read
+as true), bounded figures, unknown fields refused. Receipts embed the same schema.
+Nothing in a plan names code: module paths are looked up in ``model.named_modules()``.
+"""
+
+from __future__ import annotations
+
+from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, List, Num, Obj, Opt, Str, Tuple
+
+SHORT = Str(max_len=2_000)
+TEXT = Str(max_len=20_000)
+HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
+MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", max_len=500, what="a module path (dotted identifiers)")
+MODE = Enum("full", "selective")
+MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "simulated")
+MAX_MODULES = 100_000
+
+# remat.profile.ModelFingerprint.to_json
+FINGERPRINT = Obj({
+    "digest": HEX64,
+    "modules": List(Tuple(Str(r"[A-Za-z0-9_.]*", max_len=500), SHORT), max_len=MAX_MODULES),
+    "params": List(Obj({"name": Str(max_len=500), "shape": List(Int(0, 2 ** 40), max_len=16), "dtype": SHORT}),
+                   max_len=MAX_MODULES),
+    "class_source_hashes": List(Tuple(SHORT, Str(r"[0-9a-f]{16}")), max_len=MAX_MODULES),
+})
+
+BOUNDARY = Obj({"module": MODULE_PATH, "mode": MODE, "saved_bytes": SIGNED_BYTES, "replay_ms": SIGNED_MS},
+               {"guarded": Bool()})
+
+# Plan.to_json; the optional fields are those older plan files may lack (Plan.from_json's defaults).
+PLAN = Obj({
+    "schema_version": Enum(1),
+    "planner": SHORT, "budget_bytes": Opt(Int(1, 2 ** 53)), "reserve": Num(0, 0.999999),
+    "boundaries": List(BOUNDARY, max_len=10_000),
+    "excluded": List(Obj({"module": Str(max_len=500), "reason": TEXT}), max_len=MAX_MODULES),
+    "predicted_peak_bytes": SIGNED_BYTES, "predicted_overhead_ms": SIGNED_MS, "baseline_peak_bytes": BYTES,
+    "baseline_step_ms": MS, "fingerprint": FINGERPRINT,
+}, {
+    "preserve_rng_state": Bool(), "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(MS),
+    "memory_source": MEMORY_SOURCE, "simulated": Bool(), "device_model": Opt(SHORT),
+})
