@@ -1,10 +1,14 @@
 # Two entry points (README): `make demo` runs the main job, `make test` runs the tests.
 # Both create .venv and install what they need; on a CPU-only machine torch==2.13.0 is
-# installed first so that pip never pulls a multi-GB CUDA build.
+# installed first so that pip never pulls a multi-GB CUDA build. The optional zoo extra
+# (torchvision, timm, transformers: the CI-sized zoo tests) is installed with the torch
+# already in .venv pinned (.venv/constraints.txt), so it never replaces that torch.
+# `make zoo` runs remat receipt on every zoo model (benchmarks/zoo/run.py -> benchmarks/ZOO.md).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.remat-installed
+ZOO_STAMP := $(VENV)/.remat-zoo-installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,11 +17,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: install demo test
+$(ZOO_STAMP): $(STAMP)
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -e '.[test,zoo]' -c $(VENV)/constraints.txt
+	touch $(ZOO_STAMP)
+
+.PHONY: install demo test zoo
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/remat demo --out out/demo
 
-test: $(STAMP)
+test: $(ZOO_STAMP)
 	$(BIN)/python -m pytest
+
+zoo: $(ZOO_STAMP)
+	$(BIN)/python benchmarks/zoo/run.py
