@@ -146,3 +146,178 @@ def test_a_valid_plan_round_trips(mlp_plan_json):
     plan = Plan.load(mlp_plan_json)
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
     assert plan.boundaries and all(b.guarded is False for b in plan.boundaries)
+
+
+# -- --out: checked before any profiling ---------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [
+    ["plan", "--workload", "mlp", "--budget", "50%"],
+    ["trace", "--workload", "mlp"],
+    ["receipt", "--workload", "mlp", "--budget", "50%"],
+    ["frontier", "--workload", "mlp", "--budget", "50%"],
+    ["demo"],
+])
+@pytest.mark.parametrize("where", ["existing file", "below a file", "/proc"])
+def test_unusable_out_is_refused_before_any_measuring(tmp_path, capsys, monkeypatch, command, where):
+    (tmp_path / "afile").write_text("x")
+    out = {"existing file": tmp_path / "afile", "below a file": tmp_path / "afile" / "sub",
+           "/proc": Path("/proc/remat-out")}[where]
+    import remat.cli.common as common
+    monkeypatch.setattr(common, "load_workload", lambda *a, **k: pytest.fail("the workload was loaded"))
+    t0 = time.perf_counter()
+    assert main([*command, "--out", str(out)]) == 2
+    assert time.perf_counter() - t0 < 5
+    err = _text(capsys.readouterr().err)
+    assert "--out" in err and "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_out_check_creates_nothing_and_admits_a_new_nested_folder(tmp_path):
+    from remat.cli.common import check_out_dir
+    check_out_dir(tmp_path / "a" / "b" / "c", ("plan.json",))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "o" / "plan.json").mkdir(parents=True)
+    from remat.errors import OutputError
+    with pytest.raises(OutputError, match="is a folder"):
+        check_out_dir(tmp_path / "o", ("plan.json",))
+
+
+# -- Ctrl-C while torch imports: one line, exit 130 ------------------------------------------------------
+
+_INTERRUPT_IMPORT = """
+import builtins, sys
+real = builtins.__import__
+def imp(name, *a, **k):
+    if name == "torch" or name.startswith("torch."):
+        raise KeyboardInterrupt
+    return real(name, *a, **k)
+builtins.__import__ = imp
+from remat.cli.main import main
+sys.exit(main(["plan", "--workload", "mlp", "--out", "x"]))
+"""
+
+
+def test_ctrl_c_during_the_torch_import_prints_one_line():
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_IMPORT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip() == "remat: interrupted"
+
+
+def test_a_real_sigint_at_start_up_prints_no_traceback(tmp_path):
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "remat", "trace", "--workload", "mlp", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.4)     # python is up; torch is importing (about 1-2 s here)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_importing_remat_does_not_import_torch():
+    code = "import sys, remat, remat.cli.main; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# -- NaN loss, empty batches, shape values checked against the factory's annotations ---------------------
+
+NAN_WORKLOAD = '''
+import torch
+from torch import nn
+import remat
+
+def build(batch_size: int = 4, scale: float = 1.0, flag: bool = False, name: str = "x", device="cpu", dtype=torch.float32):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    def batch(step):
+        return torch.ones(batch_size, 4)
+    def loss(model, b):
+        return model(b).mean() * float("nan")
+    return remat.Workload(model=model, batch=batch, loss=loss)
+
+
+def raising_loss(batch_size: int = 4):
+    model = nn.Linear(4, 1)
+    def loss(model, b):
+        raise ValueError("boom in the loss")
+    return remat.Workload(model=model, batch=lambda s: torch.ones(batch_size, 4), loss=loss)
+'''
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    (tmp_path / "w.py").write_text(NAN_WORKLOAD)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_nan_loss_is_a_typed_error_exit_2(user_dir, capsys):
+    rc = main(["plan", "--workload", "w.py:build", "--budget", "50%", "--out", "o"])
+    err = _text(capsys.readouterr().err)
+    assert rc == 2 and "loss is nan" in err and "Traceback" not in err
+    assert not (user_dir / "o" / "plan.json").exists()
+
+
+@pytest.mark.parametrize("command", [["plan", "--budget", "50%"], ["trace"]])
+def test_batch_size_zero_is_a_typed_error_exit_2(tmp_path, capsys, command):
+    rc = main([*command, "--workload", "mlp", "--shape", "batch_size=0", "--out", str(tmp_path / "o")])
+    err = _text(capsys.readouterr().err)
+    assert rc == 2 and "empty tensor" in err and "batch_size=0" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("shape,needle", [
+    ("batch_size=abc", "declares batch_size: int"),
+    ("batch_size=2.5", "declares batch_size: int"),
+    ("batch_size=true", "declares batch_size: int"),
+    ("scale=abc", "declares scale: float"),
+    ("flag=3", "declares flag: bool"),
+    ("name=1.5", "declares name: str"),
+])
+def test_shape_values_are_checked_against_annotations_before_the_factory_runs(user_dir, capsys, shape, needle):
+    rc = main(["trace", "--workload", "w.py:build", "--shape", shape, "--out", "o"])
+    err = _text(capsys.readouterr().err)
+    assert rc == 2 and needle in err and "Traceback" not in err and "randn" not in err
+
+
+def test_builtin_shape_abc_gives_one_clear_line(tmp_path, capsys):
+    rc = main(["trace", "--workload", "gpt", "--shape", "batch_size=abc", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "declares batch_size: int" in _text(err) and "randn" not in err
+    assert len(err.strip().splitlines()) <= 4
+
+
+def test_conforming_shape_values_pass_and_ints_are_accepted_for_floats(user_dir):
+    loaded = load_workload("w.py:build", {"batch_size": 3, "scale": 2, "flag": True, "name": "y"})
+    assert loaded.shape == {"batch_size": 3, "scale": 2, "flag": True, "name": "y"}
+
+
+# -- exit codes: user code raising = 2 with its traceback; a remat bug = 3 ----------------------------------
+
+def test_a_loss_that_raises_exits_2_with_the_users_traceback(user_dir, capsys):
+    rc = main(["trace", "--workload", "w.py:raising_loss", "--out", "o"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "Traceback" in err and "w.py" in err and "boom in the loss" in err and "raise ValueError" in err
+    assert "remat bug" not in err
+
+
+def test_a_remat_bug_exits_3_with_the_traceback(tmp_path, capsys, monkeypatch):
+    from remat.cli import cmd_trace
+
+    def buggy(*a, **k):
+        raise ZeroDivisionError("a remat bug")
+    monkeypatch.setattr(cmd_trace, "trace_workload", buggy)
+    rc = main(["trace", "--workload", "mlp", "--shape", "batch_size=2", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 3 and "Traceback" in err and "remat bug" in err and "ZeroDivisionError" in err
+
+
+def test_remat_code_raising_inside_the_users_step_is_not_blamed_on_the_user():
+    """An untyped exception whose innermost non-library frame is remat's own passes untyped (exit 3)."""
+    from remat.errors import UserCodeError
+    from remat.units import mib
+    from remat.workload.contract import call_user
+    with pytest.raises(TypeError):
+        call_user("the loss", mib, object())
+    with pytest.raises(UserCodeError) as exc:
+        call_user("the loss", lambda: int("x"))
+    assert "the loss raised ValueError" in exc.value.message and "test_hardening.py" in exc.value.traceback_text

@@ -10,15 +10,21 @@ from importlib import import_module
 from typing import Any
 
 from .errors import (BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch,
-                     MemoryMeasurementError, PlanError, ReceiptError, RematError, ShapeError, VerificationFailed,
-                     WorkloadError)
+                     MemoryMeasurementError, OutputError, PlanError, ReceiptError, RematError, ShapeError, UserCodeError,
+                     VerificationFailed, WorkloadError)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
-from .workload import LoadedWorkload, TrainingStep, Workload, load_workload
 
 __version__ = "0.1.0"
 
-# Heavier stages load on first use (``remat.apply``, ``remat.Plan``...): name -> module.
+# Everything that imports torch loads on first use (``remat.Workload``, ``remat.apply``...): name ->
+# module. ``import remat`` itself stays light, so the ``remat`` command can catch a Ctrl-C during
+# torch's import (NOTE [exit codes] in remat.cli.main).
 _LAZY = {
+    "LoadedWorkload": "remat.workload",
+    "TrainingStep": "remat.workload",
+    "Workload": "remat.workload",
+    "load_workload": "remat.workload",
+    "recover_handle": "remat.apply",
     "Plan": "remat.plan",
     "trace_workload": "remat.trace",
     "StepTrace": "remat.trace",
@@ -32,9 +38,9 @@ _LAZY = {
 
 __all__ = [
     "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
-    "HazardKind", "LoadedWorkload", "MemCategory", "MemoryMeasurementError", "MemorySource", "Phase", "PlanError",
-    "ReceiptError", "RematError", "ShapeError", "TrainingStep", "VerificationFailed", "Workload", "WorkloadError",
-    "__version__", "load_workload", *_LAZY,
+    "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "OutputError", "Phase", "PlanError",
+    "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError",
+    "__version__", *_LAZY,
 ]
 
 

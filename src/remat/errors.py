@@ -1,8 +1,10 @@
 """Typed errors. Library code raises these; only the CLI turns them into exit codes.
 
 Exit codes (see NOTE [exit codes] in remat.cli.main):
-  2  bad input: the user asked for something that cannot be done as asked
+  2  bad input: the user asked for something that cannot be done as asked, or the user's own
+     code (workload factory, batch, loss, model, optimizer) raised: :class:`UserCodeError`
   1  a check ran and failed (verification, receipt check)
+  3  never raised as a RematError: any other exception is a remat bug
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ class RematError(Exception):
     """Base of every error remat raises on purpose. ``exit_code`` is what the CLI returns."""
 
     exit_code: int = 2
+    # A traceback worth showing with the message (the user's own code's, for UserCodeError;
+    # a rank's, for DistributedError): the CLI prints it, escaped, after the message.
+    traceback_text: str | None = None
 
     def __init__(self, message: str, *, tip: str | None = None) -> None:
         self.message = message
@@ -23,8 +28,22 @@ class WorkloadError(RematError):
     """The workload spec, its factory, its shape keywords or its step is unusable."""
 
 
+class UserCodeError(WorkloadError):
+    """The workload's own code raised (its factory, ``batch``, ``loss``, model forward or backward,
+    optimizer): exit 2, with that code's traceback (``traceback_text``) shown by the CLI.
+    NOTE [exit codes] in remat.cli.main says how remat tells this from its own bugs."""
+
+    def __init__(self, message: str, *, tip: str | None = None, traceback_text: str | None = None) -> None:
+        super().__init__(message, tip=tip)
+        self.traceback_text = traceback_text
+
+
 class ShapeError(WorkloadError):
     """A ``--shape k=v,...`` string is malformed or names a keyword the factory lacks."""
+
+
+class OutputError(RematError):
+    """The output folder (``--out``) cannot take remat's files: it is a file, or not writable."""
 
 
 class MemoryMeasurementError(RematError):
@@ -54,7 +73,16 @@ class VerificationFailed(RematError):
 
 
 class DistributedError(RematError):
-    """A distributed run failed: a rank died, timed out, or the configuration is refused."""
+    """A distributed run failed: a rank died, timed out, or the configuration is refused.
+
+    ``exit_code`` is 3 when the first failing rank hit a remat bug (NOTE [exit codes])."""
+
+    def __init__(self, message: str, *, tip: str | None = None, traceback_text: str | None = None,
+                 internal: bool = False) -> None:
+        super().__init__(message, tip=tip)
+        self.traceback_text = traceback_text
+        if internal:
+            self.exit_code = 3
 
 
 class ReceiptError(RematError):

@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from ..errors import CheckFailed, ReceiptError
 from ..receipt import check_receipt, load_receipt
+from .common import MAX_THREADS, bounded_int
 from .render import console, err_console, progress_bar
 
 
@@ -28,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="revision hashes and equivalence only (fast, for every CI run)")
     p.add_argument("--workload", default=None,
                    help="workload spec to use instead of the receipt's (the receipt's is imported otherwise)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
                    help="torch intra-op threads (default: as many as the receipt was made with)")
     p.set_defaults(func=run)
 

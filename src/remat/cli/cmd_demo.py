@@ -29,7 +29,9 @@ import torch
 from ..errors import RematError
 from ..receipt import RunSettings, make_receipt, write_receipt
 from ..workload import load_workload
+from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from .cmd_receipt import render_decision, stage_progress
+from .common import MAX_THREADS, bounded_int, check_out_dir
 from .render import console, err_console
 
 DEMO_WORKLOAD = "gpt"
@@ -50,7 +52,7 @@ DEMO_SETTINGS = RunSettings(
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: plan, prove and publish a receipt for the built-in gpt")
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder (default out/demo)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, NOTE [demo sizing])")
+    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1, help="torch intra-op threads (default 1, NOTE [demo sizing])")
     p.set_defaults(func=run)
 
 
@@ -93,6 +95,7 @@ def _quiet_native_stderr(prefixes: tuple[str, ...] = ("USDT:",)) -> Iterator[Non
 def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise RematError(f"--threads must be at least 1, got {args.threads}")
+    check_out_dir(args.out, (RECEIPT_FILE, HTML_FILE, MD_FILE))
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     shape = ", ".join(f"{k}={v}" for k, v in DEMO_SHAPE.items())

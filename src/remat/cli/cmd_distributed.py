@@ -16,25 +16,26 @@ from ..distributed import DistributedConfig, DistributedReport, Engine, run_conf
 from ..distributed.launch import WORKER_MODULE
 from ..plan.model import Plan
 from ..workload import parse_shape
-from .common import add_workload_args
+from ..errors import OutputError
+from .common import MAX_SECONDS, MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_float, bounded_int, check_out_dir
 from .render import console, fmt_bytes, progress_bar
 
 
 def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
     """``--world-size`` and the options of a distributed run (all prefixed, to sit beside any command's own)."""
     g = p.add_argument_group("distributed (torch.distributed, launched with torchrun)")
-    g.add_argument("--world-size", type=int, default=None, required=required,
+    g.add_argument("--world-size", type=bounded_int(1, 1024), default=None, required=required,
                    help="run the step on N ranks of this host and write DIR/distributed.json" +
                         ("" if required else " (default: no distributed run)"))
     g.add_argument("--engine", choices=[e.value for e in Engine], default=Engine.DDP.value,
                    help="ddp (DistributedDataParallel) or fsdp2 (fully_shard) (default: ddp)")
-    g.add_argument("--dist-steps", type=int, default=10, help="timed warm steps per rank and side (default 10)")
-    g.add_argument("--dist-warmup", type=int, default=2, help="untimed warm-up steps, at least 2 (default 2)")
-    g.add_argument("--dist-comm-steps", type=int, default=3,
+    g.add_argument("--dist-steps", type=bounded_int(1, MAX_STEPS), default=10, help="timed warm steps per rank and side (default 10)")
+    g.add_argument("--dist-warmup", type=bounded_int(2, MAX_WARMUP), default=2, help="untimed warm-up steps, at least 2 (default 2)")
+    g.add_argument("--dist-comm-steps", type=bounded_int(1, MAX_STEPS), default=3,
                    help="extra steps with the compute timer on, for exposed communication (default 3)")
-    g.add_argument("--dist-timeout", type=float, default=120.0,
+    g.add_argument("--dist-timeout", type=bounded_float(0, MAX_SECONDS), default=120.0,
                    help="seconds any one collective may take before the rank fails (default 120)")
-    g.add_argument("--dist-wall-timeout", type=float, default=3600.0,
+    g.add_argument("--dist-wall-timeout", type=bounded_float(0, MAX_SECONDS), default=3600.0,
                    help="seconds the whole distributed run may take (default 3600)")
     g.add_argument("--find-unused-parameters", action="store_true", help="DDP find_unused_parameters=True")
     g.add_argument("--no-ablation", action="store_true", help="skip the no-op comm hook ablation")
@@ -110,12 +111,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan) if args.plan is not None else None
     if args.emit_config is not None:
+        emit = Path(args.emit_config)
+        if emit.is_dir():
+            raise OutputError(f"--emit-config {emit} is a folder; it names the config file to write")
+        check_out_dir(emit.parent if str(emit.parent) else Path("."))
         config_from_args(args, plan).save(args.emit_config)
         console.print(f"wrote {args.emit_config}; on each node run (world size = nnodes x nproc-per-node):")
         console.print(f"  torchrun --nnodes NNODES --nproc-per-node NPROC --rdzv-backend c10d "
                       f"--rdzv-endpoint HOST0:29500 --rdzv-id JOB --max-restarts 0 -m {WORKER_MODULE} "
                       f"--config {args.emit_config} --out {args.out}", highlight=False, soft_wrap=True)
         return 0
+    check_out_dir(args.out, ("distributed.json",))
     report = run_distributed_from_args(args, plan, args.out)
     assert report is not None
     return 0 if report.equivalence is None or report.equivalence.ok else 1

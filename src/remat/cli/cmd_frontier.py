@@ -14,7 +14,7 @@ from ..frontier import DEFAULT_PLANS, Decision, FrontierReport, parse_plan_reque
 from ..plan import Plan, parse_budget, parse_reserve
 from ..profile import profile_workload
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import add_workload_args, load_from_args
+from .common import MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
 from .render import console, fmt_bytes, progress_bar
 
 
@@ -28,15 +28,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plans", default=None,
                    help="comma-separated planner specs; planner@X plans at budget X (default: "
                         + ",".join(DEFAULT_PLANS).replace("%", "%%") + "; the control 'none' is always measured)")
-    p.add_argument("--steps", type=int, default=10, help="timed warm steps per plan, interleaved (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default 2)")
+    p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=10, help="timed warm steps per plan, interleaved (default 10)")
+    p.add_argument("--warmup", type=bounded_int(1, MAX_WARMUP), default=2, help="untimed warm-up rounds (default 2)")
     p.add_argument("--capacity-key", default="batch_size",
                    help="shape keyword whose largest fitting value is searched (default batch_size; e.g. seq_len)")
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity search")
-    p.add_argument("--capacity-max", type=int, default=None, help="largest value tried (default 64x the current one)")
-    p.add_argument("--capacity-tries", type=int, default=8, help="most probes per plan (default 8)")
-    p.add_argument("--capacity-steps", type=int, default=3, help="timed steps per plan at its capacity (default 3)")
-    p.add_argument("--capacity-granularity", type=int, default=1,
+    p.add_argument("--capacity-max", type=bounded_int(1, 2 ** 31), default=None, help="largest value tried (default 64x the current one)")
+    p.add_argument("--capacity-tries", type=bounded_int(1, MAX_TRIES), default=8, help="most probes per plan (default 8)")
+    p.add_argument("--capacity-steps", type=bounded_int(1, MAX_STEPS), default=3, help="timed steps per plan at its capacity (default 3)")
+    p.add_argument("--capacity-granularity", type=bounded_int(1, 2 ** 31), default=1,
                    help="stop bisecting when the bracket is this narrow (default 1: the exact value)")
     p.add_argument("--out", required=True, type=Path, help="output folder (frontier.json, frontier.png)")
     add_distributed_args(p)
@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             raise RematError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.capacity_max is not None and args.capacity_max < 1:
         raise RematError(f"--capacity-max must be at least 1, got {args.capacity_max}")
+    check_out_dir(args.out, ("frontier.json", "frontier.png", "distributed.json"))
     loaded = load_from_args(args)
     with progress_bar() as progress:
         report = profile_workload(loaded, progress=progress)

@@ -13,7 +13,7 @@ from ..plan import PLANNER_SPECS, Plan, parse_budget, parse_reserve
 from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated, profile_workload
 from ..workload import parse_shape
-from .common import add_workload_args, load_from_args
+from .common import add_workload_args, check_out_dir, load_from_args
 from .render import console, fmt_bytes, progress_bar
 
 
@@ -94,6 +94,10 @@ def render_plan(plan: Plan) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    parse_reserve(args.reserve)
+    if args.budget is not None:
+        parse_budget(args.budget, 1 << 50)
+    check_out_dir(args.out, ("plan.json", "profile.json"))
     with progress_bar() as progress:
         report, result = plan_from_args(args, progress)
     plan = result.plan if isinstance(result, ClosedLoopResult) else result

@@ -16,9 +16,10 @@ from rich.markup import escape
 from ..errors import RematError
 from ..plan import parse_budget, parse_reserve
 from ..receipt import Receipt, ReceiptFiles, RunSettings, make_receipt, write_receipt
+from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
-from .common import add_workload_args, load_from_args
+from .common import MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_workload_args, bounded_int, check_out_dir, load_from_args
 from .render import console, err_console, progress_bar
 
 
@@ -38,15 +39,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     d = RunSettings()
-    p.add_argument("--verify-steps", type=int, default=d.verify_steps, help=f"steps per paired run (default {d.verify_steps})")
-    p.add_argument("--verify-seeds", type=int, default=d.verify_seeds, help=f"paired runs (default {d.verify_seeds})")
+    p.add_argument("--verify-steps", type=bounded_int(1, MAX_STEPS), default=d.verify_steps, help=f"steps per paired run (default {d.verify_steps})")
+    p.add_argument("--verify-seeds", type=bounded_int(1, MAX_SEEDS), default=d.verify_seeds, help=f"paired runs (default {d.verify_seeds})")
     p.add_argument("--plans", default=",".join(d.frontier_plans),
                    help="frontier plans, as remat frontier takes them (default: "
                         + ",".join(d.frontier_plans).replace("%", "%%") + ")")
-    p.add_argument("--frontier-steps", type=int, default=d.frontier_steps,
+    p.add_argument("--frontier-steps", type=bounded_int(1, MAX_STEPS), default=d.frontier_steps,
                    help=f"timed warm steps per plan (default {d.frontier_steps})")
     p.add_argument("--no-capacity", action="store_true", help="skip the batch capacity search")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
+    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--saving-tolerance", default="10%",
                    help="how far a boundary's measured saving may fall before remat check fails (default 10%%)")
 
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     parse_budget(args.budget, 1 << 50)  # cheap syntax checks before minutes of measuring
     settings = settings_from_args(args)
     boundary = parse_shape(args.boundary_shape) or None
+    check_out_dir(args.out, (RECEIPT_FILE, HTML_FILE, MD_FILE))
     loaded = load_from_args(args)
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
     command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""

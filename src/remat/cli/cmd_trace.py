@@ -12,7 +12,7 @@ from ..errors import WorkloadError
 from ..simulate import DEVICE_MODELS, simulate_workload
 from ..trace import StepTrace, to_perfetto, trace_workload
 from ..workload import parse_shape
-from .common import add_workload_args, load_from_args
+from .common import MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
 from .render import console, fmt_bytes, progress_bar
 
 
@@ -20,8 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="trace a training step by phase and find the blocking peak")
     add_workload_args(p)
     p.add_argument("--boundary-shape", default="", help="a second shape to trace (e.g. the first one that does not fit)")
-    p.add_argument("--warmup", type=int, default=2, help="untraced warm-up steps (default 2)")
-    p.add_argument("--steps", type=int, default=3, help="traced steps (default 3)")
+    p.add_argument("--warmup", type=bounded_int(0, MAX_WARMUP), default=2, help="untraced warm-up steps (default 2)")
+    p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=3, help="traced steps (default 3)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--simulate", action="store_true",
                    help="run the step under FakeTensorMode: any shape, nothing allocated, memory_source 'simulated'")
@@ -52,6 +52,7 @@ def render_trace(trace: StepTrace, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     boundary = parse_shape(args.boundary_shape)
+    check_out_dir(args.out, ("trace.json", "trace.perfetto.json", "simulation.json", "trace.boundary.perfetto.json"))
     if args.target_device and not args.simulate:
         raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
     sim = None

@@ -11,7 +11,7 @@ from .._io import atomic_write_json
 from ..apply import load_plan
 from ..verify import VerifyReport, verify_plan
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import add_workload_args, load_from_args
+from .common import MAX_SEEDS, MAX_STEPS, add_workload_args, bounded_int, check_out_dir, load_from_args
 from .render import console, progress_bar
 
 
@@ -19,9 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="prove the planned step trains exactly like the unmodified one")
     add_workload_args(p)
     p.add_argument("--plan", required=True, type=Path, help="plan.json from `remat plan`")
-    p.add_argument("--steps", type=int, default=3, help="training steps per paired run (default 3)")
-    p.add_argument("--seeds", type=int, default=3, help="paired runs with seeds 0..N-1 (default 3)")
-    p.add_argument("--timing-steps", type=int, default=10,
+    p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=3, help="training steps per paired run (default 3)")
+    p.add_argument("--seeds", type=bounded_int(1, MAX_SEEDS), default=3, help="paired runs with seeds 0..N-1 (default 3)")
+    p.add_argument("--timing-steps", type=bounded_int(0, MAX_STEPS), default=10,
                    help="timed steps per variant for the RNG preservation overhead (default 10, 0 to skip)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     add_distributed_args(p)
@@ -74,6 +74,7 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # bad plan -> PlanError, exit 2, before building anything
+    check_out_dir(args.out, ("verify.json", "distributed.json"))
     loaded = load_from_args(args)
     with progress_bar() as progress:
         report = verify_plan(loaded, plan, steps=args.steps, seeds=args.seeds, timing_steps=args.timing_steps,

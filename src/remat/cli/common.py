@@ -3,8 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
 
+from ..errors import OutputError
+from ..receipt.schema import MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP
 from ..workload import LoadedWorkload, load_workload, parse_shape
+
+
+MAX_THREADS = 4096
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+def bounded_int(lo: int, hi: int):  # noqa: ANN201 - an argparse ``type``
+    """An argparse type: an integer in [lo, hi]. A count past ``hi`` is a typo or a hang, never a setting."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must lie in [{lo}, {hi}], got {text[:40]}")
+        return value
+    return parse
+
+
+def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
+    """An argparse type: a finite number in (lo, hi]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
+        if not lo < value <= hi:
+            raise argparse.ArgumentTypeError(f"must lie in ({lo:g}, {hi:g}], got {text[:40]}")
+        return value
+    return parse
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -17,3 +53,33 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def load_from_args(args: argparse.Namespace) -> LoadedWorkload:
     return load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype)
+
+
+def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
+    """Refuse an ``--out`` that cannot take ``files`` (OutputError, exit 2), before minutes of measuring.
+
+    Creates nothing: it finds the folder, or the nearest existing folder above it, and creates
+    and removes one temporary file there (permission bits say nothing when running as root, and
+    a read-only file system or ``/proc`` refuses writes whatever they say).
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is an existing file, not a folder", tip="name a folder (it is created)")
+    probe_dir = out
+    while not probe_dir.exists():
+        if probe_dir.parent == probe_dir:
+            break
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise OutputError(f"--out {out} cannot be created: {probe_dir} is a file, not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".remat-write-check.", dir=probe_dir)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        where = "in it" if probe_dir == out else f"in {probe_dir}, where it would be created"
+        raise OutputError(f"--out {out} is not writable: cannot create a file {where} ({exc.strerror or exc})",
+                          tip="name a folder you can write to") from None
+    for name in files:
+        if (out / name).is_dir():
+            raise OutputError(f"--out {out}: {out / name} is a folder, and remat writes a file there")

@@ -104,13 +104,13 @@ class _Side:
         if mode == "eval":
             self.model.eval()
         try:
-            batch = self.workload.batch(step)
+            batch = self.trainer.batch(step)
             loss = self.trainer.forward(batch)
-            loss.backward()
+            self.trainer.backward(loss)
             fault = self.fault(self.model) if self.fault is not None else None
             grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.model.named_parameters()}
             if mode == "train":
-                self.trainer.optimizer.step()
+                self.trainer.optimizer_step()
             self.trainer.optimizer.zero_grad(set_to_none=True)
         finally:
             for m, flag in training.items():

@@ -3,13 +3,77 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+import math
+import os
+import sysconfig
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-from ..errors import WorkloadError
+from ..errors import RematError, UserCodeError, WorkloadError
 from ..types import Phase
+
+T = TypeVar("T")
+
+# NOTE [user code errors]
+# Every call into the workload's own code (factory, ``batch``, ``loss`` with the model's forward,
+# ``backward``, the optimizer) goes through :func:`call_user`. An exception from it is the
+# user's to fix: it becomes a :class:`UserCodeError` (exit 2) carrying the user's traceback,
+# except
+# - remat's own typed errors (a RematError raised by a tracker inside the forward, e.g. the
+#   frontier's PeakLimitExceeded) and out-of-memory errors, which callers measure, pass as they are;
+# - an exception raised *by remat's code* running inside the user's step (a dispatch mode, a
+#   checkpoint wrapper, a verify probe): the innermost frame of its traceback outside torch and
+#   the standard library is in remat's package (not in the built-in workloads, which are
+#   workload code), so it is a remat bug and passes on untyped, for the CLI to report as exit 3.
+_REMAT_DIR = Path(__file__).resolve().parents[1]
+_BUILTINS_DIR = _REMAT_DIR / "workload" / "builtins"
+_LIBRARY_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in
+                      {os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]})
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
+
+
+def raised_by_remat(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc``'s traceback outside torch and the standard library
+    is remat's own code (NOTE [user code errors]). The first frame (the catcher's) is skipped."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]
+    for frame in reversed(frames):
+        path = os.path.realpath(frame.filename)
+        if path.startswith(_LIBRARY_DIRS):
+            continue
+        p = Path(path)
+        return p.is_relative_to(_REMAT_DIR) and not p.is_relative_to(_BUILTINS_DIR)
+    return False
+
+
+def user_traceback(exc: BaseException, max_frames: int = 12) -> str:
+    """The exception's traceback without the catcher's frame, its last ``max_frames`` frames."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:][-max_frames:]
+    return ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+            + "".join(traceback.format_exception_only(type(exc), exc))).rstrip()
+
+
+def call_user(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call the workload's own code ``fn``; NOTE [user code errors] says what it raises."""
+    try:
+        return fn(*args, **kwargs)
+    except RematError:
+        raise
+    except Exception as exc:
+        if _is_allocation_failure(exc) or raised_by_remat(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserCodeError(f"{what} raised {type(exc).__name__}: {first}", traceback_text=user_traceback(exc),
+                            tip="the traceback above is your workload's code: fix it there") from exc
 
 PhaseMarker = Callable[[Phase], None]
 
@@ -43,10 +107,7 @@ class Workload:
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         factory = self.optimizer or _default_optimizer
-        try:
-            opt = factory(self.model.parameters())
-        except Exception as exc:  # the user's code: report it, typed
-            raise WorkloadError(f"the workload's optimizer factory raised {type(exc).__name__}: {exc}") from exc
+        opt = call_user("the workload's optimizer factory", factory, self.model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
             raise WorkloadError(f"the workload's optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
         return opt
@@ -69,24 +130,41 @@ class TrainingStep:
         self.optimizer = workload.make_optimizer()
 
     def run(self, step: int, marker: PhaseMarker = _noop) -> float:
-        w = self.workload
         marker(Phase.BATCH)
-        try:
-            batch = w.batch(step)
-        except Exception as exc:
-            raise WorkloadError(f"the workload's batch({step}) raised {type(exc).__name__}: {exc}") from exc
+        batch = self.batch(step)
         marker(Phase.FORWARD)
         loss = self.forward(batch)
         marker(Phase.BACKWARD)
-        loss.backward()
+        self.backward(loss)
         marker(Phase.OPTIMIZER)
-        self.optimizer.step()
+        self.optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        value = float(loss.detach())   # syncs the device once per step, as it always did
+        if not math.isfinite(value):
+            raise WorkloadError(
+                f"the workload's loss is {value} at step {step}: there is nothing to plan or verify on a step "
+                "that does not train", tip="check the batch (an empty batch, e.g. batch_size=0, gives a NaN mean) "
+                                           "and the learning rate")
+        return value
+
+    def batch(self, step: int) -> Any:
+        """``workload.batch(step)``, with the contract checked: no empty tensor (``batch_size=0``)."""
+        batch = call_user(f"the workload's batch({step})", self.workload.batch, step)
+        for leaf in tree_leaves(batch):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+                raise WorkloadError(f"the workload's batch({step}) holds an empty tensor of shape {tuple(leaf.shape)}",
+                                    tip="a shape keyword is 0 (batch_size=0?): a step on no data measures nothing")
+        return batch
+
+    def backward(self, loss: torch.Tensor) -> None:
+        call_user("the backward pass", loss.backward)
+
+    def optimizer_step(self) -> None:
+        call_user("the optimizer's step()", self.optimizer.step)
 
     def forward(self, batch: Any) -> torch.Tensor:
         """The forward phase with the contract checked: a scalar, differentiable loss."""
-        loss = self.workload.loss(self.workload.model, batch)
+        loss = call_user("the workload's loss (the forward phase)", self.workload.loss, self.workload.model, batch)
         if not isinstance(loss, torch.Tensor):
             raise WorkloadError(f"the workload's loss returned {type(loss).__name__}, not a tensor")
         if loss.numel() != 1 or loss.dim() != 0:

@@ -7,14 +7,16 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import math
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..errors import ShapeError, WorkloadError
-from .contract import Workload
+from .contract import Workload, call_user
 
 BUILTINS: dict[str, str] = {
     "gpt": "remat.workload.builtins.gpt:build",
@@ -22,7 +24,7 @@ BUILTINS: dict[str, str] = {
     "mlp": "remat.workload.builtins.mlp:build",
 }
 
-ShapeValue = int | float | str
+ShapeValue = int | float | str | bool
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,6 +56,9 @@ def parse_shape(text: str | None) -> dict[str, ShapeValue]:
         if not sep or not key.isidentifier() or not raw:
             raise ShapeError(f"bad shape item {part!r}: expected key=value, e.g. batch_size=16,seq_len=512")
         value: ShapeValue
+        if raw.lower() in ("true", "false"):
+            out[key] = raw.lower() == "true"
+            continue
         try:
             value = int(raw)
         except ValueError:
@@ -97,10 +102,10 @@ def _resolve_factory(spec: str) -> Callable[..., Any]:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
         try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:
+            call_user(f"importing {path}", module_spec.loader.exec_module, module)
+        except BaseException:
             sys.modules.pop(mod_name, None)
-            raise WorkloadError(f"importing {path} raised {type(exc).__name__}: {exc}") from exc
+            raise
     else:
         try:
             module = importlib.import_module(where)
@@ -121,6 +126,79 @@ def factory_keywords(factory: Callable[..., Any]) -> tuple[set[str], bool]:
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     return names, var_kw
+
+
+# NOTE [shape conformance]
+# Shape keywords come from text (``--shape batch_size=abc``) or from a receipt (untrusted
+# JSON), so each value is checked against the type the factory declares for that keyword
+# *before* the factory is called: its annotation (a type, or under ``from __future__ import
+# annotations`` a string, read without evaluating it: ``int``, ``float``, ``bool``, ``str``,
+# ``X | None``, ``Optional[X]``), else the type of its default. Ints stay ints (``8.0`` is not
+# an ``int``, ``true`` is not ``1``); an ``int`` is accepted where a ``float`` is declared. A
+# keyword with no declared or default type is passed as it is.
+_SCALARS: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _declared_types(p: inspect.Parameter) -> tuple[type, ...] | None:
+    """The scalar types parameter ``p`` declares (NOTE [shape conformance]); None: not declared or not scalar."""
+    ann = p.annotation
+    if ann is inspect.Parameter.empty:
+        d = p.default
+        return (type(d),) if type(d) in (bool, int, float, str) else None
+    if isinstance(ann, str):
+        text = ann.replace(" ", "").replace("typing.", "")
+        if text.startswith("Optional[") and text.endswith("]"):
+            text = text[len("Optional["):-1]
+        names = [t for t in text.split("|") if t != "None"]
+        if names and all(n in _SCALARS for n in names):
+            return tuple(_SCALARS[n] for n in names)
+        return None
+    if ann in (bool, int, float, str):
+        return (ann,)
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if args and all(a in (bool, int, float, str) for a in args):
+        return tuple(args)
+    return None
+
+
+def _conforms(value: Any, types: tuple[type, ...]) -> bool:
+    for t in types:
+        if t is bool and isinstance(value, bool):
+            return True
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if t is str and isinstance(value, str):
+            return True
+    return False
+
+
+def conform_shape(factory: Callable[..., Any], spec: str, shape: dict[str, Any]) -> dict[str, ShapeValue]:
+    """Check every shape value against the factory's declared type (NOTE [shape conformance]); ShapeError if off."""
+    params = inspect.signature(factory).parameters
+    out: dict[str, ShapeValue] = {}
+    for key, value in shape.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise ShapeError(f"shape keyword {key}: {type(value).__name__} values are not shape values "
+                             "(use numbers, true/false or text)")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ShapeError(f"shape keyword {key}={value}: not a finite number")
+        p = params.get(key)
+        types = _declared_types(p) if p is not None else None
+        if types is not None and not _conforms(value, types):
+            declared = " | ".join(t.__name__ for t in types)
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ShapeError(f"shape keyword {key}={shown}: workload {spec!r} declares {key}: {declared}, "
+                             f"and {shown} is a {type(value).__name__}",
+                             tip=f"pass {key} as {'an integer' if types == (int,) else 'a ' + declared} "
+                                 f"(e.g. --shape {key}={_example(types)})")
+        out[key] = value
+    return out
+
+
+def _example(types: tuple[type, ...]) -> str:
+    return {int: "8", float: "0.5", bool: "true", str: "text"}[types[0]]
 
 
 def _check_device(device: str) -> None:
@@ -151,6 +229,7 @@ def load_workload(
     if unknown:
         allowed = sorted(names - {"device", "dtype"})
         raise ShapeError(f"workload {spec!r} has no shape keyword {', '.join(unknown)}; it accepts: {', '.join(allowed) or 'none'}")
+    shape = conform_shape(factory, spec, shape)
     kwargs: dict[str, Any] = dict(shape)
     torch_dtype = parse_dtype(dtype)
     if "device" in names:
@@ -158,10 +237,7 @@ def load_workload(
     if "dtype" in names:
         kwargs["dtype"] = torch_dtype
     torch.manual_seed(0)  # model init is part of the workload: make it reproducible
-    try:
-        built = factory(**kwargs)
-    except Exception as exc:
-        raise WorkloadError(f"workload factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
+    built = call_user(f"workload factory {spec!r}", factory, **kwargs)
     if not isinstance(built, Workload):
         raise WorkloadError(f"workload factory {spec!r} returned {type(built).__name__}, not remat.Workload")
     return LoadedWorkload(spec=spec, shape=shape, device=device, dtype=dtype, workload=built)
