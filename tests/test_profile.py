@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 from torch.utils.checkpoint import checkpoint
 
 from remat.errors import CandidateError
 from remat.memory import LiveTensorTracker, measure_step_peak, track_step_state
+from remat.plan.planners import classify_candidates
 from remat.profile import ProfileReport, auto_candidates, profile_workload, resolve_candidates
 from remat.types import CheckpointMode as M
 from remat.types import HazardKind, Phase
@@ -113,6 +115,11 @@ def test_hazard_inventory():
     detail = next(h.detail for c in report.candidates if c.name == "blocks.1" for h in c.hazards)
     assert "calls" in detail
     assert HazardKind.INPLACE_INPUT in by["blocks.3"]
+    # both real hazards are kept because a replay reproduced them (NOTE [confirmed hazards])
+    details = {c.name: " ".join(h.detail for h in c.hazards) for c in report.candidates}
+    m = re.search(r"confirmed by a replay: calls: (\d+) after the forward, (\d+) after a replay", details["blocks.1"])
+    assert m and int(m.group(2)) == int(m.group(1)) + 1
+    assert "confirmed by a replay" in details["blocks.3"] and "differs on replay" in details["blocks.3"]
     assert "shared" in report.excluded and "2 times" in report.excluded["shared"]
 
 
@@ -122,9 +129,53 @@ def test_hazards_cnn_batchnorm_guardable_and_gpt_rng():
     assert h.kind is HazardKind.BUFFER_MUTATION and h.guardable and "num_batches_tracked" in h.detail
     gpt = profile_workload(load_workload("gpt", TINY["gpt"]), candidates=["h.0.mlp", "h.0.ln_1"], repeats=2)
     kinds = {c.name: [h.kind for h in c.hazards] for c in gpt.candidates}
-    assert kinds == {"h.0.mlp": [HazardKind.RNG], "h.0.ln_1": []}
+    assert kinds == {"h.0.mlp": [HazardKind.RNG]}
+    # the tiny GPT's LayerNorm saves nothing of its own: offering it could only raise the peak
+    assert "frees nothing" in gpt.excluded["h.0.ln_1"]
 
 
 def test_report_json_round_trip():
     r = profile_workload(load_workload("mlp", TINY["mlp"]), repeats=2)
     assert ProfileReport.from_json(r.to_json()).to_json() == r.to_json()
+
+
+INPLACE = f"{FIXTURES / 'inplace_between.py'}:build"
+
+
+def test_inplace_between_modules_is_no_hazard():
+    """Issue 11: ``a(x).relu_()`` between modules and ``ReLU(inplace=True)`` exclude nothing."""
+    report = profile_workload(load_workload(INPLACE, {"halver": 1}),
+                              candidates=["blocks.0", "blocks.0.b", "blocks.1", "gate", "halver"], repeats=2)
+    by = {c.name: [h.kind for h in c.hazards] for c in report.candidates}
+    assert by["blocks.0"] == [] and by["blocks.1"] == []
+    # blocks.0.b's window starts right after the relu_: the op is attributed to blocks.0, not to b
+    assert "blocks.0.b" not in report.refuted_hazards and by.get("blocks.0.b", []) == []
+    # gate writes relu_ into its input: suspected, and the replay refuted it
+    assert report.refuted_hazards["gate"] == ["inplace_input: writes in place into one of its inputs"]
+    assert by["gate"] == []
+    # the negative control: Halver halves its input in place, and its replay really differs
+    (h,) = by["halver"]
+    assert h is HazardKind.INPLACE_INPUT
+    elig = classify_candidates(report)
+    assert {"blocks.0", "blocks.1"} <= set(elig.allowed) and "halver" not in elig.allowed
+
+
+def test_inplace_between_modules_attribution_without_confirmation():
+    """The attribution alone (before any replay) must not blame ``b`` for the ``relu_`` before it."""
+    from remat.profile import measure
+    seen = {}
+    real = measure.confirm_hazards
+
+    def spy(step, modules, candidates, index):
+        seen.update(candidates)
+        return real(step, modules, candidates, index)
+
+    measure.confirm_hazards = spy
+    try:
+        report = profile_workload(load_workload(INPLACE), candidates=["blocks.0.b", "blocks.0.act", "gate"], repeats=1)
+    finally:
+        measure.confirm_hazards = real
+    assert "blocks.0.b" not in seen                      # never even suspected
+    assert [h.kind for h in seen["gate"]] == [HazardKind.INPLACE_INPUT]  # suspected, then refuted
+    # ReLU(inplace=True) alone saves nothing of its own: not offered at all
+    assert "frees nothing" in report.excluded["blocks.0.act"]

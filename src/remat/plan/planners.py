@@ -10,7 +10,11 @@ needed, they never fail on one, they report their predicted peak), ``greedy`` an
 
 NOTE [hazard policy]
 Per candidate, from its own hazards and those of every candidate nested in it (a
-checkpointed parent replays its children too):
+checkpointed parent replays its children too), except a nested candidate's in-place write
+into its own input (an intermediate of the parent, recreated by the parent's replay; the
+parent's own inputs are checked in the parent's window). Hazards other than RNG reach the
+planner only when a replay confirmed them (NOTE [confirmed hazards] in profile/confirm.py):
+a suspicion that a replay did not reproduce is dropped.
 - in ``report.excluded``: always excluded, with the profiler's reason;
 - RNG: not a hazard while RNG state is preserved (the replay draws the same numbers);
   with ``preserve_rng_state=False`` it is a blocking hazard;
@@ -124,7 +128,11 @@ def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
         if not modes:
             excluded.append(Exclusion(module=c.name, reason="no checkpoint mode was measured for it"))
             continue
-        hazards = [(h, None) for h in c.hazards] + [(h, d.name) for d in nested[c.name] for h in d.hazards]
+        # A nested candidate's in-place write into *its* input is a write into an intermediate
+        # of this region, which its replay recreates: only this region's own inputs matter here,
+        # and the profiler checks those in this region's window (writes by nested code included).
+        hazards = [(h, None) for h in c.hazards] + [(h, d.name) for d in nested[c.name] for h in d.hazards
+                                                    if h.kind is not HazardKind.INPLACE_INPUT]
         blocking, guardable = [], []
         for h, where in hazards:
             if h.kind is HazardKind.RNG and preserve_rng_state:

@@ -11,26 +11,48 @@ from ..errors import CandidateError
 
 
 def auto_candidates(model: nn.Module) -> list[str]:
-    """Repeated children of ModuleList/Sequential containers, plus their direct children.
+    """Every module subtree whose checkpoint could free bytes, in forward-definition order.
 
-    "Repeated" means a container holding at least two children of the same class: the
-    transformer layers of ``h``, the residual ``blocks``. Their direct children give finer
-    boundaries (attention vs MLP). Containers themselves are never candidates: they have
-    no forward of their own (ModuleList) or are the whole chain (Sequential).
+    NOTE [natural blocks]
+    Architectures name their blocks in many ways: ``nn.ModuleList`` of layers (GPT), a
+    ``Sequential`` of residual blocks (ResNet), or distinct classes side by side (a U-Net's
+    ``Down``/``Up`` stages, a T5 layer's self-attention and feed-forward halves). So:
+    - *blocks*: children that share their class with a sibling: any child of a
+      ``ModuleList``/``Sequential`` container, a non-leaf child of any other module (but
+      not a generic ``Sequential``: a stem and a body both being ``Sequential`` says nothing);
+    - the direct children of blocks (attention vs MLP, a single norm), as before;
+    - every other non-leaf module (it has a forward with a subtree that saves tensors),
+      except the root and the *ancestors* of blocks: an ancestor of the blocks wraps the
+      whole chain (HF's ``transformer``, ResNet's ``layer1``), so its checkpoint would
+      replay everything at once and keep nothing it frees;
+    - never ``ModuleList``/``ModuleDict``: they have no forward.
+    Shared modules appear once, under their first path. Whether a candidate frees anything
+    is for the profile to measure (one that frees nothing is excluded there, with its bytes).
     """
-    out: list[str] = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
+    modules = dict(model.named_modules())        # deduplicated: shared modules under their first path
+    path_of = {id(m): p for p, m in modules.items()}
+    no_forward = (nn.ModuleList, nn.ModuleDict)
+
+    def leaf(m: nn.Module) -> bool:
+        return next(m.children(), None) is None
+
+    blocks: list[str] = []
+    for mod in modules.values():
+        container = isinstance(mod, (nn.ModuleList, nn.Sequential))
         counts = Counter(type(c) for c in mod.children())
-        for child_name, child in mod.named_children():
-            if counts[type(child)] < 2:
-                continue
-            path = f"{name}.{child_name}" if name else child_name
-            out.append(path)
-            out += [f"{path}.{g}" for g, _ in child.named_children()]
-    seen: set[str] = set()
-    return [n for n in out if not (n in seen or seen.add(n))]
+        for child in mod.children():
+            path = path_of.get(id(child), "")
+            generic = isinstance(child, (nn.Sequential, *no_forward))  # two Sequentials are not two blocks
+            if path and counts[type(child)] >= 2 and (container or not (leaf(child) or generic)) \
+                    and not isinstance(child, no_forward):
+                blocks.append(path)
+    ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
+    ancestors.add("")
+    chosen = set(blocks)
+    for b in blocks:
+        chosen.update(path_of[id(c)] for c in modules[b].children() if id(c) in path_of)
+    chosen.update(p for p, m in modules.items() if p and not leaf(m) and p not in ancestors)
+    return [p for p in modules if p in chosen and p not in ancestors and not isinstance(modules[p], no_forward)]
 
 
 def resolve_candidates(model: nn.Module, specs: list[str] | None) -> list[str]:

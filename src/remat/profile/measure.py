@@ -35,10 +35,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..memory.measure import measure_step_peak
 from ..memory.tracker import StorageRecord
 from ..trace.recorder import ModuleWindow, StepRecorder
+from ..units import mib
 from ..types import SAC_SAVE_OPS, CheckpointMode, HazardKind, MemorySource, ProgressFn, no_progress
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
 from .candidates import parent_of, resolve_candidates
+from .confirm import confirm_hazards
 from .fingerprint import fingerprint
 from .hazards import HazardProbe
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
@@ -91,16 +93,18 @@ class _OpLog:
 
     def __init__(self, rec: StepRecorder) -> None:
         self.rec = rec
-        self.ops: list[tuple[int, bool, int]] = []        # (event index, is SAC save op, ns)
+        # Every entry carries the innermost module running when the op ran (NOTE [op attribution]).
+        self.ops: list[tuple[int, str, bool, int]] = []   # (event index, module, is SAC save op, ns)
         self.sac_records: list[StorageRecord] = []        # storages produced by SAC_SAVE_OPS
-        self.device_moves: list[tuple[int, str]] = []     # (event, "cpu -> cuda:0")
-        self.inplace: list[tuple[int, int]] = []          # (event, storage key written in place)
-        self.rng_ops: list[tuple[int, str]] = []          # (event, op) ops that draw random numbers
+        self.device_moves: list[tuple[int, str, str]] = []  # (event, module, "cpu -> cuda:0")
+        self.inplace: list[tuple[int, str, int]] = []     # (event, module, storage key written in place)
+        self.rng_ops: list[tuple[int, str, str]] = []     # (event, module, op) ops that draw random numbers
 
     def __call__(self, func: Any, args: tuple, out: Any, ns: int, ev: int) -> None:
         name = _packet(func)
+        mod = self.rec.tracker.module
         is_save = name in SAC_SAVE_OPS
-        self.ops.append((ev, is_save, ns))
+        self.ops.append((ev, mod, is_save, ns))
         if is_save and isinstance(out, torch.Tensor):
             rec = self.rec.tracker.records.get(out.untyped_storage()._cdata)
             if rec is not None:
@@ -108,11 +112,11 @@ class _OpLog:
         if name in ("_to_copy", "copy_") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
             if src.device != out.device:
-                self.device_moves.append((ev, f"{src.device} -> {out.device}"))
+                self.device_moves.append((ev, mod, f"{src.device} -> {out.device}"))
         if _draws_random(name, args):
-            self.rng_ops.append((ev, name))
+            self.rng_ops.append((ev, mod, name))
         if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
-            self.inplace.append((ev, args[0].untyped_storage()._cdata))
+            self.inplace.append((ev, mod, args[0].untyped_storage()._cdata))
 
 
 def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int) -> tuple[dict[str, float], list[float]]:
@@ -169,6 +173,20 @@ def _rows(rec: StepRecorder, spans: dict[str, tuple[int, int, int | None, int | 
     return sorted(rows, key=lambda r: -r.base_bytes)  # the planner prunes dominated rows itself
 
 
+def _inside(w: ModuleWindow, event: int, module: str) -> bool:
+    """Did an op seen at tracker ``event`` while ``module`` ran belong to window ``w``?
+
+    NOTE [op attribution]
+    Event indices count allocations and frees only, so an op that allocates nothing (an
+    in-place ``relu_`` *between* two modules: ``f = a(x).relu_(); b(f)``) carries the
+    index of the next allocation, which may be the first event of ``b``'s window. The
+    module stack is exact: the op belongs to ``w`` when it ran while ``w``'s module (or
+    one nested in it) was the innermost module running, and inside ``w``'s event range.
+    """
+    in_module = module == w.name or module.startswith(w.name + ".")
+    return in_module and w.fwd_start <= event <= w.fwd_end
+
+
 class _StepEvidence:
     """What one recorded baseline step says about any forward window (NOTE [what one profiled step gives])."""
 
@@ -194,7 +212,7 @@ class _StepEvidence:
         """(bytes SAC keeps, share of forward time in SAC_SAVE_OPS, number of ops) in the window."""
         fs, fe = w.fwd_start, w.fwd_end
         kept = sum({id(r): r.nbytes for r in self.oplog.sac_records if fs <= r.alloc_event < fe}.values())
-        ops = [(is_save, ns) for ev, is_save, ns in self.oplog.ops if fs <= ev <= fe]
+        ops = [(is_save, ns) for ev, mod, is_save, ns in self.oplog.ops if _inside(w, ev, mod)]
         total_ns = sum(ns for _, ns in ops) or 1
         return kept, sum(ns for is_save, ns in ops if is_save) / total_ns, len(ops)
 
@@ -205,18 +223,20 @@ class _StepEvidence:
 
     def hazards(self, w: ModuleWindow, probed: list[HazardRecord]) -> list[HazardRecord]:
         """The probe's findings plus what the op log saw inside the window."""
-        fs, fe = w.fwd_start, w.fwd_end
         out = list(probed)
-        moves = [d for ev, d in self.oplog.device_moves if fs <= ev < fe]
+        moves = [d for ev, mod, d in self.oplog.device_moves if _inside(w, ev, mod)]
         if moves:
             out.append(HazardRecord(kind=HazardKind.DEVICE_MOVE, detail=f"tensor moved inside the region: {moves[0]}"))
-        rng = [op for ev, op in self.oplog.rng_ops if fs <= ev < fe]
+        rng = [op for ev, mod, op in self.oplog.rng_ops if _inside(w, ev, mod)]
         if rng and not any(h.kind is HazardKind.RNG for h in out):
             out.append(HazardRecord(kind=HazardKind.RNG, detail=f"draws random numbers in forward ({rng[0]}): "
                                                                 "safe while RNG state is preserved"))
         inputs = set(w.input_keys)
-        if any(fs <= ev < fe and key in inputs for ev, key in self.oplog.inplace):
-            out.append(HazardRecord(kind=HazardKind.INPLACE_INPUT, detail="writes in place into one of its inputs"))
+        written = [op_mod for ev, op_mod, key in self.oplog.inplace if key in inputs and _inside(w, ev, op_mod)]
+        if written:
+            where = f" (in {written[0]})" if written[0] != w.name else ""
+            out.append(HazardRecord(kind=HazardKind.INPLACE_INPUT,
+                                    detail=f"writes in place into one of its inputs{where}"))
         return out
 
 
@@ -277,6 +297,12 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
             continue
         w = last_window[name]
         full_saved, unsaved_inputs = evidence.full_saved_bytes(w)
+        if full_saved <= 0 and runtime is None:
+            # checkpointing it can only keep its inputs alive longer: never offer it (issue 11:
+            # single Conv/BN/ReLU layers whose checkpoints raised the measured peak)
+            excluded[name] = (f"frees nothing until backward: it saves {mib(full_saved + unsaved_inputs)} "
+                              f"for backward and a checkpoint would keep {mib(unsaved_inputs)} of inputs")
+            continue
         sac_kept, save_share, n_ops = evidence.sac_figures(w)
         extra = max(0, evidence.forward_rise(w) - max(full_saved, 0))
         t_fwd = fwd_ms.get(name, (w.fwd_end_ns - w.fwd_start_ns) / 1e6)
@@ -294,6 +320,16 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
                                    parent=parent_of(name, cand_set), fwd_ms=t_fwd,
                                    input_bytes=unsaved_inputs, saved_bytes=saved, replay_ms=replay,
                                    replay_extra_bytes=extras, hazards=evidence.hazards(w, probes[name].found)))
+    refuted: dict[str, list[str]] = {}
+    if runtime is None:   # fake tensors cannot be compared: simulated profiles keep suspicions
+        progress("profile: confirming hazards", 0, 1)
+        kept, dropped = confirm_hazards(step, modules, {c.name: c.hazards for c in costs if c.hazards},
+                                        warmup + 1 + repeats + 1)
+        for c in costs:
+            if c.hazards:
+                c.hazards = kept.get(c.name, [])
+        refuted = {n: [f"{h.kind.value}: {h.detail}" for h in hs] for n, hs in dropped.items()}
+        progress("profile: confirming hazards", 1, 1)
     costs.sort(key=lambda c: c.order)
     for i, c in enumerate(costs):
         c.order = i
@@ -304,7 +340,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     rows = _rows(rec, {n: s for n, s in spans.items() if n in kept}, start_event)
     return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
                          baseline_step_ms=statistics.median(step_ms), memory_source=base.source,
-                         fingerprint=fingerprint(model))
+                         fingerprint=fingerprint(model), refuted_hazards=refuted)
 
 
 def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, dtype: str = "float32",

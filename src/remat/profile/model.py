@@ -155,13 +155,15 @@ class ProfileReport:
     fingerprint: ModelFingerprint
     simulated: bool = False           # figures from FakeTensorMode + a device model (issue 8)
     device_model: str | None = None
+    # suspicions a replay did not reproduce (NOTE [confirmed hazards]): name -> "kind: detail"
+    refuted_hazards: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
                 "excluded": dict(self.excluded), "baseline_peak_bytes": self.baseline_peak_bytes,
                 "baseline_step_ms": self.baseline_step_ms, "memory_source": self.memory_source.value,
                 "fingerprint": self.fingerprint.to_json(), "simulated": self.simulated,
-                "device_model": self.device_model}
+                "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -169,4 +171,5 @@ class ProfileReport:
                    rows=[PeakRow.from_json(r) for r in d["rows"]], excluded=dict(d["excluded"]),
                    baseline_peak_bytes=int(d["baseline_peak_bytes"]), baseline_step_ms=float(d["baseline_step_ms"]),
                    memory_source=MemorySource(d["memory_source"]), fingerprint=ModelFingerprint.from_json(d["fingerprint"]),
-                   simulated=bool(d.get("simulated", False)), device_model=d.get("device_model"))
+                   simulated=bool(d.get("simulated", False)), device_model=d.get("device_model"),
+                   refuted_hazards={str(k): [str(x) for x in v] for k, v in d.get("refuted_hazards", {}).items()})
