@@ -1,0 +1,333 @@
+"""Run ``remat receipt`` on every zoo model (and the built-ins) and tabulate what happened (issue 11).
+
+    .venv/bin/python benchmarks/zoo/run.py                 # every model (make zoo)
+    .venv/bin/python benchmarks/zoo/run.py hf_gpt2 own_unet  # a few
+    .venv/bin/python benchmarks/zoo/run.py --timeout 300 --out out/zoo
+
+Per model, in sequence (2 cores: never in parallel), each through the CLI in a subprocess with
+a timeout so a hang costs one row, not the run:
+
+1. *probe*: ``remat plan --planner all --out OUT/<model>/probe`` (profile + apply every
+   candidate + measure). From it: the control peak (``profile.json``
+   ``baseline_peak_bytes``, the unmodified step's measured peak), the candidates found, and
+   the *floor* (below).
+2. *receipt*: ``remat receipt --budget <(floor + control) / 2 bytes> --out OUT/<model>/receipt``
+   with remat's default settings.
+3. *check*: ``remat check --quick`` on the receipt, when one was written.
+
+The floor is the lowest peak remat demonstrably reaches: the measured peak of ``--planner
+all`` when that ran and lowered the peak; otherwise the cost model's predicted floor
+(``remat.plan.peak_floor`` on the probe's profile). Both are recorded. Should the probe fail,
+the receipt still runs, at 75% of the control peak (or ``75%`` when no control peak is known).
+
+Writes ``benchmarks/zoo/results.json`` (every figure, the command lines, exit codes and the
+last lines of stderr on failure) and ``benchmarks/ZOO.md`` (the table). Exit code: 0 when no
+stage of any model crashed (exit 3 or a timeout), else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+ZOO = Path(__file__).resolve().parent
+REMAT = [sys.executable, "-m", "remat.cli.main"] if not (ROOT / ".venv/bin/remat").exists() \
+    else [str(ROOT / ".venv/bin/remat")]
+MIB = 1 << 20
+
+# (name, workload spec, shape text): zoo files first, then the built-ins at their defaults
+MODELS: list[tuple[str, str, str]] = [
+    *[(p.stem, f"benchmarks/zoo/{p.name}:build", "") for p in sorted(ZOO.glob("*.py"))
+      if not p.name.startswith("_") and p.name != "run.py"],
+    ("builtin_gpt", "gpt", ""), ("builtin_cnn", "cnn", ""), ("builtin_mlp", "mlp", ""),
+]
+
+
+def mib(n: int | None) -> str:
+    return "–" if n is None else f"{n / MIB:.1f}"
+
+
+def run_cli(args: list[str], timeout: float, log: Path) -> dict[str, Any]:
+    """One remat command: exit code (None on timeout), wall seconds, the stderr tail."""
+    cmd = [*REMAT, *args]
+    t0 = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"})
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)   # its own session: the command and anything it started
+            proc.wait()
+            rc = None
+    wall = time.perf_counter() - t0
+    text = log.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.strip() and "done " not in ln]
+    return {"command": "remat " + " ".join(shlex.quote(a) for a in args), "exit_code": rc,
+            "timed_out": rc is None, "wall_s": round(wall, 1), "log": str(log.relative_to(ROOT)),
+            "tail": lines[-25:] if rc not in (0,) else lines[-6:]}
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def predicted_floor(profile: dict[str, Any]) -> int | None:
+    try:
+        from remat.plan import peak_floor
+        from remat.profile import ProfileReport
+        return int(peak_floor(ProfileReport.from_json(profile)))
+    except Exception:  # noqa: BLE001 - a figure for the table; the probe's own failure is recorded
+        return None
+
+
+def probe_figures(probe_dir: Path) -> dict[str, Any]:
+    profile = read_json(probe_dir / "profile.json")
+    plan = read_json(probe_dir / "plan.json")
+    out: dict[str, Any] = {"control_peak_bytes": None, "candidates": None, "candidate_names": [],
+                           "hazardous_candidates": [], "profile_excluded": {}, "predicted_floor_bytes": None,
+                           "all_measured_peak_bytes": None, "all_boundaries": None, "all_excluded": []}
+    if profile is not None:
+        out["control_peak_bytes"] = profile.get("baseline_peak_bytes")
+        cands = profile.get("candidates", [])
+        out["candidates"] = len(cands)
+        out["candidate_names"] = [f"{c['name']} ({c['class_name']})" for c in cands]
+        out["hazardous_candidates"] = [{"module": c["name"], "hazards": [f"{h['kind']}: {h['detail']}" for h in
+                                                                          c.get("hazards", [])]}
+                                       for c in cands if c.get("hazards")]
+        out["profile_excluded"] = profile.get("excluded", {})
+        out["predicted_floor_bytes"] = predicted_floor(profile)
+    if plan is not None:
+        out["all_measured_peak_bytes"] = plan.get("measured_peak_bytes")
+        out["all_boundaries"] = len(plan.get("boundaries", []))
+        out["all_excluded"] = [f"{e['module']}: {e['reason']}" for e in plan.get("excluded", [])]
+    return out
+
+
+def choose_budget(fig: dict[str, Any]) -> tuple[str, int | None, str]:
+    """(--budget text, floor bytes, which floor) at halfway between the floor and the control peak."""
+    control = fig["control_peak_bytes"]
+    if control is None:
+        return "75%", None, "no probe: 75% of the control peak"
+    measured, predicted = fig["all_measured_peak_bytes"], fig["predicted_floor_bytes"]
+    if measured is not None and measured < control:
+        floor, which = measured, "measured peak of --planner all"
+    elif predicted is not None:
+        floor, which = predicted, "predicted floor (--planner all did not lower the measured peak)"
+    else:
+        return str(int(control * 0.75)), None, "no floor: 75% of the control peak"
+    return str((floor + control) // 2), floor, which
+
+
+def receipt_figures(receipt: dict[str, Any]) -> dict[str, Any]:
+    d = receipt.get("decision", {})
+    target = receipt.get("traces", {}).get("target") or {}
+    ver = receipt.get("verification")
+    plan_rec = receipt.get("plan", {})
+    shipped = d.get("shipped_peak_bytes")
+    limit = d.get("effective_budget_bytes")
+    hazards = [f"{h.get('module')}: {h.get('kind')} {h.get('detail', '')}".strip() for h in (ver or {}).get("hazards", [])]
+    return {
+        "status": d.get("status"), "shipped_plan": d.get("shipped"),
+        "boundaries": [{"module": b["module"], "class": b.get("class_name"), "mode": b["mode"],
+                        "guarded": b.get("guarded"), "measured_saving_bytes": b.get("measured_saving_bytes")}
+                       for b in plan_rec.get("boundaries", [])] if d.get("status") == "ship" else [],
+        "control_peak_bytes": d.get("control_peak_bytes"), "blocking_phase": target.get("peak_phase"),
+        "categories_at_peak": target.get("categories_at_peak"),
+        "budget_bytes": d.get("budget_bytes"), "effective_budget_bytes": limit, "shipped_peak_bytes": shipped,
+        "clears": d.get("clears"), "under_budget": None if shipped is None else shipped <= d.get("budget_bytes", 0),
+        "overhead_pct": d.get("overhead_pct"), "verified": d.get("verified"),
+        "verify_failures": (ver or {}).get("failures", [])[:5], "hazards": hazards,
+        "rejected": [f"{r['plan']}: {r['decision']} ({r['reason']})" for r in d.get("rejected", [])],
+        "why": d.get("why", []), "closed_loop_note": plan_rec.get("note", ""),
+    }
+
+
+FAST = ["--no-capacity", "--frontier-steps", "5"]  # --fast: no batch-capacity search, 5 timed steps per plan
+
+
+def run_model(name: str, spec: str, shape: str, out_root: Path, timeout: float, fast: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    base = ["--workload", spec] + (["--shape", shape] if shape else [])
+    row: dict[str, Any] = {"model": name, "workload": spec, "shape": shape}
+    probe_dir = out_root / name / "probe"
+    row["probe"] = run_cli(["plan", *base, "--planner", "all", "--out", str(probe_dir)], timeout,
+                           out_root / name / "probe.log")
+    try:
+        fig = probe_figures(probe_dir if row["probe"]["exit_code"] in (0, 1) else Path("/nonexistent"))
+    except (KeyError, TypeError, AttributeError) as exc:
+        fig = probe_figures(Path("/nonexistent"))
+        row["runner_error"] = f"reading the probe: {type(exc).__name__}: {exc}"
+    row.update(fig)
+    budget, floor, which = choose_budget(fig)
+    row.update(budget=budget, floor_bytes=floor, floor_source=which)
+    rdir = out_root / name / "receipt"
+    row["receipt"] = run_cli(["receipt", *base, "--budget", budget, *(FAST if fast else []), "--out", str(rdir)],
+                             timeout,
+                             out_root / name / "receipt.log")
+    receipt = read_json(rdir / "receipt.json") if row["receipt"]["exit_code"] in (0, 1) else None
+    try:
+        row["result"] = receipt_figures(receipt) if receipt is not None else None
+    except (KeyError, TypeError, AttributeError) as exc:   # the receipt's layout moved: keep the row
+        row["result"] = None
+        row["runner_error"] = f"reading receipt.json: {type(exc).__name__}: {exc}"
+    if receipt is not None:
+        row["check"] = run_cli(["check", str(rdir / "receipt.json"), "--quick"], timeout, out_root / name / "check.log")
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    row["verdict"] = verdict(row)
+    return row
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """pass: a plan shipped under budget and verified, or exit 2 (typed refusal); otherwise what failed."""
+    for stage in ("probe", "receipt", "check"):
+        r = row.get(stage)
+        if r is None:
+            continue
+        if r["timed_out"]:
+            return f"{stage}: timed out"
+        if r["exit_code"] == 3:
+            return f"{stage}: crash (exit 3)"
+    rc = row["receipt"]["exit_code"]
+    res = row.get("result")
+    if rc == 2:
+        return "refused (exit 2)"
+    if res is None:
+        return f"receipt: exit {rc}, no receipt"
+    if res["status"] != "ship":
+        return "nothing ships (exit 1)"
+    if res["boundaries"] and res["verified"] is not True:
+        return "shipped but not verified"
+    if res["under_budget"] is False:
+        return "shipped over budget"
+    if row.get("check") and row["check"]["exit_code"] != 0:
+        return f"check --quick: exit {row['check']['exit_code']}"
+    return "pass"
+
+
+def short_error(r: dict[str, Any] | None) -> str:
+    if not r or r["exit_code"] == 0:
+        return ""
+    if r["timed_out"]:
+        return "timed out"
+    tail = [ln.strip() for ln in r["tail"] if ln.strip()]
+    errs = [ln for ln in tail if "Error" in ln or "error" in ln or "Exception" in ln]
+    return (errs[-1] if errs else (tail[-1] if tail else ""))[:240]
+
+
+def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started: str, total_s: float) -> None:
+    n_pass = sum(r["verdict"] == "pass" for r in rows)
+    crashes = sum("crash" in r["verdict"] or "timed out" in r["verdict"] for r in rows)
+    lines = [
+        "# The zoo: remat receipt on models it was not written against (issue 11)",
+        "",
+        f"Generated by `{command}` on {started} ({total_s / 60:.1f} min, 2 CPU cores, CPU live-tensor tracker).",
+        "Do not edit by hand. Figures in MiB; the budget is halfway between the floor (the measured peak of",
+        "`remat plan --planner all`, or the predicted floor where `all` did not lower the peak) and the control peak.",
+        "Every figure and the full stderr tail of each failure are in `benchmarks/zoo/results.json`.",
+        "",
+        f"**{n_pass} / {len(rows)} pass** (shipped under budget and verified, or a typed refusal); "
+        f"{crashes} crashed or timed out.",
+        "",
+        "| model | verdict | exit (plan/receipt/check) | control peak | blocking phase | candidates | floor | budget "
+        "| shipped peak | boundaries shipped (mode) | overhead | verify | hazards | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        res = r.get("result") or {}
+        exits = "/".join("–" if r.get(s) is None else ("T" if r[s]["timed_out"] else str(r[s]["exit_code"]))
+                         for s in ("probe", "receipt", "check"))
+        bounds = ", ".join(f"`{b['module']}` ({b['mode']}{', guarded' if b.get('guarded') else ''})"
+                           for b in res.get("boundaries", []))
+        if res.get("status") == "ship" and not bounds:
+            bounds = "none (control fits)"
+        nb = len(res.get("boundaries", []))
+        if nb > 6:
+            bounds = ", ".join(f"`{b['module']}` ({b['mode']})" for b in res["boundaries"][:5]) + f", … ({nb} in all)"
+        ver = {True: "pass", False: "FAIL", None: "–"}[res.get("verified")]
+        haz = "; ".join(res.get("hazards", [])[:3]) or ("–" if not r.get("hazardous_candidates")
+                                                        else f"{len(r['hazardous_candidates'])} candidates flagged")
+        ov = "–" if res.get("overhead_pct") is None else f"{res['overhead_pct']:+.0f}%"
+        lines.append(
+            f"| {r['model']} | {r['verdict']} | {exits} | {mib(res.get('control_peak_bytes') or r.get('control_peak_bytes'))} "
+            f"| {res.get('blocking_phase') or '–'} | {r.get('candidates') if r.get('candidates') is not None else '–'} "
+            f"| {mib(r.get('floor_bytes'))} | {mib(res.get('budget_bytes'))} | {mib(res.get('shipped_peak_bytes'))} "
+            f"| {bounds or '–'} | {ov} | {ver} | {haz} | {r['wall_s']:.0f} |")
+    lines += ["", "## Failures", ""]
+    for r in rows:
+        if r["verdict"] == "pass":
+            continue
+        lines.append(f"### {r['model']}: {r['verdict']}")
+        lines.append("")
+        for stage in ("probe", "receipt", "check"):
+            s = r.get(stage)
+            if s and s["exit_code"] != 0:
+                lines += [f"`{s['command']}` -> exit {'timeout' if s['timed_out'] else s['exit_code']}", "", "```",
+                          *s["tail"][-12:], "```", ""]
+        res = r.get("result") or {}
+        for w in res.get("why", [])[:3]:
+            lines.append(f"- {w}")
+        for f in res.get("verify_failures", [])[:3]:
+            lines.append(f"- verify: {f}")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="*", help="model names (default: all); e.g. hf_gpt2 builtin_cnn")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per command, seconds (default 600)")
+    ap.add_argument("--out", type=Path, default=ROOT / "out/zoo", help="receipts and logs (default out/zoo)")
+    ap.add_argument("--fast", action="store_true",
+                    help="receipts with " + " ".join(FAST) + " (the same stages and verification, less timing)")
+    ap.add_argument("--results", type=Path, default=ZOO / "results.json")
+    ap.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/ZOO.md")
+    args = ap.parse_args(argv)
+    known = {m[0]: m for m in MODELS}
+    unknown = [m for m in args.models if m not in known]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; known: {', '.join(known)}")
+    todo = [known[m] for m in args.models] if args.models else MODELS
+    command = "python benchmarks/zoo/run.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    console = Console(stderr=True)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("zoo", total=len(todo))
+        for name, spec, shape in todo:
+            bar.update(task, description=f"zoo: {name}")
+            row = run_model(name, spec, shape, args.out, args.timeout, args.fast)
+            rows.append(row)
+            console.print(f"{name}: {row['verdict']} ({row['wall_s']:.0f} s)"
+                          + (f"  {short_error(row['receipt']) or short_error(row['probe'])}"
+                             if row["verdict"] != "pass" else ""), highlight=False)
+            bar.advance(task)
+            # written after every model, so an interrupted run keeps what it measured
+            args.results.write_text(json.dumps({"command": command, "started": started, "rows": rows}, indent=1))
+            write_markdown(rows, args.markdown, command, started, time.perf_counter() - t0)
+    crashed = [r["model"] for r in rows if "crash" in r["verdict"] or "timed out" in r["verdict"]]
+    console.print(f"{sum(r['verdict'] == 'pass' for r in rows)}/{len(rows)} pass; crashes: {crashed or 'none'}; "
+                  f"wrote {args.markdown} and {args.results}")
+    return 1 if crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
