@@ -10,15 +10,17 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from remat.cli.main import main
-from remat.errors import ReceiptError
-from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, check_receipt, git_revision, load_receipt,
-                           make_receipt, render_html, render_markdown, vet_workload_spec, write_receipt)
+from remat.errors import ReceiptError, WorkloadError
+from remat.plan import InfeasibleBudget
+from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, check_receipt, choose_workload, git_revision,
+                           load_receipt, make_receipt, render_html, render_markdown, write_receipt)
 from remat.receipt import write as write_mod
 from remat.workload import load_workload
 
@@ -99,12 +101,17 @@ def made(tmp_path_factory):
     return root, receipt
 
 
+PYPROJECT = '[project]\nname = "userproject"\n\n[tool.remat]\nworkload = "work.py:build"\n'
+
+
 @pytest.fixture
 def work(made, tmp_path, monkeypatch):
-    """A private copy of the workload and receipt, with the working directory there."""
+    """A private copy of the workload and receipt, with the working directory there and the project's
+    pyproject.toml naming the workload `remat check` runs (NOTE [workload spec policy])."""
     root, _ = made
     shutil.copy(root / "work.py", tmp_path / "work.py")
     shutil.copytree(root / "out", tmp_path / "out")
+    (tmp_path / "pyproject.toml").write_text(PYPROJECT)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -276,31 +283,108 @@ def test_malformed_receipts_are_refused_with_exit_2(work, capsys, case, make, ex
     assert "error:" in _text(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("spec,expect", [
-    ("os:system", "may not call into 'os'"),
-    ("subprocess:run", "may not call into 'subprocess'"),
-    ("torch.utils:_private", "public function"),
-    ("/etc/passwd.py:build", "outside the working directory"),
-    ("../elsewhere.py:build", "outside the working directory"),
-    ("missing.py:build", "does not exist"),
-    ("no_colon_here", "not a built-in"),
-])
-def test_hostile_or_missing_workload_specs_are_refused(work, capsys, spec, expect):
-    path = work / "out" / "receipt.json"
+EVIL = '''
+import pathlib
+pathlib.Path("IMPORTED").write_text("the receipt chose code")
+
+def build(**kw):
+    pathlib.Path("CALLED").write_text(repr(kw))
+'''
+
+
+def _set_workload(path: Path, spec: str, shape: dict | None = None) -> None:
     d = json.loads(path.read_text())
     d["context"]["workload"] = spec
     d["traces"]["target"]["context"]["workload"] = spec
+    if shape is not None:
+        d["context"]["shape"] = shape
     path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("spec", ["os:system", "subprocess:run", "evil.py:build", "evil:build", "sympy:sympify",
+                                  "/etc/passwd.py:build", "../elsewhere.py:build", "no_colon_here"])
+def test_a_receipt_naming_other_code_fails_by_comparison_and_imports_nothing(work, capsys, spec):
+    """NOTE [workload spec policy]: the user's workload runs; the receipt's is only compared (exit 1)."""
+    (work / "evil.py").write_text(EVIL)
+    path = work / "out" / "receipt.json"
+    _set_workload(path, spec, {"batch_size": "__import__('os').system('touch PWNED')"})
+    assert main(["check", str(path), "--quick"]) == 1
+    out = _text(capsys.readouterr().out)
+    assert f"FAIL workload: the receipt was made for workload {spec!r}" in out and "'work.py:build'" in out
+    assert not any((work / f).exists() for f in ("IMPORTED", "CALLED", "PWNED"))
+
+
+@pytest.mark.parametrize("spec", ["evil.py:build", "sympy:sympify", "os:system"])
+def test_without_a_user_named_workload_check_stops_before_importing_anything(work, spec):
+    (work / "evil.py").write_text(EVIL)
+    (work / "pyproject.toml").unlink()
+    path = work / "out" / "receipt.json"
+    _set_workload(path, spec, {"batch_size": "__import__('os').system('touch PWNED')"})
+    code = ("import sys; from remat.cli.main import main; rc = main(['check', 'out/receipt.json', '--quick']); "
+            "print(rc, 'sympy' in sys.modules, 'evil' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=work, timeout=120)
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+    assert "never imports code a receipt names" in _text(proc.stderr) and "Traceback" not in proc.stderr
+    assert not any((work / f).exists() for f in ("IMPORTED", "CALLED", "PWNED"))
+
+
+def test_the_users_workload_runs_and_hostile_shape_values_are_refused_by_annotation(work, capsys):
+    path = work / "out" / "receipt.json"
+    _set_workload(path, "work.py:build", {"batch_size": "__import__('os').system('touch PWNED')"})
     assert main(["check", str(path), "--quick"]) == 2
-    assert expect in _text(capsys.readouterr().err)
+    err = _text(capsys.readouterr().err)
+    assert "declares batch_size: int" in err and "Traceback" not in err
+    assert not (work / "PWNED").exists()
+    _set_workload(path, "work.py:build", {"batch_size": 256.0})   # ints stay ints
+    assert main(["check", str(path), "--quick"]) == 2
+    assert "declares batch_size: int" in _text(capsys.readouterr().err)
 
 
-def test_workload_spec_policy_admits_the_legitimate_ones(tmp_path):
-    (tmp_path / "w.py").write_text("def build(): pass\n")
-    assert vet_workload_spec("gpt") == "gpt"
-    assert vet_workload_spec("w.py:build", cwd=tmp_path) == "w.py:build"
-    assert vet_workload_spec("remat.workload.builtins.mlp:build")
-    assert vet_workload_spec("mypackage.models:build")
+def test_workload_from_the_command_line_wins_and_is_compared(work, capsys):
+    assert main(["check", "out/receipt.json", "--quick", "--workload", "./work.py:build"]) == 0
+    capsys.readouterr()
+    assert main(["check", "out/receipt.json", "--quick", "--workload", "mlp"]) == 1
+    out = _text(capsys.readouterr().out)
+    assert "made for workload 'work.py:build'" in out and "--workload names 'mlp'" in out
+
+
+def test_choose_workload_order(tmp_path):
+    assert choose_workload("gpt", None, cwd=tmp_path).spec == "gpt"          # a built-in: remat's own code
+    with pytest.raises(ReceiptError, match="never imports code a receipt names"):
+        choose_workload("w.py:build", None, cwd=tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[tool.remat]\nworkload = "mine.py:build"\n')
+    assert choose_workload("gpt", None, cwd=tmp_path).spec == "mine.py:build"
+    assert choose_workload("gpt", "cli.py:build", cwd=tmp_path).source == "--workload"
+    (tmp_path / "pyproject.toml").write_text('[tool.remat]\nworkload = 3\n')
+    with pytest.raises(WorkloadError, match="must be a workload spec"):
+        choose_workload("gpt", None, cwd=tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[tool.remat\n')
+    with pytest.raises(WorkloadError, match="not valid TOML"):
+        choose_workload("gpt", None, cwd=tmp_path)
+
+
+# -- the reports beside the receipt ------------------------------------------------------------------
+
+def test_check_fails_when_report_html_names_another_receipt(work, capsys):
+    html = work / "out" / "report.html"
+    html.write_text(re.sub(r"receipt\.json sha256 [0-9a-f]{64}", "receipt.json sha256 " + "0" * 64, html.read_text()))
+    assert main(["check", "out/receipt.json", "--quick"]) == 1
+    out = _text(capsys.readouterr().out)
+    assert "FAIL report: report.html names receipt sha256 000000000000..." in out
+
+
+def test_check_fails_when_the_receipt_changed_under_its_reports(work, capsys):
+    path = work / "out" / "receipt.json"
+    path.write_text(path.read_text().replace('"note": "test sizes"', '"note": "edited by hand"', 1))
+    assert main(["check", str(path), "--quick"]) == 1
+    out = _text(capsys.readouterr().out)
+    assert "FAIL report: report.html names receipt sha256" in out and "FAIL report: report.md" in out
+
+
+def test_a_missing_report_is_noted_not_failed(work, capsys):
+    (work / "out" / "report.md").unlink()
+    assert main(["check", "out/receipt.json", "--quick"]) == 0
+    assert "report.md: none beside the receipt" in _text(capsys.readouterr().out)
 
 
 # -- atomic writes ---------------------------------------------------------------------------------
@@ -369,15 +453,31 @@ def test_control_that_fits_ships_no_checkpointing_and_nothing_fitting_fails_chec
     fits = make_receipt(loaded, budget="200%", settings=SETTINGS)
     assert fits.decision.status == "ship" and fits.decision.boundaries == [] and fits.verification is None
     assert fits.decision.why[0].startswith("Ship no checkpointing")
-    assert check_receipt(fits, quick=True).passed
-    hopeless = make_receipt(loaded, budget="10%", settings=SETTINGS)
-    assert hopeless.decision.status == "no-plan" and not hopeless.decision.clears
-    assert "floor" in hopeless.decision.why[0]
+    assert check_receipt(fits, quick=True, workload="work.py:build").passed
+    # a receipt where nothing ships (the frontier measured every plan over the budget)
+    d = fits.to_json()
+    d["decision"].update(status="no-plan", shipped=None, clears=False,
+                         why=["Nothing ships: no measured plan clears the budget with its reserve."])
+    hopeless = Receipt.from_json(d)
     files = write_receipt(hopeless, work / "hopeless")
     html = files.html.read_text()
     assert "NOTHING SHIPS" in html and html.count("data:image/png;base64,") == 2
-    report = check_receipt(load_receipt(files.receipt), quick=True)
+    report = check_receipt(load_receipt(files.receipt), quick=True, workload="work.py:build")
     assert not report.passed and report.failures[0].kind == "decision"
+
+
+def test_an_impossible_budget_is_bad_input_as_in_plan_and_writes_nothing(work, capsys):
+    """remat receipt agrees with remat plan: exit 2 naming the floor, no receipt."""
+    loaded = load_workload("work.py:build", {})
+    with pytest.raises(InfeasibleBudget):
+        make_receipt(loaded, budget="10%", settings=SETTINGS)
+    rc = main(["receipt", "--workload", "work.py:build", "--budget", "10%", "--out", "nothing", "--plans", "none",
+               "--verify-steps", "1", "--verify-seeds", "1", "--frontier-steps", "1", "--no-capacity"])
+    err = _text(capsys.readouterr().err)
+    assert rc == 2 and "the floor" in err and "Traceback" not in err
+    assert not (work / "nothing").exists()
+    rc = main(["plan", "--workload", "work.py:build", "--budget", "10%", "--out", "nothing", "--no-measure"])
+    assert rc == 2 and "the floor" in _text(capsys.readouterr().err)
 
 
 def test_receipt_cli_rejects_bad_input_before_measuring(work, capsys):

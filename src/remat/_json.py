@@ -135,9 +135,9 @@ def parse_json(data: bytes | str, *, error: type[RematError], source: str, max_b
         raise error(f"{source} could not be parsed: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def read_json_file(path: Path | str, *, error: type[RematError], what: str, max_bytes: int = MAX_BYTES,
-                   max_depth: int = MAX_DEPTH, tip: str | None = None) -> Any:
-    """Read and parse a JSON file (NOTE [hostile JSON]); never reads more than ``max_bytes + 1`` bytes."""
+def read_bounded_bytes(path: Path | str, *, error: type[RematError], what: str, max_bytes: int = MAX_BYTES,
+                       tip: str | None = None) -> bytes:
+    """A regular file's bytes, at most ``max_bytes`` (``error`` past that): never reads more than ``max_bytes + 1``."""
     path = Path(path)
     try:
         if not path.is_file():   # also refuses FIFOs and devices (/dev/zero would never end)
@@ -146,6 +146,15 @@ def read_json_file(path: Path | str, *, error: type[RematError], what: str, max_
             data = f.read(max_bytes + 1)
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise error(f"{what} {path} is over {max_bytes} bytes: not a file remat wrote")
+    return data
+
+
+def read_json_file(path: Path | str, *, error: type[RematError], what: str, max_bytes: int = MAX_BYTES,
+                   max_depth: int = MAX_DEPTH, tip: str | None = None) -> Any:
+    """Read and parse a JSON file (NOTE [hostile JSON]); never reads more than ``max_bytes + 1`` bytes."""
+    data = read_bounded_bytes(path, error=error, what=what, max_bytes=max_bytes, tip=tip)
     return parse_json(data, error=error, source=str(path), max_bytes=max_bytes, max_depth=max_depth)
 
 

@@ -8,16 +8,19 @@ the fixtures it names. ``render_html``/``render_markdown`` need nothing but the 
 """
 
 from .build import held_bytes_at_backward, make_receipt, measure_savings, trace_planned, unsupported_modes
-from .check import CheckFinding, CheckReport, check_receipt, vet_workload_spec
+from .check import (CheckFinding, CheckReport, ChosenWorkload, check_receipt, choose_workload, project_workload,
+                    report_findings, same_workload)
 from .model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
-                    RejectedPlan, RunSettings, UnsupportedMode, git_revision, load_receipt, resolved_shape)
+                    RejectedPlan, RunSettings, UnsupportedMode, git_revision, load_receipt, load_receipt_with_digest,
+                    resolved_shape)
 from .render import render_html, render_markdown, timeline_png
 from .schema import RECEIPT_SCHEMA, RECEIPT_SCHEMA_VERSION, parse_json_bounded, validate
 from .write import ReceiptFiles, write_receipt
 
-__all__ = ["BoundaryRecord", "CheckFinding", "CheckReport", "Fixture", "RECEIPT_SCHEMA", "RECEIPT_SCHEMA_VERSION",
+__all__ = ["BoundaryRecord", "CheckFinding", "CheckReport", "ChosenWorkload", "Fixture", "RECEIPT_SCHEMA", "RECEIPT_SCHEMA_VERSION",
            "Receipt", "ReceiptContext", "ReceiptDecision", "ReceiptFiles", "ReceiptPlan", "ReceiptTraces",
-           "RejectedPlan", "RunSettings", "UnsupportedMode", "check_receipt", "git_revision", "held_bytes_at_backward",
-           "load_receipt", "make_receipt", "measure_savings", "parse_json_bounded", "render_html", "render_markdown",
-           "resolved_shape", "timeline_png", "trace_planned", "unsupported_modes", "validate", "vet_workload_spec",
+           "RejectedPlan", "RunSettings", "UnsupportedMode", "check_receipt", "choose_workload", "git_revision",
+           "held_bytes_at_backward", "load_receipt", "load_receipt_with_digest", "project_workload", "report_findings",
+           "same_workload", "make_receipt", "measure_savings", "parse_json_bounded", "render_html", "render_markdown",
+           "resolved_shape", "timeline_png", "trace_planned", "unsupported_modes", "validate",
            "write_receipt"]

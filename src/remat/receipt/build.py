@@ -313,7 +313,9 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
 
     ``budget``: whole-step peak budget as ``remat plan`` takes it (bytes, ``800MiB``, ``60%``
     of the unmodified peak); ``reserve``: share of the budget kept free. Raises the stages'
-    typed errors for bad input (BudgetError, WorkloadError...); a budget no plan reaches is
+    typed errors for bad input (BudgetError, WorkloadError...), among them
+    :class:`~remat.plan.InfeasibleBudget` naming the floor when no plan's predicted peak reaches
+    the budget (as ``remat plan`` does). A plan predicted to fit whose *measured* peak misses is
     not an error: the receipt says nothing ships and why.
     """
     settings = settings or RunSettings()
@@ -338,8 +340,10 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     try:
         closed = plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
                                   progress=progress)
-    except InfeasibleBudget as exc:
-        note = exc.message
+    except InfeasibleBudget:
+        # bad input, as in `remat plan`: exit 2 naming the floor, and no receipt (there is nothing to
+        # publish: no plan reaches the budget by the profile's own prediction)
+        raise
     except BudgetError as exc:
         note = exc.message
 

@@ -13,42 +13,50 @@ If the model changed (2), 3-5 are skipped: the plan is bound to the model it was
 for, and the failure list already says what to do (re-run ``remat receipt``).
 
 NOTE [workload spec policy]
-``remat check`` re-runs the receipt's workload, so it imports the workload spec the
-receipt names and calls its factory with the recorded shape keywords: that is the user's
-own training code, by design. Nothing else in a receipt is executed, evaluated or
-unpickled. Because a receipt is a file, the spec it names is held to a policy before
-anything is imported: a built-in name; a ``file.py:fn`` inside the current working
-directory (run check from the repository root); or a ``package.module:fn`` outside the
-standard library and the libraries remat itself uses, naming a public Python function.
-``--workload`` on the command line (which the user typed, so it is trusted) replaces the
-receipt's spec.
+A receipt is data from a pull request: it never chooses what code runs. ``remat check``
+runs the workload the *user* names, found in this order:
+1. ``--workload`` on the command line;
+2. ``[tool.remat] workload = "..."`` in ``pyproject.toml`` in the current directory (a file
+   the repository's owners control, and review like code);
+3. a built-in name (``gpt``, ``cnn``, ``mlp``) when the receipt records one: that is remat's
+   own code, whatever the receipt says about it.
+Otherwise check stops (exit 2) before anything is imported. The receipt's workload string
+is only *compared* with the one chosen: a mismatch fails the check (exit 1) naming both,
+before anything runs. The receipt's shape keywords are passed to the chosen factory only
+after each is checked against the type the factory declares (NOTE [shape conformance] in
+remat/workload/loader.py), and the schema bounds them (integers within +-2**31). Nothing
+else read from a receipt names a path, module or callable that remat opens or imports;
+the only other files check reads are ``report.html`` and ``report.md`` beside the receipt,
+which must name the receipt's sha256 (NOTE [atomic receipt folder] in write.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
-import sys
+import os
+import re
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
+from .._json import read_bounded_bytes
 from ..apply.closed_loop import measure_plan
 from ..errors import ReceiptError, WorkloadError
 from ..profile import fingerprint, module_revision
 from ..types import ProgressFn, no_progress
+from ..units import mib
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
-from ..workload.loader import _resolve_factory
-from ..units import mib
 from .build import measure_savings
 from .model import Receipt, resolved_shape
+from .write import HTML_FILE, MD_FILE
 
-# Top-level packages a receipt may not name as its workload (besides the standard library).
-_DENIED_PACKAGES = frozenset({"torch", "torchvision", "torchaudio", "numpy", "scipy", "matplotlib", "rich", "pip",
-                              "setuptools", "pkg_resources", "pytest", "_pytest", "IPython", "jinja2"})
-_REMAT_WORKLOADS = "remat.workload.builtins."
+PYPROJECT = "pyproject.toml"
+MAX_PYPROJECT_BYTES = 2 ** 20
+MAX_REPORT_BYTES = 64 * 2 ** 20
+_STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
 
 
@@ -56,7 +64,7 @@ _REMAT_WORKLOADS = "remat.workload.builtins."
 class CheckFinding:
     """One thing that no longer holds. ``boundary`` names the module when it is about one."""
 
-    kind: str               # "shape", "model", "equivalence", "peak", "saving", "decision"
+    kind: str               # "workload", "report", "shape", "model", "equivalence", "peak", "saving", "decision"
     message: str
     boundary: str | None = None
 
@@ -80,51 +88,99 @@ class CheckReport:
                 "skipped": list(self.skipped), "wall_s": self.wall_s}
 
 
-# -- the workload spec policy ----------------------------------------------------------------------
+# -- the workload spec policy (NOTE [workload spec policy]) ----------------------------------------------
 
-def vet_workload_spec(spec: str, *, cwd: Path | None = None) -> str:
-    """Refuse a receipt's workload spec that NOTE [workload spec policy] does not admit; return it."""
-    if spec in BUILTINS:
-        return spec
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChosenWorkload:
+    spec: str
+    source: str     # "--workload", "pyproject.toml [tool.remat]", "built-in"
+
+
+def project_workload(cwd: Path | None = None) -> str | None:
+    """``[tool.remat] workload`` from ``pyproject.toml`` in ``cwd``; None when there is none."""
+    path = (cwd or Path.cwd()) / PYPROJECT
+    if not path.is_file():
+        return None
+    data = read_bounded_bytes(path, error=WorkloadError, what=PYPROJECT, max_bytes=MAX_PYPROJECT_BYTES)
+    try:
+        table = tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"{path} is not valid TOML: {exc}") from None
+    spec = table.get("tool", {}).get("remat", {}).get("workload") if isinstance(table.get("tool"), dict) else None
+    if spec is None:
+        return None
+    if not isinstance(spec, str) or not spec.strip() or len(spec) > 4096:
+        raise WorkloadError(f"{path}: [tool.remat] workload must be a workload spec string, got {str(spec)[:60]!r}")
+    return spec.strip()
+
+
+def choose_workload(receipt_spec: str, given: str | None, *, cwd: Path | None = None) -> ChosenWorkload:
+    """The workload ``check`` runs (NOTE [workload spec policy]); never the receipt's, unless it is a built-in."""
+    if given:
+        return ChosenWorkload(spec=given, source="--workload")
+    project = project_workload(cwd)
+    if project is not None:
+        return ChosenWorkload(spec=project, source=f"{PYPROJECT} [tool.remat]")
+    if receipt_spec in BUILTINS:
+        return ChosenWorkload(spec=receipt_spec, source="built-in")
+    shown = receipt_spec if len(receipt_spec) <= 120 else receipt_spec[:117] + "..."
+    raise ReceiptError(
+        f"the receipt names the workload {shown!r}; remat check never imports code a receipt names",
+        tip=f"name your workload yourself: --workload SPEC, or [tool.remat] workload = \"SPEC\" in {PYPROJECT} "
+            "here; check then compares it with the receipt's")
+
+
+def _normal(spec: str, cwd: Path) -> str:
+    """Lexically normal form (nothing is opened or resolved): ``./work.py:build`` == ``work.py:build``."""
     where, sep, attr = spec.rpartition(":")
-    if not sep or not where or not attr.isidentifier() or attr.startswith("_"):
-        raise ReceiptError(f"the receipt's workload {spec!r} is not a built-in, file.py:fn or package.module:fn "
-                           "naming a public function")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        root = (cwd or Path.cwd()).resolve()
-        path = (root / where).resolve() if not Path(where).is_absolute() else Path(where).resolve()
-        if not path.is_relative_to(root):
-            raise ReceiptError(f"the receipt's workload file {where!r} lies outside the working directory {root}",
-                               tip="run remat check from the repository root, or name the workload yourself "
-                                   "with --workload")
-        if not path.is_file():
-            raise ReceiptError(f"the receipt's workload file {where!r} does not exist here ({path})",
-                               tip="run remat check from the directory remat receipt ran in, or pass --workload")
-        return spec
-    if where.startswith(_REMAT_WORKLOADS):
-        return spec
-    top = where.split(".")[0]
-    if not all(part.isidentifier() for part in where.split(".")):
-        raise ReceiptError(f"the receipt's workload module {where!r} is not a dotted module name")
-    if top in sys.stdlib_module_names or top in _DENIED_PACKAGES or top == "remat":
-        raise ReceiptError(f"the receipt names {spec!r} as its workload: a receipt may not call into {top!r}",
-                           tip="workloads are the user's own factories; pass --workload to name one yourself")
+    if sep and (where.endswith(".py") or "/" in where or "\\" in where):
+        return os.path.normpath(os.path.join(str(cwd), where)) + ":" + attr
     return spec
 
 
-def _load(receipt: Receipt, spec: str, trusted: bool) -> LoadedWorkload:
+def same_workload(a: str, b: str, *, cwd: Path | None = None) -> bool:
+    root = cwd or Path.cwd()
+    return a == b or _normal(a, root) == _normal(b, root)
+
+
+def _load(receipt: Receipt, spec: str) -> LoadedWorkload:
     ctx = receipt.context
     try:
-        if not trusted:
-            vet_workload_spec(spec)
-            factory = _resolve_factory(spec)
-            if not inspect.isfunction(factory):
-                raise ReceiptError(f"the receipt's workload {spec!r} is a {type(factory).__name__}, not a Python "
-                                   "function returning remat.Workload")
         return load_workload(spec, dict(ctx.shape), device=ctx.device, dtype=ctx.dtype)
     except WorkloadError as exc:
+        if exc.traceback_text:          # the user's own code raised: theirs to see, as in every command
+            raise
         raise ReceiptError(f"the receipt's workload does not load here: {exc.message}",
                            tip=exc.tip or "run remat check where remat receipt ran, or pass --workload") from exc
+
+
+def report_findings(folder: Path, digest: str) -> tuple[list[CheckFinding], list[str], list[str]]:
+    """(failures, checked, skipped): each report beside the receipt must name the receipt's sha256."""
+    failures: list[CheckFinding] = []
+    checked: list[str] = []
+    skipped: list[str] = []
+    for name in (HTML_FILE, MD_FILE):
+        path = folder / name
+        if not path.exists() and not path.is_symlink():
+            skipped.append(f"{name}: none beside the receipt")
+            continue
+        try:
+            text = read_bounded_bytes(path, error=ReceiptError, what=name, max_bytes=MAX_REPORT_BYTES
+                                      ).decode("utf-8", "replace")
+        except ReceiptError as exc:
+            failures.append(CheckFinding(kind="report", message=exc.message))
+            continue
+        named = set(_STAMP.findall(text))
+        if named == {digest}:
+            checked.append(f"{name} was rendered from this receipt (sha256 {digest[:12]}...)")
+        else:
+            what = (f"names receipt sha256 {', '.join(sorted(d[:12] + '...' for d in named))}" if named
+                    else "names no receipt sha256")
+            failures.append(CheckFinding(
+                kind="report", message=f"{name} {what}, but receipt.json beside it has sha256 {digest[:12]}...: "
+                                       "the report shows figures from another receipt (re-run remat receipt, or "
+                                       "commit the report written with this receipt)"))
+    return failures, checked, skipped
 
 
 # -- the checks ------------------------------------------------------------------------------------
@@ -179,15 +235,20 @@ def _model_findings(receipt: Receipt, loaded: LoadedWorkload) -> list[CheckFindi
 
 
 def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
+                  reports: tuple[Path, str] | None = None, cwd: Path | None = None,
                   progress: ProgressFn = no_progress) -> CheckReport:
-    """Re-run what ``receipt`` names on its workload; the report lists every failure (module docstring).
+    """Re-run what ``receipt`` names on the user's workload; the report lists every failure (module docstring).
 
-    ``workload`` replaces the receipt's spec (NOTE [workload spec policy]). Raises
-    :class:`ReceiptError` when the workload cannot be loaded here; check failures are data
-    (``report.passed``), for the CLI to turn into exit code 1.
+    ``workload`` is the user's spec (``--workload``); without it, ``pyproject.toml``'s
+    ``[tool.remat] workload`` in ``cwd``, or the receipt's when it is a built-in (NOTE
+    [workload spec policy]). ``reports``: (the receipt's folder, the sha256 of its bytes), to
+    check the reports beside it. Raises :class:`ReceiptError` when no workload is named or it
+    cannot be loaded here; check failures are data (``report.passed``), for the CLI to turn
+    into exit code 1.
     """
     t0 = time.perf_counter()
-    spec = workload or receipt.context.workload
+    chosen = choose_workload(receipt.context.workload, workload, cwd=cwd)
+    spec = chosen.spec
     failures: list[CheckFinding] = []
     checked: list[str] = []
     skipped: list[str] = []
@@ -196,12 +257,23 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
         return CheckReport(passed=not failures, quick=quick, workload=spec, failures=failures, checked=checked,
                            skipped=skipped, wall_s=time.perf_counter() - t0)
 
+    if reports is not None:
+        f, c, sk = report_findings(*reports)
+        failures += f
+        checked += c
+        skipped += sk
+    if not same_workload(spec, receipt.context.workload, cwd=cwd):
+        failures.append(CheckFinding(kind="workload", message=(
+            f"the receipt was made for workload {receipt.context.workload!r}, but {chosen.source} names {spec!r}: "
+            "nothing was run")))
+        return done()
+    checked.append(f"workload {spec} ({chosen.source}) is the receipt's")
     d = receipt.decision
     plan = receipt.plan.plan
     if d.status != "ship" or plan is None:
         failures.append(CheckFinding(kind="decision", message="the receipt ships no plan: " + (d.why[0] if d.why else "")))
         return done()
-    loaded = _load(receipt, spec, trusted=workload is not None)
+    loaded = _load(receipt, spec)
     progress("check", 1, 5)
     shape = _shape_findings(receipt, spec)
     failures += shape

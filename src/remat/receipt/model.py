@@ -5,13 +5,14 @@ A :class:`Receipt` embeds the stage reports as their own JSON forms (``StepTrace
 context it was made in, per-boundary records (revision hash, measured saving, replay
 cost, the fixture that covers it), the decision and the modes it does not cover.
 ``Receipt.from_json`` validates against :data:`~remat.receipt.schema.RECEIPT_SCHEMA`
-first (NOTE [hostile receipts]); every failure is a :class:`ReceiptError`.
+first (NOTE [hostile JSON] in remat/_json.py); every failure is a :class:`ReceiptError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import math
 import os
 import platform
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from .._json import read_bounded_bytes
 from ..apply.closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport
@@ -439,5 +441,12 @@ class Receipt:
 
 
 def load_receipt(path: Path | str) -> Receipt:
-    """Read and validate ``receipt.json`` (NOTE [hostile receipts]); :class:`ReceiptError` if it is not one."""
+    """Read and validate ``receipt.json`` (NOTE [hostile JSON]); :class:`ReceiptError` if it is not one."""
     return Receipt.load(path)
+
+
+def load_receipt_with_digest(path: Path | str) -> tuple[Receipt, str]:
+    """(the validated receipt, the sha256 of the bytes it was read from): one read, so they agree."""
+    data = read_bounded_bytes(path, error=ReceiptError, what="receipt file",
+                              tip="remat receipt ... --out DIR writes DIR/receipt.json")
+    return Receipt.from_json(parse_json_bounded(data, source=str(path))), hashlib.sha256(data).hexdigest()
