@@ -321,3 +321,76 @@ def test_remat_code_raising_inside_the_users_step_is_not_blamed_on_the_user():
     with pytest.raises(UserCodeError) as exc:
         call_user("the loss", lambda: int("x"))
     assert "the loss raised ValueError" in exc.value.message and "test_hardening.py" in exc.value.traceback_text
+
+
+# -- handle.remove(): all or nothing; copies of a planned model are removable ---------------------------------
+
+def _planned_mlp():
+    from remat.apply import apply
+    loaded = load_workload("mlp", TINY["mlp"])
+    model = loaded.workload.model
+    names = [n for n, _ in model.named_modules() if n.startswith("blocks") and n.count(".") == 1][:3]
+    return model, names, apply(model, hand_plan(model, names))
+
+
+def _forwards(model):
+    return {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+
+
+def _step_grads(model, seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(4, TINY["mlp"]["d_in"])
+    model.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_remove_after_a_forward_was_replaced_by_hand_changes_nothing(capsys):
+    from remat.errors import HandleError
+    model, names, handle = _planned_mlp()
+    named = dict(model.named_modules())
+    own = named[names[1]].forward
+    named[names[1]].forward = lambda *a, **k: own(*a, **k)       # the user's own patch
+    before = _forwards(model)
+    with pytest.raises(HandleError, match=f"'{names[1]}'.*nothing was changed"):
+        handle.remove()
+    assert handle.active and _forwards(model) == before            # all or nothing
+    assert named[names[0]].__dict__["forward"] is handle.wrapper(names[0])
+    named[names[1]].forward = handle.wrapper(names[1])             # put it back: now it removes exactly
+    handle.remove()
+    assert not handle.active and all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_remove_force_restores_the_others_and_leaves_the_replaced_one():
+    model, names, handle = _planned_mlp()
+    named = dict(model.named_modules())
+    mine = lambda *a, **k: None  # noqa: E731
+    named[names[2]].forward = mine
+    handle.remove(force=True)
+    assert not handle.active and named[names[2]].__dict__["forward"] is mine
+    assert all("forward" not in named[n].__dict__ for n in names[:2])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copies_of_a_planned_model_are_checkpointed_and_removable(how):
+    from remat.apply import CheckpointWrapper, recover_handle
+    model, names, handle = _planned_mlp()
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    wrapped = {n for n, m in twin.named_modules() if isinstance(m.__dict__.get("forward"), CheckpointWrapper)}
+    assert wrapped == set(names)
+    assert all(m.__dict__["forward"].module is m for n, m in twin.named_modules() if n in wrapped)  # bound to the copy
+    assert all(a.equal(b) for a, b in zip(_step_grads(model).values(), _step_grads(twin).values()))
+    twin_handle = recover_handle(twin)
+    assert {w.path for w in twin_handle} == set(names) and twin_handle.plan is None
+    twin_handle.remove()
+    assert all("forward" not in m.__dict__ for m in twin.modules())
+    assert handle.active and all(isinstance(dict(model.named_modules())[n].__dict__["forward"], CheckpointWrapper)
+                                 for n in names)                  # the original is untouched
+    handle.remove()
+    assert recover_handle(model).wrappers == ()

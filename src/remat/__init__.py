@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .errors import (BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch,
+from .errors import (BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch, HandleError,
                      MemoryMeasurementError, OutputError, PlanError, ReceiptError, RematError, ShapeError, UserCodeError,
                      VerificationFailed, WorkloadError)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
@@ -38,7 +38,7 @@ _LAZY = {
 
 __all__ = [
     "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
-    "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "OutputError", "Phase", "PlanError",
+    "HandleError", "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "OutputError", "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError",
     "__version__", *_LAZY,
 ]

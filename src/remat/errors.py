@@ -62,6 +62,10 @@ class PlanError(RematError):
     """A plan is malformed, or cannot be applied to this model."""
 
 
+class HandleError(PlanError):
+    """``ApplyHandle.remove()`` cannot restore every module exactly; nothing was changed."""
+
+
 class FingerprintMismatch(PlanError):
     """A plan made for one model was applied to another; the message lists what differs."""
 

@@ -16,12 +16,12 @@ import types
 from typing import Any
 
 from .export import PlanCheckFn, export_check_fn
-from .handle import ApplyHandle, apply, check_plan_fingerprint, load_plan, resolve_modules
+from .handle import ApplyHandle, apply, check_plan_fingerprint, load_plan, recover_handle, resolve_modules
 from .policy import DEFAULT_SAVE_OPS, SaveMatmulPolicy, selective_context_fn
 from .wrapper import CheckpointWrapper, RegionObserver, restore_buffers
 
 __all__ = ["ApplyHandle", "CheckpointWrapper", "DEFAULT_SAVE_OPS", "PlanCheckFn", "RegionObserver", "SaveMatmulPolicy",
-           "apply", "check_plan_fingerprint", "export_check_fn", "load_plan", "resolve_modules", "restore_buffers",
+           "apply", "check_plan_fingerprint", "export_check_fn", "load_plan", "recover_handle", "resolve_modules", "restore_buffers",
            "selective_context_fn"]
 
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from torch import nn
 
-from ..errors import CandidateError, FingerprintMismatch, PlanError
+from ..errors import CandidateError, FingerprintMismatch, HandleError, PlanError
 from ..plan.model import Plan
 from ..profile.fingerprint import fingerprint
 from .policy import SaveMatmulPolicy
@@ -62,10 +62,11 @@ def _check_not_nested(paths: list[str]) -> None:
 class ApplyHandle:
     """What ``apply`` returns: the installed wrappers, and ``remove()`` to undo them exactly.
 
-    Usable as a context manager (removes on exit).
+    Usable as a context manager (removes on exit). ``plan`` is None for a handle recovered
+    from a copy of a planned model (:func:`recover_handle`).
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, wrappers: tuple[CheckpointWrapper, ...]) -> None:
+    def __init__(self, model: nn.Module, plan: Plan | None, wrappers: tuple[CheckpointWrapper, ...]) -> None:
         self.model = model
         self.plan = plan
         self.wrappers = wrappers
@@ -85,12 +86,27 @@ class ApplyHandle:
         for w in self.wrappers:
             w.reset_counts()
 
-    def remove(self) -> None:
-        """Restore every wrapped module's ``forward`` exactly (NOTE [instance forward])."""
+    def remove(self, *, force: bool = False) -> None:
+        """Restore every wrapped module's ``forward`` exactly (NOTE [instance forward]), all or nothing.
+
+        Every wrapper is checked first: if any module's ``forward`` was replaced after
+        ``apply`` (by hand, or by another library), :class:`HandleError` names them and
+        *nothing* is changed: the handle stays active, every other module stays checkpointed.
+        ``force=True`` restores every module still wrapped and leaves the replaced ones as they
+        are now (the handle is then removed).
+        """
         if not self._active:
-            raise PlanError("this remat.apply handle was already removed")
-        for w in reversed(self.wrappers):
-            w.uninstall()
+            raise HandleError("this remat.apply handle was already removed")
+        replaced = [w.path for w in self.wrappers if not w.installed]
+        if replaced and not force:
+            raise HandleError(
+                f"cannot remove the plan exactly: the forward of {', '.join(repr(p) for p in replaced)} was replaced "
+                "after remat.apply; nothing was changed and the handle is still active",
+                tip="put the wrapper back (module.forward = handle.wrapper(path)) and remove again, or "
+                    "handle.remove(force=True) to restore the other modules and leave those as they are")
+        for w in reversed(self.wrappers):   # checked above: each uninstall is a plain attribute restore
+            if w.installed:
+                w.uninstall()
         self._active = False
 
     def __iter__(self) -> Iterator[CheckpointWrapper]:
@@ -106,6 +122,21 @@ class ApplyHandle:
     def __repr__(self) -> str:
         state = "active" if self._active else "removed"
         return f"ApplyHandle({len(self.wrappers)} wrappers, {state}: {', '.join(w.path for w in self.wrappers)})"
+
+
+def recover_handle(model: nn.Module) -> ApplyHandle:
+    """A handle for the remat wrappers found in ``model``, e.g. a ``copy.deepcopy`` or a ``torch.load``
+    of a planned model (NOTE [copies of a planned model]); ``.remove()`` restores it exactly.
+    An unplanned model gives a handle with no wrappers."""
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"recover_handle needs a torch.nn.Module, got {type(model).__name__}")
+    found = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        w = module.__dict__.get("forward")
+        if isinstance(w, CheckpointWrapper) and w.module is module and w not in found:
+            w.path = path     # the path in this model (a copy of a submodule has shorter paths)
+            found.append(w)
+    return ApplyHandle(model, None, tuple(found))
 
 
 def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool = True,

@@ -8,6 +8,15 @@ optimizer built before ``apply`` keeps working, and ``remove`` is a ``del`` away
 The wrapper calls the original (bound) forward through non-reentrant
 ``torch.utils.checkpoint.checkpoint``.
 
+NOTE [copies of a planned model]
+``copy.deepcopy(model)`` and ``torch.save(model)``/``torch.load`` copy the instance attribute
+``forward`` with the rest of the module, so a copy of a planned model is *checkpointed too*,
+by its own wrappers bound to the copied modules (``__getstate__`` drops what belongs to this
+run: observers, call counts). Copies are therefore *removable*, not clean:
+``remat.apply.recover_handle(copy)`` finds the wrappers in any model and returns a handle
+whose ``remove()`` restores the copy exactly. (Clean copies are not possible from here: the
+module's ``__dict__`` is copied wholesale, and a wrapper cannot make itself absent from it.)
+
 NOTE [replay detection]
 Non-reentrant checkpoint calls the function it was given twice: once from our
 ``__call__`` in the forward, and again from the unpack hook during backward (the
@@ -113,10 +122,15 @@ class CheckpointWrapper:
     def install(self) -> None:
         self.module.forward = self  # type: ignore[method-assign]  # NOTE [instance forward]
 
+    @property
+    def installed(self) -> bool:
+        """Whether ``module.forward`` is still this wrapper (somebody may have replaced it by hand)."""
+        return self.module.__dict__.get("forward") is self
+
     def uninstall(self) -> None:
-        if self.module.__dict__.get("forward") is not self:
-            from ..errors import PlanError
-            raise PlanError(f"{self.path}: its forward was replaced after remat.apply; cannot restore it exactly")
+        if not self.installed:
+            from ..errors import HandleError
+            raise HandleError(f"{self.path}: its forward was replaced after remat.apply; cannot restore it exactly")
         if self.had_instance_forward:
             self.module.forward = self.original_forward  # type: ignore[method-assign]
         else:
@@ -151,6 +165,15 @@ class CheckpointWrapper:
             if replay and self.guarded:
                 stack.enter_context(restore_buffers(self.module))
             return self.original_forward(*args, **kwargs)
+
+    # -- copies (NOTE [copies of a planned model]) --------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(observers=[], forward_calls=0, replay_calls=0, _depth=0)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         guard = ", guarded" if self.guarded else ""
