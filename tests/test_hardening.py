@@ -394,3 +394,83 @@ def test_copies_of_a_planned_model_are_checkpointed_and_removable(how):
                                  for n in names)                  # the original is untouched
     handle.remove()
     assert recover_handle(model).wrappers == ()
+
+
+# -- distributed: the same exit-code rule; lead with the first rank's real cause ---------------------------------
+
+RANK_LOSS = '''
+import os
+import torch
+from torch import nn
+import remat
+
+def build(batch_size: int = 2, device="cpu", dtype=torch.float32):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)).to(device=device, dtype=dtype)
+    def loss(model, b):
+        if os.environ.get("RANK") == "1":
+            raise ValueError("rank one's loss exploded")
+        return model(b).mean()
+    return remat.Workload(model=model, batch=lambda s: torch.ones(batch_size, 4), loss=loss)
+'''
+DIST = ["--world-size", "2", "--dist-steps", "1", "--dist-warmup", "2", "--dist-comm-steps", "1", "--no-ablation",
+        "--dist-timeout", "20", "--dist-wall-timeout", "90"]
+
+
+def _write_rank(out: Path, rank: int, **error) -> None:
+    from remat.distributed.worker import rank_file
+    rank_file(out, rank, "pid").write_text(json.dumps({"pid": 1, "host": "h"}))
+    if error:
+        rank_file(out, rank, "error.json").write_text(json.dumps(
+            {"rank": rank, "tip": None, "what": "step 2", "traceback": f"tb of rank {rank}", **error}))
+
+
+@pytest.mark.parametrize("follow_first", [False, True])
+def test_diagnose_leads_with_the_real_cause_not_rank_0s_gloo_error(tmp_path, follow_first):
+    from remat.distributed.launch import diagnose
+    t = 1_700_000_000.0
+    _write_rank(tmp_path, 0, type="RuntimeError", kind="internal", time=t + (-1 if follow_first else 1),
+                message="[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]")
+    _write_rank(tmp_path, 1, type="UserCodeError", kind="user", time=t, message="the loss raised ValueError: boom")
+    exc = diagnose(tmp_path, 2, returncode=1, timed_out=None, log=tmp_path / "torchrun.log")
+    assert exc.message.startswith("rank 1 raised UserCodeError: the loss raised ValueError: boom")
+    assert "then: rank 0 raised RuntimeError" in exc.message
+    assert exc.exit_code == 2 and exc.traceback_text == "tb of rank 1"
+
+
+def test_diagnose_a_remat_bug_on_a_rank_is_exit_3(tmp_path):
+    from remat.distributed.launch import diagnose
+    _write_rank(tmp_path, 0)
+    _write_rank(tmp_path, 1, type="ZeroDivisionError", kind="internal", time=1.0, message="division by zero")
+    exc = diagnose(tmp_path, 2, returncode=1, timed_out=None, log=tmp_path / "torchrun.log")
+    assert exc.message.startswith("rank 1 raised ZeroDivisionError") and exc.exit_code == 3
+
+
+def test_a_hostile_rank_error_file_is_read_safely(tmp_path):
+    from remat.distributed.launch import diagnose
+    from remat.distributed.worker import rank_file
+    _write_rank(tmp_path, 0)
+    rank_file(tmp_path, 1, "pid").write_text("{}")
+    rank_file(tmp_path, 1, "error.json").write_text('{"rank": 1, "type": ' + "[" * 5000 + "]" * 5000 + "}")
+    exc = diagnose(tmp_path, 2, returncode=1, timed_out=None, log=tmp_path / "torchrun.log")
+    assert "unreadable error file" in exc.message
+
+
+def test_distributed_user_code_raising_is_exit_2_with_the_users_traceback(tmp_path, capsys, monkeypatch):
+    from remat.distributed.worker import FAULT_ENV
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    (tmp_path / "rw.py").write_text(RANK_LOSS)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["distributed", "--workload", "rw.py:build", "--out", "d", *DIST])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "rank 1 raised UserCodeError" in _text(err)
+    assert "rank one's loss exploded" in err and "rw.py" in err and "Traceback" in err
+
+
+def test_distributed_remat_bug_on_a_rank_is_exit_3(tmp_path, capsys, monkeypatch):
+    from remat.distributed.worker import FAULT_ENV
+    monkeypatch.setenv(FAULT_ENV, "raise:1:1")
+    rc = main(["distributed", "--workload", "mlp", "--shape", "batch_size=2,width=8,depth=2,d_in=4",
+               "--out", str(tmp_path / "d"), *DIST])
+    err = _text(capsys.readouterr().err)
+    assert rc == 3 and "rank 1 raised RuntimeError: injected remat fault" in err

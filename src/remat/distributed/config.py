@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import DistributedError
+from .._json import Bool, Enum, Int, JsonValue, Map, Num, Obj, Opt, Str, read_json_file, validate
+from ..errors import DistributedError, PlanError
 from ..plan.model import Plan
 
 CONFIG_SCHEMA_VERSION = 1
+
+CONFIG_SCHEMA = Obj({
+    "schema_version": Enum(CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
+    "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
+    "world_size": Int(1, 1 << 16), "engine": Enum("ddp", "fsdp2"), "plan": Opt(JsonValue()),
+    "device": Str(r"cpu|cuda(:[0-9]{1,3})?"), "dtype": Enum("float32", "bfloat16", "float16"),
+    "steps": Int(1, 1000), "warmup": Int(2, 100), "comm_steps": Int(1, 1000), "timeout_s": Num(1e-3, 7 * 86400.0),
+    "seed": Int(0, 2 ** 63 - 1), "ablation": Bool(), "find_unused_parameters": Bool(), "use_reentrant": Bool(),
+})
 
 REENTRANT_FIND_UNUSED_TIP = (
     "use non-reentrant checkpointing (torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which is what "
@@ -97,23 +106,21 @@ class DistributedConfig:
 
     @classmethod
     def from_json(cls, d: Any) -> "DistributedConfig":
+        """Build from config JSON checked against :data:`CONFIG_SCHEMA` (NOTE [hostile JSON]); DistributedError if off."""
         if not isinstance(d, dict):
             raise DistributedError("distributed config JSON must be an object")
-        d = dict(d)
-        version = d.pop("schema_version", None)
-        if version != CONFIG_SCHEMA_VERSION:
-            raise DistributedError(f"distributed config schema_version {version} is not supported "
+        version = d.get("schema_version")
+        if type(version) is not int or version != CONFIG_SCHEMA_VERSION:
+            raise DistributedError(f"distributed config schema_version {str(version)[:40]} is not supported "
                                    f"(this remat reads {CONFIG_SCHEMA_VERSION})")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise DistributedError(f"unknown keys in the distributed config: {', '.join(unknown)}")
+        validate(d, CONFIG_SCHEMA, error=DistributedError, what="distributed config")
+        d = {k: v for k, v in d.items() if k != "schema_version"}
         if d.get("plan") is not None:
-            d["plan"] = Plan.from_json(d["plan"])
-        try:
-            return cls(**d)
-        except TypeError as exc:
-            raise DistributedError(f"malformed distributed config: {exc}") from exc
+            try:
+                d["plan"] = Plan.from_json(d["plan"], source="the distributed config's plan")
+            except PlanError as exc:
+                raise DistributedError(exc.message) from None
+        return cls(**d)
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json
@@ -121,8 +128,4 @@ class DistributedConfig:
 
     @classmethod
     def load(cls, path: Path | str) -> "DistributedConfig":
-        path = Path(path)
-        try:
-            return cls.from_json(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise DistributedError(f"cannot read the distributed config {path}: {exc}") from exc
+        return cls.from_json(read_json_file(path, error=DistributedError, what="distributed config"))

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from .._json import Enum, Int, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError
 from ..plan.model import Plan
 from ..types import ProgressFn, no_progress
@@ -88,6 +89,25 @@ class RankState:
     kind: str            # "done", "error", "stopped", "died", "not started"
     detail: str
     tip: str | None = None
+    error_kind: str | None = None     # for "error": "user", "input" or "internal" (NOTE [rank errors])
+    time: float | None = None         # for "error": when the rank recorded it (time.time())
+    traceback: str | None = None
+
+    @property
+    def follow_on(self) -> bool:
+        """An error a rank hits because a *peer* failed (a collective lost its peer, or timed out waiting)."""
+        text = self.detail.lower()
+        return self.kind == "error" and any(p in text for p in _FOLLOW_ON)
+
+
+# What a collective raises on the surviving ranks when a peer fails first (gloo, NCCL, the store).
+_FOLLOW_ON = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+              "socket timeout", "timed out", "gloo", "nccl", "recvbytes", "sendbytes",
+              "ncclremoteerror", "process group has been destroyed")
+
+_ERROR_FILE = Obj({"rank": Int(0, 1 << 20), "type": Str(max_len=200), "message": Str(max_len=20_000),
+                   "tip": Opt(Str(max_len=20_000)), "what": Str(max_len=2_000)},
+                  {"kind": Enum("user", "input", "internal"), "time": Num(0, 1e11), "traceback": Str(max_len=20_000)})
 
 
 def _read(path: Path) -> str | None:
@@ -108,19 +128,32 @@ def _progress_text(out: Path, rank: int) -> str:
 def rank_state(out: Path, rank: int) -> RankState:
     if rank_file(out, rank, "done").exists():
         return RankState(rank, "done", "finished")
-    err = _read(rank_file(out, rank, "error.json"))
-    if err:
+    path = rank_file(out, rank, "error.json")
+    if path.exists():
         try:
-            e = json.loads(err)
-            return RankState(rank, "error", f"raised {e['type']}: {e['message']} (during {e['what']})", e.get("tip"))
-        except (json.JSONDecodeError, KeyError):
+            e = read_json_file(path, error=DistributedError, what="rank error file", max_bytes=1 << 20)
+            validate(e, _ERROR_FILE, error=DistributedError, what="rank error file")
+        except DistributedError:
             return RankState(rank, "error", "raised an error (unreadable error file)")
+        return RankState(rank, "error", f"raised {e['type']}: {e['message']} (during {e['what']})", e.get("tip"),
+                         error_kind=e.get("kind", "internal"), time=e.get("time"), traceback=e.get("traceback"))
     if _read(rank_file(out, rank, "sigterm")):
         return RankState(rank, "stopped", f"was stopped by the launcher {_progress_text(out, rank)}")
     if rank_file(out, rank, "pid").exists():
         return RankState(rank, "died", f"died {_progress_text(out, rank)} without reporting an error "
                                        "(crashed, was killed, or exited)")
     return RankState(rank, "not started", "never started")
+
+
+def lead_culprits(states: list[RankState]) -> list[RankState]:
+    """The failed ranks, the real cause first (NOTE [rank errors]): errors that are not follow-ons
+    (earliest first), then ranks that died without a word, then follow-on errors (earliest first)."""
+    def when(s: RankState) -> float:
+        return s.time if s.time is not None else float("inf")
+    causes = sorted((s for s in states if s.kind == "error" and not s.follow_on), key=when)
+    died = [s for s in states if s.kind == "died"]
+    follow = sorted((s for s in states if s.kind == "error" and s.follow_on), key=when)
+    return causes + died + follow
 
 
 def _log_tail(log: Path, lines: int = 15) -> str:
@@ -131,7 +164,6 @@ def _log_tail(log: Path, lines: int = 15) -> str:
 def diagnose(out: Path, world_size: int, *, returncode: int | None, timed_out: float | None, log: Path) -> DistributedError:
     """One typed error naming the rank(s) at fault, with every rank's state."""
     states = [rank_state(out, r) for r in range(world_size)]
-    by_kind = {k: [s for s in states if s.kind == k] for k in ("died", "error", "stopped", "not started", "done")}
     others = "; ".join(f"rank {s.rank} {s.detail}" for s in states)
     tip = f"every rank's files and torchrun's output are in {out} ({log.name})"
     stacks = [s.rank for s in states if s.kind == "stopped"]
@@ -142,12 +174,14 @@ def diagnose(out: Path, world_size: int, *, returncode: int | None, timed_out: f
         return DistributedError(
             f"the distributed run did not finish within {timed_out:g} s and was stopped; "
             + "; ".join(f"rank {s.rank} {s.detail}" for s in (stuck or states)), tip=tip)
-    culprits = by_kind["died"] or by_kind["error"]
+    culprits = lead_culprits(states)
     if culprits:
         first = culprits[0]
-        head = "; ".join(f"rank {s.rank} {s.detail}" for s in culprits)
-        rest = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s not in culprits)
-        return DistributedError(f"{head}" + (f" (then: {rest})" if rest else ""), tip=first.tip or tip)
+        head = f"rank {first.rank} {first.detail}"
+        rest = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s is not first)
+        return DistributedError(head + (f" (then: {rest})" if rest else ""), tip=first.tip or tip,
+                                traceback_text=first.traceback if first.error_kind in ("user", "internal") else None,
+                                internal=first.error_kind == "internal")
     if all(s.kind == "not started" for s in states):
         return DistributedError(f"torchrun exited with code {returncode} before any rank started:\n{_log_tail(log)}",
                                 tip=tip)
@@ -165,7 +199,7 @@ def _alive_rank_pid(out: Path, rank: int) -> int | None:
     if not text:
         return None
     try:
-        pid = int(json.loads(text)["pid"])
+        pid = int(json.loads(text)["pid"]) if len(text) < 4096 else -1
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except (OSError, ValueError, KeyError, json.JSONDecodeError):
         return None
@@ -263,7 +297,8 @@ def run_config(config: DistributedConfig, *, work_dir: Path | str | None = None,
         returncode, timed_out = _launch_once(config, out, limit, progress)
         report_path = out / REPORT_NAME
         if returncode == 0 and timed_out is None and report_path.is_file():
-            report = DistributedReport.from_json(json.loads(report_path.read_text()))
+            report = DistributedReport.from_json(read_json_file(report_path, error=DistributedError,
+                                                                what="distributed report"))
             if temporary:
                 shutil.rmtree(out, ignore_errors=True)
             return report

@@ -19,6 +19,14 @@ to it without trusting any one process to say so:
 
 A started rank with none of error/sigterm/done died on its own (crash, os._exit, OOM kill).
 
+NOTE [rank errors]
+The error file says what kind of failure it was, with the same rule as one process (NOTE
+[exit codes] in remat.cli.main): ``user`` (the workload's own code raised: its traceback),
+``input`` (a typed RematError) or ``internal`` (anything else: a remat bug), and when it
+happened (``time``). When one rank fails, its peers usually fail a moment later inside a
+collective (gloo: "Connection closed by peer"); the launcher leads with the earliest error
+that is not such a follow-on (launch.diagnose), and exits as that rank's kind says.
+
 NOTE [teardown]
 Success: ``barrier()``, ``destroy_process_group()``, ``os._exit(0)``. Failure: the error file,
 then ``os._exit(1)`` at once (no barrier, no destroy: both can block on a dead peer). Exiting
@@ -47,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .._io import atomic_write_json
-from ..errors import DistributedError, RematError
+from ..errors import DistributedError, RematError, UserCodeError
 from ..memory.measure import measure_step_peak, track_step_state
 from ..plan.model import Plan
 from ..types import MemorySource, Phase
@@ -61,7 +69,7 @@ from .report import CollectiveCount, GradComparison, RankResult, RankSide, assem
 
 REPORT_NAME = "distributed.json"
 # Test-only fault injection (read from the environment, which torchrun passes on to every rank):
-FAULT_ENV = "REMAT_DISTRIBUTED_TEST_FAULT"   # "exit:RANK:STEP" or "hang:RANK:STEP" (after STEP steps)
+FAULT_ENV = "REMAT_DISTRIBUTED_TEST_FAULT"   # "exit|hang|raise:RANK:STEP" (after STEP steps)
 
 
 def rank_file(out: Path, rank: int, kind: str) -> Path:
@@ -92,12 +100,19 @@ class RankFiles:
         os.replace(tmp, path)
 
     def error(self, exc: BaseException) -> None:
+        """NOTE [rank errors]: what the launcher needs to lead with the real cause and pick the exit code."""
+        if isinstance(exc, UserCodeError):
+            kind, tb = "user", exc.traceback_text or ""
+        elif isinstance(exc, RematError):
+            kind, tb = "input", "".join(traceback.format_exception(exc))
+        else:
+            kind, tb = "internal", "".join(traceback.format_exception(exc))
         atomic_write_json(rank_file(self.out, self.rank, "error.json"), {
             "rank": self.rank, "type": type(exc).__name__,
-            "message": exc.message if isinstance(exc, RematError) else str(exc),
+            "message": (exc.message if isinstance(exc, RematError) else str(exc))[:4000],
             "tip": exc.tip if isinstance(exc, RematError) else None,
-            "what": self.what,
-            "traceback": "".join(traceback.format_exception(exc))[-4000:],
+            "what": self.what, "kind": kind, "time": time.time(),
+            "traceback": tb[-4000:],
         })
 
     def done(self) -> None:
@@ -113,6 +128,8 @@ def _maybe_fault(rank: int, steps_done: int) -> None:
     if int(r) == rank and int(s) == steps_done:
         if kind == "exit":
             os._exit(1)
+        if kind == "raise":     # an untyped error in remat's own rank code: a stand-in for a remat bug
+            raise RuntimeError(f"injected remat fault on rank {rank} after {steps_done} steps")
         while kind == "hang":
             time.sleep(1.0)
 
@@ -384,8 +401,9 @@ def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
     ctx = make_context(cfg, device)
     try:
         result = RankRunner(cfg, ctx, files).run()
-    except RuntimeError as exc:
-        if "Expected to mark a variable ready only once" in str(exc):
+    except (RuntimeError, UserCodeError) as exc:
+        # DDP raises it in the backward, which remat runs as the user's code (NOTE [user code errors])
+        if "Expected to mark a variable ready only once" in f"{exc} {exc.__cause__}":
             raise DistributedError(
                 f"rank {rank}: DDP marked a parameter ready twice in one backward ('Expected to mark a variable "
                 "ready only once'): reentrant activation checkpointing with find_unused_parameters=True",
