@@ -419,3 +419,86 @@ def test_margin_knob_and_replan(chain9):
         make_plan(chain9, "optimal", budget_bytes=budget, margin_bytes=budget)
     with pytest.raises(PlanError):
         replan_with_correction(chain9, make_plan(chain9, "all"), 1)
+
+
+# -- closed loop: fallbacks and the measured gap (issue 11: budgets are kept) --------------------
+
+class _ScriptedMeasure:
+    """Stands in for a real measurement: peak = what the test says each plan measures (bytes)."""
+
+    def __init__(self, peak_of):
+        self.peak_of = peak_of
+        self.calls: list[tuple[str, ...]] = []
+
+    def __call__(self, loaded, plan, *, warmup=2, steps=3):
+        from remat.apply.closed_loop import PlanMeasurement
+        self.calls.append(tuple((b.module, b.mode.value) for b in plan.boundaries))
+        return PlanMeasurement(peak_bytes=int(self.peak_of(plan)), step_ms=[1.0], memory_source="cpu-live-tensors")
+
+
+def test_closed_loop_falls_back_to_all_when_optimal_keeps_missing(chain9, monkeypatch):
+    from remat.apply import closed_loop
+    budget = int(chain9.baseline_peak_bytes * 0.7)
+    eff = make_plan(chain9, "optimal", budget_bytes=budget).effective_budget_bytes
+    n_all = len(make_plan(chain9, "all").boundaries)
+    # the model is wrong: every plan but `all` measures 1 MiB over the effective budget
+    fake = _ScriptedMeasure(lambda p: eff - 1 if len(p.boundaries) == n_all and p.planner == "all" else eff + 2 ** 20)
+    monkeypatch.setattr(closed_loop, "measure_plan", fake)
+    result = closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget)
+    assert result.plan.planner == "optimal->all" and result.plan.measured_peak_bytes == eff - 1
+    assert [a.fits for a in result.attempts][-1] is True and not any(a.fits for a in result.attempts[:-1])
+
+
+def test_closed_loop_exits_with_the_measured_gap_when_nothing_measures_under(chain9, monkeypatch):
+    from remat.apply import closed_loop
+    budget = int(chain9.baseline_peak_bytes * 0.7)
+    eff = make_plan(chain9, "optimal", budget_bytes=budget).effective_budget_bytes
+    fake = _ScriptedMeasure(lambda p: eff + 3 * 2 ** 20 - len(p.boundaries))   # more boundaries, a little lower
+    monkeypatch.setattr(closed_loop, "measure_plan", fake)
+    with pytest.raises(closed_loop.BudgetMissed, match="no plan measured under") as info:
+        closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget)
+    best = info.value.best
+    assert best.measured_peak_bytes == min(eff + 3 * 2 ** 20 - len(k) for k in fake.calls)
+    assert info.value.exit_code == 2 and "over" in info.value.message
+    assert len(set(fake.calls)) == len(fake.calls)          # no plan measured twice
+
+
+def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9, monkeypatch):
+    from remat.apply import closed_loop
+    floor = make_plan(chain9, "floor")
+    budget = floor.predicted_peak_bytes - 1     # under the model's floor: InfeasibleBudget by prediction
+    # ... but the floor plan measures well under it: the measurement wins
+    fake = _ScriptedMeasure(lambda p: p.predicted_peak_bytes // 2)
+    monkeypatch.setattr(closed_loop, "measure_plan", fake)
+    result = closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, reserve=0.0)
+    assert result.plan.planner.startswith("optimal->") and result.plan.measured_peak_bytes <= budget
+    # and with honest measurements the model's InfeasibleBudget (naming the floor) stands
+    monkeypatch.setattr(closed_loop, "measure_plan", _ScriptedMeasure(lambda p: p.predicted_peak_bytes))
+    with pytest.raises(closed_loop.BudgetMissed, match="floor is"):
+        closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, reserve=0.0)
+
+
+def test_floor_planner_reaches_the_floor_cheapest(chain9):
+    from remat.plan import peak_floor
+    plan = make_plan(chain9, "floor")
+    assert plan.predicted_peak_bytes == peak_floor(chain9)
+    opt = make_plan(chain9, "optimal", budget_bytes=plan.predicted_peak_bytes, reserve=0.0)
+    assert plan.predicted_overhead_ms <= opt.predicted_overhead_ms + 1e-9
+
+
+def test_nothing_fits_names_the_phase_that_sets_the_floor():
+    """NOTE [nothing fits]: an optimizer-bound floor says so; an activation-bound one lists exclusions."""
+    from remat.profile import profile_workload
+    from remat.workload import load_workload
+    from .conftest import FIXTURES
+    tiny = profile_workload(load_workload("mlp", {"batch_size": 1, "width": 64, "depth": 4}), repeats=1)
+    # ground truth: with batch 1 the optimizer phase (params + grads + Adam state) is the whole-step peak
+    assert tiny.phase_peak_bytes["optimizer"] == tiny.baseline_peak_bytes
+    with pytest.raises(InfeasibleBudget, match="set by the optimizer phase") as info:
+        make_plan(tiny, "optimal", budget_bytes=tiny.baseline_peak_bytes // 2)
+    assert info.value.floor_bytes >= tiny.phase_peak_bytes["optimizer"]
+    haz = profile_workload(load_workload(f"{FIXTURES / 'hazard_workload.py'}:build", {"batch_size": 256}), repeats=1)
+    assert haz.phase_peak_bytes["optimizer"] < haz.baseline_peak_bytes
+    with pytest.raises(InfeasibleBudget, match="activations no plannable candidate covers") as info:
+        make_plan(haz, "optimal", budget_bytes=haz.phase_peak_bytes["optimizer"] + 1)
+    assert "blocks.1: replay hazard: python_state" in info.value.message

@@ -5,8 +5,9 @@ The cost model (profile/model.py) is built from one baseline step; real checkpoi
 can differ a little (the replay's early stop, allocation order). So a budget-driven plan
 is applied to a fresh build of the workload and its whole-step peak measured; if the
 measured peak misses the effective budget, the planner's margin grows by the observed
-error (plan.replan_with_correction) and it plans again, at most ``max_tries`` times.
-The plan returned records predicted *and* measured figures.
+error (plan.replan_with_correction) and it plans again, at most ``max_tries`` times; then
+it falls back to measured plans (NOTE [closed loop fallbacks]). The plan returned records
+predicted *and* measured figures.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 
 from ..errors import BudgetError
 from ..memory.measure import measure_step_peak
-from ..plan import BUDGET_PLANNERS, Plan, make_plan, replan_with_correction
+from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, format_bytes, make_plan, min_budget_for,
+                    replan_with_correction)
 from ..profile.model import ProfileReport
 from ..types import ProgressFn, no_progress
 from ..workload.contract import TrainingStep
@@ -79,26 +81,101 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
                      budget_bytes: int | None, reserve: float = 0.05, allow_hazards: bool = False,
                      preserve_rng_state: bool = True, max_tries: int = 3, steps: int = 3,
                      progress: ProgressFn = no_progress) -> ClosedLoopResult:
-    plan = make_plan(report, planner, budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
-                     preserve_rng_state=preserve_rng_state)
-    margin = 0
-    attempts: list[Attempt] = []
+    """Plan, apply to a fresh build, measure; correct and fall back until a plan measures in budget.
+
+    NOTE [closed loop fallbacks]
+    A budget-driven plan (``optimal``, ``greedy``) that measures over its effective budget is
+    re-planned with a margin (NOTE [closed-loop margin]) up to ``max_tries`` times. If it
+    still misses, or the corrected target falls below the predicted floor, or the model
+    said from the start that nothing fits, the model is wrong somewhere, so remat trusts
+    measurements instead: the plans that the model ranks lower in peak (``all``: every
+    top-level block; ``floor``: the cheapest plan of least predicted peak) are measured in
+    order of predicted added time, and the first whose *measured* peak fits ships (it says
+    so in its ``planner``). Only when none does is it an error: :class:`BudgetMissed` (exit 2)
+    with the measured gap, or the model's own InfeasibleBudget when nothing was measurable.
+    So ``optimal`` never ships worse than ``all`` when ``all`` fits.
+    """
     budget_driven = planner.split(":")[0] in BUDGET_PLANNERS
-    for i in range(max_tries):
+    attempts: list[Attempt] = []
+    kw = dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
+              preserve_rng_state=preserve_rng_state)
+    try:
+        plan: Plan | None = make_plan(report, planner, **kw)
+    except InfeasibleBudget as exc:
+        if not budget_driven:
+            raise
+        plan, infeasible = None, exc
+    else:
+        infeasible = None
+    margin = 0
+    measured: dict[tuple, Plan] = {}
+    for i in range(max_tries if plan is not None else 0):
         progress("plan: apply and measure", i, max_tries)
-        m = measure_plan(loaded, plan, steps=steps)
-        plan.measured_peak_bytes = m.peak_bytes
-        plan.measured_step_ms = m.p50_ms
-        target = plan.effective_budget_bytes
-        fits = target is None or m.peak_bytes <= target
-        attempts.append(Attempt(predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=m.peak_bytes,
+        _measure_into(loaded, plan, steps)
+        measured[_key(plan)] = plan
+        fits = _fits(plan)
+        attempts.append(Attempt(predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=plan.measured_peak_bytes,
                                 margin_bytes=margin, fits=fits))
         if fits or not budget_driven or i == max_tries - 1:
             break
         try:
-            plan, margin = replan_with_correction(report, plan, m.peak_bytes, margin_bytes=margin,
+            plan, margin = replan_with_correction(report, plan, plan.measured_peak_bytes, margin_bytes=margin,
                                                   allow_hazards=allow_hazards)
         except BudgetError:
-            break  # the corrected target is below the floor: keep the best measured attempt
+            break  # the corrected target is below the floor: fall back to measuring (below)
     progress("plan: apply and measure", max_tries, max_tries)
-    return ClosedLoopResult(plan=plan, attempts=attempts)
+    if plan is not None and (not budget_driven or budget_bytes is None or _fits(plan)):
+        return ClosedLoopResult(plan=plan, attempts=attempts)
+
+    # NOTE [closed loop fallbacks]: measure what the model ranks lower in peak, cheapest first
+    fallbacks = []
+    for spec in ("all", "floor"):
+        fb = make_plan(report, spec, **kw)
+        if fb.boundaries and _key(fb) not in measured:
+            fallbacks.append(fb)
+    for fb in sorted(fallbacks, key=lambda p: (p.predicted_overhead_ms, p.predicted_peak_bytes)):
+        if _key(fb) in measured:
+            continue
+        progress("plan: measure a fallback", 0, 1)
+        _measure_into(loaded, fb, steps)
+        measured[_key(fb)] = fb
+        attempts.append(Attempt(predicted_peak_bytes=fb.predicted_peak_bytes, measured_peak_bytes=fb.measured_peak_bytes,
+                                margin_bytes=0, fits=_fits(fb)))
+        if _fits(fb):
+            fb.planner = f"{planner}->{fb.planner}"   # says what shipped and why: the model's pick missed
+            return ClosedLoopResult(plan=fb, attempts=attempts)
+    if not measured and infeasible is not None:
+        raise infeasible
+    best = min(measured.values(), key=lambda p: p.measured_peak_bytes)
+    raise BudgetMissed(best=best, tried=len(measured), floor_bytes=infeasible.floor_bytes if infeasible else None)
+
+
+def _key(plan: Plan) -> tuple:
+    return tuple((b.module, b.mode.value) for b in plan.boundaries)
+
+
+def _fits(plan: Plan) -> bool:
+    target = plan.effective_budget_bytes
+    return target is None or (plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= target)
+
+
+def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int) -> None:
+    m = measure_plan(loaded, plan, steps=steps)
+    plan.measured_peak_bytes = m.peak_bytes
+    plan.measured_step_ms = m.p50_ms
+
+
+class BudgetMissed(BudgetError):
+    """Every plan the closed loop measured (its own and the fallbacks) peaked over the budget."""
+
+    def __init__(self, *, best: Plan, tried: int, floor_bytes: int | None = None) -> None:
+        self.best = best
+        target = best.effective_budget_bytes or 0
+        gap = (best.measured_peak_bytes or 0) - target
+        floor = "" if floor_bytes is None else f"; the cost model's floor is {format_bytes(floor_bytes)}"
+        super().__init__(
+            f"no plan measured under the effective budget of {format_bytes(target)}: the lowest measured peak of the "
+            f"{tried} plans tried is {format_bytes(best.measured_peak_bytes or 0)} ({best.planner}, "
+            f"{len(best.boundaries)} boundaries), {format_bytes(gap)} over{floor}",
+            tip=f"ask for a budget of at least {format_bytes(min_budget_for(best.measured_peak_bytes or 0, best.reserve))} "
+                "(that plan measured under it), lower the reserve, or make more candidates plannable")

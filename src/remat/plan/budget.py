@@ -142,16 +142,19 @@ def min_budget_for(floor_bytes: int, reserve: float, margin_bytes: int = 0) -> i
 class InfeasibleBudget(BudgetError):
     """No valid plan's predicted peak reaches the effective budget; carries the floor."""
 
-    def __init__(self, *, floor_bytes: int, budget_bytes: int, reserve: float, margin_bytes: int = 0) -> None:
+    def __init__(self, *, floor_bytes: int, budget_bytes: int, reserve: float, margin_bytes: int = 0,
+                 explanation: str = "") -> None:
         self.floor_bytes = floor_bytes
         self.budget_bytes = budget_bytes
         self.reserve = reserve
         self.margin_bytes = margin_bytes
+        self.explanation = explanation
         self.effective_budget_bytes = effective_budget(budget_bytes, reserve, margin_bytes)
         margin = f" - margin {margin_bytes} bytes" if margin_bytes else ""
         super().__init__(
             f"no plan reaches the effective budget of {format_bytes(self.effective_budget_bytes)} "
             f"(budget {format_bytes(budget_bytes)} x (1 - reserve {reserve:g}){margin}); "
-            f"the floor, the lowest predicted peak any valid plan reaches, is {format_bytes(floor_bytes)}",
+            f"the floor, the lowest predicted peak any valid plan reaches, is {format_bytes(floor_bytes)}"
+            + (f". Why: {explanation}" if explanation else ""),
             tip=f"ask for a budget of at least {format_bytes(min_budget_for(floor_bytes, reserve, margin_bytes))}, "
                 "lower the reserve, or make more candidates plannable (--candidates, --allow-hazards)")

@@ -5,7 +5,8 @@ Every planner is a small class with one override point, ``choose(ctx) -> {name: 
 figures), so the planners differ only in which candidates they pick.
 
 Specs: ``none``, ``all``, ``uniform:K``, ``sqrt``, ``selective`` (baselines: no budget
-needed, they never fail on one, they report their predicted peak), ``greedy`` and
+needed, they never fail on one, they report their predicted peak), ``floor`` (the cheapest
+plan of least predicted peak), ``greedy`` and
 ``optimal`` (need a budget; BudgetError when no plan reaches it).
 
 NOTE [hazard policy]
@@ -88,7 +89,7 @@ from .budget import InfeasibleBudget, effective_budget, format_bytes
 from .cost import CostModel, ancestor_chains, checkpoint_modes
 from .model import Boundary, Exclusion, Plan
 
-PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "none")
+PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "floor", "none")
 BUDGET_PLANNERS = ("optimal", "greedy")
 
 
@@ -149,6 +150,7 @@ def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
                                                              "(allow_hazards / --allow-hazards plans it unguarded)"))
             continue
         allowed[c.name] = modes
+        excluded += [Exclusion(module=c.name, reason=r) for r in report.mode_excluded.get(c.name, {}).values()]
         # --allow-hazards plans *everything* unguarded, BatchNorm included (issue 3), so that
         # verification can be shown catching the double update the guard prevents
         if guardable and not blocking and not allow_hazards:
@@ -317,17 +319,67 @@ class OptimalPlanner(Planner):
         return ctx.model.choice(x)
 
 
+class FloorPlanner(Planner):
+    """The cheapest plan among those of least predicted peak (exact): the floor's witness.
+
+    No budget needed; the closed loop measures it last when cheaper plans measured over the
+    budget (NOTE [closed loop] in remat.apply.closed_loop).
+    """
+
+    spec = "floor"
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        floor = ctx.model.peak(ctx.model.lowest_peak_x())
+        x = ctx.model.cheapest_within(floor)
+        return ctx.model.choice(x if x is not None else ctx.model.lowest_peak_x())
+
+
 def _infeasible(ctx: PlanningContext, floor: int) -> InfeasibleBudget:
     assert ctx.requested_budget_bytes is not None
     return InfeasibleBudget(floor_bytes=floor, budget_bytes=ctx.requested_budget_bytes, reserve=ctx.reserve,
-                            margin_bytes=ctx.margin_bytes)
+                            margin_bytes=ctx.margin_bytes, explanation=explain_floor(ctx.report, floor,
+                                                                                     ctx.eligibility))
+
+
+def explain_floor(report: ProfileReport, floor: int, eligibility: Eligibility) -> str:
+    """Why the floor is where it is (NOTE [nothing fits]): the phase that sets it, what would help, exclusions.
+
+    NOTE [nothing fits]
+    Checkpointing lowers only what forward keeps for backward. The live bytes of the batch
+    and optimizer phases (parameters, gradients, optimizer state, the batch) are out of its
+    reach: when the floor is within 2% of the larger of those phase peaks, the floor is set
+    there, and the message says what would lower it instead. Otherwise the floor is set by
+    activations that no plannable candidate covers, and the excluded candidates are listed
+    with their reasons (the first few; ``plan.json`` has all).
+    """
+    phases = {k: v for k, v in report.phase_peak_bytes.items() if k in ("optimizer", "batch")}
+    parts: list[str] = []
+    if phases:
+        phase, fixed = max(phases.items(), key=lambda kv: kv[1])
+        if fixed >= floor * 0.98:
+            parts.append(f"the floor is set by the {phase} phase ({format_bytes(fixed)}: parameters, gradients, "
+                         "optimizer state and the batch), which checkpointing cannot lower; a smaller optimizer "
+                         "state (SGD, a factored or 8-bit optimizer), lower-precision parameters, a smaller batch, "
+                         "or sharding (remat distributed --engine fsdp2) would")
+        else:
+            parts.append(f"the floor is set by activations no plannable candidate covers (the optimizer and batch "
+                         f"phases peak at {format_bytes(fixed)})")
+    idle = [e for e in eligibility.excluded if e.reason.startswith("frees nothing")]
+    telling = [e for e in eligibility.excluded if not e.reason.startswith("frees nothing")]
+    if telling:
+        shown = "; ".join(f"{e.module}: {e.reason}" for e in telling[:4])
+        more = f" (+{len(telling) - 4} more)" if len(telling) > 4 else ""
+        parts.append(f"{len(telling)} candidates excluded: {shown}{more}")
+    if idle:
+        parts.append(f"{len(idle)} more free nothing until backward")
+    return ". ".join(parts)
 
 
 def planner_from_spec(spec: str) -> Planner:
     """``optimal | greedy | sqrt | uniform:K | all | selective | none`` -> Planner; else PlanError."""
     text = str(spec).strip().lower()
     simple = {"none": NonePlanner, "all": AllPlanner, "sqrt": SqrtPlanner, "selective": SelectivePlanner,
-              "greedy": GreedyPlanner, "optimal": OptimalPlanner}
+              "greedy": GreedyPlanner, "optimal": OptimalPlanner, "floor": FloorPlanner}
     if text in simple:
         return simple[text]()
     if text.startswith("uniform:"):

@@ -35,12 +35,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..memory.measure import measure_step_peak
 from ..memory.tracker import StorageRecord
 from ..trace.recorder import ModuleWindow, StepRecorder
-from ..units import mib
 from ..types import SAC_SAVE_OPS, CheckpointMode, HazardKind, MemorySource, ProgressFn, no_progress
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
 from .candidates import parent_of, resolve_candidates
 from .confirm import confirm_hazards
+from .dryrun import dry_run_modes
 from .fingerprint import fingerprint
 from .hazards import HazardProbe
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
@@ -144,6 +144,18 @@ def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], 
         h1.remove()
         h2.remove()
     return {n: statistics.median(v) for n, v in samples.items()}, step_ms
+
+
+def _phase_peaks(rec: StepRecorder, start_event: int) -> dict[str, int]:
+    """Peak live bytes per phase of the recorded step (phase value -> bytes), entry level included."""
+    t = rec.tracker
+    marks = [m for m in t.marks if m.event >= start_event]
+    out: dict[str, int] = {}
+    for i, m in enumerate(marks):
+        end = marks[i + 1].event if i + 1 < len(marks) else t.events
+        entry = t.live_after[m.event - 1] if m.event > 0 else 0
+        out[m.phase.value] = max(out.get(m.phase.value, 0), entry, *t.live_after[m.event:end])
+    return out
 
 
 def _bwd_window(name: str, windows: dict[str, ModuleWindow]) -> tuple[int | None, int | None]:
@@ -297,11 +309,11 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
             continue
         w = last_window[name]
         full_saved, unsaved_inputs = evidence.full_saved_bytes(w)
-        if full_saved <= 0 and runtime is None:
+        if full_saved <= 0:
             # checkpointing it can only keep its inputs alive longer: never offer it (issue 11:
             # single Conv/BN/ReLU layers whose checkpoints raised the measured peak)
-            excluded[name] = (f"frees nothing until backward: it saves {mib(full_saved + unsaved_inputs)} "
-                              f"for backward and a checkpoint would keep {mib(unsaved_inputs)} of inputs")
+            excluded[name] = (f"frees nothing until backward: it saves {full_saved + unsaved_inputs} bytes of its "
+                              f"own for backward, and a checkpoint would keep {unsaved_inputs} bytes of inputs")
             continue
         sac_kept, save_share, n_ops = evidence.sac_figures(w)
         extra = max(0, evidence.forward_rise(w) - max(full_saved, 0))
@@ -338,9 +350,10 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         if c.parent is not None and c.parent not in kept:
             c.parent = parent_of(c.parent, kept)
     rows = _rows(rec, {n: s for n, s in spans.items() if n in kept}, start_event)
+    phase_peaks = _phase_peaks(rec, start_event)
     return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
                          baseline_step_ms=statistics.median(step_ms), memory_source=base.source,
-                         fingerprint=fingerprint(model), refuted_hazards=refuted)
+                         fingerprint=fingerprint(model), refuted_hazards=refuted, phase_peak_bytes=phase_peaks)
 
 
 def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, dtype: str = "float32",
@@ -370,4 +383,21 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     """Profile every candidate of ``loaded`` (auto-discovered unless named) on its real step."""
     step = TrainingStep(loaded.workload)
     names = resolve_candidates(loaded.workload.model, candidates)
-    return profile_step(step, names, warmup=warmup, repeats=repeats, progress=progress)
+    report = profile_step(step, names, warmup=warmup, repeats=repeats, progress=progress)
+    progress("profile: dry runs of each mode", 0, 1)
+    exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
+    progress("profile: dry runs of each mode", 1, 1)
+    return report
+
+
+def exclude_failing_modes(report: ProfileReport, failures: dict[str, dict[CheckpointMode, str]]) -> None:
+    """Take the modes that failed a dry run out of ``report`` (NOTE [mode dry runs]), with reasons."""
+    for c in report.candidates:
+        failed = failures.get(c.name, {})
+        if CheckpointMode.FULL in failed:
+            report.excluded[c.name] = f"checkpointing it fails in a dry run: {failed[CheckpointMode.FULL]}"
+        elif CheckpointMode.SELECTIVE in failed:
+            for table in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
+                table.pop(CheckpointMode.SELECTIVE, None)
+            report.mode_excluded.setdefault(c.name, {})[CheckpointMode.SELECTIVE.value] = (
+                f"selective mode fails in a dry run: {failed[CheckpointMode.SELECTIVE]}")

@@ -157,13 +157,19 @@ class ProfileReport:
     device_model: str | None = None
     # suspicions a replay did not reproduce (NOTE [confirmed hazards]): name -> "kind: detail"
     refuted_hazards: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # modes that failed a dry run (NOTE [mode dry runs]): name -> mode value -> reason
+    mode_excluded: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    # peak live bytes per phase of the profiled step (Phase value -> bytes); {} when unknown
+    phase_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
                 "excluded": dict(self.excluded), "baseline_peak_bytes": self.baseline_peak_bytes,
                 "baseline_step_ms": self.baseline_step_ms, "memory_source": self.memory_source.value,
                 "fingerprint": self.fingerprint.to_json(), "simulated": self.simulated,
-                "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards)}
+                "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards),
+                "mode_excluded": {k: dict(v) for k, v in self.mode_excluded.items()},
+                "phase_peak_bytes": dict(self.phase_peak_bytes)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -172,4 +178,7 @@ class ProfileReport:
                    baseline_peak_bytes=int(d["baseline_peak_bytes"]), baseline_step_ms=float(d["baseline_step_ms"]),
                    memory_source=MemorySource(d["memory_source"]), fingerprint=ModelFingerprint.from_json(d["fingerprint"]),
                    simulated=bool(d.get("simulated", False)), device_model=d.get("device_model"),
-                   refuted_hazards={str(k): [str(x) for x in v] for k, v in d.get("refuted_hazards", {}).items()})
+                   refuted_hazards={str(k): [str(x) for x in v] for k, v in d.get("refuted_hazards", {}).items()},
+                   mode_excluded={str(k): {str(m): str(r) for m, r in v.items()}
+                                  for k, v in d.get("mode_excluded", {}).items()},
+                   phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()})

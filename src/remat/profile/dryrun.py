@@ -1,0 +1,120 @@
+"""Dry runs: does each checkpoint mode actually run on each candidate? (issue 11: no crash later)
+
+NOTE [mode dry runs]
+A mode the profiler measured can still fail when it runs: torch's selective policy raises
+``aten.slice.Tensor encountered during backward but not found in storage`` on Hugging
+Face GPT-2 attention, and a replay that takes another branch raises ``CheckpointError``
+(shapes differ). Found at plan, verify or trace time, such a failure is a crash after the
+expensive work; found here, it is an exclusion with its reason, never offered to a planner.
+
+So after profiling, each mode runs once (forward + backward, no optimizer step) on the
+profiled model with the candidates wrapped in torch's own non-reentrant checkpoint
+(``remat.apply`` sits below this stage, so the wrapping is the few lines below, the same
+call and the same SAC op set). Candidates are wrapped a *level* at a time (those with the
+same number of enclosing candidates, which never nest), so a model that runs clean costs
+one pass per level and mode; a level that fails is retried one candidate at a time, so
+each exclusion names the candidate that fails and its error. Gradients are reset and
+buffers restored afterwards: the dry run leaves the model as it found it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..types import SAC_SAVE_OPS, CheckpointMode
+from ..workload.contract import TrainingStep
+from .model import CandidateCost
+
+
+def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The SELECTIVE policy (NOTE [selective policy ops]): keep SAC_SAVE_OPS outputs, recompute the rest."""
+    packet = getattr(op, "_overloadpacket", None)
+    return CheckpointPolicy.MUST_SAVE if getattr(packet, "__name__", "") in SAC_SAVE_OPS \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(module: nn.Module, mode: CheckpointMode) -> Callable[[], None]:
+    """Install a checkpointing instance ``forward`` on ``module``; returns its remover."""
+    original = module.forward
+    had_instance = "forward" in module.__dict__
+    extra: dict[str, Any] = {}
+    if mode is CheckpointMode.SELECTIVE:
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        fn = functools.partial(original, **kwargs) if kwargs else original
+        return checkpoint(fn, *args, use_reentrant=False, **extra)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+    def remove() -> None:
+        if had_instance:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            del module.__dict__["forward"]
+    return remove
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "message", None) or exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+class _DryRunner:
+    def __init__(self, step: TrainingStep, step_index: int) -> None:
+        self.step = step
+        self.model = step.workload.model
+        self.modules = dict(self.model.named_modules())
+        self.step_index = step_index
+
+    def attempt(self, names: list[str], mode: CheckpointMode) -> str | None:
+        """Forward + backward with ``names`` wrapped in ``mode``; None when it ran, else the error."""
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        grads = [(p, p.grad) for p in self.model.parameters()]
+        removers = [_wrap(self.modules[n], mode) for n in names]
+        try:
+            batch = self.step.batch(self.step_index)
+            loss = self.step.workload.loss(self.model, batch)
+            loss.backward()
+            return None
+        except Exception as exc:  # noqa: BLE001  any failure is the mode's: the plain step ran
+            cause = exc.__cause__ if exc.__cause__ is not None and type(exc).__name__ == "UserCodeError" else exc
+            return _first_line(cause)
+        finally:
+            for remove in reversed(removers):
+                remove()
+            with torch.no_grad():
+                for p, g in grads:
+                    p.grad = g
+                for b, v in buffers:
+                    if not torch.equal(b, v):
+                        b.copy_(v)
+
+
+def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int) -> dict[str, dict[CheckpointMode, str]]:
+    """Run every measured (candidate, mode) once (NOTE [mode dry runs]); name -> mode -> error."""
+    runner = _DryRunner(step, step_index)
+    names = {c.name for c in candidates}
+    depth = {c.name: sum(1 for i in range(1, c.name.count(".") + 1) if ".".join(c.name.split(".")[:i]) in names)
+             for c in candidates}
+    failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
+    for mode in (CheckpointMode.FULL, CheckpointMode.SELECTIVE):
+        levels: dict[int, list[str]] = defaultdict(list)
+        for c in candidates:
+            if mode in c.saved_bytes:
+                levels[depth[c.name]].append(c.name)
+        for level in sorted(levels):
+            group = levels[level]
+            if runner.attempt(group, mode) is None:
+                continue
+            for name in group:
+                error = runner.attempt([name], mode)
+                if error is not None:
+                    failures[name][mode] = error
+    return dict(failures)
