@@ -6,7 +6,8 @@ NOTE [exit codes]
   2    bad input: a typed RematError with a one-line message (and a tip), or an argparse usage
        error; also when the *user's own code* raised (workload factory, batch, loss, the model's
        forward or backward, the optimizer): a UserCodeError, shown with that code's traceback
-  3    a remat bug: any exception that is not a RematError; the traceback is printed, please report it
+  2    also out of memory (torch.OutOfMemoryError, or CPU "can't allocate memory"): the step does not fit
+  3    a remat bug: any other exception that is not a RematError; the traceback is printed, please report it
   130  interrupted (Ctrl-C), at any moment, torch's import included: one line, no traceback
 How remat tells the user's code from its own: every call into the workload goes through
 ``remat.workload.contract.call_user`` (NOTE [user code errors] there), which types what the
@@ -76,6 +77,13 @@ def _main(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         return _interrupted()
     except Exception as exc:  # a bug in remat (the user's code raises UserCodeError: NOTE [exit codes])
+        from ..workload.contract import is_allocation_failure
+        if is_allocation_failure(exc):   # the step does not fit this machine: not a remat bug
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            err_console.print(f"[bold red]error:[/] out of memory: {escape(type(exc).__name__)}: {escape(first)}",
+                              highlight=False)
+            err_console.print("[yellow]tip:[/] use a smaller shape (--shape), or a larger machine", highlight=False)
+            return 2
         err_console.print_exception(max_frames=8)
         err_console.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))}\n"
                           "This is a remat bug: please report it with the command line and the traceback above.",

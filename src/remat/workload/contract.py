@@ -36,7 +36,7 @@ _LIBRARY_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in
                       {os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]})
 
 
-def _is_allocation_failure(exc: BaseException) -> bool:
+def is_allocation_failure(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, torch.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
@@ -69,7 +69,7 @@ def call_user(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except RematError:
         raise
     except Exception as exc:
-        if _is_allocation_failure(exc) or raised_by_remat(exc):
+        if is_allocation_failure(exc) or raised_by_remat(exc):
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise UserCodeError(f"{what} raised {type(exc).__name__}: {first}", traceback_text=user_traceback(exc),
