@@ -271,6 +271,23 @@ def _mutate(d: dict, path: str, value) -> dict:
      "duplicate key"),
     ("NaN", lambda text, d: text.replace('"reserve": 0.05', '"reserve": NaN', 1), "NaN"),
     ("plan/records disagree", lambda text, d: json.dumps(_mutate(d, "plan.boundaries", [])), "differ from"),
+    # issue 12: every count, size and time bounded; exact types everywhere, embedded reports included
+    ("endless warm-up", lambda text, d: json.dumps(_mutate(d, "settings.frontier_warmup", 1_000_000_000)),
+     "$.settings.frontier_warmup"),
+    ("10**400 bytes", lambda text, d: json.dumps(_mutate(d, "decision.shipped_peak_bytes", 10 ** 400)),
+     "an integer of 401 characters"),
+    ("10**19 bytes", lambda text, d: json.dumps(_mutate(d, "decision.shipped_peak_bytes", 10 ** 19)),
+     "$.decision.shipped_peak_bytes"),
+    ("huge time", lambda text, d: json.dumps(_mutate(d, "decision.shipped_p50_ms", 1e300)), "shipped_p50_ms"),
+    ("1e400", lambda text, d: text.replace('"reserve": 0.05', '"reserve": 1e400', 1), "overflows a float"),
+    ("bool as string", lambda text, d: json.dumps(_mutate(d, "plan.plan.preserve_rng_state", "false")),
+     "preserve_rng_state"),
+    ("guarded as string", lambda text, d: json.dumps(_mutate(d, "plan.plan.boundaries.0.guarded", "no")),
+     "guarded"),
+    ("unknown key in a trace", lambda text, d: json.dumps(_mutate(d, "traces.target.exec", "print(1)")),
+     "unknown field"),
+    ("huge shape value", lambda text, d: json.dumps(_mutate(d, "context.shape", {"batch_size": 2 ** 40})),
+     "$.context.shape"),
 ])
 def test_malformed_receipts_are_refused_with_exit_2(work, capsys, case, make, expect):
     path = work / "out" / "receipt.json"

@@ -51,8 +51,8 @@ HEX16 = Str(r"[0-9a-f]{16}", what="a string of 16 hex digits")
 MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", max_len=500, what="a module path (dotted identifiers)")
 # Shape keywords: JSON scalars; an integer shape past 2**31 is no training step, and
 # remat check validates each value against the factory's annotation before calling it.
-SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(), Str(max_len=200)), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}",
-            max_len=100)
+SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(-2 ** 31, 2 ** 31), Str(max_len=200)),
+            key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)
 DTYPE = Enum("float32", "bfloat16", "float16")
 DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
 PHASE = Enum("batch", "forward", "backward", "optimizer")
