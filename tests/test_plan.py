@@ -473,9 +473,17 @@ def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9,
     result = closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, reserve=0.0)
     assert result.plan.planner.startswith("optimal->") and result.plan.measured_peak_bytes <= budget
     # and with honest measurements the model's InfeasibleBudget (naming the floor) stands
-    monkeypatch.setattr(closed_loop, "measure_plan", _ScriptedMeasure(lambda p: p.predicted_peak_bytes))
-    with pytest.raises(closed_loop.BudgetMissed, match="floor is"):
+    honest = _ScriptedMeasure(lambda p: p.predicted_peak_bytes)
+    monkeypatch.setattr(closed_loop, "measure_plan", honest)
+    with pytest.raises(InfeasibleBudget, match="floor"):
         closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, reserve=0.0)
+    assert honest.calls     # it measured before refusing: the model could have been wrong
+    # far below the floor, no model error could help: refused without measuring anything
+    never = _ScriptedMeasure(lambda p: 0)
+    monkeypatch.setattr(closed_loop, "measure_plan", never)
+    with pytest.raises(InfeasibleBudget):
+        closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget // 2, reserve=0.0)
+    assert never.calls == []
 
 
 def test_floor_planner_reaches_the_floor_cheapest(chain9):

@@ -18,7 +18,8 @@ import time
 
 from ..errors import BudgetError
 from ..memory.measure import measure_step_peak
-from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, format_bytes, make_plan, min_budget_for,
+from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, effective_budget, format_bytes, make_plan,
+                    min_budget_for,
                     replan_with_correction)
 from ..profile.model import ProfileReport
 from ..types import ProgressFn, no_progress
@@ -91,8 +92,10 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     measurements instead: the plans that the model ranks lower in peak (``all``: every
     top-level block; ``floor``: the cheapest plan of least predicted peak) are measured in
     order of predicted added time, and the first whose *measured* peak fits ships (it says
-    so in its ``planner``). Only when none does is it an error: :class:`BudgetMissed` (exit 2)
-    with the measured gap, or the model's own InfeasibleBudget when nothing was measurable.
+    so in its ``planner``). Fallbacks predicted more than ``_MODEL_ERROR`` over the target are
+    not measured (no model error seen is that large). Only when none fits is it an error: the
+    model's own InfeasibleBudget (naming the floor and why) when it said so from the start,
+    else :class:`BudgetMissed` (exit 2) with the measured gap.
     So ``optimal`` never ships worse than ``all`` when ``all`` fits.
     """
     budget_driven = planner.split(":")[0] in BUDGET_PLANNERS
@@ -129,9 +132,11 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
 
     # NOTE [closed loop fallbacks]: measure what the model ranks lower in peak, cheapest first
     fallbacks = []
+    target = effective_budget(budget_bytes, reserve)
     for spec in ("all", "floor"):
         fb = make_plan(report, spec, **kw)
-        if fb.boundaries and _key(fb) not in measured:
+        # only plans the model could be wrong about: predicted within its error bound of the target
+        if fb.boundaries and _key(fb) not in measured and fb.predicted_peak_bytes <= target * (1 + _MODEL_ERROR):
             fallbacks.append(fb)
     for fb in sorted(fallbacks, key=lambda p: (p.predicted_overhead_ms, p.predicted_peak_bytes)):
         if _key(fb) in measured:
@@ -144,10 +149,15 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
         if _fits(fb):
             fb.planner = f"{planner}->{fb.planner}"   # says what shipped and why: the model's pick missed
             return ClosedLoopResult(plan=fb, attempts=attempts)
-    if not measured and infeasible is not None:
-        raise infeasible
+    if infeasible is not None:
+        raise infeasible   # the model said so from the start, and no measurement disagreed
     best = min(measured.values(), key=lambda p: p.measured_peak_bytes)
-    raise BudgetMissed(best=best, tried=len(measured), floor_bytes=infeasible.floor_bytes if infeasible else None)
+    raise BudgetMissed(best=best, tried=len(measured))
+
+
+# How far the cost model's predicted peak has been seen from the measured one (a share of the
+# target): fallbacks predicted further over the target than this are not worth measuring.
+_MODEL_ERROR = 0.15
 
 
 def _key(plan: Plan) -> tuple:
@@ -168,14 +178,13 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int) -> None:
 class BudgetMissed(BudgetError):
     """Every plan the closed loop measured (its own and the fallbacks) peaked over the budget."""
 
-    def __init__(self, *, best: Plan, tried: int, floor_bytes: int | None = None) -> None:
+    def __init__(self, *, best: Plan, tried: int) -> None:
         self.best = best
         target = best.effective_budget_bytes or 0
         gap = (best.measured_peak_bytes or 0) - target
-        floor = "" if floor_bytes is None else f"; the cost model's floor is {format_bytes(floor_bytes)}"
         super().__init__(
             f"no plan measured under the effective budget of {format_bytes(target)}: the lowest measured peak of the "
             f"{tried} plans tried is {format_bytes(best.measured_peak_bytes or 0)} ({best.planner}, "
-            f"{len(best.boundaries)} boundaries), {format_bytes(gap)} over{floor}",
+            f"{len(best.boundaries)} boundaries), {format_bytes(gap)} over",
             tip=f"ask for a budget of at least {format_bytes(min_budget_for(best.measured_peak_bytes or 0, best.reserve))} "
                 "(that plan measured under it), lower the reserve, or make more candidates plannable")
