@@ -263,8 +263,12 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         if nb > 6:
             bounds = ", ".join(f"`{b['module']}` ({b['mode']})" for b in res["boundaries"][:5]) + f", … ({nb} in all)"
         ver = {True: "pass", False: "FAIL", None: "–"}[res.get("verified")]
-        haz = "; ".join(res.get("hazards", [])[:3]) or ("–" if not r.get("hazardous_candidates")
-                                                        else f"{len(r['hazardous_candidates'])} candidates flagged")
+        kinds: dict[str, int] = {}
+        for c in r.get("hazardous_candidates", []):
+            for h in c["hazards"]:
+                kinds[h.split(":", 1)[0]] = kinds.get(h.split(":", 1)[0], 0) + 1
+        flagged = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+        haz = "; ".join(res.get("hazards", [])[:3]) or (f"verify: none; profile: {flagged}" if flagged else "–")
         ov = "–" if res.get("overhead_pct") is None else f"{res['overhead_pct']:+.0f}%"
         lines.append(
             f"| {r['model']} | {r['verdict']} | {exits} | {mib(res.get('control_peak_bytes') or r.get('control_peak_bytes'))} "
@@ -312,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "out/zoo", help="receipts and logs (default out/zoo)")
     ap.add_argument("--fast", action="store_true",
                     help="receipts with " + " ".join(FAST) + " (the same stages and verification, less timing)")
+    ap.add_argument("--render", action="store_true", help="only rewrite the table from --results")
     ap.add_argument("--recheck", action="store_true",
                     help="only re-run remat check --quick on the receipts in --results and rewrite the table")
     ap.add_argument("--results", type=Path, default=ZOO / "results.json")
@@ -324,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     todo = [known[m] for m in args.models] if args.models else MODELS
     if args.recheck:
         return recheck(args)
+    if args.render:
+        data = json.loads(args.results.read_text())
+        write_markdown(data["rows"], args.markdown, data["command"], data["started"],
+                       sum(r["wall_s"] for r in data["rows"]))
+        return 0
     command = "python benchmarks/zoo/run.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
