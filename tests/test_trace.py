@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from remat.cli.main import main
 from remat.memory import profiler_step_peak
 from remat.trace import StepTrace, to_perfetto, trace_workload
@@ -77,3 +80,61 @@ def test_cli_trace_custom_workload_writes_files(tmp_path, capsys):
     assert REQUIRED <= d.keys() and d["context"]["shape"] == {"batch_size": 4}
     assert json.loads((out / "trace.perfetto.json").read_text())["traceEvents"]
     assert "blocking" in capsys.readouterr().out
+
+
+# -- instrumentation must not change the code path (issue 11) -------------------------------------
+
+class _SelfAttn(torch.nn.Module):
+    """``attn(h, h, h)``: nn.MultiheadAttention takes its packed self-attention branch on ``q is k is v``."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, 4, batch_first=True)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+def _self_attn_workload():
+    import remat
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SelfAttn(), _SelfAttn())
+
+    def batch(step):
+        return torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(step))
+    return remat.Workload(model=model, batch=batch, loss=lambda m, x: m(x).square().mean())
+
+
+def test_torch_replays_distinct_inputs_under_saved_tensor_hooks():
+    """The trap itself (negative control): under any saved_tensors_hooks, torch's checkpoint replays
+    ``attn(h, h, h)`` with three distinct tensors and fails; without hooks it does not."""
+    from torch.utils.checkpoint import CheckpointError, checkpoint
+    block = _SelfAttn()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    h = x * 1.0
+    checkpoint(block.attn, h, h, h, use_reentrant=False, need_weights=False)[0].sum().backward()
+    h = x * 1.0
+    with pytest.raises(CheckpointError, match="different metadata"):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            checkpoint(block.attn, h, h, h, use_reentrant=False, need_weights=False)[0].sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recorder_does_not_change_a_planned_mha_replay(mode):
+    """NOTE [saved-tensor hooks and identity]: the planned step traced with saved-tensor hooks runs."""
+    from remat.apply import apply
+    from remat.trace.recorder import StepRecorder
+    from remat.types import CheckpointMode
+    from remat.workload import TrainingStep
+    from .conftest import hand_plan
+    wl = _self_attn_workload()
+    plan = hand_plan(wl.model, ["0.attn", "1"], mode=CheckpointMode(mode))
+    with apply(wl.model, plan, check_fingerprint=False) as handle:
+        step = TrainingStep(wl)
+        step.run(0)
+        with StepRecorder(step) as rec:
+            rec.run(1)     # raised CheckpointError / "not found in storage" before the fix
+        assert handle.wrapper("0.attn").replay_calls >= 1
+    assert any(s.module for s in rec.saved)   # the recorder still saw the step's saved tensors

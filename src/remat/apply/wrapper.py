@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from ..trace.recorder import instrumentation_hooks_off
 from ..types import CheckpointMode
 from .policy import SaveMatmulPolicy, selective_context_fn
 
@@ -151,7 +152,8 @@ class CheckpointWrapper:
             # Keyword arguments ride in a partial: a forward keyword named like one of
             # checkpoint's own (``debug``, ``context_fn``...) must not be taken by checkpoint.
             fn = functools.partial(self._run, **kwargs) if kwargs else self._run
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra)
+            with instrumentation_hooks_off():   # NOTE [saved-tensor hooks and identity] in trace/recorder.py
+                return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra)
         finally:
             self._depth -= 1
 

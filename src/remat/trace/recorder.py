@@ -9,10 +9,11 @@ them: the backward window of each module).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -22,6 +23,38 @@ from ..memory.measure import optimizer_state_tensors, track_step_state
 from ..memory.tracker import LiveTensorTracker, StorageRecord
 from ..types import MemCategory, Phase
 from ..workload.contract import TrainingStep
+
+
+# NOTE [saved-tensor hooks and identity]
+# With any ``saved_tensors_hooks`` active, a tensor saved by a custom autograd Function comes
+# back from ``ctx.saved_tensors`` as a *new* Python object, even when the hooks return it
+# unchanged. Non-reentrant checkpoint saves its region's inputs that way and replays the
+# region from them, so ``attn(h, h, h)`` is replayed as three distinct tensors and
+# ``nn.MultiheadAttention`` takes its separate-projection branch: a CheckpointError (shapes
+# differ), or SAC's "encountered during backward but not found in storage". remat's own
+# recorder installs such hooks, so instrumentation would change the code path it measures.
+# The recorder registers its pack hook here, and remat's checkpoint wrapper runs with
+# remat's hooks (only remat's, only while they are on top of the stack) taken off:
+# ``instrumentation_hooks_off``. What the recorder no longer sees are the checkpoint's
+# inputs being "saved" (they stay counted as live bytes, only not labelled activations).
+_REMAT_PACK_HOOKS: list[Any] = []
+
+
+@contextlib.contextmanager
+def instrumentation_hooks_off() -> Iterator[None]:
+    """Take remat's own saved-tensor hooks off the top of the stack for the block, then put them back."""
+    popped: list[tuple[Any, Any]] = []
+    while _REMAT_PACK_HOOKS:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or not any(top[0] is h or top[0] == h for h in _REMAT_PACK_HOOKS):
+            break
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        popped.append(top)
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 @dataclasses.dataclass
@@ -141,7 +174,10 @@ class StepRecorder:
         self._exit.callback(register_module_forward_pre_hook(self._pre).remove)
         self._exit.callback(register_module_forward_hook(self._post).remove)
         if self.record_saved:
-            self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            pack = self._pack
+            _REMAT_PACK_HOOKS.append(pack)   # NOTE [saved-tensor hooks and identity]
+            self._exit.callback(_REMAT_PACK_HOOKS.remove, pack)
+            self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, self._unpack))
         return self
 
     def __exit__(self, *exc: Any) -> None:
