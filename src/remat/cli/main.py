@@ -4,7 +4,7 @@ NOTE [exit codes]
   0    success
   1    a check ran and failed (verify, check): RematError subclasses with exit_code = 1
   2    bad input: a typed RematError with a one-line message (and a tip), or an argparse usage
-       error; also when the *user's own code* raised (workload factory, batch, loss, the model's
+       error (``main`` returns every code, argparse's included, and never raises SystemExit); also when the *user's own code* raised (workload factory, batch, loss, the model's
        forward or backward, the optimizer): a UserCodeError, shown with that code's traceback
   2    also out of memory (torch.OutOfMemoryError, or CPU "can't allocate memory"): the step does not fit
   3    a remat bug: any other exception that is not a RematError; the traceback is printed, please report it
@@ -21,8 +21,11 @@ own ``try``.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 # One module per subcommand, each with ``add_parser(subparsers)`` that sets ``func``.
 COMMANDS = ("trace", "plan", "verify", "frontier", "distributed", "receipt", "check", "demo")
@@ -50,20 +53,52 @@ def _interrupted() -> int:
     return 130
 
 
+@contextlib.contextmanager
+def _exit_at_once_on_interrupt() -> Iterator[None]:
+    """While torch, numpy, scipy and rich import, Ctrl-C exits at once (130, one line).
+
+    A KeyboardInterrupt raised inside those imports is not reliably ours to catch: some import
+    code swallows it (the command then ran on as if nothing happened), and one raised through
+    the interpreter's own code runner makes Python re-kill itself with SIGINT after ``main``
+    returned (exit -2); both were seen here. Nothing has been written yet, so exiting on the
+    spot loses nothing. Afterwards Python's own handler is back, and Ctrl-C is a
+    KeyboardInterrupt the commands clean up after (the distributed launcher stops its ranks).
+    """
+    def handler(signum: int, frame: Any) -> None:
+        os.write(2, b"remat: interrupted\n")
+        os._exit(130)
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:   # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
-    except KeyboardInterrupt:   # also while torch or rich imports (NOTE [exit codes])
+        with _exit_at_once_on_interrupt():
+            parser = build_parser()       # imports every command, and with them torch
+            import rich.markup  # noqa: F401 - imported here, under the handler
+
+            from . import render  # noqa: F401
+        return _main(parser, argv)
+    except KeyboardInterrupt:
         return _interrupted()
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    from ..errors import RematError
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _main(parser: Any, argv: Sequence[str] | None) -> int:
     from rich.markup import escape
 
+    from ..errors import RematError
     from .render import err_console
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:   # usage errors (exit 2), --help and --version (0): main always returns the code
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except RematError as exc:
