@@ -14,6 +14,8 @@ a timeout so a hang costs one row, not the run:
 2. *receipt*: ``remat receipt --budget <(floor + control) / 2 bytes> --out OUT/<model>/receipt``
    with remat's default settings.
 3. *check*: ``remat check --quick`` on the receipt, when one was written.
+4. *hazards*: for every hazard kind the profile reports (RNG aside), the candidate is planned
+   *unguarded* and verified: it must fail (exit 1), or the hazard was a false alarm.
 
 The floor is the lowest peak remat demonstrably reaches: the measured peak of ``--planner
 all`` when that ran and lowered the peak; otherwise the cost model's predicted floor
@@ -74,7 +76,7 @@ def run_cli(args: list[str], timeout: float, log: Path) -> dict[str, Any]:
     text = log.read_text(errors="replace")
     lines = [ln for ln in text.splitlines() if ln.strip() and "done " not in ln]
     return {"command": "remat " + " ".join(shlex.quote(a) for a in args), "exit_code": rc,
-            "timed_out": rc is None, "wall_s": round(wall, 1), "log": str(log.relative_to(ROOT)),
+            "timed_out": rc is None, "wall_s": round(wall, 1), "log": str(log.relative_to(ROOT) if log.is_relative_to(ROOT) else log),
             "tail": lines[-25:] if rc not in (0,) else lines[-6:]}
 
 
@@ -161,6 +163,44 @@ def run_check(spec: str, rdir: Path, timeout: float, log: Path) -> dict[str, Any
     return run_cli(["check", str(rdir / "receipt.json"), "--quick", "--workload", spec], timeout, log)
 
 
+def hazard_candidates(probe_dir: Path) -> dict[str, str]:
+    """One candidate per reported hazard kind other than RNG (kind -> module), from the probe's profile.
+
+    RNG use is not re-checked here: every receipt's verification already runs the
+    RNG-preservation-off negative control, which must fail.
+    """
+    prof = read_json(probe_dir / "profile.json") or {}
+    out: dict[str, str] = {}
+    for c in sorted(prof.get("candidates", []), key=lambda c: c.get("order", 0)):
+        if c["name"] in prof.get("excluded", {}):
+            continue
+        for h in c.get("hazards", []):
+            if h["kind"] != "rng":
+                out.setdefault(h["kind"], c["name"])
+    return out
+
+
+def confirm_hazards(base: list[str], probe_dir: Path, out_dir: Path, timeout: float) -> list[dict[str, Any]]:
+    """Issue 11: every reported hazard must make an *unguarded* plan of its candidate fail verification.
+
+    Per hazard kind: ``remat plan --candidates M --planner all --allow-hazards --no-measure`` (M
+    checkpointed unguarded), then ``remat verify`` on that plan: exit 1 confirms the hazard; exit 0
+    (the unguarded replay verifies) means the hazard was a false alarm, which fails the zoo.
+    """
+    rows = []
+    for kind, module in hazard_candidates(probe_dir).items():
+        hdir = out_dir / f"hazard-{kind}"
+        plan = run_cli(["plan", *base, "--candidates", module, "--planner", "all", "--allow-hazards",
+                        "--no-measure", "--out", str(hdir)], timeout, out_dir / f"hazard-{kind}-plan.log")
+        verify = run_cli(["verify", *base, "--plan", str(hdir / "plan.json"), "--steps", "2", "--seeds", "1",
+                          "--timing-steps", "0", "--out", str(hdir / "verify")], timeout,
+                         out_dir / f"hazard-{kind}-verify.log") if plan["exit_code"] == 0 else None
+        confirmed = verify is not None and verify["exit_code"] == 1
+        rows.append({"kind": kind, "module": module, "plan": plan, "verify": verify, "confirmed": confirmed,
+                     "false_alarm": verify is not None and verify["exit_code"] == 0})
+    return rows
+
+
 FAST = ["--no-capacity", "--frontier-steps", "5"]  # --fast: no batch-capacity search, 5 timed steps per plan
 
 
@@ -191,6 +231,7 @@ def run_model(name: str, spec: str, shape: str, out_root: Path, timeout: float, 
         row["runner_error"] = f"reading receipt.json: {type(exc).__name__}: {exc}"
     if receipt is not None:
         row["check"] = run_check(spec, rdir, timeout, out_root / name / "check.log")
+    row["hazard_checks"] = confirm_hazards(base, probe_dir, out_root / name, timeout)
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     row["verdict"] = verdict(row)
     return row
@@ -220,6 +261,12 @@ def verdict(row: dict[str, Any]) -> str:
         return "shipped over budget"
     if row.get("check") and row["check"]["exit_code"] != 0:
         return f"check --quick: exit {row['check']['exit_code']}"
+    alarms = [h["kind"] for h in row.get("hazard_checks", []) if h["false_alarm"]]
+    if alarms:
+        return f"false alarm: {', '.join(alarms)} (unguarded plan verifies)"
+    unconfirmed = [h["kind"] for h in row.get("hazard_checks", []) if not h["confirmed"]]
+    if unconfirmed:
+        return f"hazard not confirmed: {', '.join(unconfirmed)}"
     return "pass"
 
 
@@ -235,6 +282,8 @@ def short_error(r: dict[str, Any] | None) -> str:
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started: str, total_s: float) -> None:
     n_pass = sum(r["verdict"] == "pass" for r in rows)
+    alarms = sum(h["false_alarm"] for r in rows for h in r.get("hazard_checks", []))
+    confirmed = sum(h["confirmed"] for r in rows for h in r.get("hazard_checks", []))
     crashes = sum("crash" in r["verdict"] or "timed out" in r["verdict"] for r in rows)
     lines = [
         "# The zoo: remat receipt on models it was not written against (issue 11)",
@@ -245,7 +294,8 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         "Every figure and the full stderr tail of each failure are in `benchmarks/zoo/results.json`.",
         "",
         f"**{n_pass} / {len(rows)} pass** (shipped under budget and verified, or a typed refusal); "
-        f"{crashes} crashed or timed out.",
+        f"{crashes} crashed or timed out; {alarms} false alarms ({confirmed} reported hazards confirmed by a "
+        "failing unguarded verify).",
         "",
         "| model | verdict | exit (plan/receipt/check) | control peak | blocking phase | candidates | floor | budget "
         "| shipped peak | boundaries shipped (mode) | overhead | verify | hazards | wall s |",
@@ -269,6 +319,11 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
                 kinds[h.split(":", 1)[0]] = kinds.get(h.split(":", 1)[0], 0) + 1
         flagged = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
         haz = "; ".join(res.get("hazards", [])[:3]) or (f"verify: none; profile: {flagged}" if flagged else "–")
+        checks = [f"{h['kind']} ({h['module']}): " + ("confirmed, unguarded verify fails" if h["confirmed"] else
+                                                      "FALSE ALARM" if h["false_alarm"] else "not confirmed")
+                  for h in r.get("hazard_checks", [])]
+        if checks:
+            haz += "; " + "; ".join(checks)
         ov = "–" if res.get("overhead_pct") is None else f"{res['overhead_pct']:+.0f}%"
         lines.append(
             f"| {r['model']} | {r['verdict']} | {exits} | {mib(res.get('control_peak_bytes') or r.get('control_peak_bytes'))} "
