@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from remat.apply.closed_loop import plan_closed_loop
+from remat.closed_loop import plan_closed_loop
 from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
                             search_capacity, time_round_robin)
 from remat.frontier.measure import release_memory

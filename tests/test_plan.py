@@ -431,13 +431,13 @@ class _ScriptedMeasure:
         self.calls: list[tuple[str, ...]] = []
 
     def __call__(self, loaded, plan, *, warmup=2, steps=3):
-        from remat.apply.closed_loop import PlanMeasurement
+        from remat.closed_loop import StepMeasurement as PlanMeasurement
         self.calls.append(tuple((b.module, b.mode.value) for b in plan.boundaries))
         return PlanMeasurement(peak_bytes=int(self.peak_of(plan)), step_ms=[1.0], memory_source="cpu-live-tensors")
 
 
 def test_closed_loop_falls_back_to_all_when_optimal_keeps_missing(chain9, monkeypatch):
-    from remat.apply import closed_loop
+    from remat import closed_loop
     budget = int(chain9.baseline_peak_bytes * 0.7)
     eff = make_plan(chain9, "optimal", budget_bytes=budget).effective_budget_bytes
     n_all = len(make_plan(chain9, "all").boundaries)
@@ -450,7 +450,7 @@ def test_closed_loop_falls_back_to_all_when_optimal_keeps_missing(chain9, monkey
 
 
 def test_closed_loop_exits_with_the_measured_gap_when_nothing_measures_under(chain9, monkeypatch):
-    from remat.apply import closed_loop
+    from remat import closed_loop
     budget = int(chain9.baseline_peak_bytes * 0.7)
     eff = make_plan(chain9, "optimal", budget_bytes=budget).effective_budget_bytes
     fake = _ScriptedMeasure(lambda p: eff + 3 * 2 ** 20 - len(p.boundaries))   # more boundaries, a little lower
@@ -464,7 +464,7 @@ def test_closed_loop_exits_with_the_measured_gap_when_nothing_measures_under(cha
 
 
 def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9, monkeypatch):
-    from remat.apply import closed_loop
+    from remat import closed_loop
     floor = make_plan(chain9, "floor")
     budget = floor.predicted_peak_bytes - 1     # under the model's floor: InfeasibleBudget by prediction
     # ... but the floor plan measures well under it: the measurement wins

@@ -19,8 +19,9 @@ import torch
 from remat.cli.main import main
 from remat.errors import ReceiptError, WorkloadError
 from remat.plan import InfeasibleBudget
-from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, check_receipt, choose_workload, git_revision,
-                           load_receipt, make_receipt, render_html, render_markdown, write_receipt)
+from remat.pipeline import check_receipt, choose_workload, make_receipt
+from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, git_revision, load_receipt, render_html,
+                           render_markdown, write_receipt)
 from remat.receipt import write as write_mod
 from remat.workload import load_workload
 

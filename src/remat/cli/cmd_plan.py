@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..apply.closed_loop import ClosedLoopResult, plan_closed_loop
+from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..plan import PLANNER_SPECS, Plan, parse_budget, parse_reserve
 from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated, profile_workload

@@ -15,7 +15,8 @@ from rich.markup import escape
 
 from ..errors import RematError
 from ..plan import parse_budget, parse_reserve
-from ..receipt import Receipt, ReceiptFiles, RunSettings, make_receipt, write_receipt
+from ..pipeline import make_receipt
+from ..receipt import Receipt, ReceiptFiles, RunSettings, write_receipt
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape

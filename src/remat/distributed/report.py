@@ -11,17 +11,16 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
-
 from ..errors import DistributedError
+from ..measure import percentile as _percentile
 
 REPORT_SCHEMA_VERSION = 1
 SIDES = ("control", "plan")
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``nan`` for no values."""
-    return float(np.percentile(values, q)) if values else float("nan")
+    """remat.measure's percentile (linear interpolation), ``nan`` for no values."""
+    return _percentile(values, q) if values else float("nan")
 
 
 def _finite_or_none(x: float | None) -> float | None:

@@ -4,7 +4,7 @@ NOTE [frontier pipeline]
 1. Profile the workload once (or take the caller's ``ProfileReport``) and make one plan per
    requested spec (``parse_plan_requests``). An ``optimal``/``greedy`` request without
    ``@`` is planned at the frontier's budget *with* its reserve and through the closed
-   loop (apply, measure, re-plan: remat.apply.closed_loop), because it is the plan most
+   loop (apply, measure, re-plan: remat.closed_loop), because it is the plan most
    likely to ship. ``planner@X`` requests are sweep points: planned open-loop at budget X
    (bytes, a unit, or a share of the control's profiled peak) with no reserve, so
    ``optimal@50%`` means "predicted peak <= 50% of the control's". An impossible budget
@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from .. import __version__
-from ..apply.closed_loop import plan_closed_loop
+from ..closed_loop import plan_closed_loop
 from ..errors import BudgetError, PlanError, RematError, WorkloadError
 from ..plan import BUDGET_PLANNERS, InfeasibleBudget, Plan, make_plan, parse_budget, planner_from_spec
 from ..profile import ProfileReport, profile_workload

@@ -323,7 +323,7 @@ class FloorPlanner(Planner):
     """The cheapest plan among those of least predicted peak (exact): the floor's witness.
 
     No budget needed; the closed loop measures it last when cheaper plans measured over the
-    budget (NOTE [closed loop] in remat.apply.closed_loop).
+    budget (NOTE [closed loop] in remat.closed_loop).
     """
 
     spec = "floor"

@@ -25,7 +25,7 @@ import torch
 
 from .. import __version__
 from .._json import read_bounded_bytes
-from ..apply.closed_loop import Attempt
+from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport
 from ..plan.model import Plan
@@ -33,7 +33,7 @@ from ..trace.model import StepTrace
 from ..types import HazardKind
 from ..verify.model import (BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming, StepComparison,
                             Tolerance, VerifyReport)
-from ..workload.loader import LoadedWorkload, _resolve_factory
+from ..workload.loader import LoadedWorkload, factory_defaults
 from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
 
 ShapeDict = dict[str, Any]
@@ -63,15 +63,8 @@ def resolved_shape(spec: str, shape: ShapeDict) -> ShapeDict:
     """Every shape keyword the factory takes, with its default where ``shape`` leaves it out
     (JSON scalars only; device and dtype are recorded separately). ``remat check`` compares
     it, so a changed default (``batch_size=8`` -> ``16`` in the user's factory) is caught."""
-    import inspect
-    factory = _resolve_factory(spec)
-    out: ShapeDict = {}
-    for p in inspect.signature(factory).parameters.values():
-        if p.name in ("device", "dtype") or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            continue
-        if p.default is not p.empty and isinstance(p.default, (bool, int, float, str)) and \
-                not (isinstance(p.default, float) and not math.isfinite(p.default)):
-            out[p.name] = p.default
+    out: ShapeDict = {k: v for k, v in factory_defaults(spec).items()
+                      if isinstance(v, (bool, int, float, str)) and not (isinstance(v, float) and not math.isfinite(v))}
     out.update(shape)
     return out
 
@@ -203,7 +196,7 @@ class BoundaryRecord:
     guarded: bool
     revision: str                   # remat.profile.module_revision: class sources + parameter shapes
     predicted_saving_bytes: int     # the planner's figure (profile of the unmodified step)
-    measured_saving_bytes: int      # NOTE [measured saving] in build.py
+    measured_saving_bytes: int      # NOTE [measured saving] in remat/pipeline/build.py
     saving_tolerance: float         # check fails when the saving falls by more than this share
     replay_ms: float                # measured warm forward time of the module: the added backward time
     fixture: Fixture
@@ -275,7 +268,7 @@ class RejectedPlan:
 
 @dataclasses.dataclass(kw_only=True)
 class ReceiptDecision:
-    """What ships and why (NOTE [receipt decision] in build.py)."""
+    """What ships and why (NOTE [receipt decision] in remat/pipeline/build.py)."""
 
     status: str                       # "ship" or "no-plan"
     shipped: str | None               # frontier label of the shipped plan

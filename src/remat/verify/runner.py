@@ -28,8 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +36,7 @@ from torch import nn
 
 from ..apply import ApplyHandle, apply, check_plan_fingerprint, load_plan
 from ..errors import RematError, WorkloadError
+from ..measure import time_round_robin
 from ..plan.model import Plan
 from ..types import HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
@@ -411,37 +410,40 @@ def _rng_policy(plan: Plan, drawers: list[str]) -> RngPolicy:
     return RngPolicy(preserve_rng_state=False, policy="off", justification=why, boundaries_drawing_rng=tuple(drawers))
 
 
+class _RngVariant:
+    """The planned step on one shared build, applied with or without RNG preservation for each step
+    (a remat.measure Runner: the round-robin scheduler alternates the two, so drift hits both alike)."""
+
+    def __init__(self, trainer: TrainingStep, plan: Plan, preserve: bool, tick: Callable[[], None]) -> None:
+        self.label = "preserve" if preserve else "off"
+        self.trainer = trainer
+        self.plan = dataclasses.replace(plan, preserve_rng_state=preserve)
+        self.tick = tick if preserve else (lambda: None)   # one tick per round
+
+    @property
+    def device(self) -> torch.device:
+        return next((p.device for p in self.trainer.workload.model.parameters()), torch.device("cpu"))
+
+    def run(self, index: int) -> float:
+        with apply(self.trainer.workload.model, self.plan, check_fingerprint=False):
+            loss = self.trainer.run(index)
+        self.tick()
+        return loss
+
+
 def measure_rng_overhead(loaded: LoadedWorkload, plan: Plan, *, steps: int = 10, warmup: int = 2,
                          tick: Callable[[], None] = lambda: None) -> RngTiming:
     """Warm whole-step time of the planned step with and without ``preserve_rng_state`` (ms, p50/p95).
 
-    One fresh build; each iteration times one step per variant (batch, forward, backward,
-    optimizer), alternating which variant goes first so drift hits both alike.
+    One fresh build; remat.measure's round-robin scheduler times one step per variant per
+    round (batch, forward, backward, optimizer), alternating which variant goes first.
     """
     lw = loaded.rebuild()
     trainer = TrainingStep(lw.workload)
-    cuda = lw.device.startswith("cuda")
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(warmup + steps):
-        for preserve in ((True, False) if i % 2 == 0 else (False, True)):
-            with apply(lw.workload.model, dataclasses.replace(plan, preserve_rng_state=preserve),
-                       check_fingerprint=False):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                trainer.run(i)
-                if cuda:
-                    torch.cuda.synchronize()
-                if i >= warmup:
-                    times[preserve].append((time.perf_counter() - t0) * 1e3)
-        tick()
-    return RngTiming(with_ms=statistics.median(times[True]), without_ms=statistics.median(times[False]),
-                     with_p95_ms=_p95(times[True]), without_p95_ms=_p95(times[False]), steps=steps)
-
-
-def _p95(xs: list[float]) -> float:
-    ordered = sorted(xs)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+    variants = [_RngVariant(trainer, plan, True, tick), _RngVariant(trainer, plan, False, tick)]
+    t = time_round_robin(variants, warmup=warmup, steps=steps, what="verify: RNG timing")
+    return RngTiming(with_ms=t.p50("preserve"), without_ms=t.p50("off"), with_p95_ms=t.p95("preserve"),
+                     without_p95_ms=t.p95("off"), steps=steps)
 
 
 # -- the entry point -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ What is checked, in order (``quick`` stops after 3):
 3. equivalence: the receipt's paired-step fixture (same seeds, steps, tolerance), hazards
    and negative controls included (``remat.verify.verify_plan``);
 4. the peak with the plan applied still clears budget x (1 - reserve);
-5. each boundary's measured saving (NOTE [measured saving] in build.py) has not fallen by
+5. each boundary's measured saving (NOTE [measured saving] in pipeline/build.py) has not fallen by
    more than its stated tolerance.
 If the model changed (2), 3-5 are skipped: the plan is bound to the model it was made
 for, and the failure list already says what to do (re-run ``remat receipt``).
@@ -27,7 +27,7 @@ after each is checked against the type the factory declares (NOTE [shape conform
 remat/workload/loader.py), and the schema bounds them (integers within +-2**31). Nothing
 else read from a receipt names a path, module or callable that remat opens or imports;
 the only other files check reads are ``report.html`` and ``report.md`` beside the receipt,
-which must name the receipt's sha256 (NOTE [atomic receipt folder] in write.py).
+which must name the receipt's sha256 (NOTE [atomic receipt folder] in receipt/write.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .._json import read_bounded_bytes
-from ..apply.closed_loop import measure_plan
+from ..closed_loop import measure_plan
 from ..errors import ReceiptError, WorkloadError
 from ..profile import fingerprint, module_revision
 from ..types import ProgressFn, no_progress
@@ -50,8 +50,8 @@ from ..units import mib
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
 from .build import measure_savings
-from .model import Receipt, resolved_shape
-from .write import HTML_FILE, MD_FILE
+from ..receipt.model import Receipt, resolved_shape
+from ..receipt.write import HTML_FILE, MD_FILE
 
 PYPROJECT = "pyproject.toml"
 MAX_PYPROJECT_BYTES = 2 ** 20

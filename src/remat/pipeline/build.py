@@ -1,5 +1,8 @@
 """``make_receipt``: the whole pipeline, trace -> profile -> plan -> frontier -> verify, as one receipt.
 
+It is the pipeline stage of DESIGN.md (just below the CLI): it calls every stage and
+assembles their results into remat.receipt's model, which only holds, validates and renders them.
+
 NOTE [receipt pipeline]
 1. Trace the unmodified step at the target shape and, when given, the boundary shape.
 2. Profile the candidates once; every later stage reuses this profile.
@@ -35,22 +38,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 
-from ..apply import apply
-from ..apply.closed_loop import ClosedLoopResult, plan_closed_loop
+from ..apply import PlanArm
+from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
-from ..memory.measure import model_device, track_step_state
-from ..memory.tracker import LiveTensorTracker
+from ..measure import held_bytes_at_phase, prepare_arm
 from ..plan import InfeasibleBudget, Plan, parse_budget
 from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import TOLERANCES, VerifyReport, verify_plan
-from ..workload import LoadedWorkload, TrainingStep
+from ..workload import LoadedWorkload
 from ..units import mib
-from .model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
+from ..receipt.model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
                     RejectedPlan, RunSettings, UnsupportedMode)
 
 FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs planned, train + eval
@@ -61,35 +62,7 @@ FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs pla
 
 def held_bytes_at_backward(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 1) -> int:
     """Live bytes when backward starts, on a fresh build with ``plan`` applied (NOTE [measured saving])."""
-    fresh = loaded.rebuild()
-    handle = apply(fresh.workload.model, plan) if plan is not None and plan.boundaries else None
-    held: list[int] = []
-    try:
-        step = TrainingStep(fresh.workload)
-        for i in range(warmup):
-            step.run(i)
-        device = model_device(step)
-        if device.type == "cuda":
-            def cuda_marker(phase: Phase) -> None:
-                if phase is Phase.BACKWARD:
-                    torch.cuda.synchronize(device)
-                    held.append(torch.cuda.memory_allocated(device))
-            step.run(warmup, marker=cuda_marker)
-        else:
-            with LiveTensorTracker(keep_timeline=False) as tracker:
-                track_step_state(tracker, step)
-
-                def marker(phase: Phase) -> None:
-                    tracker.mark(phase)
-                    if phase is Phase.BACKWARD:
-                        held.append(tracker.live_bytes)
-                step.run(warmup, marker=marker)
-    finally:
-        if handle is not None:
-            handle.remove()
-    if not held:  # pragma: no cover - TrainingStep.run always marks backward
-        raise WorkloadError("the step never reached backward: cannot measure what checkpointing saves")
-    return held[0]
+    return held_bytes_at_phase(loaded, PlanArm("plan", plan), Phase.BACKWARD, warmup=warmup)
 
 
 def measure_savings(loaded: LoadedWorkload, plan: Plan, *, warmup: int = 1,
@@ -110,14 +83,14 @@ def measure_savings(loaded: LoadedWorkload, plan: Plan, *, warmup: int = 1,
 def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int,
                   progress: ProgressFn = no_progress) -> StepTrace:
     """Phase trace of the step with ``plan`` applied to a fresh build (the timeline's "plan" curve)."""
-    fresh = loaded.rebuild()
-    handle = apply(fresh.workload.model, plan)
+    prepared = prepare_arm(loaded, PlanArm("plan", plan))
     try:
+        fresh = prepared.loaded
         ctx = TraceContext.capture(workload=fresh.spec, shape=fresh.shape, dtype=fresh.dtype, device=fresh.device,
                                    warmup=warmup, steps=steps)
-        return trace_step(TrainingStep(fresh.workload), context=ctx, warmup=warmup, steps=steps, progress=progress)
+        return trace_step(prepared.step, context=ctx, warmup=warmup, steps=steps, progress=progress)
     finally:
-        handle.remove()
+        prepared.close()
 
 
 # -- per boundary ----------------------------------------------------------------------------------
