@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from .conftest import TINY, hand_plan
 from remat.measure import (Arm, RegionTimer, StepClock, held_bytes_at_phase, measure_arm, percentile,

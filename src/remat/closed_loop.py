@@ -16,6 +16,7 @@ predicted *and* measured figures.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from .apply import PlanArm
 from .errors import BudgetError
@@ -29,10 +30,20 @@ from .workload.loader import LoadedWorkload
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Attempt:
+    """One plan the closed loop measured: predicted and measured whole-step peak (bytes)."""
+
     predicted_peak_bytes: int
     measured_peak_bytes: int
-    margin_bytes: int
-    fits: bool
+    margin_bytes: int         # the planner's margin when it made this plan (NOTE [closed-loop margin])
+    fits: bool                # measured peak <= effective budget
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Attempt":
+        return cls(predicted_peak_bytes=d["predicted_peak_bytes"], measured_peak_bytes=d["measured_peak_bytes"],
+                   margin_bytes=d["margin_bytes"], fits=d["fits"])
 
 
 @dataclasses.dataclass(kw_only=True)

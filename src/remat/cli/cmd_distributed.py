@@ -18,7 +18,8 @@ from ..plan.model import Plan
 from ..workload import parse_shape
 from ..errors import OutputError
 from .common import MAX_SECONDS, MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_float, bounded_int, check_out_dir
-from .render import console, fmt_bytes, progress_bar
+from ..units import fmt_bytes
+from .render import console, progress_bar
 
 
 def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:

@@ -15,7 +15,8 @@ from ..plan import Plan, parse_budget, parse_reserve
 from ..profile import profile_workload
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
-from .render import console, fmt_bytes, progress_bar
+from ..units import fmt_bytes
+from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

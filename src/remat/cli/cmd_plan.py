@@ -14,7 +14,8 @@ from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated, profile_workload
 from ..workload import parse_shape
 from .common import add_workload_args, check_out_dir, load_from_args
-from .render import console, fmt_bytes, progress_bar
+from ..units import fmt_bytes
+from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

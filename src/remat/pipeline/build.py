@@ -95,15 +95,6 @@ def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int
 
 # -- per boundary ----------------------------------------------------------------------------------
 
-def _attributed(module: str, v: VerifyReport) -> bool:
-    """Whether a verification failure names ``module`` (a divergent tensor under it, a hazard in it)."""
-    def under(name: str | None) -> bool:
-        return name is not None and (name == module or name.startswith(module + "."))
-    names = [d.split(" ", 1)[-1] for s in v.per_step for d in s.divergent]
-    return (any(under(n) for n in names) or any(under(s.first_divergent_module) for s in v.per_step)
-            or any(module in [m.strip() for m in h.module.split(",")] for h in v.hazards))
-
-
 def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport, verification: VerifyReport | None,
                       savings: dict[str, int], settings: RunSettings) -> list[BoundaryRecord]:
     named = dict(loaded.workload.model.named_modules(remove_duplicate=False))
@@ -121,7 +112,7 @@ def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport,
             if verification.passed:
                 passed = True
             else:  # a failure exonerates this boundary only when it is attributed to others
-                blamed = [x.module for x in plan.boundaries if _attributed(x.module, verification)]
+                blamed = [x.module for x in plan.boundaries if verification.implicates(x.module)]
                 passed = bool(blamed) and b.module not in blamed
         act = activity.get(b.module)
         cost = costs.get(b.module)
@@ -159,10 +150,11 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     verified = None if verification is None else verification.passed
     rejected = [RejectedPlan(plan=p.plan, decision=p.decision.value, reason=p.reason, peak_bytes=p.peak_bytes,
                              p50_ms=p.p50_ms) for p in points if p is not shipped_pt]
+    unverified: str | None = None     # why the plan that fits failed verification, when it did
     if shipped_pt is not None and has_boundaries and verified is False:
         assert verification is not None
-        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision="unverified",
-                                        reason="fits, but failed verification: " + "; ".join(verification.failures[:3]),
+        unverified = "failed verification: " + "; ".join(verification.failures[:3])
+        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision="unverified", reason="fits, but " + unverified,
                                         peak_bytes=shipped_pt.peak_bytes, p50_ms=shipped_pt.p50_ms))
         shipped_pt = None
     ship = shipped_pt is not None
@@ -195,8 +187,8 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
                        f"{'match bitwise' if bitwise else 'match within tolerance'}; no replay hazards"
                        + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
     else:
-        if shipped_pt is None and rejected and rejected[0].decision == "unverified":
-            why.append(f"Nothing ships: {rejected[0].plan} fits but {rejected[0].reason[len('fits, but '):]}.")
+        if unverified is not None:
+            why.append(f"Nothing ships: {rejected[0].plan} fits but {unverified}.")
         elif closed_loop_note:
             why.append(f"Nothing ships: {closed_loop_note}")
         else:

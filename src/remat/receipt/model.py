@@ -30,9 +30,7 @@ from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport
 from ..plan.model import Plan
 from ..trace.model import StepTrace
-from ..types import HazardKind
-from ..verify.model import (BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming, StepComparison,
-                            Tolerance, VerifyReport)
+from ..verify.model import Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
 from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
 
@@ -243,14 +241,14 @@ class ReceiptPlan:
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "plan": None if self.plan is None else self.plan.to_json(),
                 "boundaries": [b.to_json() for b in self.boundaries], "control_held_bytes": self.control_held_bytes,
-                "closed_loop": [dataclasses.asdict(a) for a in self.closed_loop],
+                "closed_loop": [a.to_json() for a in self.closed_loop],
                 "closed_loop_boundaries": list(self.closed_loop_boundaries), "note": self.note}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptPlan":
         return cls(label=d["label"], plan=None if d["plan"] is None else Plan.from_json(d["plan"]),
                    boundaries=[BoundaryRecord.from_json(b) for b in d["boundaries"]],
-                   control_held_bytes=d["control_held_bytes"], closed_loop=[Attempt(**a) for a in d["closed_loop"]],
+                   control_held_bytes=d["control_held_bytes"], closed_loop=[Attempt.from_json(a) for a in d["closed_loop"]],
                    closed_loop_boundaries=list(d["closed_loop_boundaries"]), note=d["note"])
 
 
@@ -311,46 +309,6 @@ class UnsupportedMode:
         return dataclasses.asdict(self)
 
 
-# -- verify report from JSON (remat.verify writes it; the receipt reads it back) ------------------
-
-def _f(x: Any) -> float:
-    return float(x)  # "inf"/"nan" strings included (verify's JSON encoding of non-finite values)
-
-
-def _opt_f(x: Any) -> float | None:
-    return None if x is None else float(x)
-
-
-def verify_report_from_json(d: dict[str, Any]) -> VerifyReport:
-    timing = d["rng_timing"]
-    return VerifyReport(
-        passed=d["passed"], workload=d["workload"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
-        planner=d["planner"], plan_digest=d["plan_digest"], steps=d["steps"], seeds=list(d["seeds"]),
-        tolerances={k: Tolerance(**v) for k, v in d["tolerances"].items()}, perturbation=float(d["perturbation"]),
-        per_step=[StepComparison(
-            seed=s["seed"], step=s["step"], mode=s["mode"], loss=(_f(s["loss"][0]), _f(s["loss"][1])),
-            outputs_max_abs=_opt_f(s["outputs_max_abs"]), grad_max_abs=_f(s["grad_max_abs"]),
-            grad_max_rel=_f(s["grad_max_rel"]), grads_bitwise=s["grads_bitwise"],
-            grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])), params_max_abs=_opt_f(s["params_max_abs"]),
-            buffers_max_abs=_f(s["buffers_max_abs"]), bitwise=s["bitwise"], divergent=list(s["divergent"]),
-            first_divergent_module=s["first_divergent_module"], first_divergence=s["first_divergence"],
-            passed=s["passed"]) for s in d["per_step"]],
-        first_divergent_module=d["first_divergent_module"],
-        rng_policy=RngPolicy(preserve_rng_state=d["rng_policy"]["preserve_rng_state"], policy=d["rng_policy"]["policy"],
-                             justification=d["rng_policy"]["justification"],
-                             boundaries_drawing_rng=tuple(d["rng_policy"]["boundaries_drawing_rng"])),
-        rng_timing=None if timing is None else RngTiming(with_ms=timing["with_ms"], without_ms=timing["without_ms"],
-                                                         with_p95_ms=timing["with_p95_ms"],
-                                                         without_p95_ms=timing["without_p95_ms"], steps=timing["steps"]),
-        hazards=[Hazard(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=h["mode"],
-                        seed=h["seed"], step=h["step"]) for h in d["hazards"]],
-        negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
-        boundaries=[BoundaryActivity(**{**b, "forward_calls": dict(b["forward_calls"]),
-                                        "replay_calls": dict(b["replay_calls"])}) for b in d["boundaries"]],
-        repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
-        schema_version=d["schema_version"])
-
-
 # -- the receipt -----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(kw_only=True)
@@ -397,7 +355,7 @@ class Receipt:
                 settings=RunSettings.from_json(data["settings"]),
                 traces=ReceiptTraces.from_json(data["traces"]),
                 plan=ReceiptPlan.from_json(data["plan"]),
-                verification=None if data["verification"] is None else verify_report_from_json(data["verification"]),
+                verification=None if data["verification"] is None else VerifyReport.from_json(data["verification"]),
                 verification_note=data["verification_note"],
                 frontier=None if data["frontier"] is None else FrontierReport.from_json(data["frontier"]),
                 decision=ReceiptDecision.from_json(data["decision"]),

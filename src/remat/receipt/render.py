@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
-from ..units import MIB
+from ..units import MIB, fmt_bytes
 from .model import Receipt
 
 PHASE_COLORS = {"batch": "#9e9e9e", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c"}
@@ -30,20 +30,6 @@ PHASE_COLORS = {"batch": "#9e9e9e", "forward": "#1f77b4", "backward": "#d62728",
 
 def _as_receipt(receipt: Receipt | dict[str, Any]) -> Receipt:
     return receipt if isinstance(receipt, Receipt) else Receipt.from_json(receipt)
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    """Bytes for a reader: MiB from 64 KiB up (so figures side by side share a unit), else KiB or B."""
-    if n is None:
-        return "-"
-    x = float(n)
-    if abs(x) >= 1024 ** 3:
-        return f"{x / 1024 ** 3:.2f} GiB"
-    if abs(x) >= 64 * 1024:
-        return f"{x / MIB:.2f} MiB"
-    if abs(x) >= 1024:
-        return f"{x / 1024:.1f} KiB"
-    return f"{x:.0f} B"
 
 
 def _ms(x: float | None, digits: int = 1) -> str:

@@ -73,11 +73,59 @@ class StepComparison:
     first_divergence: str | None              # where it showed first: "forward output", "gradient", ...
     passed: bool
 
+    @property
+    def divergences(self) -> list[Divergence]:
+        """``divergent`` as records (verify reads its own format: ``"<kind> <tensor or state>"``)."""
+        return [Divergence.parse(d) for d in self.divergent]
+
     def to_json(self) -> dict[str, Any]:
         d = {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
         d["loss"] = [_json_float(x) for x in self.loss]
         d["grad_norm"] = [_json_float(x) for x in self.grad_norm]
         return d
+
+    @classmethod
+    def from_json(cls, s: dict[str, Any]) -> "StepComparison":
+        return cls(seed=s["seed"], step=s["step"], mode=s["mode"], loss=(_f(s["loss"][0]), _f(s["loss"][1])),
+                   outputs_max_abs=_opt_f(s["outputs_max_abs"]), grad_max_abs=_f(s["grad_max_abs"]),
+                   grad_max_rel=_f(s["grad_max_rel"]), grads_bitwise=s["grads_bitwise"],
+                   grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])),
+                   params_max_abs=_opt_f(s["params_max_abs"]), buffers_max_abs=_f(s["buffers_max_abs"]),
+                   bitwise=s["bitwise"], divergent=list(s["divergent"]),
+                   first_divergent_module=s["first_divergent_module"], first_divergence=s["first_divergence"],
+                   passed=s["passed"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """One entry of ``StepComparison.divergent``: what kind of value differs, and which.
+
+    ``kind``: "loss", "output", "grad", "param", "buffer", "python", "rng" or "grad_norm";
+    ``name``: the tensor, attribute or generator (None for the loss and the grad norm)."""
+
+    kind: str
+    name: str | None
+
+    def __str__(self) -> str:
+        return self.kind if self.name is None else f"{self.kind} {self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Divergence":
+        kind, _, name = text.partition(" ")
+        return cls(kind, name or None)
+
+    def under(self, module: str) -> bool:
+        """Whether it names a tensor or attribute of ``module`` or of a module inside it."""
+        n = self.name
+        return n is not None and self.kind != "rng" and (n == module or n.startswith(module + "."))
+
+
+def _f(x: Any) -> float:
+    return float(x)  # "inf"/"nan" strings included (the JSON encoding of non-finite values, _json_float)
+
+
+def _opt_f(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def _json_float(x: Any) -> Any:
@@ -91,16 +139,28 @@ def _json_float(x: Any) -> Any:
 class Hazard:
     """An externally visible replay side effect, e.g. ``blocks.2.calls: 1 -> 2``."""
 
-    module: str          # the boundary it happened in
+    module: str          # the boundary it happened in ("a, b" when several replays are to blame)
     kind: HazardKind
     detail: str
     mode: str = "train"  # "train" or "eval"
     seed: int = 0
     step: int = 0
+    # the state that changed ("blocks.0.bn1.num_batches_tracked"), for de-duplication; not in the JSON
+    state: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def modules(self) -> list[str]:
+        """The boundaries it names."""
+        return [m.strip() for m in self.module.split(",") if m.strip()]
 
     def to_json(self) -> dict[str, Any]:
         return {"module": self.module, "kind": self.kind.value, "detail": self.detail, "mode": self.mode,
                 "seed": self.seed, "step": self.step}
+
+    @classmethod
+    def from_json(cls, h: dict[str, Any]) -> "Hazard":
+        return cls(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=h["mode"],
+                   seed=h["seed"], step=h["step"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,6 +254,15 @@ class VerifyReport:
     def rng_overhead_ms(self) -> float | None:
         return None if self.rng_timing is None else self.rng_timing.overhead_ms
 
+    def implicates(self, module: str) -> bool:
+        """Whether a failure names ``module``: a divergent tensor or attribute under it, a first divergence
+        in it, or a hazard in its replay."""
+        def under(name: str | None) -> bool:
+            return name is not None and (name == module or name.startswith(module + "."))
+        return (any(d.under(module) for s in self.per_step for d in s.divergences)
+                or any(under(s.first_divergent_module) for s in self.per_step)
+                or any(module in h.modules for h in self.hazards))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version, "passed": self.passed,
@@ -213,6 +282,30 @@ class VerifyReport:
             "failures": list(self.failures),
             "warnings": list(self.warnings),
         }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "VerifyReport":
+        """The report ``to_json`` wrote (validated first by the reader's schema: remat.receipt)."""
+        timing = d["rng_timing"]
+        pol = d["rng_policy"]
+        return cls(
+            passed=d["passed"], workload=d["workload"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
+            planner=d["planner"], plan_digest=d["plan_digest"], steps=d["steps"], seeds=list(d["seeds"]),
+            tolerances={k: Tolerance(**v) for k, v in d["tolerances"].items()}, perturbation=float(d["perturbation"]),
+            per_step=[StepComparison.from_json(s) for s in d["per_step"]],
+            first_divergent_module=d["first_divergent_module"],
+            rng_policy=RngPolicy(preserve_rng_state=pol["preserve_rng_state"], policy=pol["policy"],
+                                 justification=pol["justification"],
+                                 boundaries_drawing_rng=tuple(pol["boundaries_drawing_rng"])),
+            rng_timing=None if timing is None else RngTiming(
+                with_ms=timing["with_ms"], without_ms=timing["without_ms"], with_p95_ms=timing["with_p95_ms"],
+                without_p95_ms=timing["without_p95_ms"], steps=timing["steps"]),
+            hazards=[Hazard.from_json(h) for h in d["hazards"]],
+            negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
+            boundaries=[BoundaryActivity(**{**b, "forward_calls": dict(b["forward_calls"]),
+                                            "replay_calls": dict(b["replay_calls"])}) for b in d["boundaries"]],
+            repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
+            schema_version=d["schema_version"])
 
     def raise_if_failed(self) -> None:
         """Raise :class:`VerificationFailed` (exit code 1) carrying the failures."""

@@ -222,28 +222,31 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, b
     divergent += [f"python {d}" for d in py] + [f"rng {g}" for g in rng]
     module, where = (None, None)
     if divergent:
-        module, where = _first_divergence(c, p, grads, buffers, params, py, rng, tol)
+        module, where = _first_divergence(c, p, grads, buffers, params, [k for k, _, _ in changed], rng, tol)
 
     replay_mut = set().union(*(s.replay_mutations for s in probe.stats.values())) if probe else set()
     hazards: list[Hazard] = []
     for d in buffers:
-        name = d.name.removeprefix("buffer ")
+        name = d.tensor
         b = boundary_of(owner_module(name), boundaries)
         detail = None if (d.ok or b is None or name not in p.buffers) else _buffer_hazard(name, d, c, p)
         if detail is None:
             continue
         if name in replay_mut:
             detail += " (changed again by the replay)"
-        hazards.append(Hazard(module=b, kind=HazardKind.BUFFER_MUTATION, detail=detail, mode=mode, seed=seed, step=step))
+        hazards.append(Hazard(module=b, kind=HazardKind.BUFFER_MUTATION, detail=detail, mode=mode, seed=seed, step=step,
+                              state=name))
     for key, ca, pa in changed:
         b = boundary_of(owner_module(key), boundaries)
         detail = None if b is None else _attribute_hazard(key, ca, pa, c, p)
         if detail is not None:
-            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=detail, mode=mode, seed=seed, step=step))
+            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=detail, mode=mode, seed=seed, step=step,
+                                  state=key))
     if rng:
         drawers = sorted(k for k, s in (probe.stats.items() if probe else []) if s.rng_draws_replay)
         hazards.append(Hazard(
             module=", ".join(drawers) or "(not attributed)", kind=HazardKind.RNG, mode=mode, seed=seed, step=step,
+            state=" and ".join(rng),
             detail=f"{' and '.join(rng)} generator state after the step differs from the control"
                    + (f": the replay of {', '.join(drawers)} drew from the live generator" if drawers else "")))
 
@@ -260,7 +263,7 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, b
 
 
 def _first_divergence(c: _StepState, p: _StepState, grads: list[TensorDiff], buffers: list[TensorDiff],
-                      params: list[TensorDiff], py: list[str], rng: list[str],
+                      params: list[TensorDiff], py: list[str], rng: list[str],  # py: changed attribute keys
                       tol: Tolerance) -> tuple[str | None, str]:
     """NOTE [first divergent module] in remat.verify.probe."""
     for (path_c, dc), (path_p, dp) in zip(c.digests, p.digests):
@@ -270,20 +273,19 @@ def _first_divergence(c: _StepState, p: _StepState, grads: list[TensorDiff], buf
             return path_c or "(root)", "forward output"
     if len(c.digests) != len(p.digests):
         return "(root)", "forward call order"
-    bad = {d.name.removeprefix("grad "): d for d in grads if not d.ok}
+    bad = {d.tensor: d for d in grads if not d.ok}
     order = c.grad_order + [n for n in c.grads if n not in c.grad_order]
     for name in order:
         if name in bad:
             return owner_module(name) or "(root)", "gradient"
-    for kind, diffs in (("buffer", buffers),):
-        for d in diffs:
-            if not d.ok:
-                return owner_module(d.name.removeprefix(f"{kind} ")) or "(root)", "buffer"
+    for d in buffers:
+        if not d.ok:
+            return owner_module(d.tensor) or "(root)", "buffer"
     if py:
-        return owner_module(py[0].split(":")[0]) or "(root)", "python attribute"
+        return owner_module(py[0]) or "(root)", "python attribute"
     for d in params:
         if not d.ok:
-            return owner_module(d.name.removeprefix("param ")) or "(root)", "parameter after optimizer step"
+            return owner_module(d.tensor) or "(root)", "parameter after optimizer step"
     if rng:
         return None, "generator state"
     return None, "loss or outputs"
@@ -352,7 +354,8 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
             tick()
         activity = _activity(plan, planned.probe, calls) if plan is not None else []
         for a in activity:
-            hazards += [Hazard(module=a.module, kind=HazardKind.DEVICE_MOVE, detail=f"{m} inside the region", seed=seed)
+            hazards += [Hazard(module=a.module, kind=HazardKind.DEVICE_MOVE, detail=f"{m} inside the region", seed=seed,
+                               state=m.partition(":")[0])   # the op, from RegionProbe's own "op: src -> dst (phase)"
                         for m in a.device_moves]
     return _PairResult(comparisons=comparisons, hazards=hazards, activity=activity, error=error, faults=faults)
 
@@ -569,7 +572,7 @@ def _dedupe(hazards: list[Hazard]) -> list[Hazard]:
     seen: set[tuple[str, HazardKind, str, str]] = set()
     out = []
     for h in hazards:
-        key = (h.module, h.kind, h.detail.split(":")[0], h.mode)
+        key = (h.module, h.kind, h.state, h.mode)
         if key not in seen:
             seen.add(key)
             out.append(h)
