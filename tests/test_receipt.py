@@ -289,6 +289,11 @@ def _mutate(d: dict, path: str, value) -> dict:
      "unknown field"),
     ("huge shape value", lambda text, d: json.dumps(_mutate(d, "context.shape", {"batch_size": 2 ** 40})),
      "$.context.shape"),
+    # issue 13: decisions are enums; a word the schema does not define is refused
+    ("unknown unsupported status", lambda text, d: json.dumps(_mutate(d, "unsupported.0.status", "works")),
+     "$.unsupported[0].status"),
+    ("unknown rejection", lambda text, d: json.dumps(_mutate(d, "decision.rejected.0.decision", "meh")),
+     "$.decision.rejected[0].decision"),
 ])
 def test_malformed_receipts_are_refused_with_exit_2(work, capsys, case, make, expect):
     path = work / "out" / "receipt.json"

@@ -16,7 +16,7 @@ from rich.markup import escape
 from ..errors import RematError
 from ..plan import parse_budget, parse_reserve
 from ..pipeline import make_receipt
-from ..receipt import Receipt, ReceiptFiles, RunSettings, write_receipt
+from ..receipt import Receipt, ReceiptFiles, RunSettings, ShipStatus, write_receipt
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
@@ -77,7 +77,7 @@ def stage_progress(t0: float | None = None) -> Iterator[ProgressFn]:
 
 def render_decision(receipt: Receipt, files: ReceiptFiles) -> None:
     d = receipt.decision
-    color = "green" if d.status == "ship" else "red"
+    color = "green" if d.status is ShipStatus.SHIP else "red"
     for i, line in enumerate(d.why):
         console.print(f"[bold {color}]{escape(line)}[/]" if i == 0 else f"  {escape(line)}", highlight=False)
     console.print(escape(f"wrote {files.receipt}, {files.html} and {files.markdown}"), highlight=False)

@@ -49,10 +49,10 @@ from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import TOLERANCES, VerifyReport, verify_plan
-from ..workload import LoadedWorkload
+from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
+                             ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
 from ..units import mib
-from ..receipt.model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
-                    RejectedPlan, RunSettings, UnsupportedMode)
+from ..workload import LoadedWorkload
 
 FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs planned, train + eval
 
@@ -148,13 +148,13 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     shipped_pt: FrontierPoint | None = frontier.shipped if frontier is not None else None
     has_boundaries = plan is not None and bool(plan.boundaries)
     verified = None if verification is None else verification.passed
-    rejected = [RejectedPlan(plan=p.plan, decision=p.decision.value, reason=p.reason, peak_bytes=p.peak_bytes,
+    rejected = [RejectedPlan(plan=p.plan, decision=Rejection(p.decision.value), reason=p.reason, peak_bytes=p.peak_bytes,
                              p50_ms=p.p50_ms) for p in points if p is not shipped_pt]
     unverified: str | None = None     # why the plan that fits failed verification, when it did
     if shipped_pt is not None and has_boundaries and verified is False:
         assert verification is not None
         unverified = "failed verification: " + "; ".join(verification.failures[:3])
-        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision="unverified", reason="fits, but " + unverified,
+        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision=Rejection.UNVERIFIED, reason="fits, but " + unverified,
                                         peak_bytes=shipped_pt.peak_bytes, p50_ms=shipped_pt.p50_ms))
         shipped_pt = None
     ship = shipped_pt is not None
@@ -195,7 +195,7 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
             why.append(f"Nothing ships: no measured plan's peak clears {budget_text}.")
         why.append(f"The unmodified step peaks at {mib(control_peak)}.")
     return ReceiptDecision(
-        status="ship" if ship else "no-plan", shipped=shipped_pt.plan if shipped_pt else None,
+        status=ShipStatus.SHIP if ship else ShipStatus.NO_PLAN, shipped=shipped_pt.plan if shipped_pt else None,
         boundaries=_describe(plan) if ship else [], budget_bytes=budget_bytes, reserve=reserve,
         effective_budget_bytes=limit, control_peak_bytes=control_peak, shipped_peak_bytes=peak,
         clears=ship and peak is not None and peak <= limit,
@@ -211,27 +211,27 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
 def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None) -> list[UnsupportedMode]:
     """What this receipt's evidence does not cover: the modes a reader must not assume."""
     out = [
-        UnsupportedMode(mode="torch.compile", status="not run",
+        UnsupportedMode(mode="torch.compile", status=Coverage.NOT_RUN,
                         detail="every figure is from eager mode; torch.compile keeps checkpoint regions but plans "
                                "memory itself (activation_memory_budget), so peaks and times would differ"),
-        UnsupportedMode(mode="reentrant checkpointing", status="unsupported",
+        UnsupportedMode(mode="reentrant checkpointing", status=Coverage.UNSUPPORTED,
                         detail="remat applies non-reentrant torch.utils.checkpoint only (use_reentrant=False); "
                                "reentrant replay checks nothing and can give silently wrong gradients"),
-        UnsupportedMode(mode="autocast / mixed precision", status="not run",
+        UnsupportedMode(mode="autocast / mixed precision", status=Coverage.NOT_RUN,
                         detail=f"the step ran as the workload defines it, in {loaded.dtype}, without autocast"),
     ]
     for dt in ("float32", "bfloat16", "float16"):
         if dt != loaded.dtype:
-            out.append(UnsupportedMode(mode=f"dtype {dt}", status="not run",
+            out.append(UnsupportedMode(mode=f"dtype {dt}", status=Coverage.NOT_RUN,
                                        detail=f"peaks and equivalence were measured in {loaded.dtype} only "
                                               f"(tolerances differ per dtype)"))
     if loaded.device.startswith("cuda"):
-        out.append(UnsupportedMode(mode="device cpu", status="not run", detail="measured on CUDA only"))
+        out.append(UnsupportedMode(mode="device cpu", status=Coverage.NOT_RUN, detail="measured on CUDA only"))
     else:
-        out.append(UnsupportedMode(mode="device cuda", status="not run",
+        out.append(UnsupportedMode(mode="device cuda", status=Coverage.NOT_RUN,
                                    detail="peaks are from the CPU live-tensor tracker; the CUDA caching allocator "
                                           "(fragmentation, workspaces, alloc retries) was not measured"))
-    out.append(UnsupportedMode(mode="world size > 1 (DDP, FSDP2)", status="not run",
+    out.append(UnsupportedMode(mode="world size > 1 (DDP, FSDP2)", status=Coverage.NOT_RUN,
                                detail="one process only; `remat distributed` measures per-rank peaks and exposed "
                                       "communication at world size N"))
     def text(shape: dict) -> str:
@@ -239,9 +239,9 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
     shapes = f"the plan was measured and verified at {text(loaded.shape)} only"
     if boundary_shape:
         shapes += f"; the boundary shape {text(boundary_shape)} was traced without it"
-    out.append(UnsupportedMode(mode="other shapes", status="not run", detail=shapes))
+    out.append(UnsupportedMode(mode="other shapes", status=Coverage.NOT_RUN, detail=shapes))
     if plan is not None and plan.boundaries and plan.preserve_rng_state:
-        out.append(UnsupportedMode(mode="preserve_rng_state=False", status="unsupported",
+        out.append(UnsupportedMode(mode="preserve_rng_state=False", status=Coverage.UNSUPPORTED,
                                    detail="the plan replays with the forward's RNG state; without it dropout "
                                           "gradients differ (the rng_preservation_off negative control)"))
     return out

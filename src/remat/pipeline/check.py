@@ -50,7 +50,7 @@ from ..units import mib
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
 from .build import measure_savings
-from ..receipt.model import Receipt, resolved_shape
+from ..receipt.model import Receipt, ShipStatus, resolved_shape
 from ..receipt.write import HTML_FILE, MD_FILE
 
 PYPROJECT = "pyproject.toml"
@@ -270,7 +270,7 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     checked.append(f"workload {spec} ({chosen.source}) is the receipt's")
     d = receipt.decision
     plan = receipt.plan.plan
-    if d.status != "ship" or plan is None:
+    if d.status is not ShipStatus.SHIP or plan is None:
         failures.append(CheckFinding(kind="decision", message="the receipt ships no plan: " + (d.why[0] if d.why else "")))
         return done()
     loaded = _load(receipt, spec)

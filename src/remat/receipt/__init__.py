@@ -7,13 +7,13 @@ or hostile file raises :class:`~remat.errors.ReceiptError`). ``render_html``/``r
 """
 
 from .model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
-                    RejectedPlan, RunSettings, UnsupportedMode, git_revision, load_receipt, load_receipt_with_digest,
+                    RejectedPlan, Rejection, RunSettings, ShipStatus, Coverage, UnsupportedMode, git_revision, load_receipt, load_receipt_with_digest,
                     resolved_shape)
 from .render import render_html, render_markdown, timeline_png
 from .schema import RECEIPT_SCHEMA, RECEIPT_SCHEMA_VERSION, parse_json_bounded, validate
 from .write import ReceiptFiles, write_receipt
 
-__all__ = ["BoundaryRecord", "Fixture", "RECEIPT_SCHEMA", "RECEIPT_SCHEMA_VERSION", "Receipt", "ReceiptContext",
-           "ReceiptDecision", "ReceiptFiles", "ReceiptPlan", "ReceiptTraces", "RejectedPlan", "RunSettings",
+__all__ = ["BoundaryRecord", "Coverage", "Fixture", "RECEIPT_SCHEMA", "RECEIPT_SCHEMA_VERSION", "Receipt", "ReceiptContext",
+           "ReceiptDecision", "ReceiptFiles", "ReceiptPlan", "ReceiptTraces", "RejectedPlan", "Rejection", "RunSettings", "ShipStatus",
            "UnsupportedMode", "git_revision", "load_receipt", "load_receipt_with_digest", "parse_json_bounded",
            "render_html", "render_markdown", "resolved_shape", "timeline_png", "validate", "write_receipt"]

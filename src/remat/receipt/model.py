@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import hashlib
 import math
 import os
@@ -252,23 +253,62 @@ class ReceiptPlan:
                    closed_loop_boundaries=list(d["closed_loop_boundaries"]), note=d["note"])
 
 
+class _Value(str, enum.Enum):
+    """A decision word as the receipt's JSON spells it (``str()`` and f-strings give the word)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ShipStatus(_Value):
+    SHIP = "ship"           # a plan (or the control) ships
+    NO_PLAN = "no-plan"     # nothing measured clears the budget with its reserve, or the plan failed verification
+
+
+class Rejection(_Value):
+    """Why a measured plan did not ship: the frontier's decisions, or verification."""
+
+    REJECT = "reject"           # fits, but another plan is cheaper; or misses the budget
+    INFEASIBLE = "infeasible"   # no plan of that planner reaches its budget
+    FAILED = "failed"           # measuring it failed
+    UNVERIFIED = "unverified"   # fits, but failed verification
+
+
+class Coverage(_Value):
+    NOT_RUN = "not run"          # might work; not measured
+    UNSUPPORTED = "unsupported"  # remat refuses it
+
+
+def _enum(kind: type[enum.Enum], value: Any, what: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ReceiptError(f"receipt: {what} is {value!r}, not one of {', '.join(str(k.value) for k in kind)}") from None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RejectedPlan:
     plan: str
-    decision: str                     # "reject", "infeasible", "failed", or "unverified"
+    decision: Rejection
     reason: str
     peak_bytes: int | None = None
     p50_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"plan": self.plan, "decision": self.decision.value, "reason": self.reason,
+                "peak_bytes": self.peak_bytes, "p50_ms": self.p50_ms}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RejectedPlan":
+        return cls(plan=d["plan"], decision=_enum(Rejection, d["decision"], "a rejected plan's decision"),
+                   reason=d["reason"], peak_bytes=d["peak_bytes"], p50_ms=d["p50_ms"])
 
 
 @dataclasses.dataclass(kw_only=True)
 class ReceiptDecision:
     """What ships and why (NOTE [receipt decision] in remat/pipeline/build.py)."""
 
-    status: str                       # "ship" or "no-plan"
+    status: ShipStatus
     shipped: str | None               # frontier label of the shipped plan
     boundaries: list[str]             # "h.1:full"
     budget_bytes: int
@@ -288,13 +328,15 @@ class ReceiptDecision:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["status"] = self.status.value
         d["rejected"] = [r.to_json() for r in self.rejected]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptDecision":
-        return cls(**{**d, "rejected": [RejectedPlan(**r) for r in d["rejected"]], "boundaries": list(d["boundaries"]),
-                      "why": list(d["why"])})
+        return cls(**{**d, "status": _enum(ShipStatus, d["status"], "decision.status"),
+                      "rejected": [RejectedPlan.from_json(r) for r in d["rejected"]],
+                      "boundaries": list(d["boundaries"]), "why": list(d["why"])})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,11 +344,16 @@ class UnsupportedMode:
     """An execution mode the receipt's evidence does not cover."""
 
     mode: str                         # "torch.compile", "reentrant checkpointing", "bfloat16", ...
-    status: str                       # "not run" (might work, not measured) or "unsupported" (remat refuses)
+    status: Coverage
     detail: str
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"mode": self.mode, "status": self.status.value, "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "UnsupportedMode":
+        return cls(mode=d["mode"], status=_enum(Coverage, d["status"], "an unsupported mode's status"),
+                   detail=d["detail"])
 
 
 # -- the receipt -----------------------------------------------------------------------------------
@@ -326,7 +373,7 @@ class Receipt:
 
     @property
     def shipped(self) -> bool:
-        return self.decision.status == "ship"
+        return self.decision.status is ShipStatus.SHIP
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -359,7 +406,7 @@ class Receipt:
                 verification_note=data["verification_note"],
                 frontier=None if data["frontier"] is None else FrontierReport.from_json(data["frontier"]),
                 decision=ReceiptDecision.from_json(data["decision"]),
-                unsupported=[UnsupportedMode(**u) for u in data["unsupported"]],
+                unsupported=[UnsupportedMode.from_json(u) for u in data["unsupported"]],
             )
         except ReceiptError:
             raise
@@ -377,7 +424,7 @@ class Receipt:
         if planned != recorded:
             raise ReceiptError(f"malformed receipt: the plan's boundaries {planned} differ from the boundary "
                                f"records {recorded}")
-        if self.decision.status == "ship" and plan is None:
+        if self.decision.status is ShipStatus.SHIP and plan is None:
             raise ReceiptError("malformed receipt: the decision ships a plan but the receipt holds none")
         if self.context.workload != self.traces.target.context.workload:
             raise ReceiptError("malformed receipt: the context and the target trace name different workloads")

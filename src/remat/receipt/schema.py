@@ -142,7 +142,7 @@ FRONTIER = Obj({
     "shipped": Opt(SHORT), "points": List(FRONTIER_POINT, max_len=200), "shipped_plan": Opt(PLAN),
 })
 
-REJECTED = Obj({"plan": SHORT, "decision": SHORT, "reason": TEXT, "peak_bytes": Opt(BYTES), "p50_ms": Opt(MS)})
+REJECTED = Obj({"plan": SHORT, "decision": Enum("reject", "infeasible", "failed", "unverified"), "reason": TEXT, "peak_bytes": Opt(BYTES), "p50_ms": Opt(MS)})
 DECISION = Obj({
     "status": Enum("ship", "no-plan"), "shipped": Opt(SHORT), "boundaries": List(SHORT),
     "budget_bytes": Int(1, 2 ** 53), "reserve": Num(0, 0.999999), "effective_budget_bytes": SIGNED_BYTES,
