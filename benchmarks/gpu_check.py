@@ -264,12 +264,12 @@ def _run(name: str, fn: Callable[[], Check]) -> Check:
 def _context(device: str, dtype: str) -> dict[str, Any]:
     return {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": device, "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": dtype}
+            "torch_version": torch.__version__, "cuda": torch.version.cuda, "dtype": dtype}
 
 
 def _write_md(checks: list[Check], ctx: dict[str, Any]) -> None:
     lines = [MARK_BEGIN, "## GPU check (issue 13)", "",
-             f"`make gpu-check` (`benchmarks/gpu_check.py`) on {ctx['gpu']}, torch {ctx['torch']} (CUDA {ctx['cuda']}), "
+             f"`make gpu-check` (`benchmarks/gpu_check.py`) on {ctx['gpu']}, torch {ctx['torch_version']} (CUDA {ctx['cuda']}), "
              f"{ctx['when']}; JSON in `benchmarks/results/gpu/`.", "",
              "| check | result | wall | summary |", "|---|---|---|---|"]
     lines += [f"| {c.name} | {'pass' if c.passed else 'FAIL'} | {c.wall_s:.0f} s | {c.summary} |" for c in checks]
