@@ -194,6 +194,9 @@ def test_verify_owns_its_json_and_structured_findings(cnn):
     assert not report.passed and report.hazards   # unguarded BatchNorm: a buffer hazard
     back = VerifyReport.from_json(json.loads(json.dumps(report.to_json())))
     assert back.to_json() == report.to_json()
+    from remat.verify.model import RunMode
+    assert [s.mode for s in back.per_step] == [RunMode.TRAIN, RunMode.EVAL]
+    assert back.boundaries[0].mode is CheckpointMode.FULL and back.hazards[0].mode in (RunMode.TRAIN, RunMode.EVAL)
     # the rule the receipt used to apply to the strings itself, as the independent reference
     def by_strings(module):
         under = lambda n: n is not None and (n == module or n.startswith(module + "."))  # noqa: E731

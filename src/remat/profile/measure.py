@@ -11,7 +11,8 @@ From it, per candidate j:
                      checkpoint keeps them alive until j's backward).
   saved_bytes[SELECTIVE]  the same less what SAC keeps: outputs of SAC_SAVE_OPS made in j
                      (whether autograd saved them or not: SAC caches them all).
-  replay_ms[FULL]    j's warm median forward time (separate, lightly instrumented steps).
+  replay_ms[FULL]    j's warm median forward time (separate, lightly instrumented steps; CUDA
+                     events on a GPU, NOTE [device-correct timing] in remat.measure.timing).
   replay_ms[SELECTIVE]  that time less the share spent in SAC_SAVE_OPS, plus SAC's Python
                      dispatch cost per op, once in forward and once in the replay
                      (measured on this machine, see ``_dispatch_overhead_ns``).

@@ -17,13 +17,25 @@ that is larger (bfloat16), so it always lies outside the tolerance it tests.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
 from ..errors import VerificationFailed
-from ..types import HazardKind
+from ..types import CheckpointMode, HazardKind
 
 VERIFY_SCHEMA_VERSION = 1
+
+
+class RunMode(str, enum.Enum):
+    """How a compared step runs: ``train`` (forward, backward, optimizer step) or ``eval`` (the model
+    in eval mode, forward and backward, no optimizer step)."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,7 +70,7 @@ class StepComparison:
 
     seed: int
     step: int
-    mode: str
+    mode: RunMode
     loss: tuple[float, float]                 # (control, planned)
     outputs_max_abs: float | None             # model outputs the loss saw; None: none reachable
     grad_max_abs: float                       # max over parameters of max |g_planned - g_control|
@@ -80,13 +92,14 @@ class StepComparison:
 
     def to_json(self) -> dict[str, Any]:
         d = {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
+        d["mode"] = self.mode.value
         d["loss"] = [_json_float(x) for x in self.loss]
         d["grad_norm"] = [_json_float(x) for x in self.grad_norm]
         return d
 
     @classmethod
     def from_json(cls, s: dict[str, Any]) -> "StepComparison":
-        return cls(seed=s["seed"], step=s["step"], mode=s["mode"], loss=(_f(s["loss"][0]), _f(s["loss"][1])),
+        return cls(seed=s["seed"], step=s["step"], mode=RunMode(s["mode"]), loss=(_f(s["loss"][0]), _f(s["loss"][1])),
                    outputs_max_abs=_opt_f(s["outputs_max_abs"]), grad_max_abs=_f(s["grad_max_abs"]),
                    grad_max_rel=_f(s["grad_max_rel"]), grads_bitwise=s["grads_bitwise"],
                    grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])),
@@ -142,7 +155,7 @@ class Hazard:
     module: str          # the boundary it happened in ("a, b" when several replays are to blame)
     kind: HazardKind
     detail: str
-    mode: str = "train"  # "train" or "eval"
+    mode: RunMode = RunMode.TRAIN
     seed: int = 0
     step: int = 0
     # the state that changed ("blocks.0.bn1.num_batches_tracked"), for de-duplication; not in the JSON
@@ -154,12 +167,12 @@ class Hazard:
         return [m.strip() for m in self.module.split(",") if m.strip()]
 
     def to_json(self) -> dict[str, Any]:
-        return {"module": self.module, "kind": self.kind.value, "detail": self.detail, "mode": self.mode,
+        return {"module": self.module, "kind": self.kind.value, "detail": self.detail, "mode": self.mode.value,
                 "seed": self.seed, "step": self.step}
 
     @classmethod
     def from_json(cls, h: dict[str, Any]) -> "Hazard":
-        return cls(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=h["mode"],
+        return cls(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=RunMode(h["mode"]),
                    seed=h["seed"], step=h["step"])
 
 
@@ -181,16 +194,23 @@ class BoundaryActivity:
     """What one checkpointed module did per step: calls, replays, RNG draws, mutations seen at replay."""
 
     module: str
-    mode: str                           # "full" or "selective"
+    mode: CheckpointMode
     guarded: bool
-    forward_calls: dict[str, int]       # per step, by "train"/"eval"
-    replay_calls: dict[str, int]        # per step, by "train"/"eval"
+    forward_calls: dict[str, int]       # per step, by RunMode value ("train", "eval")
+    replay_calls: dict[str, int]        # per step, by RunMode value ("train", "eval")
     draws_rng: bool                     # the global RNG advanced across its forward
     replay_mutations: list[str]         # state its replay changed (after any guard): "bn1.running_mean"
     device_moves: list[str]             # "aten._to_copy: cpu -> cuda:0 (forward)"
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "mode": self.mode.value}
+
+    @classmethod
+    def from_json(cls, b: dict[str, Any]) -> "BoundaryActivity":
+        return cls(module=b["module"], mode=CheckpointMode(b["mode"]), guarded=b["guarded"],
+                   forward_calls=dict(b["forward_calls"]), replay_calls=dict(b["replay_calls"]),
+                   draws_rng=b["draws_rng"], replay_mutations=list(b["replay_mutations"]),
+                   device_moves=list(b["device_moves"]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,8 +322,7 @@ class VerifyReport:
                 without_p95_ms=timing["without_p95_ms"], steps=timing["steps"]),
             hazards=[Hazard.from_json(h) for h in d["hazards"]],
             negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
-            boundaries=[BoundaryActivity(**{**b, "forward_calls": dict(b["forward_calls"]),
-                                            "replay_calls": dict(b["replay_calls"])}) for b in d["boundaries"]],
+            boundaries=[BoundaryActivity.from_json(b) for b in d["boundaries"]],
             repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
             schema_version=d["schema_version"])
 

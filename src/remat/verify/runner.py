@@ -43,7 +43,7 @@ from ..workload import LoadedWorkload, TrainingStep
 from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors,
                       owner_module, python_state, short_repr, tolerance_for)
 from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
-                    StepComparison, Tolerance, VerifyReport)
+                    RunMode, StepComparison, Tolerance, VerifyReport)
 from .probe import RegionProbe, RngState, StepRecorder, seed_everything
 
 __all__ = ["GradientPerturbation", "measure_rng_overhead", "verify_plan"]
@@ -93,14 +93,14 @@ class _Side:
         if self.handle is not None and self.handle.active:
             self.handle.remove()
 
-    def step(self, step: int, mode: str) -> _StepState:
+    def step(self, step: int, mode: RunMode) -> _StepState:
         assert self.rng is not None
         self.rng.restore()
         self.recorder.reset()
         if self.handle is not None:
             self.handle.reset_counts()
         training = {m: m.training for m in self.model.modules()}
-        if mode == "eval":
+        if mode is RunMode.EVAL:
             self.model.eval()
         try:
             batch = self.trainer.batch(step)
@@ -108,7 +108,7 @@ class _Side:
             self.trainer.backward(loss)
             fault = self.fault(self.model) if self.fault is not None else None
             grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.model.named_parameters()}
-            if mode == "train":
+            if mode is RunMode.TRAIN:
                 self.trainer.optimizer_step()
             self.trainer.optimizer.zero_grad(set_to_none=True)
         finally:
@@ -121,7 +121,7 @@ class _Side:
         return _StepState(
             loss=loss.detach().clone(), outputs=list(self.recorder.outputs),
             digests=list(self.recorder.digests), grad_order=list(self.recorder.grad_order), grads=grads,
-            params=clone_tensors(self.model.named_parameters()) if mode == "train" else None,
+            params=clone_tensors(self.model.named_parameters()) if mode is RunMode.TRAIN else None,
             buffers_before=before, buffers=self.buffers, pystate_before=py_before, pystate=self.pystate, rng=self.rng,
             calls=calls, fault=fault)
 
@@ -199,7 +199,7 @@ class _Compared:
     hazards: list[Hazard]
 
 
-def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, boundaries: list[str],
+def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMode, boundaries: list[str],
              tol: Tolerance, probe: RegionProbe | None) -> _Compared:
     loss = diff_tensor("loss", c.loss, p.loss)
     if len(c.outputs) == len(p.outputs):
@@ -335,7 +335,7 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
         tol = _model_tolerance(control.model)
         seed_everything(seed)
         control.rng = planned.rng = RngState.capture()
-        schedule = [(k, "train") for k in range(steps)] + ([(steps, "eval")] if eval_pass else [])
+        schedule = [(k, RunMode.TRAIN) for k in range(steps)] + ([(steps, RunMode.EVAL)] if eval_pass else [])
         for k, mode in schedule:
             c = control.step(k, mode)
             try:
@@ -347,7 +347,7 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
                 break
             if p.fault:
                 faults.append(p.fault)
-            calls.setdefault(mode, p.calls)
+            calls.setdefault(mode.value, p.calls)
             res = _compare(c, p, seed=seed, step=k, mode=mode, boundaries=boundaries, tol=tol, probe=planned.probe)
             comparisons.append(res.step)
             hazards += res.hazards
@@ -365,7 +365,7 @@ def _activity(plan: Plan, probe: RegionProbe | None, calls: dict[str, dict[str, 
     for b in plan.boundaries:
         st = probe.stats.get(b.module) if probe is not None else None
         out.append(BoundaryActivity(
-            module=b.module, mode=b.mode.value, guarded=b.guarded,
+            module=b.module, mode=b.mode, guarded=b.guarded,
             forward_calls={m: c[b.module][0] for m, c in calls.items() if b.module in c},
             replay_calls={m: c[b.module][1] for m, c in calls.items() if b.module in c},
             draws_rng=bool(st and st.rng_draws_forward), replay_mutations=sorted(st.replay_mutations) if st else [],
@@ -569,7 +569,7 @@ def _first_non_finite_per_seed(per_step: list[StepComparison]) -> list[StepCompa
 
 def _dedupe(hazards: list[Hazard]) -> list[Hazard]:
     """One hazard per (module, kind, state, mode): the first occurrence."""
-    seen: set[tuple[str, HazardKind, str, str]] = set()
+    seen: set[tuple[str, HazardKind, str, RunMode]] = set()
     out = []
     for h in hazards:
         key = (h.module, h.kind, h.state, h.mode)
