@@ -14,7 +14,7 @@ import torch
 from rich.markup import escape
 
 from ..errors import RematError
-from ..plan import parse_budget, parse_reserve
+from ..plan import check_budget_syntax, parse_reserve
 from ..pipeline import make_receipt
 from ..receipt import Receipt, ReceiptFiles, RunSettings, ShipStatus, write_receipt
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise RematError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    parse_budget(args.budget, 1 << 50)  # cheap syntax checks before minutes of measuring
+    check_budget_syntax(args.budget)  # cheap syntax checks before minutes of measuring
     settings = settings_from_args(args)
     boundary = parse_shape(args.boundary_shape) or None
     check_out_dir(args.out, (RECEIPT_FILE, HTML_FILE, MD_FILE))

@@ -31,7 +31,8 @@ import torch
 from .. import __version__
 from ..closed_loop import plan_closed_loop
 from ..errors import BudgetError, PlanError, RematError, WorkloadError
-from ..plan import BUDGET_PLANNERS, InfeasibleBudget, Plan, make_plan, parse_budget, planner_from_spec
+from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, check_budget_syntax, make_plan, parse_budget,
+                    planner_from_spec)
 from ..profile import ProfileReport, profile_workload
 from ..trace.model import TraceContext, host_info
 from ..types import ProgressFn, no_progress
@@ -83,7 +84,7 @@ def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
         if sep:
             if not req.needs_budget:
                 raise PlanError(f"{item!r}: only {', '.join(BUDGET_PLANNERS)} take a budget (planner@budget)")
-            parse_budget(req.budget, 1 << 50)  # syntax only; a share is resolved against the control's peak
+            check_budget_syntax(req.budget)  # syntax only; a share is resolved against the control's peak
         if req.label not in seen:
             seen.add(req.label)
             out.append(req)

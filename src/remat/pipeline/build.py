@@ -44,7 +44,7 @@ from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
 from ..measure import held_bytes_at_phase, prepare_arm
-from ..plan import InfeasibleBudget, Plan, parse_budget
+from ..plan import InfeasibleBudget, Plan, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
@@ -287,7 +287,7 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     if not 0.0 <= reserve < 1.0:
         raise BudgetError(f"reserve must lie in [0, 1), got {reserve}")
     if not isinstance(budget, int):
-        parse_budget(budget, 1 << 50)  # syntax check before minutes of measuring
+        check_budget_syntax(budget)  # syntax check before minutes of measuring
 
     # 1. traces of the unmodified step
     target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,

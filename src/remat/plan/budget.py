@@ -47,6 +47,12 @@ def format_bytes(n: int) -> str:
     return f"{n} bytes ({mib(n)})"
 
 
+def check_budget_syntax(text: str | int) -> None:
+    """BudgetError when ``text`` is not a budget ``parse_budget`` takes: the one check callers make
+    before minutes of measuring, while a percentage cannot be resolved yet (no baseline peak)."""
+    parse_budget(text, 1 << 50)   # any baseline: a share of it is well formed whatever it is
+
+
 def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:
     """Whole-step peak budget in bytes (rounded down to a whole byte).
 
