@@ -179,3 +179,61 @@ def test_inplace_between_modules_attribution_without_confirmation():
     assert [h.kind for h in seen["gate"]] == [HazardKind.INPLACE_INPUT]  # suspected, then refuted
     # ReLU(inplace=True) alone saves nothing of its own: not offered at all
     assert "frees nothing" in report.excluded["blocks.0.act"]
+
+
+MINIMAL = FIXTURES / "zoo_minimal.py"
+
+
+def test_auto_candidates_find_unet_stages_and_skip_wrappers_of_blocks():
+    """NOTE [natural blocks]: a U-Net's Down/Up stages are candidates; a wrapper of repeated blocks is not."""
+    import torch
+    unet = load_workload(f"{MINIMAL}:build_unet").workload.model
+    found = auto_candidates(unet)
+    assert {"inc", "down1", "down2", "up1", "up2"} <= set(found)       # stages, distinct classes
+    assert {"down1.conv", "up1.conv"} <= set(found)                     # their children
+    assert "" not in found and "outc" not in found                      # root; a leaf outside any block
+
+    class Wrapper(torch.nn.Module):          # HF style: model.transformer.h.N
+        def __init__(self):
+            super().__init__()
+            self.transformer = torch.nn.Module()
+            self.transformer.h = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+                                                     for _ in range(3))
+            self.head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+    found = auto_candidates(Wrapper())
+    assert "transformer" not in found and "transformer.h" not in found
+    assert {"transformer.h.0", "transformer.h.2", "transformer.h.0.0", "head"} <= set(found)
+
+
+def test_unet_profile_offers_only_candidates_that_free_bytes():
+    report = profile_workload(load_workload(f"{MINIMAL}:build_unet"), repeats=1)
+    names = {c.name for c in report.candidates}
+    assert {"down1", "up1"} <= names
+    assert all(c.saved_bytes[M.FULL] > 0 for c in report.candidates)
+    # the all-blocks baseline over these candidates lowers the peak (it raised it before, on 0-512 B layers)
+    from remat.plan import make_plan
+    assert make_plan(report, "all").predicted_peak_bytes < report.baseline_peak_bytes
+
+
+def test_a_mode_that_fails_its_dry_run_is_excluded_with_its_error():
+    """NOTE [mode dry runs]: SAC fails on PathSwitch (relu_ mutates the mm output SAC cached)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from remat.profile.dryrun import _sac_policy
+    lw = load_workload(f"{MINIMAL}:build_switched")
+    block = lw.workload.model.blocks[0]
+    # ground truth, by hand with torch alone: FULL replays fine, SELECTIVE raises in backward
+    checkpoint(block, torch.randn(4, 32, requires_grad=True), use_reentrant=False).sum().backward()
+    with pytest.raises(Exception, match="has been mutated"):
+        checkpoint(block, torch.randn(4, 32, requires_grad=True), use_reentrant=False,
+                   context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy)).sum().backward()
+    report = profile_workload(lw, repeats=1)
+    by = {c.name: c for c in report.candidates}
+    for name in ("blocks.0", "blocks.1", "blocks.2"):
+        assert M.FULL in by[name].saved_bytes and M.SELECTIVE not in by[name].saved_bytes
+        assert "has been mutated" in report.mode_excluded[name]["selective"]
+    from remat.plan import make_plan
+    plan = make_plan(report, "selective")            # the selective baseline has nothing left to wrap
+    assert plan.boundaries == []
+    assert any("selective mode fails in a dry run" in e.reason for e in plan.excluded)
