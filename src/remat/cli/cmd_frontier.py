@@ -13,9 +13,9 @@ from ..errors import RematError
 from ..frontier import DEFAULT_PLANS, Decision, FrontierReport, parse_plan_requests, render_frontier_png, run_frontier
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
+from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
-from ..units import fmt_bytes
 from .render import console, progress_bar
 
 

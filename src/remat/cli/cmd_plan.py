@@ -13,8 +13,8 @@ from ..plan import PLANNER_SPECS, Plan, check_budget_syntax, parse_budget, parse
 from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated, profile_workload
 from ..workload import parse_shape
-from .common import add_workload_args, check_out_dir, load_from_args
 from ..units import fmt_bytes
+from .common import add_workload_args, check_out_dir, load_from_args
 from .render import console, progress_bar
 
 
