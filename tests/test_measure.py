@@ -212,3 +212,17 @@ def test_gpu_check_script_runs_its_code_paths_on_cpu(tmp_path):
     a = out["allocator"]["data"]
     assert a["memory_source"] == "cpu-live-tensors" and a["remat_peak_bytes"] == a["tracker_peak_bytes"] > 0
     assert out["simulate"]["data"]["rows"][0]["peak_ratio"] == pytest.approx(1.0)   # CPU bytes simulate exactly
+
+
+def test_one_host_context_spelled_alike_everywhere():
+    """Trace, frontier and receipt contexts take the machine fields from one capture, with one spelling."""
+    import dataclasses as dc
+    from remat.receipt.model import ReceiptContext
+    from remat.trace.model import HostContext, TraceContext
+    host = {f.name for f in dc.fields(HostContext)}
+    assert "torch_version" in host and "torch" not in host
+    assert host <= {f.name for f in dc.fields(ReceiptContext)}
+    shared = {f.name for f in dc.fields(TraceContext)} & host
+    assert shared == {"torch_version", "python_version", "threads", "hostname"}
+    ctx = TraceContext.capture(workload="w", shape={}, dtype="float32", device="cpu", warmup=1, steps=1)
+    assert ctx.torch_version == torch.__version__ and ctx.threads == torch.get_num_threads()

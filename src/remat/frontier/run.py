@@ -34,7 +34,7 @@ from ..errors import BudgetError, PlanError, RematError, WorkloadError
 from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, check_budget_syntax, make_plan, parse_budget,
                     planner_from_spec)
 from ..profile import ProfileReport, profile_workload
-from ..trace.model import TraceContext, host_info
+from ..trace.model import HostContext, TraceContext
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..units import mib
@@ -155,7 +155,8 @@ def _context(loaded: LoadedWorkload, *, warmup: int, steps: int, capacity_key: s
              extra: dict) -> dict:
     ctx = dataclasses.asdict(TraceContext.capture(workload=loaded.spec, shape=loaded.shape, dtype=loaded.dtype,
                                                   device=loaded.device, warmup=warmup, steps=steps))
-    ctx.update({k: v for k, v in host_info().items() if k != "python"})  # python_version is there
+    host = HostContext.capture()
+    ctx.update(cpu_count=host.cpu_count, platform=host.platform)
     if loaded.device.startswith("cuda") and torch.cuda.is_available():
         ctx["cuda_device"] = torch.cuda.get_device_name(torch.device(loaded.device))
     ctx.update({

@@ -15,14 +15,9 @@ import datetime
 import enum
 import hashlib
 import math
-import os
-import platform
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .. import __version__
 from .._json import read_bounded_bytes
@@ -30,7 +25,7 @@ from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport
 from ..plan.model import Plan
-from ..trace.model import StepTrace
+from ..trace.model import HostContext, StepTrace
 from ..verify.model import Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
 from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
@@ -95,11 +90,10 @@ class ReceiptContext:
     def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: str,
                 command: str = "") -> "ReceiptContext":
         rev, dirty = git_revision()
+        host = dataclasses.asdict(HostContext.capture())   # the same fields, captured in one place
         return cls(workload=loaded.spec, shape=dict(loaded.shape), resolved_shape=resolved_shape(loaded.spec, loaded.shape),
                    boundary_shape=dict(boundary_shape) if boundary_shape else None, dtype=loaded.dtype,
-                   device=loaded.device, torch_version=torch.__version__, python_version=platform.python_version(),
-                   platform=platform.platform(), hostname=socket.gethostname(), cpu_count=os.cpu_count(),
-                   threads=torch.get_num_threads(), remat_version=__version__, git_revision=rev, git_dirty=dirty,
+                   device=loaded.device, **host, remat_version=__version__, git_revision=rev, git_dirty=dirty,
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    command=command, memory_source=memory_source)
 
