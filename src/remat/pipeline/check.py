@@ -45,7 +45,7 @@ from typing import Any
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan
 from ..errors import ReceiptError, WorkloadError
-from ..profile import fingerprint, module_revision
+from ..profile import FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..verify import verify_plan
@@ -224,29 +224,28 @@ def _model_findings(receipt: Receipt, loaded: LoadedWorkload) -> list[CheckFindi
     assert plan is not None
     fp_diffs = plan.fingerprint.differences(fingerprint(model))
     out: list[CheckFinding] = []
-    explained: set[str] = set()
+    explained: set[FingerprintDiff] = set()
     for b in receipt.plan.boundaries:
         if b.module not in named:
             close = difflib.get_close_matches(b.module, list(named), n=3)
             hint = f"; closest: {', '.join(close)}" if close else ""
             out.append(CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
                                     message=f"boundary {b.module} ({b.class_name}): the module is gone{hint}"))
-            explained.update(d for d in fp_diffs if b.module in d)
+            explained.update(d for d in fp_diffs if d.under(b.module))
             continue
         module = named[b.module]
         rev = module_revision(module)
         if rev != b.revision:
             classes = {type(m).__qualname__ for m in module.modules()}
-            mine = [d for d in fp_diffs if f" {b.module}." in f" {d.split(' ', 1)[-1]}"
-                    or any(f"class {c} " in d for c in classes)]
+            mine = [d for d in fp_diffs if d.under(b.module, strictly=True) or (d.kind == "class" and d.name in classes)]
             explained.update(mine)
-            why = "; ".join(mine[:4]) or "its class source or parameter shapes changed"
+            why = "; ".join(str(d) for d in mine[:4]) or "its class source or parameter shapes changed"
             out.append(CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
                                     message=f"boundary {b.module} ({b.class_name}): revision {b.revision} -> {rev} "
                                             f"({why})"))
     rest = [d for d in fp_diffs if d not in explained]
     if rest:
-        shown = "; ".join(rest[:6]) + (f"; ... {len(rest) - 6} more" if len(rest) > 6 else "")
+        shown = "; ".join(str(d) for d in rest[:6]) + (f"; ... {len(rest) - 6} more" if len(rest) > 6 else "")
         out.append(CheckFinding(kind=FindingKind.MODEL, message=f"the model changed outside the boundaries: {shown}"))
     return out
 
