@@ -510,3 +510,15 @@ def test_nothing_fits_names_the_phase_that_sets_the_floor():
     with pytest.raises(InfeasibleBudget, match="activations no plannable candidate covers") as info:
         make_plan(haz, "optimal", budget_bytes=haz.phase_peak_bytes["optimizer"] + 1)
     assert "blocks.1: replay hazard: python_state" in info.value.message
+
+
+def test_floor_explanation_tells_idle_exclusions_from_telling_ones_by_record():
+    """The profile says which exclusions free nothing (ProfileReport.idle); the planner never reads reasons."""
+    from remat.plan.planners import classify_candidates, explain_floor
+    r = report([cand("a", 0, saved={F: 100}, ms={F: 1.0})], [row(1000, live=["a"])],
+               excluded={"b": "frees nothing until backward: ...", "c": "called 2 times per step (shared module)",
+                         "d": "free nothing, said in other words"})
+    r.idle = ["b", "d"]
+    text = explain_floor(r, 900, classify_candidates(r))
+    assert "1 candidates excluded: c: called 2 times" in text and "2 more free nothing until backward" in text
+    assert "b: frees" not in text and "d: free" not in text

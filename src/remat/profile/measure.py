@@ -301,6 +301,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     evidence = _StepEvidence(rec, oplog)
 
     excluded: dict[str, str] = {}
+    idle: list[str] = []          # excluded because checkpointing them frees nothing
     costs: list[CandidateCost] = []
     spans: dict[str, tuple[int, int, int | None, int | None]] = {}
     for name in candidate_names:
@@ -316,6 +317,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
             # single Conv/BN/ReLU layers whose checkpoints raised the measured peak)
             excluded[name] = (f"frees nothing until backward: it saves {full_saved + unsaved_inputs} bytes of its "
                               f"own for backward, and a checkpoint would keep {unsaved_inputs} bytes of inputs")
+            idle.append(name)
             continue
         sac_kept, save_share, n_ops = evidence.sac_figures(w)
         extra = max(0, evidence.forward_rise(w) - max(full_saved, 0))
@@ -355,7 +357,8 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     phase_peaks = _phase_peaks(rec, start_event)
     return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
                          baseline_step_ms=percentile(step_ms, 50.0), memory_source=base.source,
-                         fingerprint=fingerprint(model), refuted_hazards=refuted, phase_peak_bytes=phase_peaks)
+                         fingerprint=fingerprint(model), refuted_hazards=refuted, phase_peak_bytes=phase_peaks,
+                         idle=idle)
 
 
 def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, dtype: str = "float32",

@@ -184,6 +184,9 @@ class ProfileReport:
     mode_excluded: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # peak live bytes per phase of the profiled step (Phase value -> bytes); {} when unknown
     phase_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the excluded candidates that free nothing until backward (a subset of ``excluded``'s keys),
+    # so a planner can tell them from telling exclusions without reading the reasons
+    idle: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
@@ -192,7 +195,7 @@ class ProfileReport:
                 "fingerprint": self.fingerprint.to_json(), "simulated": self.simulated,
                 "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards),
                 "mode_excluded": {k: dict(v) for k, v in self.mode_excluded.items()},
-                "phase_peak_bytes": dict(self.phase_peak_bytes)}
+                "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -204,4 +207,5 @@ class ProfileReport:
                    refuted_hazards={str(k): [str(x) for x in v] for k, v in d.get("refuted_hazards", {}).items()},
                    mode_excluded={str(k): {str(m): str(r) for m, r in v.items()}
                                   for k, v in d.get("mode_excluded", {}).items()},
-                   phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()})
+                   phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()},
+                   idle=[str(n) for n in d.get("idle", [])])
