@@ -232,3 +232,14 @@ def _empty_report() -> VerifyReport:
                         first_divergent_module=None, rng_policy=RngPolicy(preserve_rng_state=True, policy="preserve",
                                                                           justification="", boundaries_drawing_rng=()),
                         rng_timing=None, hazards=[], negative_controls=[], boundaries=[], repeatable=True, failures=[])
+
+
+def test_modes_given_as_words_become_enums():
+    from remat.verify.model import BoundaryActivity, Hazard, RunMode
+    h = Hazard(module="m", kind=HazardKind.RNG, detail="d", mode="eval")
+    assert h.mode is RunMode.EVAL and h.to_json()["mode"] == "eval"
+    a = BoundaryActivity(module="m", mode="selective", guarded=False, forward_calls={}, replay_calls={},
+                         draws_rng=False, replay_mutations=[], device_moves=[])
+    assert a.mode is CheckpointMode.SELECTIVE and a.to_json()["mode"] == "selective"
+    with pytest.raises(ValueError):
+        Hazard(module="m", kind=HazardKind.RNG, detail="d", mode="training")

@@ -85,6 +85,9 @@ class CheckFinding:
     message: str
     boundary: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FindingKind(self.kind))
+
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "message": self.message, "boundary": self.boundary}
 

@@ -288,6 +288,9 @@ class RejectedPlan:
     peak_bytes: int | None = None
     p50_ms: float | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decision", Rejection(self.decision))
+
     def to_json(self) -> dict[str, Any]:
         return {"plan": self.plan, "decision": self.decision.value, "reason": self.reason,
                 "peak_bytes": self.peak_bytes, "p50_ms": self.p50_ms}
@@ -320,6 +323,9 @@ class ReceiptDecision:
     rejected: list[RejectedPlan]
     why: list[str]                    # the decision in a few sentences, first line first
 
+    def __post_init__(self) -> None:
+        self.status = ShipStatus(self.status)
+
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
@@ -340,6 +346,9 @@ class UnsupportedMode:
     mode: str                         # "torch.compile", "reentrant checkpointing", "bfloat16", ...
     status: Coverage
     detail: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Coverage(self.status))
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.mode, "status": self.status.value, "detail": self.detail}

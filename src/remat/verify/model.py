@@ -85,6 +85,9 @@ class StepComparison:
     first_divergence: str | None              # where it showed first: "forward output", "gradient", ...
     passed: bool
 
+    def __post_init__(self) -> None:
+        self.mode = RunMode(self.mode)   # "train"/"eval" accepted: the enum's values
+
     @property
     def divergences(self) -> list[Divergence]:
         """``divergent`` as records (verify reads its own format: ``"<kind> <tensor or state>"``)."""
@@ -161,6 +164,9 @@ class Hazard:
     # the state that changed ("blocks.0.bn1.num_batches_tracked"), for de-duplication; not in the JSON
     state: str = dataclasses.field(default="", compare=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", RunMode(self.mode))
+
     @property
     def modules(self) -> list[str]:
         """The boundaries it names."""
@@ -201,6 +207,9 @@ class BoundaryActivity:
     draws_rng: bool                     # the global RNG advanced across its forward
     replay_mutations: list[str]         # state its replay changed (after any guard): "bn1.running_mean"
     device_moves: list[str]             # "aten._to_copy: cpu -> cuda:0 (forward)"
+
+    def __post_init__(self) -> None:
+        self.mode = CheckpointMode(self.mode)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "mode": self.mode.value}
