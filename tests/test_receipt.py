@@ -520,3 +520,20 @@ def test_demo_cli_end_to_end_on_a_tiny_shape(work, monkeypatch, capsys):
     out = _text(capsys.readouterr().out)
     assert "Ship " in out and "demo/report.html" in out and "remat check demo/receipt.json" in out
     assert main(["check", "demo/receipt.json", "--quick"]) == 0
+
+
+def test_schema_words_are_the_enums_words():
+    """The strict schema and the enums that write the receipt name the same words (issue 13)."""
+    from remat.receipt import schema as sc
+    from remat.receipt.model import Coverage, Rejection, ShipStatus
+    from remat.verify.model import RngPolicyKind, RunMode, Site
+    from remat.types import CheckpointMode
+
+    def words(enum_type):
+        return {e.value for e in enum_type}
+    assert set(sc.SITE.values) == words(Site) and set(sc.RUN_MODE.values) == words(RunMode)
+    assert set(sc.MODE.values) == words(CheckpointMode) - {"keep"}
+    assert set(sc.REJECTED.required["decision"].values) == words(Rejection)
+    assert set(sc.UNSUPPORTED.required["status"].values) == words(Coverage)
+    assert set(sc.DECISION.required["status"].values) == words(ShipStatus)
+    assert set(sc.VERIFICATION.required["rng_policy"].required["policy"].values) == words(RngPolicyKind)

@@ -38,6 +38,30 @@ class RunMode(str, enum.Enum):
         return self.value
 
 
+class Site(str, enum.Enum):
+    """Where a divergence showed first (NOTE [first divergent module] in remat.verify.probe)."""
+
+    CALL_ORDER = "forward call order"
+    FORWARD_OUTPUT = "forward output"
+    GRADIENT = "gradient"
+    BUFFER = "buffer"
+    PYTHON_ATTRIBUTE = "python attribute"
+    PARAMETER = "parameter after optimizer step"
+    GENERATOR = "generator state"
+    LOSS_OR_OUTPUTS = "loss or outputs"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RngPolicyKind(str, enum.Enum):
+    PRESERVE = "preserve"   # RNG state stashed at each boundary's forward, restored for its replay
+    OFF = "off"             # preserve_rng_state=False
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tolerance:
     rtol: float  # relative to max |control| of the tensor
@@ -82,11 +106,12 @@ class StepComparison:
     bitwise: bool                             # every compared tensor bitwise equal
     divergent: list[str]                      # what is out of tolerance, e.g. "grad h.1.mlp.c_fc.weight"
     first_divergent_module: str | None
-    first_divergence: str | None              # where it showed first: "forward output", "gradient", ...
+    first_divergence: Site | None             # where it showed first
     passed: bool
 
     def __post_init__(self) -> None:
         self.mode = RunMode(self.mode)   # "train"/"eval" accepted: the enum's values
+        self.first_divergence = None if self.first_divergence is None else Site(self.first_divergence)
 
     @property
     def divergences(self) -> list[Divergence]:
@@ -96,6 +121,7 @@ class StepComparison:
     def to_json(self) -> dict[str, Any]:
         d = {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
         d["mode"] = self.mode.value
+        d["first_divergence"] = None if self.first_divergence is None else self.first_divergence.value
         d["loss"] = [_json_float(x) for x in self.loss]
         d["grad_norm"] = [_json_float(x) for x in self.grad_norm]
         return d
@@ -108,7 +134,8 @@ class StepComparison:
                    grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])),
                    params_max_abs=_opt_f(s["params_max_abs"]), buffers_max_abs=_f(s["buffers_max_abs"]),
                    bitwise=s["bitwise"], divergent=list(s["divergent"]),
-                   first_divergent_module=s["first_divergent_module"], first_divergence=s["first_divergence"],
+                   first_divergent_module=s["first_divergent_module"],
+                   first_divergence=None if s["first_divergence"] is None else Site(s["first_divergence"]),
                    passed=s["passed"])
 
 
@@ -225,12 +252,16 @@ class BoundaryActivity:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RngPolicy:
     preserve_rng_state: bool
-    policy: str                         # "preserve" or "off"
+    policy: RngPolicyKind
     justification: str
     boundaries_drawing_rng: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", RngPolicyKind(self.policy))
+
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["policy"] = self.policy.value
         d["boundaries_drawing_rng"] = list(self.boundaries_drawing_rng)
         return d
 
@@ -323,7 +354,7 @@ class VerifyReport:
             tolerances={k: Tolerance(**v) for k, v in d["tolerances"].items()}, perturbation=float(d["perturbation"]),
             per_step=[StepComparison.from_json(s) for s in d["per_step"]],
             first_divergent_module=d["first_divergent_module"],
-            rng_policy=RngPolicy(preserve_rng_state=pol["preserve_rng_state"], policy=pol["policy"],
+            rng_policy=RngPolicy(preserve_rng_state=pol["preserve_rng_state"], policy=RngPolicyKind(pol["policy"]),
                                  justification=pol["justification"],
                                  boundaries_drawing_rng=tuple(pol["boundaries_drawing_rng"])),
             rng_timing=None if timing is None else RngTiming(

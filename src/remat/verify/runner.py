@@ -43,7 +43,7 @@ from ..workload import LoadedWorkload, TrainingStep
 from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors,
                       owner_module, python_state, short_repr, tolerance_for)
 from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
-                    RunMode, StepComparison, Tolerance, VerifyReport)
+                    RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport)
 from .probe import RegionProbe, RngState, StepRecorder, seed_everything
 
 __all__ = ["GradientPerturbation", "measure_rng_overhead", "verify_plan"]
@@ -264,31 +264,31 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMod
 
 def _first_divergence(c: _StepState, p: _StepState, grads: list[TensorDiff], buffers: list[TensorDiff],
                       params: list[TensorDiff], py: list[str], rng: list[str],  # py: changed attribute keys
-                      tol: Tolerance) -> tuple[str | None, str]:
+                      tol: Tolerance) -> tuple[str | None, Site]:
     """NOTE [first divergent module] in remat.verify.probe."""
     for (path_c, dc), (path_p, dp) in zip(c.digests, p.digests):
         if path_c != path_p:
-            return path_c or "(root)", "forward call order"
+            return path_c or "(root)", Site.CALL_ORDER
         if not dc.close_to(dp, tol.rtol, tol.atol):
-            return path_c or "(root)", "forward output"
+            return path_c or "(root)", Site.FORWARD_OUTPUT
     if len(c.digests) != len(p.digests):
-        return "(root)", "forward call order"
+        return "(root)", Site.CALL_ORDER
     bad = {d.tensor: d for d in grads if not d.ok}
     order = c.grad_order + [n for n in c.grads if n not in c.grad_order]
     for name in order:
         if name in bad:
-            return owner_module(name) or "(root)", "gradient"
+            return owner_module(name) or "(root)", Site.GRADIENT
     for d in buffers:
         if not d.ok:
-            return owner_module(d.tensor) or "(root)", "buffer"
+            return owner_module(d.tensor) or "(root)", Site.BUFFER
     if py:
-        return owner_module(py[0]) or "(root)", "python attribute"
+        return owner_module(py[0]) or "(root)", Site.PYTHON_ATTRIBUTE
     for d in params:
         if not d.ok:
-            return owner_module(d.tensor) or "(root)", "parameter after optimizer step"
+            return owner_module(d.tensor) or "(root)", Site.PARAMETER
     if rng:
-        return None, "generator state"
-    return None, "loss or outputs"
+        return None, Site.GENERATOR
+    return None, Site.LOSS_OR_OUTPUTS
 
 
 # -- a pair of runs --------------------------------------------------------------------------------
@@ -406,11 +406,11 @@ def _rng_policy(plan: Plan, drawers: list[str]) -> RngPolicy:
         why = ("RNG state is stashed at each boundary's forward and restored for its replay, so dropout masks "
                f"repeat exactly ({', '.join(drawers)} draw random numbers)" if drawers else
                "RNG state is stashed and restored around each replay; no planned boundary draws random numbers")
-        return RngPolicy(preserve_rng_state=True, policy="preserve", justification=why,
+        return RngPolicy(preserve_rng_state=True, policy=RngPolicyKind.PRESERVE, justification=why,
                          boundaries_drawing_rng=tuple(drawers))
     why = (f"preservation is off, but {', '.join(drawers)} draw random numbers: replays see other masks" if drawers
            else "preservation is off; no planned boundary draws random numbers, so replays need no RNG state")
-    return RngPolicy(preserve_rng_state=False, policy="off", justification=why, boundaries_drawing_rng=tuple(drawers))
+    return RngPolicy(preserve_rng_state=False, policy=RngPolicyKind.OFF, justification=why, boundaries_drawing_rng=tuple(drawers))
 
 
 class _RngVariant:
