@@ -245,7 +245,6 @@ def test_densenet_style_growing_list_and_inner_checkpoint():
     model's own checkpoint replays during backward are not 'called twice'."""
     import torch
     from torch.utils.checkpoint import checkpoint
-    from remat.apply import apply
     from remat.types import CheckpointMode
     from remat.verify import verify_plan
     from .conftest import hand_plan
