@@ -266,3 +266,77 @@ def test_densenet_style_growing_list_and_inner_checkpoint():
     plan = hand_plan(model, ["block.layer0", "block.layer1"], mode=CheckpointMode.FULL, guarded=True)
     v = verify_plan(lw, plan, steps=2, seeds=1, timing_steps=0)
     assert v.passed, v.failures
+
+
+# -- measured replay costs (issue 14, NOTE [measured replay costs]) ------------------------
+
+def test_robust_difference_on_scripted_samples():
+    from remat.profile.replay import robust_difference
+    # 10 samples, 10% trimmed each end: drops -100 and 100; median of 1..8 = 4.5, IQR 2.75..6.25
+    med, iqr = robust_difference([-100.0, 1, 2, 3, 4, 5, 6, 7, 8, 100.0], trim=0.1)
+    assert med == pytest.approx(4.5)
+    assert iqr == pytest.approx(3.5)
+    assert robust_difference([2.0], trim=0.1) == (2.0, 0.0)
+    with pytest.raises(ValueError):
+        robust_difference([])
+
+
+def test_replay_cost_is_measured_per_mode_against_a_known_sleep():
+    """Ground truth: a region whose forward sleeps 30 ms. A checkpoint runs it twice (forward and
+    replay), so FULL and SELECTIVE must each add about 30 ms; KEEP adds nothing."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from remat.profile.model import CandidateCost
+    from remat.profile.replay import measure_replay_costs
+    from remat.workload import Workload
+
+    class Sleepy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            time.sleep(0.03)
+            return self.lin(x).relu()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Sleepy()
+            self.b = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Net()
+    wl = Workload(model=model, batch=lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),
+                  loss=lambda m, x: m(x).sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    step = TrainingStep(wl)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cand = CandidateCost(name="a", class_name="Sleepy", order=0, parent=None, fwd_ms=30.0, input_bytes=0,
+                         saved_bytes={M.KEEP: 0, M.FULL: 1, M.SELECTIVE: 1},
+                         replay_ms={M.KEEP: 0.0, M.FULL: 999.0, M.SELECTIVE: 999.0},
+                         replay_extra_bytes={M.KEEP: 0, M.FULL: 0, M.SELECTIVE: 0})
+    measured, unmeasured = measure_replay_costs(step, [cand], 0, min_rounds=3, max_rounds=3)
+    assert unmeasured == {}
+    for mode in (M.FULL, M.SELECTIVE):
+        est = measured["a"][mode]
+        assert 20.0 <= est.ms <= 80.0, (mode, est)
+        assert est.rounds == 3 and est.spread_ms >= 0.0
+    assert all(p.grad is None for p in model.parameters())        # gradients left as they were
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_profile_records_measured_replay_spreads():
+    report = profile_workload(load_workload("mlp", TINY["mlp"]))
+    measured = [c for c in report.candidates if c.replay_spread_ms]
+    assert measured and not report.replay_unmeasured
+    for c in measured:
+        assert set(c.replay_spread_ms) == {m for m in c.replay_ms if m is not M.KEEP}
+        assert all(v >= 0.0 for v in c.replay_ms.values())
+    back = ProfileReport.from_json(report.to_json())
+    assert back.candidates[0].replay_spread_ms == report.candidates[0].replay_spread_ms
+    assert back.replay_unmeasured == report.replay_unmeasured

@@ -11,11 +11,11 @@ From it, per candidate j:
                      checkpoint keeps them alive until j's backward).
   saved_bytes[SELECTIVE]  the same less what SAC keeps: outputs of SAC_SAVE_OPS made in j
                      (whether autograd saved them or not: SAC caches them all).
-  replay_ms[FULL]    j's warm median forward time (separate, lightly instrumented steps; CUDA
-                     events on a GPU, NOTE [device-correct timing] in remat.measure.timing).
-  replay_ms[SELECTIVE]  that time less the share spent in SAC_SAVE_OPS, plus SAC's Python
-                     dispatch cost per op, once in forward and once in the replay
-                     (measured on this machine, see ``_dispatch_overhead_ns``).
+  replay_ms[FULL]    first estimate: j's warm median forward time (separate, lightly
+                     instrumented steps; CUDA events on a GPU, NOTE [device-correct timing]).
+  replay_ms[SELECTIVE]  first estimate: that time less the share spent in SAC_SAVE_OPS.
+                     ``profile_workload`` then replaces both by direct measurements of each
+                     (candidate, mode) alone (NOTE [measured replay costs] in replay.py).
   replay_extra_bytes  how far j's forward rises above its entry level beyond what it saves:
                      the transients a replay re-creates during backward.
 The rows follow NOTE [peak cost model] in profile/model.py.
@@ -23,14 +23,12 @@ The rows follow NOTE [peak cost model] in profile/model.py.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure import RegionTimer, percentile, time_steps, warm_up
 from ..memory.measure import measure_step_peak, model_device
@@ -42,6 +40,7 @@ from ..workload.loader import LoadedWorkload
 from .candidates import parent_of, resolve_candidates
 from .confirm import confirm_hazards
 from .dryrun import dry_run_modes
+from .replay import ReplayEstimate, measure_replay_costs
 from .fingerprint import fingerprint
 from .hazards import HazardProbe
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
@@ -52,27 +51,6 @@ if TYPE_CHECKING:
 
 def _packet(func: Any) -> str:
     return func._overloadpacket.__name__
-
-
-class _Noop(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        return func(*args, **(kwargs or {}))
-
-
-def _dispatch_overhead_ns(n: int = 400) -> float:
-    """Python dispatch cost per op (ns) on this machine: what SAC's mode adds to every op."""
-    x = torch.ones(4)
-    def run() -> int:
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            torch.add(x, 1)
-        return time.perf_counter_ns() - t0
-    plain, moded = [], []
-    for _ in range(3):
-        plain.append(run())
-        with _Noop():
-            moded.append(run())
-    return max(0.0, (min(moded) - min(plain)) / n)
 
 
 _RNG_OPS = ("bernoulli", "native_dropout", "rand", "randn", "randint", "randperm", "normal", "uniform",
@@ -292,7 +270,6 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         pre_h.remove()
         post_h.remove()
     progress("profile: saved tensors", 1, 1)
-    overhead_ns = _dispatch_overhead_ns() if runtime is None else 0.0
 
     windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
     for w in rec.windows:
@@ -328,7 +305,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         extras = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra}
         if sac_kept > 0 and n_ops:
             saved[CheckpointMode.SELECTIVE] = full_saved - sac_kept
-            replay[CheckpointMode.SELECTIVE] = (t_fwd * (1.0 - save_share) + 2 * n_ops * overhead_ns / 1e6
+            replay[CheckpointMode.SELECTIVE] = (t_fwd * (1.0 - save_share)
                                                 if predicted is None else predicted.replay_ms(name, CheckpointMode.SELECTIVE))
             extras[CheckpointMode.SELECTIVE] = extra
         bs, be = _bwd_window(name, last_window)
@@ -385,15 +362,34 @@ def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, 
 
 
 def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = None, warmup: int = 2,
-                     repeats: int = 5, progress: ProgressFn = no_progress) -> ProfileReport:
-    """Profile every candidate of ``loaded`` (auto-discovered unless named) on its real step."""
+                     repeats: int = 5, measure_replays: bool = True, progress: ProgressFn = no_progress) -> ProfileReport:
+    """Profile every candidate of ``loaded`` (auto-discovered unless named) on its real step.
+
+    ``measure_replays``: measure each (candidate, mode)'s replay cost alone (NOTE [measured
+    replay costs]); False keeps the first estimates (faster, less exact).
+    """
     step = TrainingStep(loaded.workload)
     names = resolve_candidates(loaded.workload.model, candidates)
     report = profile_step(step, names, warmup=warmup, repeats=repeats, progress=progress)
     progress("profile: dry runs of each mode", 0, 1)
     exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
     progress("profile: dry runs of each mode", 1, 1)
+    if measure_replays:
+        apply_replay_measurements(report, *measure_replay_costs(
+            step, [c for c in report.candidates if c.name not in report.excluded], warmup + repeats + 4,
+            progress=lambda done, total: progress("profile: replay costs", done, total)))
     return report
+
+
+def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[CheckpointMode, ReplayEstimate]],
+                              unmeasured: dict[str, str]) -> None:
+    """Replace the first estimates by measured replay costs (NOTE [measured replay costs]), with spreads."""
+    for c in report.candidates:
+        for mode, est in measured.get(c.name, {}).items():
+            if mode in c.replay_ms:
+                c.replay_ms[mode] = est.ms
+                c.replay_spread_ms[mode] = est.spread_ms
+    report.replay_unmeasured = dict(unmeasured)
 
 
 def exclude_failing_modes(report: ProfileReport, failures: dict[str, dict[CheckpointMode, str]]) -> None:

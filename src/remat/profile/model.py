@@ -47,6 +47,9 @@ class CandidateCost:
     replay_ms: dict[CheckpointMode, float]        # added backward time per mode (KEEP: 0.0)
     replay_extra_bytes: dict[CheckpointMode, int]  # extra live bytes while it replays (KEEP: 0)
     hazards: list[HazardRecord] = dataclasses.field(default_factory=list)
+    # interquartile range of each measured replay cost (NOTE [measured replay costs]); a mode
+    # missing here kept its first estimate (simulated, or not measurable alone)
+    replay_spread_ms: dict[CheckpointMode, float] = dataclasses.field(default_factory=dict)
 
     @property
     def modes(self) -> list[CheckpointMode]:
@@ -60,6 +63,7 @@ class CandidateCost:
             "replay_ms": {m.value: v for m, v in self.replay_ms.items()},
             "replay_extra_bytes": {m.value: v for m, v in self.replay_extra_bytes.items()},
             "hazards": [{"kind": h.kind.value, "detail": h.detail, "guardable": h.guardable} for h in self.hazards],
+            "replay_spread_ms": {m.value: v for m, v in self.replay_spread_ms.items()},
         }
 
     @classmethod
@@ -72,6 +76,7 @@ class CandidateCost:
             replay_extra_bytes={CheckpointMode(k): int(v) for k, v in d["replay_extra_bytes"].items()},
             hazards=[HazardRecord(kind=HazardKind(h["kind"]), detail=h["detail"], guardable=bool(h["guardable"]))
                      for h in d.get("hazards", [])],
+            replay_spread_ms={CheckpointMode(k): float(v) for k, v in d.get("replay_spread_ms", {}).items()},
         )
 
 
@@ -187,6 +192,8 @@ class ProfileReport:
     # the excluded candidates that free nothing until backward (a subset of ``excluded``'s keys),
     # so a planner can tell them from telling exclusions without reading the reasons
     idle: list[str] = dataclasses.field(default_factory=list)
+    # candidates whose replay could not be measured alone (name -> why): they keep first estimates
+    replay_unmeasured: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
@@ -195,7 +202,8 @@ class ProfileReport:
                 "fingerprint": self.fingerprint.to_json(), "simulated": self.simulated,
                 "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards),
                 "mode_excluded": {k: dict(v) for k, v in self.mode_excluded.items()},
-                "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle)}
+                "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle),
+                "replay_unmeasured": dict(self.replay_unmeasured)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -208,4 +216,5 @@ class ProfileReport:
                    mode_excluded={str(k): {str(m): str(r) for m, r in v.items()}
                                   for k, v in d.get("mode_excluded", {}).items()},
                    phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()},
-                   idle=[str(n) for n in d.get("idle", [])])
+                   idle=[str(n) for n in d.get("idle", [])],
+                   replay_unmeasured={str(k): str(v) for k, v in d.get("replay_unmeasured", {}).items()})

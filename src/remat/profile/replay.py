@@ -1,0 +1,201 @@
+"""Measured replay costs: each (candidate, mode) recomputed alone, warm, interleaved (issue 14).
+
+NOTE [measured replay costs]
+What checkpointing candidate j in mode m adds to a step is the difference between j's
+forward + backward *under that mode* and j's plain forward + backward: for FULL, the
+replay of its forward in backward plus checkpoint's own bookkeeping; for SELECTIVE, the
+replay of the ops SAC does not keep plus the Python dispatch mode SAC runs in forward and
+in the replay. Modelling SELECTIVE from a no-op dispatch micro-benchmark underpriced it
+about 2x on CPU (issue 14), so it is measured here, like every other mode:
+
+1. One forward of the step captures each candidate's arguments (detached copies, each
+   tensor's ``requires_grad`` kept). The step's loss is dropped; buffers are restored.
+2. Per candidate, the *arms* are KEEP (plain) and each mode still offered after the dry
+   runs (NOTE [mode dry runs]); an arm runs ``module(*args)`` under its mode (the same
+   wrapper as the dry run) and backward from all-ones output gradients. Inputs are fresh
+   non-leaf copies each run (an in-place write into an input stays legal) and parameter
+   gradients are cleared before each run, so every arm does the same bookkeeping.
+3. Rounds: every arm once per round, in an order rotated by one each round (NOTE
+   [interleaved timing] in remat.measure), clocks read device-correctly (StepClock). One
+   untimed warm-up round. The cost of mode m is the median over rounds of the *paired*
+   difference ``t(m) - t(KEEP)`` within a round (pairing cancels drift between rounds),
+   after trimming the largest and smallest ``trim`` share of the differences; its spread
+   is their interquartile range. Rounds continue past ``min_rounds`` until every mode's
+   spread is at most ``max_rel_spread`` of its cost (or ``spread_floor_ms``), up to
+   ``max_rounds``: the spread is recorded either way, so a plan can say how sure it is.
+4. A cost below zero (a region too small to resolve) is recorded as 0.0 ms.
+
+Profiling time: per round, about (1 + modes) forward + backward passes of each candidate,
+so with nested candidates (blocks and their attention/MLP children) roughly 2 x (1 + modes)
+whole-model forward + backward per round; with the defaults (4-6 rounds plus one warm-up)
+about 20-40 steps' worth on a transformer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..measure import StepClock, percentile
+from ..memory.measure import model_device
+from ..types import CheckpointMode
+from ..workload.contract import TrainingStep
+from .dryrun import _first_line, _wrap
+from .model import CandidateCost
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayEstimate:
+    """One (candidate, mode)'s measured added time (NOTE [measured replay costs]), in ms."""
+
+    ms: float          # trimmed median of the paired differences, clamped at 0
+    spread_ms: float   # interquartile range of the trimmed differences
+    rounds: int        # timed rounds it took
+
+
+def robust_difference(diffs: list[float], *, trim: float = 0.1) -> tuple[float, float]:
+    """(median, interquartile range) of ``diffs`` after dropping the ``trim`` share at each end.
+
+    Pure, so it is testable on scripted samples. ValueError for no samples.
+    """
+    if not diffs:
+        raise ValueError("no samples")
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must lie in [0, 0.5), got {trim}")
+    s = sorted(diffs)
+    k = int(len(s) * trim)
+    kept = s[k:len(s) - k] if len(s) - 2 * k >= 1 else s
+    return percentile(kept, 50.0), percentile(kept, 75.0) - percentile(kept, 25.0)
+
+
+def _capture_inputs(step: TrainingStep, modules: dict[str, nn.Module], wanted: set[str],
+                    step_index: int) -> dict[str, tuple[tuple, dict]]:
+    """Each wanted module's (args, kwargs) from one forward (first call), detached copies."""
+    names = {id(m): n for n, m in modules.items() if n in wanted}
+    captured: dict[str, tuple[tuple, dict]] = {}
+
+    def keep(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad and leaf.is_floating_point())
+        return leaf
+
+    def pre(m: nn.Module, args: Any, kwargs: Any) -> None:
+        n = names.get(id(m))
+        if n is not None and n not in captured:
+            captured[n] = tree_map(keep, (tuple(args), dict(kwargs)))
+
+    model = step.workload.model
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for n, m in modules.items() if n in wanted]
+    try:
+        batch = step.batch(step_index)
+        step.workload.loss(model, batch)   # forward only: the graph is dropped with the loss
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for b, v in buffers:
+                if not torch.equal(b, v):
+                    b.copy_(v)
+    return captured
+
+
+class _RegionArm:
+    """One (candidate, mode): forward + backward of the module alone under that mode."""
+
+    def __init__(self, module: nn.Module, mode: CheckpointMode, inputs: tuple[tuple, dict]) -> None:
+        self.module = module
+        self.mode = mode
+        self.inputs = inputs
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def run(self) -> None:
+        args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.inputs)
+        for p in self.params:
+            p.grad = None
+        remove = _wrap(self.module, self.mode) if self.mode is not CheckpointMode.KEEP else None
+        try:
+            out = self.module(*args, **kwargs)
+            leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if leaves:
+                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+        finally:
+            if remove is not None:
+                remove()
+
+
+def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[tuple, dict], clock: StepClock, *,
+                 min_rounds: int, max_rounds: int, max_rel_spread: float, spread_floor_ms: float,
+                 trim: float) -> dict[CheckpointMode, ReplayEstimate]:
+    arms = [_RegionArm(module, CheckpointMode.KEEP, inputs)] + [_RegionArm(module, m, inputs) for m in modes]
+    for arm in arms:          # warm-up round, untimed
+        arm.run()
+    diffs: dict[CheckpointMode, list[float]] = {m: [] for m in modes}
+    rounds = 0
+    while rounds < max_rounds:
+        k = rounds % len(arms)
+        times: dict[CheckpointMode, float] = {}
+        for arm in arms[k:] + arms[:k]:
+            times[arm.mode] = clock.time(arm.run)[1]
+        for m in modes:
+            diffs[m].append(times[m] - times[CheckpointMode.KEEP])
+        rounds += 1
+        if rounds >= min_rounds:
+            est = {m: robust_difference(diffs[m], trim=trim) for m in modes}
+            if all(s <= max(spread_floor_ms, max_rel_spread * abs(c)) for c, s in est.values()):
+                break
+    out = {}
+    for m in modes:
+        c, s = robust_difference(diffs[m], trim=trim)
+        out[m] = ReplayEstimate(ms=max(0.0, c), spread_ms=s, rounds=rounds)
+    return out
+
+
+def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
+                         min_rounds: int = 4, max_rounds: int = 6, max_rel_spread: float = 0.25,
+                         spread_floor_ms: float = 0.05, trim: float = 0.1,
+                         progress: Callable[[int, int], None] = lambda done, total: None,
+                         ) -> tuple[dict[str, dict[CheckpointMode, ReplayEstimate]], dict[str, str]]:
+    """Measure every offered (candidate, mode) (NOTE [measured replay costs]).
+
+    Returns (name -> mode -> estimate, name -> why it could not be measured). A candidate
+    whose region cannot run alone (it reads state its parent sets up) keeps its modelled
+    figures; the second map says why. Gradients and buffers are restored afterwards.
+    """
+    model = step.workload.model
+    modules = dict(model.named_modules())
+    wanted = {c.name for c in candidates if any(m is not CheckpointMode.KEEP for m in c.replay_ms)}
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    clock = StepClock(model_device(step))
+    results: dict[str, dict[CheckpointMode, ReplayEstimate]] = {}
+    unmeasured: dict[str, str] = {}
+    try:
+        inputs = _capture_inputs(step, modules, wanted, step_index)
+        todo = [c for c in candidates if c.name in wanted]
+        for i, c in enumerate(todo):
+            progress(i, len(todo))
+            if c.name not in inputs:
+                unmeasured[c.name] = "not called in the captured forward"
+                continue
+            modes = [m for m in CheckpointMode if m is not CheckpointMode.KEEP and m in c.replay_ms]
+            try:
+                results[c.name] = _measure_one(modules[c.name], modes, inputs[c.name], clock,
+                                               min_rounds=min_rounds, max_rounds=max_rounds,
+                                               max_rel_spread=max_rel_spread, spread_floor_ms=spread_floor_ms,
+                                               trim=trim)
+            except Exception as exc:  # noqa: BLE001  the region alone may not run; keep the model's figure
+                unmeasured[c.name] = f"could not run alone: {_first_line(exc)}"
+        progress(len(todo), len(todo))
+    finally:
+        with torch.no_grad():
+            for p, g in grads:
+                p.grad = g
+            for b, v in buffers:
+                if not torch.equal(b, v):
+                    b.copy_(v)
+    return results, unmeasured
