@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 
 import pytest
 
@@ -330,3 +331,64 @@ def test_capacity_granularity_bounds_the_bisection():
     exact = search_capacity(_linear(), key="batch_size", start=1024, limit_bytes=limit, max_value=1 << 14,
                             max_tries=30)
     assert exact.capacity == 2000 and len(exact.tries) > len(r.tries)
+
+
+# -- pure: decisions that survive noise (issue 14, NOTE [resolved differences]) ------------
+
+def _noisy(label, peak_mib, true_ms, n_boundaries, rng, *, noise=0.08, rounds=12, drift=None):
+    """Scripted interleaved samples: per-round machine drift shared by all plans, plus own noise."""
+    samples = [true_ms * (1.0 + drift[i]) * (1.0 + rng.gauss(0.0, noise)) for i in range(rounds)]
+    return FrontierPoint(plan=label, planner=label, peak_bytes=int(peak_mib * MIB), step_ms=samples,
+                         p50_ms=statistics.median(samples), p95_ms=max(samples),
+                         boundaries=[f"h.{i}:full" for i in range(n_boundaries)])
+
+
+def test_p50_difference_resolves_a_real_gap_and_not_noise():
+    from remat.frontier import p50_difference
+    rng = random.Random(7)
+    base = [100.0 + rng.gauss(0, 3) for _ in range(12)]
+    slower = [b * 1.3 for b in base]              # 30% slower, every round: resolved
+    d = p50_difference(slower, base)
+    assert d.resolved and d.low_ms > 0 and d.low_ms <= d.diff_ms <= d.high_ms
+    assert d.diff_ms == pytest.approx(statistics.median(slower) - statistics.median(base))
+    same = [100.0 + rng.gauss(0, 3) for _ in range(12)]   # same distribution: not resolved
+    d2 = p50_difference(same, base)
+    assert not d2.resolved and d2.low_ms <= 0 <= d2.high_ms
+    assert p50_difference(same, base) == d2                # fixed seed: the same call every time
+    assert not p50_difference([1.0, 2.0], [5.0, 6.0]).resolved   # too few samples never resolve
+
+
+def test_three_runs_within_noise_ship_the_same_simpler_plan():
+    """Two plans within noise ("k1": 1 boundary, "k5": 5 boundaries, same true p50): in each of
+    three runs (fresh scripted samples, seeds 1..3) the noise makes either one look faster, yet
+    the plan with fewer boundaries ships every time, and the reason says the gap is unresolved."""
+    shipped, faster_looking = [], []
+    for seed in (1, 2, 3):
+        rng = random.Random(seed)
+        drift = [rng.gauss(0.0, 0.1) for _ in range(12)]
+        pts = [_noisy("none", 100, 50.0, 0, rng, drift=drift),            # over budget
+               _noisy("k5", 60, 80.0, 5, rng, drift=drift),
+               _noisy("k1", 62, 80.0, 1, rng, drift=drift),
+               _noisy("all", 40, 120.0, 12, rng, drift=drift)]            # fits, resolved slower
+        faster_looking.append(min(pts[1:3], key=lambda p: p.p50_ms).plan)
+        s = decide(pts, budget_bytes=70 * MIB, reserve=0.0)
+        shipped.append(s.plan)
+        by = {p.plan: p for p in pts}
+        assert by["all"].reason.startswith("slower than shipped k1")
+        if by["k5"].p50_ms < by["k1"].p50_ms:
+            assert "not resolved" in s.reason and "fastest, k5" in s.reason
+            assert by["k5"].reason.startswith("faster than shipped k1") and "not resolved" in by["k5"].reason
+    assert shipped == ["k1", "k1", "k1"]
+    assert "k5" in faster_looking          # the noise did make the 5-boundary plan look faster at least once
+
+
+def test_a_resolved_gain_ships_the_faster_plan_with_more_boundaries():
+    """The rule must be able to pick the complex plan: 20% faster every round is resolved."""
+    for seed in (1, 2, 3):
+        rng = random.Random(seed)
+        drift = [rng.gauss(0.0, 0.1) for _ in range(12)]
+        pts = [_noisy("k5", 64, 64.0, 5, rng, drift=drift, noise=0.02),
+               _noisy("k1", 62, 80.0, 1, rng, drift=drift, noise=0.02)]
+        s = decide(pts, budget_bytes=70 * MIB, reserve=0.0)
+        assert s.plan == "k5" and s.reason.startswith("lowest p50")
+        assert pts[1].reason.startswith("slower than shipped k5")

@@ -13,12 +13,12 @@ from .measure import (Arm, PeakLimitExceeded, PlanArm, Prepared, Timings, apply_
                       measure_step_peak_within, percentile, prepare_arm, probe_capacity, shape_value,
                       time_round_robin)
 from .model import FRONTIER_SCHEMA_VERSION, CapacityResult, CapacityTry, Decision, FrontierPoint, FrontierReport
-from .pareto import decide, dominates, pareto_flags
+from .pareto import P50Difference, decide, dominates, p50_difference, pareto_flags
 from .plot import render_frontier_png
 from .run import CONTROL, DEFAULT_PLANS, PlanRequest, parse_plan_requests, run_frontier
 
 __all__ = ["CONTROL", "DEFAULT_PLANS", "FRONTIER_SCHEMA_VERSION", "Arm", "CapacityResult", "CapacityTry", "Decision",
-           "FrontierPoint", "FrontierReport", "MeasureFn", "PeakLimitExceeded", "PlanArm", "PlanRequest", "Prepared",
+           "FrontierPoint", "FrontierReport", "MeasureFn", "P50Difference", "PeakLimitExceeded", "PlanArm", "PlanRequest", "Prepared",
            "Timings", "apply_at_shape", "decide", "dominates", "measure_arm_peak", "measure_step_peak_within",
-           "pareto_flags", "parse_plan_requests", "percentile", "prepare_arm", "probe_capacity",
+           "p50_difference", "pareto_flags", "parse_plan_requests", "percentile", "prepare_arm", "probe_capacity",
            "render_frontier_png", "run_frontier", "search_capacity", "shape_value", "time_round_robin"]

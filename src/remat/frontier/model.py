@@ -75,6 +75,8 @@ class FrontierPoint:
     planner: str                               # planner spec the plan came from
     plan_budget_bytes: int | None = None       # budget the planner was given (optimal/greedy)
     predicted_peak_bytes: int | None = None    # the cost model's figure (None: infeasible)
+    predicted_overhead_ms: float | None = None  # the cost model's added time (sum of boundary replay ms)
+    predicted_step_ms: float | None = None     # the control's p50 in this run + predicted_overhead_ms
     boundaries: list[str] = dataclasses.field(default_factory=list)  # "h.0:full", "blocks.3:selective"
     peak_bytes: int | None = None              # measured whole-step peak at the base shape
     memory_source: str | None = None           # "cpu-live-tensors" or "cuda-allocator"
@@ -95,6 +97,13 @@ class FrontierPoint:
     @property
     def measured(self) -> bool:
         return self.peak_bytes is not None and self.p50_ms is not None
+
+    @property
+    def step_prediction_ratio(self) -> float | None:
+        """predicted / measured p50 (issue 14's goal: within 0.9-1.1); None when either is missing."""
+        if self.predicted_step_ms is None or not self.p50_ms:
+            return None
+        return self.predicted_step_ms / self.p50_ms
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

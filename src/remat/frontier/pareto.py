@@ -4,30 +4,92 @@ NOTE [ship decision]
 Seed 000 asks which plan to ship: "the least expensive plan that clears the required
 reserve". Here, among the points that were *measured* (planned, applied, timed):
 - a point *fits* when its measured peak <= int(budget x (1 - reserve)) (bytes);
-- the shipped point is the fitting one with the lowest warm p50 (ties: lower peak, then
-  the order the plans were given in). The control (no checkpoints) ships when it fits:
-  nothing is cheaper than not checkpointing;
+- the shipped point is the *simplest* fitting one that no other fitting point is resolved
+  faster than (NOTE [resolved differences]): fitting points are tried by (number of
+  boundaries, p50, peak, the order the plans were given in), and the first one that no
+  fitting point beats by a resolved p50 difference ships. So a faster plan ships over a
+  plan with fewer boundaries only when the difference is resolved, and the reasons say
+  so either way. Without noise (points carrying no samples, or every difference resolved)
+  this is the fitting point with the lowest p50 (ties: fewer boundaries, lower peak, order).
+  The control (no checkpoints) ships when it fits: nothing is cheaper than not checkpointing;
 - every other measured point is rejected with a reason, first that applies:
   "over budget" (peak over the effective budget; also names a dominating point if any),
   "dominated by X" (X has peak <= and p50 <= with one strictly lower),
-  "slower than shipped X" (fits and is Pareto-optimal, but costs more time than X);
+  "slower than shipped X" (fits and is Pareto-optimal, but costs more time than X),
+  "faster than shipped X ..., not resolved" (X has fewer boundaries, and the p50 gain is noise);
 - a plan the planner could not make is INFEASIBLE with its floor, one that could not be
   measured is FAILED; neither is on the Pareto set.
-The shipped point is always on the Pareto set: a point dominating it would fit (its peak
-is no higher) and be no slower, so the tie-break would have picked it.
-p50 differences below the timing noise still decide; the JSON keeps every sample
-(``step_ms``) and p95 so a reader can judge how close a call was.
+When every difference is resolved the shipped point is on the Pareto set: a point
+dominating it would fit (its peak is no higher) and be no slower. When a simpler plan wins
+on noise it may sit a hair off the set; its reason says which plan was faster by how much.
+
+NOTE [resolved differences]
+Two plans' warm step times come from one interleaved round-robin (NOTE [interleaved
+timing]): sample i of every plan ran in round i, so the samples are *paired*. The p50
+difference ``p50(a) - p50(b)`` is resolved when its 95% bootstrap confidence interval
+(``scipy.stats.bootstrap``, rounds resampled jointly when paired, percentile method,
+2000 resamples, a fixed seed so the same samples always give the same call) excludes
+zero. Fewer than ``MIN_SAMPLES`` samples never resolve a difference. Points made without
+samples (``step_ms`` empty: made-up data, reports from before this rule) compare their
+p50s as exact figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Sequence
+
+import numpy as np
+from scipy import stats
 
 from ..units import mib
 from .model import Decision, FrontierPoint
 
+MIN_SAMPLES = 3          # fewer never resolve a difference (NOTE [resolved differences])
+CONFIDENCE = 0.95
+N_RESAMPLES = 2000
+SEED = 0
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class P50Difference:
+    """``p50(a) - p50(b)`` in ms with its bootstrap confidence interval (NOTE [resolved differences])."""
+
+    diff_ms: float
+    low_ms: float              # CI bounds (nan when there were too few samples)
+    high_ms: float
+    resolved: bool             # the interval excludes zero
+    samples: int               # the fewer of the two sample counts
+
+    def describe(self) -> str:
+        if math.isnan(self.low_ms):
+            return f"{self.diff_ms:+.2f} ms from {self.samples} samples (fewer than {MIN_SAMPLES}: not resolvable)"
+        return (f"{self.diff_ms:+.2f} ms, {CONFIDENCE:.0%} CI [{self.low_ms:+.2f}, {self.high_ms:+.2f}] ms "
+                f"over {self.samples} interleaved steps")
+
+
+def _median_diff(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.median(a, axis=axis) - np.median(b, axis=axis)
+
+
+def p50_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = CONFIDENCE,
+                   n_resamples: int = N_RESAMPLES, seed: int = SEED) -> P50Difference:
+    """Bootstrap CI of ``p50(a) - p50(b)`` (paired when the lengths agree: interleaved rounds)."""
+    xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if xa.size == 0 or xb.size == 0:
+        raise ValueError("p50_difference needs samples on both sides")
+    diff = float(np.median(xa) - np.median(xb))
+    n = int(min(xa.size, xb.size))
+    if n < MIN_SAMPLES:
+        return P50Difference(diff_ms=diff, low_ms=math.nan, high_ms=math.nan, resolved=False, samples=n)
+    if np.ptp(np.concatenate([xa, xb])) == 0.0:
+        return P50Difference(diff_ms=diff, low_ms=diff, high_ms=diff, resolved=diff != 0.0, samples=n)
+    res = stats.bootstrap((xa, xb), _median_diff, paired=xa.size == xb.size, vectorized=True,
+                          confidence_level=confidence, n_resamples=n_resamples, method="percentile",
+                          random_state=np.random.default_rng(seed))
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return P50Difference(diff_ms=diff, low_ms=lo, high_ms=hi, resolved=lo > 0.0 or hi < 0.0, samples=n)
 
 def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """``a`` = (peak, p50) dominates ``b``: no worse in both, strictly better in one."""
@@ -61,7 +123,7 @@ def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
         p.fits = p.peak_bytes <= limit  # type: ignore[operator]
     fitting = [p for p in measured if p.fits]
     order = {id(p): i for i, p in enumerate(points)}
-    shipped = min(fitting, key=lambda p: (p.p50_ms, p.peak_bytes, order[id(p)]), default=None)
+    shipped, beaten = _ship(fitting, order)
 
     def dominator(p: FrontierPoint) -> FrontierPoint | None:
         doms = [q for q in measured if q is not p and dominates((q.peak_bytes, q.p50_ms), (p.peak_bytes, p.p50_ms))]
@@ -73,8 +135,15 @@ def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
         if p is shipped:
             p.decision = Decision.SHIP
             vs = f", {p.overhead_pct:+.1f}% vs control" if p.overhead_pct is not None and p is not ctrl else ""
-            p.reason = (f"lowest p50 ({p.p50_ms:.2f} ms{vs}) among plans whose measured peak clears "
-                        f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)")
+            clears = f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)"
+            if beaten:
+                fastest, d = beaten[0]
+                p.reason = (f"fewest boundaries ({len(p.boundaries)}) among plans whose measured peak clears {clears} "
+                            f"and that no plan beats by a resolved p50 difference: p50 {p.p50_ms:.2f} ms{vs}; the "
+                            f"fastest, {fastest.plan} ({len(fastest.boundaries)} boundaries), differs by "
+                            f"{d.describe()}, not resolved")
+            else:
+                p.reason = f"lowest p50 ({p.p50_ms:.2f} ms{vs}) among plans whose measured peak clears {clears}"
             continue
         p.decision = Decision.REJECT
         dom = dominator(p)
@@ -82,6 +151,11 @@ def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
             p.reason = f"over budget: peak {mib(p.peak_bytes)} > {mib(limit)}"  # type: ignore[arg-type]
             if dom is not None:
                 p.reason += f"; also dominated by {dom.plan}"
+        elif any(q is p for q, _ in beaten):
+            d = next(d for q, d in beaten if q is p)
+            p.reason = (f"faster than shipped {shipped.plan} by {-d.diff_ms:.2f} ms, not resolved "  # type: ignore[union-attr]
+                        f"({d.describe()}): {shipped.plan} has fewer boundaries "  # type: ignore[union-attr]
+                        f"({len(shipped.boundaries)} vs {len(p.boundaries)})")  # type: ignore[union-attr]
         elif dom is not None:
             p.reason = (f"dominated by {dom.plan} (peak {mib(dom.peak_bytes)} <= {mib(p.peak_bytes)}, "  # type: ignore[arg-type]
                         f"p50 {dom.p50_ms:.2f} <= {p.p50_ms:.2f} ms)")
@@ -91,3 +165,33 @@ def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
             p.reason = (f"slower than shipped {shipped.plan}: p50 {p.p50_ms:.2f} ms vs {shipped.p50_ms:.2f} ms "
                         f"({slower:+.1f}%), for a lower peak than it needs")
     return shipped
+
+
+def _resolved_faster(q: FrontierPoint, p: FrontierPoint) -> tuple[bool, P50Difference | None]:
+    """Is ``q`` faster than ``p`` by a resolved p50 difference? (exact p50s when either lacks samples)"""
+    if not q.step_ms or not p.step_ms:
+        return q.p50_ms < p.p50_ms, None  # type: ignore[operator]
+    d = p50_difference(q.step_ms, p.step_ms)
+    return d.resolved and d.diff_ms < 0.0, d
+
+
+def _ship(fitting: list[FrontierPoint], order: dict[int, int]
+          ) -> tuple[FrontierPoint | None, list[tuple[FrontierPoint, P50Difference]]]:
+    """The shipped point (NOTE [ship decision]) and the faster fitting points it was preferred to,
+    fastest first, each with its unresolved difference to the shipped point (q minus shipped)."""
+    if not fitting:
+        return None, []
+    by_speed = sorted(fitting, key=lambda p: (p.p50_ms, len(p.boundaries), p.peak_bytes, order[id(p)]))
+    for c in sorted(fitting, key=lambda p: (len(p.boundaries), p.p50_ms, p.peak_bytes, order[id(p)])):
+        beaten: list[tuple[FrontierPoint, P50Difference]] = []
+        for q in by_speed:
+            if q is c or q.p50_ms >= c.p50_ms:  # type: ignore[operator]
+                continue
+            faster, d = _resolved_faster(q, c)
+            if faster:
+                break
+            if d is not None:
+                beaten.append((q, d))
+        else:
+            return c, beaten
+    return by_speed[0], []  # unreachable in practice: nothing is resolved faster than the fastest

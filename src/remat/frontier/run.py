@@ -144,6 +144,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
             points.append(point)
             continue
         point.predicted_peak_bytes = plan.predicted_peak_bytes
+        point.predicted_overhead_ms = plan.predicted_overhead_ms
         point.boundaries = _boundaries(plan)
         plans[req.label] = plan
         points.append(point)
@@ -247,6 +248,11 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         plan = plan_by_label[arm.label]
         plan.measured_peak_bytes = point.peak_bytes
         plan.measured_step_ms = point.p50_ms
+    ctrl_point = by_label.get(CONTROL)
+    if ctrl_point is not None and ctrl_point.p50_ms is not None:   # predicted vs measured step time (issue 14)
+        for point in points:
+            if point.predicted_overhead_ms is not None and point.p50_ms is not None:
+                point.predicted_step_ms = ctrl_point.p50_ms + point.predicted_overhead_ms
 
     # 4. capacity
     if capacity_key is not None and measured:

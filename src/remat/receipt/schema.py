@@ -133,6 +133,7 @@ FRONTIER_POINT = Obj({
     "pareto": Bool(), "step_ms": List(MS),
 }, {
     "plan_budget_bytes": Opt(SIGNED_BYTES), "predicted_peak_bytes": Opt(SIGNED_BYTES), "memory_source": Opt(SHORT),
+    "predicted_overhead_ms": Opt(SIGNED_MS), "predicted_step_ms": Opt(SIGNED_MS),
     "num_alloc_retries": Opt(COUNT), "capacity_p50_ms": Opt(MS),
     "capacity_search": Opt(Obj({
         "key": SHORT, "capacity": COUNT, "resolved": Bool(), "capped": Bool(), "limit_bytes": SIGNED_BYTES,
