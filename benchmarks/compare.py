@@ -208,7 +208,8 @@ def _without_guarded_selective(report):  # noqa: ANN001, ANN202
 
 
 def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warmup: int, compile_: bool,
-                 compile_budget: float, cap_tries: int, cap_max_factor: int, log) -> dict:  # noqa: ANN001
+                 compile_budget: float, cap_tries: int, cap_max_factor: int, log,  # noqa: ANN001
+                 capacity: bool = True, seq_all: bool = False) -> dict:
     t_start = time.perf_counter()
     loaded = load_workload(spec, shape)
     log(f"[{spec}] profiling {shape}")
@@ -232,7 +233,7 @@ def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warm
         add(PlanArm(spec_, plan), "control" if spec_ == "none" else "baseline", **plan_info(plan))
     plan = make_plan(report, "selective")
     add(PlanArm("sac-matmuls", plan), "baseline", **plan_info(plan))
-    for s in sorted({2, math.ceil(math.sqrt(n_blocks)), n_blocks}):
+    for s in (range(2, n_blocks + 1) if seq_all else sorted({2, math.ceil(math.sqrt(n_blocks)), n_blocks})):
         add(SequentialArm(container, s), "baseline")
     if compile_:
         add(CompileArm(compile_budget), "baseline")
@@ -306,7 +307,7 @@ def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warm
     start = int(shape.get("batch_size") or 8)
     limits = {f"{p}%": int(control_peak * p / 100) for p in budgets}
     top_limit = max(limits.values())
-    for a in live:
+    for a in (live if capacity else []):
         r = results[a.label]
         if isinstance(a, CompileArm):
             r.capacity_note = "not searched: see NOTE [compiled peaks] (tracker probes; recompiles per shape)"
@@ -533,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="run torch.compile even with --quick")
     ap.add_argument("--compile-budget", type=float, default=0.5)
     ap.add_argument("--cap-tries", type=int, default=6)
+    ap.add_argument("--no-capacity", action="store_true", help="skip the batch-capacity search")
+    ap.add_argument("--seq-all", action="store_true", help="checkpoint_sequential:K for every K in 2..n blocks")
     ap.add_argument("--cap-max-factor", type=int, default=8)
     ap.add_argument("--json", type=Path, default=HERE / "results" / "compare.json")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
@@ -574,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             w = run_workload(spec, shapes[spec], budgets=budgets, steps=args.steps, warmup=args.warmup,
                              compile_=compile_, compile_budget=args.compile_budget, cap_tries=args.cap_tries,
-                             cap_max_factor=args.cap_max_factor, log=log)
+                             cap_max_factor=args.cap_max_factor, log=log, capacity=not args.no_capacity,
+                             seq_all=args.seq_all)
         except Exception as exc:  # noqa: BLE001 - keep the other workloads' results
             traceback.print_exc()
             w = {"workload": spec, "error": f"{type(exc).__name__}: {exc}"}

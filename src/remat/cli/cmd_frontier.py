@@ -48,9 +48,8 @@ def render_frontier(report: FrontierReport) -> None:
     key = report.capacity_key or "capacity"
     table = Table(title=f"frontier: {report.context.get('workload')} {report.context.get('shape') or ''}",
                   box=box.SIMPLE_HEAD, pad_edge=False, caption=f"cap = largest {key} whose peak fits; samples/s at cap; ovh = p50 vs control; "
-                          "pred/meas = predicted step ms (control p50 + modelled replay) / measured p50; "
                           "* = on the Pareto set (peak vs p50)")
-    for col in ("plan", "peak MiB", "p50/p95 ms", "ovh", "pred/meas", "cap", "samples/s", "decision"):
+    for col in ("plan", "peak MiB", "p50/p95 ms", "ovh", "cap", "samples/s", "decision"):
         table.add_column(col, justify="left" if col in ("plan", "decision") else "right", no_wrap=True)
     for p in report.points:
         style = {"ship": "bold green", "infeasible": "dim", "failed": "red"}.get(p.decision.value, "")
@@ -59,11 +58,14 @@ def render_frontier(report: FrontierReport) -> None:
         decision = p.decision.value + (" *" if p.pareto else "")
         table.add_row(p.plan, "-" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:.2f}",
                       "-" if p.p50_ms is None else f"{p.p50_ms:.1f}/{p.p95_ms:.1f}",
-                      "-" if p.overhead_pct is None else f"{p.overhead_pct:+.0f}%",
-                      "-" if p.step_prediction_ratio is None else f"{p.step_prediction_ratio:.2f}", cap,
+                      "-" if p.overhead_pct is None else f"{p.overhead_pct:+.0f}%", cap,
                       "-" if p.samples_per_s is None else f"{p.samples_per_s:.1f}",
                       f"[{style}]{decision}[/]" if style else decision)
     console.print(table)
+    preds = [f"{p.plan} {p.predicted_step_ms:.1f}/{p.p50_ms:.1f} ms ({p.step_prediction_ratio:.2f})"
+             for p in report.points if p.step_prediction_ratio is not None and p.plan != report.control]
+    if preds:
+        console.print("predicted/measured step time (control p50 + modelled replay): " + "; ".join(preds))
     console.print(f"budget {fmt_bytes(report.budget_bytes)} less {report.reserve:.0%} reserve = "
                   f"{fmt_bytes(report.effective_budget_bytes)}; peaks from {report.context.get('memory_source')}; "
                   f"times: {report.context.get('steps')} warm steps per plan, "

@@ -16,24 +16,32 @@ about 2x on CPU (issue 14), so it is measured here, like every other mode:
    non-leaf copies each run (an in-place write into an input stays legal) and parameter
    gradients are cleared before each run, so every arm does the same bookkeeping.
 3. Rounds: every arm once per round, in an order rotated by one each round (NOTE
-   [interleaved timing] in remat.measure), clocks read device-correctly (StepClock). One
-   untimed warm-up round. The cost of mode m is the median over rounds of the *paired*
-   difference ``t(m) - t(KEEP)`` within a round (pairing cancels drift between rounds),
-   after trimming the largest and smallest ``trim`` share of the differences; its spread
-   is their interquartile range. Rounds continue past ``min_rounds`` until every mode's
-   spread is at most ``max_rel_spread`` of its cost (or ``spread_floor_ms``), up to
-   ``max_rounds``: the spread is recorded either way, so a plan can say how sure it is.
+   [interleaved timing] in remat.measure), clocks read device-correctly (StepClock), the
+   Python garbage collector paused. One untimed warm-up round. Noise on a shared machine is
+   one-sided: a preempted run (or, with several intra-op threads, a run waiting for a
+   descheduled thread) only ever takes *longer*, by 10-100 ms against regions of 0.1-2 ms
+   (seen on this project's 2-core machines under load: more than half the samples of some
+   arms). So each arm's samples are trimmed to their fastest ``1 - trim`` share and the
+   arm's time is the median of what is left; the cost of mode m is
+   ``time(m) - time(KEEP)``, and its spread the wider of the two arms' kept ranges
+   (max - min). Rounds continue past ``min_rounds`` until every mode's spread is at most
+   ``max_rel_spread`` of its cost (or ``spread_floor_ms``), up to ``max_rounds`` or until
+   the candidate's measuring time passes ``time_budget_ms`` (past ``min_rounds``): the
+   spread is recorded either way, so a plan can say how sure it is.
 4. A cost below zero (a region too small to resolve) is recorded as 0.0 ms.
 
 Profiling time: per round, about (1 + modes) forward + backward passes of each candidate,
 so with nested candidates (blocks and their attention/MLP children) roughly 2 x (1 + modes)
-whole-model forward + backward per round; with the defaults (4-6 rounds plus one warm-up)
+whole-model forward + backward per round; with the defaults (5 rounds plus one warm-up for
+large regions, up to 15 for small ones, at most about 1.5 s per candidate past the 5th)
 about 20-40 steps' worth on a transformer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import math
 from typing import Any, Callable
 
 import torch
@@ -52,24 +60,32 @@ from .model import CandidateCost
 class ReplayEstimate:
     """One (candidate, mode)'s measured added time (NOTE [measured replay costs]), in ms."""
 
-    ms: float          # trimmed median of the paired differences, clamped at 0
-    spread_ms: float   # interquartile range of the trimmed differences
+    ms: float          # time(mode) - time(KEEP), each the median of its fastest samples, clamped at 0
+    spread_ms: float   # the wider of the two arms' kept ranges (max - min)
     rounds: int        # timed rounds it took
 
 
-def robust_difference(diffs: list[float], *, trim: float = 0.1) -> tuple[float, float]:
-    """(median, interquartile range) of ``diffs`` after dropping the ``trim`` share at each end.
+def robust_time(samples: list[float], *, trim: float = 0.5) -> tuple[float, float]:
+    """(median, range) of the fastest ``1 - trim`` share of ``samples`` (at least one kept).
 
-    Pure, so it is testable on scripted samples. ValueError for no samples.
+    Noise is one-sided (NOTE [measured replay costs]): the slowest samples are dropped, not
+    both ends. Pure, so it is testable on scripted samples. ValueError for no samples.
     """
-    if not diffs:
+    if not samples:
         raise ValueError("no samples")
-    if not 0.0 <= trim < 0.5:
-        raise ValueError(f"trim must lie in [0, 0.5), got {trim}")
-    s = sorted(diffs)
-    k = int(len(s) * trim)
-    kept = s[k:len(s) - k] if len(s) - 2 * k >= 1 else s
-    return percentile(kept, 50.0), percentile(kept, 75.0) - percentile(kept, 25.0)
+    if not 0.0 <= trim < 1.0:
+        raise ValueError(f"trim must lie in [0, 1), got {trim}")
+    s = sorted(samples)
+    kept = s[:max(1, math.ceil(len(s) * (1.0 - trim)))]
+    return percentile(kept, 50.0), kept[-1] - kept[0]
+
+
+def robust_difference(mode_samples: list[float], keep_samples: list[float], *,
+                      trim: float = 0.5) -> tuple[float, float]:
+    """(cost, spread) of a mode against KEEP from each arm's samples (NOTE [measured replay costs])."""
+    tm, sm = robust_time(mode_samples, trim=trim)
+    tk, sk = robust_time(keep_samples, trim=trim)
+    return tm - tk, max(sm, sk)
 
 
 def _capture_inputs(step: TrainingStep, modules: dict[str, nn.Module], wanted: set[str],
@@ -130,34 +146,33 @@ class _RegionArm:
 
 def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[tuple, dict], clock: StepClock, *,
                  min_rounds: int, max_rounds: int, max_rel_spread: float, spread_floor_ms: float,
-                 trim: float) -> dict[CheckpointMode, ReplayEstimate]:
+                 trim: float, time_budget_ms: float) -> dict[CheckpointMode, ReplayEstimate]:
     arms = [_RegionArm(module, CheckpointMode.KEEP, inputs)] + [_RegionArm(module, m, inputs) for m in modes]
     for arm in arms:          # warm-up round, untimed
         arm.run()
-    diffs: dict[CheckpointMode, list[float]] = {m: [] for m in modes}
-    rounds = 0
+    samples: dict[CheckpointMode, list[float]] = {arm.mode: [] for arm in arms}
+    rounds, spent = 0, 0.0
     while rounds < max_rounds:
         k = rounds % len(arms)
-        times: dict[CheckpointMode, float] = {}
         for arm in arms[k:] + arms[:k]:
-            times[arm.mode] = clock.time(arm.run)[1]
-        for m in modes:
-            diffs[m].append(times[m] - times[CheckpointMode.KEEP])
+            ms = clock.time(arm.run)[1]
+            samples[arm.mode].append(ms)
+            spent += ms
         rounds += 1
         if rounds >= min_rounds:
-            est = {m: robust_difference(diffs[m], trim=trim) for m in modes}
-            if all(s <= max(spread_floor_ms, max_rel_spread * abs(c)) for c, s in est.values()):
+            est = [robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim) for m in modes]
+            if spent > time_budget_ms or all(s <= max(spread_floor_ms, max_rel_spread * abs(c)) for c, s in est):
                 break
     out = {}
     for m in modes:
-        c, s = robust_difference(diffs[m], trim=trim)
+        c, s = robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim)
         out[m] = ReplayEstimate(ms=max(0.0, c), spread_ms=s, rounds=rounds)
     return out
 
 
 def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
-                         min_rounds: int = 4, max_rounds: int = 6, max_rel_spread: float = 0.25,
-                         spread_floor_ms: float = 0.05, trim: float = 0.1,
+                         min_rounds: int = 5, max_rounds: int = 15, max_rel_spread: float = 0.1,
+                         spread_floor_ms: float = 0.05, trim: float = 0.5, time_budget_ms: float = 1500.0,
                          progress: Callable[[int, int], None] = lambda done, total: None,
                          ) -> tuple[dict[str, dict[CheckpointMode, ReplayEstimate]], dict[str, str]]:
     """Measure every offered (candidate, mode) (NOTE [measured replay costs]).
@@ -172,10 +187,13 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     grads = [(p, p.grad) for p in model.parameters()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     clock = StepClock(model_device(step))
+    gc_was_on = gc.isenabled()
     results: dict[str, dict[CheckpointMode, ReplayEstimate]] = {}
     unmeasured: dict[str, str] = {}
     try:
         inputs = _capture_inputs(step, modules, wanted, step_index)
+        gc.collect()
+        gc.disable()   # a collection inside a timed run is noise, not replay cost
         todo = [c for c in candidates if c.name in wanted]
         for i, c in enumerate(todo):
             progress(i, len(todo))
@@ -187,11 +205,13 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
                 results[c.name] = _measure_one(modules[c.name], modes, inputs[c.name], clock,
                                                min_rounds=min_rounds, max_rounds=max_rounds,
                                                max_rel_spread=max_rel_spread, spread_floor_ms=spread_floor_ms,
-                                               trim=trim)
+                                               trim=trim, time_budget_ms=time_budget_ms)
             except Exception as exc:  # noqa: BLE001  the region alone may not run; keep the model's figure
                 unmeasured[c.name] = f"could not run alone: {_first_line(exc)}"
         progress(len(todo), len(todo))
     finally:
+        if gc_was_on:
+            gc.enable()
         with torch.no_grad():
             for p, g in grads:
                 p.grad = g
