@@ -341,3 +341,67 @@ def test_profile_records_measured_replay_spreads():
     back = ProfileReport.from_json(report.to_json())
     assert back.candidates[0].replay_spread_ms == report.candidates[0].replay_spread_ms
     assert back.replay_unmeasured == report.replay_unmeasured
+
+
+# -- op-level policies (issue 14, NOTE [op-level policies]) --------------------------------
+
+SDPA = f"{FIXTURES / 'sdpa_workload.py'}:build"
+SDPA_BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_op_level_modes_keep_what_a_hand_count_says():
+    """Block at B=4, T=32, d=32, 4 heads, fp32. Kept by each mode (hand count, bytes):
+    SDPA output (4,4,32,8) 16384 + logsumexp (4,4,32) 2048 = 18432 (SAVE_ATTENTION);
+    + addmm outputs qkv 49152, proj 16384, fc1 65536, fc2 16384 = 165888 (SELECTIVE);
+    + softmax 16384 = 182272 (RECOMPUTE_POINTWISE: LayerNorm, GELU, adds and views recomputed)."""
+    report = profile_workload(load_workload(SDPA, {}), candidates=SDPA_BLOCKS, repeats=1)
+    assert report.mode_excluded == {}
+    for c in report.candidates:
+        full = c.saved_bytes[M.FULL]
+        assert full - c.saved_bytes[M.SAVE_ATTENTION] == 18432
+        assert full - c.saved_bytes[M.SELECTIVE] == 165888
+        assert full - c.saved_bytes[M.RECOMPUTE_POINTWISE] == 182272
+        assert set(c.replay_spread_ms) == {M.FULL, M.SELECTIVE, M.SAVE_ATTENTION, M.RECOMPUTE_POINTWISE}
+
+
+@pytest.mark.parametrize("mode", [M.SAVE_ATTENTION, M.RECOMPUTE_POINTWISE])
+def test_op_level_mode_applied_predicts_its_peak_and_keeps_gradients(mode):
+    import torch
+
+    from remat.apply import CheckpointWrapper
+
+    report = profile_workload(load_workload(SDPA, {}), candidates=SDPA_BLOCKS, repeats=1)
+    names = ["blocks.0", "blocks.2"]
+    lw, ctrl = load_workload(SDPA, {}), load_workload(SDPA, {})
+    for n in names:
+        CheckpointWrapper(lw.workload.model.get_submodule(n), n, mode).install()
+    step = TrainingStep(lw.workload)
+    step.run(0)
+    step.run(1)
+    measured = measure_step_peak(step, 2).peak_bytes
+    assert _predict(report, {n: mode for n in names}) == pytest.approx(measured, rel=0.03)
+    # same gradients as the unwrapped model (same init, same batch): the policy changes memory, not maths
+    lw = load_workload(SDPA, {})
+    for n in names:
+        CheckpointWrapper(lw.workload.model.get_submodule(n), n, mode).install()
+    for w in (lw.workload, ctrl.workload):
+        w.model.zero_grad(set_to_none=True)
+        w.loss(w.model, w.batch(5)).backward()
+    for (n, p), (_, q) in zip(lw.workload.model.named_parameters(), ctrl.workload.model.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), n
+
+
+def test_a_failing_op_level_mode_is_excluded_with_its_reason(monkeypatch):
+    from remat.profile import dryrun
+
+    real = dryrun._sac_policy
+
+    def broken(mode, ctx, op, *a, **k):
+        if mode is M.SAVE_ATTENTION:
+            raise RuntimeError("policy blew up")
+        return real(mode, ctx, op, *a, **k)
+    monkeypatch.setattr(dryrun, "_sac_policy", broken)
+    report = profile_workload(load_workload(SDPA, {}), candidates=SDPA_BLOCKS, repeats=1)
+    for c in report.candidates:
+        assert M.SAVE_ATTENTION not in c.saved_bytes and M.RECOMPUTE_POINTWISE in c.saved_bytes
+        assert "policy blew up" in report.mode_excluded[c.name]["save-attention"]

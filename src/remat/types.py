@@ -50,6 +50,8 @@ class CheckpointMode(str, enum.Enum):
     KEEP = "keep"            # no checkpoint: its activations stay saved until backward
     FULL = "full"            # non-reentrant torch.utils.checkpoint: only its inputs are kept
     SELECTIVE = "selective"  # SAC: matmul/attention outputs saved, cheap ops recomputed
+    SAVE_ATTENTION = "save-attention"            # SAC: only attention outputs saved, the rest recomputed
+    RECOMPUTE_POINTWISE = "recompute-pointwise"  # SAC: only pointwise and norm ops recomputed, the rest saved
 
 
 class HazardKind(str, enum.Enum):
@@ -74,3 +76,45 @@ SAC_SAVE_OPS: frozenset[str] = frozenset({
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_flash_attention_forward", "_efficient_attention_forward",
 })
+
+
+# NOTE [op-level policies]
+# Every mode but KEEP and FULL is an op-level (SAC) policy: the region runs under torch's
+# ``create_selective_checkpoint_contexts`` and the policy keeps some ops' outputs for
+# backward and recomputes the others at replay (issue 14). ``sac_saves`` is the one
+# definition, used by remat.profile (kept bytes, dry runs, measured replays) and remat.apply
+# (the wrapper's policy), so the prediction and the wrapper can never disagree:
+#   SELECTIVE            keep SAC_SAVE_OPS (matmuls, convolutions, attention)
+#   SAVE_ATTENTION       keep SAC_ATTENTION_OPS only (Megatron's "selective", reversed:
+#                        the attention core is kept, its projections and MLP recomputed)
+#   RECOMPUTE_POINTWISE  keep everything except *cheap* ops (aten's ``pointwise`` tag, and views,
+#                        which compute nothing: a kept view would keep its base alive) and
+#                        NORM_OPS: the cheap ops are recomputed, every matmul and reduction kept
+# Each is offered per candidate only where it keeps something and frees something different
+# from the modes before it, then dry-run (NOTE [mode dry runs]) and measured like any other.
+SAC_ATTENTION_OPS: frozenset[str] = frozenset(n for n in SAC_SAVE_OPS if "attention" in n)
+NORM_OPS: frozenset[str] = frozenset({
+    "native_layer_norm", "layer_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "batch_norm",
+    "native_group_norm", "group_norm", "_fused_rms_norm", "rms_norm",
+})
+OP_POLICY_MODES: tuple[CheckpointMode, ...] = (CheckpointMode.SELECTIVE, CheckpointMode.SAVE_ATTENTION,
+                                               CheckpointMode.RECOMPUTE_POINTWISE)
+
+
+def sac_saves(mode: CheckpointMode, op_name: str, cheap: bool) -> bool:
+    """Whether op-level ``mode`` keeps the output of op ``op_name`` (an aten overload-packet name;
+    ``cheap``: the op carries aten's pointwise tag or is a view). NOTE [op-level policies]."""
+    if mode is CheckpointMode.SELECTIVE:
+        return op_name in SAC_SAVE_OPS
+    if mode is CheckpointMode.SAVE_ATTENTION:
+        return op_name in SAC_ATTENTION_OPS
+    if mode is CheckpointMode.RECOMPUTE_POINTWISE:
+        return not (cheap or op_name in NORM_OPS)
+    raise ValueError(f"{mode} is not an op-level policy mode")
+
+
+def is_cheap_op(op: object) -> bool:
+    """An aten OpOverload that is pointwise (aten's tag) or a view (NOTE [op-level policies])."""
+    import torch   # only callers that hold a torch op get here
+    return torch.Tag.pointwise in getattr(op, "tags", ()) or bool(getattr(op, "is_view", False))

@@ -22,7 +22,7 @@ from typing import Any, Callable, ContextManager
 
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
-from ..types import SAC_SAVE_OPS
+from ..types import SAC_SAVE_OPS, CheckpointMode, is_cheap_op, sac_saves
 
 # The op set is shared with remat.profile (NOTE [selective policy ops] in remat.types), so the
 # profiler's SELECTIVE prediction and this wrapper can never disagree.
@@ -55,6 +55,26 @@ class SaveMatmulPolicy:
         return f"{type(self).__name__}({len(self.save_ops)} save ops)"
 
 
-def selective_context_fn(policy: SaveMatmulPolicy | None = None) -> Callable[[], tuple[ContextManager, ContextManager]]:
+class OpLevelPolicy:
+    """SAC policy of an op-level mode other than SELECTIVE (NOTE [op-level policies] in remat.types):
+    ``SAVE_ATTENTION`` keeps attention outputs only; ``RECOMPUTE_POINTWISE`` recomputes only
+    pointwise and norm ops. One override point, :meth:`decide`."""
+
+    def __init__(self, mode: CheckpointMode) -> None:
+        sac_saves(mode, "", False)   # ValueError for a mode that is not op-level
+        self.mode = mode
+
+    def decide(self, op: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if sac_saves(self.mode, op_name(op), is_cheap_op(op)) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return self.decide(op)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.mode.value})"
+
+
+def selective_context_fn(policy: SaveMatmulPolicy | OpLevelPolicy | None = None) -> Callable[[], tuple[ContextManager, ContextManager]]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (or ``checkpoint_wrapper``) running ``policy``."""
     return functools.partial(create_selective_checkpoint_contexts, policy or SaveMatmulPolicy())

@@ -53,8 +53,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from ..trace.recorder import instrumentation_hooks_off
-from ..types import CheckpointMode
-from .policy import SaveMatmulPolicy, selective_context_fn
+from ..types import OP_POLICY_MODES, CheckpointMode
+from .policy import OpLevelPolicy, SaveMatmulPolicy, selective_context_fn
 
 
 class RegionObserver(Protocol):
@@ -118,13 +118,14 @@ class CheckpointWrapper:
 
     def __init__(self, module: nn.Module, path: str, mode: CheckpointMode, *, guarded: bool = False,
                  preserve_rng_state: bool = True, policy: SaveMatmulPolicy | None = None) -> None:
-        if mode not in (CheckpointMode.FULL, CheckpointMode.SELECTIVE):
-            raise ValueError(f"CheckpointWrapper mode must be full or selective, got {mode}")
+        if mode is CheckpointMode.KEEP:
+            raise ValueError(f"CheckpointWrapper mode must be full or an op-level mode, got {mode}")
         self.path = path
         self.mode = mode
         self.guarded = guarded
         self.preserve_rng_state = preserve_rng_state
-        self.policy = policy if mode is CheckpointMode.SELECTIVE else None
+        self.policy: SaveMatmulPolicy | OpLevelPolicy | None = (
+            policy if mode is CheckpointMode.SELECTIVE else OpLevelPolicy(mode) if mode in OP_POLICY_MODES else None)
         self.module = module
         # What ``module.forward`` resolved to before us: a bound method, or an instance attribute
         # somebody else installed (``had_instance_forward`` says which, so ``uninstall`` is exact).
@@ -164,7 +165,7 @@ class CheckpointWrapper:
         self._depth += 1
         try:
             extra: dict[str, Any] = {}
-            if self.mode is CheckpointMode.SELECTIVE:
+            if self.mode in OP_POLICY_MODES:   # NOTE [op-level policies] in remat.types
                 extra["context_fn"] = selective_context_fn(self.policy)
             # Keyword arguments ride in a partial: a forward keyword named like one of
             # checkpoint's own (``debug``, ``context_fn``...) must not be taken by checkpoint.

@@ -23,7 +23,7 @@ MAX_PLAN_BYTES = 16 * 2 ** 20   # a plan for 10,000 modules is about 2 MiB
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Boundary:
     module: str                  # module path, as in model.named_modules()
-    mode: CheckpointMode         # FULL or SELECTIVE (KEEP is never listed)
+    mode: CheckpointMode         # FULL or an op-level mode (KEEP is never listed)
     saved_bytes: int             # predicted bytes freed until backward
     replay_ms: float             # predicted added backward time
     guarded: bool = False        # buffers restored around the replay (BatchNorm running stats)

@@ -15,7 +15,7 @@ SHORT = Str(max_len=2_000)
 TEXT = Str(max_len=20_000)
 HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
 MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", max_len=500, what="a module path (dotted identifiers)")
-MODE = Enum("full", "selective")
+MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
 MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "simulated")
 MAX_MODULES = 100_000
 

@@ -28,15 +28,15 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..types import SAC_SAVE_OPS, CheckpointMode
+from ..types import OP_POLICY_MODES, CheckpointMode, is_cheap_op, sac_saves
 from ..workload.contract import TrainingStep
 from .model import CandidateCost
 
 
-def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The SELECTIVE policy (NOTE [selective policy ops]): keep SAC_SAVE_OPS outputs, recompute the rest."""
+def _sac_policy(mode: CheckpointMode, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """An op-level mode's policy (NOTE [op-level policies]): keep what ``sac_saves`` keeps, recompute the rest."""
     packet = getattr(op, "_overloadpacket", None)
-    return CheckpointPolicy.MUST_SAVE if getattr(packet, "__name__", "") in SAC_SAVE_OPS \
+    return CheckpointPolicy.MUST_SAVE if sac_saves(mode, getattr(packet, "__name__", ""), is_cheap_op(op)) \
         else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -45,8 +45,9 @@ def _wrap(module: nn.Module, mode: CheckpointMode) -> Callable[[], None]:
     original = module.forward
     had_instance = "forward" in module.__dict__
     extra: dict[str, Any] = {}
-    if mode is CheckpointMode.SELECTIVE:
-        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+    if mode in OP_POLICY_MODES:
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                functools.partial(_sac_policy, mode))
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(lambda leaf: leaf, (args, kwargs))   # NOTE [argument containers] (apply)
@@ -106,7 +107,7 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
     depth = {c.name: sum(1 for i in range(1, c.name.count(".") + 1) if ".".join(c.name.split(".")[:i]) in names)
              for c in candidates}
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
-    for mode in (CheckpointMode.FULL, CheckpointMode.SELECTIVE):
+    for mode in (m for m in CheckpointMode if m is not CheckpointMode.KEEP):
         levels: dict[int, list[str]] = defaultdict(list)
         for c in candidates:
             if mode in c.saved_bytes:

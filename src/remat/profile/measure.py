@@ -9,11 +9,13 @@ From it, per candidate j:
                      that window, not parameters, and packed by nobody outside j (those
                      outlive j whatever we do), minus j's inputs that nobody saved (a
                      checkpoint keeps them alive until j's backward).
-  saved_bytes[SELECTIVE]  the same less what SAC keeps: outputs of SAC_SAVE_OPS made in j
-                     (whether autograd saved them or not: SAC caches them all).
+  saved_bytes[m]      for each op-level mode m (SELECTIVE, SAVE_ATTENTION, RECOMPUTE_POINTWISE;
+                     NOTE [op-level policies] in remat.types): the same less what m's policy
+                     keeps: outputs of the ops it keeps made in j (whether autograd saved them
+                     or not: SAC caches them all).
   replay_ms[FULL]    first estimate: j's warm median forward time (separate, lightly
                      instrumented steps; CUDA events on a GPU, NOTE [device-correct timing]).
-  replay_ms[SELECTIVE]  first estimate: that time less the share spent in SAC_SAVE_OPS.
+  replay_ms[m]       first estimate: that time less the share spent in the ops m keeps.
                      ``profile_workload`` then replaces both by direct measurements of each
                      (candidate, mode) alone (NOTE [measured replay costs] in replay.py).
   replay_extra_bytes  how far j's forward rises above its entry level beyond what it saves:
@@ -34,7 +36,7 @@ from ..measure import RegionTimer, percentile, time_steps, warm_up
 from ..memory.measure import measure_step_peak, model_device
 from ..memory.tracker import StorageRecord
 from ..trace.recorder import ModuleWindow, StepRecorder
-from ..types import SAC_SAVE_OPS, CheckpointMode, HazardKind, MemorySource, ProgressFn, no_progress
+from ..types import OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, ProgressFn, is_cheap_op, no_progress, sac_saves
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
 from .candidates import parent_of, resolve_candidates
@@ -73,8 +75,9 @@ class _OpLog:
     def __init__(self, rec: StepRecorder) -> None:
         self.rec = rec
         # Every entry carries the innermost module running when the op ran (NOTE [op attribution]).
-        self.ops: list[tuple[int, str, bool, int]] = []   # (event index, module, is SAC save op, ns)
-        self.sac_records: list[StorageRecord] = []        # storages produced by SAC_SAVE_OPS
+        self.ops: list[tuple[int, str, str, bool, int]] = []   # (event index, module, op, pointwise, ns)
+        # storages produced by each op's tensor outputs: (record, op, pointwise), for the op-level modes
+        self.out_records: list[tuple[StorageRecord, str, bool]] = []
         self.device_moves: list[tuple[int, str, str]] = []  # (event, module, "cpu -> cuda:0")
         self.inplace: list[tuple[int, str, int]] = []     # (event, module, storage key written in place)
         self.rng_ops: list[tuple[int, str, str]] = []     # (event, module, op) ops that draw random numbers
@@ -82,12 +85,13 @@ class _OpLog:
     def __call__(self, func: Any, args: tuple, out: Any, ns: int, ev: int) -> None:
         name = _packet(func)
         mod = self.rec.tracker.module
-        is_save = name in SAC_SAVE_OPS
-        self.ops.append((ev, mod, is_save, ns))
-        if is_save and isinstance(out, torch.Tensor):
-            rec = self.rec.tracker.records.get(out.untyped_storage()._cdata)
-            if rec is not None:
-                self.sac_records.append(rec)
+        pointwise = is_cheap_op(func)   # pointwise or a view (NOTE [op-level policies])
+        self.ops.append((ev, mod, name, pointwise, ns))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                rec = self.rec.tracker.records.get(t.untyped_storage()._cdata)
+                if rec is not None:
+                    self.out_records.append((rec, name, pointwise))
         if name in ("_to_copy", "copy_") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
             if src.device != out.device:
@@ -202,13 +206,15 @@ class _StepEvidence:
         unsaved_inputs = sum(live[k].nbytes for k in set(w.input_keys) if k in live and k not in self.packed_keys)
         return inside - unsaved_inputs, unsaved_inputs
 
-    def sac_figures(self, w: ModuleWindow) -> tuple[int, float, int]:
-        """(bytes SAC keeps, share of forward time in SAC_SAVE_OPS, number of ops) in the window."""
+    def policy_figures(self, w: ModuleWindow, mode: CheckpointMode) -> tuple[int, float, int]:
+        """(bytes op-level ``mode`` keeps, share of forward time in the ops it keeps, number of ops)
+        in the window (NOTE [op-level policies]): SAC caches every kept op's output, saved or not."""
         fs, fe = w.fwd_start, w.fwd_end
-        kept = sum({id(r): r.nbytes for r in self.oplog.sac_records if fs <= r.alloc_event < fe}.values())
-        ops = [(is_save, ns) for ev, mod, is_save, ns in self.oplog.ops if _inside(w, ev, mod)]
+        kept = sum({id(r): r.nbytes for r, name, pw in self.oplog.out_records
+                    if fs <= r.alloc_event < fe and sac_saves(mode, name, pw)}.values())
+        ops = [(sac_saves(mode, name, pw), ns) for ev, mod, name, pw, ns in self.oplog.ops if _inside(w, ev, mod)]
         total_ns = sum(ns for _, ns in ops) or 1
-        return kept, sum(ns for is_save, ns in ops if is_save) / total_ns, len(ops)
+        return kept, sum(ns for keep, ns in ops if keep) / total_ns, len(ops)
 
     def forward_rise(self, w: ModuleWindow) -> int:
         """How far live bytes rose above the window's entry level during its forward (bytes)."""
@@ -297,17 +303,25 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
                               f"own for backward, and a checkpoint would keep {unsaved_inputs} bytes of inputs")
             idle.append(name)
             continue
-        sac_kept, save_share, n_ops = evidence.sac_figures(w)
         extra = max(0, evidence.forward_rise(w) - max(full_saved, 0))
         t_fwd = fwd_ms.get(name, (w.fwd_end_ns - w.fwd_start_ns) / 1e6)
         saved = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved}
         replay = {CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd}
         extras = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra}
-        if sac_kept > 0 and n_ops:
-            saved[CheckpointMode.SELECTIVE] = full_saved - sac_kept
-            replay[CheckpointMode.SELECTIVE] = (t_fwd * (1.0 - save_share)
-                                                if predicted is None else predicted.replay_ms(name, CheckpointMode.SELECTIVE))
-            extras[CheckpointMode.SELECTIVE] = extra
+        offered_kept: set[int] = set()
+        for mode in OP_POLICY_MODES:   # NOTE [op-level policies]: offered where they keep something new
+            if predicted is not None and mode is not CheckpointMode.SELECTIVE:
+                continue   # the device model predicts SELECTIVE only
+            kept_bytes, save_share, n_ops = evidence.policy_figures(w, mode)
+            if kept_bytes <= 0 or not n_ops or kept_bytes in offered_kept:
+                continue
+            if mode is not CheckpointMode.SELECTIVE and full_saved - kept_bytes <= 0:
+                continue
+            offered_kept.add(kept_bytes)
+            saved[mode] = full_saved - kept_bytes
+            replay[mode] = (t_fwd * (1.0 - save_share)     # first estimate; profile_workload measures it
+                            if predicted is None else predicted.replay_ms(name, mode))
+            extras[mode] = extra
         bs, be = _bwd_window(name, last_window)
         spans[name] = (w.fwd_start, w.fwd_end, bs, be)
         costs.append(CandidateCost(name=name, class_name=type(modules[name]).__name__, order=w.fwd_start,
@@ -398,8 +412,8 @@ def exclude_failing_modes(report: ProfileReport, failures: dict[str, dict[Checkp
         failed = failures.get(c.name, {})
         if CheckpointMode.FULL in failed:
             report.excluded[c.name] = f"checkpointing it fails in a dry run: {failed[CheckpointMode.FULL]}"
-        elif CheckpointMode.SELECTIVE in failed:
-            for table in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
-                table.pop(CheckpointMode.SELECTIVE, None)
-            report.mode_excluded.setdefault(c.name, {})[CheckpointMode.SELECTIVE.value] = (
-                f"selective mode fails in a dry run: {failed[CheckpointMode.SELECTIVE]}")
+        else:
+            for mode, error in failed.items():
+                for table in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
+                    table.pop(mode, None)
+                report.mode_excluded.setdefault(c.name, {})[mode.value] = f"{mode.value} mode fails in a dry run: {error}"

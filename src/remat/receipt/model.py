@@ -185,7 +185,7 @@ class BoundaryRecord:
 
     module: str                     # module path, e.g. "h.2"
     class_name: str
-    mode: str                       # "full" or "selective"
+    mode: str                       # a CheckpointMode word other than "keep" ("full", "selective", ...)
     guarded: bool
     revision: str                   # remat.profile.module_revision: class sources + parameter shapes
     predicted_saving_bytes: int     # the planner's figure (profile of the unmodified step)
