@@ -180,12 +180,18 @@ class ArmResult:
 
 
 def _top_container(report) -> tuple[str, int]:  # noqa: ANN001
+    """The container of the most numbered top-level candidates (cnn's ``blocks``, not its ``stem``)."""
     names = {c.name for c in report.candidates}
     top = [c.name for c in report.candidates if c.parent is None or c.parent not in names]
-    parents = {n.rpartition(".")[0] for n in top}
-    if len(parents) != 1 or not all(n.rpartition(".")[2].isdigit() for n in top):
-        raise RuntimeError(f"top-level candidates {top} are not the children of one container")
-    return parents.pop(), len(top)
+    groups: dict[str, int] = {}
+    for n in top:
+        parent, _, last = n.rpartition(".")
+        if last.isdigit():
+            groups[parent] = groups.get(parent, 0) + 1
+    if not groups:
+        raise RuntimeError(f"top-level candidates {top} are not the numbered children of a container")
+    parent = max(groups, key=lambda p: groups[p])
+    return parent, groups[parent]
 
 
 # NOTE [selective on guarded blocks]
