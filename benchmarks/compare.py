@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.closed_loop import plan_closed_loop
+from remat.frontier import p50_difference
 from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
                             search_capacity, time_round_robin)
 from remat.measure import release_memory
@@ -440,8 +441,10 @@ def render_markdown(data: dict) -> str:
             lines.append(f"| {name} | {a['peak_bytes'] / MIB:.1f} | {a['peak_bytes'] / cp:.0%} | {a['p50_ms']:.0f} | "
                          f"{a['p95_ms']:.0f} | {a['overhead_pct']:+.1f}% | " + " | ".join(fits) + " | "
                          + " | ".join(caps) + " |")
+        arms_by = {a["label"]: a for a in w["arms"]}
         lines += ["", "| budget | remat optimal: ovh, p50 | fastest fitting baseline: ovh, p50 | ratio | ovh ratio | "
-                  "remat capacity vs baselines' |", "|---|---|---|---|---|---|"]
+                  "p50 difference, 95% CI (resolved?) | remat predicted/measured step | remat capacity vs baselines' |",
+                  "|---|---|---|---|---|---|---|---|"]
         for s in w["summary"]:
             if s.get("remat_p50_ms") is None:
                 lines.append(f"| {s['budget']} | {s.get('remat') or 'no plan'} | | | | |")
@@ -449,10 +452,18 @@ def render_markdown(data: dict) -> str:
             best = (f"{s['best_baseline']}: {s['best_overhead_pct']:+.1f}%, {s['best_p50_ms']:.0f} ms"
                     if s.get("best_baseline") else "none fits")
             caps = ", ".join(f"{k} {v}" for k, v in s["capacity_vs"].items() if v is not None)
+            ra = arms_by[f"remat optimal@{s['budget']}"]
+            diff = "-"
+            if s.get("best_baseline") and ra["step_ms"] and arms_by[s["best_baseline"]]["step_ms"]:
+                d = p50_difference(ra["step_ms"], arms_by[s["best_baseline"]]["step_ms"])
+                diff = (f"{d.diff_ms:+.0f} ms [{d.low_ms:+.0f}, {d.high_ms:+.0f}] "
+                        f"({'resolved' if d.resolved else 'within noise'})")
+            pred = ra["extra"].get("predicted_overhead_ms")
+            pm = "-" if pred is None else f"{(w['control_p50_ms'] + pred) / ra['p50_ms']:.2f}"
             lines.append(f"| {s['budget']} | {s['remat_overhead_pct']:+.1f}%, {s['remat_p50_ms']:.0f} ms"
                          f"{'' if s['remat_fits'] else ' (MISSES the budget)'} | {best} | "
-                         f"{_f(s.get('p50_ratio'), '{:.2f}')} | {_f(s.get('overhead_ratio'), '{:.2f}')} | "
-                         f"{s['remat_capacity']} vs {caps} |")
+                         f"{_f(s.get('p50_ratio'), '{:.2f}')} | {_f(s.get('overhead_ratio'), '{:.2f}')} | {diff} | {pm} | "
+                         + ("not searched |" if s["remat_capacity"] is None else f"{s['remat_capacity']} vs {caps} |"))
         by = {a["label"]: a for a in w["arms"]}
         ctrl_ms = w["control_p50_ms"]
         verdicts = []
