@@ -226,3 +226,12 @@ def test_one_host_context_spelled_alike_everywhere():
     assert shared == {"torch_version", "python_version", "threads", "hostname"}
     ctx = TraceContext.capture(workload="w", shape={}, dtype="float32", device="cpu", warmup=1, steps=1)
     assert ctx.torch_version == torch.__version__ and ctx.threads == torch.get_num_threads()
+
+
+def test_p50_along_is_percentile_50_row_by_row():
+    from remat.measure import p50_along
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 5, 10):
+        a = rng.uniform(0, 100, size=(7, n))
+        got = p50_along(a, axis=-1)
+        assert got.tolist() == pytest.approx([percentile(row.tolist(), 50.0) for row in a], rel=1e-12)

@@ -43,6 +43,7 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
+from ..measure import p50_along, percentile
 from ..units import mib
 from .model import Decision, FrontierPoint
 
@@ -70,7 +71,7 @@ class P50Difference:
 
 
 def _median_diff(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
-    return np.median(a, axis=axis) - np.median(b, axis=axis)
+    return p50_along(a, axis=axis) - p50_along(b, axis=axis)
 
 
 def p50_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = CONFIDENCE,
@@ -79,7 +80,7 @@ def p50_difference(a: Sequence[float], b: Sequence[float], *, confidence: float 
     xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if xa.size == 0 or xb.size == 0:
         raise ValueError("p50_difference needs samples on both sides")
-    diff = float(np.median(xa) - np.median(xb))
+    diff = percentile(xa.tolist(), 50.0) - percentile(xb.tolist(), 50.0)
     n = int(min(xa.size, xb.size))
     if n < MIN_SAMPLES:
         return P50Difference(diff_ms=diff, low_ms=math.nan, high_ms=math.nan, resolved=False, samples=n)

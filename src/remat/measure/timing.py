@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 
@@ -31,6 +32,18 @@ def percentile(xs: Iterable[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def p50_along(a: "np.ndarray", axis: int = -1) -> "np.ndarray":
+    """:func:`percentile` at 50 along ``axis`` of an array (vectorised, for resampling: the
+    bootstrap of NOTE [resolved differences] in remat.frontier.pareto). The same definition."""
+    s = np.sort(np.asarray(a, dtype=np.float64), axis=axis)
+    n = s.shape[axis]
+    if n == 0:
+        raise ValueError("percentile of no samples")
+    pos = (n - 1) * 0.5
+    lo, hi = int(pos), min(int(pos) + 1, n - 1)
+    return np.take(s, lo, axis=axis) + (np.take(s, hi, axis=axis) - np.take(s, lo, axis=axis)) * (pos - lo)
 
 
 def p50(xs: Iterable[float]) -> float:
