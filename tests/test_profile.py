@@ -227,7 +227,8 @@ def test_a_mode_that_fails_its_dry_run_is_excluded_with_its_error():
     checkpoint(block, torch.randn(4, 32, requires_grad=True), use_reentrant=False).sum().backward()
     with pytest.raises(Exception, match="has been mutated"):
         checkpoint(block, torch.randn(4, 32, requires_grad=True), use_reentrant=False,
-                   context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy)).sum().backward()
+                   context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                              functools.partial(_sac_policy, M.SELECTIVE))).sum().backward()
     report = profile_workload(lw, repeats=1)
     by = {c.name: c for c in report.candidates}
     for name in ("blocks.0", "blocks.1", "blocks.2"):
