@@ -382,6 +382,11 @@ def stage_examples(model: Any, layout: StageLayout, k: int, sample_inputs: Any) 
         for i in range(layout.bounds[k], layout.bounds[k + 1]):
             x = blocks[i](x)
         out = model.pipeline_head(x) if k == layout.stages - 1 else x
+    # the metadata says which tensors carry gradients: a received activation does (else the stage sends no
+    # input gradient back and the previous stage's backward silently does nothing), and so does the output
+    if k > 0:
+        stage_in = stage_in.detach().requires_grad_(stage_in.is_floating_point())
+    out = out.detach().requires_grad_(out.is_floating_point())
     return stage_in, out
 
 

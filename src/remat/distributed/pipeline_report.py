@@ -158,12 +158,15 @@ def assemble_pipeline(cfg: Any, gathered: list[dict[str, Any]], *, torch_version
         if any(c is None for c in comps):
             continue
         l0 = [g["losses"].get("none") for g in gathered][p - 1], [g["losses"].get(name) for g in gathered][p - 1]
-        bitwise = all(c.bitwise_equal and not c.mismatched for c in comps)
+        missing = [f"stage {k}: {n}: no gradient" for k, g in enumerate(gathered)
+                   for side in ("none", name) for n in g.get("missing_grads", {}).get(side, [])]
+        bitwise = all(c.bitwise_equal and not c.mismatched for c in comps) and not missing
         first_loss_equal = None if l0[0] is None else l0[0] == l0[1]
         equivalence[name] = {"criterion": "bitwise", "bitwise_equal": bitwise,
                              "max_abs_diff": max(c.max_abs_diff for c in comps),
                              "params_compared": sum(c.params_compared for c in comps),
-                             "mismatched": [f"stage {k}: {m}" for k, c in enumerate(comps) for m in c.mismatched],
+                             "mismatched": [f"stage {k}: {m}" for k, c in enumerate(comps) for m in c.mismatched]
+                             + missing,
                              "first_loss_equal": first_loss_equal,
                              "ok": bitwise and first_loss_equal is not False}
     negs = [g["negative_rejected"] for g in gathered]

@@ -182,10 +182,16 @@ class PipelineRank:
         stage_module = build_stage_module(model, layout, self.rank)
         # static metadata: torch 2.13's runtime inference deadlocked here when the first stage's input
         # (token ids) needs no gradient (stage 1 sends backward metadata that stage 0 never receives)
+        # fully static: the gradients' metadata too (a received activation's gradient goes back; the first
+        # stage's integer inputs get none, the last stage's output gets its gradient from the loss)
         stage = PipelineStage(stage_module, self.rank, self.p, torch.device(cfg.device),
-                              input_args=example_in, output_args=example_out)
+                              input_args=example_in, output_args=example_out,
+                              input_grads=None if self.first else torch.zeros_like(example_in),
+                              output_grads=None if self.last else torch.zeros_like(example_out))
         cls = Schedule1F1B if cfg.schedule.value == "1f1b" else ScheduleGPipe
-        schedule = cls(stage, cfg.microbatches, loss_fn=make_loss_fn(wl) if self.last else None, scale_grads=True)
+        # every rank gets the loss_fn: torch's schedule decides from it whether there is a backward at all
+        # (with None the first stage posts no gradient receives and its backward silently does nothing)
+        schedule = cls(stage, cfg.microbatches, loss_fn=make_loss_fn(wl), scale_grads=True)
         _instrument(stage, schedule, rec)
         optimizer = call_user("the workload's optimizer", wl.optimizer, list(stage_module.parameters())) \
             if wl.optimizer is not None else torch.optim.SGD(stage_module.parameters(), lr=1e-3)
@@ -372,7 +378,10 @@ class PipelineRank:
                     g.view(-1)[0] += 1e-3
                     break
             negative = not compare_grads(grads["none"], bad, 0.0, 0.0).bitwise_equal
+        # every parameter of the stage must have a gradient: None on both sides would compare as "equal"
+        missing = {name: [n for n, g in gs if g is None] for name, gs in grads.items()}
         return {"results": results, "comparisons": comparisons, "negative_rejected": negative, "losses": losses,
+                "missing_grads": missing,
                 "uniform": None if uniform is None else uniform.to_json(),
                 "remat": None if remat is None else remat.to_json()}
 
