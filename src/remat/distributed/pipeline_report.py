@@ -46,7 +46,7 @@ class StageResult:
     optimizer_ms: list[float]
     p2p_ms: list[float]                  # blocked in p2p (posting + waiting)
     exposed_p2p_ms: list[float]          # union(p2p) - union(compute)
-    idle_ms: list[float]                 # step - union(compute)
+    compute_ms: list[float]              # union(forward, loss, backward, optimizer) per timed step
     peak_bytes: int
     held_at_backward_bytes: list[int]    # live bytes as each microbatch's backward starts
     timeline: list[TimelineEvent]        # the last timed step, ns from its start on this rank
@@ -112,15 +112,17 @@ class PipelineReport:
         return all(e["ok"] for e in eq.values()) and self.data["negative_control_rejected"] is not False
 
 
-def _stage_json(r: StageResult, budget: int | None) -> dict[str, Any]:
+def _stage_json(r: StageResult, budget: int | None, pipeline_ms: list[float]) -> dict[str, Any]:
+    """``pipeline_ms``: per timed step, the first stage's start to the last stage's end (NOTE [pipeline instruments])."""
     steps = [(b - a) / 1e6 for a, b in r.step_ns]
-    bubble = [i / s if s > 0 else 0.0 for i, s in zip(r.idle_ms, steps)]
+    idle = [max(0.0, g - c) for g, c in zip(pipeline_ms, r.compute_ms)]
+    bubble = [i / g if g > 0 else 0.0 for i, g in zip(idle, pipeline_ms)]
     return {
         "stage": r.stage, "rank": r.rank, "host": r.host, "in_flight": r.in_flight, "blocks": r.blocks,
         "boundaries": r.boundaries, "p50_ms": percentile(steps, 50), "p95_ms": percentile(steps, 95),
         "forward_ms": _med(r.forward_ms), "backward_ms": _med(r.backward_ms), "replay_ms": _med(r.replay_ms),
         "optimizer_ms": _med(r.optimizer_ms), "p2p_ms": _med(r.p2p_ms), "exposed_p2p_ms": _med(r.exposed_p2p_ms),
-        "idle_ms": max(0.0, _med(r.idle_ms)), "bubble_fraction": min(1.0, max(0.0, _med(bubble))),
+        "idle_ms": _med(idle), "bubble_fraction": min(1.0, max(0.0, _med(bubble))),
         "peak_bytes": r.peak_bytes, "held_at_backward_bytes": r.held_at_backward_bytes,
         "fits_budget": None if budget is None else r.peak_bytes <= budget,
         "timeline": [],
@@ -136,11 +138,11 @@ def assemble_pipeline(cfg: Any, gathered: list[dict[str, Any]], *, torch_version
     sides: dict[str, Any] = {}
     for name in cfg.sides:
         stages = [g["results"][name] for g in gathered]
-        per_stage = [_stage_json(r, budget) for r in stages]
         # a step of the pipeline: from the first stage's start to the last stage's end (one clock per host)
         n = min(len(r.step_ns) for r in stages)
         global_ms = [(max(r.step_ns[i][1] for r in stages) - min(r.step_ns[i][0] for r in stages)) / 1e6
                      for i in range(n)]
+        per_stage = [_stage_json(r, budget, global_ms) for r in stages]
         t0 = min(r.timeline_t0_ns for r in stages)
         for js, r in zip(per_stage, stages):
             shift = r.timeline_t0_ns - t0
@@ -171,7 +173,8 @@ def assemble_pipeline(cfg: Any, gathered: list[dict[str, Any]], *, torch_version
                              "ok": bitwise and first_loss_equal is not False}
     negs = [g["negative_rejected"] for g in gathered]
     notes = [
-        "bubble_fraction = idle / step per stage, idle = step - union(forward, loss, backward, optimizer); "
+        "bubble_fraction = idle / step per stage, idle = the pipeline's step (first stage's start to last stage's "
+        "end, one host clock) - union(forward, loss, backward, optimizer) of the stage; "
         "ideal_bubble_fraction = (p - 1) / (m + p - 1) for equal stage times and free communication",
         "p2p_ms is the time the stage's thread is blocked posting or waiting on isend/irecv (it includes waiting "
         "for a peer still computing); exposed_p2p_ms = union(p2p) - union(compute)",

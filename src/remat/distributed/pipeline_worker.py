@@ -19,7 +19,9 @@ processes of one host, so the stages' timelines line up):
   p2p. ``exposed p2p`` = union(p2p) - union(compute) (NOTE [exposed communication]); on one
   thread they never overlap, so it equals the blocked time, and it includes waiting for a peer
   that is still computing (that is the bubble seen from here);
-* idle = step - union(compute); bubble fraction = idle / step. With equal stage times and free
+* idle = the pipeline's step - union(compute), where the pipeline's step runs from the first
+  stage's start to the last stage's end (a stage that finishes early waits for the next step's
+  input then); bubble fraction = idle / that step. With equal stage times and free
   communication it is (p - 1) / (m + p - 1) for GPipe and 1F1B (plan/pipeline.ideal_bubble).
 Timed steps start after a barrier. Memory is read on one more step under the live-tensor
 tracker (its per-op cost would distort the times): the stage's peak, and the live bytes when each
@@ -286,7 +288,7 @@ class PipelineRank:
 
     def figures(self, name: str, plan: Plan | None, step_ns: list[tuple[int, int]],
                 per_step: list[list[TimelineEvent]], peak: int, held: list[int]) -> StageResult:
-        fwd, bwd, rep, p2p, exposed, idle, opt = [], [], [], [], [], [], []
+        fwd, bwd, rep, p2p, exposed, busy, opt = [], [], [], [], [], [], []
         for (t0, t1), events in zip(step_ns, per_step):
             compute = [(e.start_ns, e.end_ns) for e in events if e.kind in _COMPUTE]
             comm = [(e.start_ns, e.end_ns) for e in events if e.kind.startswith("p2p:")]
@@ -299,7 +301,7 @@ class PipelineRank:
             opt.append(total("optimizer"))
             p2p.append(total_ns(comm) / 1e6)
             exposed.append(exposed_ns(comm, compute) / 1e6)
-            idle.append(((t1 - t0) - total_ns(union(compute))) / 1e6)
+            busy.append(total_ns(union(compute)) / 1e6)   # busy ms; idle is taken against the pipeline's step
         last_t0 = step_ns[-1][0]
         return StageResult(
             side=name, stage=self.rank, rank=self.rank, host=socket.gethostname(),
@@ -307,7 +309,7 @@ class PipelineRank:
             blocks=self.layout.stage_blocks(self.rank),
             boundaries=[] if plan is None else [b.module for b in plan.boundaries],
             step_ns=step_ns, forward_ms=fwd, backward_ms=bwd, replay_ms=rep, optimizer_ms=opt, p2p_ms=p2p,
-            exposed_p2p_ms=exposed, idle_ms=idle, peak_bytes=peak, held_at_backward_bytes=held,
+            exposed_p2p_ms=exposed, compute_ms=busy, peak_bytes=peak, held_at_backward_bytes=held,
             timeline=[dataclasses.replace(e, start_ns=e.start_ns - last_t0, end_ns=e.end_ns - last_t0)
                       for e in per_step[-1]], timeline_t0_ns=last_t0)
 
