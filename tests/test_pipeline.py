@@ -191,6 +191,13 @@ def test_pipeline_cli_per_stage_plans_bitwise_equal_and_side_by_side(rank_env, t
             assert kinds.count("forward") == 4 and kinds.count("backward") == 4
             assert s["exposed_p2p_ms"] <= s["p2p_ms"] + 1e-6
     assert all(s["replay_ms"] > 0 for s in uni) and all(s["replay_ms"] == 0 for s in none)
+    # 1F1B, p=2: stage 0 holds 2 microbatches as its first three backwards start, 1 at the last
+    held = none[0]["held_at_backward_bytes"]
+    assert held[3] < held[2] and held[3] < held[1]
+    assert all(s["bubble_delta_vs_none"] is None for s in none)
+    assert all(isinstance(s["bubble_delta_vs_none"], float) for s in rem)
+    # remat's plan on stage 0 was predicted from the measured unplanned peak; the prediction is conservative
+    assert rem[0]["predicted_peak_bytes"] >= rem[0]["peak_bytes"] * 0.9
     for name in ("uniform", "remat"):
         eq = d["equivalence"][name]
         assert eq["bitwise_equal"] and eq["max_abs_diff"] == 0.0 and eq["first_loss_equal"] and eq["ok"]

@@ -60,6 +60,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     path = atomic_write_json(Path(args.out) / "pipeline.json", result.to_json())
     if "remat" in result.data["plans"]:
         atomic_write_json(Path(args.out) / "plan.json", result.data["plans"]["remat"])
+    from .._io import atomic_write_text
+    from ..receipt.pipeline_md import render_pipeline_markdown
+    atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result.data))
     render(result)
     console.print(f"wrote {path}")
     return 0 if result.ok else 1
@@ -84,6 +87,11 @@ def render(report: PipelineReport) -> None:
     for name, side in d["sides"].items():
         console.print(f"[bold]{name}[/]: step p50 {side['p50_ms']:.1f} ms, p95 {side['p95_ms']:.1f} ms, "
                       f"{side['samples_per_s']:.1f} samples/s, largest stage peak {fmt_bytes(side['max_peak_bytes'])}")
+    for name, side in d["sides"].items():
+        worse = [f"stage {s['stage']} +{s['bubble_delta_vs_none']:.3f} (replay {s['replay_ms']:.1f} ms)"
+                 for s in side["per_stage"] if (s["bubble_delta_vs_none"] or 0.0) > 0.0]
+        if worse:
+            console.print(f"{name}: bubble grew over the unplanned run on {', '.join(worse)}")
     for name, eq in d["equivalence"].items():
         verdict = "[green]bitwise equal[/]" if eq["ok"] else "[bold red]DIFFERENT[/]"
         console.print(f"equivalence ({name} vs none, same schedule and microbatches): {verdict} "

@@ -63,6 +63,7 @@ STAGE = Obj({
     "p50_ms": MS, "p95_ms": MS, "forward_ms": MS, "backward_ms": MS, "replay_ms": MS, "optimizer_ms": MS,
     "p2p_ms": MS, "exposed_p2p_ms": MS, "idle_ms": MS, "bubble_fraction": Num(0, 1),
     "peak_bytes": BYTES, "held_at_backward_bytes": List(BYTES, max_len=100_000), "fits_budget": Opt(Bool()),
+    "bubble_delta_vs_none": Opt(Num(-1, 1)), "predicted_peak_bytes": Opt(Int(-(2 ** 53), 2 ** 53)),
     "timeline": List(Tuple(Str(max_len=100), Int(-1, 1 << 20), Num(-1e9, 1e9), Num(-1e9, 1e9)), max_len=1_000_000),
 })
 SIDE = Obj({"per_stage": List(STAGE, max_len=100_000), "p50_ms": MS, "p95_ms": MS, "samples_per_s": Num(0, 1e15),
@@ -125,6 +126,7 @@ def _stage_json(r: StageResult, budget: int | None, pipeline_ms: list[float]) ->
         "idle_ms": _med(idle), "bubble_fraction": min(1.0, max(0.0, _med(bubble))),
         "peak_bytes": r.peak_bytes, "held_at_backward_bytes": r.held_at_backward_bytes,
         "fits_budget": None if budget is None else r.peak_bytes <= budget,
+        "bubble_delta_vs_none": None, "predicted_peak_bytes": None,
         "timeline": [],
     }
 
@@ -152,6 +154,14 @@ def assemble_pipeline(cfg: Any, gathered: list[dict[str, Any]], *, torch_version
                        "samples_per_s": batch_size / (p50 / 1000.0) if p50 > 0 else 0.0,
                        "max_peak_bytes": max(s["peak_bytes"] for s in per_stage),
                        "max_bubble_fraction": max(s["bubble_fraction"] for s in per_stage)}
+    # where replay stretched the bubbles: each planned stage's bubble fraction less the unplanned one's
+    for name, side in sides.items():
+        if name != "none" and "none" in sides:
+            for js, base in zip(side["per_stage"], sides["none"]["per_stage"]):
+                js["bubble_delta_vs_none"] = max(-1.0, min(1.0, js["bubble_fraction"] - base["bubble_fraction"]))
+        if name in plans:
+            for js, st in zip(side["per_stage"], plans[name]["stages"]):
+                js["predicted_peak_bytes"] = st["plan"]["predicted_peak_bytes"]
     equivalence: dict[str, Any] = {}
     for name in cfg.sides:
         if name == "none":

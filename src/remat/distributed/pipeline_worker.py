@@ -105,7 +105,8 @@ def _instrument(stage: Any, schedule: Any, rec: StageRecorder) -> None:
 
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
-    schedule._maybe_compute_loss = maybe_compute_loss
+    if stage.is_last:   # the schedule calls it on every stage; only the last computes a loss
+        schedule._maybe_compute_loss = maybe_compute_loss
 
 
 def _patch_p2p(rec_of: Callable[[], StageRecorder | None]) -> None:
