@@ -259,3 +259,28 @@ def test_pipeline_config_refusals():
         with pytest.raises(DistributedError):
             stage_layout(model, bad, 2, x)
     assert remat.apply is not None
+
+
+def test_equivalence_rejects_a_plan_that_changes_the_gradients(rank_env, tmp_path):
+    """Negative control on the real path: replay without RNG preservation redraws dropout masks."""
+    from remat.plan.model import Boundary, Plan
+    from remat.plan.pipeline import StagePlan
+    model = load_workload("gpt", SHAPE).workload.model
+    blocks = [["h.0", "h.1"], ["h.2", "h.3"]]
+
+    def stage_plan(names: list[str]) -> Plan:
+        return Plan(planner="all", budget_bytes=None, reserve=0.0, preserve_rng_state=False,
+                    boundaries=[Boundary(module=n, mode=CheckpointMode.FULL, saved_bytes=0, replay_ms=0.0)
+                                for n in names],
+                    excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
+                    baseline_step_ms=0.0, fingerprint=fingerprint(model))
+    pp = PipelinePlan(schedule="1f1b", microbatches=4, budget_bytes=1 << 30, reserve=0.0, split_points=["h.2"],
+                      split_source="given", stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=[2, 1][k],
+                                                              base_peak_bytes=1, plan=stage_plan(blocks[k]))
+                                                    for k in range(2)])
+    cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, microbatches=4, split_points=["h.2"],
+                         sides=["none", "remat"], plan=pp.to_json(), steps=1, warmup=1, timeout_s=20)
+    report = run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=90)
+    eq = report.data["equivalence"]["remat"]
+    assert not eq["bitwise_equal"] and not eq["ok"] and eq["max_abs_diff"] > 0
+    assert not report.ok
