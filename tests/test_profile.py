@@ -237,3 +237,32 @@ def test_a_mode_that_fails_its_dry_run_is_excluded_with_its_error():
     plan = make_plan(report, "selective")            # the selective baseline has nothing left to wrap
     assert plan.boundaries == []
     assert any("selective mode fails in a dry run" in e.reason for e in plan.excluded)
+
+
+def test_densenet_style_growing_list_and_inner_checkpoint():
+    """A layer handed a list its caller keeps growing, and a model with its own checkpoints:
+    the wrapper replays from the list as it was (NOTE [argument containers]), and modules the
+    model's own checkpoint replays during backward are not 'called twice'."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from remat.types import CheckpointMode
+    from remat.verify import verify_plan
+    from .conftest import hand_plan
+    lw = load_workload(f"{MINIMAL}:build_dense")
+    model = lw.workload.model
+    # the trap, with torch alone (negative control): checkpointing layer0 replays from the grown list
+    x = torch.randn(2, 8, 16, 16, requires_grad=True)
+    features = [x]
+    layer = model.block["layer0"]
+    features.append(checkpoint(layer, features, use_reentrant=False))
+    features.append(torch.zeros_like(features[-1]))
+    with pytest.raises(RuntimeError, match="running_mean should contain"):
+        torch.cat(features, 1).sum().backward()
+    report = profile_workload(lw, repeats=1)
+    assert not any("called 2 times" in r for r in report.excluded.values())       # inner replays are not calls
+    assert not any("dry run" in r for r in report.excluded.values())
+    names = {c.name for c in report.candidates}
+    assert {"block.layer0", "block.layer1", "block.layer2"} <= names
+    plan = hand_plan(model, ["block.layer0", "block.layer1"], mode=CheckpointMode.FULL, guarded=True)
+    v = verify_plan(lw, plan, steps=2, seeds=1, timing_steps=0)
+    assert v.passed, v.failures

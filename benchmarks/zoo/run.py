@@ -201,7 +201,9 @@ def confirm_hazards(base: list[str], probe_dir: Path, out_dir: Path, timeout: fl
     return rows
 
 
-FAST = ["--no-capacity", "--frontier-steps", "5"]  # --fast: no batch-capacity search, 5 timed steps per plan
+# --fast: no batch-capacity search, 4 frontier plans with 3 timed steps each, 2 seeds x 2 steps of verification
+FAST = ["--no-capacity", "--frontier-steps", "3", "--plans", "none,all,uniform:2,optimal",
+        "--verify-seeds", "2", "--verify-steps", "2"]
 
 
 def run_model(name: str, spec: str, shape: str, out_root: Path, timeout: float, fast: bool) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from ..trace.recorder import instrumentation_hooks_off
@@ -89,6 +90,21 @@ def restore_buffers(module: nn.Module) -> Iterator[None]:
                 if not torch.equal(buf, value):  # eval mode: nothing changed, nothing written
                     with torch.autograd._unsafe_preserve_version_counter(buf):
                         buf.copy_(value)
+
+
+def snapshot_containers(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Fresh lists/dicts/tuples around the same leaves (NOTE [argument containers]).
+
+    NOTE [argument containers]
+    Checkpoint replays a region from the argument *objects* it was called with. A caller may
+    keep mutating a container it passed: torchvision's DenseNet hands every dense layer the
+    block's growing ``features`` list and appends to it after the call, so a replay would see
+    all later features (``running_mean should contain 256 elements not 64``). The forward saw
+    the container as it was at the call, so the replay must too: the wrapper passes new
+    containers holding the same tensors and objects (a shallow copy at every level; nothing
+    is cloned, no bytes are added).
+    """
+    return tree_map(lambda leaf: leaf, (args, kwargs))
 
 
 class CheckpointWrapper:
@@ -143,6 +159,7 @@ class CheckpointWrapper:
         self.replay_calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = snapshot_containers(args, kwargs)   # NOTE [argument containers]
         self.forward_calls += 1
         self._depth += 1
         try:

@@ -25,13 +25,15 @@ def auto_candidates(model: nn.Module) -> list[str]:
       except the root and the *ancestors* of blocks: an ancestor of the blocks wraps the
       whole chain (HF's ``transformer``, ResNet's ``layer1``), so its checkpoint would
       replay everything at once and keep nothing it frees;
-    - never ``ModuleList``/``ModuleDict``: they have no forward.
+    - never a module without a forward of its own (``ModuleList``/``ModuleDict``).
     Shared modules appear once, under their first path. Whether a candidate frees anything
     is for the profile to measure (one that frees nothing is excluded there, with its bytes).
     """
     modules = dict(model.named_modules())        # deduplicated: shared modules under their first path
     path_of = {id(m): p for p, m in modules.items()}
-    no_forward = (nn.ModuleList, nn.ModuleDict)
+
+    def no_forward(m: nn.Module) -> bool:   # ModuleList/ModuleDict, unless a subclass gives one (DenseNet's blocks)
+        return type(m).forward is nn.Module.forward
 
     def leaf(m: nn.Module) -> bool:
         return next(m.children(), None) is None
@@ -42,9 +44,9 @@ def auto_candidates(model: nn.Module) -> list[str]:
         counts = Counter(type(c) for c in mod.children())
         for child in mod.children():
             path = path_of.get(id(child), "")
-            generic = isinstance(child, (nn.Sequential, *no_forward))  # two Sequentials are not two blocks
+            generic = type(child) in (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # two Sequentials are not two blocks
             if path and counts[type(child)] >= 2 and (container or not (leaf(child) or generic)) \
-                    and not isinstance(child, no_forward):
+                    and not no_forward(child):
                 blocks.append(path)
     ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
     ancestors.add("")
@@ -52,7 +54,7 @@ def auto_candidates(model: nn.Module) -> list[str]:
     for b in blocks:
         chosen.update(path_of[id(c)] for c in modules[b].children() if id(c) in path_of)
     chosen.update(p for p, m in modules.items() if p and not leaf(m) and p not in ancestors)
-    return [p for p in modules if p in chosen and p not in ancestors and not isinstance(modules[p], no_forward)]
+    return [p for p in modules if p in chosen and p not in ancestors and not no_forward(modules[p])]
 
 
 def resolve_candidates(model: nn.Module, specs: list[str] | None) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..types import SAC_SAVE_OPS, CheckpointMode
@@ -48,6 +49,7 @@ def _wrap(module: nn.Module, mode: CheckpointMode) -> Callable[[], None]:
         extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(lambda leaf: leaf, (args, kwargs))   # NOTE [argument containers] (apply)
         fn = functools.partial(original, **kwargs) if kwargs else original
         return checkpoint(fn, *args, use_reentrant=False, **extra)
 

@@ -294,7 +294,8 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
 
     windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
     for w in rec.windows:
-        windows_by_name[w.name].append(w)
+        if not w.in_backward:   # a replay of the model's own checkpoint is not a second call
+            windows_by_name[w.name].append(w)
     last_window = {n: ws[-1] for n, ws in windows_by_name.items()}
     evidence = _StepEvidence(rec, oplog)
 

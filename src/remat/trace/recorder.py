@@ -70,6 +70,7 @@ class ModuleWindow:
     bwd_first_unpack: int | None = None
     bwd_last_unpack: int | None = None
     input_keys: tuple[int, ...] = ()   # storage keys of its positional tensor inputs
+    in_backward: bool = False    # a forward run by autograd during backward (a checkpoint's replay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,8 @@ class StepRecorder:
             return
         keys = tuple(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
         win = ModuleWindow(name=name, fwd_start=self.tracker.events, fwd_start_ns=time.perf_counter_ns(),
-                           fwd_peak=self.tracker.live_bytes, input_keys=keys)
+                           fwd_peak=self.tracker.live_bytes, input_keys=keys,
+                           in_backward=torch._C._current_graph_task_id() != -1)
         self.windows.append(win)
         self._stack.append((name, win))
         self.tracker.module = name
