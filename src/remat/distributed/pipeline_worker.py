@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .._io import atomic_write_json
-from ..errors import DistributedError, PlanError, RematError
+from ..errors import DistributedError, PlanError
 from ..memory.measure import optimizer_state_tensors
 from ..plan.model import Plan
 from ..plan.pipeline import PipelinePlan, StagePlan, in_flight, plan_stages
@@ -57,7 +57,7 @@ from ..workload.loader import load_workload
 from .intervals import exposed_ns, total_ns, union
 from .pipeline import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_module, make_loss_fn, split_batch,
                        stage_examples, stage_layout)
-from .pipeline_report import PipelineReport, StageResult, TimelineEvent, assemble_pipeline
+from .pipeline_report import StageResult, TimelineEvent, assemble_pipeline
 from .worker import RankFiles, _env_int, _maybe_fault, compare_grads
 
 _COMPUTE = ("forward", "loss", "backward", "optimizer")
