@@ -203,6 +203,8 @@ def test_pipeline_cli_per_stage_plans_bitwise_equal_and_side_by_side(rank_env, t
         assert eq["bitwise_equal"] and eq["max_abs_diff"] == 0.0 and eq["first_loss_equal"] and eq["ok"]
         assert eq["params_compared"] > 0
     assert d["negative_control_rejected"] is True
+    md = (out / "pipeline.md").read_text()
+    assert "| remat | 0 | 2 |" in md and md.count("stage 0 |") == 3 and "bitwise equal" in md
     plan = load_any_plan(out / "plan.json")
     assert isinstance(plan, PipelinePlan) and [s.in_flight for s in plan.stages] == [2, 1]
     assert [b.module for b in plan.for_stage(0).boundaries] == rem[0]["boundaries"]
@@ -238,7 +240,7 @@ def test_hung_stage_is_named_after_the_p2p_timeout(rank_env, tmp_path):
     with pytest.raises(DistributedError) as info:
         run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=60)
     assert info.value.message.startswith("rank 1 (pipeline stage 1) hung"), info.value.message
-    assert "4 s" in info.value.message
+    assert "timed out after 4 s" in info.value.message and "was stopped by the launcher" in info.value.message
     assert all(_alive_rank_pid(tmp_path.resolve(), r, PIPELINE_WORKER_MODULE) is None for r in (0, 1))
 
 

@@ -479,6 +479,6 @@ def _diagnose_pipeline(out: Path, config: PipelineConfig, returncode: int | None
         hung = stopped[0]
         others = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s is not hung)
         return DistributedError(
-            f"rank {hung.rank} (pipeline stage {hung.rank}) hung: it {hung.detail.removeprefix('was ')} after its "
-            f"peers waited {config.timeout_s:g} s (the p2p timeout) for it (then: {others})", tip=err.tip)
+            f"rank {hung.rank} (pipeline stage {hung.rank}) hung: its peers' p2p ops timed out after "
+            f"{config.timeout_s:g} s waiting for it, and it {hung.detail} (then: {others})", tip=err.tip)
     return err
