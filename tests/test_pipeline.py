@@ -286,3 +286,17 @@ def test_equivalence_rejects_a_plan_that_changes_the_gradients(rank_env, tmp_pat
     eq = report.data["equivalence"]["remat"]
     assert not eq["bitwise_equal"] and not eq["ok"] and eq["max_abs_diff"] > 0
     assert not report.ok
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--workload", "gpt", "--shape", "batch_size=6", "--microbatches", "4"], "does not split into 4"),
+    (["--workload", "cnn", "--shape", "batch_size=4", "--microbatches", "2"], "cannot be split into pipeline stages"),
+    (["--workload", "gpt", "--shape", "batch_size=8,n_layer=4", "--split-points", "h.0"], "must be increasing"),
+    (["--workload", "gpt", "--shape", "batch_size=8", "--world-size", "1"], "at least 2"),
+])
+def test_pipeline_cli_refuses_bad_input_with_exit_2(tmp_path, capsys, argv, words):
+    base = ["distributed", "--engine", "pipeline", "--out", str(tmp_path / "o"), "--dist-wall-timeout", "30"]
+    if "--world-size" not in argv:
+        base += ["--world-size", "2"]
+    assert main(base + argv) == 2
+    assert words in capsys.readouterr().err.replace("\n", " ")

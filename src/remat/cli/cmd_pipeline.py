@@ -12,17 +12,20 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..distributed.pipeline import (PipelineConfig, default_split, microbatch_shape, run_pipeline_config)
+from ..distributed.pipeline import PipelineConfig, check_split, default_split, microbatch_shape, run_pipeline_config
 from ..distributed.pipeline_report import PipelineReport
 from ..plan import parse_budget, parse_reserve
 from ..plan.pipeline import PipelinePlan, load_any_plan
 from ..workload import parse_shape
-from ..errors import PlanError
+from ..errors import DistributedError, PlanError
 from .common import check_out_dir
 from .render import console, fmt_bytes, progress_bar
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
+    if getattr(args, "emit_config", None) is not None:
+        raise DistributedError("--emit-config does not cover --engine pipeline yet",
+                               tip="run `remat distributed --engine pipeline` on one host")
     shape = parse_shape(args.shape)
     reserve = parse_reserve(args.reserve)
     if args.budget is not None:
@@ -34,12 +37,21 @@ def run_pipeline(args: argparse.Namespace) -> int:
         if not isinstance(given, PipelinePlan):
             raise PlanError(f"{args.plan} is a whole-model plan; --engine pipeline runs a per-stage pipeline plan",
                             tip="a pipeline plan is the plan.json that `remat distributed --engine pipeline` writes")
+        if (given.schedule.value, given.microbatches, len(given.stages)) != (args.schedule, args.microbatches,
+                                                                             args.world_size):
+            raise PlanError(f"{args.plan} was planned for {given.schedule.value} with {given.microbatches} microbatches "
+                            f"on {len(given.stages)} stages; this run asks for {args.schedule}, {args.microbatches}, "
+                            f"{args.world_size}: the stages' in-flight counts, and so the plans, would differ",
+                            tip="pass the plan's --schedule, --microbatches and --world-size, or plan again")
     mb_shape = microbatch_shape(shape, args.microbatches)
     if args.split_points:
         points, source = [p.strip() for p in args.split_points.split(",") if p.strip()], "given (--split-points)"
     elif given is not None:
         points, source = list(given.split_points), f"from the plan ({given.split_source})"
     else:
+        points, source = [], ""
+    check_split(args.workload, shape, points, args.world_size, args.microbatches, dtype=args.dtype)
+    if not points:
         points, source = default_split(args.workload, shape, args.world_size, args.microbatches, dtype=args.dtype)
     with progress_bar() as progress:
         profile = None

@@ -279,6 +279,19 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
     return points, what
 
 
+def check_split(spec: str, shape: Mapping[str, Any], points: list[str], stages: int, microbatches: int, *,
+                dtype: str = "float32") -> None:
+    """Refuse a world size, a model or split points that cannot make the pipeline, before any measuring."""
+    if stages < 2:
+        raise DistributedError(f"a pipeline needs at least 2 stages (world size >= 2), got {stages}")
+    from ..workload.loader import load_workload
+    wl = load_workload(spec, microbatch_shape(shape, microbatches), dtype=dtype).workload
+    _check_pipelinable(wl.model)
+    split_batch(wl.batch(0))
+    if points:
+        parse_split_points(points, stages, wl.model)
+
+
 def split_batch(batch: Any) -> tuple[Any, Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise WorkloadError("the pipeline engine needs batches of (inputs, targets)",
