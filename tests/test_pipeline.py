@@ -300,3 +300,15 @@ def test_pipeline_cli_refuses_bad_input_with_exit_2(tmp_path, capsys, argv, word
         base += ["--world-size", "2"]
     assert main(base + argv) == 2
     assert words in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_timeline_rows_place_each_interval_in_its_columns():
+    from remat.receipt.pipeline_md import timeline_rows
+    side = {"per_stage": [
+        {"stage": 0, "timeline": [["forward", 0, 0.0, 25.0], ["p2p:fwd_send", -1, 25.0, 50.0],
+                                  ["backward", 0, 50.0, 100.0], ["replay", -1, 50.0, 75.0]]},
+        {"stage": 1, "timeline": [["forward", 0, 25.0, 50.0], ["loss", 0, 50.0, 75.0]]}]}
+    rows = timeline_rows(side, width=8)
+    assert rows[0] == "stage 0 |FF--RRBB|"      # replay drawn over the backward it runs in
+    assert rows[1] == "stage 1 |..FFLL..|"      # idle where nothing was recorded
+    assert rows[2].endswith("100 ms")

@@ -77,7 +77,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
     atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result.data))
     render(result)
     console.print(f"wrote {path}")
-    return 0 if result.ok else 1
+    if result.remat_fits is False:
+        console.print("[bold red]remat's per-stage plans measured over the per-device budget on "
+                      + ", ".join(f"stage {s['stage']}" for s in result.side("remat")["per_stage"]
+                                  if not s["fits_budget"]) + "[/]")
+    return 0 if result.ok and result.remat_fits is not False else 1
 
 
 def render(report: PipelineReport) -> None:

@@ -107,6 +107,14 @@ class PipelineReport:
         return self.data["sides"].get(name)
 
     @property
+    def remat_fits(self) -> bool | None:
+        """Whether every stage of remat's side measured within the per-device budget (None: no budget/side)."""
+        side = self.side("remat")
+        if side is None or self.data["budget_bytes"] is None:
+            return None
+        return all(s["fits_budget"] for s in side["per_stage"])
+
+    @property
     def ok(self) -> bool:
         """Every planned side bitwise equal to the unplanned run, and the negative control rejected."""
         eq = self.data["equivalence"]
