@@ -3,6 +3,7 @@
 # installed first so that pip never pulls a multi-GB CUDA build. The optional zoo extra
 # (torchvision, timm, transformers: the CI-sized zoo tests) is installed with the torch
 # already in .venv pinned (.venv/constraints.txt), so it never replaces that torch.
+# `make gpu-check` runs benchmarks/gpu_check.py and the cuda-marked tests on a GPU machine.
 # `make zoo` runs remat receipt on every zoo model (benchmarks/zoo/run.py -> benchmarks/ZOO.md).
 PY ?= python3
 VENV := .venv
@@ -22,14 +23,21 @@ $(ZOO_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,zoo]' -c $(VENV)/constraints.txt
 	touch $(ZOO_STAMP)
 
-.PHONY: install demo test zoo
+.PHONY: install demo test zoo gpu-check
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/remat demo --out out/demo
 
+# lint-imports: the [tool.importlinter] layers contract in pyproject.toml (DESIGN.md's stage table)
 test: $(ZOO_STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+# every CUDA path on one GPU (issue 13): benchmarks/results/gpu/*.json and a section of benchmarks/RESULTS.md
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
+	$(BIN)/python -m pytest -m cuda tests
 
 zoo: $(ZOO_STAMP)
 	$(BIN)/python benchmarks/zoo/run.py

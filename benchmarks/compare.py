@@ -52,10 +52,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from remat.apply.closed_loop import plan_closed_loop
+from remat.closed_loop import plan_closed_loop
 from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
                             search_capacity, time_round_robin)
-from remat.frontier.measure import release_memory
+from remat.measure import release_memory
 from remat.memory import PeakMeasurement, profiler_step_peak
 from remat.plan import InfeasibleBudget, make_plan
 from remat.profile import profile_workload
@@ -207,14 +207,6 @@ def _without_guarded_selective(report):  # noqa: ANN001, ANN202
     return out
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warmup: int, compile_: bool,
                  compile_budget: float, cap_tries: int, cap_max_factor: int, log) -> dict:  # noqa: ANN001
     t_start = time.perf_counter()
@@ -307,7 +299,7 @@ def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warm
         r = results[a.label]
         r.step_ms = [round(x, 3) for x in timings.step_ms[a.label]]
         r.p50_ms = timings.p50(a.label)
-        r.p95_ms = _percentile(timings.step_ms[a.label], 95)
+        r.p95_ms = timings.p95(a.label)
         r.overhead_pct = (r.p50_ms - ctrl) / ctrl * 100
 
     # capacity per budget: probes memoised per arm at the largest budget, reused for the smaller ones

@@ -71,6 +71,9 @@ def check_report(d: dict, engine: str, ops: set[str]) -> None:
     assert eq["loss_equal"] and eq["collective_counts_equal"] and eq["ok"]
     assert eq["collective_counts"]["control"] == eq["collective_counts"]["plan"]
     assert DistributedReport.from_json(json.loads(json.dumps(d))).to_json() == d
+    # one context spelling (issue 13): "torch_version"; reports written before it said "torch" and still load
+    old = {("torch" if k == "torch_version" else k): v for k, v in d.items()}
+    assert "torch" in old and DistributedReport.from_json(old).to_json() == d
 
 
 # -- world size 2 on gloo ------------------------------------------------------------------------
@@ -180,13 +183,34 @@ def _report(results: list[RankResult]) -> DistributedReport:
                     torch_version=torch.__version__, plan_boundaries=["h.0"], criterion="bitwise", notes=[])
 
 
+def test_distributed_equivalence_is_verifys_per_tensor_rule():
+    # float32: verify allows max|diff| <= 1e-8 + 1e-5 * max|control| per tensor (NOTE [tolerances])
+    from remat.verify.model import TOLERANCES
+    tol = TOLERANCES["float32"]
+    big = torch.tensor([1000.0, 1e-6, 0.0])
+    # 1e-6 off on a near-zero entry: element-wise allclose(rtol=1e-5, atol=1e-7) rejects it, the max-norm rule
+    # (scale set by the 1000.0 entry: bound 1e-8 + 1e-2) accepts it
+    near = big + torch.tensor([0.0, 1e-6, 0.0])
+    assert not torch.allclose(big, near, rtol=1e-5, atol=1e-7)
+    ok = compare_grads([("w", big)], [("w", near)])
+    assert not ok.bitwise_equal and ok.within_tolerance
+    assert tol.allows(ok.max_abs_diff, 1000.0)
+    # 0.1 off on the large entry: over the bound (1e-2), rejected
+    far = big + torch.tensor([0.1, 0.0, 0.0])
+    bad = compare_grads([("w", big)], [("w", far)])
+    assert not bad.within_tolerance and bad.max_abs_diff == pytest.approx(0.1, rel=1e-3)
+    from remat.distributed.worker import equivalence_criterion
+    assert equivalence_criterion("cpu", "float32") == "bitwise"
+    assert "rtol=0.016" in equivalence_criterion("cuda", "bfloat16")
+
+
 def test_equivalence_checks_can_fail():
     a = [("w", torch.ones(3)), ("b", torch.zeros(2))]
-    same = compare_grads(a, [(n, t.clone()) for n, t in a], 0.0, 0.0)
+    same = compare_grads(a, [(n, t.clone()) for n, t in a])
     assert same.bitwise_equal and same.max_abs_diff == 0.0
-    off = compare_grads(a, [("w", torch.ones(3) + 1e-7), ("b", torch.zeros(2))], 0.0, 0.0)
+    off = compare_grads(a, [("w", torch.ones(3) + 1e-7), ("b", torch.zeros(2))])
     assert not off.bitwise_equal and off.worst_param == "w" and off.max_abs_diff > 0
-    missing = compare_grads(a, [("w", torch.ones(3)), ("b", None)], 0.0, 0.0)
+    missing = compare_grads(a, [("w", torch.ones(3)), ("b", None)])
     assert missing.mismatched
 
     good = _report([RankResult(rank=r, host="h", samples_per_step=2, memory_source="cpu-live-tensors",

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from remat.cli.main import main
 from remat.errors import RematError
 from remat.plan import Plan, parse_budget, parse_reserve
-from remat.receipt import Receipt, RunSettings, choose_workload, make_receipt, write_receipt
+from remat.pipeline import choose_workload, make_receipt
+from remat.receipt import Receipt, RunSettings, write_receipt
 from remat.workload import BUILTINS, load_workload, parse_shape
 
 from .conftest import TINY, hand_plan

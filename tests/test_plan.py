@@ -431,13 +431,13 @@ class _ScriptedMeasure:
         self.calls: list[tuple[str, ...]] = []
 
     def __call__(self, loaded, plan, *, warmup=2, steps=3):
-        from remat.apply.closed_loop import PlanMeasurement
+        from remat.closed_loop import StepMeasurement as PlanMeasurement
         self.calls.append(tuple((b.module, b.mode.value) for b in plan.boundaries))
         return PlanMeasurement(peak_bytes=int(self.peak_of(plan)), step_ms=[1.0], memory_source="cpu-live-tensors")
 
 
 def test_closed_loop_falls_back_to_all_when_optimal_keeps_missing(chain9, monkeypatch):
-    from remat.apply import closed_loop
+    from remat import closed_loop
     budget = int(chain9.baseline_peak_bytes * 0.7)
     eff = make_plan(chain9, "optimal", budget_bytes=budget).effective_budget_bytes
     n_all = len(make_plan(chain9, "all").boundaries)
@@ -450,7 +450,7 @@ def test_closed_loop_falls_back_to_all_when_optimal_keeps_missing(chain9, monkey
 
 
 def test_closed_loop_exits_with_the_measured_gap_when_nothing_measures_under(chain9, monkeypatch):
-    from remat.apply import closed_loop
+    from remat import closed_loop
     budget = int(chain9.baseline_peak_bytes * 0.7)
     eff = make_plan(chain9, "optimal", budget_bytes=budget).effective_budget_bytes
     fake = _ScriptedMeasure(lambda p: eff + 3 * 2 ** 20 - len(p.boundaries))   # more boundaries, a little lower
@@ -464,7 +464,7 @@ def test_closed_loop_exits_with_the_measured_gap_when_nothing_measures_under(cha
 
 
 def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9, monkeypatch):
-    from remat.apply import closed_loop
+    from remat import closed_loop
     floor = make_plan(chain9, "floor")
     budget = floor.predicted_peak_bytes - 1     # under the model's floor: InfeasibleBudget by prediction
     # ... but the floor plan measures well under it: the measurement wins
@@ -510,3 +510,15 @@ def test_nothing_fits_names_the_phase_that_sets_the_floor():
     with pytest.raises(InfeasibleBudget, match="activations no plannable candidate covers") as info:
         make_plan(haz, "optimal", budget_bytes=haz.phase_peak_bytes["optimizer"] + 1)
     assert "blocks.1: replay hazard: python_state" in info.value.message
+
+
+def test_floor_explanation_tells_idle_exclusions_from_telling_ones_by_record():
+    """The profile says which exclusions free nothing (ProfileReport.idle); the planner never reads reasons."""
+    from remat.plan.planners import classify_candidates, explain_floor
+    r = report([cand("a", 0, saved={F: 100}, ms={F: 1.0})], [row(1000, live=["a"])],
+               excluded={"b": "frees nothing until backward: ...", "c": "called 2 times per step (shared module)",
+                         "d": "free nothing, said in other words"})
+    r.idle = ["b", "d"]
+    text = explain_floor(r, 900, classify_candidates(r))
+    assert "1 candidates excluded: c: called 2 times" in text and "2 more free nothing until backward" in text
+    assert "b: frees" not in text and "d: free" not in text

@@ -19,8 +19,9 @@ import torch
 from remat.cli.main import main
 from remat.errors import ReceiptError, WorkloadError
 from remat.plan import InfeasibleBudget
-from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, check_receipt, choose_workload, git_revision,
-                           load_receipt, make_receipt, render_html, render_markdown, write_receipt)
+from remat.pipeline import check_receipt, choose_workload, make_receipt
+from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, git_revision, load_receipt, render_html,
+                           render_markdown, write_receipt)
 from remat.receipt import write as write_mod
 from remat.workload import load_workload
 
@@ -288,6 +289,11 @@ def _mutate(d: dict, path: str, value) -> dict:
      "unknown field"),
     ("huge shape value", lambda text, d: json.dumps(_mutate(d, "context.shape", {"batch_size": 2 ** 40})),
      "$.context.shape"),
+    # issue 13: decisions are enums; a word the schema does not define is refused
+    ("unknown unsupported status", lambda text, d: json.dumps(_mutate(d, "unsupported.0.status", "works")),
+     "$.unsupported[0].status"),
+    ("unknown rejection", lambda text, d: json.dumps(_mutate(d, "decision.rejected.0.decision", "meh")),
+     "$.decision.rejected[0].decision"),
 ])
 def test_malformed_receipts_are_refused_with_exit_2(work, capsys, case, make, expect):
     path = work / "out" / "receipt.json"
@@ -514,3 +520,20 @@ def test_demo_cli_end_to_end_on_a_tiny_shape(work, monkeypatch, capsys):
     out = _text(capsys.readouterr().out)
     assert "Ship " in out and "demo/report.html" in out and "remat check demo/receipt.json" in out
     assert main(["check", "demo/receipt.json", "--quick"]) == 0
+
+
+def test_schema_words_are_the_enums_words():
+    """The strict schema and the enums that write the receipt name the same words (issue 13)."""
+    from remat.receipt import schema as sc
+    from remat.receipt.model import Coverage, Rejection, ShipStatus
+    from remat.verify.model import RngPolicyKind, RunMode, Site
+    from remat.types import CheckpointMode
+
+    def words(enum_type):
+        return {e.value for e in enum_type}
+    assert set(sc.SITE.values) == words(Site) and set(sc.RUN_MODE.values) == words(RunMode)
+    assert set(sc.MODE.values) == words(CheckpointMode) - {"keep"}
+    assert set(sc.REJECTED.required["decision"].values) == words(Rejection)
+    assert set(sc.UNSUPPORTED.required["status"].values) == words(Coverage)
+    assert set(sc.DECISION.required["status"].values) == words(ShipStatus)
+    assert set(sc.VERIFICATION.required["rng_policy"].required["policy"].values) == words(RngPolicyKind)

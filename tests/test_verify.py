@@ -186,3 +186,60 @@ def test_selective_on_guarded_batchnorm_blocks_verifies_clean():
     assert plan.boundaries and all(b.mode is CheckpointMode.SELECTIVE and b.guarded for b in plan.boundaries)
     report = verify_plan(loaded, plan, steps=2, seeds=1, timing_steps=0)
     assert report.passed, report.failures
+
+
+def test_verify_owns_its_json_and_structured_findings(cnn):
+    """VerifyReport.from_json(to_json) is the same report; failures are read as records, not split strings."""
+    report = verify_plan(cnn, make_plan(cnn.workload.model, ["blocks.0"]), steps=1, seeds=1, timing_steps=0)
+    assert not report.passed and report.hazards   # unguarded BatchNorm: a buffer hazard
+    back = VerifyReport.from_json(json.loads(json.dumps(report.to_json())))
+    assert back.to_json() == report.to_json()
+    from remat.verify.model import RunMode
+    assert [s.mode for s in back.per_step] == [RunMode.TRAIN, RunMode.EVAL]
+    assert back.boundaries[0].mode is CheckpointMode.FULL and back.hazards[0].mode in (RunMode.TRAIN, RunMode.EVAL)
+    # the rule the receipt used to apply to the strings itself, as the independent reference
+    def by_strings(module):
+        under = lambda n: n is not None and (n == module or n.startswith(module + "."))  # noqa: E731
+        return (any(under(d.split(" ", 1)[-1]) for st in report.per_step for d in st.divergent)
+                or any(under(st.first_divergent_module) for st in report.per_step)
+                or any(module in [m.strip() for m in h.module.split(",")] for h in report.hazards))
+    names = [n for n, _ in cnn.workload.model.named_modules() if n] + ["blocks.9"]
+    assert [back.implicates(n) for n in names] == [by_strings(n) for n in names]
+    assert back.implicates("blocks.0") and not back.implicates("blocks.9")
+    # one hazard per (boundary, kind, state, mode): the state is the buffer, not the text around it
+    states = [(h.module, h.kind, h.state, h.mode) for h in report.hazards]
+    assert len(states) == len(set(states)) and all(h.state.startswith("blocks.0.") for h in report.hazards
+                                                   if h.kind is HazardKind.BUFFER_MUTATION)
+
+
+def test_implicates_matches_whole_module_paths():
+    from remat.verify.model import Divergence, Hazard, StepComparison
+    s = StepComparison(seed=0, step=0, mode="train", loss=(1.0, 1.0), outputs_max_abs=None, grad_max_abs=1.0,
+                       grad_max_rel=1.0, grads_bitwise=False, grad_norm=(1.0, 1.0), params_max_abs=None,
+                       buffers_max_abs=0.0, bitwise=False, divergent=["grad h.1.mlp.c_fc.weight", "rng cpu"],
+                       first_divergent_module=None, first_divergence=None, passed=False)
+    assert s.divergences == [Divergence("grad", "h.1.mlp.c_fc.weight"), Divergence("rng", "cpu")]
+    hz = Hazard(module="h.3, h.4", kind=HazardKind.RNG, detail="cpu generator state differs")
+    r = dataclasses.replace(_empty_report(), per_step=[s], hazards=[hz])
+    assert r.implicates("h.1") and r.implicates("h.1.mlp") and not r.implicates("h.10") and not r.implicates("h.2")
+    assert r.implicates("h.4") and not r.implicates("h.")
+
+
+def _empty_report() -> VerifyReport:
+    from remat.verify.model import RngPolicy
+    return VerifyReport(passed=False, workload="w", shape={}, device="cpu", dtype="float32", planner="test",
+                        plan_digest="0", steps=1, seeds=[0], tolerances={}, perturbation=1e-3, per_step=[],
+                        first_divergent_module=None, rng_policy=RngPolicy(preserve_rng_state=True, policy="preserve",
+                                                                          justification="", boundaries_drawing_rng=()),
+                        rng_timing=None, hazards=[], negative_controls=[], boundaries=[], repeatable=True, failures=[])
+
+
+def test_modes_given_as_words_become_enums():
+    from remat.verify.model import BoundaryActivity, Hazard, RunMode
+    h = Hazard(module="m", kind=HazardKind.RNG, detail="d", mode="eval")
+    assert h.mode is RunMode.EVAL and h.to_json()["mode"] == "eval"
+    a = BoundaryActivity(module="m", mode="selective", guarded=False, forward_calls={}, replay_calls={},
+                         draws_rng=False, replay_mutations=[], device_moves=[])
+    assert a.mode is CheckpointMode.SELECTIVE and a.to_json()["mode"] == "selective"
+    with pytest.raises(ValueError):
+        Hazard(module="m", kind=HazardKind.RNG, detail="d", mode="training")

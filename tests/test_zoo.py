@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from remat.apply.closed_loop import plan_closed_loop
+from remat.closed_loop import plan_closed_loop
 from remat.errors import RematError
 from remat.plan import Plan, peak_floor
 from remat.profile import profile_workload
-from remat.receipt.build import trace_planned
+from remat.pipeline import trace_planned
 from remat.trace import trace_workload
 from remat.verify import verify_plan
 from remat.workload import load_workload

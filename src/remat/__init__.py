@@ -1,7 +1,7 @@
 """remat: plan, apply and prove activation checkpointing for PyTorch training.
 
-The stages (DESIGN.md): workload -> trace -> profile -> plan -> apply -> verify ->
-frontier -> receipt, plus distributed. The names below are the public API.
+The stages (DESIGN.md): workload -> memory -> trace -> measure -> simulate -> profile ->
+plan -> apply -> closed_loop -> verify -> frontier -> distributed -> receipt -> pipeline -> cli. The names below are the public API.
 """
 
 from __future__ import annotations

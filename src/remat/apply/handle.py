@@ -45,7 +45,7 @@ def check_plan_fingerprint(model: nn.Module, plan: Plan) -> None:
             f"the plan was made for another model ({len(diffs)} difference(s), plan -> this model):{shown}",
             tip="re-run `remat plan` on this model, or pass check_fingerprint=False if you know the plan still fits",
         )
-        exc.differences = diffs  # type: ignore[attr-defined]  # the full list, for callers
+        exc.differences = [str(d) for d in diffs]  # type: ignore[attr-defined]  # the full list, for callers
         raise exc
 
 

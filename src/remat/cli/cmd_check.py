@@ -11,7 +11,8 @@ import torch
 from rich.markup import escape
 
 from ..errors import CheckFailed
-from ..receipt import check_receipt, load_receipt_with_digest
+from ..pipeline import check_receipt
+from ..receipt import load_receipt_with_digest
 from .common import MAX_THREADS, bounded_int
 from .render import console, progress_bar
 

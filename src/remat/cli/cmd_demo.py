@@ -27,7 +27,8 @@ from typing import Iterator
 import torch
 
 from ..errors import RematError
-from ..receipt import RunSettings, make_receipt, write_receipt
+from ..pipeline import make_receipt
+from ..receipt import RunSettings, write_receipt
 from ..workload import load_workload
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from .cmd_receipt import render_decision, stage_progress

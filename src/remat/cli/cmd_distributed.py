@@ -17,8 +17,9 @@ from ..distributed.launch import WORKER_MODULE
 from ..plan.model import Plan
 from ..workload import parse_shape
 from ..errors import OutputError
+from ..units import fmt_bytes
 from .common import MAX_SECONDS, MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_float, bounded_int, check_out_dir
-from .render import console, fmt_bytes, progress_bar
+from .render import console, progress_bar
 
 
 def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:

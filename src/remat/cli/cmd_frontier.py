@@ -11,11 +11,12 @@ from rich.table import Table
 from .._io import atomic_write_bytes, atomic_write_json
 from ..errors import RematError
 from ..frontier import DEFAULT_PLANS, Decision, FrontierReport, parse_plan_requests, render_frontier_png, run_frontier
-from ..plan import Plan, parse_budget, parse_reserve
+from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
+from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
-from .render import console, fmt_bytes, progress_bar
+from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,7 +80,7 @@ def render_frontier(report: FrontierReport) -> None:
 def run(args: argparse.Namespace) -> int:
     # cheap checks first: a typo should not cost minutes of profiling
     reserve = parse_reserve(args.reserve)
-    parse_budget(args.budget, 1 << 50)
+    check_budget_syntax(args.budget)
     parse_plan_requests(args.plans)
     for name in ("steps", "warmup", "capacity_tries", "capacity_steps", "capacity_granularity"):
         if getattr(args, name) < 1:

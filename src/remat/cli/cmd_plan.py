@@ -8,13 +8,14 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..apply.closed_loop import ClosedLoopResult, plan_closed_loop
-from ..plan import PLANNER_SPECS, Plan, parse_budget, parse_reserve
+from ..closed_loop import ClosedLoopResult, plan_closed_loop
+from ..plan import PLANNER_SPECS, Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated, profile_workload
 from ..workload import parse_shape
+from ..units import fmt_bytes
 from .common import add_workload_args, check_out_dir, load_from_args
-from .render import console, fmt_bytes, progress_bar
+from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +48,7 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
     from ..plan import make_plan
     reserve = parse_reserve(args.reserve)
     if args.budget is not None:
-        parse_budget(args.budget, 1 << 50)  # syntax check before minutes of profiling
+        check_budget_syntax(args.budget)  # syntax check before minutes of profiling
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
     if getattr(args, "target_device", None) and not getattr(args, "simulate", False):
         raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
@@ -96,7 +97,7 @@ def render_plan(plan: Plan) -> None:
 def run(args: argparse.Namespace) -> int:
     parse_reserve(args.reserve)
     if args.budget is not None:
-        parse_budget(args.budget, 1 << 50)
+        check_budget_syntax(args.budget)
     check_out_dir(args.out, ("plan.json", "profile.json"))
     with progress_bar() as progress:
         report, result = plan_from_args(args, progress)

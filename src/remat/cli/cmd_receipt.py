@@ -14,8 +14,9 @@ import torch
 from rich.markup import escape
 
 from ..errors import RematError
-from ..plan import parse_budget, parse_reserve
-from ..receipt import Receipt, ReceiptFiles, RunSettings, make_receipt, write_receipt
+from ..plan import check_budget_syntax, parse_reserve
+from ..pipeline import make_receipt
+from ..receipt import Receipt, ReceiptFiles, RunSettings, ShipStatus, write_receipt
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
@@ -76,7 +77,7 @@ def stage_progress(t0: float | None = None) -> Iterator[ProgressFn]:
 
 def render_decision(receipt: Receipt, files: ReceiptFiles) -> None:
     d = receipt.decision
-    color = "green" if d.status == "ship" else "red"
+    color = "green" if d.status is ShipStatus.SHIP else "red"
     for i, line in enumerate(d.why):
         console.print(f"[bold {color}]{escape(line)}[/]" if i == 0 else f"  {escape(line)}", highlight=False)
     console.print(escape(f"wrote {files.receipt}, {files.html} and {files.markdown}"), highlight=False)
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise RematError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    parse_budget(args.budget, 1 << 50)  # cheap syntax checks before minutes of measuring
+    check_budget_syntax(args.budget)  # cheap syntax checks before minutes of measuring
     settings = settings_from_args(args)
     boundary = parse_shape(args.boundary_shape) or None
     check_out_dir(args.out, (RECEIPT_FILE, HTML_FILE, MD_FILE))

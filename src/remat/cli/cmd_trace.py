@@ -12,8 +12,9 @@ from ..errors import WorkloadError
 from ..simulate import DEVICE_MODELS, simulate_workload
 from ..trace import StepTrace, to_perfetto, trace_workload
 from ..workload import parse_shape
+from ..units import fmt_bytes
 from .common import MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
-from .render import console, fmt_bytes, progress_bar
+from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

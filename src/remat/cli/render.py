@@ -14,17 +14,6 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def fmt_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
 @contextlib.contextmanager
 def progress_bar() -> Iterator[ProgressFn]:
     """A ProgressFn that draws one rich bar per task description (on stderr)."""

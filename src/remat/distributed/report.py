@@ -11,17 +11,16 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
-
 from ..errors import DistributedError
+from ..measure import percentile as _percentile
 
 REPORT_SCHEMA_VERSION = 1
 SIDES = ("control", "plan")
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``nan`` for no values."""
-    return float(np.percentile(values, q)) if values else float("nan")
+    """remat.measure's percentile (linear interpolation), ``nan`` for no values."""
+    return _percentile(values, q) if values else float("nan")
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -183,7 +182,7 @@ class DistributedReport:
             "device": self.device,
             "dtype": self.dtype,
             "workload": {"spec": self.spec, "shape": self.shape},
-            "torch": self.torch_version,
+            "torch_version": self.torch_version,   # the key every other context uses (was "torch")
             "steps": self.steps,
             "warmup": self.warmup,
             "comm_steps": self.comm_steps,
@@ -230,7 +229,7 @@ class DistributedReport:
                        shape=dict(d["workload"]["shape"]), steps=int(d["steps"]), warmup=int(d["warmup"]),
                        comm_steps=int(d["comm_steps"]), samples_per_step=[int(x) for x in d["samples_per_step"]],
                        memory_source=str(d["memory_source"]), comm_source=str(d["comm_source"]),
-                       torch_version=str(d["torch"]), plan_boundaries=list(d["plan_boundaries"]),
+                       torch_version=str(d["torch_version"] if "torch_version" in d else d["torch"]), plan_boundaries=list(d["plan_boundaries"]),
                        control=control, plan=sides["plan"],
                        equivalence=None if d["equivalence"] is None else Equivalence.from_json(d["equivalence"]),
                        notes=list(d.get("notes", [])), schema_version=int(d["schema_version"]))

@@ -4,7 +4,8 @@
 workload, interleaved, and returns a :class:`FrontierReport` (``to_json()`` is what
 ``remat frontier`` writes to ``frontier.json``). The pure parts (``pareto_flags``,
 ``decide``, ``search_capacity``) work on made-up data; ``Arm``/``time_round_robin``/
-``probe_capacity`` are the measuring parts, reused by ``benchmarks/compare.py``.
+``probe_capacity`` are remat.measure's (re-exported here; ``probe_capacity`` as a CapacityTry),
+reused by ``benchmarks/compare.py``.
 """
 
 from .capacity import MeasureFn, search_capacity

@@ -4,7 +4,7 @@ NOTE [frontier pipeline]
 1. Profile the workload once (or take the caller's ``ProfileReport``) and make one plan per
    requested spec (``parse_plan_requests``). An ``optimal``/``greedy`` request without
    ``@`` is planned at the frontier's budget *with* its reserve and through the closed
-   loop (apply, measure, re-plan: remat.apply.closed_loop), because it is the plan most
+   loop (apply, measure, re-plan: remat.closed_loop), because it is the plan most
    likely to ship. ``planner@X`` requests are sweep points: planned open-loop at budget X
    (bytes, a unit, or a share of the control's profiled peak) with no reserve, so
    ``optimal@50%`` means "predicted peak <= 50% of the control's". An impossible budget
@@ -29,11 +29,12 @@ from typing import Sequence
 import torch
 
 from .. import __version__
-from ..apply.closed_loop import plan_closed_loop
+from ..closed_loop import plan_closed_loop
 from ..errors import BudgetError, PlanError, RematError, WorkloadError
-from ..plan import BUDGET_PLANNERS, InfeasibleBudget, Plan, make_plan, parse_budget, planner_from_spec
+from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, check_budget_syntax, make_plan, parse_budget,
+                    planner_from_spec)
 from ..profile import ProfileReport, profile_workload
-from ..trace.model import TraceContext, host_info
+from ..trace.model import HostContext, TraceContext
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..units import mib
@@ -83,7 +84,7 @@ def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
         if sep:
             if not req.needs_budget:
                 raise PlanError(f"{item!r}: only {', '.join(BUDGET_PLANNERS)} take a budget (planner@budget)")
-            parse_budget(req.budget, 1 << 50)  # syntax only; a share is resolved against the control's peak
+            check_budget_syntax(req.budget)  # syntax only; a share is resolved against the control's peak
         if req.label not in seen:
             seen.add(req.label)
             out.append(req)
@@ -154,7 +155,8 @@ def _context(loaded: LoadedWorkload, *, warmup: int, steps: int, capacity_key: s
              extra: dict) -> dict:
     ctx = dataclasses.asdict(TraceContext.capture(workload=loaded.spec, shape=loaded.shape, dtype=loaded.dtype,
                                                   device=loaded.device, warmup=warmup, steps=steps))
-    ctx.update({k: v for k, v in host_info().items() if k != "python"})  # python_version is there
+    host = HostContext.capture()
+    ctx.update(cpu_count=host.cpu_count, platform=host.platform)
     if loaded.device.startswith("cuda") and torch.cuda.is_available():
         ctx["cuda_device"] = torch.cuda.get_device_name(torch.device(loaded.device))
     ctx.update({

@@ -1,6 +1,7 @@
 """Planners (pure: no torch ops), the peak/overhead cost model, and the ``Plan`` type."""
 
-from .budget import InfeasibleBudget, effective_budget, format_bytes, min_budget_for, parse_budget, parse_reserve
+from .budget import (InfeasibleBudget, check_budget_syntax, effective_budget, format_bytes, min_budget_for, parse_budget,
+                     parse_reserve)
 from .cost import CostModel, peak_floor, predict_overhead_ms, predict_peak
 from .model import PLAN_SCHEMA_VERSION, Boundary, Exclusion, Plan
 from .planners import (BUDGET_PLANNERS, PLANNER_SPECS, Eligibility, Planner, classify_candidates, correction_margin,
@@ -8,5 +9,6 @@ from .planners import (BUDGET_PLANNERS, PLANNER_SPECS, Eligibility, Planner, cla
 
 __all__ = ["BUDGET_PLANNERS", "PLANNER_SPECS", "PLAN_SCHEMA_VERSION", "Boundary", "CostModel", "Eligibility",
            "Exclusion", "InfeasibleBudget", "Plan", "Planner", "classify_candidates", "correction_margin",
-           "effective_budget", "format_bytes", "make_plan", "min_budget_for", "parse_budget", "parse_reserve",
+           "check_budget_syntax", "effective_budget", "format_bytes", "make_plan", "min_budget_for", "parse_budget",
+           "parse_reserve",
            "peak_floor", "planner_from_spec", "predict_overhead_ms", "predict_peak", "replan_with_correction"]

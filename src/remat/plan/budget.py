@@ -7,7 +7,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from ..errors import BudgetError
-from ..units import MIB
+from ..units import mib
 
 
 # Decimal (SI) and binary (IEC) units, matched case-insensitively. Bare "K/M/G" are refused:
@@ -44,7 +44,13 @@ def _magnitude_ok(value: Decimal, limit: Decimal) -> bool:
 
 def format_bytes(n: int) -> str:
     """``'1234567 bytes (1.18 MiB)'``: every budget message gives both."""
-    return f"{n} bytes ({n / MIB:.2f} MiB)"
+    return f"{n} bytes ({mib(n)})"
+
+
+def check_budget_syntax(text: str | int) -> None:
+    """BudgetError when ``text`` is not a budget ``parse_budget`` takes: the one check callers make
+    before minutes of measuring, while a percentage cannot be resolved yet (no baseline peak)."""
+    parse_budget(text, 1 << 50)   # any baseline: a share of it is well formed whatever it is
 
 
 def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:

@@ -323,7 +323,7 @@ class FloorPlanner(Planner):
     """The cheapest plan among those of least predicted peak (exact): the floor's witness.
 
     No budget needed; the closed loop measures it last when cheaper plans measured over the
-    budget (NOTE [closed loop] in remat.apply.closed_loop).
+    budget (NOTE [closed loop] in remat.closed_loop).
     """
 
     spec = "floor"
@@ -364,8 +364,9 @@ def explain_floor(report: ProfileReport, floor: int, eligibility: Eligibility) -
         else:
             parts.append(f"the floor is set by activations no plannable candidate covers (the optimizer and batch "
                          f"phases peak at {format_bytes(fixed)})")
-    idle = [e for e in eligibility.excluded if e.reason.startswith("frees nothing")]
-    telling = [e for e in eligibility.excluded if not e.reason.startswith("frees nothing")]
+    idle_names = set(report.idle)
+    idle = [e for e in eligibility.excluded if e.module in idle_names]
+    telling = [e for e in eligibility.excluded if e.module not in idle_names]
     if telling:
         shown = "; ".join(f"{e.module}: {e.reason}" for e in telling[:4])
         more = f" (+{len(telling) - 4} more)" if len(telling) > 4 else ""

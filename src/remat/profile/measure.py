@@ -11,7 +11,8 @@ From it, per candidate j:
                      checkpoint keeps them alive until j's backward).
   saved_bytes[SELECTIVE]  the same less what SAC keeps: outputs of SAC_SAVE_OPS made in j
                      (whether autograd saved them or not: SAC caches them all).
-  replay_ms[FULL]    j's warm median forward time (separate, lightly instrumented steps).
+  replay_ms[FULL]    j's warm median forward time (separate, lightly instrumented steps; CUDA
+                     events on a GPU, NOTE [device-correct timing] in remat.measure.timing).
   replay_ms[SELECTIVE]  that time less the share spent in SAC_SAVE_OPS, plus SAC's Python
                      dispatch cost per op, once in forward and once in the replay
                      (measured on this machine, see ``_dispatch_overhead_ns``).
@@ -22,7 +23,6 @@ The rows follow NOTE [peak cost model] in profile/model.py.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,7 +32,8 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..memory.measure import measure_step_peak
+from ..measure import RegionTimer, percentile, time_steps, warm_up
+from ..memory.measure import measure_step_peak, model_device
 from ..memory.tracker import StorageRecord
 from ..trace.recorder import ModuleWindow, StepRecorder
 from ..types import SAC_SAVE_OPS, CheckpointMode, HazardKind, MemorySource, ProgressFn, no_progress
@@ -120,30 +121,33 @@ class _OpLog:
 
 
 def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int) -> tuple[dict[str, float], list[float]]:
-    """Warm median forward ms per candidate (hooks only, no dispatch mode) and step times."""
-    starts: dict[int, int] = {}
-    samples: dict[str, list[float]] = defaultdict(list)
+    """Warm median forward ms per candidate (hooks only, no dispatch mode) and step times (ms).
+
+    Device-correct (NOTE [device-correct timing] in remat.measure.timing): on CUDA the hooks
+    record events and each step's figures are read after it synchronises, so replay_ms is
+    kernel time, not launch time; the step itself is timed by remat.measure's one loop.
+    """
+    regions = RegionTimer(model_device(step))
 
     def pre(m: nn.Module, a: Any) -> None:
         if names.get(id(m)) in wanted:
-            starts[id(m)] = time.perf_counter_ns()
+            regions.start(id(m))
 
     def post(m: nn.Module, a: Any, o: Any) -> None:
-        n = names.get(id(m))
-        if n in wanted and id(m) in starts:
-            samples[n].append((time.perf_counter_ns() - starts.pop(id(m))) / 1e6)
+        if names.get(id(m)) in wanted:
+            regions.stop(id(m))
 
-    step_ms: list[float] = []
+    def run(i: int) -> None:
+        step.run(i)
+        regions.collect()
+
     h1, h2 = register_module_forward_pre_hook(pre), register_module_forward_hook(post)
     try:
-        for i in range(steps):
-            t0 = time.perf_counter()
-            step.run(start + i)
-            step_ms.append((time.perf_counter() - t0) * 1e3)
+        step_ms = time_steps(step, range(start, start + steps), run=run)
     finally:
         h1.remove()
         h2.remove()
-    return {n: statistics.median(v) for n, v in samples.items()}, step_ms
+    return {names[k]: percentile(v, 50.0) for k, v in regions.samples.items()}, step_ms
 
 
 def _phase_peaks(rec: StepRecorder, start_event: int) -> dict[str, int]:
@@ -264,9 +268,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     names = {id(m): n for n, m in model.named_modules()}
     modules = dict(model.named_modules())
     cand_set = set(candidate_names)
-    for i in range(warmup):
-        progress("profile: warm-up", i + 1, warmup)
-        step.run(i)
+    warm_up(step, warmup, progress=progress, what="profile: warm-up")
     base = measure_step_peak(step, warmup)
     predicted: RuntimePrediction | None = None
     if runtime is None:
@@ -300,6 +302,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     evidence = _StepEvidence(rec, oplog)
 
     excluded: dict[str, str] = {}
+    idle: list[str] = []          # excluded because checkpointing them frees nothing
     costs: list[CandidateCost] = []
     spans: dict[str, tuple[int, int, int | None, int | None]] = {}
     for name in candidate_names:
@@ -315,6 +318,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
             # single Conv/BN/ReLU layers whose checkpoints raised the measured peak)
             excluded[name] = (f"frees nothing until backward: it saves {full_saved + unsaved_inputs} bytes of its "
                               f"own for backward, and a checkpoint would keep {unsaved_inputs} bytes of inputs")
+            idle.append(name)
             continue
         sac_kept, save_share, n_ops = evidence.sac_figures(w)
         extra = max(0, evidence.forward_rise(w) - max(full_saved, 0))
@@ -353,8 +357,9 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     rows = _rows(rec, {n: s for n, s in spans.items() if n in kept}, start_event)
     phase_peaks = _phase_peaks(rec, start_event)
     return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
-                         baseline_step_ms=statistics.median(step_ms), memory_source=base.source,
-                         fingerprint=fingerprint(model), refuted_hazards=refuted, phase_peak_bytes=phase_peaks)
+                         baseline_step_ms=percentile(step_ms, 50.0), memory_source=base.source,
+                         fingerprint=fingerprint(model), refuted_hazards=refuted, phase_peak_bytes=phase_peaks,
+                         idle=idle)
 
 
 def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, dtype: str = "float32",

@@ -123,23 +123,46 @@ class ModelFingerprint:
                    class_source_hashes=tuple((str(a), str(b)) for a, b in d["class_source_hashes"]),
                    digest=str(d["digest"]))
 
-    def differences(self, other: "ModelFingerprint") -> list[str]:
-        """Human-readable list of what differs (empty when the digests agree)."""
+    def differences(self, other: "ModelFingerprint") -> list[FingerprintDiff]:
+        """What differs, as records whose ``str()`` reads well (empty when the digests agree)."""
         if self.digest == other.digest:
             return []
-        out: list[str] = []
+        D = FingerprintDiff
+        out: list[FingerprintDiff] = []
         a, b = dict(self.modules), dict(other.modules)
-        out += [f"module {m} missing" for m in sorted(a.keys() - b.keys())]
-        out += [f"module {m} is new" for m in sorted(b.keys() - a.keys())]
-        out += [f"module {m}: {a[m]} -> {b[m]}" for m in sorted(a.keys() & b.keys()) if a[m] != b[m]]
+        out += [D(kind="module", name=m, text=f"module {m} missing") for m in sorted(a.keys() - b.keys())]
+        out += [D(kind="module", name=m, text=f"module {m} is new") for m in sorted(b.keys() - a.keys())]
+        out += [D(kind="module", name=m, text=f"module {m}: {a[m]} -> {b[m]}")
+                for m in sorted(a.keys() & b.keys()) if a[m] != b[m]]
         pa, pb = {p.name: p for p in self.params}, {p.name: p for p in other.params}
-        out += [f"parameter {n} missing" for n in sorted(pa.keys() - pb.keys())]
-        out += [f"parameter {n} is new" for n in sorted(pb.keys() - pa.keys())]
-        out += [f"parameter {n}: {list(pa[n].shape)} {pa[n].dtype} -> {list(pb[n].shape)} {pb[n].dtype}"
+        out += [D(kind="parameter", name=n, text=f"parameter {n} missing") for n in sorted(pa.keys() - pb.keys())]
+        out += [D(kind="parameter", name=n, text=f"parameter {n} is new") for n in sorted(pb.keys() - pa.keys())]
+        out += [D(kind="parameter", name=n,
+                  text=f"parameter {n}: {list(pa[n].shape)} {pa[n].dtype} -> {list(pb[n].shape)} {pb[n].dtype}")
                 for n in sorted(pa.keys() & pb.keys()) if pa[n] != pb[n]]
         ca, cb = dict(self.class_source_hashes), dict(other.class_source_hashes)
-        out += [f"source of class {c} changed" for c in sorted(ca.keys() & cb.keys()) if ca[c] != cb[c]]
-        return out or ["fingerprint digest differs"]
+        out += [D(kind="class", name=c, text=f"source of class {c} changed")
+                for c in sorted(ca.keys() & cb.keys()) if ca[c] != cb[c]]
+        return out or [D(kind="digest", name="", text="fingerprint digest differs")]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FingerprintDiff:
+    """One difference between two fingerprints: a module, parameter or class (by its path or
+    qualified name), with the sentence that says it."""
+
+    kind: str      # "module", "parameter", "class", or "digest" (nothing more specific found)
+    name: str      # module path, parameter name, or qualified class name
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+    def under(self, module: str, *, strictly: bool = False) -> bool:
+        """Whether it is about ``module`` (unless ``strictly``) or a module or parameter inside it."""
+        if self.kind not in ("module", "parameter"):
+            return False
+        return self.name.startswith(module + ".") or (not strictly and self.name == module)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -161,6 +184,9 @@ class ProfileReport:
     mode_excluded: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # peak live bytes per phase of the profiled step (Phase value -> bytes); {} when unknown
     phase_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the excluded candidates that free nothing until backward (a subset of ``excluded``'s keys),
+    # so a planner can tell them from telling exclusions without reading the reasons
+    idle: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
@@ -169,7 +195,7 @@ class ProfileReport:
                 "fingerprint": self.fingerprint.to_json(), "simulated": self.simulated,
                 "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards),
                 "mode_excluded": {k: dict(v) for k, v in self.mode_excluded.items()},
-                "phase_peak_bytes": dict(self.phase_peak_bytes)}
+                "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -181,4 +207,5 @@ class ProfileReport:
                    refuted_hazards={str(k): [str(x) for x in v] for k, v in d.get("refuted_hazards", {}).items()},
                    mode_excluded={str(k): {str(m): str(r) for m, r in v.items()}
                                   for k, v in d.get("mode_excluded", {}).items()},
-                   phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()})
+                   phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()},
+                   idle=[str(n) for n in d.get("idle", [])])

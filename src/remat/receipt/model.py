@@ -12,28 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import hashlib
 import math
-import os
-import platform
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import __version__
 from .._json import read_bounded_bytes
-from ..apply.closed_loop import Attempt
+from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport
 from ..plan.model import Plan
-from ..trace.model import StepTrace
-from ..types import HazardKind
-from ..verify.model import (BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming, StepComparison,
-                            Tolerance, VerifyReport)
-from ..workload.loader import LoadedWorkload, _resolve_factory
+from ..trace.model import HostContext, StepTrace
+from ..verify.model import Tolerance, VerifyReport
+from ..workload.loader import LoadedWorkload, factory_defaults
 from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
 
 ShapeDict = dict[str, Any]
@@ -63,15 +57,8 @@ def resolved_shape(spec: str, shape: ShapeDict) -> ShapeDict:
     """Every shape keyword the factory takes, with its default where ``shape`` leaves it out
     (JSON scalars only; device and dtype are recorded separately). ``remat check`` compares
     it, so a changed default (``batch_size=8`` -> ``16`` in the user's factory) is caught."""
-    import inspect
-    factory = _resolve_factory(spec)
-    out: ShapeDict = {}
-    for p in inspect.signature(factory).parameters.values():
-        if p.name in ("device", "dtype") or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            continue
-        if p.default is not p.empty and isinstance(p.default, (bool, int, float, str)) and \
-                not (isinstance(p.default, float) and not math.isfinite(p.default)):
-            out[p.name] = p.default
+    out: ShapeDict = {k: v for k, v in factory_defaults(spec).items()
+                      if isinstance(v, (bool, int, float, str)) and not (isinstance(v, float) and not math.isfinite(v))}
     out.update(shape)
     return out
 
@@ -103,11 +90,10 @@ class ReceiptContext:
     def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: str,
                 command: str = "") -> "ReceiptContext":
         rev, dirty = git_revision()
+        host = dataclasses.asdict(HostContext.capture())   # the same fields, captured in one place
         return cls(workload=loaded.spec, shape=dict(loaded.shape), resolved_shape=resolved_shape(loaded.spec, loaded.shape),
                    boundary_shape=dict(boundary_shape) if boundary_shape else None, dtype=loaded.dtype,
-                   device=loaded.device, torch_version=torch.__version__, python_version=platform.python_version(),
-                   platform=platform.platform(), hostname=socket.gethostname(), cpu_count=os.cpu_count(),
-                   threads=torch.get_num_threads(), remat_version=__version__, git_revision=rev, git_dirty=dirty,
+                   device=loaded.device, **host, remat_version=__version__, git_revision=rev, git_dirty=dirty,
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    command=command, memory_source=memory_source)
 
@@ -203,7 +189,7 @@ class BoundaryRecord:
     guarded: bool
     revision: str                   # remat.profile.module_revision: class sources + parameter shapes
     predicted_saving_bytes: int     # the planner's figure (profile of the unmodified step)
-    measured_saving_bytes: int      # NOTE [measured saving] in build.py
+    measured_saving_bytes: int      # NOTE [measured saving] in remat/pipeline/build.py
     saving_tolerance: float         # check fails when the saving falls by more than this share
     replay_ms: float                # measured warm forward time of the module: the added backward time
     fixture: Fixture
@@ -250,34 +236,76 @@ class ReceiptPlan:
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "plan": None if self.plan is None else self.plan.to_json(),
                 "boundaries": [b.to_json() for b in self.boundaries], "control_held_bytes": self.control_held_bytes,
-                "closed_loop": [dataclasses.asdict(a) for a in self.closed_loop],
+                "closed_loop": [a.to_json() for a in self.closed_loop],
                 "closed_loop_boundaries": list(self.closed_loop_boundaries), "note": self.note}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptPlan":
         return cls(label=d["label"], plan=None if d["plan"] is None else Plan.from_json(d["plan"]),
                    boundaries=[BoundaryRecord.from_json(b) for b in d["boundaries"]],
-                   control_held_bytes=d["control_held_bytes"], closed_loop=[Attempt(**a) for a in d["closed_loop"]],
+                   control_held_bytes=d["control_held_bytes"], closed_loop=[Attempt.from_json(a) for a in d["closed_loop"]],
                    closed_loop_boundaries=list(d["closed_loop_boundaries"]), note=d["note"])
+
+
+class _Value(str, enum.Enum):
+    """A decision word as the receipt's JSON spells it (``str()`` and f-strings give the word)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ShipStatus(_Value):
+    SHIP = "ship"           # a plan (or the control) ships
+    NO_PLAN = "no-plan"     # nothing measured clears the budget with its reserve, or the plan failed verification
+
+
+class Rejection(_Value):
+    """Why a measured plan did not ship: the frontier's decisions, or verification."""
+
+    REJECT = "reject"           # fits, but another plan is cheaper; or misses the budget
+    INFEASIBLE = "infeasible"   # no plan of that planner reaches its budget
+    FAILED = "failed"           # measuring it failed
+    UNVERIFIED = "unverified"   # fits, but failed verification
+
+
+class Coverage(_Value):
+    NOT_RUN = "not run"          # might work; not measured
+    UNSUPPORTED = "unsupported"  # remat refuses it
+
+
+def _enum(kind: type[enum.Enum], value: Any, what: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ReceiptError(f"receipt: {what} is {value!r}, not one of {', '.join(str(k.value) for k in kind)}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RejectedPlan:
     plan: str
-    decision: str                     # "reject", "infeasible", "failed", or "unverified"
+    decision: Rejection
     reason: str
     peak_bytes: int | None = None
     p50_ms: float | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decision", Rejection(self.decision))
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"plan": self.plan, "decision": self.decision.value, "reason": self.reason,
+                "peak_bytes": self.peak_bytes, "p50_ms": self.p50_ms}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RejectedPlan":
+        return cls(plan=d["plan"], decision=_enum(Rejection, d["decision"], "a rejected plan's decision"),
+                   reason=d["reason"], peak_bytes=d["peak_bytes"], p50_ms=d["p50_ms"])
 
 
 @dataclasses.dataclass(kw_only=True)
 class ReceiptDecision:
-    """What ships and why (NOTE [receipt decision] in build.py)."""
+    """What ships and why (NOTE [receipt decision] in remat/pipeline/build.py)."""
 
-    status: str                       # "ship" or "no-plan"
+    status: ShipStatus
     shipped: str | None               # frontier label of the shipped plan
     boundaries: list[str]             # "h.1:full"
     budget_bytes: int
@@ -295,15 +323,20 @@ class ReceiptDecision:
     rejected: list[RejectedPlan]
     why: list[str]                    # the decision in a few sentences, first line first
 
+    def __post_init__(self) -> None:
+        self.status = ShipStatus(self.status)
+
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["status"] = self.status.value
         d["rejected"] = [r.to_json() for r in self.rejected]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptDecision":
-        return cls(**{**d, "rejected": [RejectedPlan(**r) for r in d["rejected"]], "boundaries": list(d["boundaries"]),
-                      "why": list(d["why"])})
+        return cls(**{**d, "status": _enum(ShipStatus, d["status"], "decision.status"),
+                      "rejected": [RejectedPlan.from_json(r) for r in d["rejected"]],
+                      "boundaries": list(d["boundaries"]), "why": list(d["why"])})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -311,51 +344,19 @@ class UnsupportedMode:
     """An execution mode the receipt's evidence does not cover."""
 
     mode: str                         # "torch.compile", "reentrant checkpointing", "bfloat16", ...
-    status: str                       # "not run" (might work, not measured) or "unsupported" (remat refuses)
+    status: Coverage
     detail: str
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Coverage(self.status))
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"mode": self.mode, "status": self.status.value, "detail": self.detail}
 
-
-# -- verify report from JSON (remat.verify writes it; the receipt reads it back) ------------------
-
-def _f(x: Any) -> float:
-    return float(x)  # "inf"/"nan" strings included (verify's JSON encoding of non-finite values)
-
-
-def _opt_f(x: Any) -> float | None:
-    return None if x is None else float(x)
-
-
-def verify_report_from_json(d: dict[str, Any]) -> VerifyReport:
-    timing = d["rng_timing"]
-    return VerifyReport(
-        passed=d["passed"], workload=d["workload"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
-        planner=d["planner"], plan_digest=d["plan_digest"], steps=d["steps"], seeds=list(d["seeds"]),
-        tolerances={k: Tolerance(**v) for k, v in d["tolerances"].items()}, perturbation=float(d["perturbation"]),
-        per_step=[StepComparison(
-            seed=s["seed"], step=s["step"], mode=s["mode"], loss=(_f(s["loss"][0]), _f(s["loss"][1])),
-            outputs_max_abs=_opt_f(s["outputs_max_abs"]), grad_max_abs=_f(s["grad_max_abs"]),
-            grad_max_rel=_f(s["grad_max_rel"]), grads_bitwise=s["grads_bitwise"],
-            grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])), params_max_abs=_opt_f(s["params_max_abs"]),
-            buffers_max_abs=_f(s["buffers_max_abs"]), bitwise=s["bitwise"], divergent=list(s["divergent"]),
-            first_divergent_module=s["first_divergent_module"], first_divergence=s["first_divergence"],
-            passed=s["passed"]) for s in d["per_step"]],
-        first_divergent_module=d["first_divergent_module"],
-        rng_policy=RngPolicy(preserve_rng_state=d["rng_policy"]["preserve_rng_state"], policy=d["rng_policy"]["policy"],
-                             justification=d["rng_policy"]["justification"],
-                             boundaries_drawing_rng=tuple(d["rng_policy"]["boundaries_drawing_rng"])),
-        rng_timing=None if timing is None else RngTiming(with_ms=timing["with_ms"], without_ms=timing["without_ms"],
-                                                         with_p95_ms=timing["with_p95_ms"],
-                                                         without_p95_ms=timing["without_p95_ms"], steps=timing["steps"]),
-        hazards=[Hazard(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=h["mode"],
-                        seed=h["seed"], step=h["step"]) for h in d["hazards"]],
-        negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
-        boundaries=[BoundaryActivity(**{**b, "forward_calls": dict(b["forward_calls"]),
-                                        "replay_calls": dict(b["replay_calls"])}) for b in d["boundaries"]],
-        repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
-        schema_version=d["schema_version"])
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "UnsupportedMode":
+        return cls(mode=d["mode"], status=_enum(Coverage, d["status"], "an unsupported mode's status"),
+                   detail=d["detail"])
 
 
 # -- the receipt -----------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ class Receipt:
 
     @property
     def shipped(self) -> bool:
-        return self.decision.status == "ship"
+        return self.decision.status is ShipStatus.SHIP
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -404,11 +405,11 @@ class Receipt:
                 settings=RunSettings.from_json(data["settings"]),
                 traces=ReceiptTraces.from_json(data["traces"]),
                 plan=ReceiptPlan.from_json(data["plan"]),
-                verification=None if data["verification"] is None else verify_report_from_json(data["verification"]),
+                verification=None if data["verification"] is None else VerifyReport.from_json(data["verification"]),
                 verification_note=data["verification_note"],
                 frontier=None if data["frontier"] is None else FrontierReport.from_json(data["frontier"]),
                 decision=ReceiptDecision.from_json(data["decision"]),
-                unsupported=[UnsupportedMode(**u) for u in data["unsupported"]],
+                unsupported=[UnsupportedMode.from_json(u) for u in data["unsupported"]],
             )
         except ReceiptError:
             raise
@@ -426,7 +427,7 @@ class Receipt:
         if planned != recorded:
             raise ReceiptError(f"malformed receipt: the plan's boundaries {planned} differ from the boundary "
                                f"records {recorded}")
-        if self.decision.status == "ship" and plan is None:
+        if self.decision.status is ShipStatus.SHIP and plan is None:
             raise ReceiptError("malformed receipt: the decision ships a plan but the receipt holds none")
         if self.context.workload != self.traces.target.context.workload:
             raise ReceiptError("malformed receipt: the context and the target trace name different workloads")

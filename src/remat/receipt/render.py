@@ -22,28 +22,14 @@ from typing import Any, Iterable, Sequence
 
 from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
-from ..units import MIB
-from .model import Receipt
+from ..units import MIB, fmt_bytes
+from .model import Receipt, ShipStatus
 
 PHASE_COLORS = {"batch": "#9e9e9e", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c"}
 
 
 def _as_receipt(receipt: Receipt | dict[str, Any]) -> Receipt:
     return receipt if isinstance(receipt, Receipt) else Receipt.from_json(receipt)
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    """Bytes for a reader: MiB from 64 KiB up (so figures side by side share a unit), else KiB or B."""
-    if n is None:
-        return "-"
-    x = float(n)
-    if abs(x) >= 1024 ** 3:
-        return f"{x / 1024 ** 3:.2f} GiB"
-    if abs(x) >= 64 * 1024:
-        return f"{x / MIB:.2f} MiB"
-    if abs(x) >= 1024:
-        return f"{x / 1024:.1f} KiB"
-    return f"{x:.0f} B"
 
 
 def _ms(x: float | None, digits: int = 1) -> str:
@@ -263,9 +249,9 @@ def _title(r: Receipt) -> str:
 
 def _headline(r: Receipt) -> str:
     d = r.decision
-    if d.status == "ship" and d.boundaries:
+    if d.status is ShipStatus.SHIP and d.boundaries:
         return f"SHIP {d.shipped}: checkpoint {_n(len(d.boundaries), 'module')}"
-    if d.status == "ship":
+    if d.status is ShipStatus.SHIP:
         return "SHIP no checkpointing: the step already fits"
     return "NOTHING SHIPS"
 
@@ -317,7 +303,7 @@ def render_html(receipt: Receipt | dict[str, Any]) -> str:
     parts.append(f"<h1>{e(_title(r))}</h1><p class=\"muted\">{e(r.context.created)} · remat {e(r.context.remat_version)}"
                  f" · {e(r.context.device)} {e(r.context.dtype)} · git {e(r.context.git_revision or 'n/a')}</p>")
     # 1. the decision
-    cls = "ship" if d.status == "ship" else "noplan"
+    cls = "ship" if d.status is ShipStatus.SHIP else "noplan"
     parts.append(f'<div class="verdict {cls}"><h2>{e(_headline(r))}</h2><ol>'
                  + "".join(f"<li>{e(w)}</li>" for w in d.why) + "</ol></div>")
     parts.append(_html_table(["", "control", f"shipped ({d.shipped or '-'})"], _summary_rows(r), cls="kv"))

@@ -56,6 +56,10 @@ SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(-2 ** 31, 2 ** 31), Str(ma
 DTYPE = Enum("float32", "bfloat16", "float16")
 DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
 PHASE = Enum("batch", "forward", "backward", "optimizer")
+RUN_MODE = Enum("train", "eval")   # verify.model.RunMode
+# verify.model.Site: where a divergence showed first
+SITE = Enum("forward call order", "forward output", "gradient", "buffer", "python attribute",
+            "parameter after optimizer step", "generator state", "loss or outputs")
 MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "simulated")
 MODE = Enum("full", "selective")
 TEXT = Str(max_len=20_000)
@@ -82,7 +86,7 @@ STEP_TRACE = Obj({
 
 FIXTURE = Obj({
     "name": SHORT, "seeds": List(Int(0, 10_000), min_len=1, max_len=MAX_SEEDS), "steps": Int(1, MAX_STEPS),
-    "modes": List(Enum("train", "eval"), max_len=2), "dtype": DTYPE, "tolerance": TOLERANCE,
+    "modes": List(RUN_MODE, max_len=2), "dtype": DTYPE, "tolerance": TOLERANCE,
     "parameters": List(Str(max_len=500), max_len=10_000), "passed": Opt(Bool()),
     "forward_calls_per_step": Opt(COUNT), "replay_calls_per_step": Opt(COUNT), "draws_rng": Opt(Bool()),
     "negative_controls": List(SHORT, max_len=20),
@@ -96,27 +100,27 @@ ATTEMPT = Obj({"predicted_peak_bytes": SIGNED_BYTES, "measured_peak_bytes": BYTE
                "fits": Bool()})
 
 VERIFY_STEP = Obj({
-    "seed": COUNT, "step": COUNT, "mode": Enum("train", "eval"),
+    "seed": COUNT, "step": COUNT, "mode": RUN_MODE,
     "loss": Tuple(Num(nonfinite=True), Num(nonfinite=True)), "outputs_max_abs": Opt(Num(nonfinite=True)),
     "grad_max_abs": Num(nonfinite=True), "grad_max_rel": Num(nonfinite=True), "grads_bitwise": Bool(),
     "grad_norm": Tuple(Num(nonfinite=True), Num(nonfinite=True)), "params_max_abs": Opt(Num(nonfinite=True)),
     "buffers_max_abs": Num(nonfinite=True), "bitwise": Bool(), "divergent": List(SHORT),
-    "first_divergent_module": Opt(SHORT), "first_divergence": Opt(SHORT), "passed": Bool(),
+    "first_divergent_module": Opt(SHORT), "first_divergence": Opt(SITE), "passed": Bool(),
 })
 VERIFICATION = Obj({
     "schema_version": Enum(1), "passed": Bool(), "workload": SHORT, "shape": SHAPE, "device": DEVICE,
     "dtype": DTYPE, "planner": SHORT, "plan_digest": Str(r"[0-9a-f]{64}"), "steps": Int(1, MAX_STEPS), "seeds": List(COUNT, max_len=MAX_SEEDS),
     "tolerances": Map(TOLERANCE, key=r"[a-z0-9]{1,20}", max_len=20), "perturbation": Num(0),
     "per_step": List(VERIFY_STEP), "first_divergent_module": Opt(SHORT),
-    "rng_policy": Obj({"preserve_rng_state": Bool(), "policy": SHORT, "justification": TEXT,
+    "rng_policy": Obj({"preserve_rng_state": Bool(), "policy": Enum("preserve", "off"), "justification": TEXT,
                        "boundaries_drawing_rng": List(SHORT)}),
     "rng_overhead_ms": Opt(SIGNED_MS),
     "rng_timing": Opt(Obj({"with_ms": MS, "without_ms": MS, "overhead_ms": SIGNED_MS, "with_p95_ms": MS,
                            "without_p95_ms": MS, "steps": Int(0, MAX_STEPS)})),
-    "hazards": List(Obj({"module": SHORT, "kind": HAZARD_KIND, "detail": TEXT, "mode": SHORT, "seed": COUNT,
+    "hazards": List(Obj({"module": SHORT, "kind": HAZARD_KIND, "detail": TEXT, "mode": RUN_MODE, "seed": COUNT,
                          "step": COUNT})),
     "negative_controls": List(Obj({"name": SHORT, "applicable": Bool(), "rejected": Opt(Bool()), "detail": TEXT})),
-    "boundaries": List(Obj({"module": SHORT, "mode": SHORT, "guarded": Bool(),
+    "boundaries": List(Obj({"module": SHORT, "mode": MODE, "guarded": Bool(),
                             "forward_calls": Map(COUNT, max_len=4), "replay_calls": Map(COUNT, max_len=4),
                             "draws_rng": Bool(), "replay_mutations": List(TEXT), "device_moves": List(TEXT)})),
     "repeatable": Bool(), "failures": List(TEXT), "warnings": List(TEXT),
@@ -142,7 +146,8 @@ FRONTIER = Obj({
     "shipped": Opt(SHORT), "points": List(FRONTIER_POINT, max_len=200), "shipped_plan": Opt(PLAN),
 })
 
-REJECTED = Obj({"plan": SHORT, "decision": SHORT, "reason": TEXT, "peak_bytes": Opt(BYTES), "p50_ms": Opt(MS)})
+REJECTED = Obj({"plan": SHORT, "decision": Enum("reject", "infeasible", "failed", "unverified"), "reason": TEXT,
+                "peak_bytes": Opt(BYTES), "p50_ms": Opt(MS)})
 DECISION = Obj({
     "status": Enum("ship", "no-plan"), "shipped": Opt(SHORT), "boundaries": List(SHORT),
     "budget_bytes": Int(1, 2 ** 53), "reserve": Num(0, 0.999999), "effective_budget_bytes": SIGNED_BYTES,

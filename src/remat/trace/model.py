@@ -6,7 +6,6 @@ import dataclasses
 import os
 import platform
 import socket
-import sys
 from typing import Any
 
 import torch
@@ -14,6 +13,25 @@ import torch
 from ..types import MemCategory, MemorySource, Phase
 
 SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostContext:
+    """The machine and software a figure came from: remat's one capture of them (trace, frontier and
+    receipt contexts are built from it, with the same field names)."""
+
+    torch_version: str
+    python_version: str
+    platform: str
+    hostname: str
+    cpu_count: int | None
+    threads: int                      # torch intra-op threads
+
+    @classmethod
+    def capture(cls) -> "HostContext":
+        return cls(torch_version=torch.__version__, python_version=platform.python_version(),
+                   platform=platform.platform(), hostname=socket.gethostname(), cpu_count=os.cpu_count(),
+                   threads=torch.get_num_threads())
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -34,10 +52,10 @@ class TraceContext:
     @classmethod
     def capture(cls, *, workload: str, shape: dict[str, Any], dtype: str, device: str,
                 warmup: int, steps: int) -> "TraceContext":
+        host = HostContext.capture()
         return cls(workload=workload, shape=dict(shape), dtype=dtype, device=device,
-                   torch_version=torch.__version__, python_version=platform.python_version(),
-                   threads=torch.get_num_threads(), hostname=socket.gethostname(),
-                   warmup=warmup, steps=steps)
+                   torch_version=host.torch_version, python_version=host.python_version,
+                   threads=host.threads, hostname=host.hostname, warmup=warmup, steps=steps)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,6 +140,3 @@ class StepTrace:
             boundary=cls.from_json(d["boundary"]) if d.get("boundary") else None,
         )
 
-
-def host_info() -> dict[str, Any]:
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}

@@ -21,6 +21,7 @@ class TensorDiff:
     ref_max_abs: float  # max |control|
     bitwise: bool
     ok: bool            # within the dtype's tolerance (NOTE [tolerances])
+    tensor: str = ""    # the tensor's own name ("h.0.mlp.c_fc.weight"); ``name`` adds its kind ("grad ...")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,7 +65,8 @@ def diff_tensor(name: str, control: torch.Tensor | None, planned: torch.Tensor |
 def diff_tensors(prefix: str, control: dict[str, torch.Tensor | None],
                  planned: dict[str, torch.Tensor | None]) -> list[TensorDiff]:
     names = list(control) + [n for n in planned if n not in control]
-    return [diff_tensor(f"{prefix} {n}" if prefix else n, control.get(n), planned.get(n)) for n in names]
+    return [dataclasses.replace(diff_tensor(f"{prefix} {n}" if prefix else n, control.get(n), planned.get(n)), tensor=n)
+            for n in names]
 
 
 def clone_tensors(named: Any) -> dict[str, torch.Tensor]:

@@ -17,13 +17,49 @@ that is larger (bfloat16), so it always lies outside the tolerance it tests.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
 from ..errors import VerificationFailed
-from ..types import HazardKind
+from ..types import CheckpointMode, HazardKind
 
 VERIFY_SCHEMA_VERSION = 1
+
+
+class RunMode(str, enum.Enum):
+    """How a compared step runs: ``train`` (forward, backward, optimizer step) or ``eval`` (the model
+    in eval mode, forward and backward, no optimizer step)."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Site(str, enum.Enum):
+    """Where a divergence showed first (NOTE [first divergent module] in remat.verify.probe)."""
+
+    CALL_ORDER = "forward call order"
+    FORWARD_OUTPUT = "forward output"
+    GRADIENT = "gradient"
+    BUFFER = "buffer"
+    PYTHON_ATTRIBUTE = "python attribute"
+    PARAMETER = "parameter after optimizer step"
+    GENERATOR = "generator state"
+    LOSS_OR_OUTPUTS = "loss or outputs"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RngPolicyKind(str, enum.Enum):
+    PRESERVE = "preserve"   # RNG state stashed at each boundary's forward, restored for its replay
+    OFF = "off"             # preserve_rng_state=False
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,7 +94,7 @@ class StepComparison:
 
     seed: int
     step: int
-    mode: str
+    mode: RunMode
     loss: tuple[float, float]                 # (control, planned)
     outputs_max_abs: float | None             # model outputs the loss saw; None: none reachable
     grad_max_abs: float                       # max over parameters of max |g_planned - g_control|
@@ -70,14 +106,69 @@ class StepComparison:
     bitwise: bool                             # every compared tensor bitwise equal
     divergent: list[str]                      # what is out of tolerance, e.g. "grad h.1.mlp.c_fc.weight"
     first_divergent_module: str | None
-    first_divergence: str | None              # where it showed first: "forward output", "gradient", ...
+    first_divergence: Site | None             # where it showed first
     passed: bool
+
+    def __post_init__(self) -> None:
+        self.mode = RunMode(self.mode)   # "train"/"eval" accepted: the enum's values
+        self.first_divergence = None if self.first_divergence is None else Site(self.first_divergence)
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        """``divergent`` as records (verify reads its own format: ``"<kind> <tensor or state>"``)."""
+        return [Divergence.parse(d) for d in self.divergent]
 
     def to_json(self) -> dict[str, Any]:
         d = {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
+        d["mode"] = self.mode.value
+        d["first_divergence"] = None if self.first_divergence is None else self.first_divergence.value
         d["loss"] = [_json_float(x) for x in self.loss]
         d["grad_norm"] = [_json_float(x) for x in self.grad_norm]
         return d
+
+    @classmethod
+    def from_json(cls, s: dict[str, Any]) -> "StepComparison":
+        return cls(seed=s["seed"], step=s["step"], mode=RunMode(s["mode"]), loss=(_f(s["loss"][0]), _f(s["loss"][1])),
+                   outputs_max_abs=_opt_f(s["outputs_max_abs"]), grad_max_abs=_f(s["grad_max_abs"]),
+                   grad_max_rel=_f(s["grad_max_rel"]), grads_bitwise=s["grads_bitwise"],
+                   grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])),
+                   params_max_abs=_opt_f(s["params_max_abs"]), buffers_max_abs=_f(s["buffers_max_abs"]),
+                   bitwise=s["bitwise"], divergent=list(s["divergent"]),
+                   first_divergent_module=s["first_divergent_module"],
+                   first_divergence=None if s["first_divergence"] is None else Site(s["first_divergence"]),
+                   passed=s["passed"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """One entry of ``StepComparison.divergent``: what kind of value differs, and which.
+
+    ``kind``: "loss", "output", "grad", "param", "buffer", "python", "rng" or "grad_norm";
+    ``name``: the tensor, attribute or generator (None for the loss and the grad norm)."""
+
+    kind: str
+    name: str | None
+
+    def __str__(self) -> str:
+        return self.kind if self.name is None else f"{self.kind} {self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Divergence":
+        kind, _, name = text.partition(" ")
+        return cls(kind, name or None)
+
+    def under(self, module: str) -> bool:
+        """Whether it names a tensor or attribute of ``module`` or of a module inside it."""
+        n = self.name
+        return n is not None and self.kind != "rng" and (n == module or n.startswith(module + "."))
+
+
+def _f(x: Any) -> float:
+    return float(x)  # "inf"/"nan" strings included (the JSON encoding of non-finite values, _json_float)
+
+
+def _opt_f(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def _json_float(x: Any) -> Any:
@@ -91,16 +182,31 @@ def _json_float(x: Any) -> Any:
 class Hazard:
     """An externally visible replay side effect, e.g. ``blocks.2.calls: 1 -> 2``."""
 
-    module: str          # the boundary it happened in
+    module: str          # the boundary it happened in ("a, b" when several replays are to blame)
     kind: HazardKind
     detail: str
-    mode: str = "train"  # "train" or "eval"
+    mode: RunMode = RunMode.TRAIN
     seed: int = 0
     step: int = 0
+    # the state that changed ("blocks.0.bn1.num_batches_tracked"), for de-duplication; not in the JSON
+    state: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", RunMode(self.mode))
+
+    @property
+    def modules(self) -> list[str]:
+        """The boundaries it names."""
+        return [m.strip() for m in self.module.split(",") if m.strip()]
 
     def to_json(self) -> dict[str, Any]:
-        return {"module": self.module, "kind": self.kind.value, "detail": self.detail, "mode": self.mode,
+        return {"module": self.module, "kind": self.kind.value, "detail": self.detail, "mode": self.mode.value,
                 "seed": self.seed, "step": self.step}
+
+    @classmethod
+    def from_json(cls, h: dict[str, Any]) -> "Hazard":
+        return cls(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=RunMode(h["mode"]),
+                   seed=h["seed"], step=h["step"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,27 +227,41 @@ class BoundaryActivity:
     """What one checkpointed module did per step: calls, replays, RNG draws, mutations seen at replay."""
 
     module: str
-    mode: str                           # "full" or "selective"
+    mode: CheckpointMode
     guarded: bool
-    forward_calls: dict[str, int]       # per step, by "train"/"eval"
-    replay_calls: dict[str, int]        # per step, by "train"/"eval"
+    forward_calls: dict[str, int]       # per step, by RunMode value ("train", "eval")
+    replay_calls: dict[str, int]        # per step, by RunMode value ("train", "eval")
     draws_rng: bool                     # the global RNG advanced across its forward
     replay_mutations: list[str]         # state its replay changed (after any guard): "bn1.running_mean"
     device_moves: list[str]             # "aten._to_copy: cpu -> cuda:0 (forward)"
 
+    def __post_init__(self) -> None:
+        self.mode = CheckpointMode(self.mode)
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "mode": self.mode.value}
+
+    @classmethod
+    def from_json(cls, b: dict[str, Any]) -> "BoundaryActivity":
+        return cls(module=b["module"], mode=CheckpointMode(b["mode"]), guarded=b["guarded"],
+                   forward_calls=dict(b["forward_calls"]), replay_calls=dict(b["replay_calls"]),
+                   draws_rng=b["draws_rng"], replay_mutations=list(b["replay_mutations"]),
+                   device_moves=list(b["device_moves"]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RngPolicy:
     preserve_rng_state: bool
-    policy: str                         # "preserve" or "off"
+    policy: RngPolicyKind
     justification: str
     boundaries_drawing_rng: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", RngPolicyKind(self.policy))
+
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["policy"] = self.policy.value
         d["boundaries_drawing_rng"] = list(self.boundaries_drawing_rng)
         return d
 
@@ -194,6 +314,15 @@ class VerifyReport:
     def rng_overhead_ms(self) -> float | None:
         return None if self.rng_timing is None else self.rng_timing.overhead_ms
 
+    def implicates(self, module: str) -> bool:
+        """Whether a failure names ``module``: a divergent tensor or attribute under it, a first divergence
+        in it, or a hazard in its replay."""
+        def under(name: str | None) -> bool:
+            return name is not None and (name == module or name.startswith(module + "."))
+        return (any(d.under(module) for s in self.per_step for d in s.divergences)
+                or any(under(s.first_divergent_module) for s in self.per_step)
+                or any(module in h.modules for h in self.hazards))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version, "passed": self.passed,
@@ -213,6 +342,29 @@ class VerifyReport:
             "failures": list(self.failures),
             "warnings": list(self.warnings),
         }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "VerifyReport":
+        """The report ``to_json`` wrote (validated first by the reader's schema: remat.receipt)."""
+        timing = d["rng_timing"]
+        pol = d["rng_policy"]
+        return cls(
+            passed=d["passed"], workload=d["workload"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
+            planner=d["planner"], plan_digest=d["plan_digest"], steps=d["steps"], seeds=list(d["seeds"]),
+            tolerances={k: Tolerance(**v) for k, v in d["tolerances"].items()}, perturbation=float(d["perturbation"]),
+            per_step=[StepComparison.from_json(s) for s in d["per_step"]],
+            first_divergent_module=d["first_divergent_module"],
+            rng_policy=RngPolicy(preserve_rng_state=pol["preserve_rng_state"], policy=RngPolicyKind(pol["policy"]),
+                                 justification=pol["justification"],
+                                 boundaries_drawing_rng=tuple(pol["boundaries_drawing_rng"])),
+            rng_timing=None if timing is None else RngTiming(
+                with_ms=timing["with_ms"], without_ms=timing["without_ms"], with_p95_ms=timing["with_p95_ms"],
+                without_p95_ms=timing["without_p95_ms"], steps=timing["steps"]),
+            hazards=[Hazard.from_json(h) for h in d["hazards"]],
+            negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
+            boundaries=[BoundaryActivity.from_json(b) for b in d["boundaries"]],
+            repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
+            schema_version=d["schema_version"])
 
     def raise_if_failed(self) -> None:
         """Raise :class:`VerificationFailed` (exit code 1) carrying the failures."""

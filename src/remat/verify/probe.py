@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..apply import ApplyHandle, CheckpointWrapper
-from .compare import diff_python_state, python_state
+from .compare import changed_attributes, python_state
 
 aten = torch.ops.aten
 
@@ -193,7 +193,7 @@ def _module_state(module: nn.Module, path: str) -> tuple[dict[str, torch.Tensor]
 def _diff_module_state(before: tuple[dict[str, torch.Tensor], dict[str, Any]],
                        after: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> list[str]:
     out = [n for n, b in before[0].items() if n in after[0] and not torch.equal(b, after[0][n])]
-    out += [d.split(":")[0] for d in diff_python_state(before[1], after[1])]
+    out += [k for k, _, _ in changed_attributes(before[1], after[1])]
     return out
 
 

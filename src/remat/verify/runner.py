@@ -28,8 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,13 +36,14 @@ from torch import nn
 
 from ..apply import ApplyHandle, apply, check_plan_fingerprint, load_plan
 from ..errors import RematError, WorkloadError
+from ..measure import time_round_robin
 from ..plan.model import Plan
 from ..types import HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
 from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors,
                       owner_module, python_state, short_repr, tolerance_for)
 from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
-                    StepComparison, Tolerance, VerifyReport)
+                    RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport)
 from .probe import RegionProbe, RngState, StepRecorder, seed_everything
 
 __all__ = ["GradientPerturbation", "measure_rng_overhead", "verify_plan"]
@@ -94,14 +93,14 @@ class _Side:
         if self.handle is not None and self.handle.active:
             self.handle.remove()
 
-    def step(self, step: int, mode: str) -> _StepState:
+    def step(self, step: int, mode: RunMode) -> _StepState:
         assert self.rng is not None
         self.rng.restore()
         self.recorder.reset()
         if self.handle is not None:
             self.handle.reset_counts()
         training = {m: m.training for m in self.model.modules()}
-        if mode == "eval":
+        if mode is RunMode.EVAL:
             self.model.eval()
         try:
             batch = self.trainer.batch(step)
@@ -109,7 +108,7 @@ class _Side:
             self.trainer.backward(loss)
             fault = self.fault(self.model) if self.fault is not None else None
             grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.model.named_parameters()}
-            if mode == "train":
+            if mode is RunMode.TRAIN:
                 self.trainer.optimizer_step()
             self.trainer.optimizer.zero_grad(set_to_none=True)
         finally:
@@ -122,7 +121,7 @@ class _Side:
         return _StepState(
             loss=loss.detach().clone(), outputs=list(self.recorder.outputs),
             digests=list(self.recorder.digests), grad_order=list(self.recorder.grad_order), grads=grads,
-            params=clone_tensors(self.model.named_parameters()) if mode == "train" else None,
+            params=clone_tensors(self.model.named_parameters()) if mode is RunMode.TRAIN else None,
             buffers_before=before, buffers=self.buffers, pystate_before=py_before, pystate=self.pystate, rng=self.rng,
             calls=calls, fault=fault)
 
@@ -200,7 +199,7 @@ class _Compared:
     hazards: list[Hazard]
 
 
-def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, boundaries: list[str],
+def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMode, boundaries: list[str],
              tol: Tolerance, probe: RegionProbe | None) -> _Compared:
     loss = diff_tensor("loss", c.loss, p.loss)
     if len(c.outputs) == len(p.outputs):
@@ -223,28 +222,31 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, b
     divergent += [f"python {d}" for d in py] + [f"rng {g}" for g in rng]
     module, where = (None, None)
     if divergent:
-        module, where = _first_divergence(c, p, grads, buffers, params, py, rng, tol)
+        module, where = _first_divergence(c, p, grads, buffers, params, [k for k, _, _ in changed], rng, tol)
 
     replay_mut = set().union(*(s.replay_mutations for s in probe.stats.values())) if probe else set()
     hazards: list[Hazard] = []
     for d in buffers:
-        name = d.name.removeprefix("buffer ")
+        name = d.tensor
         b = boundary_of(owner_module(name), boundaries)
         detail = None if (d.ok or b is None or name not in p.buffers) else _buffer_hazard(name, d, c, p)
         if detail is None:
             continue
         if name in replay_mut:
             detail += " (changed again by the replay)"
-        hazards.append(Hazard(module=b, kind=HazardKind.BUFFER_MUTATION, detail=detail, mode=mode, seed=seed, step=step))
+        hazards.append(Hazard(module=b, kind=HazardKind.BUFFER_MUTATION, detail=detail, mode=mode, seed=seed, step=step,
+                              state=name))
     for key, ca, pa in changed:
         b = boundary_of(owner_module(key), boundaries)
         detail = None if b is None else _attribute_hazard(key, ca, pa, c, p)
         if detail is not None:
-            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=detail, mode=mode, seed=seed, step=step))
+            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=detail, mode=mode, seed=seed, step=step,
+                                  state=key))
     if rng:
         drawers = sorted(k for k, s in (probe.stats.items() if probe else []) if s.rng_draws_replay)
         hazards.append(Hazard(
             module=", ".join(drawers) or "(not attributed)", kind=HazardKind.RNG, mode=mode, seed=seed, step=step,
+            state=" and ".join(rng),
             detail=f"{' and '.join(rng)} generator state after the step differs from the control"
                    + (f": the replay of {', '.join(drawers)} drew from the live generator" if drawers else "")))
 
@@ -261,33 +263,32 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: str, b
 
 
 def _first_divergence(c: _StepState, p: _StepState, grads: list[TensorDiff], buffers: list[TensorDiff],
-                      params: list[TensorDiff], py: list[str], rng: list[str],
-                      tol: Tolerance) -> tuple[str | None, str]:
+                      params: list[TensorDiff], py: list[str], rng: list[str],  # py: changed attribute keys
+                      tol: Tolerance) -> tuple[str | None, Site]:
     """NOTE [first divergent module] in remat.verify.probe."""
     for (path_c, dc), (path_p, dp) in zip(c.digests, p.digests):
         if path_c != path_p:
-            return path_c or "(root)", "forward call order"
+            return path_c or "(root)", Site.CALL_ORDER
         if not dc.close_to(dp, tol.rtol, tol.atol):
-            return path_c or "(root)", "forward output"
+            return path_c or "(root)", Site.FORWARD_OUTPUT
     if len(c.digests) != len(p.digests):
-        return "(root)", "forward call order"
-    bad = {d.name.removeprefix("grad "): d for d in grads if not d.ok}
+        return "(root)", Site.CALL_ORDER
+    bad = {d.tensor: d for d in grads if not d.ok}
     order = c.grad_order + [n for n in c.grads if n not in c.grad_order]
     for name in order:
         if name in bad:
-            return owner_module(name) or "(root)", "gradient"
-    for kind, diffs in (("buffer", buffers),):
-        for d in diffs:
-            if not d.ok:
-                return owner_module(d.name.removeprefix(f"{kind} ")) or "(root)", "buffer"
+            return owner_module(name) or "(root)", Site.GRADIENT
+    for d in buffers:
+        if not d.ok:
+            return owner_module(d.tensor) or "(root)", Site.BUFFER
     if py:
-        return owner_module(py[0].split(":")[0]) or "(root)", "python attribute"
+        return owner_module(py[0]) or "(root)", Site.PYTHON_ATTRIBUTE
     for d in params:
         if not d.ok:
-            return owner_module(d.name.removeprefix("param ")) or "(root)", "parameter after optimizer step"
+            return owner_module(d.tensor) or "(root)", Site.PARAMETER
     if rng:
-        return None, "generator state"
-    return None, "loss or outputs"
+        return None, Site.GENERATOR
+    return None, Site.LOSS_OR_OUTPUTS
 
 
 # -- a pair of runs --------------------------------------------------------------------------------
@@ -334,7 +335,7 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
         tol = _model_tolerance(control.model)
         seed_everything(seed)
         control.rng = planned.rng = RngState.capture()
-        schedule = [(k, "train") for k in range(steps)] + ([(steps, "eval")] if eval_pass else [])
+        schedule = [(k, RunMode.TRAIN) for k in range(steps)] + ([(steps, RunMode.EVAL)] if eval_pass else [])
         for k, mode in schedule:
             c = control.step(k, mode)
             try:
@@ -346,14 +347,15 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
                 break
             if p.fault:
                 faults.append(p.fault)
-            calls.setdefault(mode, p.calls)
+            calls.setdefault(mode.value, p.calls)
             res = _compare(c, p, seed=seed, step=k, mode=mode, boundaries=boundaries, tol=tol, probe=planned.probe)
             comparisons.append(res.step)
             hazards += res.hazards
             tick()
         activity = _activity(plan, planned.probe, calls) if plan is not None else []
         for a in activity:
-            hazards += [Hazard(module=a.module, kind=HazardKind.DEVICE_MOVE, detail=f"{m} inside the region", seed=seed)
+            hazards += [Hazard(module=a.module, kind=HazardKind.DEVICE_MOVE, detail=f"{m} inside the region", seed=seed,
+                               state=m.partition(":")[0])   # the op, from RegionProbe's own "op: src -> dst (phase)"
                         for m in a.device_moves]
     return _PairResult(comparisons=comparisons, hazards=hazards, activity=activity, error=error, faults=faults)
 
@@ -363,7 +365,7 @@ def _activity(plan: Plan, probe: RegionProbe | None, calls: dict[str, dict[str, 
     for b in plan.boundaries:
         st = probe.stats.get(b.module) if probe is not None else None
         out.append(BoundaryActivity(
-            module=b.module, mode=b.mode.value, guarded=b.guarded,
+            module=b.module, mode=b.mode, guarded=b.guarded,
             forward_calls={m: c[b.module][0] for m, c in calls.items() if b.module in c},
             replay_calls={m: c[b.module][1] for m, c in calls.items() if b.module in c},
             draws_rng=bool(st and st.rng_draws_forward), replay_mutations=sorted(st.replay_mutations) if st else [],
@@ -404,44 +406,47 @@ def _rng_policy(plan: Plan, drawers: list[str]) -> RngPolicy:
         why = ("RNG state is stashed at each boundary's forward and restored for its replay, so dropout masks "
                f"repeat exactly ({', '.join(drawers)} draw random numbers)" if drawers else
                "RNG state is stashed and restored around each replay; no planned boundary draws random numbers")
-        return RngPolicy(preserve_rng_state=True, policy="preserve", justification=why,
+        return RngPolicy(preserve_rng_state=True, policy=RngPolicyKind.PRESERVE, justification=why,
                          boundaries_drawing_rng=tuple(drawers))
     why = (f"preservation is off, but {', '.join(drawers)} draw random numbers: replays see other masks" if drawers
            else "preservation is off; no planned boundary draws random numbers, so replays need no RNG state")
-    return RngPolicy(preserve_rng_state=False, policy="off", justification=why, boundaries_drawing_rng=tuple(drawers))
+    return RngPolicy(preserve_rng_state=False, policy=RngPolicyKind.OFF, justification=why, boundaries_drawing_rng=tuple(drawers))
+
+
+class _RngVariant:
+    """The planned step on one shared build, applied with or without RNG preservation for each step
+    (a remat.measure Runner: the round-robin scheduler alternates the two, so drift hits both alike)."""
+
+    def __init__(self, trainer: TrainingStep, plan: Plan, preserve: bool, tick: Callable[[], None]) -> None:
+        self.label = "preserve" if preserve else "off"
+        self.trainer = trainer
+        self.plan = dataclasses.replace(plan, preserve_rng_state=preserve)
+        self.tick = tick if preserve else (lambda: None)   # one tick per round
+
+    @property
+    def device(self) -> torch.device:
+        return next((p.device for p in self.trainer.workload.model.parameters()), torch.device("cpu"))
+
+    def run(self, index: int) -> float:
+        with apply(self.trainer.workload.model, self.plan, check_fingerprint=False):
+            loss = self.trainer.run(index)
+        self.tick()
+        return loss
 
 
 def measure_rng_overhead(loaded: LoadedWorkload, plan: Plan, *, steps: int = 10, warmup: int = 2,
                          tick: Callable[[], None] = lambda: None) -> RngTiming:
     """Warm whole-step time of the planned step with and without ``preserve_rng_state`` (ms, p50/p95).
 
-    One fresh build; each iteration times one step per variant (batch, forward, backward,
-    optimizer), alternating which variant goes first so drift hits both alike.
+    One fresh build; remat.measure's round-robin scheduler times one step per variant per
+    round (batch, forward, backward, optimizer), alternating which variant goes first.
     """
     lw = loaded.rebuild()
     trainer = TrainingStep(lw.workload)
-    cuda = lw.device.startswith("cuda")
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(warmup + steps):
-        for preserve in ((True, False) if i % 2 == 0 else (False, True)):
-            with apply(lw.workload.model, dataclasses.replace(plan, preserve_rng_state=preserve),
-                       check_fingerprint=False):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                trainer.run(i)
-                if cuda:
-                    torch.cuda.synchronize()
-                if i >= warmup:
-                    times[preserve].append((time.perf_counter() - t0) * 1e3)
-        tick()
-    return RngTiming(with_ms=statistics.median(times[True]), without_ms=statistics.median(times[False]),
-                     with_p95_ms=_p95(times[True]), without_p95_ms=_p95(times[False]), steps=steps)
-
-
-def _p95(xs: list[float]) -> float:
-    ordered = sorted(xs)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+    variants = [_RngVariant(trainer, plan, True, tick), _RngVariant(trainer, plan, False, tick)]
+    t = time_round_robin(variants, warmup=warmup, steps=steps, what="verify: RNG timing")
+    return RngTiming(with_ms=t.p50("preserve"), without_ms=t.p50("off"), with_p95_ms=t.p95("preserve"),
+                     without_p95_ms=t.p95("off"), steps=steps)
 
 
 # -- the entry point -------------------------------------------------------------------------------
@@ -564,10 +569,10 @@ def _first_non_finite_per_seed(per_step: list[StepComparison]) -> list[StepCompa
 
 def _dedupe(hazards: list[Hazard]) -> list[Hazard]:
     """One hazard per (module, kind, state, mode): the first occurrence."""
-    seen: set[tuple[str, HazardKind, str, str]] = set()
+    seen: set[tuple[str, HazardKind, str, RunMode]] = set()
     out = []
     for h in hazards:
-        key = (h.module, h.kind, h.detail.split(":")[0], h.mode)
+        key = (h.module, h.kind, h.state, h.mode)
         if key not in seen:
             seen.add(key)
             out.append(h)

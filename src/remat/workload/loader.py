@@ -213,6 +213,18 @@ def _check_device(device: str) -> None:
                                 "or plan for a GPU from here with --simulate --target-device h100")
 
 
+def factory_defaults(spec: str) -> dict[str, Any]:
+    """The default of every shape keyword the factory of ``spec`` declares one for (``device``,
+    ``dtype`` and ``*args``/``**kwargs`` left out); WorkloadError when ``spec`` names no factory.
+
+    The one public way other stages read a factory's signature (it imports the factory's
+    module, as loading does)."""
+    factory = _resolve_factory(spec)
+    return {p.name: p.default for p in inspect.signature(factory).parameters.values()
+            if p.name not in ("device", "dtype") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is not p.empty}
+
+
 def load_workload(
     spec: str,
     shape: dict[str, ShapeValue] | None = None,

@@ -7,7 +7,7 @@ What is checked, in order (``quick`` stops after 3):
 3. equivalence: the receipt's paired-step fixture (same seeds, steps, tolerance), hazards
    and negative controls included (``remat.verify.verify_plan``);
 4. the peak with the plan applied still clears budget x (1 - reserve);
-5. each boundary's measured saving (NOTE [measured saving] in build.py) has not fallen by
+5. each boundary's measured saving (NOTE [measured saving] in pipeline/build.py) has not fallen by
    more than its stated tolerance.
 If the model changed (2), 3-5 are skipped: the plan is bound to the model it was made
 for, and the failure list already says what to do (re-run ``remat receipt``).
@@ -27,13 +27,14 @@ after each is checked against the type the factory declares (NOTE [shape conform
 remat/workload/loader.py), and the schema bounds them (integers within +-2**31). Nothing
 else read from a receipt names a path, module or callable that remat opens or imports;
 the only other files check reads are ``report.html`` and ``report.md`` beside the receipt,
-which must name the receipt's sha256 (NOTE [atomic receipt folder] in write.py).
+which must name the receipt's sha256 (NOTE [atomic receipt folder] in receipt/write.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import os
 import re
 import time
@@ -42,16 +43,16 @@ from pathlib import Path
 from typing import Any
 
 from .._json import read_bounded_bytes
-from ..apply.closed_loop import measure_plan
+from ..closed_loop import measure_plan
 from ..errors import ReceiptError, WorkloadError
-from ..profile import fingerprint, module_revision
+from ..profile import FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
 from .build import measure_savings
-from .model import Receipt, resolved_shape
-from .write import HTML_FILE, MD_FILE
+from ..receipt.model import Receipt, ShipStatus, resolved_shape
+from ..receipt.write import HTML_FILE, MD_FILE
 
 PYPROJECT = "pyproject.toml"
 MAX_PYPROJECT_BYTES = 2 ** 20
@@ -60,16 +61,35 @@ _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
 
 
+class FindingKind(str, enum.Enum):
+    """What a failed check is about (the order ``check_receipt`` checks in)."""
+
+    WORKLOAD = "workload"         # the receipt names other code than the user's
+    REPORT = "report"             # report.html/report.md beside it show another receipt
+    SHAPE = "shape"               # a shape keyword (or its default) changed
+    MODEL = "model"               # a boundary's module changed or is gone; the fingerprint differs
+    DECISION = "decision"         # the receipt ships nothing
+    EQUIVALENCE = "equivalence"   # the paired-step fixture fails
+    PEAK = "peak"                 # the peak no longer clears budget x (1 - reserve)
+    SAVING = "saving"             # a boundary saves less than its tolerance allows
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckFinding:
     """One thing that no longer holds. ``boundary`` names the module when it is about one."""
 
-    kind: str               # "workload", "report", "shape", "model", "equivalence", "peak", "saving", "decision"
+    kind: FindingKind
     message: str
     boundary: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FindingKind(self.kind))
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"kind": self.kind.value, "message": self.message, "boundary": self.boundary}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -168,7 +188,7 @@ def report_findings(folder: Path, digest: str) -> tuple[list[CheckFinding], list
             text = read_bounded_bytes(path, error=ReceiptError, what=name, max_bytes=MAX_REPORT_BYTES
                                       ).decode("utf-8", "replace")
         except ReceiptError as exc:
-            failures.append(CheckFinding(kind="report", message=exc.message))
+            failures.append(CheckFinding(kind=FindingKind.REPORT, message=exc.message))
             continue
         named = set(_STAMP.findall(text))
         if named == {digest}:
@@ -177,7 +197,7 @@ def report_findings(folder: Path, digest: str) -> tuple[list[CheckFinding], list
             what = (f"names receipt sha256 {', '.join(sorted(d[:12] + '...' for d in named))}" if named
                     else "names no receipt sha256")
             failures.append(CheckFinding(
-                kind="report", message=f"{name} {what}, but receipt.json beside it has sha256 {digest[:12]}...: "
+                kind=FindingKind.REPORT, message=f"{name} {what}, but receipt.json beside it has sha256 {digest[:12]}...: "
                                        "the report shows figures from another receipt (re-run remat receipt, or "
                                        "commit the report written with this receipt)"))
     return failures, checked, skipped
@@ -189,12 +209,12 @@ def _shape_findings(receipt: Receipt, spec: str) -> list[CheckFinding]:
     try:
         now = resolved_shape(spec, receipt.context.shape)
     except WorkloadError as exc:  # pragma: no cover - the same spec just loaded
-        return [CheckFinding(kind="shape", message=f"cannot read the factory's shape keywords: {exc.message}")]
+        return [CheckFinding(kind=FindingKind.SHAPE, message=f"cannot read the factory's shape keywords: {exc.message}")]
     then = receipt.context.resolved_shape
     out = []
     for k in sorted(then.keys() | now.keys()):
         if then.get(k, "<absent>") != now.get(k, "<absent>"):
-            out.append(CheckFinding(kind="shape", message=f"shape keyword {k}: {then.get(k, '<absent>')} -> "
+            out.append(CheckFinding(kind=FindingKind.SHAPE, message=f"shape keyword {k}: {then.get(k, '<absent>')} -> "
                                                           f"{now.get(k, '<absent>')} (the receipt's figures were "
                                                           f"measured at {then.get(k, '<absent>')})"))
     return out
@@ -207,30 +227,29 @@ def _model_findings(receipt: Receipt, loaded: LoadedWorkload) -> list[CheckFindi
     assert plan is not None
     fp_diffs = plan.fingerprint.differences(fingerprint(model))
     out: list[CheckFinding] = []
-    explained: set[str] = set()
+    explained: set[FingerprintDiff] = set()
     for b in receipt.plan.boundaries:
         if b.module not in named:
             close = difflib.get_close_matches(b.module, list(named), n=3)
             hint = f"; closest: {', '.join(close)}" if close else ""
-            out.append(CheckFinding(kind="model", boundary=b.module,
+            out.append(CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
                                     message=f"boundary {b.module} ({b.class_name}): the module is gone{hint}"))
-            explained.update(d for d in fp_diffs if b.module in d)
+            explained.update(d for d in fp_diffs if d.under(b.module))
             continue
         module = named[b.module]
         rev = module_revision(module)
         if rev != b.revision:
             classes = {type(m).__qualname__ for m in module.modules()}
-            mine = [d for d in fp_diffs if f" {b.module}." in f" {d.split(' ', 1)[-1]}"
-                    or any(f"class {c} " in d for c in classes)]
+            mine = [d for d in fp_diffs if d.under(b.module, strictly=True) or (d.kind == "class" and d.name in classes)]
             explained.update(mine)
-            why = "; ".join(mine[:4]) or "its class source or parameter shapes changed"
-            out.append(CheckFinding(kind="model", boundary=b.module,
+            why = "; ".join(str(d) for d in mine[:4]) or "its class source or parameter shapes changed"
+            out.append(CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
                                     message=f"boundary {b.module} ({b.class_name}): revision {b.revision} -> {rev} "
                                             f"({why})"))
     rest = [d for d in fp_diffs if d not in explained]
     if rest:
-        shown = "; ".join(rest[:6]) + (f"; ... {len(rest) - 6} more" if len(rest) > 6 else "")
-        out.append(CheckFinding(kind="model", message=f"the model changed outside the boundaries: {shown}"))
+        shown = "; ".join(str(d) for d in rest[:6]) + (f"; ... {len(rest) - 6} more" if len(rest) > 6 else "")
+        out.append(CheckFinding(kind=FindingKind.MODEL, message=f"the model changed outside the boundaries: {shown}"))
     return out
 
 
@@ -263,15 +282,15 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
         checked += c
         skipped += sk
     if not same_workload(spec, receipt.context.workload, cwd=cwd):
-        failures.append(CheckFinding(kind="workload", message=(
+        failures.append(CheckFinding(kind=FindingKind.WORKLOAD, message=(
             f"the receipt was made for workload {receipt.context.workload!r}, but {chosen.source} names {spec!r}: "
             "nothing was run")))
         return done()
     checked.append(f"workload {spec} ({chosen.source}) is the receipt's")
     d = receipt.decision
     plan = receipt.plan.plan
-    if d.status != "ship" or plan is None:
-        failures.append(CheckFinding(kind="decision", message="the receipt ships no plan: " + (d.why[0] if d.why else "")))
+    if d.status is not ShipStatus.SHIP or plan is None:
+        failures.append(CheckFinding(kind=FindingKind.DECISION, message="the receipt ships no plan: " + (d.why[0] if d.why else "")))
         return done()
     loaded = _load(receipt, spec)
     progress("check", 1, 5)
@@ -306,7 +325,7 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
             owner = next((b.module for b in receipt.plan.boundaries
                           if blamed and (blamed == b.module or blamed.startswith(b.module + "."))), None)
             for f in report.failures:
-                failures.append(CheckFinding(kind="equivalence", boundary=owner, message=f))
+                failures.append(CheckFinding(kind=FindingKind.EQUIVALENCE, boundary=owner, message=f))
     progress("check", 3, 5)
     if quick:
         skipped.append("peak and per-boundary savings not re-measured (--quick)")
@@ -318,7 +337,7 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     names = ", ".join(b.module for b in plan.boundaries) or "no boundaries"
     if peak > limit:
         failures.append(CheckFinding(
-            kind="peak", boundary=plan.boundaries[0].module if len(plan.boundaries) == 1 else None,
+            kind=FindingKind.PEAK, boundary=plan.boundaries[0].module if len(plan.boundaries) == 1 else None,
             message=f"peak {mib(peak)} with the plan ({names}) no longer clears {mib(limit)} (budget "
                     f"{mib(d.budget_bytes)} less the required {d.reserve:.0%} reserve); the receipt measured "
                     f"{mib(d.shipped_peak_bytes)}"))
@@ -335,7 +354,7 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
             floor = b.measured_saving_bytes - b.saving_tolerance * abs(b.measured_saving_bytes)
             if now < floor:
                 failures.append(CheckFinding(
-                    kind="saving", boundary=b.module,
+                    kind=FindingKind.SAVING, boundary=b.module,
                     message=f"boundary {b.module}: saves {mib(now)}, down from {mib(b.measured_saving_bytes)} "
                             f"(more than the {b.saving_tolerance:.0%} tolerance)"))
             else:

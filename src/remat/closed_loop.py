@@ -1,5 +1,8 @@
 """Closed loop: plan, apply to a fresh model, measure, and re-plan if the peak missed.
 
+It sits below ``apply`` and the measurement stage (it plans, applies and measures), not in
+either: wrapping modules is not re-planning, and measuring never imports ``plan`` (issue 13).
+
 NOTE [closed loop]
 The cost model (profile/model.py) is built from one baseline step; real checkpointing
 can differ a little (the replay's early stop, allocation order). So a budget-driven plan
@@ -13,39 +16,34 @@ predicted *and* measured figures.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
+from typing import Any
 
-from ..errors import BudgetError
-from ..memory.measure import measure_step_peak
-from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, effective_budget, format_bytes, make_plan,
-                    min_budget_for,
-                    replan_with_correction)
-from ..profile.model import ProfileReport
-from ..types import ProgressFn, no_progress
-from ..workload.contract import TrainingStep
-from ..workload.loader import LoadedWorkload
-from .handle import apply
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanMeasurement:
-    peak_bytes: int
-    step_ms: list[float]      # warm whole steps (batch, forward, backward, optimizer)
-    memory_source: str
-    num_alloc_retries: int = 0
-
-    @property
-    def p50_ms(self) -> float:
-        return statistics.median(self.step_ms)
+from .apply import PlanArm
+from .errors import BudgetError
+from .measure import StepMeasurement, measure_arm
+from .plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, effective_budget, format_bytes, make_plan,
+                   min_budget_for, replan_with_correction)
+from .profile.model import ProfileReport
+from .types import ProgressFn, no_progress
+from .workload.loader import LoadedWorkload
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Attempt:
+    """One plan the closed loop measured: predicted and measured whole-step peak (bytes)."""
+
     predicted_peak_bytes: int
     measured_peak_bytes: int
-    margin_bytes: int
-    fits: bool
+    margin_bytes: int         # the planner's margin when it made this plan (NOTE [closed-loop margin])
+    fits: bool                # measured peak <= effective budget
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Attempt":
+        return cls(predicted_peak_bytes=d["predicted_peak_bytes"], measured_peak_bytes=d["measured_peak_bytes"],
+                   margin_bytes=d["margin_bytes"], fits=d["fits"])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,28 +52,9 @@ class ClosedLoopResult:
     attempts: list[Attempt]
 
 
-def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, steps: int = 3) -> PlanMeasurement:
-    """Peak and warm step times of ``plan`` applied to a fresh build of the workload."""
-    fresh = loaded.rebuild()
-    handle = apply(fresh.workload.model, plan) if plan is not None and plan.boundaries else None
-    try:
-        step = TrainingStep(fresh.workload)
-        for i in range(warmup):
-            step.run(i)
-        peak = measure_step_peak(step, warmup)
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            step.run(warmup + 1 + i)
-            if fresh.device.startswith("cuda"):
-                import torch
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        if handle is not None:
-            handle.remove()
-    return PlanMeasurement(peak_bytes=peak.peak_bytes, step_ms=times, memory_source=peak.source.value,
-                           num_alloc_retries=peak.num_alloc_retries)
+def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, steps: int = 3) -> StepMeasurement:
+    """Peak and warm step times of ``plan`` applied to a fresh build of the workload (remat.measure)."""
+    return measure_arm(loaded, PlanArm("plan", plan), warmup=warmup, steps=steps)
 
 
 def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str = "optimal", *,

@@ -1,5 +1,8 @@
 """``make_receipt``: the whole pipeline, trace -> profile -> plan -> frontier -> verify, as one receipt.
 
+It is the pipeline stage of DESIGN.md (just below the CLI): it calls every stage and
+assembles their results into remat.receipt's model, which only holds, validates and renders them.
+
 NOTE [receipt pipeline]
 1. Trace the unmodified step at the target shape and, when given, the boundary shape.
 2. Profile the candidates once; every later stage reuses this profile.
@@ -35,23 +38,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 
-from ..apply import apply
-from ..apply.closed_loop import ClosedLoopResult, plan_closed_loop
+from ..apply import PlanArm
+from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
-from ..memory.measure import model_device, track_step_state
-from ..memory.tracker import LiveTensorTracker
-from ..plan import InfeasibleBudget, Plan, parse_budget
+from ..measure import held_bytes_at_phase, prepare_arm
+from ..plan import InfeasibleBudget, Plan, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import TOLERANCES, VerifyReport, verify_plan
-from ..workload import LoadedWorkload, TrainingStep
+from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
+                             ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
 from ..units import mib
-from .model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
-                    RejectedPlan, RunSettings, UnsupportedMode)
+from ..workload import LoadedWorkload
 
 FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs planned, train + eval
 
@@ -61,35 +62,7 @@ FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs pla
 
 def held_bytes_at_backward(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 1) -> int:
     """Live bytes when backward starts, on a fresh build with ``plan`` applied (NOTE [measured saving])."""
-    fresh = loaded.rebuild()
-    handle = apply(fresh.workload.model, plan) if plan is not None and plan.boundaries else None
-    held: list[int] = []
-    try:
-        step = TrainingStep(fresh.workload)
-        for i in range(warmup):
-            step.run(i)
-        device = model_device(step)
-        if device.type == "cuda":
-            def cuda_marker(phase: Phase) -> None:
-                if phase is Phase.BACKWARD:
-                    torch.cuda.synchronize(device)
-                    held.append(torch.cuda.memory_allocated(device))
-            step.run(warmup, marker=cuda_marker)
-        else:
-            with LiveTensorTracker(keep_timeline=False) as tracker:
-                track_step_state(tracker, step)
-
-                def marker(phase: Phase) -> None:
-                    tracker.mark(phase)
-                    if phase is Phase.BACKWARD:
-                        held.append(tracker.live_bytes)
-                step.run(warmup, marker=marker)
-    finally:
-        if handle is not None:
-            handle.remove()
-    if not held:  # pragma: no cover - TrainingStep.run always marks backward
-        raise WorkloadError("the step never reached backward: cannot measure what checkpointing saves")
-    return held[0]
+    return held_bytes_at_phase(loaded, PlanArm("plan", plan), Phase.BACKWARD, warmup=warmup)
 
 
 def measure_savings(loaded: LoadedWorkload, plan: Plan, *, warmup: int = 1,
@@ -110,26 +83,17 @@ def measure_savings(loaded: LoadedWorkload, plan: Plan, *, warmup: int = 1,
 def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int,
                   progress: ProgressFn = no_progress) -> StepTrace:
     """Phase trace of the step with ``plan`` applied to a fresh build (the timeline's "plan" curve)."""
-    fresh = loaded.rebuild()
-    handle = apply(fresh.workload.model, plan)
+    prepared = prepare_arm(loaded, PlanArm("plan", plan))
     try:
+        fresh = prepared.loaded
         ctx = TraceContext.capture(workload=fresh.spec, shape=fresh.shape, dtype=fresh.dtype, device=fresh.device,
                                    warmup=warmup, steps=steps)
-        return trace_step(TrainingStep(fresh.workload), context=ctx, warmup=warmup, steps=steps, progress=progress)
+        return trace_step(prepared.step, context=ctx, warmup=warmup, steps=steps, progress=progress)
     finally:
-        handle.remove()
+        prepared.close()
 
 
 # -- per boundary ----------------------------------------------------------------------------------
-
-def _attributed(module: str, v: VerifyReport) -> bool:
-    """Whether a verification failure names ``module`` (a divergent tensor under it, a hazard in it)."""
-    def under(name: str | None) -> bool:
-        return name is not None and (name == module or name.startswith(module + "."))
-    names = [d.split(" ", 1)[-1] for s in v.per_step for d in s.divergent]
-    return (any(under(n) for n in names) or any(under(s.first_divergent_module) for s in v.per_step)
-            or any(module in [m.strip() for m in h.module.split(",")] for h in v.hazards))
-
 
 def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport, verification: VerifyReport | None,
                       savings: dict[str, int], settings: RunSettings) -> list[BoundaryRecord]:
@@ -148,7 +112,7 @@ def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport,
             if verification.passed:
                 passed = True
             else:  # a failure exonerates this boundary only when it is attributed to others
-                blamed = [x.module for x in plan.boundaries if _attributed(x.module, verification)]
+                blamed = [x.module for x in plan.boundaries if verification.implicates(x.module)]
                 passed = bool(blamed) and b.module not in blamed
         act = activity.get(b.module)
         cost = costs.get(b.module)
@@ -184,12 +148,13 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     shipped_pt: FrontierPoint | None = frontier.shipped if frontier is not None else None
     has_boundaries = plan is not None and bool(plan.boundaries)
     verified = None if verification is None else verification.passed
-    rejected = [RejectedPlan(plan=p.plan, decision=p.decision.value, reason=p.reason, peak_bytes=p.peak_bytes,
+    rejected = [RejectedPlan(plan=p.plan, decision=Rejection(p.decision.value), reason=p.reason, peak_bytes=p.peak_bytes,
                              p50_ms=p.p50_ms) for p in points if p is not shipped_pt]
+    unverified: str | None = None     # why the plan that fits failed verification, when it did
     if shipped_pt is not None and has_boundaries and verified is False:
         assert verification is not None
-        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision="unverified",
-                                        reason="fits, but failed verification: " + "; ".join(verification.failures[:3]),
+        unverified = "failed verification: " + "; ".join(verification.failures[:3])
+        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision=Rejection.UNVERIFIED, reason="fits, but " + unverified,
                                         peak_bytes=shipped_pt.peak_bytes, p50_ms=shipped_pt.p50_ms))
         shipped_pt = None
     ship = shipped_pt is not None
@@ -222,15 +187,15 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
                        f"{'match bitwise' if bitwise else 'match within tolerance'}; no replay hazards"
                        + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
     else:
-        if shipped_pt is None and rejected and rejected[0].decision == "unverified":
-            why.append(f"Nothing ships: {rejected[0].plan} fits but {rejected[0].reason[len('fits, but '):]}.")
+        if unverified is not None:
+            why.append(f"Nothing ships: {rejected[0].plan} fits but {unverified}.")
         elif closed_loop_note:
             why.append(f"Nothing ships: {closed_loop_note}")
         else:
             why.append(f"Nothing ships: no measured plan's peak clears {budget_text}.")
         why.append(f"The unmodified step peaks at {mib(control_peak)}.")
     return ReceiptDecision(
-        status="ship" if ship else "no-plan", shipped=shipped_pt.plan if shipped_pt else None,
+        status=ShipStatus.SHIP if ship else ShipStatus.NO_PLAN, shipped=shipped_pt.plan if shipped_pt else None,
         boundaries=_describe(plan) if ship else [], budget_bytes=budget_bytes, reserve=reserve,
         effective_budget_bytes=limit, control_peak_bytes=control_peak, shipped_peak_bytes=peak,
         clears=ship and peak is not None and peak <= limit,
@@ -246,27 +211,27 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
 def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None) -> list[UnsupportedMode]:
     """What this receipt's evidence does not cover: the modes a reader must not assume."""
     out = [
-        UnsupportedMode(mode="torch.compile", status="not run",
+        UnsupportedMode(mode="torch.compile", status=Coverage.NOT_RUN,
                         detail="every figure is from eager mode; torch.compile keeps checkpoint regions but plans "
                                "memory itself (activation_memory_budget), so peaks and times would differ"),
-        UnsupportedMode(mode="reentrant checkpointing", status="unsupported",
+        UnsupportedMode(mode="reentrant checkpointing", status=Coverage.UNSUPPORTED,
                         detail="remat applies non-reentrant torch.utils.checkpoint only (use_reentrant=False); "
                                "reentrant replay checks nothing and can give silently wrong gradients"),
-        UnsupportedMode(mode="autocast / mixed precision", status="not run",
+        UnsupportedMode(mode="autocast / mixed precision", status=Coverage.NOT_RUN,
                         detail=f"the step ran as the workload defines it, in {loaded.dtype}, without autocast"),
     ]
     for dt in ("float32", "bfloat16", "float16"):
         if dt != loaded.dtype:
-            out.append(UnsupportedMode(mode=f"dtype {dt}", status="not run",
+            out.append(UnsupportedMode(mode=f"dtype {dt}", status=Coverage.NOT_RUN,
                                        detail=f"peaks and equivalence were measured in {loaded.dtype} only "
                                               f"(tolerances differ per dtype)"))
     if loaded.device.startswith("cuda"):
-        out.append(UnsupportedMode(mode="device cpu", status="not run", detail="measured on CUDA only"))
+        out.append(UnsupportedMode(mode="device cpu", status=Coverage.NOT_RUN, detail="measured on CUDA only"))
     else:
-        out.append(UnsupportedMode(mode="device cuda", status="not run",
+        out.append(UnsupportedMode(mode="device cuda", status=Coverage.NOT_RUN,
                                    detail="peaks are from the CPU live-tensor tracker; the CUDA caching allocator "
                                           "(fragmentation, workspaces, alloc retries) was not measured"))
-    out.append(UnsupportedMode(mode="world size > 1 (DDP, FSDP2)", status="not run",
+    out.append(UnsupportedMode(mode="world size > 1 (DDP, FSDP2)", status=Coverage.NOT_RUN,
                                detail="one process only; `remat distributed` measures per-rank peaks and exposed "
                                       "communication at world size N"))
     def text(shape: dict) -> str:
@@ -274,9 +239,9 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
     shapes = f"the plan was measured and verified at {text(loaded.shape)} only"
     if boundary_shape:
         shapes += f"; the boundary shape {text(boundary_shape)} was traced without it"
-    out.append(UnsupportedMode(mode="other shapes", status="not run", detail=shapes))
+    out.append(UnsupportedMode(mode="other shapes", status=Coverage.NOT_RUN, detail=shapes))
     if plan is not None and plan.boundaries and plan.preserve_rng_state:
-        out.append(UnsupportedMode(mode="preserve_rng_state=False", status="unsupported",
+        out.append(UnsupportedMode(mode="preserve_rng_state=False", status=Coverage.UNSUPPORTED,
                                    detail="the plan replays with the forward's RNG state; without it dropout "
                                           "gradients differ (the rng_preservation_off negative control)"))
     return out
@@ -322,7 +287,7 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     if not 0.0 <= reserve < 1.0:
         raise BudgetError(f"reserve must lie in [0, 1), got {reserve}")
     if not isinstance(budget, int):
-        parse_budget(budget, 1 << 50)  # syntax check before minutes of measuring
+        check_budget_syntax(budget)  # syntax check before minutes of measuring
 
     # 1. traces of the unmodified step
     target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,

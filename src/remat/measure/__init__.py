@@ -1,0 +1,19 @@
+"""remat.measure: runs a training step and measures it (the measurement stage of DESIGN.md).
+
+A fresh build of the workload, prepared by the caller (an :class:`Arm`: the control, a plan
+applied by ``remat.apply.PlanArm``, a torch baseline), warm-up, the whole-step peak and the
+bytes held when a phase starts, and device-correct step timing (NOTE [device-correct timing]):
+one percentile definition (:func:`percentile`), one timed-step loop (:func:`time_steps`) and
+one interleaved round-robin scheduler (:func:`time_round_robin`). It never imports ``plan``
+or ``apply``; profile, the closed loop, verify, frontier, distributed and the pipeline use it.
+"""
+
+from .run import (Arm, Prepared, ProbeResult, PeakLimitExceeded, Runner, StepMeasurement, Timings, Undo,
+                  held_bytes_at_phase, is_cuda, measure_arm, measure_arm_peak, measure_step_peak_within,
+                  prepare_arm, probe_capacity, release_memory, shape_value, time_round_robin, time_steps, warm_up)
+from .timing import RegionTimer, StepClock, p50, p95, percentile
+
+__all__ = ["Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
+           "StepMeasurement", "Timings", "Undo", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak",
+           "measure_step_peak_within", "p50", "p95", "percentile", "prepare_arm", "probe_capacity", "release_memory",
+           "shape_value", "time_round_robin", "time_steps", "warm_up"]

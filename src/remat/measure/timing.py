@@ -1,0 +1,105 @@
+"""Device-correct step timing, and the one percentile definition remat reports.
+
+NOTE [device-correct timing]
+CUDA kernels run asynchronously: a host clock read right after a launch measures the launch,
+not the kernel. So on CUDA every host clock read around a step is preceded by
+``torch.cuda.synchronize(device)`` (the step's queued work finished before the first read,
+the step's own work before the second), and a region timed *inside* a step (a module's
+forward, read from hooks) is timed with a pair of ``torch.cuda.Event(enable_timing=True)``
+recorded on the current stream, read after the step synchronises: syncing inside hooks
+would serialise the step it measures. On CPU ``time.perf_counter_ns`` is exact enough and
+needs neither. Every figure is milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+def percentile(xs: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (q in [0, 100]) by linear interpolation between closest ranks
+    (numpy's default): remat's one definition of p50 and p95. ValueError for no samples."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("percentile of no samples")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must lie in [0, 100], got {q}")
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def p50(xs: Iterable[float]) -> float:
+    return percentile(xs, 50.0)
+
+
+def p95(xs: Iterable[float]) -> float:
+    return percentile(xs, 95.0)
+
+
+class StepClock:
+    """Wall time of one call on ``device`` (NOTE [device-correct timing]), in ms."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """``(fn(*args), ms)``: the device idle before the first clock read and after ``fn``."""
+        self.sync()
+        t0 = time.perf_counter_ns()
+        out = fn(*args)
+        self.sync()
+        return out, (time.perf_counter_ns() - t0) / 1e6
+
+
+class RegionTimer:
+    """Times regions that start and end inside a step (module forwards, from hooks), in ms.
+
+    ``start(key)``/``stop(key)`` may be called from hooks; on CUDA they record events and
+    never synchronise, and :meth:`collect` (after the step) synchronises once and reads them
+    (NOTE [device-correct timing]). Samples accumulate per key across steps.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._open: dict[Any, Any] = {}
+        self._pending: list[tuple[Any, Any, Any]] = []   # (key, start event, end event), CUDA
+        self.samples: dict[Any, list[float]] = {}
+
+    def start(self, key: Any) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open[key] = ev
+        else:
+            self._open[key] = time.perf_counter_ns()
+
+    def stop(self, key: Any) -> None:
+        begun = self._open.pop(key, None)
+        if begun is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((key, begun, end))
+        else:
+            self.samples.setdefault(key, []).append((time.perf_counter_ns() - begun) / 1e6)
+
+    def collect(self) -> None:
+        """Read the CUDA events recorded so far (one synchronise); a no-op on CPU."""
+        if not self._pending:
+            return
+        torch.cuda.synchronize(self.device)
+        for key, a, b in self._pending:
+            self.samples.setdefault(key, []).append(float(a.elapsed_time(b)))
+        self._pending.clear()

@@ -1,0 +1,15 @@
+"""remat.pipeline: the end-to-end runs, just below the CLI (DESIGN.md's *pipeline* row).
+
+``make_receipt(loaded, budget=...)`` runs trace -> profile -> plan (closed loop) -> frontier
+-> verify and assembles a :class:`remat.receipt.Receipt` (``remat receipt``, ``remat demo``);
+``check_receipt(receipt)`` re-runs the fixtures a receipt names (``remat check``). The
+receipt package keeps only the receipt's model, schema and rendering.
+"""
+
+from .build import held_bytes_at_backward, make_receipt, measure_savings, trace_planned, unsupported_modes
+from .check import (CheckFinding, CheckReport, ChosenWorkload, FindingKind, check_receipt, choose_workload,
+                    project_workload, report_findings, same_workload)
+
+__all__ = ["CheckFinding", "CheckReport", "ChosenWorkload", "FindingKind", "check_receipt", "choose_workload",
+           "held_bytes_at_backward", "make_receipt", "measure_savings", "project_workload", "report_findings",
+           "same_workload", "trace_planned", "unsupported_modes"]
