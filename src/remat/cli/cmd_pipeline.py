@@ -19,7 +19,8 @@ from ..plan.pipeline import PipelinePlan, load_any_plan
 from ..workload import parse_shape
 from ..errors import DistributedError, PlanError
 from .common import check_out_dir
-from .render import console, fmt_bytes, progress_bar
+from ..units import fmt_bytes
+from .render import console, progress_bar
 
 
 def run_pipeline(args: argparse.Namespace) -> int:

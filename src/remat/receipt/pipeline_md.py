@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-
-def format_bytes(n: int) -> str:
-    return f"{n / 2 ** 20:.2f} MiB"
-
+from ..units import mib as format_bytes   # one unit (MiB) for figures read side by side
 
 # timeline letters, most specific first: a replay runs inside a backward
 _LETTERS = (("replay", "R"), ("backward", "B"), ("forward", "F"), ("loss", "L"), ("optimizer", "O"))
