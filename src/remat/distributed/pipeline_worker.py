@@ -372,7 +372,7 @@ class PipelineRank:
         comparisons = {}
         for name in cfg.sides:
             if name != "none" and "none" in grads:
-                comparisons[name] = compare_grads(grads["none"], grads[name], 0.0, 0.0)
+                comparisons[name] = compare_grads(grads["none"], grads[name])
         negative = None
         if cfg.perturb_control and "none" in grads:
             bad = [(n, None if g is None else g.clone()) for n, g in grads["none"]]
@@ -380,7 +380,7 @@ class PipelineRank:
                 if g is not None and g.numel():
                     g.view(-1)[0] += 1e-3
                     break
-            negative = not compare_grads(grads["none"], bad, 0.0, 0.0).bitwise_equal
+            negative = not compare_grads(grads["none"], bad).bitwise_equal
         # every parameter of the stage must have a gradient: None on both sides would compare as "equal"
         missing = {name: [n for n, g in gs if g is None] for name, gs in grads.items()}
         return {"results": results, "comparisons": comparisons, "negative_rejected": negative, "losses": losses,
