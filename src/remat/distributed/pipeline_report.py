@@ -8,13 +8,13 @@ NOTE [pipeline instruments] (pipeline_worker.py) says how each figure is read.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
 from .._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
 from ..errors import DistributedError
 from ..plan.pipeline import PIPELINE_PLAN, ideal_bubble
 from ..plan.schema import MODULE_PATH
+from ..measure import p50
 from .report import percentile
 
 PIPELINE_REPORT_SCHEMA_VERSION = 1
@@ -54,7 +54,8 @@ class StageResult:
 
 
 def _med(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else 0.0
+    """remat.measure's p50 (the one definition), 0.0 for no values."""
+    return float(p50(xs)) if xs else 0.0
 
 
 STAGE = Obj({
