@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from torch import nn
 
@@ -14,12 +14,24 @@ from ..profile.fingerprint import fingerprint
 from .policy import SaveMatmulPolicy
 from .wrapper import CheckpointWrapper
 
+if TYPE_CHECKING:
+    from ..plan.pipeline import PipelinePlan
 
-def load_plan(plan: Plan | str | Path) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
+
+def load_plan(plan: "Plan | PipelinePlan | str | Path", stage: int | None = None) -> Plan:
+    """A Plan; from a per-stage pipeline plan (plan/pipeline.py), the plan of ``stage``."""
+    from ..plan.pipeline import PipelinePlan, load_any_plan
     if isinstance(plan, (str, Path)):
-        return Plan.load(plan)
+        plan = load_any_plan(plan)
+    if isinstance(plan, PipelinePlan):
+        if stage is None:
+            raise PlanError(f"this is a pipeline plan with {len(plan.stages)} stages: pass the stage this rank owns",
+                            tip="remat.apply(model, plan, stage=RANK_STAGE)")
+        return plan.for_stage(stage)
+    if isinstance(plan, Plan):
+        if stage is not None:
+            raise PlanError(f"stage={stage} was given, but the plan is a whole-model plan, not a pipeline plan")
+        return plan
     raise PlanError(f"expected a remat Plan or a path to plan.json, got {type(plan).__name__}")
 
 
@@ -140,7 +152,7 @@ def recover_handle(model: nn.Module) -> ApplyHandle:
 
 
 def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool = True,
-          policy: SaveMatmulPolicy | None = None) -> ApplyHandle:
+          policy: SaveMatmulPolicy | None = None, stage: int | None = None) -> ApplyHandle:
     """Checkpoint exactly the modules ``plan`` lists; returns a handle whose ``remove()`` undoes it.
 
     ``plan`` is a :class:`~remat.plan.Plan` or a path to ``plan.json``. FULL boundaries use
@@ -152,7 +164,7 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool 
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"remat.apply needs a torch.nn.Module, got {type(model).__name__}")
-    plan = load_plan(plan)
+    plan = load_plan(plan, stage)   # a pipeline plan: the plan of the stage this rank owns
     if check_fingerprint:
         check_plan_fingerprint(model, plan)
     paths = [b.module for b in plan.boundaries]

@@ -28,8 +28,16 @@ def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) 
     g.add_argument("--world-size", type=bounded_int(1, 1024), default=None, required=required,
                    help="run the step on N ranks of this host and write DIR/distributed.json" +
                         ("" if required else " (default: no distributed run)"))
-    g.add_argument("--engine", choices=[e.value for e in Engine], default=Engine.DDP.value,
-                   help="ddp (DistributedDataParallel) or fsdp2 (fully_shard) (default: ddp)")
+    g.add_argument("--engine", choices=[e.value for e in Engine] + ["pipeline"], default=Engine.DDP.value,
+                   help="ddp (DistributedDataParallel), fsdp2 (fully_shard) or pipeline (torch.distributed.pipelining, "
+                        "one stage per rank; `remat distributed` only) (default: ddp)")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
+                   help="pipeline schedule (torch's ScheduleGPipe or Schedule1F1B) (default: 1f1b)")
+    g.add_argument("--microbatches", type=bounded_int(1, 100_000), default=4,
+                   help="pipeline microbatches per step; batch_size must be a multiple (default 4)")
+    g.add_argument("--split-points", default=None, metavar="PATH.I,...",
+                   help="first block of every pipeline stage after the first, e.g. h.2,h.4 (default: even by "
+                        "measured forward time)")
     g.add_argument("--dist-steps", type=bounded_int(1, MAX_STEPS), default=10, help="timed warm steps per rank and side (default 10)")
     g.add_argument("--dist-warmup", type=bounded_int(2, MAX_WARMUP), default=2, help="untimed warm-up steps, at least 2 (default 2)")
     g.add_argument("--dist-comm-steps", type=bounded_int(1, MAX_STEPS), default=3,
@@ -57,6 +65,10 @@ def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_d
     """
     if not getattr(args, "world_size", None):
         return None
+    if args.engine == "pipeline":
+        from ..errors import DistributedError
+        raise DistributedError("--engine pipeline runs under `remat distributed` only so far",
+                               tip="remat distributed --engine pipeline --world-size 2 --schedule 1f1b --microbatches 4 ...")
     config = config_from_args(args, plan)
     with progress_bar() as progress:
         report = run_config(config, work_dir=Path(out_dir) / "distributed", wall_timeout_s=args.dist_wall_timeout,
@@ -106,10 +118,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--emit-config", type=Path, default=None, metavar="PATH",
                    help="only write the run's config to PATH and print the torchrun command for several nodes")
     add_distributed_args(p, required=True)
+    p.add_argument("--budget", default=None,
+                   help="pipeline engine: per-device peak budget for the per-stage plans, bytes with a unit or a "
+                        "share of the largest unplanned stage peak (default 80%%)")
+    p.add_argument("--reserve", default="5%", help="pipeline engine: share of the budget kept free (default 5%%)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "pipeline":
+        from .cmd_pipeline import run_pipeline
+        return run_pipeline(args)
     plan = Plan.load(args.plan) if args.plan is not None else None
     if args.emit_config is not None:
         emit = Path(args.emit_config)

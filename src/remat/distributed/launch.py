@@ -74,11 +74,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun_command(config_path: Path, out: Path, world_size: int, port: int) -> list[str]:
+def torchrun_command(config_path: Path, out: Path, world_size: int, port: int,
+                     module: str = WORKER_MODULE) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
             "--monitor-interval", "0.1", "--shutdown-timeout", str(int(_GRACE_S)),
-            "-m", WORKER_MODULE, "--config", str(config_path), "--out", str(out)]
+            "-m", module, "--config", str(config_path), "--out", str(out)]
 
 
 # -- the ranks' state, from their files --------------------------------------------------------------
@@ -193,7 +194,7 @@ def diagnose(out: Path, world_size: int, *, returncode: int | None, timed_out: f
 
 # -- processes --------------------------------------------------------------------------------------
 
-def _alive_rank_pid(out: Path, rank: int) -> int | None:
+def _alive_rank_pid(out: Path, rank: int, module: str = WORKER_MODULE) -> int | None:
     """This run's rank process, if it still exists (checked against its command line, not only the PID)."""
     text = _read(rank_file(out, rank, "pid"))
     if not text:
@@ -203,12 +204,12 @@ def _alive_rank_pid(out: Path, rank: int) -> int | None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except (OSError, ValueError, KeyError, json.JSONDecodeError):
         return None
-    return pid if WORKER_MODULE in cmdline and str(out) in cmdline else None
+    return pid if module in cmdline and str(out) in cmdline else None
 
 
-def kill_stragglers(out: Path, world_size: int, grace_s: float = _GRACE_S) -> list[int]:
+def kill_stragglers(out: Path, world_size: int, grace_s: float = _GRACE_S, module: str = WORKER_MODULE) -> list[int]:
     """SIGTERM, then SIGKILL, every rank process of this run still alive; returns the ranks that were."""
-    alive = {r: pid for r in range(world_size) if (pid := _alive_rank_pid(out, r)) is not None}
+    alive = {r: pid for r in range(world_size) if (pid := _alive_rank_pid(out, r, module)) is not None}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in alive.values():
             try:
@@ -216,9 +217,9 @@ def kill_stragglers(out: Path, world_size: int, grace_s: float = _GRACE_S) -> li
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive_rank_pid(out, r) for r in alive):
+        while time.monotonic() < deadline and any(_alive_rank_pid(out, r, module) for r in alive):
             time.sleep(_POLL_S)
-        if not any(_alive_rank_pid(out, r) for r in alive):
+        if not any(_alive_rank_pid(out, r, module) for r in alive):
             break
     return sorted(alive)
 
@@ -235,21 +236,23 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=_GRACE_S)
 
 
-def _clean(out: Path, world_size: int) -> None:
-    (out / REPORT_NAME).unlink(missing_ok=True)
+def _clean(out: Path, world_size: int, report_name: str = REPORT_NAME) -> None:
+    (out / report_name).unlink(missing_ok=True)
     for r in range(world_size):
         for kind in ("pid", "progress", "error.json", "sigterm", "done"):
             rank_file(out, r, kind).unlink(missing_ok=True)
 
 
 def _launch_once(config: DistributedConfig, out: Path, wall_timeout_s: float,
-                 progress: ProgressFn) -> tuple[int | None, float | None]:
-    """Run torchrun once; (its exit code, the wall limit if it was hit)."""
-    _clean(out, config.world_size)
-    cmd = torchrun_command(out / "config.json", out, config.world_size, free_port())
+                 progress: ProgressFn, *, module: str = WORKER_MODULE, what: str | None = None,
+                 report_name: str = REPORT_NAME) -> tuple[int | None, float | None]:
+    """Run torchrun once; (its exit code, the wall limit if it was hit). ``module`` is the rank program
+    (the pipeline engine has its own, remat.distributed.pipeline_worker, with the same rank files)."""
+    _clean(out, config.world_size, report_name)
+    cmd = torchrun_command(out / "config.json", out, config.world_size, free_port(), module)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // config.world_size)), "PYTHONUNBUFFERED": "1"}
-    what = f"{config.engine.value} x{config.world_size}"
+    what = what or f"{config.engine.value} x{config.world_size}"
     with open(out / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -269,7 +272,7 @@ def _launch_once(config: DistributedConfig, out: Path, wall_timeout_s: float,
                 time.sleep(_POLL_S)
         finally:  # also on KeyboardInterrupt: nothing outlives the caller
             _stop(proc)
-            kill_stragglers(out, config.world_size)
+            kill_stragglers(out, config.world_size, module=module)
     return proc.returncode, timed_out
 
 

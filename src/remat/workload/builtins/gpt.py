@@ -79,13 +79,20 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    # NOTE [pipeline stages] (remat.distributed.pipeline): forward = pipeline_head(blocks(pipeline_embed(idx)))
+    def pipeline_embed(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+    def pipeline_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.pipeline_embed(idx)
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        return self.pipeline_head(x)
 
 
 def build(batch_size: int = 8, seq_len: int = 128, n_layer: int = 6, d_model: int = 256,

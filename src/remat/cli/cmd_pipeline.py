@@ -1,0 +1,118 @@
+"""``remat distributed --engine pipeline``: no plan, a uniform plan, remat's per-stage plans, side by side.
+
+Writes ``OUT/pipeline.json`` (PipelineReport), ``OUT/plan.json`` (the per-stage PipelinePlan)
+and ``OUT/profile.json`` (the whole model profiled at the microbatch shape, what it plans from).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from .._io import atomic_write_json
+from ..distributed.pipeline import PipelineConfig, check_split, default_split, microbatch_shape, run_pipeline_config
+from ..distributed.pipeline_report import PipelineReport
+from ..plan import parse_budget, parse_reserve
+from ..plan.pipeline import PipelinePlan, load_any_plan
+from ..workload import parse_shape
+from ..errors import DistributedError, PlanError
+from .common import check_out_dir
+from ..units import fmt_bytes
+from .render import console, progress_bar
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    if getattr(args, "emit_config", None) is not None:
+        raise DistributedError("--emit-config does not cover --engine pipeline yet",
+                               tip="run `remat distributed --engine pipeline` on one host")
+    shape = parse_shape(args.shape)
+    reserve = parse_reserve(args.reserve)
+    if args.budget is not None:
+        parse_budget(args.budget, 1 << 50)   # syntax check before any measuring
+    check_out_dir(args.out, ("pipeline.json", "plan.json"))
+    given = None
+    if args.plan is not None:
+        given = load_any_plan(args.plan)
+        if not isinstance(given, PipelinePlan):
+            raise PlanError(f"{args.plan} is a whole-model plan; --engine pipeline runs a per-stage pipeline plan",
+                            tip="a pipeline plan is the plan.json that `remat distributed --engine pipeline` writes")
+        if (given.schedule.value, given.microbatches, len(given.stages)) != (args.schedule, args.microbatches,
+                                                                             args.world_size):
+            raise PlanError(f"{args.plan} was planned for {given.schedule.value} with {given.microbatches} microbatches "
+                            f"on {len(given.stages)} stages; this run asks for {args.schedule}, {args.microbatches}, "
+                            f"{args.world_size}: the stages' in-flight counts, and so the plans, would differ",
+                            tip="pass the plan's --schedule, --microbatches and --world-size, or plan again")
+    mb_shape = microbatch_shape(shape, args.microbatches)
+    if args.split_points:
+        points, source = [p.strip() for p in args.split_points.split(",") if p.strip()], "given (--split-points)"
+    elif given is not None:
+        points, source = list(given.split_points), f"from the plan ({given.split_source})"
+    else:
+        points, source = [], ""
+    check_split(args.workload, shape, points, args.world_size, args.microbatches, dtype=args.dtype)
+    if not points:
+        points, source = default_split(args.workload, shape, args.world_size, args.microbatches, dtype=args.dtype)
+    with progress_bar() as progress:
+        profile = None
+        if given is None:
+            from ..profile.measure import profile_workload
+            from ..workload.loader import load_workload
+            report = profile_workload(load_workload(args.workload, mb_shape, dtype=args.dtype), progress=progress)
+            atomic_write_json(Path(args.out) / "profile.json", report.to_json())
+            profile = report.to_json()
+        config = PipelineConfig(
+            spec=args.workload, shape=shape, world_size=args.world_size, schedule=args.schedule,
+            microbatches=args.microbatches, split_points=points, split_source=source, profile=profile,
+            budget=args.budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
+            dtype=args.dtype, steps=args.dist_steps, warmup=args.dist_warmup, timeout_s=args.dist_timeout,
+            sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
+        result = run_pipeline_config(config, work_dir=Path(args.out) / "distributed",
+                                     wall_timeout_s=args.dist_wall_timeout, progress=progress)
+    path = atomic_write_json(Path(args.out) / "pipeline.json", result.to_json())
+    if "remat" in result.data["plans"]:
+        atomic_write_json(Path(args.out) / "plan.json", result.data["plans"]["remat"])
+    from .._io import atomic_write_text
+    from ..receipt.pipeline_md import render_pipeline_markdown
+    atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result.data))
+    render(result)
+    console.print(f"wrote {path}")
+    if result.remat_fits is False:
+        console.print("[bold red]remat's per-stage plans measured over the per-device budget on "
+                      + ", ".join(f"stage {s['stage']}" for s in result.side("remat")["per_stage"]
+                                  if not s["fits_budget"]) + "[/]")
+    return 0 if result.ok and result.remat_fits is not False else 1
+
+
+def render(report: PipelineReport) -> None:
+    d = report.data
+    table = Table(title=f"{d['spec']} pipeline: {d['world_size']} stages, {d['schedule']}, {d['microbatches']} "
+                        f"microbatches, split at {', '.join(d['split_points'])} (ideal bubble "
+                        f"{d['ideal_bubble_fraction']:.3f})")
+    for col in ("side", "stage", "in flight", "boundaries", "peak", "fits", "fwd ms", "bwd ms", "replay ms",
+                "p2p ms", "idle ms", "bubble"):
+        table.add_column(col, justify="left" if col in ("side", "boundaries") else "right")
+    for name, side in d["sides"].items():
+        for s in side["per_stage"]:
+            fits = "-" if s["fits_budget"] is None else ("yes" if s["fits_budget"] else "[red]no[/]")
+            table.add_row(name, str(s["stage"]), str(s["in_flight"]), ", ".join(s["boundaries"]) or "-",
+                          fmt_bytes(s["peak_bytes"]), fits, f"{s['forward_ms']:.1f}", f"{s['backward_ms']:.1f}",
+                          f"{s['replay_ms']:.1f}", f"{s['p2p_ms']:.1f}", f"{s['idle_ms']:.1f}",
+                          f"{s['bubble_fraction']:.3f}")
+    console.print(table)
+    for name, side in d["sides"].items():
+        console.print(f"[bold]{name}[/]: step p50 {side['p50_ms']:.1f} ms, p95 {side['p95_ms']:.1f} ms, "
+                      f"{side['samples_per_s']:.1f} samples/s, largest stage peak {fmt_bytes(side['max_peak_bytes'])}")
+    for name, side in d["sides"].items():
+        worse = [f"stage {s['stage']} +{s['bubble_delta_vs_none']:.3f} (replay {s['replay_ms']:.1f} ms)"
+                 for s in side["per_stage"] if (s["bubble_delta_vs_none"] or 0.0) > 0.0]
+        if worse:
+            console.print(f"{name}: bubble grew over the unplanned run on {', '.join(worse)}")
+    for name, eq in d["equivalence"].items():
+        verdict = "[green]bitwise equal[/]" if eq["ok"] else "[bold red]DIFFERENT[/]"
+        console.print(f"equivalence ({name} vs none, same schedule and microbatches): {verdict} "
+                      f"(max |diff| {eq['max_abs_diff']:.3g})")
+    neg = d["negative_control_rejected"]
+    if neg is not None:
+        console.print(f"negative control (a gradient perturbed by 1e-3): {'rejected' if neg else '[bold red]ACCEPTED[/]'}")

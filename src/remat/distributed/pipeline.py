@@ -1,0 +1,497 @@
+"""Pipeline parallelism (issue 17): stages built from the workload's model, the split, the config, the launch.
+
+NOTE [pipeline stages]
+A model is pipelined when it is ``embed -> blocks -> head``: it defines
+``pipeline_embed(inputs) -> hidden`` and ``pipeline_head(hidden) -> outputs`` and its forward is
+``pipeline_head(blocks[n-1](...blocks[0](pipeline_embed(inputs))))`` over one ``nn.ModuleList``
+of blocks that map hidden -> hidden (the built-in ``gpt``: ``wte + wpe + drop``, ``h``,
+``ln_f + lm_head``). Every rank builds the *whole* model from the workload (same seed, so the
+same weights), applies its stage's plan by the whole model's module names (so plans and their
+fingerprints are the whole model's), then keeps only what its stage runs:
+
+  stage 0        pipeline_embed + blocks[0:s1]
+  stage k        blocks[s_k:s_{k+1}]
+  last stage     blocks[s_{p-1}:n] + pipeline_head, and the workload's loss
+
+Modules a stage never calls are detached from the model (set to None), so their parameters,
+gradients and optimizer state are not on that rank; which modules ``pipeline_embed`` and
+``pipeline_head`` call is recorded once, by forward pre-hooks, on one microbatch. A parameter
+used by both (gpt ties ``lm_head.weight`` to ``wte.weight``) lives on the first and the last
+stage; after each backward their two partial gradients are summed (``all_reduce`` over a
+group of those two ranks), which is what the unsplit model's autograd does.
+
+The loss: the batch must be ``(inputs, targets)`` and ``workload.loss(model, batch)`` must call
+``model(inputs)`` once; the last stage calls it with a stand-in model that returns the stage's
+output, so the workload's own loss code runs unchanged. ``torch.distributed.pipelining`` splits
+``inputs`` and ``targets`` into ``m`` microbatches along dim 0 and scales the gradients by
+``1/m`` (``scale_grads=True``): the step's gradient is that of the mean microbatch loss.
+
+NOTE [default split]
+Without ``--split-points`` the blocks are cut into ``p`` contiguous stages that minimise the
+largest stage forward time, measured on this process before the launch: the least of 5 warm
+forwards (no autograd recording) of ``pipeline_embed`` (counted on stage 0), each block, and
+``pipeline_head`` + loss (counted on the last stage), at the microbatch shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
+from ..errors import DistributedError, WorkloadError
+from ..plan.pipeline import Schedule
+from ..plan.schema import MODULE_PATH
+from ..types import ProgressFn, no_progress
+
+PIPELINE_WORKER_MODULE = "remat.distributed.pipeline_worker"
+PIPELINE_REPORT_NAME = "pipeline.json"
+PIPELINE_CONFIG_SCHEMA_VERSION = 1
+SIDES = ("none", "uniform", "remat")   # no plan; the uniform plan on every stage; remat's per-stage plans
+
+PIPELINE_CONFIG_SCHEMA = Obj({
+    "schema_version": Enum(PIPELINE_CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
+    "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
+    "world_size": Int(2, 1 << 16), "schedule": Enum("gpipe", "1f1b"), "microbatches": Int(1, 100_000),
+    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
+    "profile": Opt(JsonValue()), "planner": Str(max_len=200), "uniform_planner": Str(max_len=200),
+    "budget": Opt(Str(max_len=200)), "reserve": Num(0, 0.999999), "plan": Opt(JsonValue()),
+    "device": Str(r"cpu"), "dtype": Enum("float32", "bfloat16", "float16"),
+    "steps": Int(1, 1000), "warmup": Int(1, 100), "timeout_s": Num(1e-3, 7 * 86400.0), "seed": Int(0, 2 ** 63 - 1),
+    "sides": List(Enum(*SIDES), min_len=1, max_len=3), "perturb_control": Bool(),
+})
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelineConfig:
+    """One pipeline launch: the sides to run (``none``, ``uniform``, ``remat``) at one schedule and split.
+
+    ``profile`` (a ProfileReport's JSON, whole model at the microbatch shape) is what the
+    per-stage planner plans from; ``plan`` a PipelinePlan's JSON to run as the ``remat`` side
+    instead of planning one. ``budget`` is the per-device budget ("60%" of the largest
+    unplanned stage peak, or bytes such as "40MiB"). ``steps`` timed steps per side follow
+    ``warmup`` untimed ones. ``timeout_s`` bounds every p2p op and collective.
+    """
+
+    spec: str
+    shape: dict[str, Any]
+    world_size: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    microbatches: int = 4
+    split_points: list[str] = dataclasses.field(default_factory=list)
+    split_source: str = "given"
+    profile: Any = None
+    planner: str = "optimal"
+    uniform_planner: str = "all"
+    budget: str | None = None
+    reserve: float = 0.05
+    plan: Any = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    steps: int = 10
+    warmup: int = 2
+    timeout_s: float = 120.0
+    seed: int = 0
+    sides: list[str] = dataclasses.field(default_factory=lambda: list(SIDES))
+    perturb_control: bool = True   # the negative control: a gradient perturbed by 1e-3 must be rejected
+    schema_version: int = PIPELINE_CONFIG_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.schedule = Schedule(self.schedule)
+        if self.world_size < 2:
+            raise DistributedError(f"a pipeline needs at least 2 stages (world size >= 2), got {self.world_size}")
+        if len(self.split_points) != self.world_size - 1:
+            raise DistributedError(f"{len(self.split_points)} split points make {len(self.split_points) + 1} stages, "
+                                   f"but the world size is {self.world_size} (one stage per rank)",
+                                   tip="give world size - 1 split points, e.g. --split-points h.2 for 2 ranks")
+        if self.microbatches < 1:
+            raise DistributedError(f"microbatches must be >= 1, got {self.microbatches}")
+        if not self.device.startswith("cpu"):
+            raise DistributedError("the pipeline engine runs on CPU (gloo) only so far", tip="use --device cpu")
+        unknown = [s for s in self.sides if s not in SIDES]
+        if unknown or not self.sides:
+            raise DistributedError(f"pipeline sides must be among {SIDES}, got {self.sides}")
+        if "remat" in self.sides and self.plan is None and self.profile is None:
+            raise DistributedError("the remat side needs a profile to plan from, or a pipeline plan")
+        if ("uniform" in self.sides) and self.profile is None:
+            raise DistributedError("the uniform side needs a profile to plan from")
+
+    @property
+    def backend(self) -> str:
+        return "gloo"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["schedule"] = self.schedule.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> "PipelineConfig":
+        if not isinstance(d, dict):
+            raise DistributedError("pipeline config JSON must be an object")
+        validate(d, PIPELINE_CONFIG_SCHEMA, error=DistributedError, what="pipeline config")
+        return cls(**{k: v for k, v in d.items() if k != "schema_version"})
+
+    def save(self, path: Path | str) -> Path:
+        from .._io import atomic_write_json
+        return atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: Path | str) -> "PipelineConfig":
+        return cls.from_json(read_json_file(path, error=DistributedError, what="pipeline config"))
+
+
+# -- the split ---------------------------------------------------------------------------------------
+
+def _check_pipelinable(model: Any) -> None:
+    import torch.nn as nn
+    missing = [m for m in ("pipeline_embed", "pipeline_head") if not callable(getattr(model, m, None))]
+    if missing or not isinstance(model, nn.Module):
+        raise WorkloadError(f"the model ({type(model).__name__}) cannot be split into pipeline stages: it lacks "
+                            f"{' and '.join(missing)}",
+                            tip="define pipeline_embed(inputs) -> hidden and pipeline_head(hidden) -> outputs so that "
+                                "forward = head(blocks(embed(inputs))) (NOTE [pipeline stages] in "
+                                "remat/distributed/pipeline.py; the built-in gpt does)")
+
+
+def find_blocks(model: Any) -> str:
+    """The path of the longest ``nn.ModuleList`` whose children all share one class (the repeated blocks)."""
+    import torch.nn as nn
+    best, n = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > n and len({type(c) for c in m}) == 1:
+            best, n = name, len(m)
+    if best is None or n < 2:
+        raise WorkloadError(f"no ModuleList of repeated blocks found in {type(model).__name__} to split into stages",
+                            tip="pass --split-points naming the blocks, e.g. h.2")
+    return best
+
+
+def parse_split_points(points: list[str], n_stages: int, model: Any) -> tuple[str, list[int]]:
+    """``["h.2", "h.4"]`` -> (``"h"``, [0, 2, 4, n]): the blocks path and the stage boundaries."""
+    import torch.nn as nn
+    if len(points) != n_stages - 1:
+        raise DistributedError(f"{len(points)} split points make {len(points) + 1} stages, but the world size is "
+                               f"{n_stages} (one stage per rank)")
+    parents, cuts = set(), []
+    for p in points:
+        head, _, idx = p.rpartition(".")
+        if not head or not idx.isdigit():
+            raise DistributedError(f"split point {p!r} must name a block as PATH.INDEX, e.g. h.2")
+        parents.add(head)
+        cuts.append(int(idx))
+    if len(parents) != 1:
+        raise DistributedError(f"split points must all cut the same ModuleList, got {sorted(parents)}")
+    path = parents.pop()
+    try:
+        blocks = model.get_submodule(path)
+    except AttributeError:
+        raise DistributedError(f"split points name {path!r}, which the model does not have") from None
+    if not isinstance(blocks, nn.ModuleList):
+        raise DistributedError(f"split points must cut an nn.ModuleList; {path!r} is {type(blocks).__name__}")
+    bounds = [0, *cuts, len(blocks)]
+    if any(b >= a for a, b in zip(bounds[1:], bounds)) :
+        raise DistributedError(f"split points {points} must be increasing, inside 1..{len(blocks) - 1}: every stage "
+                               f"needs at least one of the {len(blocks)} blocks of {path}")
+    return path, bounds
+
+
+def balanced_bounds(costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+    """Contiguous cut of ``costs`` into ``stages`` non-empty groups minimising the largest group's sum
+    (``first_extra``/``last_extra`` added to the first/last group). Exact dynamic programme, O(p n^2)."""
+    n = len(costs)
+    if stages > n:
+        raise DistributedError(f"{stages} stages need at least {stages} blocks, the model has {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][j]: least max-stage cost placing blocks[0:j] into k stages; cut[k][j]: where stage k starts
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                c = prefix[j] - prefix[i] + (first_extra if k == 1 else 0.0) + (last_extra if k == stages and j == n else 0.0)
+                v = max(best[k - 1][i], c)
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    bounds = [n]
+    j = n
+    for k in range(stages, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
+    return bounds[::-1]
+
+
+def microbatch_shape(shape: Mapping[str, Any], microbatches: int, batch_key: str = "batch_size") -> dict[str, Any]:
+    """The workload's shape with ``batch_size`` divided by ``microbatches`` (must divide evenly)."""
+    shape = dict(shape)
+    b = shape.get(batch_key)
+    if b is None:
+        raise DistributedError(f"the pipeline engine needs the batch size in --shape ({batch_key}=N) to split it "
+                               f"into {microbatches} microbatches")
+    if not isinstance(b, int) or b % microbatches:
+        raise DistributedError(f"{batch_key}={b} does not split into {microbatches} equal microbatches",
+                               tip=f"use a {batch_key} that is a multiple of --microbatches")
+    shape[batch_key] = b // microbatches
+    return shape
+
+
+def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches: int, *, dtype: str = "float32",
+                  seed: int = 0) -> tuple[list[str], str]:
+    """NOTE [default split]: (split points, how they were found)."""
+    import torch
+    from ..workload.loader import load_workload
+    torch.manual_seed(seed)
+    loaded = load_workload(spec, microbatch_shape(shape, microbatches), dtype=dtype)
+    wl = loaded.workload
+    model = wl.model
+    _check_pipelinable(model)
+    path = find_blocks(model)
+    blocks = model.get_submodule(path)
+    inputs, targets = split_batch(wl.batch(0))
+
+    def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+        out, times = None, []
+        for _ in range(5):
+            t0 = time.perf_counter_ns()
+            out = fn()
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+        return min(times), out   # ms; the least of 5: other processes on the host only ever add time
+
+    with torch.no_grad():
+        for _ in range(2):   # warm-up of the whole chain: first calls pay one-off kernel set-up
+            wl.loss(model, (inputs, targets))
+        embed_ms, h = timed(lambda: model.pipeline_embed(inputs))
+        costs = []
+        for b in blocks:
+            ms, h = timed(lambda b=b, h=h: b(h))
+            costs.append(ms)
+        head_ms, _ = timed(lambda: wl.loss(_Fixed(model.pipeline_head(h)), (inputs, targets)))
+    bounds = balanced_bounds(costs, stages, embed_ms, head_ms)
+    points = [f"{path}.{b}" for b in bounds[1:-1]]
+    what = (f"default: even by measured forward time (ms per block: "
+            f"{', '.join(f'{c:.2f}' for c in costs)}; embed {embed_ms:.2f}, head+loss {head_ms:.2f})")
+    return points, what
+
+
+def check_split(spec: str, shape: Mapping[str, Any], points: list[str], stages: int, microbatches: int, *,
+                dtype: str = "float32") -> None:
+    """Refuse a world size, a model or split points that cannot make the pipeline, before any measuring."""
+    if stages < 2:
+        raise DistributedError(f"a pipeline needs at least 2 stages (world size >= 2), got {stages}")
+    from ..workload.loader import load_workload
+    wl = load_workload(spec, microbatch_shape(shape, microbatches), dtype=dtype).workload
+    _check_pipelinable(wl.model)
+    split_batch(wl.batch(0))
+    if points:
+        parse_split_points(points, stages, wl.model)
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise WorkloadError("the pipeline engine needs batches of (inputs, targets)",
+                            tip="NOTE [pipeline stages] in remat/distributed/pipeline.py")
+    return batch[0], batch[1]
+
+
+class _Fixed:
+    """A stand-in model for the workload's loss on the last stage: returns the stage's output."""
+
+    def __init__(self, output: Any) -> None:
+        self.output = output
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+def make_loss_fn(workload: Any) -> Callable[[Any, Any], Any]:
+    """``loss_fn(output, target)`` for torch's schedules, from ``workload.loss(model, (inputs, targets))``."""
+    from ..workload.contract import call_user
+
+    def loss_fn(output: Any, target: Any) -> Any:
+        return call_user("the workload's loss", workload.loss, _Fixed(output), (None, target))
+    return loss_fn
+
+
+# -- stage modules -----------------------------------------------------------------------------------
+
+def called_modules(model: Any, fn: Callable[[], Any]) -> set[str]:
+    """Names of every module whose forward runs during ``fn()`` (forward pre-hooks, removed after)."""
+    import torch
+    seen: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.add(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+@dataclasses.dataclass
+class StageLayout:
+    """Where the stages cut the model: the blocks path, boundaries, and what embed and head call."""
+
+    blocks_path: str
+    bounds: list[int]
+    embed_modules: set[str]
+    head_modules: set[str]
+    tied: list[str]        # names of parameters used by both embed and head (gradients summed across stages)
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def stage_blocks(self, k: int) -> list[str]:
+        return [f"{self.blocks_path}.{i}" for i in range(self.bounds[k], self.bounds[k + 1])]
+
+    def stage_modules(self, k: int) -> set[str]:
+        keep = set(self.stage_blocks(k))
+        if k == 0:
+            keep |= self.embed_modules
+        if k == self.stages - 1:
+            keep |= self.head_modules
+        return keep
+
+
+def stage_layout(model: Any, split_points: list[str], stages: int, sample_inputs: Any) -> StageLayout:
+    _check_pipelinable(model)
+    path, bounds = parse_split_points(split_points, stages, model)
+    box: dict[str, Any] = {}
+    embed = called_modules(model, lambda: box.setdefault("h", model.pipeline_embed(sample_inputs)))
+    head = called_modules(model, lambda: model.pipeline_head(box["h"]))
+    blocks_prefix = path + "."
+    embed = {n for n in embed if not n.startswith(blocks_prefix) and n != path}
+    head = {n for n in head if not n.startswith(blocks_prefix) and n != path}
+
+    def params_of(names: set[str]) -> dict[int, str]:
+        out = {}
+        for n in sorted(names):
+            for pn, prm in model.get_submodule(n).named_parameters(prefix=n):
+                out.setdefault(id(prm), pn)
+        return out
+    pe, ph = params_of(embed), params_of(head)
+    tied = sorted(pe[i] for i in pe.keys() & ph.keys())
+    return StageLayout(path, bounds, embed, head, tied)
+
+
+def stage_examples(model: Any, layout: StageLayout, k: int, sample_inputs: Any) -> tuple[Any, Any]:
+    """(input, output) of stage ``k`` on one microbatch, on the whole model, without autograd or RNG side
+    effects: the example tensors torch's ``PipelineStage`` takes for static shapes."""
+    import torch
+    blocks = model.get_submodule(layout.blocks_path)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        x = model.pipeline_embed(sample_inputs)
+        for i in range(layout.bounds[k]):
+            x = blocks[i](x)
+        stage_in = sample_inputs if k == 0 else x
+        for i in range(layout.bounds[k], layout.bounds[k + 1]):
+            x = blocks[i](x)
+        out = model.pipeline_head(x) if k == layout.stages - 1 else x
+    # the metadata says which tensors carry gradients: a received activation does (else the stage sends no
+    # input gradient back and the previous stage's backward silently does nothing), and so does the output
+    if k > 0:
+        stage_in = stage_in.detach().requires_grad_(stage_in.is_floating_point())
+    out = out.detach().requires_grad_(out.is_floating_point())
+    return stage_in, out
+
+
+def prune_to_stage(model: Any, keep: set[str]) -> None:
+    """Detach (set to None) every module neither in ``keep``, inside one, nor an ancestor of one."""
+    def needed(name: str) -> bool:
+        return any(name == k or name.startswith(k + ".") or k.startswith(name + ".") for k in keep)
+    for name, module in list(model.named_modules()):
+        if not name or not needed(name):
+            continue
+        for child, sub in list(module._modules.items()):
+            full = f"{name}.{child}"
+            if sub is not None and not needed(full):
+                module._modules[child] = None
+    for child, sub in list(model._modules.items()):
+        if sub is not None and not needed(child):
+            model._modules[child] = None
+
+
+def build_stage_module(model: Any, layout: StageLayout, k: int) -> Any:
+    """The ``nn.Module`` stage ``k`` runs (NOTE [pipeline stages]); prunes ``model`` to it."""
+    import torch.nn as nn
+
+    class PipelineStageModule(nn.Module):
+        """Stage ``k`` of ``embed -> blocks -> head``; ``self.model`` is the pruned whole model."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.first, self.last = k == 0, k == layout.stages - 1
+            self.start, self.stop = layout.bounds[k], layout.bounds[k + 1]
+
+        def forward(self, x: Any) -> Any:
+            if self.first:
+                x = self.model.pipeline_embed(x)
+            blocks = self.model.get_submodule(layout.blocks_path)
+            for i in range(self.start, self.stop):
+                x = blocks[i](x)
+            return self.model.pipeline_head(x) if self.last else x
+
+    prune_to_stage(model, layout.stage_modules(k))
+    return PipelineStageModule()
+
+
+# -- the launch --------------------------------------------------------------------------------------
+
+def run_pipeline_config(config: PipelineConfig, *, work_dir: Path | str | None = None,
+                        wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> Any:
+    """Run ``config`` on ``world_size`` local ranks with the launcher of NOTE [launcher] (same rank files,
+    same diagnosis: a dead or hung stage is a DistributedError naming its rank); the PipelineReport."""
+    import shutil
+    import tempfile
+    from . import launch
+    from .pipeline_report import PipelineReport
+    temporary = work_dir is None
+    out = Path(tempfile.mkdtemp(prefix="remat-pipeline-")) if work_dir is None else Path(work_dir)
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    config.save(out / "config.json")
+    limit = launch.DEFAULT_WALL_TIMEOUT_S if wall_timeout_s is None else float(wall_timeout_s)
+    what = f"pipeline {config.schedule.value} x{config.world_size}, {config.microbatches} microbatches"
+    for attempt in range(2):
+        returncode, timed_out = launch._launch_once(config, out, limit, progress,  # type: ignore[arg-type]
+                                                    module=PIPELINE_WORKER_MODULE, what=what,
+                                                    report_name=PIPELINE_REPORT_NAME)
+        report_path = out / PIPELINE_REPORT_NAME
+        if returncode == 0 and timed_out is None and report_path.is_file():
+            report = PipelineReport.from_json(read_json_file(report_path, error=DistributedError,
+                                                             what="pipeline report"))
+            if temporary:
+                shutil.rmtree(out, ignore_errors=True)
+            return report
+        log_text = (launch._read(out / "torchrun.log") or "").lower()
+        port_taken = "address already in use" in log_text or "eaddrinuse" in log_text
+        if attempt == 0 and timed_out is None and port_taken and launch.rank_state(out, 0).kind in ("not started", "error"):
+            continue
+        raise _diagnose_pipeline(out, config, returncode, timed_out)
+    raise AssertionError("unreachable")
+
+
+def _diagnose_pipeline(out: Path, config: PipelineConfig, returncode: int | None,
+                       timed_out: float | None) -> DistributedError:
+    """launch.diagnose, plus the pipeline's hung stage: its neighbours fail first (their p2p op times out
+    after ``timeout_s``), the hung rank only when the launcher stops it; then it is the hung rank we name."""
+    from . import launch
+    err = launch.diagnose(out, config.world_size, returncode=returncode, timed_out=timed_out, log=out / "torchrun.log")
+    states = [launch.rank_state(out, r) for r in range(config.world_size)]
+    stopped = [s for s in states if s.kind == "stopped"]
+    errors = [s for s in states if s.kind == "error"]
+    if timed_out is None and stopped and errors and all(s.follow_on for s in errors):
+        hung = stopped[0]
+        others = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s is not hung)
+        return DistributedError(
+            f"rank {hung.rank} (pipeline stage {hung.rank}) hung: its peers' p2p ops timed out after "
+            f"{config.timeout_s:g} s waiting for it, and it {hung.detail} (then: {others})", tip=err.tip)
+    return err

@@ -1,0 +1,441 @@
+"""The pipeline rank program: ``python -m remat.distributed.pipeline_worker --config C --out DIR``, one per stage.
+
+Started by torchrun through the launcher of NOTE [launcher] (launch.py), with the same rank
+files (NOTE [rank files], worker.py), errors (NOTE [rank errors]) and teardown (NOTE [teardown]).
+Rank k runs stage k (NOTE [pipeline stages], pipeline.py) under torch.distributed.pipelining's
+``PipelineStage`` and ``ScheduleGPipe``/``Schedule1F1B``, for each side in turn: no plan, the
+uniform plan on every stage, remat's per-stage plans (planned here, after the unplanned side
+measured every stage's peak: NOTE [pipeline in-flight cost model]). Rank 0 writes
+``DIR/pipeline.json``.
+
+NOTE [pipeline instruments]
+Every interval is read on one clock (``time.perf_counter_ns``: CLOCK_MONOTONIC, shared by the
+processes of one host, so the stages' timelines line up):
+* compute: ``stage.forward_one_chunk``, ``stage.backward_one_chunk`` and the schedule's loss
+  (``_maybe_compute_loss``), wrapped on this stage and schedule instance, plus the optimizer step;
+* replay: a RegionObserver on each of remat's checkpoint wrappers (``replay=True``), inside backward;
+* p2p: the schedule module's ``_batch_p2p`` (posting isend/irecv) and ``_wait_batch_p2p``
+  (blocking on them), patched in this process only: the time this stage's thread is blocked in
+  p2p. ``exposed p2p`` = union(p2p) - union(compute) (NOTE [exposed communication]); on one
+  thread they never overlap, so it equals the blocked time, and it includes waiting for a peer
+  that is still computing (that is the bubble seen from here);
+* idle = the pipeline's step - union(compute), where the pipeline's step runs from the first
+  stage's start to the last stage's end (a stage that finishes early waits for the next step's
+  input then); bubble fraction = idle / that step. With equal stage times and free
+  communication it is (p - 1) / (m + p - 1) for GPipe and 1F1B (plan/pipeline.ideal_bubble).
+Timed steps start after a barrier. Memory is read on one more step under the live-tensor
+tracker (its per-op cost would distort the times): the stage's peak, and the live bytes when each
+microbatch's backward starts (the held activations of every in-flight microbatch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import os
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from .._io import atomic_write_json
+from ..errors import DistributedError, PlanError
+from ..memory.measure import optimizer_state_tensors
+from ..plan.model import Plan
+from ..plan.pipeline import PipelinePlan, StagePlan, in_flight, plan_stages
+from ..types import MemCategory, MemorySource
+from ..workload.contract import call_user
+from ..workload.loader import load_workload
+from .intervals import exposed_ns, total_ns, union
+from .pipeline import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_module, make_loss_fn, split_batch,
+                       stage_examples, stage_layout)
+from .pipeline_report import StageResult, TimelineEvent, assemble_pipeline
+from .worker import RankFiles, _env_int, _maybe_fault, compare_grads
+
+_COMPUTE = ("forward", "loss", "backward", "optimizer")
+
+
+class StageRecorder:
+    """NOTE [pipeline instruments]: this stage's intervals of the current step, and memory figures."""
+
+    def __init__(self) -> None:
+        self.events: list[TimelineEvent] = []
+        self.on = False
+        self.tracker: Any = None
+        self.held_at_backward: list[int] = []
+
+    @contextlib.contextmanager
+    def span(self, kind: str, mb: int) -> Iterator[None]:
+        t0 = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            if self.on:
+                self.events.append(TimelineEvent(kind=kind, mb=mb, start_ns=t0, end_ns=time.perf_counter_ns()))
+
+    # remat.apply's RegionObserver protocol: replays only
+    def region(self, wrapper: Any, *, replay: bool) -> Any:
+        return self.span("replay", -1) if replay else contextlib.nullcontext()
+
+
+def _instrument(stage: Any, schedule: Any, rec: StageRecorder) -> None:
+    fwd, bwd, loss = stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
+
+    def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        with rec.span("forward", chunk):
+            return fwd(chunk, *args, **kwargs)
+
+    def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        if rec.tracker is not None:
+            rec.held_at_backward.append(rec.tracker.live_bytes)
+        with rec.span("backward", chunk):
+            return bwd(chunk, *args, **kwargs)
+
+    def maybe_compute_loss(st: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any) -> Any:
+        with rec.span("loss", mb_index):
+            return loss(st, output, target_mbs, mb_index, *args)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    if stage.is_last:   # the schedule calls it on every stage; only the last computes a loss
+        schedule._maybe_compute_loss = maybe_compute_loss
+
+
+def _patch_p2p(rec_of: Callable[[], StageRecorder | None]) -> None:
+    """Time posting and waiting on p2p ops in torch's schedules module (this process only)."""
+    from torch.distributed.pipelining import schedules
+    post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    desc_of: dict[int, str] = {}
+
+    def _batch_p2p(ops: list, desc: str | None = None) -> list:
+        rec = rec_of()
+        if rec is None or not ops:
+            return post(ops, desc)
+        with rec.span(f"p2p:{desc or 'post'}", -1):
+            works = post(ops, desc)
+        desc_of[id(works)] = desc or "wait"
+        return works
+
+    def _wait_batch_p2p(work: list) -> None:
+        rec = rec_of()
+        if rec is None or not work:
+            return wait(work)
+        with rec.span(f"p2p:{desc_of.pop(id(work), 'wait')}", -1):
+            return wait(work)
+
+    schedules._batch_p2p = _batch_p2p
+    schedules._wait_batch_p2p = _wait_batch_p2p
+
+
+@dataclasses.dataclass
+class _Side:
+    stage_module: Any
+    schedule: Any
+    optimizer: Any
+    handle: Any
+    rec: StageRecorder
+    inputs: Callable[[int], Any]
+    targets: Callable[[int], Any]
+    tied: list[Any]
+    tied_group: Any
+
+
+class PipelineRank:
+    def __init__(self, cfg: PipelineConfig, files: RankFiles) -> None:
+        self.cfg = cfg
+        self.files = files
+        self.rank, self.p = dist.get_rank(), dist.get_world_size()
+        self.first, self.last = self.rank == 0, self.rank == self.p - 1
+        self.done = 0
+        self.total = len(cfg.sides) * (cfg.warmup + cfg.steps + 1)
+        self.current: StageRecorder | None = None
+        _patch_p2p(lambda: self.current)
+        # every rank joins every group creation (collective); only the first and last use it
+        self.tied_group = dist.new_group([0, self.p - 1]) if self.p > 2 else None
+
+    def build(self, plan: Plan | None) -> _Side:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)   # every rank builds the same whole model (NOTE [pipeline stages])
+        loaded = load_workload(cfg.spec, cfg.shape, device=cfg.device, dtype=cfg.dtype)
+        wl = loaded.workload
+        model = wl.model
+        inputs0, _ = split_batch(wl.batch(0))
+        mb = inputs0[: max(1, inputs0.shape[0] // cfg.microbatches)]
+        layout = stage_layout(model, cfg.split_points, self.p, mb)
+        example_in, example_out = stage_examples(model, layout, self.rank, mb)
+        tied_names = layout.tied
+        handle = None
+        rec = StageRecorder()
+        if plan is not None and plan.boundaries:
+            from ..apply import apply
+            handle = apply(model, plan)   # the whole model's names and fingerprint; then prune
+            for w in handle:
+                w.observers.append(rec)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        tied = [params[n] for n in tied_names] if (self.first or self.last) else []
+        stage_module = build_stage_module(model, layout, self.rank)
+        # static metadata: torch 2.13's runtime inference deadlocked here when the first stage's input
+        # (token ids) needs no gradient (stage 1 sends backward metadata that stage 0 never receives)
+        # fully static: the gradients' metadata too (a received activation's gradient goes back; the first
+        # stage's integer inputs get none, the last stage's output gets its gradient from the loss)
+        stage = PipelineStage(stage_module, self.rank, self.p, torch.device(cfg.device),
+                              input_args=example_in, output_args=example_out,
+                              input_grads=None if self.first else torch.zeros_like(example_in),
+                              output_grads=None if self.last else torch.zeros_like(example_out))
+        cls = Schedule1F1B if cfg.schedule.value == "1f1b" else ScheduleGPipe
+        # every rank gets the loss_fn: torch's schedule decides from it whether there is a backward at all
+        # (with None the first stage posts no gradient receives and its backward silently does nothing)
+        schedule = cls(stage, cfg.microbatches, loss_fn=make_loss_fn(wl), scale_grads=True)
+        _instrument(stage, schedule, rec)
+        optimizer = call_user("the workload's optimizer", wl.optimizer, list(stage_module.parameters())) \
+            if wl.optimizer is not None else torch.optim.SGD(stage_module.parameters(), lr=1e-3)
+        self.layout = layout
+        return _Side(stage_module, schedule, optimizer, handle, rec,
+                     inputs=lambda i: split_batch(wl.batch(i))[0], targets=lambda i: split_batch(wl.batch(i))[1],
+                     tied=tied, tied_group=self.tied_group)
+
+    def step(self, side: _Side, i: int, what: str, losses: list | None = None) -> None:
+        if self.first:
+            side.schedule.step(side.inputs(i), return_outputs=False)
+        elif self.last:
+            side.schedule.step(target=side.targets(i), losses=losses, return_outputs=False)
+        else:
+            side.schedule.step(return_outputs=False)
+        if side.tied and self.p > 1:   # NOTE [pipeline stages]: the tied parameters' two partial gradients
+            with side.rec.span("p2p:tied_allreduce", -1):
+                for prm in side.tied:
+                    if prm.grad is None:
+                        prm.grad = torch.zeros_like(prm)
+                    dist.all_reduce(prm.grad, group=side.tied_group)
+
+    def optimize(self, side: _Side) -> None:
+        with side.rec.span("optimizer", -1):
+            side.optimizer.step()
+            side.optimizer.zero_grad(set_to_none=True)
+
+    def tick(self, what: str) -> None:
+        self.done += 1
+        self.files.progress(self.done, self.total, what)
+        _maybe_fault(self.rank, self.done)
+
+    def run_side(self, name: str, plan: Plan | None) -> tuple[StageResult, list, float | None]:
+        cfg = self.cfg
+        side = self.build(plan)
+        rec = side.rec
+        self.current = rec
+        torch.manual_seed(cfg.seed + 1000 * self.rank)   # dropout: the same masks for every side
+        grads: list = []
+        loss0: float | None = None
+        i = 0
+        for w in range(cfg.warmup):
+            losses: list = []
+            self.step(side, i, f"{name}: warm-up", losses)
+            if w == 0:
+                grads = [(n, None if p.grad is None else p.grad.detach().clone())
+                         for n, p in side.stage_module.named_parameters()]
+                loss0 = float(losses[0]) if losses else None
+            self.optimize(side)
+            self.tick(f"{name}: warm-up")
+            i += 1
+        step_ns: list[tuple[int, int]] = []
+        per_step: list[list[TimelineEvent]] = []
+        for _ in range(cfg.steps):
+            dist.barrier()
+            rec.events = []
+            rec.on = True
+            t0 = time.perf_counter_ns()
+            self.step(side, i, f"{name}: timed steps")
+            self.optimize(side)
+            t1 = time.perf_counter_ns()
+            rec.on = False
+            step_ns.append((t0, t1))
+            per_step.append(rec.events)
+            self.tick(f"{name}: timed steps")
+            i += 1
+        peak, held = self.memory_step(side, i)
+        self.tick(f"{name}: memory step")
+        result = self.figures(name, plan, step_ns, per_step, peak, held)
+        if side.handle is not None:
+            side.handle.remove()
+        self.current = None
+        del side
+        gc.collect()
+        return result, grads, loss0
+
+    def memory_step(self, side: _Side, i: int) -> tuple[int, list[int]]:
+        from ..memory.tracker import LiveTensorTracker
+        dist.barrier()
+        rec = side.rec
+        rec.held_at_backward = []
+        with LiveTensorTracker(keep_timeline=False) as tracker:
+            tracker.track(side.stage_module.parameters(), MemCategory.PARAMETERS)
+            tracker.track(optimizer_state_tensors(side.optimizer), MemCategory.OPTIMIZER_STATE)
+            rec.tracker = tracker
+            try:
+                self.step(side, i, "memory step")
+                self.optimize(side)
+            finally:
+                rec.tracker = None
+        return tracker.peak_bytes, list(rec.held_at_backward)
+
+    def figures(self, name: str, plan: Plan | None, step_ns: list[tuple[int, int]],
+                per_step: list[list[TimelineEvent]], peak: int, held: list[int]) -> StageResult:
+        fwd, bwd, rep, p2p, exposed, busy, opt = [], [], [], [], [], [], []
+        for (t0, t1), events in zip(step_ns, per_step):
+            compute = [(e.start_ns, e.end_ns) for e in events if e.kind in _COMPUTE]
+            comm = [(e.start_ns, e.end_ns) for e in events if e.kind.startswith("p2p:")]
+
+            def total(kind: str) -> float:
+                return total_ns([(e.start_ns, e.end_ns) for e in events if e.kind == kind]) / 1e6
+            fwd.append(total("forward") + total("loss"))
+            bwd.append(total("backward"))
+            rep.append(total("replay"))
+            opt.append(total("optimizer"))
+            p2p.append(total_ns(comm) / 1e6)
+            exposed.append(exposed_ns(comm, compute) / 1e6)
+            busy.append(total_ns(union(compute)) / 1e6)   # busy ms; idle is taken against the pipeline's step
+        last_t0 = step_ns[-1][0]
+        return StageResult(
+            side=name, stage=self.rank, rank=self.rank, host=socket.gethostname(),
+            in_flight=in_flight(self.cfg.schedule, self.rank, self.p, self.cfg.microbatches),
+            blocks=self.layout.stage_blocks(self.rank),
+            boundaries=[] if plan is None else [b.module for b in plan.boundaries],
+            step_ns=step_ns, forward_ms=fwd, backward_ms=bwd, replay_ms=rep, optimizer_ms=opt, p2p_ms=p2p,
+            exposed_p2p_ms=exposed, compute_ms=busy, peak_bytes=peak, held_at_backward_bytes=held,
+            timeline=[dataclasses.replace(e, start_ns=e.start_ns - last_t0, end_ns=e.end_ns - last_t0)
+                      for e in per_step[-1]], timeline_t0_ns=last_t0)
+
+    def plans(self, base_peaks: list[int]) -> tuple[PipelinePlan | None, PipelinePlan | None]:
+        """(uniform, remat): both from the profile and the measured unplanned stage peaks."""
+        cfg = self.cfg
+        from ..plan.budget import parse_budget
+        from ..profile.model import ProfileReport
+        stage_blocks = [self.layout.stage_blocks(k) for k in range(self.p)]
+        report = None
+        if cfg.profile is not None:
+            try:
+                report = ProfileReport.from_json(cfg.profile)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DistributedError(f"the pipeline config's profile is malformed: {exc!r}") from None
+        budget = parse_budget(cfg.budget or "80%", max(base_peaks))
+
+        def wrap(plans: list[Plan]) -> PipelinePlan:
+            return PipelinePlan(schedule=cfg.schedule, microbatches=cfg.microbatches, budget_bytes=budget,
+                                reserve=cfg.reserve,
+                                stages=[StagePlan(stage=k, blocks=stage_blocks[k],
+                                                  in_flight=in_flight(cfg.schedule, k, self.p, cfg.microbatches),
+                                                  base_peak_bytes=base_peaks[k], plan=plans[k])
+                                        for k in range(self.p)],
+                                split_points=list(cfg.split_points), split_source=cfg.split_source)
+        uniform = remat = None
+        kw = dict(schedule=cfg.schedule, microbatches=cfg.microbatches, base_peaks=base_peaks, reserve=cfg.reserve)
+        if "uniform" in cfg.sides and report is not None:
+            uniform = wrap(plan_stages(report, stage_blocks, planner=cfg.uniform_planner, budget_bytes=None, **kw))
+        if "remat" in cfg.sides:
+            if cfg.plan is not None:
+                remat = PipelinePlan.from_json(cfg.plan, source="the pipeline config's plan")
+                if len(remat.stages) != self.p:
+                    raise PlanError(f"the pipeline plan has {len(remat.stages)} stages; this run has {self.p}")
+            elif report is not None:
+                remat = wrap(plan_stages(report, stage_blocks, planner=cfg.planner, budget_bytes=budget, **kw))
+        return uniform, remat
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        results: dict[str, StageResult] = {}
+        grads: dict[str, list] = {}
+        losses: dict[str, float | None] = {}
+        uniform = remat = None
+        for name in cfg.sides:
+            plan: Plan | None = None
+            if name in ("uniform", "remat") and uniform is None and remat is None:
+                peaks: list[Any] = [None] * self.p
+                base = results.get("none")
+                if base is None:
+                    raise DistributedError("per-stage planning needs the unplanned side ('none') first")
+                dist.all_gather_object(peaks, base.peak_bytes)
+                uniform, remat = self.plans([int(x) for x in peaks])
+            if name == "uniform":
+                plan = uniform.for_stage(self.rank) if uniform else None
+            elif name == "remat":
+                plan = remat.for_stage(self.rank) if remat else None
+            results[name], grads[name], losses[name] = self.run_side(name, plan)
+        comparisons = {}
+        for name in cfg.sides:
+            if name != "none" and "none" in grads:
+                comparisons[name] = compare_grads(grads["none"], grads[name])
+        negative = None
+        if cfg.perturb_control and "none" in grads:
+            bad = [(n, None if g is None else g.clone()) for n, g in grads["none"]]
+            for k, (n, g) in enumerate(bad):
+                if g is not None and g.numel():
+                    g.view(-1)[0] += 1e-3
+                    break
+            negative = not compare_grads(grads["none"], bad).bitwise_equal
+        # every parameter of the stage must have a gradient: None on both sides would compare as "equal"
+        missing = {name: [n for n, g in gs if g is None] for name, gs in grads.items()}
+        return {"results": results, "comparisons": comparisons, "negative_rejected": negative, "losses": losses,
+                "missing_grads": missing,
+                "uniform": None if uniform is None else uniform.to_json(),
+                "remat": None if remat is None else remat.to_json()}
+
+
+def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size != cfg.world_size:
+        raise DistributedError(f"rank {rank}: torchrun started {world_size} ranks but the config asks for "
+                               f"{cfg.world_size}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // local_world))
+    files.what = "init_process_group"
+    dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    out_of_rank = PipelineRank(cfg, files).run()
+    files.what = "gathering results"
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(out_of_rank, gathered, dst=0)
+    if rank == 0:
+        assert gathered is not None
+        report = assemble_pipeline(cfg, gathered, torch_version=torch.__version__,
+                                   memory_source=MemorySource.CPU_LIVE_TENSORS.value)
+        atomic_write_json(out / PIPELINE_REPORT_NAME, report.to_json())
+    files.what = "teardown"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    parser = argparse.ArgumentParser(prog="python -m remat.distributed.pipeline_worker",
+                                     description="one stage of a remat pipeline run (start it with torchrun)")
+    parser.add_argument("--config", required=True, type=Path, help="pipeline config JSON (PipelineConfig)")
+    parser.add_argument("--out", required=True, type=Path, help="folder for pipeline.json and the rank files")
+    args = parser.parse_args(argv)
+    files = RankFiles(args.out, int(os.environ.get("RANK", "0")))
+    code = 0
+    try:
+        files.start()
+        cfg = PipelineConfig.load(args.config)
+        run_rank(cfg, args.out, files)
+        files.done()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the error file
+        try:
+            files.error(exc)
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # NOTE [teardown]
+
+
+if __name__ == "__main__":
+    main()

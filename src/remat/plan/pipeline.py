@@ -1,0 +1,198 @@
+"""Per-stage plans for pipeline parallelism (issue 17). Pure: no torch.
+
+NOTE [pipeline in-flight cost model]
+Under a pipeline schedule, stage k holds the saved activations of ``n_k`` microbatches at
+its peak (its *in-flight* count): GPipe runs every forward before any backward, so every
+stage holds all ``m``; torch's ``Schedule1F1B`` runs ``p - k`` warm-up forwards on stage k
+(``min(m, p - k)``), so stage 0 holds up to ``p`` microbatches and the last stage one.
+A boundary's saving is therefore counted once per microbatch held.
+
+We do not write a second optimiser: each stage gets its own :class:`ProfileReport`, derived
+from the one profile of the whole model at the *microbatch* shape, and the ordinary
+planners (``make_plan``: optimal, all, ...) plan it:
+
+* candidates: those inside the stage's blocks only;
+* ``saved_bytes[mode] * n_k`` (every held microbatch frees it);
+* ``replay_ms[mode] * m`` (each microbatch replays once per step);
+* ``replay_extra_bytes[mode] + saved_bytes[mode]``: while one microbatch's boundary replays,
+  that microbatch's activations are back (one copy, not ``n_k``) plus the replay's transients;
+* rows: the stage's *measured* peak without a plan (``base_peak_bytes``, from the control
+  pipeline run) with every stage candidate held, and one more row per candidate with that
+  candidate replaying. Without a plan every row is the measured peak.
+
+So the predicted stage peak of a choice is ``base - n_k * sum(saved) + max(saved_j + extra_j
+over the replayed j)``. Stages run on separate devices and a step is as slow as its slowest
+stage, so planning each stage for its least added time under the one per-device budget also
+minimises the slowest stage's added time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any
+
+from .._json import BYTES, Enum, Int, List, Num, Obj, Str, read_json_file, validate
+from ..errors import BudgetError, PlanError
+from ..profile.model import CandidateCost, PeakRow, ProfileReport
+from .model import Plan
+from .schema import MODULE_PATH, PLAN
+
+PIPELINE_PLAN_SCHEMA_VERSION = 1
+
+
+class Schedule(str, enum.Enum):
+    """A torch.distributed.pipelining single-stage-per-rank schedule."""
+
+    GPIPE = "gpipe"      # ScheduleGPipe: all forwards, then all backwards
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B: p - k warm-up forwards, then one forward / one backward
+
+
+def in_flight(schedule: Schedule | str, stage: int, stages: int, microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at once (NOTE [pipeline in-flight cost model])."""
+    if Schedule(schedule) is Schedule.GPIPE:
+        return microbatches
+    return min(microbatches, stages - stage)
+
+
+def ideal_bubble(stages: int, microbatches: int) -> float:
+    """The schedule's bubble fraction with equal stage times and free communication: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def in_stage(name: str, prefixes: list[str]) -> bool:
+    """Whether module ``name`` is one of ``prefixes`` or lies inside one."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def stage_report(report: ProfileReport, prefixes: list[str], *, in_flight_count: int, microbatches: int,
+                 base_peak_bytes: int) -> ProfileReport:
+    """The profile of one stage, scaled by its in-flight load (NOTE [pipeline in-flight cost model])."""
+    if in_flight_count < 1 or microbatches < 1:
+        raise PlanError(f"in-flight count and microbatches must be >= 1, got {in_flight_count} and {microbatches}")
+    cands: list[CandidateCost] = []
+    for c in report.candidates:
+        if not in_stage(c.name, prefixes):
+            continue
+        cands.append(dataclasses.replace(
+            c, parent=c.parent if c.parent is not None and in_stage(c.parent, prefixes) else None,
+            saved_bytes={m: v * in_flight_count for m, v in c.saved_bytes.items()},
+            replay_ms={m: v * microbatches for m, v in c.replay_ms.items()},
+            replay_extra_bytes={m: c.replay_extra_bytes.get(m, 0) + c.saved_bytes.get(m, 0)
+                                for m in c.replay_extra_bytes}))
+    names = tuple(c.name for c in cands)
+    rows = [PeakRow(base_bytes=base_peak_bytes, live=names, replaying=(), label="measured stage peak")]
+    rows += [PeakRow(base_bytes=base_peak_bytes, live=names, replaying=(n,), label=f"replay of {n}") for n in names]
+    keep = set(names)
+    return dataclasses.replace(
+        report, candidates=cands, rows=rows, excluded={k: v for k, v in report.excluded.items() if in_stage(k, prefixes)},
+        baseline_peak_bytes=base_peak_bytes, baseline_step_ms=report.baseline_step_ms * microbatches,
+        refuted_hazards={k: v for k, v in report.refuted_hazards.items() if k in keep},
+        mode_excluded={k: v for k, v in report.mode_excluded.items() if k in keep}, phase_peak_bytes={})
+
+
+@dataclasses.dataclass(kw_only=True)
+class StagePlan:
+    stage: int
+    blocks: list[str]          # module paths of the stage's blocks, e.g. ["h.0", "h.1"]
+    in_flight: int             # microbatches held at once (NOTE [pipeline in-flight cost model])
+    base_peak_bytes: int       # measured peak of the stage without a plan (bytes)
+    plan: Plan
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "blocks": list(self.blocks), "in_flight": self.in_flight,
+                "base_peak_bytes": self.base_peak_bytes, "plan": self.plan.to_json()}
+
+
+PIPELINE_PLAN = Obj({
+    "schema_version": Enum(PIPELINE_PLAN_SCHEMA_VERSION), "kind": Enum("pipeline"), "schedule": Enum("gpipe", "1f1b"),
+    "microbatches": Int(1, 100_000), "budget_bytes": Int(1, 2 ** 53), "reserve": Num(0, 0.999999),
+    "stages": List(Obj({"stage": Int(0, 100_000), "blocks": List(MODULE_PATH, max_len=100_000),
+                        "in_flight": Int(1, 100_000), "base_peak_bytes": BYTES, "plan": PLAN}),
+                   min_len=1, max_len=100_000),
+    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
+})
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelinePlan:
+    """One plan per pipeline stage under one per-device budget (``plan.json`` with ``"kind": "pipeline"``)."""
+
+    schedule: Schedule
+    microbatches: int
+    budget_bytes: int
+    reserve: float
+    stages: list[StagePlan]
+    split_points: list[str]       # first block of every stage after the first, e.g. ["h.3"]
+    split_source: str             # "given" or how the default split was measured
+    schema_version: int = PIPELINE_PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.schedule = Schedule(self.schedule)
+        if [s.stage for s in self.stages] != list(range(len(self.stages))):
+            raise PlanError(f"pipeline plan stages must be numbered 0..{len(self.stages) - 1} in order")
+
+    def for_stage(self, stage: int) -> Plan:
+        if not 0 <= stage < len(self.stages):
+            raise PlanError(f"the pipeline plan has {len(self.stages)} stages; there is no stage {stage}")
+        return self.stages[stage].plan
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": self.schema_version, "kind": "pipeline", "schedule": self.schedule.value,
+                "microbatches": self.microbatches, "budget_bytes": self.budget_bytes, "reserve": self.reserve,
+                "stages": [s.to_json() for s in self.stages], "split_points": list(self.split_points),
+                "split_source": self.split_source}
+
+    @classmethod
+    def from_json(cls, d: Any, *, source: str = "pipeline plan") -> "PipelinePlan":
+        if not isinstance(d, dict):
+            raise PlanError(f"malformed {source}: the top level must be a JSON object")
+        validate(d, PIPELINE_PLAN, error=PlanError, what=source)
+        return cls(schedule=Schedule(d["schedule"]), microbatches=d["microbatches"], budget_bytes=d["budget_bytes"],
+                   reserve=float(d["reserve"]),
+                   stages=[StagePlan(stage=s["stage"], blocks=list(s["blocks"]), in_flight=s["in_flight"],
+                                     base_peak_bytes=s["base_peak_bytes"],
+                                     plan=Plan.from_json(s["plan"], source=f"{source}, stage {s['stage']}"))
+                           for s in d["stages"]],
+                   split_points=list(d["split_points"]), split_source=d["split_source"])
+
+    def save(self, path: Path | str) -> Path:
+        from .._io import atomic_write_json
+        return atomic_write_json(path, self.to_json())
+
+
+def is_pipeline_plan_json(d: Any) -> bool:
+    return isinstance(d, dict) and d.get("kind") == "pipeline"
+
+
+def load_any_plan(path: Path | str) -> Plan | PipelinePlan:
+    """``plan.json``: a whole-model :class:`Plan` or a :class:`PipelinePlan` (``"kind": "pipeline"``)."""
+    from .model import MAX_PLAN_BYTES
+    data = read_json_file(path, error=PlanError, what="plan file", max_bytes=MAX_PLAN_BYTES,
+                          tip="remat plan ... --out DIR writes DIR/plan.json")
+    if is_pipeline_plan_json(data):
+        return PipelinePlan.from_json(data, source=f"pipeline plan {path}")
+    return Plan.from_json(data, source=f"plan {path}")
+
+
+def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedule: Schedule | str, microbatches: int,
+                base_peaks: list[int], planner: str, budget_bytes: int | None, reserve: float = 0.05,
+                allow_hazards: bool = False) -> list[Plan]:
+    """One plan per stage, each from ``make_plan`` on the stage's scaled profile; BudgetError names the stage."""
+    from .planners import make_plan
+    p = len(stage_blocks)
+    if len(base_peaks) != p:
+        raise PlanError(f"{len(base_peaks)} measured stage peaks for {p} stages")
+    plans = []
+    for k, blocks in enumerate(stage_blocks):
+        sub = stage_report(report, blocks, in_flight_count=in_flight(schedule, k, p, microbatches),
+                           microbatches=microbatches, base_peak_bytes=base_peaks[k])
+        try:
+            plans.append(make_plan(sub, planner, budget_bytes=budget_bytes, reserve=reserve,
+                                   allow_hazards=allow_hazards))
+        except BudgetError as exc:
+            exc.message = f"pipeline stage {k} ({blocks[0]}..{blocks[-1]}): {exc.message}"
+            exc.args = (exc.message if exc.tip is None else f"{exc.message}\nTip: {exc.tip}",)
+            raise
+    return plans
