@@ -41,7 +41,6 @@ import math
 from typing import Sequence
 
 import numpy as np
-from scipy import stats
 
 from ..measure import p50_along, percentile
 from ..units import mib
@@ -86,6 +85,7 @@ def p50_difference(a: Sequence[float], b: Sequence[float], *, confidence: float 
         return P50Difference(diff_ms=diff, low_ms=math.nan, high_ms=math.nan, resolved=False, samples=n)
     if np.ptp(np.concatenate([xa, xb])) == 0.0:
         return P50Difference(diff_ms=diff, low_ms=diff, high_ms=diff, resolved=diff != 0.0, samples=n)
+    from scipy import stats   # imported here: scipy.stats costs ~1 s at start-up, and most commands never decide
     res = stats.bootstrap((xa, xb), _median_diff, paired=xa.size == xb.size, vectorized=True,
                           confidence_level=confidence, n_resamples=n_resamples, method="percentile",
                           random_state=np.random.default_rng(seed))
