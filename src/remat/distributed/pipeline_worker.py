@@ -30,15 +30,12 @@ microbatch's backward starts (the held activations of every in-flight microbatch
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
 import os
 import socket
-import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
@@ -58,7 +55,7 @@ from .intervals import exposed_ns, total_ns, union
 from .pipeline import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_module, make_loss_fn, split_batch,
                        stage_examples, stage_layout)
 from .pipeline_report import StageResult, TimelineEvent, assemble_pipeline
-from .worker import RankFiles, _env_int, _maybe_fault, compare_grads
+from .worker import RankFiles, _env_int, _maybe_fault, compare_grads, rank_main
 
 _COMPUTE = ("forward", "loss", "backward", "optimizer")
 
@@ -414,27 +411,11 @@ def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    parser = argparse.ArgumentParser(prog="python -m remat.distributed.pipeline_worker",
-                                     description="one stage of a remat pipeline run (start it with torchrun)")
-    parser.add_argument("--config", required=True, type=Path, help="pipeline config JSON (PipelineConfig)")
-    parser.add_argument("--out", required=True, type=Path, help="folder for pipeline.json and the rank files")
-    args = parser.parse_args(argv)
-    files = RankFiles(args.out, int(os.environ.get("RANK", "0")))
-    code = 0
-    try:
-        files.start()
-        cfg = PipelineConfig.load(args.config)
-        run_rank(cfg, args.out, files)
-        files.done()
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the error file
-        try:
-            files.error(exc)
-        except BaseException:  # noqa: BLE001
-            traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # NOTE [teardown]
+    rank_main(argv, prog="python -m remat.distributed.pipeline_worker",
+              description="one stage of a remat pipeline run (start it with torchrun)",
+              config_help="pipeline config JSON (PipelineConfig)",
+              out_help="folder for pipeline.json and the rank files",
+              load_config=PipelineConfig.load, run=run_rank)
 
 
 if __name__ == "__main__":

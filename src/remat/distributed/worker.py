@@ -431,18 +431,18 @@ def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
-    parser = argparse.ArgumentParser(prog="python -m remat.distributed.worker",
-                                     description="one rank of a remat distributed run (start it with torchrun)")
-    parser.add_argument("--config", required=True, type=Path, help="distributed config JSON (DistributedConfig)")
-    parser.add_argument("--out", required=True, type=Path, help="folder for distributed.json and the rank files")
+def rank_main(argv: list[str] | None, *, prog: str, description: str, config_help: str, out_help: str,
+              load_config: Callable[[Path], Any], run: Callable[[Any, Path, RankFiles], None]) -> NoReturn:
+    """One rank's process, started by torchrun: parse, run, report any failure to the rank files, exit."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", required=True, type=Path, help=config_help)
+    parser.add_argument("--out", required=True, type=Path, help=out_help)
     args = parser.parse_args(argv)
     files = RankFiles(args.out, int(os.environ.get("RANK", "0")))
     code = 0
     try:
         files.start()
-        cfg = DistributedConfig.load(args.config)
-        run_rank(cfg, args.out, files)
+        run(load_config(args.config), args.out, files)
         files.done()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the error file
         try:
@@ -453,6 +453,14 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # NOTE [teardown]
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    rank_main(argv, prog="python -m remat.distributed.worker",
+              description="one rank of a remat distributed run (start it with torchrun)",
+              config_help="distributed config JSON (DistributedConfig)",
+              out_help="folder for distributed.json and the rank files",
+              load_config=DistributedConfig.load, run=run_rank)
 
 
 if __name__ == "__main__":
