@@ -69,6 +69,17 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
+def put_back(grads: list[tuple[nn.Parameter, torch.Tensor | None]],
+             buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Restore the gradients and buffer values a measurement pass found (it leaves the model as it was)."""
+    with torch.no_grad():
+        for p, g in grads:
+            p.grad = g
+        for b, v in buffers:
+            if not torch.equal(b, v):
+                b.copy_(v)
+
+
 class _DryRunner:
     def __init__(self, step: TrainingStep, step_index: int) -> None:
         self.step = step
@@ -92,12 +103,7 @@ class _DryRunner:
         finally:
             for remove in reversed(removers):
                 remove()
-            with torch.no_grad():
-                for p, g in grads:
-                    p.grad = g
-                for b, v in buffers:
-                    if not torch.equal(b, v):
-                        b.copy_(v)
+            put_back(grads, buffers)
 
 
 def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int) -> dict[str, dict[CheckpointMode, str]]:

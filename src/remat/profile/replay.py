@@ -52,7 +52,7 @@ from ..measure import StepClock, percentile
 from ..memory.measure import model_device
 from ..types import CheckpointMode
 from ..workload.contract import TrainingStep
-from .dryrun import _first_line, _wrap
+from .dryrun import _first_line, _wrap, put_back
 from .model import CandidateCost
 
 
@@ -212,10 +212,5 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     finally:
         if gc_was_on:
             gc.enable()
-        with torch.no_grad():
-            for p, g in grads:
-                p.grad = g
-            for b, v in buffers:
-                if not torch.equal(b, v):
-                    b.copy_(v)
+        put_back(grads, buffers)
     return results, unmeasured
