@@ -36,7 +36,6 @@ forwards (no autograd recording) of ``pipeline_embed`` (counted on stage 0), eac
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -245,6 +244,7 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
                   seed: int = 0) -> tuple[list[str], str]:
     """NOTE [default split]: (split points, how they were found)."""
     import torch
+    from ..clock import StepClock
     from ..workload.loader import load_workload
     torch.manual_seed(seed)
     loaded = load_workload(spec, microbatch_shape(shape, microbatches), dtype=dtype)
@@ -255,12 +255,13 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
     blocks = model.get_submodule(path)
     inputs, targets = split_batch(wl.batch(0))
 
+    clock = StepClock(next(model.parameters()).device)
+
     def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
         out, times = None, []
         for _ in range(5):
-            t0 = time.perf_counter_ns()
-            out = fn()
-            times.append((time.perf_counter_ns() - t0) / 1e6)
+            out, ms = clock.time(fn)   # NOTE [device-correct timing] in remat/clock.py
+            times.append(ms)
         return min(times), out   # ms; the least of 5: other processes on the host only ever add time
 
     with torch.no_grad():

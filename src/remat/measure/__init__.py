@@ -11,7 +11,7 @@ or ``apply``; profile, the closed loop, verify, frontier, distributed and the pi
 from .run import (Arm, Prepared, ProbeResult, PeakLimitExceeded, Runner, StepMeasurement, Timings, Undo,
                   held_bytes_at_phase, is_cuda, measure_arm, measure_arm_peak, measure_step_peak_within,
                   prepare_arm, probe_capacity, release_memory, shape_value, time_round_robin, time_steps, warm_up)
-from .timing import RegionTimer, StepClock, p50, p50_along, p95, percentile
+from ..clock import RegionTimer, StepClock, p50, p50_along, p95, percentile
 
 __all__ = ["Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
            "StepMeasurement", "Timings", "Undo", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak",

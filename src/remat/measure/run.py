@@ -13,7 +13,7 @@ during it. ``time_round_robin`` takes every runner built first, then runs rounds
 round runs one step of every runner, in an order rotated by one each round (so no runner
 always runs first, right after the Python loop's bookkeeping). Warm-up rounds are not
 timed. Every runner runs the same step indices, hence the same batches. Clocks are read
-device-correctly (NOTE [device-correct timing] in timing.py). A time is the *whole* step:
+device-correctly (NOTE [device-correct timing] in remat/clock.py). A time is the *whole* step:
 batch, forward, backward, optimizer step and ``zero_grad``.
 
 NOTE [solo peaks]
@@ -39,7 +39,7 @@ from ..memory.tracker import LiveTensorTracker
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep, is_allocation_failure
 from ..workload.loader import LoadedWorkload, ShapeValue, factory_defaults
-from .timing import StepClock, percentile
+from ..clock import StepClock, percentile
 
 Undo = Callable[[], None]
 

@@ -105,7 +105,7 @@ class _OpLog:
 def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int) -> tuple[dict[str, float], list[float]]:
     """Warm median forward ms per candidate (hooks only, no dispatch mode) and step times (ms).
 
-    Device-correct (NOTE [device-correct timing] in remat.measure.timing): on CUDA the hooks
+    Device-correct (NOTE [device-correct timing] in remat.clock): on CUDA the hooks
     record events and each step's figures are read after it synchronises, so replay_ms is
     kernel time, not launch time; the step itself is timed by remat.measure's one loop.
     """

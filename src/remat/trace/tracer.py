@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
-import torch
-
+from ..clock import StepClock
 from ..memory.cuda import read_cuda_stats, reset_cuda_peak
 from ..memory.measure import model_device
 from ..memory.reference import profiler_step_peak
@@ -67,6 +65,7 @@ def trace_step(step: TrainingStep, *, context: TraceContext, warmup: int = 2, st
         step.run(i)
     device = model_device(step)
     on_cuda = device.type == "cuda"
+    clock = StepClock(device)
     best: tuple[int, StepRecorder, int, int, int] | None = None  # (peak, rec, start_event, start_ns, end_ns)
     step_peaks: list[int] = []
     step_ms: list[float] = []
@@ -76,12 +75,9 @@ def trace_step(step: TrainingStep, *, context: TraceContext, warmup: int = 2, st
         if on_cuda:
             reset_cuda_peak(device)
         with StepRecorder(step) as rec:
-            start_event, start_ns = rec.tracker.events, time.perf_counter_ns()
+            start_event = rec.tracker.events
             rec.tracker.reset_peak()
-            rec.run(i)
-            if on_cuda:
-                torch.cuda.synchronize(device)
-            end_ns = time.perf_counter_ns()
+            _, start_ns, end_ns = clock.span(rec.run, i)   # NOTE [device-correct timing] in remat/clock.py
         peak = rec.tracker.peak_bytes
         if on_cuda:
             stats = read_cuda_stats(device)

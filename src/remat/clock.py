@@ -1,5 +1,7 @@
 """Device-correct step timing, and the one percentile definition remat reports.
 
+A leaf module (torch only), so that trace and the measurement stage share one clock.
+
 NOTE [device-correct timing]
 CUDA kernels run asynchronously: a host clock read right after a launch measures the launch,
 not the kernel. So on CUDA every host clock read around a step is preceded by
@@ -64,6 +66,15 @@ class StepClock:
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+    def span(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, int, int]:
+        """``(fn(*args), start_ns, end_ns)`` on the host's perf_counter_ns clock, device idle at both reads
+        (the trace's timeline needs the instants, not only the duration)."""
+        self.sync()
+        t0 = time.perf_counter_ns()
+        out = fn(*args)
+        self.sync()
+        return out, t0, time.perf_counter_ns()
 
     def time(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         """``(fn(*args), ms)``: the device idle before the first clock read and after ``fn``."""
