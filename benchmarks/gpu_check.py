@@ -15,6 +15,10 @@ Checks, each written to ``benchmarks/results/gpu/<name>.json`` and summarised in
 4. ``pipeline_bf16``: ``gpt`` in bfloat16: profile, the closed-loop optimal plan at 60% of the
    control's peak (or halfway to the predicted floor where 60% is out of reach), ``verify_plan`` (bf16 tolerances) and a frontier of none/all/sqrt/optimal.
 5. ``simulate``: ``--simulate`` predictions (peak bytes, step time) against measured ones.
+6. ``offload``: ``save_on_cpu(pin_memory=True)`` around every block against torch's checkpoint
+   around every block and no plan: peak and p50 step ms, interleaved (issue 14's offload mode).
+7. ``compile_budget``: ``torch.compile`` with ``activation_memory_budget`` 1.0 / 0.5 / 0.2: the
+   measured peak and step time against eager, and the compile time (issue 16: a ratio, not a peak).
 
     python benchmarks/gpu_check.py                  # on a CUDA machine
     python benchmarks/gpu_check.py --smoke --device cpu   # the same code paths on CPU, tiny shapes (no RESULTS.md)
@@ -253,6 +257,119 @@ def check_simulate(device: str, dtype: str, shapes: list[dict]) -> Check:
                  {"device_model": model, "rows": rows})
 
 
+# -- 6. offload: save_on_cpu per block, against checkpoint per block (issue 14's CUDA-only mode) -----
+
+def _block_wrapped(model: torch.nn.Module, how: str) -> list[tuple[torch.nn.Module, Any]]:
+    """Wrap every ``h.<i>`` block's forward: ``checkpoint`` (torch's, non-reentrant) or ``offload``
+    (``save_on_cpu(pin_memory=True)``); returns what to restore."""
+    from torch.utils.checkpoint import checkpoint
+    undo = []
+    for name, mod in model.named_modules():
+        if not (name.count(".") == 1 and name.startswith("h.")):
+            continue
+        orig = mod.forward
+        if how == "checkpoint":
+            def fwd(*a, _f=orig, **k):
+                return checkpoint(_f, *a, use_reentrant=False, **k)
+        else:
+            def fwd(*a, _f=orig, **k):
+                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    return _f(*a, **k)
+        mod.forward = fwd
+        undo.append((mod, orig))
+    return undo
+
+
+def _interleaved(arms: dict[str, Callable[[int], Any]], device: str, rounds: int, warmup: int = 2
+                 ) -> dict[str, dict[str, float]]:
+    """Step ms (device-correct clock) of each arm, interleaved round-robin; peak bytes per arm from
+    the allocator (CUDA) after reset_peak_memory_stats, over the arm's own steps."""
+    from remat.clock import StepClock, p50, p95
+    clock = StepClock(device)
+    cuda = device.startswith("cuda")
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    peaks: dict[str, int] = {k: 0 for k in arms}
+    for k, fn in arms.items():
+        for i in range(warmup):
+            fn(i)
+    for r in range(rounds):
+        for k, fn in arms.items():
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            _, ms = clock.time(fn, warmup + r)
+            times[k].append(ms)
+            if cuda:
+                peaks[k] = max(peaks[k], int(torch.cuda.max_memory_allocated()))
+    return {k: {"p50_ms": p50(v), "p95_ms": p95(v), "peak_bytes": peaks[k] or None} for k, v in times.items()}
+
+
+def check_offload(device: str, dtype: str, shape: dict) -> Check:
+    from remat.workload import TrainingStep, load_workload
+    steps = {}
+    for how in ("none", "checkpoint", "offload"):
+        step = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
+        if how != "none":
+            _block_wrapped(step.workload.model, how)
+        steps[how] = step
+    # one arm's model at a time on the device would be cleaner, but three GPT-2 smalls fit easily
+    res = _interleaved({k: s.run for k, s in steps.items()}, device, rounds=3 if device == "cpu" else 8)
+    base = res["none"]
+    for k, r in res.items():
+        r["overhead"] = r["p50_ms"] / base["p50_ms"] - 1
+        r["peak_over_none"] = (r["peak_bytes"] / base["peak_bytes"]) if r["peak_bytes"] and base["peak_bytes"] else None
+    summary = "; ".join(f"{k}: {fmt_bytes(r['peak_bytes']) if r['peak_bytes'] else 'n/a'}, p50 {r['p50_ms']:.1f} ms "
+                        f"({r['overhead']:+.0%})" for k, r in res.items())
+    return Check("offload", True, "per block, interleaved: " + summary, {"arms": res, "shape": shape})
+
+
+# -- 7. torch.compile: what activation_memory_budget does to the peak ---------------------------------
+
+def check_compile_budget(device: str, dtype: str, shape: dict, budgets: tuple[float, ...], cap_s: float) -> Check:
+    """For each ratio: recompile the model with ``torch._functorch.config.activation_memory_budget``,
+    time the first (compiling) step, then peak and p50 over warm steps (issue 16's data: the ratio is
+    of saved-activation bytes, not of the peak)."""
+    import torch._dynamo
+    import torch._functorch.config as fconfig
+    from remat.workload import TrainingStep, load_workload
+    rows = []
+    t_start = time.perf_counter()
+    eager = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
+    eager_res = _interleaved({"eager": eager.run}, device, rounds=5)["eager"]
+    del eager
+    old = fconfig.activation_memory_budget
+    try:
+        for b in budgets:
+            if time.perf_counter() - t_start > cap_s:
+                rows.append({"budget": b, "skipped": f"time cap {cap_s:.0f} s"})
+                continue
+            torch._dynamo.reset()
+            fconfig.activation_memory_budget = b
+            step = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
+            step.workload.model = torch.compile(step.workload.model)
+            t0 = time.perf_counter()
+            step.run(0)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            r = _interleaved({"c": step.run}, device, rounds=5, warmup=3)["c"]
+            r.update(budget=b, compile_s=compile_s,
+                     peak_over_eager=(r["peak_bytes"] / eager_res["peak_bytes"]) if r["peak_bytes"] and eager_res["peak_bytes"] else None,
+                     time_over_eager=r["p50_ms"] / eager_res["p50_ms"])
+            rows.append(r)
+            del step
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    finally:
+        fconfig.activation_memory_budget = old
+        torch._dynamo.reset()
+    done = [r for r in rows if "skipped" not in r]
+    summary = f"eager {fmt_bytes(eager_res['peak_bytes']) if eager_res['peak_bytes'] else 'n/a'}, {eager_res['p50_ms']:.1f} ms; " + \
+        "; ".join(f"budget {r['budget']}: peak x{r['peak_over_eager'] or float('nan'):.2f}, time x{r['time_over_eager']:.2f}, "
+                  f"compile {r['compile_s']:.0f} s" for r in done)
+    return Check("compile_budget", bool(done), summary, {"eager": eager_res, "rows": rows, "shape": shape})
+
+
 # -- driver -----------------------------------------------------------------------------------------
 
 def _run(name: str, fn: Callable[[], Check]) -> Check:
@@ -312,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         ("profile_timing", lambda: check_profile_timing(dev, dt, shapes["pipeline"])),
         ("pipeline_bf16", lambda: check_pipeline(dev, dt, shapes["pipeline"], args.smoke)),
         ("simulate", lambda: check_simulate(dev, dt, shapes["simulate"])),
+        ("offload", lambda: check_offload(dev, dt, shapes["pipeline"])),
+        ("compile_budget", lambda: check_compile_budget(dev, dt, shapes["pipeline"], (1.0, 0.5, 0.2),
+                                                        cap_s=60.0 if args.smoke else 150.0)),
     ]
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_")) if args.smoke else RESULTS_DIR)

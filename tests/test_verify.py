@@ -243,3 +243,33 @@ def test_modes_given_as_words_become_enums():
     assert a.mode is CheckpointMode.SELECTIVE and a.to_json()["mode"] == "selective"
     with pytest.raises(ValueError):
         Hazard(module="m", kind=HazardKind.RNG, detail="d", mode="training")
+
+
+# -- NOTE [deterministic kernels] --------------------------------------------------------------------
+
+def test_deterministic_kernels_switch_on_for_cuda_and_restore():
+    """The flags only (no CUDA needed): on for a CUDA workload, untouched for CPU, restored after."""
+    import os
+    from remat.verify.runner import deterministic_kernels
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    with deterministic_kernels("cpu"):
+        assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels("cuda:0"):
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == (before[2] or ":4096:8")
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+            os.environ.get("CUBLAS_WORKSPACE_CONFIG")) == before
+
+
+@pytest.mark.cuda
+def test_verify_on_cuda_control_repeats_itself_and_plan_passes():
+    """On an H200 the unmodified gpt step (embedding backward uses atomics) did not repeat itself before
+    deterministic kernels; with them the control repeats and a planned step verifies, and the perturbed
+    gradient is still rejected."""
+    lw = load_workload("gpt", TINY["gpt"], device="cuda")
+    rep = verify_plan(lw, make_plan(lw.workload.model, ["h.0", "h.1"]), steps=2, seeds=1, timing_steps=0)
+    assert rep.repeatable, rep.failures
+    assert rep.passed, rep.failures
+    assert any(n.name == "perturbed_gradient" and n.rejected for n in rep.negative_controls)

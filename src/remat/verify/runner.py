@@ -21,6 +21,17 @@ and the state that changed (``blocks.2.calls: 1 -> 2``,
 ``blocks.0.bn1.num_batches_tracked: +2 instead of +1``). Device moves inside a region are
 hazards too. Any hazard, any out-of-tolerance step, a negative control that is not
 rejected, or a control that does not repeat itself fails verification.
+
+NOTE [deterministic kernels]
+On CUDA several backward kernels accumulate with atomics (embedding and index_add backward,
+some cuBLAS reductions with a split workspace), so the *unmodified* step does not repeat
+itself bitwise: on an H200, GPT-2 small's control differed from itself in the first step
+(benchmarks/gpu_check.py, pipeline_bf16, before this). Checkpointing could not then be told
+apart from nondeterminism. ``verify_plan`` therefore runs every pair on a CUDA workload under
+``torch.use_deterministic_algorithms(True, warn_only=True)`` with cuDNN's deterministic
+algorithms and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set only when the user has not set it),
+and restores all three afterwards. ``warn_only``: an op with no deterministic kernel still
+runs, and the repeatability check then says so instead of a crash. On CPU nothing changes.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -451,6 +463,28 @@ def measure_rng_overhead(loaded: LoadedWorkload, plan: Plan, *, steps: int = 10,
 
 # -- the entry point -------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def deterministic_kernels(device: str | torch.device):
+    """Deterministic CUDA kernels for the duration (NOTE [deterministic kernels]); a no-op on CPU."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    old_alg, old_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    old_cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    set_env = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    if set_env:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old_alg, warn_only=old_warn)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old_cudnn
+        if set_env:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
 def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int = 3, seeds: int = 3,
                 timing_steps: int = 10, progress: ProgressFn = no_progress) -> VerifyReport:
     """Prove (or refute) that ``plan`` applied to ``loaded`` is the same training procedure as the control.
@@ -477,60 +511,66 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
 
     outer_rng = RngState.capture()
     try:
-        per_step: list[StepComparison] = []
-        hazards: list[Hazard] = []
-        failures: list[str] = []
-        activity: list[BoundaryActivity] = []
-        for seed in seed_values:
-            res = _run_pair(loaded, plan, seed=seed, steps=steps, eval_pass=True, tick=tick)
-            per_step += res.comparisons
-            hazards += res.hazards
-            activity = activity or res.activity
-            if res.error is not None:
-                failures.append(f"seed {seed}: the planned step raised {res.error}")
-        bad = [s for s in per_step if not s.passed]
-        if bad:
-            s = bad[0]
-            where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
-                if s.first_divergent_module else ""
-            more = f" and {len(s.divergent) - 4} more" if len(s.divergent) > 4 else ""
-            failures.append(f"{len(bad)} of {len(per_step)} compared steps differ from the control; first: seed "
-                            f"{s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])}{more} out of "
-                            f"tolerance{where}")
-        hazards = _dedupe(hazards)
-        failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
-
-        # Positive control: the unmodified step must repeat itself, or no difference means anything.
-        repeat = _run_pair(loaded, None, seed=seed_values[0], steps=steps, eval_pass=False, tick=tick)
-        repeatable = not repeat.rejected
-        if not repeatable:
-            failures.append(f"the control does not repeat itself with the same seed ({repeat.reason()}): "
-                            "checkpointing cannot be told apart from nondeterminism")
-
-        drawers = sorted(a.module for a in activity if a.draws_rng)
-        negative = [_rng_off_control(loaded, plan, drawers, seed_values[0], neg_steps, tick)]
-        tol = _model_tolerance(loaded.workload.model)
-        negative.append(_perturbed_control(loaded, plan, seed_values[0], _perturbation_for(tol), tick))
-        failures += [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
-                     if n.applicable and not n.rejected]
-
-        timing = measure_rng_overhead(loaded, plan, steps=timing_steps, tick=tick) if timing_steps else None
-        first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
-        if first is None and hazards:
-            first = hazards[0].module
-        warnings = [f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
-                    f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
-                    for s in _first_non_finite_per_seed(per_step)]
-        progress("verify", total, total)
-        return VerifyReport(
-            passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
-            dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
-            seeds=seed_values, tolerances=dict(TOLERANCES), perturbation=_perturbation_for(tol), per_step=per_step,
-            first_divergent_module=first, rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards,
-            negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures,
-            warnings=warnings)
+        with deterministic_kernels(loaded.device):
+            return _verify(loaded, plan, steps, seed_values, neg_steps, timing_steps, tick, total, progress)
     finally:
         outer_rng.restore()
+
+
+def _verify(loaded: LoadedWorkload, plan: Plan, steps: int, seed_values: list[int], neg_steps: int,
+            timing_steps: int, tick: Callable[[], None], total: int, progress: ProgressFn) -> VerifyReport:
+    per_step: list[StepComparison] = []
+    hazards: list[Hazard] = []
+    failures: list[str] = []
+    activity: list[BoundaryActivity] = []
+    for seed in seed_values:
+        res = _run_pair(loaded, plan, seed=seed, steps=steps, eval_pass=True, tick=tick)
+        per_step += res.comparisons
+        hazards += res.hazards
+        activity = activity or res.activity
+        if res.error is not None:
+            failures.append(f"seed {seed}: the planned step raised {res.error}")
+    bad = [s for s in per_step if not s.passed]
+    if bad:
+        s = bad[0]
+        where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
+            if s.first_divergent_module else ""
+        more = f" and {len(s.divergent) - 4} more" if len(s.divergent) > 4 else ""
+        failures.append(f"{len(bad)} of {len(per_step)} compared steps differ from the control; first: seed "
+                        f"{s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])}{more} out of "
+                        f"tolerance{where}")
+    hazards = _dedupe(hazards)
+    failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
+
+    # Positive control: the unmodified step must repeat itself, or no difference means anything.
+    repeat = _run_pair(loaded, None, seed=seed_values[0], steps=steps, eval_pass=False, tick=tick)
+    repeatable = not repeat.rejected
+    if not repeatable:
+        failures.append(f"the control does not repeat itself with the same seed ({repeat.reason()}): "
+                        "checkpointing cannot be told apart from nondeterminism")
+
+    drawers = sorted(a.module for a in activity if a.draws_rng)
+    negative = [_rng_off_control(loaded, plan, drawers, seed_values[0], neg_steps, tick)]
+    tol = _model_tolerance(loaded.workload.model)
+    negative.append(_perturbed_control(loaded, plan, seed_values[0], _perturbation_for(tol), tick))
+    failures += [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
+                 if n.applicable and not n.rejected]
+
+    timing = measure_rng_overhead(loaded, plan, steps=timing_steps, tick=tick) if timing_steps else None
+    first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
+    if first is None and hazards:
+        first = hazards[0].module
+    warnings = [f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
+                f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
+                for s in _first_non_finite_per_seed(per_step)]
+    progress("verify", total, total)
+    return VerifyReport(
+        passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
+        dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
+        seeds=seed_values, tolerances=dict(TOLERANCES), perturbation=_perturbation_for(tol), per_step=per_step,
+        first_divergent_module=first, rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards,
+        negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures,
+        warnings=warnings)
 
 
 def _rng_off_control(loaded: LoadedWorkload, plan: Plan, drawers: list[str], seed: int, steps: int,
