@@ -389,12 +389,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="only re-run remat check --quick on the receipts in --results and rewrite the table")
     ap.add_argument("--results", type=Path, default=ZOO / "results.json")
     ap.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/ZOO.md")
+    ap.add_argument("--extra", type=Path, action="append", default=[],
+                    help="a folder of more factory files (<name>.py with build(...)), each run as model <name>: "
+                         "models the zoo was not shown (write --results/--markdown elsewhere then)")
     args = ap.parse_args(argv)
-    known = {m[0]: m for m in MODELS}
+    extra = [(p.stem, f"{p.resolve()}:build", "") for d in args.extra for p in sorted(d.glob("*.py"))
+             if not p.name.startswith("_")]
+    known = {m[0]: m for m in [*MODELS, *extra]}
     unknown = [m for m in args.models if m not in known]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {', '.join(known)}")
-    todo = [known[m] for m in args.models] if args.models else MODELS
+    todo = [known[m] for m in args.models] if args.models else (extra or MODELS)
     if args.recheck:
         return recheck(args)
     if args.render:
