@@ -32,8 +32,13 @@ def enable(model: nn.Module, example_batch: Any, *, budget: str | int, optimizer
     checkpoints what the budget needs, no more. Pass the optimizer you will train with (its state
     counts in the peak); without one, AdamW over the trainable parameters is assumed and
     ``handle.report.optimizer`` says so."""
-    if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_disable"):
-        model.gradient_checkpointing_disable()
+    # transformers 5 renames it activation checkpointing (the old names warn, and go in v6)
+    for flag, off in (("is_activation_checkpointing", "activation_checkpointing_disable"),
+                      ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
+        if hasattr(type(model), flag) or hasattr(model, off):
+            if getattr(model, flag, False) and hasattr(model, off):
+                getattr(model, off)()
+            break
     return auto(model, example_batch, budget=budget, optimizer=optimizer, **auto_kwargs)
 
 
