@@ -258,3 +258,31 @@ def test_auto_on_cuda_parks_the_users_tensors(tmp_path):
     opt.step()
     opt.zero_grad(set_to_none=True)
     assert torch.cuda.max_memory_allocated() <= h.report.budget_bytes
+
+
+def test_auto_plan_exports_to_torch_apply_activation_checkpointing(tmp_path):
+    """remat.auto's plan through remat.export_check_fn: torch wraps exactly the planned modules, and
+    the step computes the same loss and gradients as the unwrapped model (dropout included)."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        ActivationWrapper, CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    model, batch = tiny()
+    h = remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)
+    plan = h.plan
+    h.remove()
+    control = copy.deepcopy(model)
+    apply_activation_checkpointing(model, check_fn=remat.export_check_fn(plan, model),
+                                   checkpoint_wrapper_fn=partial(checkpoint_wrapper,
+                                                                 checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    wrapped = sorted(n for n, m in model.named_modules() if isinstance(m, ActivationWrapper))
+    assert wrapped == sorted(b.module for b in plan.boundaries)
+    losses = []
+    for m in (control, model):
+        torch.manual_seed(1)
+        loss = ex.loss_fn(m, batch)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    assert all(torch.equal(p.grad, grads[n]) for n, p in control.named_parameters())
