@@ -133,9 +133,16 @@ def main() -> int:
     budgets = {}
     for b in a.budgets.split(","):
         budgets[f"remat@{b}"] = peaks["hf-gradient-checkpointing"] if b == "gc" else b
-    for name, budget in budgets.items():
+    refused = {}
+    for name, budget in list(budgets.items()):
         t0 = time.perf_counter()
-        arm = Arm(name, a.size, a.device, budget, cache)
+        try:
+            arm = Arm(name, a.size, a.device, budget, cache)
+        except remat.BudgetError as exc:   # a budget under remat's floor: say so, measure the rest
+            refused[name] = exc.message
+            del budgets[name]
+            free()
+            continue
         plan_s[name] = time.perf_counter() - t0
         reports[name] = arm.report
         peaks[name], losses[name] = solo_peak(arm)
@@ -181,9 +188,11 @@ def main() -> int:
     for row in rows:
         if row["boundaries"]:
             print(f"{row['arm']}: plan {row['plan_seconds']:.1f} s; {', '.join(row['boundaries'])}")
+    for name, why in refused.items():
+        print(f"{name}: refused: {why}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+        a.out.write_text(json.dumps({"meta": meta, "rows": rows, "refused": refused}, indent=2) + "\n")
     return 0
 
 

@@ -240,9 +240,11 @@ def _hand_plan(model, paths):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_on_cuda_parks_the_users_tensors(tmp_path):
-    model, batch = tiny()
-    model.cuda()
-    batch = tuple(t.cuda() for t in batch)
+    # activation-bound on a GPU (the tiny size is all cuBLAS workspace there): (8, 256) tokens, width 256
+    torch.manual_seed(0)
+    model = ex.TinyLM(512, 256, 4).cuda()
+    t = torch.randint(0, 512, (8, 257), device="cuda")
+    batch = (t[:, :-1], t[:, 1:])
     opt = _trained(model, batch)
     before = Snapshot(model, opt)
     devices = [p.device for p in model.parameters()]
