@@ -240,15 +240,15 @@ def _hand_plan(model, paths):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_on_cuda_parks_the_users_tensors(tmp_path):
-    # activation-bound on a GPU (the tiny size is all cuBLAS workspace there): (8, 256) tokens, width 256
+    # activation-bound on a GPU (at the CPU tests' sizes the peak is fixed costs there): (32, 512) tokens
     torch.manual_seed(0)
     model = ex.TinyLM(512, 256, 4).cuda()
-    t = torch.randint(0, 512, (8, 257), device="cuda")
+    t = torch.randint(0, 512, (32, 513), device="cuda")
     batch = (t[:, :-1], t[:, 1:])
     opt = _trained(model, batch)
     before = Snapshot(model, opt)
     devices = [p.device for p in model.parameters()]
-    h = remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, optimizer=opt, cache_dir=tmp_path, **FAST)
+    h = remat.auto(model, batch, budget="80%", loss_fn=ex.loss_fn, optimizer=opt, cache_dir=tmp_path, **FAST)
     assert [p.device for p in model.parameters()] == devices
     assert h.report.memory_source == "cuda-allocator"
     before.rng = (torch.get_rng_state(), *before.rng[1:])
