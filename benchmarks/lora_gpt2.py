@@ -55,6 +55,10 @@ def build(size: str, device: str, seed: int = 0):
     cfg = GPT2Config(n_layer=c["n_layer"], n_embd=c["n_embd"], n_head=c["n_head"], vocab_size=c["vocab_size"],
                      n_positions=max(c["seq"], 64), bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
+    # use_cache=False in every arm: gradient_checkpointing_enable() forces it, and with the default
+    # (True) each layer's keys and values are returned and held to the end of the step (~1 GiB at
+    # GPT-2 small, batch 8 x 1024), which no checkpoint can free: compare like with like
+    cfg.use_cache = False
     model = get_peft_model(GPT2LMHeadModel(cfg), LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"],
                                                             fan_in_fan_out=True, lora_dropout=0.05)).to(device)
     model.train()

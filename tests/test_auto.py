@@ -248,7 +248,7 @@ def test_auto_on_cuda_parks_the_users_tensors(tmp_path):
     opt = _trained(model, batch)
     before = Snapshot(model, opt)
     devices = [p.device for p in model.parameters()]
-    h = remat.auto(model, batch, budget="80%", loss_fn=ex.loss_fn, optimizer=opt, cache_dir=tmp_path, **FAST)
+    h = remat.auto(model, batch, budget="90%", loss_fn=ex.loss_fn, optimizer=opt, cache_dir=tmp_path, **FAST)
     assert [p.device for p in model.parameters()] == devices
     assert h.report.memory_source == "cuda-allocator"
     before.rng = (torch.get_rng_state(), *before.rng[1:])
