@@ -288,3 +288,36 @@ def test_auto_plan_exports_to_torch_apply_activation_checkpointing(tmp_path):
     assert losses[0] == losses[1]
     grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
     assert all(torch.equal(p.grad, grads[n]) for n, p in control.named_parameters())
+
+
+def test_auto_keeps_no_copy_alive_between_measurements(tmp_path, monkeypatch):
+    """On CUDA every live copy is under the allocator's peak: when the closed loop starts measuring,
+    no real copy of the model may be alive (the workload it rebuilds from holds a meta copy). The
+    wrong case: holding one copy, as an earlier version did, is seen."""
+    import gc
+    import weakref
+
+    import remat.autoplan.run as run
+    from remat.autoplan.source import ModelSource
+    copies: list = []
+    real_workload = ModelSource.workload
+
+    def tracked(self):
+        w = real_workload(self)
+        copies.append(weakref.ref(w.model))
+        return w
+    monkeypatch.setattr(ModelSource, "workload", tracked)
+    alive_at_start: list[int] = []
+    real_loop = run.plan_closed_loop
+
+    def loop(*a, **k):
+        gc.collect()
+        alive_at_start.append(sum(r() is not None for r in copies))
+        return real_loop(*a, **k)
+    monkeypatch.setattr(run, "plan_closed_loop", loop)
+    model, batch = tiny()
+    remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, use_cache=False, **FAST)
+    assert len(copies) >= 2 and alive_at_start == [0]
+    held = tracked(ModelSource(model, batch, ex.loss_fn, run.OptimizerSpec.of(model, None), torch.device("cpu")))
+    gc.collect()
+    assert sum(r() is not None for r in copies) == 1 and held.model is not None
