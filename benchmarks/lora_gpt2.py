@@ -182,6 +182,11 @@ def main() -> int:
             "device_name": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "rounds": a.rounds, "warmup": a.warmup,
             "memory_source": "cuda-allocator" if a.device.startswith("cuda") else "cpu-live-tensors"}
+    def n_boundaries(row: dict) -> str:
+        if row["boundaries"] is not None:
+            return str(len(row["boundaries"]))
+        return f"all {SIZES[a.size]['n_layer']} blocks" if row["arm"].startswith("hf") else "0"
+
     print(f"LoRA GPT-2 ({a.size}: {SIZES[a.size]}) on {meta['device_name']}, torch {torch.__version__}, "
           f"{a.rounds} interleaved rounds")
     print("| arm | peak | vs none | step p50 (ms) | overhead | budget | boundaries | first loss = none |")
@@ -190,7 +195,7 @@ def main() -> int:
         print(f"| {row['arm']} | {fmt_bytes(row['peak_bytes'])} | {row['peak_bytes'] / peaks['none']:.2f}x | "
               f"{row['p50_ms']:.2f} | {row['overhead'] * 100:+.1f}% | "
               f"{fmt_bytes(row['budget_bytes']) if row['budget_bytes'] else '-'} | "
-              f"{len(row['boundaries']) if row['boundaries'] is not None else (f"all {SIZES[a.size]['n_layer']} blocks" if 'hf' in row['arm'] else 0)} | "
+              f"{n_boundaries(row)} | "
               f"{row['loss_equal_to_none']} |")
     for row in rows:
         if row["boundaries"]:

@@ -67,3 +67,21 @@ def test_example_lightning_callback(tmp_path):
     need("lightning")
     planned, control, r = run_both("lightning_callback", tmp_path)
     assert not r.optimizer_assumed and "AdamW" in r.optimizer
+
+
+def test_enable_replaces_hugging_face_checkpointing(tmp_path):
+    """enable() is the drop-in for gradient_checkpointing_enable(): called after it, it switches the
+    Hugging Face flag off (remat.auto refuses a model checkpointed twice) and plans instead."""
+    need("transformers", "peft")
+    import peft_lora
+    from remat.errors import AutoError
+    from remat.integrations.transformers import enable
+    model = peft_lora.build("tiny", 0)
+    model.gradient_checkpointing_enable()
+    batch = peft_lora.batches("tiny", 1, 0)[0]
+    with pytest.raises(AutoError, match="gradient_checkpointing_disable"):
+        import remat
+        remat.auto(model, batch, budget=BUDGET, cache_dir=tmp_path)
+    h = enable(model, batch, budget=BUDGET, cache_dir=tmp_path, measure_replays=False)
+    assert not [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    assert h.plan.boundaries and h.report.measured_peak_bytes <= h.report.effective_budget_bytes
