@@ -2,7 +2,8 @@
 # Both create .venv and install what they need; on a CPU-only machine torch==2.13.0 is
 # installed first so that pip never pulls a multi-GB CUDA build. The optional zoo extra
 # (torchvision, timm, transformers: the CI-sized zoo tests) is installed with the torch
-# already in .venv pinned (.venv/constraints.txt), so it never replaces that torch.
+# already in .venv pinned (.venv/constraints.txt), so it never replaces that torch; so is the
+# integrations extra (transformers, accelerate, peft, lightning: tests/test_examples.py).
 # `make gpu-check` runs benchmarks/gpu_check.py and the cuda-marked tests on a GPU machine.
 # `make zoo` runs remat receipt on every zoo model (benchmarks/zoo/run.py -> benchmarks/ZOO.md).
 PY ?= python3
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 
 $(ZOO_STAMP): $(STAMP)
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
-	$(BIN)/python -m pip install -q -e '.[test,zoo]' -c $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -e '.[test,zoo,integrations]' -c $(VENV)/constraints.txt
 	touch $(ZOO_STAMP)
 
 .PHONY: install demo test zoo gpu-check

@@ -1,7 +1,7 @@
 """remat: plan, apply and prove activation checkpointing for PyTorch training.
 
 The stages (DESIGN.md): workload -> memory -> trace -> measure -> simulate -> profile ->
-plan -> apply -> closed_loop -> verify -> frontier -> distributed -> receipt -> pipeline -> cli. The names below are the public API.
+plan -> apply -> closed_loop -> verify -> autoplan -> integrations -> frontier -> distributed -> receipt -> pipeline -> cli. The names below are the public API.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .errors import (BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch, HandleError,
+from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch, HandleError,
                      MemoryMeasurementError, OutputError, PlanError, ReceiptError, RematError, ShapeError, UserCodeError,
                      VerificationFailed, WorkloadError)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
@@ -34,10 +34,13 @@ _LAZY = {
     "make_plan": "remat.plan",
     "verify_plan": "remat.verify",
     "VerifyReport": "remat.verify",
+    "auto": "remat.autoplan",
+    "AutoHandle": "remat.autoplan",
+    "AutoReport": "remat.autoplan",
 }
 
 __all__ = [
-    "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
+    "AutoError", "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
     "HandleError", "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "OutputError", "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError",
     "__version__", *_LAZY,

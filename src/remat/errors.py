@@ -97,3 +97,9 @@ class CheckFailed(RematError):
     """``remat check`` re-ran a receipt's fixtures and at least one failed."""
 
     exit_code = 1
+
+
+class AutoError(RematError):
+    """``remat.auto`` (or an integration built on it) cannot plan this model as it is called:
+    under ``torch.no_grad``, a model already checkpointed by a wrapper (named), a batch without
+    a loss, an optimizer it cannot rebuild on a copy."""

@@ -26,7 +26,7 @@ FINGERPRINT = Obj({
     "params": List(Obj({"name": Str(max_len=500), "shape": List(Int(0, 2 ** 40), max_len=16), "dtype": SHORT}),
                    max_len=MAX_MODULES),
     "class_source_hashes": List(Tuple(SHORT, Str(r"[0-9a-f]{16}")), max_len=MAX_MODULES),
-})
+}, {"structural_classes": List(SHORT, max_len=MAX_MODULES)})
 
 BOUNDARY = Obj({"module": MODULE_PATH, "mode": MODE, "saved_bytes": SIGNED_BYTES, "replay_ms": SIGNED_MS},
                {"guarded": Bool()})

@@ -114,11 +114,16 @@ class ModelFingerprint:
     params: tuple[ParamSignature, ...]
     class_source_hashes: tuple[tuple[str, str], ...]  # (qualified class name, sha256 of its source)
     digest: str                                   # sha256 over all of the above
+    # classes with no readable source, hashed by structure (NOTE [class identity without source])
+    structural_classes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"digest": self.digest, "modules": [list(m) for m in self.modules],
-                "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params],
-                "class_source_hashes": [list(c) for c in self.class_source_hashes]}
+        d = {"digest": self.digest, "modules": [list(m) for m in self.modules],
+             "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params],
+             "class_source_hashes": [list(c) for c in self.class_source_hashes]}
+        if self.structural_classes:
+            d["structural_classes"] = list(self.structural_classes)
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ModelFingerprint":
@@ -126,7 +131,8 @@ class ModelFingerprint:
                    params=tuple(ParamSignature(name=p["name"], shape=tuple(int(s) for s in p["shape"]), dtype=p["dtype"])
                                 for p in d["params"]),
                    class_source_hashes=tuple((str(a), str(b)) for a, b in d["class_source_hashes"]),
-                   digest=str(d["digest"]))
+                   digest=str(d["digest"]),
+                   structural_classes=tuple(str(c) for c in d.get("structural_classes", ())))
 
     def differences(self, other: "ModelFingerprint") -> list[FingerprintDiff]:
         """What differs, as records whose ``str()`` reads well (empty when the digests agree)."""
@@ -146,7 +152,9 @@ class ModelFingerprint:
                   text=f"parameter {n}: {list(pa[n].shape)} {pa[n].dtype} -> {list(pb[n].shape)} {pb[n].dtype}")
                 for n in sorted(pa.keys() & pb.keys()) if pa[n] != pb[n]]
         ca, cb = dict(self.class_source_hashes), dict(other.class_source_hashes)
-        out += [D(kind="class", name=c, text=f"source of class {c} changed")
+        structural = set(self.structural_classes) | set(other.structural_classes)
+        out += [D(kind="class", name=c, text=f"source of class {c} changed" if c not in structural else
+                  f"class {c} changed (hashed by its bytecode: no source was readable)")
                 for c in sorted(ca.keys() & cb.keys()) if ca[c] != cb[c]]
         return out or [D(kind="digest", name="", text="fingerprint digest differs")]
 

@@ -1,0 +1,14 @@
+"""``remat.auto``: one call that fits a model's training step under a memory budget (issue 15).
+
+A stage above ``verify`` and ``closed_loop`` (it profiles, plans in a closed loop, optionally
+verifies, and applies); the integrations (``remat.integrations``) sit above it.
+"""
+
+from .cache import ENV_VAR, CacheKey, PlanCache, default_cache_dir
+from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
+from .run import auto, existing_checkpointing
+from .source import InMemoryWorkload, ModelSource, OptimizerSpec, hf_loss, unwrap_optimizer
+
+__all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "CacheKey", "CacheStatus", "InMemoryWorkload", "ModelSource",
+           "OptimizerSpec", "PlanCache", "VerifyStatus", "auto", "default_cache_dir", "existing_checkpointing",
+           "hf_loss", "unwrap_optimizer"]

@@ -1,0 +1,86 @@
+"""What ``remat.auto`` decided and measured: ``handle.report``."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from ..apply import ApplyHandle
+from ..units import fmt_bytes
+
+
+class CacheStatus(enum.Enum):
+    HIT = "hit"              # the plan came from the cache: nothing was profiled
+    STORED = "stored"        # planned now and written to the cache
+    DISABLED = "disabled"    # use_cache=False
+
+
+class VerifyStatus(enum.Enum):
+    NOT_VERIFIED = "not-verified"
+    PASSED = "passed"        # verify="quick": one seed, one step, paired control on a copy, negative controls
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoReport:
+    """Predicted and measured figures of the plan ``remat.auto`` applied (bytes, ms).
+
+    Peaks are whole training steps (batch, forward, backward, optimizer step with its state),
+    measured on a copy by ``memory_source`` (``cuda-allocator`` or ``cpu-live-tensors``)."""
+
+    planner: str
+    boundaries: tuple[str, ...]          # "module path (mode)"
+    budget: str                          # as given: "8GiB", "70%"
+    budget_bytes: int
+    effective_budget_bytes: int          # budget less the reserve: what the peak must stay under
+    baseline_peak_bytes: int             # the unplanned step, measured
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None      # the planned step on a fresh copy, measured
+    memory_source: str
+    baseline_step_ms: float              # warm p50 of the unplanned step (profile)
+    measured_step_ms: float | None       # warm p50 of the planned step (closed loop; not interleaved)
+    predicted_overhead_ms: float
+    optimizer: str                       # what the peak counted (OptimizerSpec.describe)
+    optimizer_assumed: bool
+    cache: CacheStatus
+    cache_path: str | None
+    verification: VerifyStatus
+    verify_note: str
+    seconds: float                       # wall time of the remat.auto call
+
+    @property
+    def overhead(self) -> float | None:
+        """Measured step time over the unplanned step's, less 1 (0.12 = 12% slower); None if unmeasured."""
+        if self.measured_step_ms is None or self.baseline_step_ms <= 0:
+            return None
+        return self.measured_step_ms / self.baseline_step_ms - 1.0
+
+    def summary(self) -> str:
+        """A few lines for a log: the plan, the peaks against the budget, the overhead, verification, cache."""
+        measured = "not measured" if self.measured_peak_bytes is None else fmt_bytes(self.measured_peak_bytes)
+        over = "n/a" if self.overhead is None else f"{self.overhead * 100:+.1f}%"
+        lines = [
+            f"remat: {len(self.boundaries)} boundaries ({self.planner}): {', '.join(self.boundaries) or 'none'}",
+            f"  peak: {fmt_bytes(self.baseline_peak_bytes)} unplanned -> predicted {fmt_bytes(self.predicted_peak_bytes)}, "
+            f"measured {measured} ({self.memory_source}); budget {self.budget} = {fmt_bytes(self.budget_bytes)}",
+            f"  step: {self.baseline_step_ms:.1f} ms unplanned, {self.measured_step_ms or float('nan'):.1f} ms planned "
+            f"({over}); optimizer counted: {self.optimizer}",
+            f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
+        ]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["cache"], d["verification"], d["boundaries"] = self.cache.value, self.verification.value, list(self.boundaries)
+        return d
+
+
+class AutoHandle(ApplyHandle):
+    """``remat.auto``'s handle: ``remat.apply``'s (``.plan``, ``.remove()``) with ``.report``."""
+
+    def __init__(self, handle: ApplyHandle, report: AutoReport) -> None:
+        super().__init__(handle.model, handle.plan, handle.wrappers)
+        self.report = report
+
+    def __repr__(self) -> str:
+        return f"Auto{super().__repr__()}"

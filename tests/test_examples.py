@@ -1,0 +1,87 @@
+"""The examples under examples/ at their tiny size (issue 15): three training steps each, with
+remat and without; the losses must be equal (same seed) and the measured peak under the budget.
+Examples needing an optional package (transformers, peft, lightning) skip without it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT / "examples", ROOT / "benchmarks" / "zoo"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+BUDGET = "75%"
+
+
+def need(*packages: str) -> None:
+    for pkg in packages:
+        if pkg == "transformers":
+            from _torchvision_cpu import import_torchvision   # benchmarks/zoo: the CPU torch's torchvision shim
+            try:
+                import_torchvision()
+            except ImportError:
+                pass
+        pytest.importorskip(pkg)
+
+
+def run_both(name: str, tmp_path) -> tuple:
+    ex = importlib.import_module(name)
+    planned = ex.main(size="tiny", steps=3, budget=BUDGET, plan=True, cache_dir=str(tmp_path), measure_replays=False)
+    control = ex.main(size="tiny", steps=3, plan=False)
+    r = planned.report
+    assert len(planned.losses) == 3 and planned.losses == control.losses      # bitwise: the same floats
+    assert r.boundaries, "the tiny examples do not fit 75% unplanned: a plan must checkpoint something"
+    assert r.measured_peak_bytes <= r.effective_budget_bytes < r.baseline_peak_bytes
+    return planned, control, r
+
+
+def test_example_plain_loop(tmp_path):
+    run_both("auto_plain_loop", tmp_path)
+
+
+def test_example_peft_lora(tmp_path):
+    need("transformers", "peft")
+    planned, control, r = run_both("peft_lora", tmp_path)
+    assert planned.trainable.keys() == control.trainable.keys() and all("lora_" in n for n in planned.trainable)
+    assert all(torch.equal(planned.trainable[n], control.trainable[n]) for n in planned.trainable)
+    assert "over 4 parameter(s)" in r.optimizer     # the LoRA A/B of 2 layers: the frozen base has no state
+
+
+def test_example_hf_trainer_callback(tmp_path):
+    need("transformers", "accelerate")
+    planned, control, r = run_both("hf_trainer", tmp_path)
+    assert all(torch.equal(planned.params[n], control.params[n]) for n in planned.params)
+    logged = [h for h in planned.log_history if "remat_predicted_peak_bytes" in h]
+    assert logged and logged[0]["remat_predicted_peak_bytes"] == r.predicted_peak_bytes
+    assert logged[0]["remat_measured_peak_bytes"] == r.measured_peak_bytes
+    assert "2 group(s)" in r.optimizer and not r.optimizer_assumed   # the Trainer's own AdamW: decay / no decay
+
+
+def test_example_lightning_callback(tmp_path):
+    need("lightning")
+    planned, control, r = run_both("lightning_callback", tmp_path)
+    assert not r.optimizer_assumed and "AdamW" in r.optimizer
+
+
+def test_enable_replaces_hugging_face_checkpointing(tmp_path):
+    """enable() is the drop-in for gradient_checkpointing_enable(): called after it, it switches the
+    Hugging Face flag off (remat.auto refuses a model checkpointed twice) and plans instead."""
+    need("transformers", "peft")
+    import peft_lora
+    from remat.errors import AutoError
+    from remat.integrations.transformers import enable
+    model = peft_lora.build("tiny", 0)
+    model.gradient_checkpointing_enable()
+    batch = peft_lora.batches("tiny", 1, 0)[0]
+    with pytest.raises(AutoError, match="gradient_checkpointing_disable"):
+        import remat
+        remat.auto(model, batch, budget=BUDGET, cache_dir=tmp_path)
+    h = enable(model, batch, budget=BUDGET, cache_dir=tmp_path, measure_replays=False)
+    assert not [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    assert h.plan.boundaries and h.report.measured_peak_bytes <= h.report.effective_budget_bytes
