@@ -30,7 +30,8 @@ def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) 
                         ("" if required else " (default: no distributed run)"))
     g.add_argument("--engine", choices=[e.value for e in Engine] + ["pipeline"], default=Engine.DDP.value,
                    help="ddp (DistributedDataParallel), fsdp2 (fully_shard) or pipeline (torch.distributed.pipelining, "
-                        "one stage per rank; `remat distributed` only) (default: ddp)")
+                        "one stage per rank: per-stage plans side by side, or with verify the planned vs the unplanned "
+                        "pipeline) (default: ddp)")
     g.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
                    help="pipeline schedule (torch's ScheduleGPipe or Schedule1F1B) (default: 1f1b)")
     g.add_argument("--microbatches", type=bounded_int(1, 100_000), default=4,
@@ -67,7 +68,8 @@ def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_d
         return None
     if args.engine == "pipeline":
         from ..errors import DistributedError
-        raise DistributedError("--engine pipeline runs under `remat distributed` only so far",
+        # verify and frontier route --engine pipeline to cli/cmd_pipeline.py before they get here
+        raise DistributedError("--engine pipeline takes per-stage plans, not a whole-model plan",
                                tip="remat distributed --engine pipeline --world-size 2 --schedule 1f1b --microbatches 4 ...")
     config = config_from_args(args, plan)
     with progress_bar() as progress:

@@ -145,14 +145,28 @@ class PipelineConfig:
 # -- the split ---------------------------------------------------------------------------------------
 
 def _check_pipelinable(model: Any) -> None:
+    """NOTE [pipeline stages]: the model must say where its blocks start and end (a model's forward may do
+    anything around its blocks: masks, position ids, a final norm; remat does not guess which part of it is
+    the embedding and which the head). The refusal names the blocks remat found and what to write."""
     import torch.nn as nn
     missing = [m for m in ("pipeline_embed", "pipeline_head") if not callable(getattr(model, m, None))]
     if missing or not isinstance(model, nn.Module):
+        where = ""
+        if isinstance(model, nn.Module):
+            try:
+                path = find_blocks(model)
+                blocks = model.get_submodule(path)
+                where = (f"; its repeated blocks are {path} ({len(blocks)} x {type(blocks[0]).__name__}), so "
+                         f"pipeline_embed(inputs) must return the input of {path}.0 and pipeline_head(hidden) the "
+                         f"outputs from the output of {path}.{len(blocks) - 1}")
+            except WorkloadError:
+                where = "; no nn.ModuleList of repeated blocks was found to split either"
         raise WorkloadError(f"the model ({type(model).__name__}) cannot be split into pipeline stages: it lacks "
-                            f"{' and '.join(missing)}",
+                            f"{' and '.join(missing) or 'nn.Module'}{where}",
                             tip="define pipeline_embed(inputs) -> hidden and pipeline_head(hidden) -> outputs so that "
                                 "forward = head(blocks(embed(inputs))) (NOTE [pipeline stages] in "
-                                "remat/distributed/pipeline.py; the built-in gpt does)")
+                                "remat/distributed/pipeline.py; the built-in gpt and the zoo's "
+                                "torch_transformer_encoder.py:build_pipeline do)")
 
 
 def find_blocks(model: Any) -> str:
