@@ -164,12 +164,21 @@ def dataclass_fp(report: ProfileReport, model: torch.nn.Module) -> ProfileReport
 
 # -- world size 2 on gloo ------------------------------------------------------------------------------
 
-def test_pipeline_cli_per_stage_plans_bitwise_equal_and_side_by_side(rank_env, tmp_path):
-    out = tmp_path / "out"
-    code = main(["distributed", "--workload", "gpt", "--shape", ",".join(f"{k}={v}" for k, v in SHAPE.items()),
-                 "--world-size", "2", "--engine", "pipeline", "--schedule", "1f1b", "--microbatches", "4",
-                 "--split-points", "h.2", "--budget", "92%", "--out", str(out), "--dist-steps", "2",
-                 "--dist-warmup", "2", "--dist-timeout", "30", "--dist-wall-timeout", "150"])
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    """One side-by-side launch (no plan, uniform, per-stage) shared by the tests that read its output folder."""
+    out = tmp_path_factory.mktemp("pipeline") / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(FAULT_ENV, raising=False)
+        code = main(["distributed", "--workload", "gpt", "--shape", ",".join(f"{k}={v}" for k, v in SHAPE.items()),
+                     "--world-size", "2", "--engine", "pipeline", "--schedule", "1f1b", "--microbatches", "4",
+                     "--split-points", "h.2", "--budget", "92%", "--out", str(out), "--dist-steps", "2",
+                     "--dist-warmup", "2", "--dist-timeout", "30", "--dist-wall-timeout", "150"])
+    return code, out
+
+
+def test_pipeline_cli_per_stage_plans_bitwise_equal_and_side_by_side(gpt_run):
+    code, out = gpt_run
     assert code == 0
     d = json.loads((out / "pipeline.json").read_text())
     assert PipelineReport.from_json(json.loads(json.dumps(d))).to_json() == d
@@ -263,8 +272,9 @@ def test_pipeline_config_refusals():
     assert remat.apply is not None
 
 
-def test_equivalence_rejects_a_plan_that_changes_the_gradients(rank_env, tmp_path):
-    """Negative control on the real path: replay without RNG preservation redraws dropout masks."""
+def test_verify_engine_pipeline_rejects_a_plan_that_changes_the_gradients(rank_env, tmp_path):
+    """`remat verify --engine pipeline`'s negative control on the real path: replay without RNG preservation
+    redraws dropout masks, so the planned pipeline's gradients differ and verify exits 1."""
     from remat.plan.model import Boundary, Plan
     from remat.plan.pipeline import StagePlan
     model = load_workload("gpt", SHAPE).workload.model
@@ -280,12 +290,31 @@ def test_equivalence_rejects_a_plan_that_changes_the_gradients(rank_env, tmp_pat
                       split_source="given", stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=[2, 1][k],
                                                               base_peak_bytes=1, plan=stage_plan(blocks[k]))
                                                     for k in range(2)])
-    cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, microbatches=4, split_points=["h.2"],
-                         sides=["none", "remat"], plan=pp.to_json(), steps=1, warmup=1, timeout_s=20)
-    report = run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=90)
+    path = pp.save(tmp_path / "plan.json")
+    code = main(["verify", "--workload", "gpt", "--shape", ",".join(f"{k}={v}" for k, v in SHAPE.items()),
+                 "--plan", str(path), "--world-size", "2", "--engine", "pipeline", "--microbatches", "4",
+                 "--out", str(tmp_path / "v"), "--dist-timeout", "20", "--dist-wall-timeout", "90"])
+    assert code == 1
+    report = PipelineReport.from_json(json.loads((tmp_path / "v" / "pipeline.json").read_text()))
+    assert set(report.data["sides"]) == {"none", "remat"}
     eq = report.data["equivalence"]["remat"]
     assert not eq["bitwise_equal"] and not eq["ok"] and eq["max_abs_diff"] > 0
     assert not report.ok
+    # the receipt written beside it records the failure, and check fails on it without a launch
+    assert main(["check", str(tmp_path / "v" / "receipt.json"), "--quick"]) == 1
+
+
+def test_verify_engine_pipeline_passes_the_per_stage_plans(gpt_run, tmp_path, capsys):
+    _, out = gpt_run
+    code = main(["verify", "--workload", "gpt", "--shape", ",".join(f"{k}={v}" for k, v in SHAPE.items()),
+                 "--plan", str(out / "plan.json"), "--world-size", "2", "--engine", "pipeline", "--microbatches", "4",
+                 "--out", str(tmp_path / "v"), "--dist-timeout", "20", "--dist-wall-timeout", "90"])
+    assert code == 0, capsys.readouterr()
+    d = json.loads((tmp_path / "v" / "pipeline.json").read_text())
+    assert set(d["sides"]) == {"none", "remat"} and d["split_points"] == ["h.2"]   # the plan's split
+    assert d["equivalence"]["remat"]["bitwise_equal"] and d["negative_control_rejected"] is True
+    assert [s["boundaries"] for s in d["sides"]["remat"]["per_stage"]] == \
+        [[b.module for b in st.plan.boundaries] for st in load_any_plan(out / "plan.json").stages]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -300,6 +329,159 @@ def test_pipeline_cli_refuses_bad_input_with_exit_2(tmp_path, capsys, argv, word
         base += ["--world-size", "2"]
     assert main(base + argv) == 2
     assert words in capsys.readouterr().err.replace("\n", " ")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["frontier", "--budget", "80%", "--plans", "all"], "--plans does not apply to --engine pipeline"),
+    (["verify", "--plan", "WHOLE"], "whole-model plan"),
+    (["frontier", "--budget", "80%"], "needs --world-size"),
+])
+def test_verify_and_frontier_engine_pipeline_refusals(tmp_path, capsys, argv, words):
+    from remat.plan.model import Plan
+    whole = tmp_path / "whole.json"
+    Plan(planner="none", budget_bytes=None, reserve=0.0, boundaries=[], excluded=[], predicted_peak_bytes=0,
+         predicted_overhead_ms=0.0, baseline_peak_bytes=0, baseline_step_ms=0.0,
+         fingerprint=fingerprint(load_workload("gpt", SHAPE).workload.model)).save(whole)
+    argv = [str(whole) if a == "WHOLE" else a for a in argv]
+    ws = [] if "needs --world-size" in words else ["--world-size", "2"]
+    assert main(argv + ["--workload", "gpt", "--engine", "pipeline", "--out", str(tmp_path / "o")] + ws) == 2
+    assert words in capsys.readouterr().err.replace("\n", " ")
+
+
+# -- the pipeline receipt ---------------------------------------------------------------------------
+
+def test_pipeline_receipt_shows_the_per_stage_table_and_timelines(gpt_run):
+    import hashlib
+    import re
+    import xml.etree.ElementTree as ET
+    from remat.profile import module_revision
+    from remat.receipt.pipeline_receipt import PipelineReceipt, load_any_receipt_with_digest
+    _, out = gpt_run
+    receipt, digest = load_any_receipt_with_digest(out / "receipt.json")
+    assert isinstance(receipt, PipelineReceipt) and receipt.holds and receipt.why_not == []
+    assert digest == hashlib.sha256((out / "receipt.json").read_bytes()).hexdigest()
+    # one boundary record per planned boundary, with the revision of that module in a fresh model
+    plan = load_any_plan(out / "plan.json")
+    model = load_workload("gpt", SHAPE).workload.model
+    assert [(b.stage, b.module, b.revision) for b in receipt.boundaries] == \
+        [(st.stage, b.module, module_revision(model.get_submodule(b.module))) for st in plan.stages
+         for b in st.plan.boundaries]
+    html = (out / "report.html").read_text()
+    assert f"receipt.json sha256 {digest}" in html and f"receipt.json sha256 {digest}" in (out / "report.md").read_text()
+    # the per-stage table: a row per side and stage, stage 0 holding 2 microbatches under 1F1B, stage 1 one
+    for side in ("none", "uniform", "remat"):
+        assert f"<td>{side}</td><td>0</td><td>2</td>" in html and f"<td>{side}</td><td>1</td><td>1</td>" in html
+    # the timelines: one SVG per side, one lane per stage, each stage's 4 forwards and 4 backwards drawn
+    svgs = re.findall(r"<svg .*?</svg>", html)
+    assert len(svgs) == 3
+    for svg in svgs:
+        root = ET.fromstring(svg)
+        titles = [t.text for t in root.iter("{http://www.w3.org/2000/svg}title")]
+        assert sum(t.startswith("forward mb") for t in titles) == 8
+        assert sum(t.startswith("backward mb") for t in titles) == 8
+        assert {t.text for t in root.iter("{http://www.w3.org/2000/svg}text")} >= {"stage 0", "stage 1"}
+    replays = re.findall(r"<title>replay", svgs[1])   # uniform: every block checkpointed, replays on both stages
+    assert replays and "<title>replay" not in svgs[0]
+
+
+def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
+    import shutil
+    from remat.errors import ReceiptError
+    from remat.pipeline import check_pipeline_receipt
+    from remat.pipeline.check import FindingKind
+    from remat.receipt.pipeline_receipt import PipelineReceipt
+    from remat.receipt.write import write_pipeline_receipt
+    _, out = gpt_run
+    assert main(["check", str(out / "receipt.json"), "--quick"]) == 0
+    data = json.loads((out / "receipt.json").read_text())
+
+    def edited(fn) -> PipelineReceipt:
+        d = json.loads(json.dumps(data))
+        fn(d)
+        return PipelineReceipt.from_json(d)
+    # a boundary whose module changed since: MODEL, and the re-run is skipped
+    r = edited(lambda d: d["boundaries"][0].update(revision="0" * 16))
+    rep = check_pipeline_receipt(r, quick=False)
+    assert not rep.passed and [f.kind for f in rep.failures] == [FindingKind.MODEL]
+    assert rep.failures[0].boundary == data["boundaries"][0]["module"]
+    assert any("not re-run" in s for s in rep.skipped)
+    # a receipt that recorded different gradients: DECISION
+    def differ(d):
+        d["pipeline"]["equivalence"]["remat"].update(ok=False, bitwise_equal=False, max_abs_diff=0.5)
+    rep = check_pipeline_receipt(edited(differ), quick=True)
+    assert [f.kind for f in rep.failures] == [FindingKind.DECISION] and "differ" in rep.failures[0].message
+    # reports rendered from another receipt: REPORT (exit 1 from the CLI)
+    folder = tmp_path / "copy"
+    shutil.copytree(out, folder, ignore=shutil.ignore_patterns("distributed"))
+    write_pipeline_receipt(edited(lambda d: d["context"].update(created="2000-01-01T00:00:00+00:00")), tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "report.md", folder / "report.md")
+    assert main(["check", str(folder / "receipt.json"), "--quick"]) == 1
+    # malformed: boundary records that are not the plans' (exit 2, nothing run)
+    bad = json.loads(json.dumps(data))
+    bad["boundaries"] = bad["boundaries"][1:]
+    with pytest.raises(ReceiptError, match="boundary records"):
+        PipelineReceipt.from_json(bad)
+    (folder / "receipt.json").write_text(json.dumps(bad))
+    assert main(["check", str(folder / "receipt.json"), "--quick"]) == 2
+
+
+def test_check_pipeline_receipt_re_runs_the_pipeline(gpt_run, tmp_path):
+    from remat.pipeline import check_pipeline_receipt
+    from remat.pipeline.check import FindingKind
+    from remat.receipt.pipeline_receipt import PipelineReceipt
+    _, out = gpt_run
+    assert main(["check", str(out / "receipt.json")]) == 0
+    # the same receipt with a per-device budget below every stage's peak: the re-run still finds the gradients
+    # bitwise equal, and names both stages' peaks over the budget
+    d = json.loads((out / "receipt.json").read_text())
+    d["pipeline"]["budget_bytes"] = 1
+    rep = check_pipeline_receipt(PipelineReceipt.from_json(d), work_dir=tmp_path / "w", wall_timeout_s=90)
+    assert any("bitwise equal" in c for c in rep.checked)
+    assert [f.kind for f in rep.failures] == [FindingKind.PEAK, FindingKind.PEAK]
+    assert [f.message.split(":")[0] for f in rep.failures] == ["stage 0", "stage 1"]
+
+
+# -- a zoo transformer ---------------------------------------------------------------------------------
+
+ZOO_TTE = str(Path(__file__).parent.parent / "benchmarks" / "zoo" / "torch_transformer_encoder.py") + ":build_pipeline"
+
+
+def test_zoo_transformer_encoder_stages_compose_to_the_whole_model_bitwise():
+    shape = {"batch_size": 4, "seq_len": 8, "n_layer": 4, "d_model": 16, "vocab": 32, "n_tags": 8}
+    torch.manual_seed(0)
+    whole = load_workload(ZOO_TTE, shape).workload
+    whole.model.eval()   # dropout off: the two builds draw no masks
+    x, _ = split_batch(whole.batch(0))
+    expected = whole.model(x)
+    stages = []
+    for k in range(2):
+        torch.manual_seed(0)
+        model = load_workload(ZOO_TTE, shape).workload.model.eval()
+        layout = stage_layout(model, ["encoder.layers.2"], 2, x)
+        stages.append(build_stage_module(model, layout, k))
+    assert layout.blocks_path == "encoder.layers" and layout.tied == []
+    assert "encoder.norm" in layout.head_modules and layout.embed_modules == {"embed"}
+    assert torch.equal(stages[1](stages[0](x)), expected)
+
+
+def test_a_model_without_embed_and_head_is_refused_naming_its_blocks():
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = torch.nn.Linear(4, 4)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            x = self.inp(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+    from remat.errors import WorkloadError
+    with pytest.raises(WorkloadError) as info:
+        stage_layout(Stack(), ["layers.1"], 2, torch.zeros(2, 4))
+    msg = info.value.message
+    assert "lacks pipeline_embed and pipeline_head" in msg and "layers (3 x Linear)" in msg
+    assert "input of layers.0" in msg and "output of layers.2" in msg
 
 
 def test_timeline_rows_place_each_interval_in_its_columns():
