@@ -32,8 +32,11 @@ def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) 
                    help="ddp (DistributedDataParallel), fsdp2 (fully_shard) or pipeline (torch.distributed.pipelining, "
                         "one stage per rank: per-stage plans side by side, or with verify the planned vs the unplanned "
                         "pipeline) (default: ddp)")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
-                   help="pipeline schedule (torch's ScheduleGPipe or Schedule1F1B) (default: 1f1b)")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
+                   help="pipeline schedule (torch's ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B) "
+                        "(default: 1f1b)")
+    g.add_argument("--stages-per-rank", type=bounded_int(1, 1000), default=None,
+                   help="pipeline stages per rank (interleaved-1f1b: default 2; the others run 1)")
     g.add_argument("--microbatches", type=bounded_int(1, 100_000), default=4,
                    help="pipeline microbatches per step; batch_size must be a multiple (default 4)")
     g.add_argument("--split-points", default=None, metavar="PATH.I,...",

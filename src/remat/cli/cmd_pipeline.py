@@ -17,7 +17,8 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..distributed.pipeline import PipelineConfig, check_split, default_split, microbatch_shape, run_pipeline_config
+from ..distributed.pipeline import (PipelineConfig, check_split, check_stages_per_rank, default_split, microbatch_shape,
+                                    run_pipeline_config)
 from ..distributed.pipeline_report import PipelineReport
 from ..plan import parse_budget, parse_reserve
 from ..plan.pipeline import PipelinePlan, load_any_plan
@@ -59,6 +60,9 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
     if not getattr(args, "world_size", None):
         raise DistributedError("--engine pipeline needs --world-size N (one stage per rank, N >= 2)")
     shape = parse_shape(args.shape)
+    v = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
+    check_stages_per_rank(args.schedule, v, args.world_size, args.microbatches)
+    n_stages = v * args.world_size
     budget = getattr(args, "budget", None)
     reserve = parse_reserve(getattr(args, "reserve", "5%"))
     if budget is not None:
@@ -75,9 +79,9 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
         points, source = list(given.split_points), f"from the plan ({given.split_source})"
     else:
         points, source = [], ""
-    check_split(args.workload, shape, points, args.world_size, args.microbatches, dtype=args.dtype)
+    check_split(args.workload, shape, points, n_stages, args.microbatches, dtype=args.dtype)
     if not points:
-        points, source = default_split(args.workload, shape, args.world_size, args.microbatches, dtype=args.dtype)
+        points, source = default_split(args.workload, shape, n_stages, args.microbatches, dtype=args.dtype)
     with progress_bar() as progress:
         profile = None
         if given is None:
@@ -88,7 +92,8 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
             profile = report.to_json()
         config = PipelineConfig(
             spec=args.workload, shape=shape, world_size=args.world_size, schedule=args.schedule,
-            microbatches=args.microbatches, split_points=points, split_source=source, profile=profile,
+            microbatches=args.microbatches, split_points=points, split_source=source, stages_per_rank=v,
+            profile=profile,
             budget=budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
             dtype=args.dtype, steps=1 if verify_only else args.dist_steps, warmup=1 if verify_only else args.dist_warmup,
             timeout_s=args.dist_timeout, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])

@@ -131,7 +131,8 @@ def check_pipeline_receipt(receipt: PipelineReceipt, *, quick: bool = False, wor
     # 5. re-run: the unplanned and the planned pipeline, same schedule, microbatches, split and plans
     config = PipelineConfig(spec=spec, shape=dict(ctx.shape), world_size=d["world_size"], schedule=d["schedule"],
                             microbatches=d["microbatches"], split_points=list(d["split_points"]),
-                            split_source=d["split_source"], plan=plan.to_json(), device=ctx.device, dtype=ctx.dtype,
+                            split_source=d["split_source"], stages_per_rank=d["stages_per_rank"], plan=plan.to_json(),
+                            device=ctx.device, dtype=ctx.dtype,
                             steps=receipt.check_steps, warmup=1, timeout_s=receipt.check_timeout_s,
                             sides=["none", "remat"])
     again = run_pipeline_config(config, work_dir=work_dir, wall_timeout_s=wall_timeout_s, progress=progress)
