@@ -558,3 +558,39 @@ def test_closed_loop_replans_only_the_stage_that_missed():
     # a miss no plan can absorb is said, and nothing is re-run
     none, why = rank.replan(pp, [2000, 900])
     assert none is None and "no re-plan fits" in why
+
+
+# -- simulated pipelines (NOTE [simulated pipeline]) -------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 8)])
+def test_played_schedule_with_equal_stages_has_the_ideal_bubble(schedule, p, m):
+    from remat.distributed.pipeline_sim import play_schedule
+    step, busy = play_schedule(schedule, [1.0] * p, [2.0] * p, m)
+    assert step == pytest.approx(3.0 * (m + p - 1))   # (m + p - 1) slots of forward + backward
+    assert all(1 - b / step == pytest.approx(ideal_bubble(p, m)) for b in busy)
+    # a slow stage sets the pace: the others idle for it
+    step, busy = play_schedule(schedule, [1.0] * (p - 1) + [2.0], [2.0] * (p - 1) + [4.0], m)
+    assert step >= m * 6.0 and busy[-1] == m * 6.0
+
+
+def test_simulated_pipeline_stages_at_a_world_size_this_machine_lacks():
+    from remat.distributed.pipeline_sim import simulate_pipeline
+    shape = {**SHAPE, "n_layer": 4}
+    sims = {s: simulate_pipeline("gpt", shape, world_size=4, microbatches=4, schedule=s) for s in ("1f1b", "gpipe")}
+    one, gp = sims["1f1b"], sims["gpipe"]
+    assert one.split_points == ["h.1", "h.2", "h.3"] and [s.in_flight for s in one.stages] == [4, 3, 2, 1]
+    model = load_workload("gpt", shape).workload.model
+    for s in one.stages:
+        # static: parameters + gradients + AdamW's two moments (+ its step counters, a few bytes each)
+        names = [b for b in s.blocks] + (["wte", "wpe"] if s.stage == 0 else []) + \
+            (["ln_f", "lm_head"] if s.stage == 3 else [])
+        n_bytes = sum(p.numel() * 4 for n, p in model.named_parameters(remove_duplicate=False)
+                      if any(n.startswith(x + ".") for x in names))
+        assert 4 * n_bytes <= s.static_bytes <= 4 * n_bytes + 1024
+        assert s.held_bytes > 0 and s.forward_ms > 0 and s.backward_ms > s.forward_ms
+    # GPipe holds all 4 microbatches on every stage: the same stage peaks higher by the extra held ones
+    for a, b in zip(one.stages, gp.stages):
+        assert b.peak_bytes - a.peak_bytes == (4 - a.in_flight) * a.held_bytes
+    assert one.ideal_bubble_fraction == pytest.approx(3 / 7)
+    assert all(0 < s.bubble_fraction < 1 for s in one.stages)

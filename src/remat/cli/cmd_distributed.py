@@ -127,13 +127,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pipeline engine: per-device peak budget for the per-stage plans, bytes with a unit or a "
                         "share of the largest unplanned stage peak (default 80%%)")
     p.add_argument("--reserve", default="5%", help="pipeline engine: share of the budget kept free (default 5%%)")
+    p.add_argument("--simulate", action="store_true",
+                   help="pipeline engine: launch nothing; predict each stage's peak and bubble at --world-size "
+                        "stages for --target-device with the simulate stage (FakeTensorMode, roofline times)")
+    p.add_argument("--target-device", default="cpu", help="with --simulate: the device model (cpu, a100, h100, h200)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":
-        from .cmd_pipeline import run_pipeline
-        return run_pipeline(args)
+        from .cmd_pipeline import run_pipeline, run_pipeline_simulate
+        return run_pipeline_simulate(args) if args.simulate else run_pipeline(args)
+    if args.simulate:
+        from ..errors import DistributedError
+        raise DistributedError("--simulate applies to --engine pipeline only", tip="remat plan --simulate for one device")
     plan = Plan.load(args.plan) if args.plan is not None else None
     if args.emit_config is not None:
         emit = Path(args.emit_config)

@@ -168,6 +168,35 @@ def run_pipeline_frontier(args: argparse.Namespace) -> int:
     return 0 if result.ok and result.remat_fits is not False else 1
 
 
+def run_pipeline_simulate(args: argparse.Namespace) -> int:
+    """``remat distributed --engine pipeline --simulate``: per-stage peaks and bubbles predicted at --world-size
+    for --target-device (NOTE [simulated pipeline]); OUT/pipeline-sim.json, nothing launched."""
+    from ..distributed.pipeline_sim import simulate_pipeline
+    shape = parse_shape(args.shape)
+    check_out_dir(args.out, ("pipeline-sim.json",))
+    points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
+    plan = _given_plan(args)
+    if args.schedule == "interleaved-1f1b":
+        raise DistributedError("--simulate covers gpipe and 1f1b so far", tip="--schedule 1f1b")
+    with progress_bar() as progress:
+        sim = simulate_pipeline(args.workload, shape, world_size=args.world_size, microbatches=args.microbatches,
+                                schedule=args.schedule, split_points=points or (plan.split_points if plan else None),
+                                target_device=args.target_device, dtype=args.dtype, plan=plan, progress=progress)
+    path = atomic_write_json(Path(args.out) / "pipeline-sim.json", sim.to_json())
+    table = Table(title=f"{sim.spec} simulated on {sim.world_size} x {sim.device}: {sim.schedule}, {sim.microbatches} "
+                        f"microbatches, split at {', '.join(sim.split_points)} (ideal bubble "
+                        f"{sim.ideal_bubble_fraction:.3f}; predicted step {sim.step_ms:.1f} ms)")
+    for col in ("stage", "blocks", "in flight", "fwd ms", "bwd ms", "held / mb", "static", "peak", "bubble"):
+        table.add_column(col, justify="left" if col == "blocks" else "right")
+    for s in sim.stages:
+        table.add_row(str(s.stage), f"{s.blocks[0]}..{s.blocks[-1]}", str(s.in_flight), f"{s.forward_ms:.2f}",
+                      f"{s.backward_ms:.2f}", fmt_bytes(s.held_bytes), fmt_bytes(s.static_bytes),
+                      fmt_bytes(s.peak_bytes), f"{s.bubble_fraction:.3f}")
+    console.print(table)
+    console.print(f"wrote {path}")
+    return 0
+
+
 def render(report: PipelineReport) -> None:
     d = report.data
     table = Table(title=f"{d['spec']} pipeline: {d['world_size']} stages, {d['schedule']}, {d['microbatches']} "
