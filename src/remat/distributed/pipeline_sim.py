@@ -20,6 +20,8 @@ one backward / one forward, then the remaining backwards) with each stage's pred
 and backward times and free communication: stage k's forward of microbatch i starts when stage
 k is free and stage k - 1 has finished it; its backward when stage k + 1 has finished that
 microbatch's backward. Bubble per stage = 1 - busy / step, as the measured engine reports it.
+Without split points the blocks are cut as the engine cuts them (NOTE [default split]), by the
+roofline's predicted forward time per block, embedding and head + loss instead of measured ones.
 A plan (``PipelinePlan``, the whole model's names) is applied before the stages are cut, so its
 boundaries' savings and replays are simulated, not modelled.
 """
@@ -31,7 +33,7 @@ from typing import Any
 
 from ..errors import DistributedError
 from ..plan.pipeline import PipelinePlan, Schedule, ideal_bubble, in_flight
-from ..types import ProgressFn, no_progress
+from ..types import Phase, ProgressFn, no_progress
 from .pipeline import microbatch_shape, split_batch, stage_examples, stage_layout
 
 
@@ -59,6 +61,7 @@ class SimulatedPipeline:
     schedule: str
     microbatches: int
     split_points: list[str]
+    split_source: str
     step_ms: float
     ideal_bubble_fraction: float
     stages: list[SimulatedStage]
@@ -154,11 +157,25 @@ def simulate_pipeline(spec: str, shape: dict[str, Any], *, world_size: int, micr
     bwd_ms: list[float] = []
     with sim.session():
         inputs, targets = split_batch(wl.batch(0))
-        if split_points is None:
-            from .pipeline import find_blocks
+        source = "given"
+        if split_points is None:   # as the engine's default (NOTE [default split]), by *predicted* forward time
+            from .pipeline import balanced_bounds, find_blocks
             path = find_blocks(model)
             n = len(model.get_submodule(path))
-            split_points = [f"{path}.{(k * n) // world_size}" for k in range(1, world_size)]
+            probe = stage_layout(model, [f"{path}.{max(1, (k * n) // world_size)}" for k in range(1, world_size)]
+                                 if n >= world_size else [], world_size, inputs)
+            with OpCostRecorder(model) as cost, torch.no_grad():
+                cost.marker(Phase.FORWARD)
+                call_user("the workload's loss", wl.loss, model, (inputs, targets))
+            run = predict_runtime(cost.ops, sim.device_model)
+            fwd = run.module_fwd_ms
+            costs = [fwd.get(f"{path}.{i}", 0.0) for i in range(n)]
+            embed_ms = sum(fwd.get(m, 0.0) for m in probe.embed_modules)
+            # the head and the loss: everything of the forward outside the embedding and the blocks
+            bounds = balanced_bounds(costs, world_size, embed_ms,
+                                     max(0.0, run.phase_ms.get(Phase.FORWARD, 0.0) - embed_ms - sum(costs)))
+            split_points = [f"{path}.{b}" for b in bounds[1:-1]]
+            source = "default: even by predicted forward time"
         layout = stage_layout(model, split_points, world_size, inputs)
         if plan is not None:
             from ..apply import apply
@@ -214,7 +231,7 @@ def simulate_pipeline(spec: str, shape: dict[str, Any], *, world_size: int, micr
         s.bubble_fraction = max(0.0, 1.0 - bz / step) if step > 0 else 0.0
     progress("simulating pipeline stages", world_size, world_size)
     return SimulatedPipeline(spec=spec, device=sim.device_model.name, world_size=world_size, schedule=schedule.value,
-                             microbatches=microbatches, split_points=list(split_points), step_ms=step,
+                             microbatches=microbatches, split_points=list(split_points), split_source=source, step_ms=step,
                              ideal_bubble_fraction=ideal_bubble(world_size, microbatches), stages=stages_out)
 
 
