@@ -297,22 +297,23 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
 
     clock = StepClock(next(model.parameters()).device)
 
-    def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-        out, times = None, []
-        for _ in range(5):
-            out, ms = clock.time(fn)   # NOTE [device-correct timing] in remat/clock.py
-            times.append(ms)
-        return min(times), out   # ms; the least of 5: other processes on the host only ever add time
-
     with torch.no_grad():
         for _ in range(2):   # warm-up of the whole chain: first calls pay one-off kernel set-up
             wl.loss(model, (inputs, targets))
-        embed_ms, h = timed(lambda: model.pipeline_embed(inputs))
-        costs = []
+        # every piece's input, once; then 5 rounds over all pieces, each piece's least time kept: round-robin,
+        # so a burst of load from other processes on the host lands on one round of every piece, not on all
+        # the timings of a few consecutive blocks (which then looked 10x slower and skewed the split)
+        hs = [model.pipeline_embed(inputs)]
         for b in blocks:
-            ms, h = timed(lambda b=b, h=h: b(h))
-            costs.append(ms)
-        head_ms, _ = timed(lambda: wl.loss(_Fixed(model.pipeline_head(h)), (inputs, targets)))
+            hs.append(b(hs[-1]))
+        pieces: list[Callable[[], Any]] = [lambda: model.pipeline_embed(inputs)]
+        pieces += [lambda b=b, h=h: b(h) for b, h in zip(blocks, hs)]
+        pieces.append(lambda: wl.loss(_Fixed(model.pipeline_head(hs[-1])), (inputs, targets)))
+        best = [float("inf")] * len(pieces)
+        for _ in range(5):
+            for i, fn in enumerate(pieces):
+                best[i] = min(best[i], clock.time(fn)[1])   # ms; NOTE [device-correct timing] in remat/clock.py
+    embed_ms, costs, head_ms = best[0], best[1:-1], best[-1]
     bounds = balanced_bounds(costs, stages, embed_ms, head_ms)
     points = [f"{path}.{b}" for b in bounds[1:-1]]
     what = (f"default: even by measured forward time (ms per block: "

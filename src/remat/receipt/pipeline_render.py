@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import mib
-from .pipeline_md import render_pipeline_markdown
+from .pipeline_md import _formula, render_pipeline_markdown
 from .pipeline_receipt import PipelineReceipt
 from .render import _CSS, _html_table, e
 
@@ -103,7 +103,7 @@ def render_pipeline_html(r: PipelineReceipt) -> str:
     parts.append(_html_table(None, [
         ["split", f"{', '.join(d['split_points'])} ({d['split_source']})"],
         ["batch", f"{d['batch_size']} in {d['microbatches']} microbatches"],
-        ["ideal bubble (p - 1) / (m + p - 1)", f"{d['ideal_bubble_fraction']:.3f}"],
+        ["ideal bubble " + _formula(d), f"{d['ideal_bubble_fraction']:.3f}"],
         ["per-device budget", "-" if d["budget_bytes"] is None else mib(d["budget_bytes"])],
         ["memory source", d["memory_source"]], ["command", c.command or "-"]], cls="kv"))
     parts.append("<h2>Per stage</h2>")
