@@ -594,3 +594,11 @@ def test_simulated_pipeline_stages_at_a_world_size_this_machine_lacks():
         assert b.peak_bytes - a.peak_bytes == (4 - a.in_flight) * a.held_bytes
     assert one.ideal_bubble_fraction == pytest.approx(3 / 7)
     assert all(0 < s.bubble_fraction < 1 for s in one.stages)
+
+
+def test_a_stage_that_already_fits_gets_no_boundary_even_when_replay_looks_free():
+    # replay estimates of 0 ms (a profile measured under load): the optimal planner would take them for free
+    report, blocks = synthetic_report(replay_ms=0.0), [["h.0", "h.1"], ["h.2", "h.3"]]
+    plans = plan_stages(report, blocks, schedule="1f1b", microbatches=4, base_peaks=[1000, 900], planner="optimal",
+                        budget_bytes=950, reserve=0.0)
+    assert plans[0].boundaries and plans[1].boundaries == [] and plans[1].predicted_peak_bytes == 900

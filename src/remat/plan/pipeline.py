@@ -222,7 +222,8 @@ def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedul
                 base_peaks: list[int], planner: str, budget_bytes: int | None, reserve: float = 0.05,
                 allow_hazards: bool = False, in_flights: list[dict[str, int]] | None = None) -> list[Plan]:
     """One plan per stage, each from ``make_plan`` on the stage's scaled profile; BudgetError names the stage."""
-    from .planners import make_plan
+    from .budget import effective_budget
+    from .planners import BUDGET_PLANNERS, make_plan
     p = len(stage_blocks)
     if len(base_peaks) != p:
         raise PlanError(f"{len(base_peaks)} measured stage peaks for {p} stages")
@@ -231,9 +232,12 @@ def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedul
         load = in_flights[k] if in_flights is not None else in_flight(schedule, k, p, microbatches)
         sub = stage_report(report, blocks, in_flight_count=load,
                            microbatches=microbatches, base_peak_bytes=base_peaks[k])
+        # a stage that already fits gets no boundary: under load a profile's replay estimate can come out 0 ms,
+        # and a budget planner then adds "free" boundaries that cost real replay time
+        fits = budget_bytes is not None and base_peaks[k] <= effective_budget(budget_bytes, reserve, 0)
         try:
-            plans.append(make_plan(sub, planner, budget_bytes=budget_bytes, reserve=reserve,
-                                   allow_hazards=allow_hazards))
+            plans.append(make_plan(sub, "none" if fits and planner in BUDGET_PLANNERS else planner,
+                                   budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards))
         except BudgetError as exc:
             exc.message = f"pipeline stage {k} ({blocks[0]}..{blocks[-1]}): {exc.message}"
             exc.args = (exc.message if exc.tip is None else f"{exc.message}\nTip: {exc.tip}",)
