@@ -33,9 +33,17 @@ class TokenTagger(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, n_layer, norm=nn.LayerNorm(d_model), enable_nested_tensor=False)
         self.head = nn.Linear(d_model, n_tags)
 
-    def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         h = self.encoder(self.embed(ids), src_key_padding_mask=pad)   # (B, T, d); pad: (B, T) True = padding
         return self.head(h)                                             # (B, T, n_tags)
+
+    # remat's pipeline engine (NOTE [pipeline stages] in remat/distributed/pipeline.py): without a padding
+    # mask, forward(ids) == pipeline_head(encoder.layers[n-1](...encoder.layers[0](pipeline_embed(ids))))
+    def pipeline_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+    def pipeline_head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder.norm(h))
 
 
 def build(batch_size: int = 16, seq_len: int = 128, n_layer: int = 4, d_model: int = 128, vocab: int = 1024,
@@ -53,5 +61,24 @@ def build(batch_size: int = 16, seq_len: int = 128, n_layer: int = 4, d_model: i
     def loss(model, batch):
         ids, pad, tags = batch
         return F.cross_entropy(model(ids, pad).flatten(0, 1).float(), tags.flatten(), ignore_index=-100)
+
+    return zc.remat.Workload(model=model, batch=batch, loss=loss, optimizer=zc.adamw)
+
+
+def build_pipeline(batch_size: int = 16, seq_len: int = 128, n_layer: int = 4, d_model: int = 128, vocab: int = 1024,
+                   n_tags: int = 32, *, device="cpu", dtype=torch.float32):
+    """The same model for remat's pipeline engine: batches of (ids, tags), every sequence full length (the
+    engine passes one tensor between stages, so no per-sample padding mask rides along)."""
+    model = TokenTagger(vocab, d_model, n_layer, n_tags).to(device=device, dtype=dtype)
+
+    def batch(step: int):
+        g = zc.generator(step, 4100)
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+        tags = torch.randint(0, n_tags, (batch_size, seq_len), generator=g)
+        return ids.to(device), tags.to(device)
+
+    def loss(model, batch):
+        ids, tags = batch
+        return F.cross_entropy(model(ids).flatten(0, 1).float(), tags.flatten())
 
     return zc.remat.Workload(model=model, batch=batch, loss=loss, optimizer=zc.adamw)

@@ -11,8 +11,8 @@ import torch
 from rich.markup import escape
 
 from ..errors import CheckFailed
-from ..pipeline import check_receipt
-from ..receipt import load_receipt_with_digest
+from ..pipeline import check_pipeline_receipt, check_receipt
+from ..receipt.pipeline_receipt import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, bounded_int
 from .render import console, progress_bar
 
@@ -25,8 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "The workload that runs is the one you name: --workload, else [tool.remat] workload = \"...\" "
                     "in ./pyproject.toml, else the receipt's own only when it is a built-in (gpt, cnn, mlp). The "
                     "receipt's workload is compared with it (a mismatch fails, exit 1). report.html and report.md "
-                    "beside the receipt must name its sha256.")
-    p.add_argument("receipt", type=Path, help="receipt.json written by remat receipt / remat demo")
+                    "beside the receipt must name its sha256. A pipeline receipt (remat distributed --engine pipeline) "
+                    "is re-checked by launching the unplanned and the planned pipeline at its world size.")
+    p.add_argument("receipt", type=Path, help="receipt.json written by remat receipt / remat demo / remat distributed --engine pipeline")
     p.add_argument("--quick", action="store_true", help="revision hashes and equivalence only (fast, for every CI run)")
     p.add_argument("--workload", default=None,
                    help="your workload spec (default: [tool.remat] workload in ./pyproject.toml, or the receipt's "
@@ -37,12 +38,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    receipt, digest = load_receipt_with_digest(args.receipt)   # before anything is imported or run
+    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
     # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
     torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
     with progress_bar() as progress:
-        report = check_receipt(receipt, quick=args.quick, workload=args.workload,
-                               reports=(args.receipt.parent, digest), progress=progress)
+        if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
+            report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload,
+                                            reports=(args.receipt.parent, digest), progress=progress)
+        else:
+            report = check_receipt(receipt, quick=args.quick, workload=args.workload,
+                                   reports=(args.receipt.parent, digest), progress=progress)
     for line in report.checked:
         console.print(f"[green]ok[/]   {escape(line)}", highlight=False)
     for line in report.skipped:

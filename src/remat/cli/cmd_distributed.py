@@ -30,9 +30,13 @@ def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) 
                         ("" if required else " (default: no distributed run)"))
     g.add_argument("--engine", choices=[e.value for e in Engine] + ["pipeline"], default=Engine.DDP.value,
                    help="ddp (DistributedDataParallel), fsdp2 (fully_shard) or pipeline (torch.distributed.pipelining, "
-                        "one stage per rank; `remat distributed` only) (default: ddp)")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
-                   help="pipeline schedule (torch's ScheduleGPipe or Schedule1F1B) (default: 1f1b)")
+                        "one stage per rank: per-stage plans side by side, or with verify the planned vs the unplanned "
+                        "pipeline) (default: ddp)")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
+                   help="pipeline schedule (torch's ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B) "
+                        "(default: 1f1b)")
+    g.add_argument("--stages-per-rank", type=bounded_int(1, 1000), default=None,
+                   help="pipeline stages per rank (interleaved-1f1b: default 2; the others run 1)")
     g.add_argument("--microbatches", type=bounded_int(1, 100_000), default=4,
                    help="pipeline microbatches per step; batch_size must be a multiple (default 4)")
     g.add_argument("--split-points", default=None, metavar="PATH.I,...",
@@ -67,7 +71,8 @@ def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_d
         return None
     if args.engine == "pipeline":
         from ..errors import DistributedError
-        raise DistributedError("--engine pipeline runs under `remat distributed` only so far",
+        # verify and frontier route --engine pipeline to cli/cmd_pipeline.py before they get here
+        raise DistributedError("--engine pipeline takes per-stage plans, not a whole-model plan",
                                tip="remat distributed --engine pipeline --world-size 2 --schedule 1f1b --microbatches 4 ...")
     config = config_from_args(args, plan)
     with progress_bar() as progress:
@@ -122,13 +127,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pipeline engine: per-device peak budget for the per-stage plans, bytes with a unit or a "
                         "share of the largest unplanned stage peak (default 80%%)")
     p.add_argument("--reserve", default="5%", help="pipeline engine: share of the budget kept free (default 5%%)")
+    p.add_argument("--simulate", action="store_true",
+                   help="pipeline engine: launch nothing; predict each stage's peak and bubble at --world-size "
+                        "stages for --target-device with the simulate stage (FakeTensorMode, roofline times)")
+    p.add_argument("--target-device", default="cpu", help="with --simulate: the device model (cpu, a100, h100, h200)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":
-        from .cmd_pipeline import run_pipeline
-        return run_pipeline(args)
+        from .cmd_pipeline import run_pipeline, run_pipeline_simulate
+        return run_pipeline_simulate(args) if args.simulate else run_pipeline(args)
+    if args.simulate:
+        from ..errors import DistributedError
+        raise DistributedError("--simulate applies to --engine pipeline only", tip="remat plan --simulate for one device")
     plan = Plan.load(args.plan) if args.plan is not None else None
     if args.emit_config is not None:
         emit = Path(args.emit_config)

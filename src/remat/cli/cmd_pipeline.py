@@ -1,21 +1,28 @@
 """``remat distributed --engine pipeline``: no plan, a uniform plan, remat's per-stage plans, side by side.
 
-Writes ``OUT/pipeline.json`` (PipelineReport), ``OUT/plan.json`` (the per-stage PipelinePlan)
-and ``OUT/profile.json`` (the whole model profiled at the microbatch shape, what it plans from).
+Writes ``OUT/pipeline.json`` (PipelineReport), ``OUT/plan.json`` (the per-stage PipelinePlan),
+``OUT/profile.json`` (the whole model profiled at the microbatch shape, what it plans from),
+``OUT/pipeline.md``, and the pipeline receipt: ``OUT/receipt.json``, ``OUT/report.html`` and
+``OUT/report.md`` (NOTE [pipeline receipt] in remat/receipt/pipeline_receipt.py), which
+``remat check OUT/receipt.json`` re-checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from pathlib import Path
 
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..distributed.pipeline import PipelineConfig, check_split, default_split, microbatch_shape, run_pipeline_config
+from ..distributed.pipeline import (PipelineConfig, check_split, check_stages_per_rank, default_split, microbatch_shape,
+                                    run_pipeline_config)
 from ..distributed.pipeline_report import PipelineReport
 from ..plan import parse_budget, parse_reserve
 from ..plan.pipeline import PipelinePlan, load_any_plan
+from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE, write_pipeline_receipt
 from ..workload import parse_shape
 from ..errors import DistributedError, PlanError
 from .common import check_out_dir
@@ -23,27 +30,48 @@ from ..units import fmt_bytes
 from .render import console, progress_bar
 
 
-def run_pipeline(args: argparse.Namespace) -> int:
+def _given_plan(args: argparse.Namespace) -> PipelinePlan | None:
+    """``--plan``: a per-stage plan made for this schedule, microbatch count and world size (else PlanError)."""
+    path = getattr(args, "plan", None)
+    if path is None:
+        return None
+    given = load_any_plan(path)
+    if not isinstance(given, PipelinePlan):
+        raise PlanError(f"{path} is a whole-model plan; --engine pipeline runs a per-stage pipeline plan",
+                        tip="a pipeline plan is the plan.json that `remat distributed --engine pipeline` writes")
+    if (given.schedule.value, given.microbatches, len(given.stages)) != (args.schedule, args.microbatches,
+                                                                         args.world_size):
+        raise PlanError(f"{path} was planned for {given.schedule.value} with {given.microbatches} microbatches "
+                        f"on {len(given.stages)} stages; this run asks for {args.schedule}, {args.microbatches}, "
+                        f"{args.world_size}: the stages' in-flight counts, and so the plans, would differ",
+                        tip="pass the plan's --schedule, --microbatches and --world-size, or plan again")
+    return given
+
+
+def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineReport:
+    """Plan (unless ``--plan``), launch, write OUT/pipeline.json, plan.json, pipeline.md and the receipt.
+
+    ``verify_only``: the unplanned and the planned pipeline only, one warm-up step each (the step whose
+    gradients are compared) and one timed step: ``remat verify --engine pipeline``.
+    """
     if getattr(args, "emit_config", None) is not None:
         raise DistributedError("--emit-config does not cover --engine pipeline yet",
                                tip="run `remat distributed --engine pipeline` on one host")
+    if not getattr(args, "world_size", None):
+        raise DistributedError("--engine pipeline needs --world-size N (one stage per rank, N >= 2)")
     shape = parse_shape(args.shape)
-    reserve = parse_reserve(args.reserve)
-    if args.budget is not None:
-        parse_budget(args.budget, 1 << 50)   # syntax check before any measuring
-    check_out_dir(args.out, ("pipeline.json", "plan.json"))
-    given = None
-    if args.plan is not None:
-        given = load_any_plan(args.plan)
-        if not isinstance(given, PipelinePlan):
-            raise PlanError(f"{args.plan} is a whole-model plan; --engine pipeline runs a per-stage pipeline plan",
-                            tip="a pipeline plan is the plan.json that `remat distributed --engine pipeline` writes")
-        if (given.schedule.value, given.microbatches, len(given.stages)) != (args.schedule, args.microbatches,
-                                                                             args.world_size):
-            raise PlanError(f"{args.plan} was planned for {given.schedule.value} with {given.microbatches} microbatches "
-                            f"on {len(given.stages)} stages; this run asks for {args.schedule}, {args.microbatches}, "
-                            f"{args.world_size}: the stages' in-flight counts, and so the plans, would differ",
-                            tip="pass the plan's --schedule, --microbatches and --world-size, or plan again")
+    v = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
+    check_stages_per_rank(args.schedule, v, args.world_size, args.microbatches)
+    n_stages = v * args.world_size
+    budget = getattr(args, "budget", None)
+    reserve = parse_reserve(getattr(args, "reserve", "5%"))
+    if budget is not None:
+        parse_budget(budget, 1 << 50)   # syntax check before any measuring
+    check_out_dir(args.out, ("pipeline.json", "plan.json", RECEIPT_FILE, HTML_FILE, MD_FILE))
+    given = _given_plan(args)
+    if verify_only and given is None:
+        raise PlanError("remat verify --engine pipeline needs --plan: a per-stage plan (the plan.json that "
+                        "`remat distributed --engine pipeline` writes)")
     mb_shape = microbatch_shape(shape, args.microbatches)
     if args.split_points:
         points, source = [p.strip() for p in args.split_points.split(",") if p.strip()], "given (--split-points)"
@@ -51,9 +79,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
         points, source = list(given.split_points), f"from the plan ({given.split_source})"
     else:
         points, source = [], ""
-    check_split(args.workload, shape, points, args.world_size, args.microbatches, dtype=args.dtype)
+    check_split(args.workload, shape, points, n_stages, args.microbatches, dtype=args.dtype)
     if not points:
-        points, source = default_split(args.workload, shape, args.world_size, args.microbatches, dtype=args.dtype)
+        points, source = default_split(args.workload, shape, n_stages, args.microbatches, dtype=args.dtype)
     with progress_bar() as progress:
         profile = None
         if given is None:
@@ -64,10 +92,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
             profile = report.to_json()
         config = PipelineConfig(
             spec=args.workload, shape=shape, world_size=args.world_size, schedule=args.schedule,
-            microbatches=args.microbatches, split_points=points, split_source=source, profile=profile,
-            budget=args.budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
-            dtype=args.dtype, steps=args.dist_steps, warmup=args.dist_warmup, timeout_s=args.dist_timeout,
-            sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
+            microbatches=args.microbatches, split_points=points, split_source=source, stages_per_rank=v,
+            profile=profile,
+            budget=budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
+            dtype=args.dtype, steps=1 if verify_only else args.dist_steps, warmup=1 if verify_only else args.dist_warmup,
+            timeout_s=args.dist_timeout, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
         result = run_pipeline_config(config, work_dir=Path(args.out) / "distributed",
                                      wall_timeout_s=args.dist_wall_timeout, progress=progress)
     path = atomic_write_json(Path(args.out) / "pipeline.json", result.to_json())
@@ -78,11 +107,94 @@ def run_pipeline(args: argparse.Namespace) -> int:
     atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result.data))
     render(result)
     console.print(f"wrote {path}")
+    if "remat" in result.data["plans"]:
+        from ..pipeline import make_pipeline_receipt
+        from ..workload.loader import load_workload
+        command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
+        receipt = make_pipeline_receipt(result, loaded=load_workload(args.workload, shape, dtype=args.dtype),
+                                        command=command, check_timeout_s=max(args.dist_timeout, 1.0))
+        files = write_pipeline_receipt(receipt, args.out)
+        console.print(f"wrote {files.receipt}, {files.html} and {files.markdown}; re-check it: remat check "
+                      f"{files.receipt}" + ("" if receipt.holds else f" (it does NOT hold: {'; '.join(receipt.why_not)})"),
+                      highlight=False)
+    return result
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    """``remat distributed --engine pipeline``: no plan, uniform, per-stage plans side by side (or ``--plan``)."""
+    result = _launch(args)
     if result.remat_fits is False:
         console.print("[bold red]remat's per-stage plans measured over the per-device budget on "
                       + ", ".join(f"stage {s['stage']}" for s in result.side("remat")["per_stage"]
                                   if not s["fits_budget"]) + "[/]")
     return 0 if result.ok and result.remat_fits is not False else 1
+
+
+def run_pipeline_verify(args: argparse.Namespace) -> int:
+    """``remat verify --engine pipeline --plan plan.json``: the planned pipeline vs the unplanned one with the same
+    schedule, microbatches and split, bitwise on CPU; the negative control (a perturbed gradient) must be rejected.
+    Exit 1 when they differ or the control is accepted."""
+    result = _launch(args, verify_only=True)
+    eq = result.data["equivalence"].get("remat")
+    if eq is not None and eq["ok"] and result.data["negative_control_rejected"] is True:
+        console.print("[bold green]PASSED[/]: the planned pipeline trains bitwise like the unplanned one")
+        return 0
+    console.print("[bold red]FAILED[/]: " + ("the planned pipeline's gradients differ" if not (eq and eq["ok"])
+                                           else "the negative control was accepted: the comparison proves nothing"))
+    return 1
+
+
+def run_pipeline_frontier(args: argparse.Namespace) -> int:
+    """``remat frontier --engine pipeline``: the pipeline's frontier points are its three sides (no plan; the
+    uniform plan on every stage; remat's per-stage plans at ``--budget``): largest stage peak vs step p50."""
+    if getattr(args, "plans", None):
+        raise DistributedError("--plans does not apply to --engine pipeline: its points are no plan, the uniform "
+                               "plan on every stage and remat's per-stage plans at --budget",
+                               tip="drop --plans; run again with another --budget for another point")
+    result = _launch(args)
+    sides = result.data["sides"]
+    table = Table(title="pipeline frontier: largest stage peak vs step p50 (* = Pareto)")
+    for col in ("side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"):
+        table.add_column(col, justify="left" if col == "side" else "right")
+    budget = result.data["budget_bytes"]
+    for name, s in sides.items():
+        dominated = any(o["max_peak_bytes"] <= s["max_peak_bytes"] and o["p50_ms"] <= s["p50_ms"]
+                        and (o["max_peak_bytes"], o["p50_ms"]) != (s["max_peak_bytes"], s["p50_ms"])
+                        for o in sides.values())
+        fits = "-" if budget is None else ("yes" if s["max_peak_bytes"] <= budget else "no")
+        table.add_row(name + ("" if dominated else " *"), fmt_bytes(s["max_peak_bytes"]), f"{s['p50_ms']:.1f}",
+                      f"{s['samples_per_s']:.1f}", fits, f"{s['max_bubble_fraction']:.3f}")
+    console.print(table)
+    return 0 if result.ok and result.remat_fits is not False else 1
+
+
+def run_pipeline_simulate(args: argparse.Namespace) -> int:
+    """``remat distributed --engine pipeline --simulate``: per-stage peaks and bubbles predicted at --world-size
+    for --target-device (NOTE [simulated pipeline]); OUT/pipeline-sim.json, nothing launched."""
+    from ..distributed.pipeline_sim import simulate_pipeline
+    shape = parse_shape(args.shape)
+    check_out_dir(args.out, ("pipeline-sim.json",))
+    points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
+    plan = _given_plan(args)
+    if args.schedule == "interleaved-1f1b":
+        raise DistributedError("--simulate covers gpipe and 1f1b so far", tip="--schedule 1f1b")
+    with progress_bar() as progress:
+        sim = simulate_pipeline(args.workload, shape, world_size=args.world_size, microbatches=args.microbatches,
+                                schedule=args.schedule, split_points=points or (plan.split_points if plan else None),
+                                target_device=args.target_device, dtype=args.dtype, plan=plan, progress=progress)
+    path = atomic_write_json(Path(args.out) / "pipeline-sim.json", sim.to_json())
+    table = Table(title=f"{sim.spec} simulated on {sim.world_size} x {sim.device}: {sim.schedule}, {sim.microbatches} "
+                        f"microbatches, split at {', '.join(sim.split_points)} (ideal bubble "
+                        f"{sim.ideal_bubble_fraction:.3f}; predicted step {sim.step_ms:.1f} ms)")
+    for col in ("stage", "blocks", "in flight", "fwd ms", "bwd ms", "held / mb", "static", "peak", "bubble"):
+        table.add_column(col, justify="left" if col == "blocks" else "right")
+    for s in sim.stages:
+        table.add_row(str(s.stage), f"{s.blocks[0]}..{s.blocks[-1]}", str(s.in_flight), f"{s.forward_ms:.2f}",
+                      f"{s.backward_ms:.2f}", fmt_bytes(s.held_bytes), fmt_bytes(s.static_bytes),
+                      fmt_bytes(s.peak_bytes), f"{s.bubble_fraction:.3f}")
+    console.print(table)
+    console.print(f"wrote {path}")
+    return 0
 
 
 def render(report: PipelineReport) -> None:

@@ -18,7 +18,8 @@ from .render import console, progress_bar
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="prove the planned step trains exactly like the unmodified one")
     add_workload_args(p)
-    p.add_argument("--plan", required=True, type=Path, help="plan.json from `remat plan`")
+    p.add_argument("--plan", required=True, type=Path,
+                   help="plan.json from `remat plan` (with --engine pipeline: from `remat distributed --engine pipeline`)")
     p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=3, help="training steps per paired run (default 3)")
     p.add_argument("--seeds", type=bounded_int(1, MAX_SEEDS), default=3, help="paired runs with seeds 0..N-1 (default 3)")
     p.add_argument("--timing-steps", type=bounded_int(0, MAX_STEPS), default=10,
@@ -73,6 +74,9 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "pipeline":   # per-stage plans: the planned pipeline vs the unplanned one, bitwise
+        from .cmd_pipeline import run_pipeline_verify
+        return run_pipeline_verify(args)
     plan = load_plan(args.plan)  # bad plan -> PlanError, exit 2, before building anything
     check_out_dir(args.out, ("verify.json", "distributed.json"))
     loaded = load_from_args(args)

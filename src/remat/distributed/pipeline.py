@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 
 from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError, WorkloadError
-from ..plan.pipeline import Schedule
+from ..plan.pipeline import SCHEDULES, Schedule
 from ..plan.schema import MODULE_PATH
 from ..types import ProgressFn, no_progress
 
@@ -53,8 +53,8 @@ SIDES = ("none", "uniform", "remat")   # no plan; the uniform plan on every stag
 PIPELINE_CONFIG_SCHEMA = Obj({
     "schema_version": Enum(PIPELINE_CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
     "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
-    "world_size": Int(2, 1 << 16), "schedule": Enum("gpipe", "1f1b"), "microbatches": Int(1, 100_000),
-    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
+    "world_size": Int(2, 1 << 16), "schedule": Enum(*SCHEDULES), "microbatches": Int(1, 100_000),
+    "stages_per_rank": Int(1, 1000), "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
     "profile": Opt(JsonValue()), "planner": Str(max_len=200), "uniform_planner": Str(max_len=200),
     "budget": Opt(Str(max_len=200)), "reserve": Num(0, 0.999999), "plan": Opt(JsonValue()),
     "device": Str(r"cpu"), "dtype": Enum("float32", "bfloat16", "float16"),
@@ -79,8 +79,9 @@ class PipelineConfig:
     world_size: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
     microbatches: int = 4
-    split_points: list[str] = dataclasses.field(default_factory=list)
+    split_points: list[str] = dataclasses.field(default_factory=list)   # stages_per_rank x world_size - 1 of them
     split_source: str = "given"
+    stages_per_rank: int = 1      # v: interleaved schedules run stages r, r + p, ..., r + (v - 1) p on rank r
     profile: Any = None
     planner: str = "optimal"
     uniform_planner: str = "all"
@@ -101,10 +102,13 @@ class PipelineConfig:
         self.schedule = Schedule(self.schedule)
         if self.world_size < 2:
             raise DistributedError(f"a pipeline needs at least 2 stages (world size >= 2), got {self.world_size}")
-        if len(self.split_points) != self.world_size - 1:
+        check_stages_per_rank(self.schedule, self.stages_per_rank, self.world_size, self.microbatches)
+        if len(self.split_points) != self.n_stages - 1:
             raise DistributedError(f"{len(self.split_points)} split points make {len(self.split_points) + 1} stages, "
-                                   f"but the world size is {self.world_size} (one stage per rank)",
-                                   tip="give world size - 1 split points, e.g. --split-points h.2 for 2 ranks")
+                                   f"but {self.world_size} ranks x {self.stages_per_rank} stage(s) per rank make "
+                                   f"{self.n_stages}",
+                                   tip="give world size x stages per rank - 1 split points, e.g. --split-points h.2 "
+                                       "for 2 ranks of one stage")
         if self.microbatches < 1:
             raise DistributedError(f"microbatches must be >= 1, got {self.microbatches}")
         if not self.device.startswith("cpu"):
@@ -120,6 +124,10 @@ class PipelineConfig:
     @property
     def backend(self) -> str:
         return "gloo"
+
+    @property
+    def n_stages(self) -> int:
+        return self.world_size * self.stages_per_rank
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -142,17 +150,49 @@ class PipelineConfig:
         return cls.from_json(read_json_file(path, error=DistributedError, what="pipeline config"))
 
 
+def check_stages_per_rank(schedule: Schedule | str, v: int, world_size: int, microbatches: int) -> None:
+    """Interleaved schedules need v >= 2 stages per rank (and torch's rounds to divide the microbatches);
+    GPipe and 1F1B run one."""
+    schedule = Schedule(schedule)
+    if schedule.multi and v < 2:
+        raise DistributedError(f"{schedule.value} runs several stages per rank; --stages-per-rank is {v}",
+                               tip="--stages-per-rank 2")
+    if not schedule.multi and v != 1:
+        raise DistributedError(f"{schedule.value} runs one stage per rank; --stages-per-rank is {v}",
+                               tip="use --schedule interleaved-1f1b for several stages per rank")
+    if schedule.multi:
+        rounds = max(1, microbatches // world_size)
+        if microbatches % rounds:
+            raise DistributedError(f"torch's {schedule.value} needs the microbatches ({microbatches}) to be a multiple "
+                                   f"of its rounds (max(1, m // p) = {rounds})",
+                                   tip=f"use a multiple of the world size ({world_size}) microbatches")
+
+
 # -- the split ---------------------------------------------------------------------------------------
 
 def _check_pipelinable(model: Any) -> None:
+    """NOTE [pipeline stages]: the model must say where its blocks start and end (a model's forward may do
+    anything around its blocks: masks, position ids, a final norm; remat does not guess which part of it is
+    the embedding and which the head). The refusal names the blocks remat found and what to write."""
     import torch.nn as nn
     missing = [m for m in ("pipeline_embed", "pipeline_head") if not callable(getattr(model, m, None))]
     if missing or not isinstance(model, nn.Module):
+        where = ""
+        if isinstance(model, nn.Module):
+            try:
+                path = find_blocks(model)
+                blocks = model.get_submodule(path)
+                where = (f"; its repeated blocks are {path} ({len(blocks)} x {type(blocks[0]).__name__}), so "
+                         f"pipeline_embed(inputs) must return the input of {path}.0 and pipeline_head(hidden) the "
+                         f"outputs from the output of {path}.{len(blocks) - 1}")
+            except WorkloadError:
+                where = "; no nn.ModuleList of repeated blocks was found to split either"
         raise WorkloadError(f"the model ({type(model).__name__}) cannot be split into pipeline stages: it lacks "
-                            f"{' and '.join(missing)}",
+                            f"{' and '.join(missing) or 'nn.Module'}{where}",
                             tip="define pipeline_embed(inputs) -> hidden and pipeline_head(hidden) -> outputs so that "
                                 "forward = head(blocks(embed(inputs))) (NOTE [pipeline stages] in "
-                                "remat/distributed/pipeline.py; the built-in gpt does)")
+                                "remat/distributed/pipeline.py; the built-in gpt and the zoo's "
+                                "torch_transformer_encoder.py:build_pipeline do)")
 
 
 def find_blocks(model: Any) -> str:
@@ -257,22 +297,23 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
 
     clock = StepClock(next(model.parameters()).device)
 
-    def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-        out, times = None, []
-        for _ in range(5):
-            out, ms = clock.time(fn)   # NOTE [device-correct timing] in remat/clock.py
-            times.append(ms)
-        return min(times), out   # ms; the least of 5: other processes on the host only ever add time
-
     with torch.no_grad():
         for _ in range(2):   # warm-up of the whole chain: first calls pay one-off kernel set-up
             wl.loss(model, (inputs, targets))
-        embed_ms, h = timed(lambda: model.pipeline_embed(inputs))
-        costs = []
+        # every piece's input, once; then 5 rounds over all pieces, each piece's least time kept: round-robin,
+        # so a burst of load from other processes on the host lands on one round of every piece, not on all
+        # the timings of a few consecutive blocks (which then looked 10x slower and skewed the split)
+        hs = [model.pipeline_embed(inputs)]
         for b in blocks:
-            ms, h = timed(lambda b=b, h=h: b(h))
-            costs.append(ms)
-        head_ms, _ = timed(lambda: wl.loss(_Fixed(model.pipeline_head(h)), (inputs, targets)))
+            hs.append(b(hs[-1]))
+        pieces: list[Callable[[], Any]] = [lambda: model.pipeline_embed(inputs)]
+        pieces += [lambda b=b, h=h: b(h) for b, h in zip(blocks, hs)]
+        pieces.append(lambda: wl.loss(_Fixed(model.pipeline_head(hs[-1])), (inputs, targets)))
+        best = [float("inf")] * len(pieces)
+        for _ in range(5):
+            for i, fn in enumerate(pieces):
+                best[i] = min(best[i], clock.time(fn)[1])   # ms; NOTE [device-correct timing] in remat/clock.py
+    embed_ms, costs, head_ms = best[0], best[1:-1], best[-1]
     bounds = balanced_bounds(costs, stages, embed_ms, head_ms)
     points = [f"{path}.{b}" for b in bounds[1:-1]]
     what = (f"default: even by measured forward time (ms per block: "
@@ -421,27 +462,41 @@ def prune_to_stage(model: Any, keep: set[str]) -> None:
 
 def build_stage_module(model: Any, layout: StageLayout, k: int) -> Any:
     """The ``nn.Module`` stage ``k`` runs (NOTE [pipeline stages]); prunes ``model`` to it."""
+    return build_stage_modules(model, layout, [k])[0]
+
+
+def build_stage_modules(model: Any, layout: StageLayout, ks: list[int]) -> list[Any]:
+    """The ``nn.Module`` of each stage in ``ks`` (one rank's stages), sharing ``model`` pruned to their union."""
     import torch.nn as nn
 
     class PipelineStageModule(nn.Module):
-        """Stage ``k`` of ``embed -> blocks -> head``; ``self.model`` is the pruned whole model."""
+        """Stage ``k`` of ``embed -> blocks -> head``. Alone on its rank, ``self.model`` is the pruned whole
+        model; with other stages on the rank, each registers only the modules it runs (``owned``) and reaches
+        the model unregistered: torch scales each stage's ``parameters()`` by 1/m after its backwards, so a
+        parameter registered in two stages would be scaled twice."""
 
-        def __init__(self) -> None:
+        def __init__(self, k: int, own: bool) -> None:
             super().__init__()
-            self.model = model
+            if own:
+                self.owned = nn.ModuleDict({n.replace(".", "__"): model.get_submodule(n)
+                                            for n in sorted(layout.stage_modules(k))})
+                self.__dict__["_whole"] = model
+            else:
+                self.model = model
             self.first, self.last = k == 0, k == layout.stages - 1
             self.start, self.stop = layout.bounds[k], layout.bounds[k + 1]
 
         def forward(self, x: Any) -> Any:
+            whole = self.__dict__.get("_whole") or self.model
             if self.first:
-                x = self.model.pipeline_embed(x)
-            blocks = self.model.get_submodule(layout.blocks_path)
+                x = whole.pipeline_embed(x)
+            blocks = whole.get_submodule(layout.blocks_path)
             for i in range(self.start, self.stop):
                 x = blocks[i](x)
-            return self.model.pipeline_head(x) if self.last else x
+            return whole.pipeline_head(x) if self.last else x
 
-    prune_to_stage(model, layout.stage_modules(k))
-    return PipelineStageModule()
+    prune_to_stage(model, set().union(*(layout.stage_modules(k) for k in ks)))
+    return [PipelineStageModule(k, own=len(ks) > 1) for k in ks]
 
 
 # -- the launch --------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
 from ..errors import DistributedError
-from ..plan.pipeline import PIPELINE_PLAN, ideal_bubble
+from ..plan.pipeline import PIPELINE_PLAN, SCHEDULES, ideal_bubble
 from ..plan.schema import MODULE_PATH
 from ..measure import p50
 from .report import percentile
@@ -51,6 +51,7 @@ class StageResult:
     held_at_backward_bytes: list[int]    # live bytes as each microbatch's backward starts
     timeline: list[TimelineEvent]        # the last timed step, ns from its start on this rank
     timeline_t0_ns: int
+    grad_sq_sum: float | None = None     # sum of squares of the stage's first-step gradients (float64)
 
 
 def _med(xs: list[float]) -> float:
@@ -65,6 +66,7 @@ STAGE = Obj({
     "p2p_ms": MS, "exposed_p2p_ms": MS, "idle_ms": MS, "bubble_fraction": Num(0, 1),
     "peak_bytes": BYTES, "held_at_backward_bytes": List(BYTES, max_len=100_000), "fits_budget": Opt(Bool()),
     "bubble_delta_vs_none": Opt(Num(-1, 1)), "predicted_peak_bytes": Opt(Int(-(2 ** 53), 2 ** 53)),
+    "grad_sq_sum": Opt(Num(0, 1e300)),
     "timeline": List(Tuple(Str(max_len=100), Int(-1, 1 << 20), Num(-1e9, 1e9), Num(-1e9, 1e9)), max_len=1_000_000),
 })
 SIDE = Obj({"per_stage": List(STAGE, max_len=100_000), "p50_ms": MS, "p95_ms": MS, "samples_per_s": Num(0, 1e15),
@@ -75,7 +77,8 @@ EQUIVALENCE = Obj({"criterion": Enum("bitwise"), "bitwise_equal": Bool(), "max_a
 PIPELINE_REPORT = Obj({
     "schema_version": Enum(PIPELINE_REPORT_SCHEMA_VERSION), "spec": Str(max_len=4096),
     "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
-    "world_size": Int(2, 1 << 16), "schedule": Enum("gpipe", "1f1b"), "microbatches": Int(1, 100_000),
+    "world_size": Int(2, 1 << 16), "schedule": Enum(*SCHEDULES), "microbatches": Int(1, 100_000),
+    "stages_per_rank": Int(1, 1000),
     "batch_size": Int(1, 1 << 40), "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
     "ideal_bubble_fraction": Num(0, 1), "backend": Str(max_len=50), "device": Str(max_len=50),
     "dtype": Str(max_len=50), "memory_source": Str(max_len=100), "torch_version": Str(max_len=100),
@@ -135,7 +138,7 @@ def _stage_json(r: StageResult, budget: int | None, pipeline_ms: list[float]) ->
         "idle_ms": _med(idle), "bubble_fraction": min(1.0, max(0.0, _med(bubble))),
         "peak_bytes": r.peak_bytes, "held_at_backward_bytes": r.held_at_backward_bytes,
         "fits_budget": None if budget is None else r.peak_bytes <= budget,
-        "bubble_delta_vs_none": None, "predicted_peak_bytes": None,
+        "bubble_delta_vs_none": None, "predicted_peak_bytes": None, "grad_sq_sum": r.grad_sq_sum,
         "timeline": [],
     }
 
@@ -194,18 +197,21 @@ def assemble_pipeline(cfg: Any, gathered: list[dict[str, Any]], *, torch_version
     notes = [
         "bubble_fraction = idle / step per stage, idle = the pipeline's step (first stage's start to last stage's "
         "end, one host clock) - union(forward, loss, backward, optimizer) of the stage; "
-        "ideal_bubble_fraction = (p - 1) / (m + p - 1) for equal stage times and free communication",
+        "ideal_bubble_fraction = (p - 1) / (v m + p - 1) (v stages per rank, 1 but for interleaved schedules) for "
+        "equal stage times and free communication; with v > 1 a 'stage' row is a rank and its v stages",
         "p2p_ms is the time the stage's thread is blocked posting or waiting on isend/irecv (it includes waiting "
         "for a peer still computing); exposed_p2p_ms = union(p2p) - union(compute)",
         "replay_ms is inside backward_ms; peak_bytes and held_at_backward_bytes come from one extra step under the "
         f"live-tensor tracker ({memory_source})",
         "step p50/p95: per step, the first stage's start to the last stage's end; samples/s = batch_size / p50",
     ]
+    notes += [n for n in rank0.get("notes", [])]
     data = {
         "schema_version": PIPELINE_REPORT_SCHEMA_VERSION, "spec": cfg.spec, "shape": dict(cfg.shape),
         "world_size": p, "schedule": cfg.schedule.value, "microbatches": cfg.microbatches, "batch_size": batch_size,
         "split_points": list(cfg.split_points), "split_source": cfg.split_source,
-        "ideal_bubble_fraction": ideal_bubble(p, cfg.microbatches), "backend": cfg.backend, "device": cfg.device,
+        "stages_per_rank": cfg.stages_per_rank,
+        "ideal_bubble_fraction": ideal_bubble(p, cfg.microbatches, cfg.stages_per_rank), "backend": cfg.backend, "device": cfg.device,
         "dtype": cfg.dtype, "memory_source": memory_source, "torch_version": torch_version, "steps": cfg.steps,
         "warmup": cfg.warmup, "timeout_s": cfg.timeout_s, "budget_bytes": budget, "sides": sides,
         "equivalence": equivalence,

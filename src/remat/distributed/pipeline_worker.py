@@ -23,7 +23,14 @@ processes of one host, so the stages' timelines line up):
   stage's start to the last stage's end (a stage that finishes early waits for the next step's
   input then); bubble fraction = idle / that step. With equal stage times and free
   communication it is (p - 1) / (m + p - 1) for GPipe and 1F1B (plan/pipeline.ideal_bubble).
-Timed steps start after a barrier. Memory is read on one more step under the live-tensor
+Timed steps start after a barrier.
+
+NOTE [pipeline closed loop]
+The per-stage prediction can miss (the cost model counts each held microbatch's saving but not
+every transient the stage keeps). When a stage of remat's side measures over the per-device
+budget, every rank (same gathered peaks, same deterministic planner) re-plans the stages that
+missed once, each stage's unplanned peak raised by its miss (measured - predicted), and runs
+the side again; the report's notes say so, and the figures are the second attempt's. Memory is read on one more step under the live-tensor
 tracker (its per-op cost would distort the times): the stage's peak, and the live bytes when each
 microbatch's backward starts (the held activations of every in-flight microbatch).
 """
@@ -47,12 +54,12 @@ from .._io import atomic_write_json
 from ..errors import DistributedError, PlanError
 from ..memory.measure import optimizer_state_tensors
 from ..plan.model import Plan
-from ..plan.pipeline import PipelinePlan, StagePlan, in_flight, plan_stages
+from ..plan.pipeline import PipelinePlan, StagePlan, in_flight, in_flight_from_order, plan_stages
 from ..types import MemCategory, MemorySource
 from ..workload.contract import call_user
 from ..workload.loader import load_workload
 from .intervals import exposed_ns, total_ns, union
-from .pipeline import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_module, make_loss_fn, split_batch,
+from .pipeline import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_modules, make_loss_fn, split_batch,
                        stage_examples, stage_layout)
 from .pipeline_report import StageResult, TimelineEvent, assemble_pipeline
 from .worker import RankFiles, _env_int, _maybe_fault, compare_grads, rank_main
@@ -83,26 +90,31 @@ class StageRecorder:
         return self.span("replay", -1) if replay else contextlib.nullcontext()
 
 
-def _instrument(stage: Any, schedule: Any, rec: StageRecorder) -> None:
-    fwd, bwd, loss = stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
+def _instrument(stages: list[Any], schedule: Any, rec: StageRecorder) -> None:
+    """Wrap each of this rank's stages' forward/backward chunks, and the schedule's loss (NOTE [pipeline
+    instruments]); ``mb`` of an event is the microbatch."""
+    for stage in stages:
+        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
 
-    def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        with rec.span("forward", chunk):
-            return fwd(chunk, *args, **kwargs)
+        def forward_one_chunk(chunk: int, *args: Any, _fwd: Any = fwd, **kwargs: Any) -> Any:
+            with rec.span("forward", chunk):
+                return _fwd(chunk, *args, **kwargs)
 
-    def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        if rec.tracker is not None:
-            rec.held_at_backward.append(rec.tracker.live_bytes)
-        with rec.span("backward", chunk):
-            return bwd(chunk, *args, **kwargs)
+        def backward_one_chunk(chunk: int, *args: Any, _bwd: Any = bwd, **kwargs: Any) -> Any:
+            if rec.tracker is not None:
+                rec.held_at_backward.append(rec.tracker.live_bytes)
+            with rec.span("backward", chunk):
+                return _bwd(chunk, *args, **kwargs)
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+    loss = schedule._maybe_compute_loss
 
     def maybe_compute_loss(st: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any) -> Any:
         with rec.span("loss", mb_index):
             return loss(st, output, target_mbs, mb_index, *args)
 
-    stage.forward_one_chunk = forward_one_chunk
-    stage.backward_one_chunk = backward_one_chunk
-    if stage.is_last:   # the schedule calls it on every stage; only the last computes a loss
+    if any(st.is_last for st in stages):   # the schedule calls it on every stage; only the last computes a loss
         schedule._maybe_compute_loss = maybe_compute_loss
 
 
@@ -132,6 +144,22 @@ def _patch_p2p(rec_of: Callable[[], StageRecorder | None]) -> None:
     schedules._wait_batch_p2p = _wait_batch_p2p
 
 
+def _order_of(schedule: Any, rank: int) -> list[tuple[int, str]]:
+    """This rank's compute actions in the schedule's own order, ``(stage, "F"|"B")`` (multi-stage schedules
+    carry it as ``pipeline_order``); [] for the single-stage schedules, whose load is a formula."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return []
+    out = []
+    for a in order.get(rank, []):
+        if a is None:
+            continue
+        kind = str(getattr(a.computation_type, "value", a.computation_type))
+        if kind in ("F", "B"):
+            out.append((a.stage_index, kind))
+    return out
+
+
 @dataclasses.dataclass
 class _Side:
     stage_module: Any
@@ -159,7 +187,8 @@ class PipelineRank:
         self.tied_group = dist.new_group([0, self.p - 1]) if self.p > 2 else None
 
     def build(self, plan: Plan | None) -> _Side:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
         cfg = self.cfg
         torch.manual_seed(cfg.seed)   # every rank builds the same whole model (NOTE [pipeline stages])
         loaded = load_workload(cfg.spec, cfg.shape, device=cfg.device, dtype=cfg.dtype)
@@ -167,8 +196,9 @@ class PipelineRank:
         model = wl.model
         inputs0, _ = split_batch(wl.batch(0))
         mb = inputs0[: max(1, inputs0.shape[0] // cfg.microbatches)]
-        layout = stage_layout(model, cfg.split_points, self.p, mb)
-        example_in, example_out = stage_examples(model, layout, self.rank, mb)
+        layout = stage_layout(model, cfg.split_points, cfg.n_stages, mb)
+        mine = self.local_stages()
+        examples = [stage_examples(model, layout, k, mb) for k in mine]
         tied_names = layout.tied
         handle = None
         rec = StageRecorder()
@@ -179,26 +209,50 @@ class PipelineRank:
                 w.observers.append(rec)
         params = dict(model.named_parameters(remove_duplicate=False))
         tied = [params[n] for n in tied_names] if (self.first or self.last) else []
-        stage_module = build_stage_module(model, layout, self.rank)
+        modules = build_stage_modules(model, layout, mine)
         # static metadata: torch 2.13's runtime inference deadlocked here when the first stage's input
         # (token ids) needs no gradient (stage 1 sends backward metadata that stage 0 never receives)
         # fully static: the gradients' metadata too (a received activation's gradient goes back; the first
         # stage's integer inputs get none, the last stage's output gets its gradient from the loss)
-        stage = PipelineStage(stage_module, self.rank, self.p, torch.device(cfg.device),
-                              input_args=example_in, output_args=example_out,
-                              input_grads=None if self.first else torch.zeros_like(example_in),
-                              output_grads=None if self.last else torch.zeros_like(example_out))
-        cls = Schedule1F1B if cfg.schedule.value == "1f1b" else ScheduleGPipe
+        stages = [PipelineStage(mod, k, cfg.n_stages, torch.device(cfg.device), input_args=ex_in, output_args=ex_out,
+                                input_grads=None if k == 0 else torch.zeros_like(ex_in),
+                                output_grads=None if k == cfg.n_stages - 1 else torch.zeros_like(ex_out))
+                  for mod, k, (ex_in, ex_out) in zip(modules, mine, examples)]
         # every rank gets the loss_fn: torch's schedule decides from it whether there is a backward at all
         # (with None the first stage posts no gradient receives and its backward silently does nothing)
-        schedule = cls(stage, cfg.microbatches, loss_fn=make_loss_fn(wl), scale_grads=True)
-        _instrument(stage, schedule, rec)
+        if cfg.schedule.multi:
+            schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=make_loss_fn(wl), scale_grads=True)
+        else:
+            cls = Schedule1F1B if cfg.schedule.value == "1f1b" else ScheduleGPipe
+            schedule = cls(stages[0], cfg.microbatches, loss_fn=make_loss_fn(wl), scale_grads=True)
+        _instrument(stages, schedule, rec)
+        stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         optimizer = call_user("the workload's optimizer", wl.optimizer, list(stage_module.parameters())) \
             if wl.optimizer is not None else torch.optim.SGD(stage_module.parameters(), lr=1e-3)
+        self.orders = {r: _order_of(schedule, r) for r in range(self.p)}
         self.layout = layout
         return _Side(stage_module, schedule, optimizer, handle, rec,
                      inputs=lambda i: split_batch(wl.batch(i))[0], targets=lambda i: split_batch(wl.batch(i))[1],
                      tied=tied, tied_group=self.tied_group)
+
+    def local_stages(self, rank: int | None = None) -> list[int]:
+        """A rank's stages: r, r + p, ..., r + (v - 1) p (torch's looped placement for interleaved schedules)."""
+        r = self.rank if rank is None else rank
+        return [r + j * self.p for j in range(self.cfg.stages_per_rank)]
+
+    def stage_in_flight(self, rank: int) -> dict[int, int]:
+        """{stage: microbatches it holds at the rank's peak} (NOTE [pipeline in-flight cost model])."""
+        cfg = self.cfg
+        if cfg.schedule.multi:
+            return in_flight_from_order(self.orders[rank])
+        return {rank: in_flight(cfg.schedule, rank, self.p, cfg.microbatches)}
+
+    def rank_blocks(self, rank: int) -> list[str]:
+        return [b for k in self.local_stages(rank) for b in self.layout.stage_blocks(k)]
+
+    def block_in_flight(self, rank: int) -> dict[str, int]:
+        per_stage = self.stage_in_flight(rank)
+        return {b: per_stage.get(k, 1) for k in self.local_stages(rank) for b in self.layout.stage_blocks(k)}
 
     def step(self, side: _Side, i: int, what: str, losses: list | None = None) -> None:
         if self.first:
@@ -266,6 +320,8 @@ class PipelineRank:
         self.current = None
         del side
         gc.collect()
+        # the first step's gradients, summed in float64: ground truth for tests against the unsplit model
+        result.grad_sq_sum = float(sum(g.double().pow(2).sum() for _, g in grads if g is not None))
         return result, grads, loss0
 
     def memory_step(self, side: _Side, i: int) -> tuple[int, list[int]]:
@@ -303,8 +359,8 @@ class PipelineRank:
         last_t0 = step_ns[-1][0]
         return StageResult(
             side=name, stage=self.rank, rank=self.rank, host=socket.gethostname(),
-            in_flight=in_flight(self.cfg.schedule, self.rank, self.p, self.cfg.microbatches),
-            blocks=self.layout.stage_blocks(self.rank),
+            in_flight=sum(self.stage_in_flight(self.rank).values()),
+            blocks=self.rank_blocks(self.rank),
             boundaries=[] if plan is None else [b.module for b in plan.boundaries],
             step_ns=step_ns, forward_ms=fwd, backward_ms=bwd, replay_ms=rep, optimizer_ms=opt, p2p_ms=p2p,
             exposed_p2p_ms=exposed, compute_ms=busy, peak_bytes=peak, held_at_backward_bytes=held,
@@ -316,7 +372,9 @@ class PipelineRank:
         cfg = self.cfg
         from ..plan.budget import parse_budget
         from ..profile.model import ProfileReport
-        stage_blocks = [self.layout.stage_blocks(k) for k in range(self.p)]
+        # one plan per rank: with several stages per rank they share its device and budget
+        stage_blocks = [self.rank_blocks(k) for k in range(self.p)]
+        loads = [self.block_in_flight(k) for k in range(self.p)]
         report = None
         if cfg.profile is not None:
             try:
@@ -329,12 +387,13 @@ class PipelineRank:
             return PipelinePlan(schedule=cfg.schedule, microbatches=cfg.microbatches, budget_bytes=budget,
                                 reserve=cfg.reserve,
                                 stages=[StagePlan(stage=k, blocks=stage_blocks[k],
-                                                  in_flight=in_flight(cfg.schedule, k, self.p, cfg.microbatches),
+                                                  in_flight=sum(self.stage_in_flight(k).values()),
                                                   base_peak_bytes=base_peaks[k], plan=plans[k])
                                         for k in range(self.p)],
                                 split_points=list(cfg.split_points), split_source=cfg.split_source)
         uniform = remat = None
-        kw = dict(schedule=cfg.schedule, microbatches=cfg.microbatches, base_peaks=base_peaks, reserve=cfg.reserve)
+        kw = dict(schedule=cfg.schedule, microbatches=cfg.microbatches, base_peaks=base_peaks, reserve=cfg.reserve,
+                  in_flights=loads)
         if "uniform" in cfg.sides and report is not None:
             uniform = wrap(plan_stages(report, stage_blocks, planner=cfg.uniform_planner, budget_bytes=None, **kw))
         if "remat" in cfg.sides:
@@ -344,7 +403,31 @@ class PipelineRank:
                     raise PlanError(f"the pipeline plan has {len(remat.stages)} stages; this run has {self.p}")
             elif report is not None:
                 remat = wrap(plan_stages(report, stage_blocks, planner=cfg.planner, budget_bytes=budget, **kw))
+                self._replan = (report, stage_blocks, budget, kw)
         return uniform, remat
+
+    def replan(self, remat: PipelinePlan, peaks: list[int]) -> tuple[PipelinePlan | None, str]:
+        """NOTE [pipeline closed loop]: re-plan every stage that measured over the per-device budget, its
+        measured unplanned peak raised by what the model missed (measured - predicted with its plan); the
+        other stages keep their plans. (None, why) when no plan fits the raised stage."""
+        from ..errors import BudgetError
+        report, stage_blocks, budget, kw = self._replan
+        over = [k for k in range(self.p) if peaks[k] > budget]
+        base = list(kw["base_peaks"])
+        for k in over:
+            base[k] += max(0, peaks[k] - remat.stages[k].plan.predicted_peak_bytes)
+        what = ", ".join(f"stage {k} measured {peaks[k] / 2 ** 20:.2f} MiB against a predicted "
+                         f"{remat.stages[k].plan.predicted_peak_bytes / 2 ** 20:.2f} MiB" for k in over)
+        try:
+            fresh = plan_stages(report, stage_blocks, planner=self.cfg.planner, budget_bytes=budget,
+                                **{**kw, "base_peaks": base})
+        except BudgetError as exc:
+            return None, f"remat side: {what}; no re-plan fits ({exc.message})"
+        stages = [dataclasses.replace(st, plan=fresh[k], base_peak_bytes=base[k]) if k in over else st
+                  for k, st in enumerate(remat.stages)]
+        return dataclasses.replace(remat, stages=stages), (
+            f"remat side re-planned once (closed loop): {what}; its unplanned peak was raised by the difference "
+            f"and the stage planned again; the figures are the second attempt's")
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -352,6 +435,7 @@ class PipelineRank:
         grads: dict[str, list] = {}
         losses: dict[str, float | None] = {}
         uniform = remat = None
+        notes: list[str] = []
         for name in cfg.sides:
             plan: Plan | None = None
             if name in ("uniform", "remat") and uniform is None and remat is None:
@@ -366,6 +450,17 @@ class PipelineRank:
             elif name == "remat":
                 plan = remat.for_stage(self.rank) if remat else None
             results[name], grads[name], losses[name] = self.run_side(name, plan)
+            if name == "remat" and remat is not None and getattr(self, "_replan", None) is not None:
+                # NOTE [pipeline closed loop]: one more attempt when a stage measured over the budget
+                measured: list[Any] = [None] * self.p
+                dist.all_gather_object(measured, results[name].peak_bytes)
+                if any(int(x) > remat.budget_bytes for x in measured):
+                    again, note = self.replan(remat, [int(x) for x in measured])
+                    notes.append(note)
+                    if again is not None:
+                        remat = again
+                        self.total += cfg.warmup + cfg.steps + 1
+                        results[name], grads[name], losses[name] = self.run_side(name, remat.for_stage(self.rank))
         comparisons = {}
         for name in cfg.sides:
             if name != "none" and "none" in grads:
@@ -381,7 +476,7 @@ class PipelineRank:
         # every parameter of the stage must have a gradient: None on both sides would compare as "equal"
         missing = {name: [n for n, g in gs if g is None] for name, gs in grads.items()}
         return {"results": results, "comparisons": comparisons, "negative_rejected": negative, "losses": losses,
-                "missing_grads": missing,
+                "missing_grads": missing, "notes": notes,
                 "uniform": None if uniform is None else uniform.to_json(),
                 "remat": None if remat is None else remat.to_json()}
 

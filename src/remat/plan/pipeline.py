@@ -5,7 +5,13 @@ Under a pipeline schedule, stage k holds the saved activations of ``n_k`` microb
 its peak (its *in-flight* count): GPipe runs every forward before any backward, so every
 stage holds all ``m``; torch's ``Schedule1F1B`` runs ``p - k`` warm-up forwards on stage k
 (``min(m, p - k)``), so stage 0 holds up to ``p`` microbatches and the last stage one.
-A boundary's saving is therefore counted once per microbatch held.
+A boundary's saving is therefore counted once per microbatch held. Under torch's
+``ScheduleInterleaved1F1B`` a rank runs ``v`` stages (``--stages-per-rank``); its load is
+not a closed formula here: the rank walks the schedule's own action list
+(``pipeline_order[rank]``: forwards add a microbatch to their stage, backwards remove one) and
+takes each local stage's count at the moment the rank holds the most (``in_flight_from_order``).
+One plan per *rank* then covers its ``v`` stages, each candidate's saving counted by the stage
+it lies in, since the stages share the device and its budget.
 
 We do not write a second optimiser: each stage gets its own :class:`ProfileReport`, derived
 from the one profile of the whole model at the *microbatch* shape, and the ordinary
@@ -47,18 +53,48 @@ class Schedule(str, enum.Enum):
 
     GPIPE = "gpipe"      # ScheduleGPipe: all forwards, then all backwards
     ONE_F_ONE_B = "1f1b"  # Schedule1F1B: p - k warm-up forwards, then one forward / one backward
+    INTERLEAVED_1F1B = "interleaved-1f1b"   # ScheduleInterleaved1F1B: v >= 2 stages per rank, looped
+
+    @property
+    def multi(self) -> bool:
+        """Several stages per rank (torch's PipelineScheduleMulti)."""
+        return self is Schedule.INTERLEAVED_1F1B
+
+
+SCHEDULES = tuple(s.value for s in Schedule)
 
 
 def in_flight(schedule: Schedule | str, stage: int, stages: int, microbatches: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at once (NOTE [pipeline in-flight cost model])."""
+    if Schedule(schedule).multi:
+        raise PlanError("an interleaved schedule's in-flight counts come from its action list "
+                        "(in_flight_from_order), not from a formula")
     if Schedule(schedule) is Schedule.GPIPE:
         return microbatches
     return min(microbatches, stages - stage)
 
 
-def ideal_bubble(stages: int, microbatches: int) -> float:
-    """The schedule's bubble fraction with equal stage times and free communication: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def in_flight_from_order(actions: list[tuple[int, str]]) -> dict[int, int]:
+    """{stage: microbatches held} at the first moment a rank holds the most, from its schedule's actions in
+    order, ``(stage, "F")`` a forward and ``(stage, "B")`` a backward (NOTE [pipeline in-flight cost model])."""
+    held: dict[int, int] = {}
+    best: dict[int, int] = {}
+    top = -1
+    for stage, kind in actions:
+        held.setdefault(stage, 0)
+        if kind == "F":
+            held[stage] += 1
+            if sum(held.values()) > top:
+                top, best = sum(held.values()), dict(held)
+        elif kind == "B":
+            held[stage] -= 1
+    return {s: max(1, best.get(s, 0)) for s in held}
+
+
+def ideal_bubble(stages: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The schedule's bubble fraction with equal stage times and free communication, ``p`` ranks:
+    (p - 1) / (m + p - 1); interleaved with ``v`` stages per rank, (p - 1) / (v m + p - 1)."""
+    return (stages - 1) / (stages_per_rank * microbatches + stages - 1)
 
 
 def in_stage(name: str, prefixes: list[str]) -> bool:
@@ -66,18 +102,24 @@ def in_stage(name: str, prefixes: list[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def stage_report(report: ProfileReport, prefixes: list[str], *, in_flight_count: int, microbatches: int,
-                 base_peak_bytes: int) -> ProfileReport:
-    """The profile of one stage, scaled by its in-flight load (NOTE [pipeline in-flight cost model])."""
-    if in_flight_count < 1 or microbatches < 1:
-        raise PlanError(f"in-flight count and microbatches must be >= 1, got {in_flight_count} and {microbatches}")
+def stage_report(report: ProfileReport, prefixes: list[str], *, in_flight_count: int | dict[str, int],
+                 microbatches: int, base_peak_bytes: int) -> ProfileReport:
+    """The profile of one stage (or of one rank's stages), scaled by its in-flight load (NOTE [pipeline in-flight
+    cost model]). ``in_flight_count``: one count, or one per block prefix (a rank's interleaved stages)."""
+    counts = in_flight_count if isinstance(in_flight_count, dict) else {p: in_flight_count for p in prefixes}
+    if min(counts.values(), default=0) < 1 or microbatches < 1:
+        raise PlanError(f"in-flight counts and microbatches must be >= 1, got {counts} and {microbatches}")
+
+    def held(name: str) -> int:
+        return next(n for p, n in counts.items() if name == p or name.startswith(p + "."))
     cands: list[CandidateCost] = []
     for c in report.candidates:
         if not in_stage(c.name, prefixes):
             continue
+        n_held = held(c.name)
         cands.append(dataclasses.replace(
             c, parent=c.parent if c.parent is not None and in_stage(c.parent, prefixes) else None,
-            saved_bytes={m: v * in_flight_count for m, v in c.saved_bytes.items()},
+            saved_bytes={m: v * n_held for m, v in c.saved_bytes.items()},
             replay_ms={m: v * microbatches for m, v in c.replay_ms.items()},
             replay_extra_bytes={m: c.replay_extra_bytes.get(m, 0) + c.saved_bytes.get(m, 0)
                                 for m in c.replay_extra_bytes}))
@@ -106,7 +148,7 @@ class StagePlan:
 
 
 PIPELINE_PLAN = Obj({
-    "schema_version": Enum(PIPELINE_PLAN_SCHEMA_VERSION), "kind": Enum("pipeline"), "schedule": Enum("gpipe", "1f1b"),
+    "schema_version": Enum(PIPELINE_PLAN_SCHEMA_VERSION), "kind": Enum("pipeline"), "schedule": Enum(*SCHEDULES),
     "microbatches": Int(1, 100_000), "budget_bytes": Int(1, 2 ** 53), "reserve": Num(0, 0.999999),
     "stages": List(Obj({"stage": Int(0, 100_000), "blocks": List(MODULE_PATH, max_len=100_000),
                         "in_flight": Int(1, 100_000), "base_peak_bytes": BYTES, "plan": PLAN}),
@@ -178,19 +220,24 @@ def load_any_plan(path: Path | str) -> Plan | PipelinePlan:
 
 def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedule: Schedule | str, microbatches: int,
                 base_peaks: list[int], planner: str, budget_bytes: int | None, reserve: float = 0.05,
-                allow_hazards: bool = False) -> list[Plan]:
+                allow_hazards: bool = False, in_flights: list[dict[str, int]] | None = None) -> list[Plan]:
     """One plan per stage, each from ``make_plan`` on the stage's scaled profile; BudgetError names the stage."""
-    from .planners import make_plan
+    from .budget import effective_budget
+    from .planners import BUDGET_PLANNERS, make_plan
     p = len(stage_blocks)
     if len(base_peaks) != p:
         raise PlanError(f"{len(base_peaks)} measured stage peaks for {p} stages")
     plans = []
     for k, blocks in enumerate(stage_blocks):
-        sub = stage_report(report, blocks, in_flight_count=in_flight(schedule, k, p, microbatches),
+        load = in_flights[k] if in_flights is not None else in_flight(schedule, k, p, microbatches)
+        sub = stage_report(report, blocks, in_flight_count=load,
                            microbatches=microbatches, base_peak_bytes=base_peaks[k])
+        # a stage that already fits gets no boundary: under load a profile's replay estimate can come out 0 ms,
+        # and a budget planner then adds "free" boundaries that cost real replay time
+        fits = budget_bytes is not None and base_peaks[k] <= effective_budget(budget_bytes, reserve, 0)
         try:
-            plans.append(make_plan(sub, planner, budget_bytes=budget_bytes, reserve=reserve,
-                                   allow_hazards=allow_hazards))
+            plans.append(make_plan(sub, "none" if fits and planner in BUDGET_PLANNERS else planner,
+                                   budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards))
         except BudgetError as exc:
             exc.message = f"pipeline stage {k} ({blocks[0]}..{blocks[-1]}): {exc.message}"
             exc.args = (exc.message if exc.tip is None else f"{exc.message}\nTip: {exc.tip}",)

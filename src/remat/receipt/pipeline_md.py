@@ -36,10 +36,18 @@ def timeline_rows(side: dict[str, Any], width: int = WIDTH) -> list[str]:
     return rows
 
 
+def _formula(d: dict[str, Any]) -> str:
+    """The schedule's ideal bubble formula, as the report's figure was computed (plan/pipeline.ideal_bubble)."""
+    return "(p - 1) / (m + p - 1)" if d.get("stages_per_rank", 1) == 1 else \
+        f"(p - 1) / (v m + p - 1) with v = {d['stages_per_rank']} stages per rank"
+
+
 def render_pipeline_markdown(d: dict[str, Any]) -> str:
-    out = [f"# Pipeline: {d['spec']} on {d['world_size']} stages ({d['backend']})", "",
+    v = d.get("stages_per_rank", 1)
+    where = f"{d['world_size']} stages" if v == 1 else f"{d['world_size']} ranks x {v} stages (a row is a rank)"
+    out = [f"# Pipeline: {d['spec']} on {where} ({d['backend']})", "",
            f"Schedule {d['schedule']}, {d['microbatches']} microbatches of batch {d['batch_size']}, split at "
-           f"{', '.join(d['split_points'])} ({d['split_source']}). Ideal bubble (p - 1) / (m + p - 1) = "
+           f"{', '.join(d['split_points'])} ({d['split_source']}). Ideal bubble " + _formula(d) + " = "
            f"{d['ideal_bubble_fraction']:.3f}."
            + ("" if d["budget_bytes"] is None else f" Per-device budget {format_bytes(d['budget_bytes'])}."), ""]
     out += ["| side | stage | in flight | boundaries | peak | predicted | fits | fwd ms | bwd ms | replay ms | "

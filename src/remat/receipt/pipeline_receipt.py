@@ -1,0 +1,147 @@
+"""The pipeline receipt: one pipeline run's figures (``pipeline.json``) and per-stage plans, as versioned JSON.
+
+NOTE [pipeline receipt]
+A pipeline run (``remat distributed --engine pipeline``, ``remat receipt --engine pipeline``)
+has no single-process trace, frontier or paired-seed verification to put in a
+:class:`~remat.receipt.Receipt`; what it proves is per stage. So it has its own receipt kind,
+``remat-pipeline-receipt``: the context (the same fields as a receipt's), the whole
+:class:`~remat.distributed.pipeline_report.PipelineReport` (per side and stage: peak, in-flight
+count, forward/backward/replay/p2p/idle ms, bubble fraction, the last timed step's timeline;
+the equivalence against the unplanned pipeline and the negative control; the per-stage
+plans), and each stage boundary's revision hash. It is read through the same hardened JSON
+loader and validated field by field (NOTE [hostile JSON] in remat/_json.py); ``remat check``
+tells the two kinds apart by ``kind`` and re-checks a pipeline receipt with a world-size-p
+launch (remat/pipeline/check_pipeline.py). ``report.html`` (per-stage table, SVG timeline per
+side) and ``report.md`` are rendered from it alone and name its sha256, as a receipt's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from .. import _json
+from .._json import read_bounded_bytes
+from ..distributed.pipeline_report import PIPELINE_REPORT, PipelineReport
+from ..errors import ReceiptError, RematError
+from ..plan.pipeline import PipelinePlan
+from .model import ReceiptContext
+from .schema import CONTEXT, HEX16, MODULE_PATH, SHORT, parse_json_bounded
+
+PIPELINE_RECEIPT_KIND = "remat-pipeline-receipt"
+PIPELINE_RECEIPT_SCHEMA_VERSION = 1
+MAX_CHECK_STEPS = 100
+
+STAGE_BOUNDARY = _json.Obj({"stage": _json.Int(0, 1 << 20), "module": MODULE_PATH, "class_name": SHORT,
+                               "revision": HEX16})
+PIPELINE_RECEIPT_SCHEMA = _json.Obj({
+    "schema_version": _json.Int(0, 1000), "kind": _json.Enum(PIPELINE_RECEIPT_KIND), "context": CONTEXT,
+    "pipeline": PIPELINE_REPORT, "boundaries": _json.List(STAGE_BOUNDARY, max_len=100_000),
+    "check_steps": _json.Int(1, MAX_CHECK_STEPS), "check_timeout_s": _json.Num(1, 86400.0),
+})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageBoundary:
+    """One boundary of remat's per-stage plans, with the revision hash ``remat check`` compares."""
+
+    stage: int
+    module: str
+    class_name: str
+    revision: str       # remat.profile.module_revision: class sources + parameter shapes
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelineReceipt:
+    """NOTE [pipeline receipt]."""
+
+    context: ReceiptContext
+    pipeline: PipelineReport
+    boundaries: list[StageBoundary]
+    check_steps: int = 1           # timed steps per side when `remat check` re-runs the pipeline
+    check_timeout_s: float = 60.0  # p2p/collective timeout of that re-run (s)
+    schema_version: int = PIPELINE_RECEIPT_SCHEMA_VERSION
+
+    @property
+    def plan(self) -> PipelinePlan | None:
+        """remat's per-stage plans (None when the run had no ``remat`` side)."""
+        d = self.pipeline.data["plans"].get("remat")
+        return None if d is None else PipelinePlan.from_json(d, source="the receipt's pipeline plan")
+
+    @property
+    def why_not(self) -> list[str]:
+        """Why this receipt proves nothing to ship (empty when it does): the decision ``check`` re-checks."""
+        d = self.pipeline.data
+        out = []
+        if "remat" not in d["plans"]:
+            out.append("the run has no per-stage plans (no remat side)")
+        eq = d["equivalence"].get("remat")
+        if eq is None:
+            out.append("the per-stage plans were not compared with the unplanned pipeline")
+        elif not eq["ok"]:
+            out.append(f"the per-stage plans' gradients differ from the unplanned pipeline's "
+                       f"(max |diff| {eq['max_abs_diff']:.3g})")
+        if d["negative_control_rejected"] is False:
+            out.append("the negative control (a perturbed gradient) was accepted: the comparison proves nothing")
+        if self.pipeline.remat_fits is False:
+            out.append("a stage's measured peak is over the per-device budget: "
+                       + ", ".join(f"stage {s['stage']}" for s in d["sides"]["remat"]["per_stage"]
+                                   if not s["fits_budget"]))
+        return out
+
+    @property
+    def holds(self) -> bool:
+        return not self.why_not
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": self.schema_version, "kind": PIPELINE_RECEIPT_KIND, "context": self.context.to_json(),
+                "pipeline": self.pipeline.to_json(), "boundaries": [b.to_json() for b in self.boundaries],
+                "check_steps": self.check_steps, "check_timeout_s": self.check_timeout_s}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "PipelineReceipt":
+        if not isinstance(data, dict):
+            raise ReceiptError("malformed pipeline receipt: the top level must be a JSON object")
+        v = data.get("schema_version")
+        if v != PIPELINE_RECEIPT_SCHEMA_VERSION:
+            raise ReceiptError(f"pipeline receipt schema_version {_json.show(v)} is not supported (this remat reads "
+                               f"{PIPELINE_RECEIPT_SCHEMA_VERSION})",
+                               tip="re-create it with this remat (`remat distributed --engine pipeline ...`)")
+        _json.validate(data, PIPELINE_RECEIPT_SCHEMA, error=ReceiptError, what="pipeline receipt")
+        try:
+            receipt = cls(context=ReceiptContext.from_json(data["context"]),
+                          pipeline=PipelineReport(data=data["pipeline"]),
+                          boundaries=[StageBoundary(**b) for b in data["boundaries"]],
+                          check_steps=data["check_steps"], check_timeout_s=float(data["check_timeout_s"]))
+            plan = receipt.plan
+        except ReceiptError:
+            raise
+        except (RematError, KeyError, TypeError, ValueError) as exc:
+            msg = exc.message if isinstance(exc, RematError) else f"{type(exc).__name__}: {exc}"
+            raise ReceiptError(f"malformed pipeline receipt: {msg}") from exc
+        # the parts must agree (a hand-edited receipt could mix them)
+        planned = [] if plan is None else [(s.stage, b.module) for s in plan.stages for b in s.plan.boundaries]
+        recorded = [(b.stage, b.module) for b in receipt.boundaries]
+        if planned != recorded:
+            raise ReceiptError(f"malformed pipeline receipt: the per-stage plans' boundaries {planned} differ from "
+                               f"the boundary records {recorded}")
+        if receipt.context.workload != receipt.pipeline.data["spec"]:
+            raise ReceiptError("malformed pipeline receipt: the context and the pipeline report name different workloads")
+        return receipt
+
+
+def load_any_receipt_with_digest(path: Path | str) -> tuple[Any, str]:
+    """(a :class:`Receipt` or a :class:`PipelineReceipt`, by its ``kind``; the sha256 of the bytes read)."""
+    from .model import Receipt
+    data = read_bounded_bytes(path, error=ReceiptError, what="receipt file",
+                              tip="remat receipt ... --out DIR writes DIR/receipt.json")
+    parsed = parse_json_bounded(data, source=str(path))
+    digest = hashlib.sha256(data).hexdigest()
+    if isinstance(parsed, dict) and parsed.get("kind") == PIPELINE_RECEIPT_KIND:
+        return PipelineReceipt.from_json(parsed), digest
+    return Receipt.from_json(parsed), digest
