@@ -1,0 +1,8 @@
+import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch, _h
+from _h import zc
+def build(batch_size=8, image_size=96, *, device="cpu", dtype=torch.float32):
+    timm = zc.import_timm()
+    model = timm.create_model("mobilenetv3_small_100", pretrained=False, num_classes=10)
+    return zc.image_classification(model, batch_size=batch_size, image_size=image_size, num_classes=10,
+                                   device=device, dtype=dtype, seed=5500)
