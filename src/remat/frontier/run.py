@@ -59,7 +59,7 @@ class PlanRequest:
 
     @property
     def needs_budget(self) -> bool:
-        return self.planner.split(":")[0] in BUDGET_PLANNERS
+        return self.planner in BUDGET_PLANNERS
 
 
 def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:

@@ -52,7 +52,8 @@ from ..measure import StepClock, percentile
 from ..memory.measure import model_device
 from ..types import CheckpointMode
 from ..workload.contract import TrainingStep
-from .dryrun import _first_line, _wrap, put_back
+from .dryrun import _first_line, _wrap, put_back, region_module
+from .segments import is_segment, segment_members
 from .model import CandidateCost
 
 
@@ -184,6 +185,8 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     model = step.workload.model
     modules = dict(model.named_modules())
     wanted = {c.name for c in candidates if any(m is not CheckpointMode.KEEP for m in c.replay_ms)}
+    # a segment's inputs are its first member's (NOTE [segments])
+    first_member = {n: segment_members(model, n)[0][0] for n in wanted if is_segment(n)}
     grads = [(p, p.grad) for p in model.parameters()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     clock = StepClock(model_device(step))
@@ -191,7 +194,8 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     results: dict[str, dict[CheckpointMode, ReplayEstimate]] = {}
     unmeasured: dict[str, str] = {}
     try:
-        inputs = _capture_inputs(step, modules, wanted, step_index)
+        inputs = _capture_inputs(step, modules, (wanted - set(first_member)) | set(first_member.values()), step_index)
+        inputs.update({n: inputs[f] for n, f in first_member.items() if f in inputs})
         gc.collect()
         gc.disable()   # a collection inside a timed run is noise, not replay cost
         todo = [c for c in candidates if c.name in wanted]
@@ -202,7 +206,7 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
                 continue
             modes = [m for m in CheckpointMode if m is not CheckpointMode.KEEP and m in c.replay_ms]
             try:
-                results[c.name] = _measure_one(modules[c.name], modes, inputs[c.name], clock,
+                results[c.name] = _measure_one(region_module(model, modules, c.name), modes, inputs[c.name], clock,
                                                min_rounds=min_rounds, max_rounds=max_rounds,
                                                max_rel_spread=max_rel_spread, spread_floor_ms=spread_floor_ms,
                                                trim=trim, time_budget_ms=time_budget_ms)
