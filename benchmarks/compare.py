@@ -240,6 +240,15 @@ def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warm
         add(PlanArm(spec_, plan), "control" if spec_ == "none" else "baseline", **plan_info(plan))
     plan = make_plan(report, "selective")
     add(PlanArm("sac-matmuls", plan), "baseline", **plan_info(plan))
+    for pct in budgets:   # "checkpoint the first k blocks", the best k for each budget (issue 14)
+        try:
+            plan = make_plan(report, "first-k", budget_bytes=int(control_peak * pct / 100), reserve=0.0)
+        except InfeasibleBudget:
+            continue
+        label = f"first-k@{pct}%"
+        if any(r.boundaries == plan_info(plan)["boundaries"] for r in results.values() if r.label.startswith("first-k")):
+            continue   # the same k as a larger budget's
+        add(PlanArm(label, plan), "baseline", **plan_info(plan))
     for s in (range(2, n_blocks + 1) if seq_all else sorted({2, math.ceil(math.sqrt(n_blocks)), n_blocks})):
         add(SequentialArm(container, s), "baseline")
     if compile_:
