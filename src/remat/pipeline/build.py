@@ -169,7 +169,9 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     elif ship:
         assert shipped_pt is not None and plan is not None
         mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
-        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}.")
+        family = shipped_pt.planner.split(":")[0].split("->")[0]
+        kind = "remat's own plan" if family in ("optimal", "greedy", "floor") else "a baseline"
+        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}. The {family} family won ({kind}).")
         phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
         if not ctrl_fits:
             why.append(f"Without checkpointing the step peaks at {mib(control_peak)}{phase}, over the {budget_text}.")
