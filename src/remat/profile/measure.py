@@ -376,7 +376,8 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     seg_members: dict[str, list[str]] = {}
     if chain is not None:
         runs = chain.runs()
-        offered = [s for c, first, n in runs for s in run_segments(c, first, n)] if segments else []
+        offered = [s for c, first, n in runs
+                   for s in run_segments(c, first, n, children=len(chain.children[c]))] if segments else []
         for name in asked_segments:
             seg = parse_segment(name)
             inside = any(c == seg.container and first <= seg.start and seg.stop <= first + n for c, first, n in runs)

@@ -27,7 +27,9 @@ NOTE [segment count]
 A run of n linked children gets, for every distinct length L = n // K (K = 2..n, L >= 2),
 the tiling [0:L], [L:2L], ... aligned at the run's start: exactly the segments
 ``checkpoint_sequential`` uses for any K (its last segment is never checkpointed), about
-n log n candidates, n per length. Runs longer than ``MAX_RUN_LENGTHS`` distinct lengths
+n log n candidates, n per length. A run that is only part of its container's children (the
+stem conv1 -> bn1 -> relu -> maxpool among a ResNet's root children) also gets itself as
+one segment; a run of all of them would be the container itself. Runs longer than ``MAX_RUN_LENGTHS`` distinct lengths
 keep a geometric subset of lengths (about x1.5 apart). Containers searched: the parents of
 the natural blocks (NOTE [natural blocks]) and the root; children that are ancestors of
 the blocks (a stage, HF's ``transformer``) or have no forward end a run.
@@ -111,10 +113,15 @@ def segment_lengths(n: int) -> list[int]:
     return kept
 
 
-def run_segments(container: str, first: int, n: int) -> list[SegmentName]:
-    """The segments of one run of ``n`` linked children starting at position ``first``."""
+def run_segments(container: str, first: int, n: int, *, children: int | None = None) -> list[SegmentName]:
+    """The segments of one run of ``n`` linked children starting at position ``first``; when the run is
+    a proper part of the container's ``children`` (a ResNet's stem among the root's children), the
+    whole run is one more segment (NOTE [segment count])."""
     out = []
-    for length in segment_lengths(n):
+    lengths = segment_lengths(n)
+    if children is not None and n < children and n not in lengths:
+        lengths.append(n)
+    for length in lengths:
         for i in range(n // length):
             out.append(SegmentName(container, first + i * length, first + (i + 1) * length))
     return out
