@@ -38,9 +38,10 @@ blocks a baseline picks.
 NOTE [sqrt for per-module wrappers]
 Chen et al. (2016) cut a chain of n layers into sqrt(n) segments and keep only the
 segment boundaries, recomputing each segment as one unit: O(sqrt(n)) memory for one
-extra forward. remat wraps each module at its own call (so non-chain models work) and
-cannot fuse several modules into one checkpoint; a checkpointed module keeps its own
-input, so checkpointing every block already keeps one boundary per block, as Chen does
+extra forward. That segment form needs the blocks to pass one tensor along; where the
+profile shows they do, it is ``checkpoint_sequential:K`` (NOTE [baseline families]).
+``sqrt`` is the per-module form, which works on any model: a checkpointed module keeps its
+own input, so checkpointing every block already keeps one boundary per block, as Chen does
 with segments of length 1 (``all``). The sqrt(n) idea that survives per-module wrapping
 is the trade between the two ends: leave k = round(sqrt(n)) blocks un-checkpointed,
 evenly spaced, and checkpoint the other n - k. The kept blocks close each of k equal
