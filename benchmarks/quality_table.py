@@ -42,7 +42,6 @@ def rows_of(w: dict) -> tuple[list[str], list[float], list[float]]:
     lines: list[str] = []
     p50_ratios: list[float] = []
     ovh_ratios: list[float] = []
-    global ship_ratios
     base = [a for a in arms.values() if a["kind"] == "baseline" and a.get("p50_ms") is not None
             and a.get("peak_bytes") is not None]
     for name, limit in w["budgets"].items():

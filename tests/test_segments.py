@@ -174,13 +174,11 @@ def _brute_force(report: ProfileReport, budget: int) -> float | None:
         covered = [m for c in on for m in (c.members or (c.name,))]
         if len(covered) != len(set(covered)):
             continue   # overlapping
-        names = {c.name for c in on}
         peak = max(r.base_bytes - sum(c.saved_bytes[FULL] for c in on if c.name in r.live)
                    + sum(c.replay_extra_bytes[FULL] for c in on if c.name in r.replaying) for r in report.rows)
         cost = sum(c.replay_ms[FULL] for c in on)
         if peak <= budget and (best is None or cost < best - 1e-9):
             best = cost
-        del names
     return best
 
 
