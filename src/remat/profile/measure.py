@@ -498,6 +498,8 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
             if mode in c.replay_ms:
                 c.replay_ms[mode] = est.ms
                 c.replay_spread_ms[mode] = est.spread_ms
+            if est.extra_bytes is not None and mode in c.replay_extra_bytes:
+                c.replay_extra_bytes[mode] = est.extra_bytes     # NOTE [measured replay bytes]
     report.replay_unmeasured = dict(unmeasured)
 
 

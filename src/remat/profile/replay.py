@@ -64,6 +64,9 @@ class ReplayEstimate:
     ms: float          # time(mode) - time(KEEP), each the median of its fastest samples, clamped at 0
     spread_ms: float   # the wider of the two arms' kept ranges (max - min)
     rounds: int        # timed rounds it took
+    # peak live bytes of the region's forward + backward under the mode, less the same without
+    # checkpointing, clamped at 0 (NOTE [measured replay bytes]); None when it could not be measured
+    extra_bytes: int | None = None
 
 
 def robust_time(samples: list[float], *, trim: float = 0.5) -> tuple[float, float]:
@@ -164,11 +167,38 @@ def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[t
             est = [robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim) for m in modes]
             if spent > time_budget_ms or all(s <= max(spread_floor_ms, max_rel_spread * abs(c)) for c, s in est):
                 break
+    peaks = {arm.mode: _peak_bytes(arm) for arm in arms}   # untimed: the tracker slows every op
     out = {}
     for m in modes:
         c, s = robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim)
-        out[m] = ReplayEstimate(ms=max(0.0, c), spread_ms=s, rounds=rounds)
+        extra = None if peaks[m] is None or peaks[CheckpointMode.KEEP] is None else \
+            max(0, peaks[m] - peaks[CheckpointMode.KEEP])   # type: ignore[operator]
+        out[m] = ReplayEstimate(ms=max(0.0, c), spread_ms=s, rounds=rounds, extra_bytes=extra)
     return out
+
+
+def _peak_bytes(arm: "_RegionArm") -> int | None:
+    """Peak live bytes (CPU live-tensor tracker) of one run of ``arm``; None if it cannot run tracked.
+
+    NOTE [measured replay bytes]
+    The cost model adds ``replay_extra_bytes`` to the rows where a checkpointed candidate
+    replays: what its replay holds beyond the activations it recreates. The first estimate
+    (how far its forward rose above its entry level, less what it saves) counts every
+    transient and the region's output, but a non-reentrant replay frees what nobody saved as
+    it goes and stops early once the saved tensors are back (``early_stop``): on ``cnn`` that
+    over-predicted the peak of ``all`` by 6 points of the control's peak. So the region runs
+    once more per arm under the live-tensor tracker: without checkpointing its peak is at the
+    end of forward (inputs, saved tensors, output, output gradient); checkpointed it is in
+    the replay (the same, plus what the replay holds beyond them), so the difference of the
+    two peaks is the replay's extra, measured.
+    """
+    from ..memory.tracker import LiveTensorTracker
+    try:
+        with LiveTensorTracker(keep_timeline=False) as t:
+            arm.run()
+        return int(t.peak_bytes)
+    except Exception:  # noqa: BLE001  a mode that cannot run under a second dispatch mode keeps its estimate
+        return None
 
 
 def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
