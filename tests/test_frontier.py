@@ -411,7 +411,7 @@ def test_the_same_frontier_run_three_times_ships_the_same_plan():
     budget = int(report.baseline_peak_bytes * 0.92)
     shipped = []
     for _ in range(3):
-        fr = run_frontier(loaded, budget_bytes=budget, reserve=0.0, plans="first-k:2,first-k:3", steps=6, warmup=1,
+        fr = run_frontier(loaded, budget_bytes=budget, reserve=0.0, plans="first-k:2,first-k:3", steps=4, warmup=1,
                           capacity_key=None, report=report)
         by = {p.plan: p for p in fr.points}
         assert by["none"].reason.startswith("over budget")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
@@ -263,7 +264,6 @@ class SegmentWrapper(CheckpointWrapper):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = super().__call__(*args, **kwargs)
-        import weakref
         self._last = weakref.ref(out) if isinstance(out, torch.Tensor) else None
         self._next = 1
         return out
