@@ -418,3 +418,15 @@ def test_the_same_frontier_run_three_times_ships_the_same_plan():
         assert [len(by[k].boundaries) for k in ("first-k:2", "first-k:3")] == [2, 3]
         shipped.append((fr.shipped.plan, fr.shipped.boundaries))
     assert shipped == [("first-k:2", ["blocks.0:full", "blocks.1:full"])] * 3
+
+
+def test_a_few_rounds_all_one_way_are_not_a_resolved_difference():
+    """NOTE [resolved differences]: 4 paired rounds, every one 1.5 ms slower, give a bootstrap interval
+    that excludes 0 (noise alone does that 1 time in 8); the sign test keeps it unresolved. Ten such
+    rounds are resolved."""
+    from remat.frontier import p50_difference
+    base = [100.0, 103.0, 98.0, 101.0, 99.5, 102.5, 97.0, 100.5, 104.0, 98.5]
+    four = p50_difference([x + 1.5 for x in base[:4]], base[:4])
+    assert four.low_ms > 0 and not four.resolved
+    ten = p50_difference([x + 1.5 for x in base], base)
+    assert ten.low_ms > 0 and ten.resolved
