@@ -18,6 +18,8 @@ backward, optimizer) of:
   ckpt_seq:S      torch.utils.checkpoint.checkpoint_sequential over the block chain,
                   S segments (S = 2, ceil(sqrt n), n); see SequentialArm for ModuleList models
   compile-amb0.5  torch.compile with torch._functorch.config.activation_memory_budget = 0.5
+  first-k@B       the first k blocks checkpointed, each alone, with the k of least predicted
+                  overhead that fits B (remat's ``first-k`` planner, issue 14)              [remat planner]
   remat optimal@B remat's optimal plan for a peak budget B (share of the control's
                   profiled peak; default 70% and 55%), planned with no reserve through the
                   closed loop
@@ -77,10 +79,14 @@ FULL = {
     "mlp": {"batch_size": 2048, "width": 128},                    # 12 uneven blocks (1x..8x hidden)
     "cnn": {"batch_size": 32, "width": 16, "blocks_per_stage": 4},  # ResNet, 12 BasicBlocks (BatchNorm)
 }
+# zoo transformers (benchmarks/zoo/, issue 14): their defaults, by file; ``--workloads hf_gpt2,...``
+ZOO_SPECS = {name: str(HERE / "zoo" / f"{name}.py") + ":build" for name in ("hf_gpt2", "hf_llama", "hf_bert_mlm")}
+FULL.update({name: {} for name in ZOO_SPECS})
 QUICK = {
     "gpt": {"batch_size": 8, "seq_len": 64, "n_layer": 4, "d_model": 128},
     "mlp": {"batch_size": 1024, "width": 64, "depth": 8},
     "cnn": {"batch_size": 16, "width": 8, "blocks_per_stage": 3},
+    **{name: {} for name in ZOO_SPECS},
 }
 
 
@@ -218,7 +224,7 @@ def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warm
                  compile_budget: float, cap_tries: int, cap_max_factor: int, log,  # noqa: ANN001
                  capacity: bool = True, seq_all: bool = False) -> dict:
     t_start = time.perf_counter()
-    loaded = load_workload(spec, shape)
+    loaded = load_workload(ZOO_SPECS.get(spec, spec), shape)
     log(f"[{spec}] profiling {shape}")
     report = profile_workload(loaded)
     control_peak = report.baseline_peak_bytes
@@ -240,6 +246,17 @@ def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warm
         add(PlanArm(spec_, plan), "control" if spec_ == "none" else "baseline", **plan_info(plan))
     plan = make_plan(report, "selective")
     add(PlanArm("sac-matmuls", plan), "baseline", **plan_info(plan))
+    plan = make_plan(report, "floor")   # remat's lowest predicted peak: at or below every baseline's? (issue 14)
+    add(PlanArm("remat floor", plan), "remat-floor", **plan_info(plan))
+    for pct in budgets:   # "checkpoint the first k blocks", the best k for each budget (issue 14)
+        try:
+            plan = make_plan(report, "first-k", budget_bytes=int(control_peak * pct / 100), reserve=0.0)
+        except InfeasibleBudget:
+            continue
+        label = f"first-k@{pct}%"
+        if any(r.boundaries == plan_info(plan)["boundaries"] for r in results.values() if r.label.startswith("first-k")):
+            continue   # the same k as a larger budget's
+        add(PlanArm(label, plan), "baseline", **plan_info(plan))
     for s in (range(2, n_blocks + 1) if seq_all else sorted({2, math.ceil(math.sqrt(n_blocks)), n_blocks})):
         add(SequentialArm(container, s), "baseline")
     if compile_:

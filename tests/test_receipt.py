@@ -19,6 +19,7 @@ import torch
 from remat.cli.main import main
 from remat.errors import ReceiptError, WorkloadError
 from remat.plan import InfeasibleBudget
+from remat.profile.segments import parse_segment
 from remat.pipeline import check_receipt, choose_workload, make_receipt
 from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, git_revision, load_receipt, render_html,
                            render_markdown, write_receipt)
@@ -148,7 +149,12 @@ def test_receipt_has_every_part(made):
         fx = b["fixture"]
         assert fx["name"] == "paired-step" and fx["seeds"] == [0, 1] and fx["steps"] == 2 and fx["passed"] is True
         assert fx["tolerance"] == {"rtol": 1e-5, "atol": 1e-8}
-        assert all(p.startswith(b["module"] + ".") for p in fx["parameters"])
+        # a segment's parameters are its members' (NOTE [segments]): blocks[0:2] covers blocks.0 and blocks.1
+        covered = [b["module"]]
+        if "[" in b["module"]:
+            seg = parse_segment(b["module"])
+            covered = [f"{seg.container}.{i}" for i in range(seg.start, seg.stop)]
+        assert fx["parameters"] and all(any(p.startswith(c + ".") for c in covered) for p in fx["parameters"])
 
     v = d["verification"]
     assert v["passed"] and {n["name"] for n in v["negative_controls"]} == {"rng_preservation_off", "perturbed_gradient"}
@@ -229,8 +235,9 @@ def test_check_fails_when_a_boundary_module_is_gone(work, capsys):
     (work / "work.py").write_text(src.replace("depth: int = 4", "depth: int = 0"))
     assert main(["check", "out/receipt.json", "--quick"]) == 1
     out = _text(capsys.readouterr().out)
-    gone = [b["module"] for b in d["plan"]["boundaries"]]
-    assert gone and all(f"FAIL model [{m}]: boundary {m} (Block): the module is gone" in out for m in gone)
+    gone = [(b["module"], b["class_name"]) for b in d["plan"]["boundaries"]]   # a segment: "segment of 2 (Block)"
+    assert gone and all(f"FAIL model [{m}]: boundary {m} ({c}): the module is gone" in out for m, c in gone)
+    assert all(c == "Block" or c.endswith("(Block)") for _, c in gone)
 
 
 # -- hostile and malformed receipts: typed ReceiptError, exit 2 ---------------------------------------

@@ -77,7 +77,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     else :class:`BudgetMissed` (exit 2) with the measured gap.
     So ``optimal`` never ships worse than ``all`` when ``all`` fits.
     """
-    budget_driven = planner.split(":")[0] in BUDGET_PLANNERS
+    budget_driven = planner in BUDGET_PLANNERS
     attempts: list[Attempt] = []
     kw = dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
               preserve_rng_state=preserve_rng_state)

@@ -55,6 +55,11 @@ def export_check_fn(plan: Plan | str | Path, model: nn.Module, *, check_fingerpr
     if guarded and not allow_unguarded:
         raise PlanError(f"boundaries {', '.join(guarded)} need remat's buffer guard, which torch's checkpoint_wrapper lacks",
                         tip="use remat.apply(model, plan), or pass allow_unguarded=True to accept double-updated buffers")
+    segments = [b.module for b in plan.boundaries if "[" in b.module]
+    if segments:
+        raise PlanError(f"boundaries {', '.join(segments)} are segments (one checkpoint around several modules), "
+                        "which torch's per-module checkpoint_wrapper cannot express",
+                        tip="apply the plan with remat.apply, or re-plan without segments")
     if any(b.module == "" for b in plan.boundaries):
         raise PlanError("the plan checkpoints the root module, which apply_activation_checkpointing never wraps",
                         tip="use remat.apply(model, plan)")

@@ -12,7 +12,8 @@ from ..errors import CandidateError, FingerprintMismatch, HandleError, PlanError
 from ..plan.model import Plan
 from ..profile.fingerprint import fingerprint
 from .policy import SaveMatmulPolicy
-from .wrapper import CheckpointWrapper
+from ..profile.segments import is_segment, segment_members
+from .wrapper import CheckpointWrapper, SegmentPassthrough, SegmentWrapper
 
 if TYPE_CHECKING:
     from ..plan.pipeline import PipelinePlan
@@ -63,12 +64,32 @@ def resolve_modules(model: nn.Module, paths: list[str]) -> dict[str, nn.Module]:
     return out
 
 
-def _check_not_nested(paths: list[str]) -> None:
+def _check_not_nested(paths: list[str], covers: dict[str, list[str]] | None = None) -> None:
+    """PlanError when two boundaries nest or overlap (a segment covers its members' subtrees)."""
+    covers = covers or {}
     for outer in paths:
         for inner in paths:
-            if inner != outer and (outer == "" or inner.startswith(outer + ".")):
-                raise PlanError(f"boundaries {outer!r} and {inner!r} are nested; a plan checkpoints a module "
-                                "or its children, never both")
+            if inner == outer:
+                continue
+            if any(o == "" or i == o or i.startswith(o + ".")
+                   for o in covers.get(outer, [outer]) for i in covers.get(inner, [inner])):
+                raise PlanError(f"boundaries {outer!r} and {inner!r} are nested or overlap; a plan checkpoints "
+                                "a module or its children, never both")
+
+
+def boundary_module(model: nn.Module, name: str) -> nn.Module:
+    """The module a boundary checkpoints; for a segment a transient ``nn.Sequential`` of its members (the
+    same module objects, not re-parented): its revision covers every member's class and parameters."""
+    members = boundary_members(model, name)
+    return nn.Sequential(*(m for _, m in members)) if is_segment(name) else members[0][1]
+
+
+def boundary_members(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    """(path, module) a boundary checkpoints: the module itself, or a segment's members (NOTE [segments]).
+    CandidateError for a module or segment the model does not have."""
+    if is_segment(name):
+        return segment_members(model, name)
+    return list(resolve_modules(model, [name]).items())
 
 
 class ApplyHandle:
@@ -146,7 +167,8 @@ def recover_handle(model: nn.Module) -> ApplyHandle:
     for path, module in model.named_modules(remove_duplicate=False):
         w = module.__dict__.get("forward")
         if isinstance(w, CheckpointWrapper) and w.module is module and w not in found:
-            w.path = path     # the path in this model (a copy of a submodule has shorter paths)
+            # the path in this model (a copy of a submodule has shorter paths)
+            w.path = w.renamed(path) if isinstance(w, SegmentWrapper) else path
             found.append(w)
     return ApplyHandle(model, None, tuple(found))
 
@@ -168,17 +190,20 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool 
     if check_fingerprint:
         check_plan_fingerprint(model, plan)
     paths = [b.module for b in plan.boundaries]
-    _check_not_nested(paths)
-    modules = resolve_modules(model, paths)
+    members = {p: boundary_members(model, p) for p in paths}   # CandidateError for a missing module/segment
+    _check_not_nested(paths, {p: [q for q, _ in ms] for p, ms in members.items() if is_segment(p)})
     seen: dict[int, str] = {}
-    for path, module in modules.items():
-        if id(module) in seen:
-            raise PlanError(f"boundaries {seen[id(module)]!r} and {path!r} are the same module object")
-        seen[id(module)] = path
-        if isinstance(module.__dict__.get("forward"), CheckpointWrapper):
-            raise PlanError(f"module {path!r} is already checkpointed by remat.apply; remove the first handle first")
+    for path, ms in members.items():
+        for mpath, module in ms:
+            if id(module) in seen:
+                raise PlanError(f"boundaries {seen[id(module)]!r} and {path!r} are the same module object")
+            seen[id(module)] = path
+            if isinstance(module.__dict__.get("forward"), (CheckpointWrapper, SegmentPassthrough)):
+                raise PlanError(f"module {mpath!r} is already checkpointed by remat.apply; remove the first handle first")
     wrappers = tuple(
-        CheckpointWrapper(modules[b.module], b.module, b.mode, guarded=b.guarded,
+        SegmentWrapper(members[b.module], b.module, b.mode, guarded=b.guarded,
+                       preserve_rng_state=plan.preserve_rng_state) if is_segment(b.module) else
+        CheckpointWrapper(members[b.module][0][1], b.module, b.mode, guarded=b.guarded,
                           preserve_rng_state=plan.preserve_rng_state, policy=policy)
         for b in plan.boundaries)
     for w in wrappers:

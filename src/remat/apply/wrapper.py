@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
@@ -183,8 +184,17 @@ class CheckpointWrapper:
             for obs in list(self.observers):
                 stack.enter_context(obs.region(self, replay=replay))
             if replay and self.guarded:
-                stack.enter_context(restore_buffers(self.module))
-            return self.original_forward(*args, **kwargs)
+                for m in self.guarded_modules():
+                    stack.enter_context(restore_buffers(m))
+            return self._region_forward(*args, **kwargs)
+
+    def _region_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """What the checkpoint runs (and replays): the module's own forward. One override point."""
+        return self.original_forward(*args, **kwargs)
+
+    def guarded_modules(self) -> list[nn.Module]:
+        """The modules whose buffers a guarded replay restores (NOTE [buffer guard])."""
+        return [self.module]
 
     # -- copies (NOTE [copies of a planned model]) --------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -199,3 +209,113 @@ class CheckpointWrapper:
         guard = ", guarded" if self.guarded else ""
         rng = "" if self.preserve_rng_state else ", rng not preserved"
         return f"CheckpointWrapper({self.path!r}, {self.mode.value}{guard}{rng})"
+
+
+class SegmentWrapper(CheckpointWrapper):
+    """One checkpoint around a run of sibling modules that pass one tensor along (NOTE [segments]
+    in remat/profile/segments.py; NOTE [segment wrapper]).
+
+    NOTE [segment wrapper]
+    Installed as the first member's ``forward`` (so the parent's own call starts it), it runs
+    every member's original forward back to back under one non-reentrant checkpoint, which
+    keeps only the first member's input. Each later member's ``forward`` becomes a
+    :class:`SegmentPassthrough` that returns its argument, which is the segment's output
+    when the parent passes one tensor along. The passthrough checks that: the argument must
+    be the very tensor the segment returned, and the members must be called in order;
+    otherwise it raises :class:`~remat.errors.PlanError` (the parent does something between
+    the members, so the segment is not a chain here). ``path`` is the segment's name
+    (``blocks[2:5]``); the members' hooks run once per call of the parent, as before.
+    """
+
+    def __init__(self, members: list[tuple[str, nn.Module]], name: str, mode: CheckpointMode, *,
+                 guarded: bool = False, preserve_rng_state: bool = True) -> None:
+        if mode is not CheckpointMode.FULL:
+            from ..errors import PlanError
+            raise PlanError(f"segment {name}: only mode 'full' is planned for segments, got {mode.value!r}")
+        super().__init__(members[0][1], name, mode, guarded=guarded, preserve_rng_state=preserve_rng_state)
+        self.member_paths = tuple(p for p, _ in members)
+        self.members = tuple(m for _, m in members)
+        self.rest_had_instance = tuple("forward" in m.__dict__ for m in self.members[1:])
+        self.rest_forwards = tuple(m.forward for m in self.members[1:])
+        self.passthroughs = tuple(SegmentPassthrough(self, k) for k in range(1, len(self.members)))
+        self._last: Any = None            # weakref to the tensor the segment last returned
+        self._next = 0                    # position of the member the parent should call next
+
+    def install(self) -> None:
+        super().install()
+        for m, pt in zip(self.members[1:], self.passthroughs):
+            m.forward = pt  # type: ignore[method-assign]
+
+    @property
+    def installed(self) -> bool:
+        return super().installed and all(m.__dict__.get("forward") is pt
+                                         for m, pt in zip(self.members[1:], self.passthroughs))
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            from ..errors import HandleError
+            raise HandleError(f"{self.path}: a member's forward was replaced after remat.apply; cannot restore it exactly")
+        super().uninstall()
+        for m, had, f in zip(self.members[1:], self.rest_had_instance, self.rest_forwards):
+            if had:
+                m.forward = f  # type: ignore[method-assign]
+            else:
+                del m.__dict__["forward"]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().__call__(*args, **kwargs)
+        self._last = weakref.ref(out) if isinstance(out, torch.Tensor) else None
+        self._next = 1
+        return out
+
+    def _region_forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = self.original_forward(*args, **kwargs)
+        for f in self.rest_forwards:
+            x = f(x)
+        return x
+
+    def guarded_modules(self) -> list[nn.Module]:
+        return list(self.members)
+
+    def passed(self, position: int, x: Any) -> Any:
+        """A later member was called by the parent with ``x`` (NOTE [segment wrapper])."""
+        last = self._last() if self._last is not None else None
+        if position != self._next or last is None or x is not last:
+            from ..errors import PlanError
+            what = ("was called out of order" if position != self._next else
+                    "received a tensor that is not the segment's output")
+            raise PlanError(f"segment {self.path}: member {self.member_paths[position]} {what}; its parent does not "
+                            "pass one tensor along these modules, so the segment cannot be checkpointed as one",
+                            tip="re-plan: remat plan offers a segment only where the profiled step shows a chain")
+        self._next = position + 1 if position + 1 < len(self.members) else 0
+        return x
+
+    def renamed(self, head_path: str) -> str:
+        """This segment's name when its first member sits at ``head_path`` (a copy of a submodule)."""
+        container, _, _ = head_path.rpartition(".")
+        start = int(self.path[self.path.rindex("[") + 1:self.path.rindex(":")])
+        stop = int(self.path[self.path.rindex(":") + 1:-1])
+        return f"{container}[{start}:{stop}]"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_last=None, _next=0)
+        return state
+
+    def __repr__(self) -> str:
+        guard = ", guarded" if self.guarded else ""
+        return f"SegmentWrapper({self.path!r}, {len(self.members)} modules{guard})"
+
+
+class SegmentPassthrough:
+    """A later member's ``forward`` under a :class:`SegmentWrapper`: hands back the segment's output."""
+
+    def __init__(self, segment: SegmentWrapper, position: int) -> None:
+        self.segment = segment
+        self.position = position
+
+    def __call__(self, x: Any) -> Any:
+        return self.segment.passed(self.position, x)
+
+    def __repr__(self) -> str:
+        return f"SegmentPassthrough({self.segment.path!r}, member {self.position})"

@@ -29,7 +29,11 @@ timing]): sample i of every plan ran in round i, so the samples are *paired*. Th
 difference ``p50(a) - p50(b)`` is resolved when its 95% bootstrap confidence interval
 (``scipy.stats.bootstrap``, rounds resampled jointly when paired, percentile method,
 2000 resamples, a fixed seed so the same samples always give the same call) excludes
-zero. Fewer than ``MIN_SAMPLES`` samples never resolve a difference. Points made without
+zero and, for paired samples, a two-sided sign test on the per-round differences rejects
+"either plan is as likely to be faster in a round" at the same level (issue 14: with n rounds
+the bootstrap alone calls noise resolved whenever all n differences share a sign, 1 in 8 at
+n = 4; the sign test needs at least 6 rounds all one way, or 9 of 10). Fewer than
+``MIN_SAMPLES`` samples never resolve a difference. Points made without
 samples (``step_ms`` empty: made-up data, reports from before this rule) compare their
 p50s as exact figures.
 """
@@ -90,7 +94,15 @@ def p50_difference(a: Sequence[float], b: Sequence[float], *, confidence: float 
                           confidence_level=confidence, n_resamples=n_resamples, method="percentile",
                           random_state=np.random.default_rng(seed))
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    return P50Difference(diff_ms=diff, low_ms=lo, high_ms=hi, resolved=lo > 0.0 or hi < 0.0, samples=n)
+    resolved = lo > 0.0 or hi < 0.0
+    if resolved and xa.size == xb.size:
+        # the rounds must also agree in sign (NOTE [resolved differences]): with n paired rounds a
+        # percentile bootstrap excludes zero whenever all n differences share a sign, which noise
+        # alone does with probability 2^(1 - n) (1 in 8 at n = 4)
+        d = xa - xb
+        wins, n_signed = int((d > 0).sum()), int((d != 0).sum())
+        resolved = n_signed > 0 and stats.binomtest(wins, n_signed, 0.5).pvalue < 1.0 - confidence
+    return P50Difference(diff_ms=diff, low_ms=lo, high_ms=hi, resolved=resolved, samples=n)
 
 def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """``a`` = (peak, p50) dominates ``b``: no worse in both, strictly better in one."""

@@ -45,8 +45,10 @@ from .model import CapacityTry, Decision, FrontierPoint, FrontierReport
 from .pareto import decide
 
 CONTROL = "none"
-DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "optimal",
-                                  "optimal@90%", "optimal@70%", "optimal@50%", "optimal@35%")
+# the strong baselines are plans on the frontier too (NOTE [baseline families] in plan/planners.py)
+DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k",
+                                  "optimal", "optimal@90%", "optimal@70%", "optimal@50%", "optimal@35%")
+_FAMILIES = ("checkpoint_sequential", "first-k")   # a family that does not apply to a model is a data point
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,7 +61,7 @@ class PlanRequest:
 
     @property
     def needs_budget(self) -> bool:
-        return self.planner.split(":")[0] in BUDGET_PLANNERS
+        return self.planner in BUDGET_PLANNERS
 
 
 def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
@@ -134,6 +136,13 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
         except BudgetError as exc:
             point.decision = Decision.INFEASIBLE
             point.reason = f"infeasible: {exc.message}"
+            points.append(point)
+            continue
+        except PlanError as exc:
+            if req.planner.split(":")[0] not in _FAMILIES:
+                raise
+            point.decision = Decision.INFEASIBLE
+            point.reason = f"not applicable: {exc.message}"
             points.append(point)
             continue
         except RematError:

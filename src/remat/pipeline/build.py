@@ -39,7 +39,7 @@ import dataclasses
 from typing import Any
 
 
-from ..apply import PlanArm
+from ..apply import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
@@ -97,7 +97,7 @@ def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int
 
 def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport, verification: VerifyReport | None,
                       savings: dict[str, int], settings: RunSettings) -> list[BoundaryRecord]:
-    named = dict(loaded.workload.model.named_modules(remove_duplicate=False))
+    model = loaded.workload.model
     costs = {c.name: c for c in report.candidates}
     tol = TOLERANCES.get(loaded.dtype, TOLERANCES["float32"])
     activity = {a.module: a for a in verification.boundaries} if verification else {}
@@ -105,8 +105,8 @@ def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport,
         if verification else ()
     out = []
     for b in plan.boundaries:
-        module = named[b.module]
-        params = tuple(f"{b.module}.{n}" for n, _ in module.named_parameters())
+        module = boundary_module(model, b.module)     # a segment: its members (NOTE [segments])
+        params = tuple(f"{p}.{n}" for p, m in boundary_members(model, b.module) for n, _ in m.named_parameters())
         passed: bool | None = None
         if verification is not None:
             if verification.passed:
@@ -117,7 +117,7 @@ def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport,
         act = activity.get(b.module)
         cost = costs.get(b.module)
         out.append(BoundaryRecord(
-            module=b.module, class_name=type(module).__qualname__, mode=b.mode.value, guarded=b.guarded,
+            module=b.module, class_name=cost.class_name if cost and cost.members else type(module).__qualname__, mode=b.mode.value, guarded=b.guarded,
             revision=module_revision(module), predicted_saving_bytes=b.saved_bytes,
             measured_saving_bytes=savings[b.module], saving_tolerance=settings.saving_tolerance,
             replay_ms=float(cost.replay_ms.get(b.mode, b.replay_ms)) if cost else float(b.replay_ms),
@@ -169,7 +169,9 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     elif ship:
         assert shipped_pt is not None and plan is not None
         mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
-        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}.")
+        family = shipped_pt.planner.split(":")[0].split("->")[0]
+        kind = "remat's own plan" if family in ("optimal", "greedy", "floor") else "a baseline"
+        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}. The {family} family won ({kind}).")
         phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
         if not ctrl_fits:
             why.append(f"Without checkpointing the step peaks at {mib(control_peak)}{phase}, over the {budget_text}.")

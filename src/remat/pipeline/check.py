@@ -44,7 +44,8 @@ from typing import Any
 
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan
-from ..errors import ReceiptError, WorkloadError
+from ..apply import boundary_module
+from ..errors import CandidateError, ReceiptError, WorkloadError
 from ..profile import FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress
 from ..units import mib
@@ -229,14 +230,17 @@ def _model_findings(receipt: Receipt, loaded: LoadedWorkload) -> list[CheckFindi
     out: list[CheckFinding] = []
     explained: set[FingerprintDiff] = set()
     for b in receipt.plan.boundaries:
-        if b.module not in named:
+        try:
+            module = boundary_module(model, b.module)   # a segment: its members (NOTE [segments])
+        except CandidateError:
+            module = None
+        if module is None:
             close = difflib.get_close_matches(b.module, list(named), n=3)
             hint = f"; closest: {', '.join(close)}" if close else ""
             out.append(CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
                                     message=f"boundary {b.module} ({b.class_name}): the module is gone{hint}"))
             explained.update(d for d in fp_diffs if d.under(b.module))
             continue
-        module = named[b.module]
         rev = module_revision(module)
         if rev != b.revision:
             classes = {type(m).__qualname__ for m in module.modules()}

@@ -13,6 +13,11 @@ which adds the two candidates' savings independently, would double count. The ch
 "candidate + its ancestors" is a clique of pairwise-exclusive candidates, which is how the
 MILP states it (one ``<= 1`` row per candidate, tighter than one row per pair).
 
+Segments (NOTE [segments] in profile/segments.py) do not nest, they *overlap*: ``h[0:4]`` and
+``h[2:6]`` share ``h.2``, and ``h[0:4]`` contains ``h.1`` and ``h.1.attn``. Any two candidates
+whose covered module paths are equal or nested are exclusive; ``_segment_cliques`` states that
+as cliques over shared paths, added to the chain cliques.
+
 NOTE [exact integer check]
 All byte figures are integers; HiGHS works in floating point with tolerances around 1e-7.
 Bytes are scaled by a power of two (exact in floating point) so that HiGHS sees figures
@@ -88,6 +93,33 @@ def ancestor_chains(candidates: Iterable[CandidateCost]) -> dict[str, tuple[str,
     return chains
 
 
+def _segment_cliques(cands: list[CandidateCost]) -> list[list[int]]:
+    """Cliques of candidates that overlap a segment (NOTE [valid choice]), as candidate indices.
+
+    A candidate *covers* module paths (itself; a segment its members). Two candidates
+    conflict when a path one covers is equal to, or inside, a path the other covers. For
+    every covered path q, the candidates covering q or an ancestor of q all contain q, so
+    they pairwise conflict: a clique; and every conflicting pair shares one such q (the
+    inner of the two paths). Only cliques with a segment in them are returned (the parent
+    chains already state the rest).
+    """
+    if not any(c.members for c in cands):
+        return []
+    covers = [c.covers for c in cands]
+
+    def within(q: str, p: str) -> bool:   # q is p or inside p's subtree
+        return q == p or q.startswith(p + ".")
+
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for q in sorted({p for cv in covers for p in cv}):
+        clique = tuple(j for j, cv in enumerate(covers) if any(within(q, p) for p in cv))
+        if len(clique) >= 2 and any(cands[j].members for j in clique) and clique not in seen:
+            seen.add(clique)
+            out.append(list(clique))
+    return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Option:
     """One (candidate, non-KEEP mode) pair a plan may pick: one binary MILP variable."""
@@ -123,6 +155,10 @@ class CostModel:
         for j, anc in enumerate(self.ancestors):
             for a in anc:
                 self.related[a].add(j)
+        self.segment_cliques = _segment_cliques(cands)   # NOTE [valid choice]: segments overlap, not nest
+        for clique in self.segment_cliques:
+            for a in clique:
+                self.related[a].update(b for b in clique if b != a)
 
         modes_of = self._allowed_modes(allowed)
         self.options: list[Option] = []
@@ -189,6 +225,10 @@ class CostModel:
             opts = [k for i in (j, *self.ancestors[j]) for k in self.options_of[i]]
             if len(opts) >= 2:
                 cliques.append(opts)
+        for clique in self.segment_cliques:
+            opts = [k for i in clique for k in self.options_of[i]]
+            if len(opts) >= 2:
+                cliques.append(opts)
         self.cliques: list[list[int]] = cliques
 
     # -- evaluation ----------------------------------------------------------------------
@@ -215,10 +255,11 @@ class CostModel:
     def check_valid(self, x: np.ndarray) -> None:
         on = {self.options[k].index for k in np.flatnonzero(x)}
         for j in on:
-            clash = [self.candidates[a].name for a in self.ancestors[j] if a in on]
+            clash = [self.candidates[a].name for a in sorted(self.related[j]) if a in on and a != j]
             if clash:
-                raise PlanError(f"candidate {self.candidates[j].name!r} and its enclosing candidate(s) {clash} "
-                                "are both checkpointed; nested checkpoints are not planned (NOTE [valid choice])")
+                raise PlanError(f"candidate {self.candidates[j].name!r} and candidate(s) {clash} that enclose it, "
+                                "lie inside it or overlap it are both checkpointed; nested or overlapping "
+                                "checkpoints are not planned (NOTE [valid choice])")
         if any(len(self.options_of[j]) and int(x[self.options_of[j]].sum()) > 1 for j in on):
             raise PlanError("a candidate was given more than one mode")
 

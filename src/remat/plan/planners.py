@@ -38,9 +38,10 @@ blocks a baseline picks.
 NOTE [sqrt for per-module wrappers]
 Chen et al. (2016) cut a chain of n layers into sqrt(n) segments and keep only the
 segment boundaries, recomputing each segment as one unit: O(sqrt(n)) memory for one
-extra forward. remat wraps each module at its own call (so non-chain models work) and
-cannot fuse several modules into one checkpoint; a checkpointed module keeps its own
-input, so checkpointing every block already keeps one boundary per block, as Chen does
+extra forward. That segment form needs the blocks to pass one tensor along; where the
+profile shows they do, it is ``checkpoint_sequential:K`` (NOTE [baseline families]).
+``sqrt`` is the per-module form, which works on any model: a checkpointed module keeps its
+own input, so checkpointing every block already keeps one boundary per block, as Chen does
 with segments of length 1 (``all``). The sqrt(n) idea that survives per-module wrapping
 is the trade between the two ends: leave k = round(sqrt(n)) blocks un-checkpointed,
 evenly spaced, and checkpoint the other n - k. The kept blocks close each of k equal
@@ -63,6 +64,20 @@ max(0, row - budget): unlike "lowers the peak", this makes progress when several
 tie at the peak); passes repeat until the peak fits or a pass takes nothing. A final
 pass drops taken options, most expensive first, that are not needed to fit. Greedy can
 miss a plan that exists: it then raises BudgetError pointing at ``optimal``.
+
+NOTE [baseline families]
+The strong baselines are planners too, so a frontier that measures them ships the best of
+them when remat's own plan is not better, and says which family won:
+- ``checkpoint_sequential:K``: torch's ``checkpoint_sequential`` over the main chain (the
+  top-level candidates that are children of the container holding the most of them, in
+  forward order, n blocks): segments of n // K blocks, all but the last checkpointed, each a
+  segment candidate (NOTE [segments] in profile/segments.py), or a block when n // K = 1. A
+  segment the profile does not offer (no chain shown) is a PlanError naming it.
+- ``first-k:K``: the first K top-level blocks, each checkpointed alone.
+- ``checkpoint_sequential`` and ``first-k`` without K take a budget: the K of least predicted
+  overhead whose predicted peak fits (ties: fewer boundaries).
+Each of these plans lies in the search space of ``optimal`` (segments and blocks are its
+candidates too), so ``optimal``'s predicted overhead is never above theirs at a budget.
 
 NOTE [closed-loop margin]
 The closed loop (apply, measure, re-plan) corrects the model with one knob,
@@ -89,8 +104,9 @@ from .budget import InfeasibleBudget, effective_budget, format_bytes
 from .cost import CostModel, ancestor_chains, checkpoint_modes
 from .model import Boundary, Exclusion, Plan
 
-PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "floor", "none")
-BUDGET_PLANNERS = ("optimal", "greedy")
+PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "checkpoint_sequential",
+                 "checkpoint_sequential:K", "first-k", "first-k:K", "floor", "none")
+BUDGET_PLANNERS = ("optimal", "greedy", "checkpoint_sequential", "first-k")
 
 
 # -- eligibility (NOTE [hazard policy]) --------------------------------------------------
@@ -252,6 +268,13 @@ class GreedyPlanner(Planner):
         model, budget = ctx.model, ctx.budget_bytes
         assert budget is not None
         x = self.search(model, budget)
+        if x is None and any(c.members for c in model.candidates):
+            # a greedy pick of a long segment can block every finer plan: retry on modules alone
+            model = CostModel(ctx.report, {n: m for n, m in ctx.eligibility.allowed.items()
+                                           if n not in {c.name for c in model.candidates if c.members}})
+            x = self.search(model, budget)
+            if x is None:
+                model = ctx.model
         if x is None:
             floor = model.peak(model.lowest_peak_x())
             if floor > budget:
@@ -334,6 +357,105 @@ class FloorPlanner(Planner):
         return ctx.model.choice(x if x is not None else ctx.model.lowest_peak_x())
 
 
+def _chain(ctx: PlanningContext) -> list[CandidateCost]:
+    """The main chain of blocks (NOTE [baseline families]): the top-level candidates that are children
+    of the container holding the most of them, in forward order."""
+    groups: dict[str, list[CandidateCost]] = {}
+    for c in ctx.top_level:
+        groups.setdefault(c.name.rpartition(".")[0], []).append(c)
+    if not groups:
+        return []
+    return max(groups.values(), key=len)
+
+
+class CheckpointSequentialPlanner(Planner):
+    """torch's ``checkpoint_sequential(blocks, K, x)`` as a plan (NOTE [baseline families]).
+
+    ``k=None``: the family at a budget, the K of least predicted overhead whose peak fits.
+    """
+
+    def __init__(self, k: int | None = None) -> None:
+        if k is not None and k < 2:
+            raise PlanError(f"checkpoint_sequential:K needs K >= 2 (K = 1 checkpoints nothing), got {k}")
+        self.k = k
+        self.spec = "checkpoint_sequential" if k is None else f"checkpoint_sequential:{k}"
+        self.needs_budget = k is None
+
+    @staticmethod
+    def segments_for(ctx: PlanningContext, k: int) -> dict[str, CheckpointMode]:
+        """The choice of ``checkpoint_sequential(chain, k)``; PlanError when a segment is not plannable."""
+        chain = _chain(ctx)
+        n = len(chain)
+        if not 2 <= k <= n:
+            raise PlanError(f"checkpoint_sequential:{k} needs 2 <= K <= {n} (the chain has {n} blocks)")
+        length = n // k
+        by_members = {c.members: c.name for c in ctx.report.candidates if c.members}
+        choice: dict[str, CheckpointMode] = {}
+        for i in range(k - 1):      # torch never checkpoints the last segment
+            run = chain[i * length:(i + 1) * length]
+            if length == 1:
+                if ctx.eligible(run[0].name, CheckpointMode.FULL):   # an excluded block stays out, as for `all`
+                    choice[run[0].name] = CheckpointMode.FULL
+                continue
+            name = by_members.get(tuple(c.name for c in run))
+            if name is None or not ctx.eligible(name, CheckpointMode.FULL):
+                what = f"{run[0].name} .. {run[-1].name}"
+                why = ctx.report.excluded.get(name, "excluded from planning") if name else \
+                    "not offered: the profiled step does not show these blocks passing one tensor along"
+                raise PlanError(f"checkpoint_sequential:{k} needs one checkpoint around {what}: {why}")
+            choice[name] = CheckpointMode.FULL
+        return choice
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        if self.k is not None:
+            return self.segments_for(ctx, self.k)
+        options = []
+        for k in range(2, len(_chain(ctx)) + 1):
+            try:
+                options.append(self.segments_for(ctx, k))
+            except PlanError:
+                continue
+        return _cheapest_fitting(ctx, options, self.spec)
+
+
+class FirstKPlanner(Planner):
+    """Checkpoint the first k top-level blocks, each on its own (NOTE [baseline families]).
+
+    ``k=None``: the k of least predicted overhead whose peak fits the budget.
+    """
+
+    def __init__(self, k: int | None = None) -> None:
+        if k is not None and k < 1:
+            raise PlanError(f"first-k:K needs K >= 1, got {k}")
+        self.k = k
+        self.spec = "first-k" if k is None else f"first-k:{k}"
+        self.needs_budget = k is None
+
+    @staticmethod
+    def first(ctx: PlanningContext, k: int) -> dict[str, CheckpointMode]:
+        return {b.name: CheckpointMode.FULL for b in ctx.top_level[:k] if ctx.eligible(b.name, CheckpointMode.FULL)}
+
+    def choose(self, ctx: PlanningContext) -> dict[str, CheckpointMode]:
+        if self.k is not None:
+            return self.first(ctx, self.k)
+        return _cheapest_fitting(ctx, [self.first(ctx, k) for k in range(1, len(ctx.top_level) + 1)], self.spec)
+
+
+def _cheapest_fitting(ctx: PlanningContext, options: list[dict[str, CheckpointMode]], spec: str) -> dict[str, CheckpointMode]:
+    """Among a family's plans, the least predicted overhead whose predicted peak fits (ties: fewer boundaries)."""
+    assert ctx.budget_bytes is not None
+    scored = []
+    for choice in options:
+        x = ctx.model.vector(choice)
+        scored.append((ctx.model.peak(x), ctx.model.overhead_ms(x), len(choice), choice))
+    fitting = [t for t in scored if t[0] <= ctx.budget_bytes]
+    if fitting:
+        return min(fitting, key=lambda t: (t[1], t[2]))[3]
+    if not scored:
+        raise PlanError(f"planner {spec!r} has no plan to offer on this model (no chain of blocks it can checkpoint)")
+    raise _infeasible(ctx, min(t[0] for t in scored))
+
+
 def _infeasible(ctx: PlanningContext, floor: int) -> InfeasibleBudget:
     assert ctx.requested_budget_bytes is not None
     return InfeasibleBudget(floor_bytes=floor, budget_bytes=ctx.requested_budget_bytes, reserve=ctx.reserve,
@@ -383,6 +505,16 @@ def planner_from_spec(spec: str) -> Planner:
               "greedy": GreedyPlanner, "optimal": OptimalPlanner, "floor": FloorPlanner}
     if text in simple:
         return simple[text]()
+    for prefix, cls in (("checkpoint_sequential", CheckpointSequentialPlanner), ("first-k", FirstKPlanner)):
+        if text == prefix:
+            return cls()
+        if text.startswith(prefix + ":"):
+            arg = text.split(":", 1)[1]
+            try:
+                k = int(arg)
+            except ValueError:
+                raise PlanError(f"{prefix}:K needs an integer K, got {arg!r}") from None
+            return cls(k)
     if text.startswith("uniform:"):
         arg = text.split(":", 1)[1]
         try:
@@ -397,7 +529,7 @@ def planner_from_spec(spec: str) -> Planner:
 
 def _top_level(report: ProfileReport) -> list[CandidateCost]:
     names = {c.name for c in report.candidates}
-    return sorted((c for c in report.candidates if c.parent is None or c.parent not in names),
+    return sorted((c for c in report.candidates if (c.parent is None or c.parent not in names) and not c.members),
                   key=lambda c: (c.order, c.name))
 
 

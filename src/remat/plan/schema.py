@@ -14,7 +14,9 @@ from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, List, N
 SHORT = Str(max_len=2_000)
 TEXT = Str(max_len=20_000)
 HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
-MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", max_len=500, what="a module path (dotted identifiers)")
+# a module path, or a segment of a container's children (NOTE [segments] in remat/profile/segments.py)
+MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*(\[[0-9]{1,6}:[0-9]{1,6}\])?|\[[0-9]{1,6}:[0-9]{1,6}\]",
+                  max_len=500, what="a module path (dotted identifiers) or a segment (container[start:stop])")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
 MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "simulated")
 MAX_MODULES = 100_000

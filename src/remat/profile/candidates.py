@@ -8,6 +8,7 @@ from collections import Counter
 from torch import nn
 
 from ..errors import CandidateError
+from .segments import is_segment, parse_segment
 
 
 def auto_candidates(model: nn.Module) -> list[str]:
@@ -31,13 +32,27 @@ def auto_candidates(model: nn.Module) -> list[str]:
     """
     modules = dict(model.named_modules())        # deduplicated: shared modules under their first path
     path_of = {id(m): p for p, m in modules.items()}
+    blocks, ancestors = _blocks(model)
+    chosen = set(blocks)
+    for b in blocks:
+        chosen.update(path_of[id(c)] for c in modules[b].children() if id(c) in path_of)
+    chosen.update(p for p, m in modules.items() if p and not _leaf(m) and p not in ancestors)
+    return [p for p in modules if p in chosen and p not in ancestors and not _no_forward(modules[p])]
 
-    def no_forward(m: nn.Module) -> bool:   # ModuleList/ModuleDict, unless a subclass gives one (DenseNet's blocks)
-        return type(m).forward is nn.Module.forward
 
-    def leaf(m: nn.Module) -> bool:
-        return next(m.children(), None) is None
+def _no_forward(m: nn.Module) -> bool:   # ModuleList/ModuleDict, unless a subclass gives one (DenseNet's blocks)
+    return type(m).forward is nn.Module.forward
 
+
+def _leaf(m: nn.Module) -> bool:
+    return next(m.children(), None) is None
+
+
+def _blocks(model: nn.Module) -> tuple[list[str], set[str]]:
+    """(the natural blocks, their ancestors with the root ``""``): NOTE [natural blocks]."""
+    modules = dict(model.named_modules())
+    path_of = {id(m): p for p, m in modules.items()}
+    no_forward, leaf = _no_forward, _leaf
     blocks: list[str] = []
     for mod in modules.values():
         container = isinstance(mod, (nn.ModuleList, nn.Sequential))
@@ -50,11 +65,21 @@ def auto_candidates(model: nn.Module) -> list[str]:
                 blocks.append(path)
     ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
     ancestors.add("")
-    chosen = set(blocks)
-    for b in blocks:
-        chosen.update(path_of[id(c)] for c in modules[b].children() if id(c) in path_of)
-    chosen.update(p for p, m in modules.items() if p and not leaf(m) and p not in ancestors)
-    return [p for p in modules if p in chosen and p not in ancestors and not no_forward(modules[p])]
+    return blocks, ancestors
+
+
+def segment_search(model: nn.Module) -> tuple[list[str], set[str]]:
+    """Where to look for segments (NOTE [segment count] in segments.py): (containers, children that end a run).
+
+    Containers: the parents of the natural blocks, and the root. A run ends at a block ancestor
+    (a stage: checkpointing it with its neighbours replays everything at once) and at a
+    module without a forward of its own.
+    """
+    blocks, ancestors = _blocks(model)
+    parents = {b.rpartition(".")[0] for b in blocks}
+    containers = [p for p, _ in model.named_modules() if p in parents or p == ""]
+    ends = {p for p, m in model.named_modules() if p and (p in ancestors or _no_forward(m))}
+    return containers, ends
 
 
 def resolve_candidates(model: nn.Module, specs: list[str] | None) -> list[str]:
@@ -71,7 +96,10 @@ def resolve_candidates(model: nn.Module, specs: list[str] | None) -> list[str]:
         by_class.setdefault(type(m).__name__, []).append(path)
     out: list[str] = []
     for spec in specs:
-        if spec in modules and spec:
+        if is_segment(spec):
+            parse_segment(spec)       # CandidateError for a malformed name; the profile checks the chain
+            out.append(spec)
+        elif spec in modules and spec:
             out.append(spec)
         elif spec in by_class:
             out += [p for p in by_class[spec] if p]

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..types import OP_POLICY_MODES, CheckpointMode, is_cheap_op, sac_saves
 from ..workload.contract import TrainingStep
 from .model import CandidateCost
+from .segments import is_segment, parse_segment, segment_members
 
 
 def _sac_policy(mode: CheckpointMode, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -64,6 +65,48 @@ def _wrap(module: nn.Module, mode: CheckpointMode) -> Callable[[], None]:
     return remove
 
 
+def region_module(model: nn.Module, modules: dict[str, nn.Module], name: str) -> nn.Module:
+    """The module a candidate names; for a segment (NOTE [segments]) a transient ``nn.Sequential`` of its
+    members (the same module objects, not re-parented), whose forward runs them back to back."""
+    if is_segment(name):
+        return nn.Sequential(*(m for _, m in segment_members(model, name)))
+    return modules[name]
+
+
+def _wrap_named(model: nn.Module, modules: dict[str, nn.Module], name: str, mode: CheckpointMode) -> Callable[[], None]:
+    """``_wrap`` for a module candidate; for a segment, checkpoint the run when its first member is
+    called and let the later members hand back their argument (what remat.apply does)."""
+    if not is_segment(name):
+        return _wrap(modules[name], mode)
+    members = [m for _, m in segment_members(model, name)]
+    head, rest = members[0], members[1:]
+    run_chain = [m.forward for m in members]       # the members' own forwards, before any wrapping
+
+    def whole(x: Any) -> Any:
+        for f in run_chain:
+            x = f(x)
+        return x
+
+    def head_forward(x: Any) -> Any:
+        return checkpoint(whole, x, use_reentrant=False)
+
+    def passthrough(x: Any) -> Any:
+        return x
+
+    had = [("forward" in m.__dict__) for m in members]
+    head.forward = head_forward   # type: ignore[method-assign]
+    for m in rest:
+        m.forward = passthrough   # type: ignore[method-assign]
+
+    def remove() -> None:
+        for m, h, f in zip(members, had, run_chain):
+            if h:
+                m.forward = f  # type: ignore[method-assign]
+            else:
+                del m.__dict__["forward"]
+    return remove
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "message", None) or exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
@@ -91,7 +134,7 @@ class _DryRunner:
         """Forward + backward with ``names`` wrapped in ``mode``; None when it ran, else the error."""
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         grads = [(p, p.grad) for p in self.model.parameters()]
-        removers = [_wrap(self.modules[n], mode) for n in names]
+        removers = [_wrap_named(self.model, self.modules, n, mode) for n in names]
         try:
             batch = self.step.batch(self.step_index)
             loss = self.step.workload.loss(self.model, batch)
@@ -110,11 +153,15 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
     """Run every measured (candidate, mode) once (NOTE [mode dry runs]); name -> mode -> error."""
     runner = _DryRunner(step, step_index)
     names = {c.name for c in candidates}
-    depth = {c.name: sum(1 for i in range(1, c.name.count(".") + 1) if ".".join(c.name.split(".")[:i]) in names)
-             for c in candidates}
+    # levels never overlap: module candidates by nesting depth; segments by (container, length),
+    # whose tilings are disjoint (NOTE [segment count])
+    depth: dict[str, tuple] = {
+        c.name: ((1, parse_segment(c.name).container, len(c.members)) if c.members else
+                 (0, sum(1 for i in range(1, c.name.count(".") + 1) if ".".join(c.name.split(".")[:i]) in names)))
+        for c in candidates}
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
     for mode in (m for m in CheckpointMode if m is not CheckpointMode.KEEP):
-        levels: dict[int, list[str]] = defaultdict(list)
+        levels: dict[tuple, list[str]] = defaultdict(list)
         for c in candidates:
             if mode in c.saved_bytes:
                 levels[depth[c.name]].append(c.name)

@@ -25,6 +25,7 @@ The rows follow NOTE [peak cost model] in profile/model.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -39,13 +40,14 @@ from ..trace.recorder import ModuleWindow, StepRecorder
 from ..types import OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, ProgressFn, is_cheap_op, no_progress, sac_saves
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
-from .candidates import parent_of, resolve_candidates
+from .candidates import parent_of, resolve_candidates, segment_search
 from .confirm import confirm_hazards
 from .dryrun import dry_run_modes
 from .replay import ReplayEstimate, measure_replay_costs
 from .fingerprint import fingerprint
 from .hazards import HazardProbe
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
+from .segments import ChainProbe, is_segment, parse_segment, run_segments
 
 if TYPE_CHECKING:
     from ..simulate.runtime import RuntimePrediction
@@ -81,10 +83,13 @@ class _OpLog:
         self.device_moves: list[tuple[int, str, str]] = []  # (event, module, "cpu -> cuda:0")
         self.inplace: list[tuple[int, str, int]] = []     # (event, module, storage key written in place)
         self.rng_ops: list[tuple[int, str, str]] = []     # (event, module, op) ops that draw random numbers
+        self.chain: ChainProbe | None = None              # NOTE [single tensor passed along]
 
     def __call__(self, func: Any, args: tuple, out: Any, ns: int, ev: int) -> None:
         name = _packet(func)
         mod = self.rec.tracker.module
+        if self.chain is not None:
+            self.chain.read(args, mod)
         pointwise = is_cheap_op(func)   # pointwise or a view (NOTE [op-level policies])
         self.ops.append((ev, mod, name, pointwise, ns))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
@@ -181,8 +186,30 @@ def _inside(w: ModuleWindow, event: int, module: str) -> bool:
     module stack is exact: the op belongs to ``w`` when it ran while ``w``'s module (or
     one nested in it) was the innermost module running, and inside ``w``'s event range.
     """
-    in_module = module == w.name or module.startswith(w.name + ".")
+    paths = getattr(w, "members", None) or (w.name,)    # a segment's region covers its members
+    in_module = any(module == p or module.startswith(p + ".") for p in paths)
     return in_module and w.fwd_start <= event <= w.fwd_end
+
+
+@dataclasses.dataclass(kw_only=True)
+class _SegmentRegion:
+    """A segment's forward as one window (NOTE [segments]): from its first member's start to its last's end."""
+
+    name: str
+    members: tuple[str, ...]
+    fwd_start: int
+    fwd_end: int
+    fwd_start_ns: int
+    fwd_end_ns: int
+    fwd_peak: int
+    input_keys: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, members: list[str], windows: dict[str, ModuleWindow]) -> "_SegmentRegion":
+        ws = [windows[m] for m in members]
+        return cls(name=name, members=tuple(members), fwd_start=ws[0].fwd_start, fwd_end=ws[-1].fwd_end,
+                   fwd_start_ns=ws[0].fwd_start_ns, fwd_end_ns=ws[-1].fwd_end_ns,
+                   fwd_peak=max(w.fwd_peak for w in ws), input_keys=ws[0].input_keys)
 
 
 class _StepEvidence:
@@ -241,33 +268,48 @@ class _StepEvidence:
 
 
 def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int = 2, repeats: int = 5,
-                 runtime: Callable[[int], RuntimePrediction] | None = None,
+                 runtime: Callable[[int], RuntimePrediction] | None = None, segments: bool = False,
                  progress: ProgressFn = no_progress) -> ProfileReport:
     """Profile ``candidate_names`` on ``step`` (NOTE [what one profiled step gives]).
 
     ``runtime``: a simulated step's predicted times (remat.simulate): under FakeTensorMode
     wall clocks mean nothing, so forward/replay ms come from the device model instead.
+    ``segments``: also search for segment candidates (NOTE [segments]); segment names among
+    ``candidate_names`` (``blocks[2:5]``) are offered when the step shows they are chains.
+    Simulated profiles offer no segments.
     """
     model = step.workload.model
     names = {id(m): n for n, m in model.named_modules()}
     modules = dict(model.named_modules())
+    asked_segments = [n for n in candidate_names if is_segment(n)]
+    candidate_names = [n for n in candidate_names if not is_segment(n)]
     cand_set = set(candidate_names)
+    chain: ChainProbe | None = None
+    if runtime is None and (segments or asked_segments):
+        containers, ends = segment_search(model)
+        containers = sorted(set(containers if segments else []) | {parse_segment(n).container for n in asked_segments})
+        chain = ChainProbe(model, containers, ends)
+    chain_children = {p for kids in (chain.children.values() if chain else ()) for p in kids}
     warm_up(step, warmup, progress=progress, what="profile: warm-up")
     base = measure_step_peak(step, warmup)
     predicted: RuntimePrediction | None = None
     if runtime is None:
-        fwd_ms, step_ms = _time_forwards(step, names, cand_set, repeats, warmup + 1)
+        fwd_ms, step_ms = _time_forwards(step, names, cand_set | chain_children, repeats, warmup + 1)
     else:
         predicted = runtime(warmup + 1)
         fwd_ms, step_ms = {n: predicted.replay_ms(n, CheckpointMode.FULL) for n in candidate_names}, [predicted.step_ms]
     progress("profile: timing", 1, 1)
 
-    probes = {n: HazardProbe(modules[n], compare_rng_state=runtime is None) for n in candidate_names}
+    probes = {n: HazardProbe(modules[n], compare_rng_state=runtime is None)
+              for n in [*candidate_names, *sorted(chain_children - cand_set)] if n in modules}
     pre_h = register_module_forward_pre_hook(lambda m, a: probes[names[id(m)]].before() if names.get(id(m)) in probes else None)
     post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after() if names.get(id(m)) in probes else None)
     try:
         with StepRecorder(step, names=names) as rec:
             oplog = _OpLog(rec)
+            if chain is not None:
+                chain.install(rec.tracker.records)
+                oplog.chain = chain
             rec.tracker.op_observer = oplog
             start_event = rec.tracker.events
             rec.run(warmup + 1 + repeats)
@@ -275,6 +317,8 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     finally:
         pre_h.remove()
         post_h.remove()
+        if chain is not None:
+            chain.remove()
     progress("profile: saved tensors", 1, 1)
 
     windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
@@ -328,23 +372,74 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
                                    parent=parent_of(name, cand_set), fwd_ms=t_fwd,
                                    input_bytes=unsaved_inputs, saved_bytes=saved, replay_ms=replay,
                                    replay_extra_bytes=extras, hazards=evidence.hazards(w, probes[name].found)))
+    # segments (NOTE [segments]): runs of linked children, tiled; members' hazards confirmed below
+    seg_members: dict[str, list[str]] = {}
+    if chain is not None:
+        runs = chain.runs()
+        offered = [s for c, first, n in runs
+                   for s in run_segments(c, first, n, children=len(chain.children[c]))] if segments else []
+        for name in asked_segments:
+            seg = parse_segment(name)
+            inside = any(c == seg.container and first <= seg.start and seg.stop <= first + n for c, first, n in runs)
+            if not inside:
+                excluded[name] = ("not a chain in the profiled step: its modules do not pass one tensor along "
+                                  "(NOTE [single tensor passed along])")
+            elif seg not in offered:
+                offered.append(seg)
+        for seg in offered:
+            kids = chain.children[seg.container][seg.start:seg.stop]
+            if str(seg) not in excluded and all(k in last_window for k in kids):
+                seg_members[str(seg)] = kids
+    cost_names = {c.name for c in costs}
+    member_hazards = {m: evidence.hazards(last_window[m], probes[m].found)
+                      for ms in seg_members.values() for m in ms if m not in cost_names and m in probes}
     refuted: dict[str, list[str]] = {}
     if runtime is None:   # fake tensors cannot be compared: simulated profiles keep suspicions
         progress("profile: confirming hazards", 0, 1)
-        kept, dropped = confirm_hazards(step, modules, {c.name: c.hazards for c in costs if c.hazards},
-                                        warmup + 1 + repeats + 1)
+        suspects = {c.name: c.hazards for c in costs if c.hazards}
+        suspects.update({m: hs for m, hs in member_hazards.items() if hs})
+        kept, dropped = confirm_hazards(step, modules, suspects, warmup + 1 + repeats + 1)
         for c in costs:
             if c.hazards:
                 c.hazards = kept.get(c.name, [])
+        for m in member_hazards:
+            member_hazards[m] = kept.get(m, [])
         refuted = {n: [f"{h.kind.value}: {h.detail}" for h in hs] for n, hs in dropped.items()}
         progress("profile: confirming hazards", 1, 1)
+    final_hazards = {c.name: c.hazards for c in costs}
+    for name, kids in seg_members.items():
+        region = _SegmentRegion.of(name, kids, last_window)
+        full_saved, unsaved_inputs = evidence.full_saved_bytes(region)   # type: ignore[arg-type]
+        if full_saved <= 0:
+            excluded[name] = f"frees nothing until backward: it would keep {unsaved_inputs} bytes of inputs"
+            idle.append(name)
+            continue
+        # a member's in-place write into its input writes an intermediate of the segment, which
+        # the segment's replay recreates: only the first member's counts (as for nested candidates)
+        hazards = [h for i, k in enumerate(kids) for h in final_hazards.get(k, member_hazards.get(k, []))
+                   if i == 0 or h.kind is not HazardKind.INPLACE_INPUT]
+        seen: set[tuple[HazardKind, str]] = set()
+        hazards = [h for h in hazards if not ((h.kind, h.detail) in seen or seen.add((h.kind, h.detail)))]
+        t_fwd = sum(fwd_ms.get(k, (last_window[k].fwd_end_ns - last_window[k].fwd_start_ns) / 1e6) for k in kids)
+        extra = max(0, evidence.forward_rise(region) - full_saved)   # type: ignore[arg-type]
+        firsts = [_bwd_window(k, last_window) for k in kids]
+        starts = [a for a, _ in firsts if a is not None]
+        ends_ = [b for _, b in firsts if b is not None]
+        spans[name] = (region.fwd_start, region.fwd_end, min(starts) if starts else None, max(ends_) if ends_ else None)
+        costs.append(CandidateCost(
+            name=name, class_name=f"segment of {len(kids)} ({type(modules[kids[0]]).__name__})",
+            order=region.fwd_start, parent=parent_of(kids[0], cand_set), fwd_ms=t_fwd, input_bytes=unsaved_inputs,
+            saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
+            replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
+            replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
+            hazards=hazards, members=tuple(kids)))
     costs.sort(key=lambda c: c.order)
     for i, c in enumerate(costs):
         c.order = i
     kept = {c.name for c in costs}
     for c in costs:  # a parent that was excluded no longer constrains its children
         if c.parent is not None and c.parent not in kept:
-            c.parent = parent_of(c.parent, kept)
+            c.parent = parent_of(c.parent, kept - {n for n in kept if is_segment(n)})
     rows = _rows(rec, {n: s for n, s in spans.items() if n in kept}, start_event)
     phase_peaks = _phase_peaks(rec, start_event)
     return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
@@ -384,7 +479,7 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     """
     step = TrainingStep(loaded.workload)
     names = resolve_candidates(loaded.workload.model, candidates)
-    report = profile_step(step, names, warmup=warmup, repeats=repeats, progress=progress)
+    report = profile_step(step, names, warmup=warmup, repeats=repeats, segments=not candidates, progress=progress)
     progress("profile: dry runs of each mode", 0, 1)
     exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
     progress("profile: dry runs of each mode", 1, 1)
@@ -403,6 +498,8 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
             if mode in c.replay_ms:
                 c.replay_ms[mode] = est.ms
                 c.replay_spread_ms[mode] = est.spread_ms
+            if est.extra_bytes is not None and mode in c.replay_extra_bytes:
+                c.replay_extra_bytes[mode] = est.extra_bytes     # NOTE [measured replay bytes]
     report.replay_unmeasured = dict(unmeasured)
 
 

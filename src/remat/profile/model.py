@@ -50,6 +50,14 @@ class CandidateCost:
     # interquartile range of each measured replay cost (NOTE [measured replay costs]); a mode
     # missing here kept its first estimate (simulated, or not measurable alone)
     replay_spread_ms: dict[CheckpointMode, float] = dataclasses.field(default_factory=dict)
+    # a segment (NOTE [segments] in profile/segments.py) lists its member module paths, in order;
+    # a module candidate lists none
+    members: tuple[str, ...] = ()
+
+    @property
+    def covers(self) -> tuple[str, ...]:
+        """The module paths whose subtrees this candidate checkpoints (itself, or a segment's members)."""
+        return self.members or (self.name,)
 
     @property
     def modes(self) -> list[CheckpointMode]:
@@ -64,6 +72,7 @@ class CandidateCost:
             "replay_extra_bytes": {m.value: v for m, v in self.replay_extra_bytes.items()},
             "hazards": [{"kind": h.kind.value, "detail": h.detail, "guardable": h.guardable} for h in self.hazards],
             "replay_spread_ms": {m.value: v for m, v in self.replay_spread_ms.items()},
+            "members": list(self.members),
         }
 
     @classmethod
@@ -77,6 +86,7 @@ class CandidateCost:
             hazards=[HazardRecord(kind=HazardKind(h["kind"]), detail=h["detail"], guardable=bool(h["guardable"]))
                      for h in d.get("hazards", [])],
             replay_spread_ms={CheckpointMode(k): float(v) for k, v in d.get("replay_spread_ms", {}).items()},
+            members=tuple(str(m) for m in d.get("members", ())),
         )
 
 

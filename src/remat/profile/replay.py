@@ -52,7 +52,8 @@ from ..measure import StepClock, percentile
 from ..memory.measure import model_device
 from ..types import CheckpointMode
 from ..workload.contract import TrainingStep
-from .dryrun import _first_line, _wrap, put_back
+from .dryrun import _first_line, _wrap, put_back, region_module
+from .segments import is_segment, segment_members
 from .model import CandidateCost
 
 
@@ -63,6 +64,9 @@ class ReplayEstimate:
     ms: float          # time(mode) - time(KEEP), each the median of its fastest samples, clamped at 0
     spread_ms: float   # the wider of the two arms' kept ranges (max - min)
     rounds: int        # timed rounds it took
+    # peak live bytes of the region's forward + backward under the mode, less the same without
+    # checkpointing, clamped at 0 (NOTE [measured replay bytes]); None when it could not be measured
+    extra_bytes: int | None = None
 
 
 def robust_time(samples: list[float], *, trim: float = 0.5) -> tuple[float, float]:
@@ -163,11 +167,38 @@ def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[t
             est = [robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim) for m in modes]
             if spent > time_budget_ms or all(s <= max(spread_floor_ms, max_rel_spread * abs(c)) for c, s in est):
                 break
+    peaks = {arm.mode: _peak_bytes(arm) for arm in arms}   # untimed: the tracker slows every op
     out = {}
     for m in modes:
         c, s = robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim)
-        out[m] = ReplayEstimate(ms=max(0.0, c), spread_ms=s, rounds=rounds)
+        extra = None if peaks[m] is None or peaks[CheckpointMode.KEEP] is None else \
+            max(0, peaks[m] - peaks[CheckpointMode.KEEP])   # type: ignore[operator]
+        out[m] = ReplayEstimate(ms=max(0.0, c), spread_ms=s, rounds=rounds, extra_bytes=extra)
     return out
+
+
+def _peak_bytes(arm: "_RegionArm") -> int | None:
+    """Peak live bytes (CPU live-tensor tracker) of one run of ``arm``; None if it cannot run tracked.
+
+    NOTE [measured replay bytes]
+    The cost model adds ``replay_extra_bytes`` to the rows where a checkpointed candidate
+    replays: what its replay holds beyond the activations it recreates. The first estimate
+    (how far its forward rose above its entry level, less what it saves) counts every
+    transient and the region's output, but a non-reentrant replay frees what nobody saved as
+    it goes and stops early once the saved tensors are back (``early_stop``): on ``cnn`` that
+    over-predicted the peak of ``all`` by 6 points of the control's peak. So the region runs
+    once more per arm under the live-tensor tracker: without checkpointing its peak is at the
+    end of forward (inputs, saved tensors, output, output gradient); checkpointed it is in
+    the replay (the same, plus what the replay holds beyond them), so the difference of the
+    two peaks is the replay's extra, measured.
+    """
+    from ..memory.tracker import LiveTensorTracker
+    try:
+        with LiveTensorTracker(keep_timeline=False) as t:
+            arm.run()
+        return int(t.peak_bytes)
+    except Exception:  # noqa: BLE001  a mode that cannot run under a second dispatch mode keeps its estimate
+        return None
 
 
 def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
@@ -184,6 +215,8 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     model = step.workload.model
     modules = dict(model.named_modules())
     wanted = {c.name for c in candidates if any(m is not CheckpointMode.KEEP for m in c.replay_ms)}
+    # a segment's inputs are its first member's (NOTE [segments])
+    first_member = {n: segment_members(model, n)[0][0] for n in wanted if is_segment(n)}
     grads = [(p, p.grad) for p in model.parameters()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     clock = StepClock(model_device(step))
@@ -191,7 +224,8 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     results: dict[str, dict[CheckpointMode, ReplayEstimate]] = {}
     unmeasured: dict[str, str] = {}
     try:
-        inputs = _capture_inputs(step, modules, wanted, step_index)
+        inputs = _capture_inputs(step, modules, (wanted - set(first_member)) | set(first_member.values()), step_index)
+        inputs.update({n: inputs[f] for n, f in first_member.items() if f in inputs})
         gc.collect()
         gc.disable()   # a collection inside a timed run is noise, not replay cost
         todo = [c for c in candidates if c.name in wanted]
@@ -202,7 +236,7 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
                 continue
             modes = [m for m in CheckpointMode if m is not CheckpointMode.KEEP and m in c.replay_ms]
             try:
-                results[c.name] = _measure_one(modules[c.name], modes, inputs[c.name], clock,
+                results[c.name] = _measure_one(region_module(model, modules, c.name), modes, inputs[c.name], clock,
                                                min_rounds=min_rounds, max_rounds=max_rounds,
                                                max_rel_spread=max_rel_spread, spread_floor_ms=spread_floor_ms,
                                                trim=trim, time_budget_ms=time_budget_ms)

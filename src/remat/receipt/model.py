@@ -115,7 +115,8 @@ class RunSettings:
     verify_seeds: int = 3
     verify_timing_steps: int = 10
     frontier_plans: list[str] = dataclasses.field(default_factory=lambda: [
-        "none", "all", "uniform:2", "sqrt", "selective", "optimal", "optimal@70%", "optimal@50%"])
+        "none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k", "optimal", "optimal@70%",
+        "optimal@50%"])
     frontier_steps: int = 10
     frontier_warmup: int = 2
     capacity_key: str | None = "batch_size"
