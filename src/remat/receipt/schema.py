@@ -19,7 +19,7 @@ from .. import _json
 from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
                      Spec, Str, Tuple, show)
 from ..errors import ReceiptError
-from ..plan.schema import FINGERPRINT, PLAN
+from ..plan.schema import COMPILE, FINGERPRINT, PLAN
 from ..types import HazardKind
 
 MAX_BYTES = _json.MAX_BYTES
@@ -60,7 +60,7 @@ RUN_MODE = Enum("train", "eval")   # verify.model.RunMode
 # verify.model.Site: where a divergence showed first
 SITE = Enum("forward call order", "forward output", "gradient", "buffer", "python attribute",
             "parameter after optimizer step", "generator state", "loss or outputs")
-MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "simulated")
+MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
 TEXT = Str(max_len=20_000)
 SHORT = Str(max_len=2_000)
@@ -134,7 +134,7 @@ FRONTIER_POINT = Obj({
 }, {
     "plan_budget_bytes": Opt(SIGNED_BYTES), "predicted_peak_bytes": Opt(SIGNED_BYTES), "memory_source": Opt(SHORT),
     "predicted_overhead_ms": Opt(SIGNED_MS), "predicted_step_ms": Opt(SIGNED_MS),
-    "num_alloc_retries": Opt(COUNT), "capacity_p50_ms": Opt(MS),
+    "num_alloc_retries": Opt(COUNT), "capacity_p50_ms": Opt(MS), "compile": Opt(COMPILE), "compile_s": Opt(Num(0, 1e7)),
     "capacity_search": Opt(Obj({
         "key": SHORT, "capacity": COUNT, "resolved": Bool(), "capped": Bool(), "limit_bytes": SIGNED_BYTES,
         "tries": List(Obj({"value": Int(-2 ** 31, 2 ** 31), "peak_bytes": Opt(BYTES), "oom": Bool(), "error": Opt(TEXT)}),
@@ -145,6 +145,9 @@ FRONTIER = Obj({
     "schema_version": Enum(1), "context": Map(JsonValue(), max_len=200), "budget_bytes": Int(1, 2 ** 53),
     "reserve": Num(0, 0.999999), "effective_budget_bytes": SIGNED_BYTES, "capacity_key": SHORT, "control": SHORT,
     "shipped": Opt(SHORT), "points": List(FRONTIER_POINT, max_len=200), "shipped_plan": Opt(PLAN),
+}, {
+    "budget_search": List(Obj({"ratio": Num(0, 1), "peak_bytes": Opt(BYTES), "fits": Bool(),
+                               "compile_s": Opt(Num(0, 1e7)), "error": Opt(TEXT)}), max_len=100),
 })
 
 REJECTED = Obj({"plan": SHORT, "decision": Enum("reject", "infeasible", "failed", "unverified"), "reason": TEXT,
