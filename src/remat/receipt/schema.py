@@ -124,7 +124,7 @@ VERIFICATION = Obj({
                             "forward_calls": Map(COUNT, max_len=4), "replay_calls": Map(COUNT, max_len=4),
                             "draws_rng": Bool(), "replay_mutations": List(TEXT), "device_moves": List(TEXT)})),
     "repeatable": Bool(), "failures": List(TEXT), "warnings": List(TEXT),
-})
+}, {"compile": Opt(COMPILE)})
 
 FRONTIER_POINT = Obj({
     "plan": SHORT, "planner": SHORT, "decision": Enum("ship", "reject", "infeasible", "failed"), "reason": TEXT,
