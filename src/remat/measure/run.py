@@ -193,6 +193,13 @@ class StepMeasurement:
     def p50_ms(self) -> float:
         return percentile(self.step_ms, 50.0)
 
+    def to_json(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak_bytes, "memory_source": self.memory_source.value,
+                "step_ms": [round(t, 4) for t in self.step_ms],
+                "p50_ms": self.p50_ms if self.step_ms else None,
+                "p95_ms": percentile(self.step_ms, 95.0) if self.step_ms else None,
+                "num_alloc_retries": self.num_alloc_retries, "compile_s": self.compile_s}
+
 
 def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int = 3) -> StepMeasurement:
     """Peak and warm step times of ``arm`` on a fresh build (NOTE [solo peaks]): ``warmup``

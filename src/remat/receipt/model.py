@@ -124,6 +124,7 @@ class RunSettings:
     saving_tolerance: float = 0.10    # a boundary's re-measured saving may fall this much (relative)
     saving_warmup: int = 1
     note: str = ""
+    compile: dict[str, Any] | None = None   # CompileSpec JSON: made with --compile (NOTE [compiled receipts])
 
     def __post_init__(self) -> None:
         for name in ("trace_warmup", "trace_steps", "verify_steps", "verify_seeds", "frontier_steps",

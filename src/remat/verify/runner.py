@@ -174,10 +174,13 @@ class _Compiled:
         return TOLERANCES if self.spec is None else COMPILED_TOLERANCES
 
     def role(self, name: str) -> CompiledFunction | None:
+        """The control compiles at torch's default activation_memory_budget; the plan's roles at
+        the plan's own (a torch-budget plan is the unplanned model compiled at another ratio)."""
         if self.spec is None:
             return None
         if name not in self.functions:
-            self.functions[name] = CompiledFunction(self.spec)
+            spec = dataclasses.replace(self.spec, memory_budget=None) if name == "control" else self.spec
+            self.functions[name] = CompiledFunction(spec)
         return self.functions[name]
 
 
