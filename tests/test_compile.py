@@ -126,3 +126,70 @@ def test_frontier_compile_refuses_zero_budget_tries():
     loaded = load_workload("mlp", TINY["mlp"])
     with pytest.raises(RematError, match="budget_tries"):
         run_frontier(loaded, budget_bytes=10**9, compile=CompileSpec(), budget_tries=0, capacity_key=None)
+
+
+def test_plan_json_carries_the_compile_spec_and_refuses_a_bad_one():
+    """A plan made with --compile says how it runs; the hardened loader checks the field like any other."""
+    import json
+    from remat.plan import Plan
+    from remat.errors import PlanError
+    loaded = load_workload("mlp", TINY["mlp"])
+    plan = hand_plan(loaded.workload.model, ["blocks.0"])
+    plan.compile = CompileSpec(memory_budget=0.4)
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again.compile == CompileSpec(memory_budget=0.4)
+    assert PlanArm("p", again).compile == CompileSpec(memory_budget=0.4)   # measured compiled wherever it runs
+    bad = plan.to_json()
+    bad["compile"] = {"backend": "inductor", "memory_budget": 1.5}
+    with pytest.raises(PlanError, match="compile"):
+        Plan.from_json(bad)
+    bad["compile"] = {"backend": "inductor", "memory_budget": 0.5, "code": "import os"}
+    with pytest.raises(PlanError):
+        Plan.from_json(bad)
+
+
+def test_modes_not_covered_follow_the_compiled_receipt():
+    from remat.pipeline.build import unsupported_modes
+    loaded = load_workload("mlp", TINY["mlp"])
+    eager_plan = hand_plan(loaded.workload.model, ["blocks.0"])
+    compiled_plan = hand_plan(loaded.workload.model, ["blocks.0"])
+    compiled_plan.compile = CompileSpec()
+    modes = lambda plan, compiled: [m.mode for m in unsupported_modes(loaded, plan, None, compiled=compiled)]  # noqa: E731
+    assert "torch.compile" in modes(eager_plan, False)            # an eager receipt: compile not covered
+    assert "torch.compile" not in modes(compiled_plan, True)      # a compiled receipt shipping a compiled plan
+    assert "eager execution" in modes(compiled_plan, True)        # ... then eager is what was not verified
+    assert "torch.compile" in modes(eager_plan, True)             # --compile, but the eager plan shipped
+
+
+def test_held_bytes_refuse_a_compiled_arm():
+    """The live-tensor tracker would run compiled code eagerly: measuring held bytes on a compiled arm
+    is refused (typed), never silently an eager figure."""
+    from remat.measure import held_bytes_at_phase, probe_capacity
+    from remat.types import Phase
+    loaded = load_workload("mlp", TINY["mlp"])
+    arm = Arm("c", compile=CompileSpec())
+    with pytest.raises(RematError, match="tracker"):
+        held_bytes_at_phase(loaded, arm, Phase.BACKWARD)
+    probe = probe_capacity(loaded, arm, "batch_size", 16, 10**9)
+    assert probe.peak_bytes is None and "compiled" in (probe.error or "")
+
+
+@pytest.mark.compile
+def test_receipt_with_compile_ships_verifies_and_checks_compiled(tmp_path):
+    from remat.pipeline import check_receipt, make_receipt
+    from remat.receipt.model import RunSettings
+    loaded = load_workload("mlp", MLP)
+    settings = RunSettings(verify_steps=1, verify_seeds=1, verify_timing_steps=0, frontier_plans=["none", "optimal"],
+                           frontier_steps=3, frontier_warmup=1, capacity_key=None, trace_steps=1, trace_warmup=1)
+    receipt = make_receipt(loaded, budget="85%", reserve=0.0, settings=settings, compile=CompileSpec())
+    assert receipt.settings.compile == {"backend": "inductor", "memory_budget": None}
+    compiled_points = [p for p in receipt.frontier.points if p.compile is not None]
+    assert compiled_points and all(p.memory_source == "cpu-profiler-allocator" for p in compiled_points)
+    assert receipt.frontier.budget_search and receipt.frontier.budget_search[0].ratio == 1.0
+    assert receipt.shipped
+    plan = receipt.plan.plan
+    if plan.compile is not None:
+        assert receipt.verification is not None and receipt.verification.compile is not None
+        assert "torch.compile" not in [m.mode for m in receipt.unsupported]
+    report = check_receipt(receipt, quick=True)
+    assert report.passed, report.failures

@@ -182,7 +182,7 @@ class FrontierReport:
             "shipped": None if shipped is None else shipped.plan,
             "points": [p.to_json() for p in self.points],
             "shipped_plan": self.shipped_plan,
-            "budget_search": [t.to_json() for t in self.budget_search],
+            **({"budget_search": [t.to_json() for t in self.budget_search]} if self.budget_search else {}),
         }
 
     @classmethod

@@ -78,7 +78,10 @@ class Plan:
         d["boundaries"] = [{**dataclasses.asdict(b), "mode": b.mode.value} for b in self.boundaries]
         d["excluded"] = [dataclasses.asdict(e) for e in self.excluded]
         d["fingerprint"] = self.fingerprint.to_json()
-        d["compile"] = None if self.compile is None else self.compile.to_json()
+        if self.compile is None:
+            del d["compile"]   # eager plans read as they always did
+        else:
+            d["compile"] = self.compile.to_json()
         return d
 
     @classmethod

@@ -137,7 +137,10 @@ class RunSettings:
             raise RematError(f"saving_tolerance must lie in [0, 1], got {self.saving_tolerance}")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.compile is None:
+            del d["compile"]   # eager receipts read as they always did
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RunSettings":

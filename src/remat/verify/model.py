@@ -356,7 +356,7 @@ class VerifyReport:
             "repeatable": self.repeatable,
             "failures": list(self.failures),
             "warnings": list(self.warnings),
-            "compile": self.compile,
+            **({} if self.compile is None else {"compile": self.compile}),
         }
 
     @classmethod
