@@ -193,3 +193,16 @@ def test_receipt_with_compile_ships_verifies_and_checks_compiled(tmp_path):
         assert "torch.compile" not in [m.mode for m in receipt.unsupported]
     report = check_receipt(receipt, quick=True)
     assert report.passed, report.failures
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_peaks_on_cuda_come_from_the_allocator():
+    loaded = load_workload("mlp", {**MLP, "batch_size": 4096, "width": 256}, device="cuda")
+    default = measure_arm(loaded, Arm("c1", compile=CompileSpec()), warmup=2, steps=2)
+    half = measure_arm(loaded, Arm("c.5", compile=CompileSpec(memory_budget=0.5)), warmup=2, steps=2)
+    eager = measure_arm(loaded, Arm("eager"), warmup=2, steps=0)
+    assert default.memory_source is MemorySource.CUDA_ALLOCATOR is half.memory_source
+    # the allocator's peak of the compiled default step is within 10% of the eager step's (same saved set)
+    assert abs(default.peak_bytes - eager.peak_bytes) <= 0.10 * eager.peak_bytes
+    assert half.peak_bytes < default.peak_bytes
