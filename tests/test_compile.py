@@ -206,3 +206,22 @@ def test_compiled_peaks_on_cuda_come_from_the_allocator():
     # the allocator's peak of the compiled default step is within 10% of the eager step's (same saved set)
     assert abs(default.peak_bytes - eager.peak_bytes) <= 0.10 * eager.peak_bytes
     assert half.peak_bytes < default.peak_bytes
+
+
+def test_parameter_tolerance_under_compile_is_two_learning_rates():
+    """Ground truth by hand: AdamW's first step moves an element by lr x sign(grad); a sign flip of a
+    near-zero gradient element is 2 lr, which the compiled parameter tolerance allows and no more."""
+    from remat.verify.runner import _param_tolerances
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.tensor([1e-6, -1e-6, 1.0, -1.0])   # 1e-6: within compiled rounding of a 0.1-sized gradient
+    opt.step()
+    flipped = torch.nn.Parameter(torch.zeros(4))
+    opt2 = torch.optim.AdamW([flipped], lr=1e-3)
+    flipped.grad = torch.tensor([-1e-6, -1e-6, 1.0, -1.0])   # one element's sign flipped by rounding
+    opt2.step()
+    diff = float((p - flipped).abs().max())
+    assert 0.98 * 2e-3 < diff <= 2e-3   # 2 lr x |g| / (|g| + eps), eps = 1e-8
+    tol = _param_tolerances(COMPILED_TOLERANCES, opt)["float32"]
+    assert tol.allows(diff, float(p.abs().max())) and not COMPILED_TOLERANCES["float32"].allows(diff, float(p.abs().max()))
+    assert not tol.allows(3 * diff, float(p.abs().max()))
