@@ -41,9 +41,12 @@ def test_compile_spec_refuses_bad_budgets_and_backends():
 def test_compiled_arms_keep_their_own_graphs_and_budget():
     """Two compiled arms of one model class, different budgets: different measured peaks, each by
     torch.profiler's allocator events (the instrument is named), compile time apart from warm steps."""
+    # aot_eager: AOTAutograd's partitioner (where the budget acts) without inductor's codegen, so the
+    # test costs about a second per compile; inductor runs in the verify test below
     loaded = load_workload("mlp", MLP)
-    default = measure_arm(loaded, Arm("c1", compile=CompileSpec()), warmup=2, steps=2)
-    half = measure_arm(loaded, Arm("c.5", compile=CompileSpec(memory_budget=0.5)), warmup=2, steps=2)
+    default = measure_arm(loaded, Arm("c1", compile=CompileSpec(backend="aot_eager")), warmup=2, steps=2)
+    half = measure_arm(loaded, Arm("c.5", compile=CompileSpec(backend="aot_eager", memory_budget=0.5)), warmup=2,
+                       steps=2)
     eager = measure_arm(loaded, Arm("eager"), warmup=2, steps=0)
     assert default.memory_source is MemorySource.CPU_PROFILER and half.memory_source is MemorySource.CPU_PROFILER
     assert eager.memory_source is MemorySource.CPU_LIVE_TENSORS
