@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     command = "python benchmarks/compile_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command.strip(), "torch": torch.__version__, "rows": rows}
-    out = HERE / "results" / ("compile_check_smoke.json" if args.smoke else "compile_check.json")
+    name = "compile_check" + ("_smoke" if args.smoke else "") + ("" if args.device == "cpu" else "_cuda")
+    out = HERE / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.workloads.split(","):
         if spec not in shapes:
