@@ -24,7 +24,7 @@ $(ZOO_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,zoo,integrations]' -c $(VENV)/constraints.txt
 	touch $(ZOO_STAMP)
 
-.PHONY: install demo test zoo zoo-extra gpu-check
+.PHONY: install demo test test-compile zoo zoo-extra gpu-check
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -34,6 +34,10 @@ demo: $(STAMP)
 test: $(ZOO_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+# the torch.compile tests the default run leaves out (issue 16; a few minutes on 2 CPU cores)
+test-compile: $(STAMP)
+	TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python -m pytest -m compile tests
 
 # every CUDA path on one GPU (issue 13): benchmarks/results/gpu/*.json and a section of benchmarks/RESULTS.md
 gpu-check: $(STAMP)

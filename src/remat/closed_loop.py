@@ -20,7 +20,7 @@ from typing import Any
 
 from .apply import PlanArm
 from .errors import BudgetError
-from .measure import StepMeasurement, measure_arm
+from .measure import CompileSpec, StepMeasurement, measure_arm
 from .plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .profile.model import ProfileReport
@@ -60,6 +60,7 @@ def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, 
 def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str = "optimal", *,
                      budget_bytes: int | None, reserve: float = 0.05, allow_hazards: bool = False,
                      preserve_rng_state: bool = True, max_tries: int = 3, steps: int = 3,
+                     compile: CompileSpec | None = None,
                      progress: ProgressFn = no_progress) -> ClosedLoopResult:
     """Plan, apply to a fresh build, measure; correct and fall back until a plan measures in budget.
 
@@ -76,6 +77,9 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     model's own InfeasibleBudget (naming the floor and why) when it said so from the start,
     else :class:`BudgetMissed` (exit 2) with the measured gap.
     So ``optimal`` never ships worse than ``all`` when ``all`` fits.
+
+    ``compile`` (``remat plan --compile``): every plan is measured compiled (NOTE [compiled
+    arms]) and carries the spec (``plan.compile``), so its measured peak is the compiled step's.
     """
     budget_driven = planner in BUDGET_PLANNERS
     attempts: list[Attempt] = []
@@ -93,7 +97,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     measured: dict[tuple, Plan] = {}
     for i in range(max_tries if plan is not None else 0):
         progress("plan: apply and measure", i, max_tries)
-        _measure_into(loaded, plan, steps)
+        _measure_into(loaded, plan, steps, compile)
         measured[_key(plan)] = plan
         fits = _fits(plan)
         attempts.append(Attempt(predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=plan.measured_peak_bytes,
@@ -121,7 +125,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
         if _key(fb) in measured:
             continue
         progress("plan: measure a fallback", 0, 1)
-        _measure_into(loaded, fb, steps)
+        _measure_into(loaded, fb, steps, compile)
         measured[_key(fb)] = fb
         attempts.append(Attempt(predicted_peak_bytes=fb.predicted_peak_bytes, measured_peak_bytes=fb.measured_peak_bytes,
                                 margin_bytes=0, fits=_fits(fb)))
@@ -148,10 +152,14 @@ def _fits(plan: Plan) -> bool:
     return target is None or (plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= target)
 
 
-def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int) -> None:
+def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: CompileSpec | None = None) -> None:
+    if compile is not None:
+        plan.compile = compile
     m = measure_plan(loaded, plan, steps=steps)
     plan.measured_peak_bytes = m.peak_bytes
     plan.measured_step_ms = m.p50_ms
+    if compile is not None:
+        plan.memory_source = m.memory_source.value   # the compiled step's instrument
 
 
 class BudgetMissed(BudgetError):

@@ -30,6 +30,7 @@ class MemorySource(str, enum.Enum):
 
     CUDA_ALLOCATOR = "cuda-allocator"
     CPU_LIVE_TENSORS = "cpu-live-tensors"
+    CPU_PROFILER = "cpu-profiler-allocator"   # torch.profiler's CPU allocator events: compiled steps on CPU
     SIMULATED = "simulated"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PlanError
-from ..measure import Arm, Undo
+from ..measure import Arm, CompileSpec, Undo
 from ..plan.model import Plan
 from ..workload.loader import LoadedWorkload
 from .handle import ApplyHandle, apply
@@ -14,8 +14,9 @@ from .handle import ApplyHandle, apply
 class PlanArm(Arm):
     """A remat plan applied to the fresh build (NOTE [plans at other shapes]); no boundaries: the control."""
 
-    def __init__(self, label: str, plan: Plan | None) -> None:
-        super().__init__(label)
+    def __init__(self, label: str, plan: Plan | None, *, compile: CompileSpec | None = None) -> None:
+        # a plan made with --compile runs compiled wherever it is measured
+        super().__init__(label, compile=compile if compile is not None else (plan.compile if plan else None))
         self.plan = plan
         self._checked = False   # the full fingerprint (with class sources) was checked once
 

@@ -15,7 +15,8 @@ from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
 from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
+from .common import (MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir,
+                     compile_from_args, load_from_args)
 from .render import console, progress_bar
 
 
@@ -40,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity-granularity", type=bounded_int(1, 2 ** 31), default=1,
                    help="stop bisecting when the bracket is this narrow (default 1: the exact value)")
     p.add_argument("--out", required=True, type=Path, help="output folder (frontier.json, frontier.png)")
+    add_compile_args(p)
+    p.add_argument("--budget-tries", type=bounded_int(1, 20), default=6,
+                   help="with --compile: most recompiles spent aiming torch's activation_memory_budget at the "
+                        "budget (default 6)")
     add_distributed_args(p)
     p.set_defaults(func=run)
 
@@ -71,6 +76,14 @@ def render_frontier(report: FrontierReport) -> None:
                   f"times: {report.context.get('steps')} warm steps per plan, "
                   + ("interleaved round-robin" if report.context.get("interleaved", True)
                      else "each plan alone (interleaved builds ran out of device memory)"))
+    if report.budget_search:
+        tries = "; ".join(f"{t.ratio:g} -> " + ("failed" if t.peak_bytes is None else
+                                                  f"{t.peak_bytes / 2**20:.2f} MiB{' fits' if t.fits else ''}")
+                          for t in report.budget_search)
+        console.print(f"torch activation_memory_budget aimed at {fmt_bytes(report.effective_budget_bytes)}: {tries}",
+                      highlight=False)
+    if report.context.get("compiled_peaks"):
+        console.print(str(report.context["compiled_peaks"]), highlight=False)
     for p in report.points:
         if p.decision is not Decision.SHIP:
             console.print(f"  {p.plan}: {p.decision.value}: {p.reason}", highlight=False)
@@ -103,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                                 warmup=args.warmup, capacity_key=None if args.no_capacity else args.capacity_key,
                                 capacity_max=args.capacity_max, capacity_tries=args.capacity_tries,
                                 capacity_steps=args.capacity_steps, capacity_granularity=args.capacity_granularity,
+                                compile=compile_from_args(args), budget_tries=args.budget_tries,
                                 report=report, progress=progress)
     png = render_frontier_png(frontier)
     atomic_write_json(args.out / "frontier.json", frontier.to_json())

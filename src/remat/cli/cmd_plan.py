@@ -14,7 +14,7 @@ from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated, profile_workload
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import add_workload_args, check_out_dir, load_from_args
+from .common import add_compile_args, add_workload_args, check_out_dir, compile_from_args, load_from_args
 from .render import console, progress_bar
 
 
@@ -23,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_plan_args(p)
     p.add_argument("--out", required=True, type=Path, help="output folder (plan.json, profile.json)")
+    add_compile_args(p)
     p.set_defaults(func=run)
 
 
@@ -52,6 +53,10 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
     if getattr(args, "target_device", None) and not getattr(args, "simulate", False):
         raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
+    compile = compile_from_args(args)
+    if compile is not None and getattr(args, "simulate", False):
+        raise WorkloadError("--compile cannot be simulated: a compiled step's peak is measured, not modelled",
+                            tip="drop --simulate, or --compile")
     if getattr(args, "simulate", False):
         from ..simulate import get_device_model
         target = args.target_device or ("h100" if args.device.startswith("cuda") else "cpu")
@@ -65,10 +70,11 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
     report = profile_workload(loaded, candidates=candidates, progress=progress)
     budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
     if args.no_measure:
-        return report, make_plan(report, args.planner, budget_bytes=budget, reserve=reserve,
-                                 allow_hazards=args.allow_hazards)
+        plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve, allow_hazards=args.allow_hazards)
+        plan.compile = compile   # run compiled wherever it is applied by remat; not measured here
+        return report, plan
     return report, plan_closed_loop(loaded, report, args.planner, budget_bytes=budget, reserve=reserve,
-                                    allow_hazards=args.allow_hazards, progress=progress)
+                                    allow_hazards=args.allow_hazards, compile=compile, progress=progress)
 
 
 def render_plan(plan: Plan) -> None:
@@ -87,6 +93,8 @@ def render_plan(plan: Plan) -> None:
     console.print(f"peak: baseline {fmt_bytes(plan.baseline_peak_bytes)}, predicted {fmt_bytes(plan.predicted_peak_bytes)}"
                   + (f", measured {fmt_bytes(plan.measured_peak_bytes)} ({plan.memory_source})"
                      if plan.measured_peak_bytes is not None else ""))
+    if plan.compile is not None:
+        console.print(f"compiled: {plan.compile.describe()}; measured warm after compiling")
     if plan.simulated:
         console.print(f"[yellow]simulated[/]: bytes from FakeTensorMode, times from the {plan.device_model} device model "
                       "(no step was run; nothing was measured)")

@@ -20,7 +20,9 @@ from ..receipt import Receipt, ReceiptFiles, RunSettings, ShipStatus, write_rece
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
-from .common import MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_workload_args, bounded_int, check_out_dir, load_from_args
+from ..frontier.run import DEFAULT_COMPILED_PLANS
+from .common import (MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_compile_args, add_workload_args, bounded_int, check_out_dir,
+                     compile_from_args, load_from_args)
 from .render import console, err_console, progress_bar
 
 
@@ -42,9 +44,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     d = RunSettings()
     p.add_argument("--verify-steps", type=bounded_int(1, MAX_STEPS), default=d.verify_steps, help=f"steps per paired run (default {d.verify_steps})")
     p.add_argument("--verify-seeds", type=bounded_int(1, MAX_SEEDS), default=d.verify_seeds, help=f"paired runs (default {d.verify_seeds})")
-    p.add_argument("--plans", default=",".join(d.frontier_plans),
+    p.add_argument("--plans", default=None,
                    help="frontier plans, as remat frontier takes them (default: "
-                        + ",".join(d.frontier_plans).replace("%", "%%") + ")")
+                        + ",".join(d.frontier_plans).replace("%", "%%") + "; with --compile "
+                        + ",".join(DEFAULT_COMPILED_PLANS) + ", each also compiled)")
+    add_compile_args(p)
     p.add_argument("--frontier-steps", type=bounded_int(1, MAX_STEPS), default=d.frontier_steps,
                    help=f"timed warm steps per plan (default {d.frontier_steps})")
     p.add_argument("--no-capacity", action="store_true", help="skip the batch capacity search")
@@ -55,9 +59,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
     return RunSettings(verify_steps=args.verify_steps, verify_seeds=args.verify_seeds,
-                       frontier_plans=[s.strip() for s in args.plans.split(",") if s.strip()],
+                       frontier_plans=([s.strip() for s in args.plans.split(",") if s.strip()] if args.plans is not None
+                                       else list(DEFAULT_COMPILED_PLANS) if getattr(args, "compile", False)
+                                       else RunSettings().frontier_plans),
                        frontier_steps=args.frontier_steps, capacity_key=None if args.no_capacity else "batch_size",
-                       saving_tolerance=parse_reserve(args.saving_tolerance))
+                       saving_tolerance=parse_reserve(args.saving_tolerance),
+                       compile=None if not getattr(args, "compile", False) else compile_from_args(args).to_json())
 
 
 @contextlib.contextmanager

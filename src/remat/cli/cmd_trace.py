@@ -9,11 +9,13 @@ from rich.table import Table
 
 from .._io import atomic_write_json
 from ..errors import WorkloadError
+from ..measure import Arm, measure_arm
 from ..simulate import DEVICE_MODELS, simulate_workload
 from ..trace import StepTrace, to_perfetto, trace_workload
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_int, check_out_dir, load_from_args
+from .common import (MAX_STEPS, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir,
+                     compile_from_args, load_from_args)
 from .render import console, progress_bar
 
 
@@ -24,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=bounded_int(0, MAX_WARMUP), default=2, help="untraced warm-up steps (default 2)")
     p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=3, help="traced steps (default 3)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    add_compile_args(p)
     p.add_argument("--simulate", action="store_true",
                    help="run the step under FakeTensorMode: any shape, nothing allocated, memory_source 'simulated'")
     p.add_argument("--target-device", choices=sorted(DEVICE_MODELS), default=None,
@@ -53,9 +56,15 @@ def render_trace(trace: StepTrace, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     boundary = parse_shape(args.boundary_shape)
-    check_out_dir(args.out, ("trace.json", "trace.perfetto.json", "simulation.json", "trace.boundary.perfetto.json"))
+    check_out_dir(args.out, ("trace.json", "trace.perfetto.json", "simulation.json", "trace.boundary.perfetto.json",
+                             "compiled.json"))
     if args.target_device and not args.simulate:
         raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
+    compile = compile_from_args(args)
+    if compile is not None and args.simulate:
+        raise WorkloadError("--compile cannot be simulated: a compiled step's peak is measured, not modelled",
+                            tip="drop --simulate, or --compile")
+    compiled = None
     sim = None
     with progress_bar() as progress:
         if args.simulate:
@@ -65,8 +74,12 @@ def run(args: argparse.Namespace) -> int:
                                     progress=progress)
             trace = sim.trace
         else:
-            trace = trace_workload(load_from_args(args), warmup=args.warmup, steps=args.steps,
+            loaded = load_from_args(args)
+            trace = trace_workload(loaded, warmup=args.warmup, steps=args.steps,
                                    boundary_shape=boundary or None, progress=progress)
+            if compile is not None:   # the phase trace needs the live-tensor tracker: eager (NOTE [compiled arms])
+                compiled = measure_arm(loaded, Arm("compiled", compile=compile), warmup=max(1, args.warmup),
+                                       steps=max(3, args.steps))
     atomic_write_json(args.out / "trace.json", trace.to_json())
     atomic_write_json(args.out / "trace.perfetto.json", to_perfetto(trace))
     render_trace(trace, f"{trace.context.workload} {trace.context.shape or '(default shape)'}")
@@ -77,6 +90,16 @@ def run(args: argparse.Namespace) -> int:
                       f"(roofline x {dm.calibration:g}); peak {fmt_bytes(trace.peak_bytes)} "
                       f"{'fits' if sim.fits else '[bold red]does not fit[/]'} in {fmt_bytes(dm.memory_bytes)}; "
                       f"simulated in {sim.wall_s:.1f} s")
+    if compiled is not None:
+        atomic_write_json(args.out / "compiled.json", {
+            "compile": compile.to_json(), **compiled.to_json(),
+            "eager_peak_bytes": trace.peak_bytes, "eager_memory_source": trace.memory_source.value,
+            "note": "the phase trace (trace.json) is the eager step: the live-tensor tracker would run compiled "
+                    "code eagerly; this file is the compiled whole step, measured warm after compiling"})
+        console.print(f"compiled ({compile.describe()}): peak {fmt_bytes(compiled.peak_bytes)} "
+                      f"({compiled.memory_source.value}) vs eager {fmt_bytes(trace.peak_bytes)}; warm p50 "
+                      f"{compiled.p50_ms:.1f} ms; compile {compiled.compile_s or 0:.1f} s (not in the step times); "
+                      f"wrote {args.out / 'compiled.json'}", highlight=False)
     if trace.boundary is not None:
         render_trace(trace.boundary, f"boundary shape {trace.boundary.context.shape}")
         atomic_write_json(args.out / "trace.boundary.perfetto.json", to_perfetto(trace.boundary))

@@ -11,7 +11,8 @@ from .._io import atomic_write_json
 from ..apply import load_plan
 from ..verify import VerifyReport, verify_plan
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import MAX_SEEDS, MAX_STEPS, add_workload_args, bounded_int, check_out_dir, load_from_args
+from .common import (MAX_SEEDS, MAX_STEPS, add_compile_args, add_workload_args, bounded_int, check_out_dir,
+                     compile_from_args, load_from_args)
 from .render import console, progress_bar
 
 
@@ -25,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timing-steps", type=bounded_int(0, MAX_STEPS), default=10,
                    help="timed steps per variant for the RNG preservation overhead (default 10, 0 to skip)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    add_compile_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
 
@@ -68,6 +70,9 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
     for w in report.warnings:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     if report.passed:
+        if report.compile is not None:
+            console.print("compiled: control = the compiled unplanned step; tolerances "
+                          + ", ".join(f"{k} rtol {v.rtol:g}" for k, v in report.tolerances.items()), highlight=False)
         console.print("[bold green]PASSED[/]: the planned step is the same training procedure as the control")
     else:
         console.print(f"[bold red]FAILED[/]: first divergent module {report.first_divergent_module or '-'}")
@@ -82,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_from_args(args)
     with progress_bar() as progress:
         report = verify_plan(loaded, plan, steps=args.steps, seeds=args.seeds, timing_steps=args.timing_steps,
-                             progress=progress)
+                             compile=compile_from_args(args), progress=progress)
     out = atomic_write_json(args.out / "verify.json", report.to_json())
     render_report(report)
     console.print(f"wrote {out}")

@@ -83,3 +83,18 @@ def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
     for name in files:
         if (out / name).is_dir():
             raise OutputError(f"--out {out}: {out / name} is a folder, and remat writes a file there")
+
+
+def add_compile_args(p: argparse.ArgumentParser) -> None:
+    """``--compile`` and ``--compile-backend`` (NOTE [compiled arms] in remat/measure/compiled.py)."""
+    from ..measure import BACKENDS
+    p.add_argument("--compile", action="store_true",
+                   help="run compiled: torch.compile of the model (in place), measured warm after compiling; "
+                        "compiled peaks come from the CUDA allocator, or on CPU from torch.profiler's allocator events")
+    p.add_argument("--compile-backend", default="inductor", choices=BACKENDS,
+                   help="torch.compile backend with --compile (default inductor)")
+
+
+def compile_from_args(args: argparse.Namespace):  # noqa: ANN201 - CompileSpec | None
+    from ..measure import CompileSpec
+    return CompileSpec(backend=args.compile_backend) if getattr(args, "compile", False) else None

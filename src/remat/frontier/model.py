@@ -93,6 +93,8 @@ class FrontierPoint:
     pareto: bool = False                       # on the Pareto set of (peak, p50) among measured points
     decision: Decision = Decision.REJECT
     reason: str = ""
+    compile: dict[str, Any] | None = None      # CompileSpec JSON: this point ran compiled (NOTE [compiled arms])
+    compile_s: float | None = None             # compiled: first step's wall time less a warm step's (s)
 
     @property
     def measured(self) -> bool:
@@ -120,6 +122,25 @@ class FrontierPoint:
         return cls(**kw)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BudgetTry:
+    """One try of the search for torch's ``activation_memory_budget`` aimed at a peak (NOTE [budget aimed at a peak])."""
+
+    ratio: float                   # activation_memory_budget tried, in [0, 1]
+    peak_bytes: int | None         # measured whole-step peak of the compiled step (None: it failed)
+    fits: bool                     # peak <= budget x (1 - reserve)
+    compile_s: float | None = None  # recompile cost of this ratio (s)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "BudgetTry":
+        return cls(ratio=float(d["ratio"]), peak_bytes=d.get("peak_bytes"), fits=bool(d["fits"]),
+                   compile_s=d.get("compile_s"), error=d.get("error"))
+
+
 @dataclasses.dataclass(kw_only=True)
 class FrontierReport:
     """Every plan's point, the budget they were judged against, and where they were measured."""
@@ -131,6 +152,7 @@ class FrontierReport:
     points: list[FrontierPoint]
     control: str = "none"                      # label of the unmodified step (overheads are against it)
     shipped_plan: dict[str, Any] | None = None  # the shipped plan's Plan JSON (for receipts / remat.apply)
+    budget_search: list[BudgetTry] = dataclasses.field(default_factory=list)  # --compile: torch's budget aimed at the peak
     schema_version: int = FRONTIER_SCHEMA_VERSION
 
     @property
@@ -160,6 +182,7 @@ class FrontierReport:
             "shipped": None if shipped is None else shipped.plan,
             "points": [p.to_json() for p in self.points],
             "shipped_plan": self.shipped_plan,
+            **({"budget_search": [t.to_json() for t in self.budget_search]} if self.budget_search else {}),
         }
 
     @classmethod
@@ -174,6 +197,7 @@ class FrontierReport:
             return cls(context=dict(d["context"]), budget_bytes=int(d["budget_bytes"]), reserve=float(d["reserve"]),
                        capacity_key=str(d["capacity_key"]), points=[FrontierPoint.from_json(p) for p in d["points"]],
                        control=str(d.get("control", "none")), shipped_plan=d.get("shipped_plan"),
+                       budget_search=[BudgetTry.from_json(t) for t in d.get("budget_search", [])],
                        schema_version=version)
         except RematError:
             raise

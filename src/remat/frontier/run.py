@@ -18,6 +18,24 @@ NOTE [frontier pipeline]
    samples/s reported are "qualified": reached by a configuration that clears the reserve.
    Then time every plan at its own capacity, again interleaved, for samples/s.
 5. Pareto set and the ship decision (NOTE [ship decision] in pareto.py).
+
+With ``compile`` (``remat frontier --compile``) every plan is measured twice, eager and
+compiled (``<label>+compile``: NOTE [compiled arms] in remat/measure/compiled.py), and torch's
+own memory knob is aimed at the same peak (NOTE [budget aimed at a peak]); all of them are
+timed in the one interleaved run and the ship decision picks among all of them.
+
+NOTE [budget aimed at a peak]
+``torch._functorch.config.activation_memory_budget`` is a ratio of saved-activation bytes, not
+a peak: the same 0.5 landed at 68-76% of the control's peak on three workloads, and 0.0 can
+peak higher than 0.5 (everything recomputed at once in backward). So remat measures instead of
+predicting: the compiled control is ratio 1.0 (torch's default); if it does not fit, remat
+bisects the ratio in [0, 1) (0.5 first; a ratio whose measured compiled peak fits moves the low
+end up, one that does not moves the high end down), each try a recompile on a fresh build and
+one measured warm step, at most ``budget_tries`` tries, stopping when the interval is under
+0.02; if nothing fit, the last try is 0.0. Because the peak is not monotone in the ratio, the
+answer is the largest ratio *seen* to fit, not a proven maximum. It becomes the point
+``torch-budget@<ratio>`` (the unplanned model compiled at that ratio), timed with the rest;
+every try is kept in ``budget_search``.
 """
 
 from __future__ import annotations
@@ -38,13 +56,17 @@ from ..trace.model import HostContext, TraceContext
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..units import mib
+from ..measure import CompileSpec, StepMeasurement, measure_arm
 from .capacity import search_capacity
-from .measure import (Arm, PlanArm, Timings, measure_arm_peak, prepare_arm, probe_capacity, release_memory,
+from .measure import (Arm, PlanArm, Timings, prepare_arm, probe_capacity, release_memory,
                       shape_value, time_round_robin)
-from .model import CapacityTry, Decision, FrontierPoint, FrontierReport
+from .model import BudgetTry, CapacityTry, Decision, FrontierPoint, FrontierReport
 from .pareto import decide
 
 CONTROL = "none"
+COMPILED = "+compile"            # label suffix of a plan's compiled twin
+TORCH_BUDGET = "torch-budget"    # planner of the torch.compile budget arm aimed at the peak
+DEFAULT_COMPILED_PLANS: tuple[str, ...] = ("none", "all", "sqrt", "optimal")
 # the strong baselines are plans on the frontier too (NOTE [baseline families] in plan/planners.py)
 DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k",
                                   "optimal", "optimal@90%", "optimal@70%", "optimal@50%", "optimal@35%")
@@ -187,7 +209,7 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
                  plans: str | Sequence[str] | None = None, steps: int = 10, warmup: int = 2,
                  capacity_key: str | None = "batch_size", capacity_max: int | None = None,
                  capacity_tries: int = 8, capacity_steps: int = 3, capacity_granularity: int = 1,
-                 closed_loop: bool = True,
+                 closed_loop: bool = True, compile: CompileSpec | None = None, budget_tries: int = 6,
                  report: ProfileReport | None = None, progress: ProgressFn = no_progress) -> FrontierReport:
     """Measure every requested plan on ``loaded`` and decide which one to ship (NOTE [frontier pipeline]).
 
@@ -198,7 +220,10 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     keyword to search (None: skip capacity); ``capacity_max`` bounds it (default 64x its
     current value), ``capacity_tries`` bounds the probes per plan, ``capacity_steps`` is the
     timed steps per plan at capacity, ``capacity_granularity`` how close the bisection gets
-    (1: the exact value). ``report``: a profile of ``loaded`` made earlier.
+    (1: the exact value). ``report``: a profile of ``loaded`` made earlier. ``compile``: also
+    measure every plan compiled, and torch's activation_memory_budget aimed at the budget with
+    at most ``budget_tries`` recompiles (NOTE [budget aimed at a peak]); default plans then
+    :data:`DEFAULT_COMPILED_PLANS`.
     Raises BudgetError/PlanError for malformed inputs, WorkloadError for a capacity key
     the workload lacks; infeasible plans and out-of-memory probes are data points.
     """
@@ -208,7 +233,9 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         raise BudgetError(f"reserve must lie in [0, 1), got {reserve!r}")
     if steps < 1 or warmup < 1:
         raise RematError(f"the frontier needs steps >= 1 and warmup >= 1 (got steps={steps}, warmup={warmup})")
-    requests = parse_plan_requests(plans)
+    if budget_tries < 1:
+        raise RematError(f"budget_tries must be >= 1, got {budget_tries}")
+    requests = parse_plan_requests(DEFAULT_COMPILED_PLANS if plans is None and compile is not None else plans)
     start = None
     if capacity_key is not None:
         start = shape_value(loaded, capacity_key)
@@ -222,6 +249,12 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     plan_by_label, points = _make_plans(loaded, report, requests, budget_bytes=budget_bytes, reserve=reserve,
                                         closed_loop=closed_loop, progress=progress)
     arms = [PlanArm(p.plan, plan_by_label[p.plan]) for p in points if p.plan in plan_by_label]
+    if compile is not None:
+        for arm in list(arms):
+            twin = _compiled_twin(by_plan(points, arm.label), plan_by_label[arm.label], compile)
+            plan_by_label[twin.plan] = dataclasses.replace(plan_by_label[arm.label], compile=compile)
+            points.append(twin)
+            arms.append(PlanArm(twin.plan, plan_by_label[twin.plan]))
     by_label = {p.plan: p for p in points}
 
     # 2. peaks, one plan at a time
@@ -230,7 +263,7 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         progress("frontier: peaks", i, len(arms))
         point = by_label[arm.label]
         try:
-            peak = measure_arm_peak(loaded, arm, warmup=warmup)
+            peak = measure_arm(loaded, arm, warmup=warmup, steps=0)
         except RematError:
             raise  # e.g. FingerprintMismatch: the report was made for another model
         except Exception as exc:  # noqa: BLE001 - OOM, or the wrapped step raised: a data point
@@ -239,11 +272,22 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
                             if isinstance(exc, torch.OutOfMemoryError) else f"the plan's step raised {_first_line(exc)}")
             release_memory()
             continue
-        point.peak_bytes = peak.peak_bytes
-        point.memory_source = peak.source.value
-        point.num_alloc_retries = peak.num_alloc_retries if peak.source.value == "cuda-allocator" else None
+        _record_peak(point, peak)
         measured.append(arm)
     progress("frontier: peaks", len(arms), len(arms))
+
+    budget_search: list[BudgetTry] = []
+    if compile is not None and CONTROL in plan_by_label:
+        ctrl_twin = by_label.get(CONTROL + COMPILED)
+        found, budget_search = _aim_torch_budget(loaded, plan_by_label[CONTROL], compile, limit,
+                                                 None if ctrl_twin is None else ctrl_twin.peak_bytes,
+                                                 tries=budget_tries, warmup=warmup, progress=progress)
+        if found is not None:
+            arm, point, plan = found
+            points.append(point)
+            by_label[point.plan] = point
+            plan_by_label[point.plan] = plan
+            measured.append(arm)
 
     # 3. time, interleaved
     timings, interleaved = _time_arms(loaded, measured, warmup=warmup, steps=steps, progress=progress)
@@ -275,10 +319,82 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
                        extra={"capacity_start": start, "capacity_max": (capacity_max or 64 * start) if start else None,
                               "capacity_tries": capacity_tries, "capacity_steps": capacity_steps,
                               "capacity_granularity": capacity_granularity,
-                              "closed_loop": closed_loop, "interleaved": interleaved})
+                              "closed_loop": closed_loop, "interleaved": interleaved,
+                              "compile": None if compile is None else compile.to_json(),
+                              "compiled_peaks": None if compile is None else (
+                                  "compiled points: cuda-allocator on CUDA; on CPU cpu-profiler-allocator "
+                                  "(torch.profiler's allocator events; the live-tensor tracker would run the "
+                                  "compiled model eagerly)")})
     return FrontierReport(context=context, budget_bytes=budget_bytes, reserve=float(reserve),
                           capacity_key=capacity_key or "", points=points, control=CONTROL,
-                          shipped_plan=None if shipped is None else plan_by_label[shipped.plan].to_json())
+                          shipped_plan=None if shipped is None else plan_by_label[shipped.plan].to_json(),
+                          budget_search=budget_search)
+
+
+def by_plan(points: list[FrontierPoint], label: str) -> FrontierPoint:
+    return next(p for p in points if p.plan == label)
+
+
+def _record_peak(point: FrontierPoint, peak: StepMeasurement) -> None:
+    point.peak_bytes = peak.peak_bytes
+    point.memory_source = peak.memory_source.value
+    point.num_alloc_retries = peak.num_alloc_retries if peak.memory_source.value == "cuda-allocator" else None
+    point.compile_s = None if peak.compile_s is None else round(peak.compile_s, 3)
+
+
+def _compiled_twin(point: FrontierPoint, plan: Plan, spec: CompileSpec) -> FrontierPoint:
+    """The compiled twin of an eager plan's point: same boundaries, run through torch.compile."""
+    return FrontierPoint(plan=point.plan + COMPILED, planner=point.planner, plan_budget_bytes=point.plan_budget_bytes,
+                         predicted_peak_bytes=point.predicted_peak_bytes,
+                         predicted_overhead_ms=point.predicted_overhead_ms, boundaries=list(point.boundaries),
+                         compile=spec.to_json())
+
+
+def _aim_torch_budget(loaded: LoadedWorkload, control: Plan, spec: CompileSpec, limit: int,
+                      control_compiled_peak: int | None, *, tries: int, warmup: int,
+                      progress: ProgressFn) -> tuple[tuple[PlanArm, FrontierPoint, Plan] | None, list[BudgetTry]]:
+    """torch's activation_memory_budget aimed at ``limit`` bytes (NOTE [budget aimed at a peak]).
+
+    Returns (the largest fitting ratio's arm, its point with the measured peak, its plan) or
+    None when no ratio tried fits, and every try."""
+    out: list[BudgetTry] = []
+    if control_compiled_peak is not None:   # the compiled control ran at torch's default (1.0)
+        out.append(BudgetTry(ratio=1.0, peak_bytes=control_compiled_peak, fits=control_compiled_peak <= limit))
+        if control_compiled_peak <= limit:
+            return None, out   # torch's default budget already fits: the point none+compile is that arm
+    best: tuple[PlanArm, FrontierPoint, Plan] | None = None
+    lo, hi = 0.0, 1.0
+    for i in range(tries):
+        progress("frontier: torch budget", i, tries)
+        last = i == tries - 1 or hi - lo < 0.02
+        ratio = 0.0 if (last and best is None) else round((lo + hi) / 2, 4)
+        plan = dataclasses.replace(control, compile=dataclasses.replace(spec, memory_budget=ratio))
+        label = f"{TORCH_BUDGET}@{ratio:g}"
+        arm = PlanArm(label, plan)
+        try:
+            m = measure_arm(loaded, arm, warmup=warmup, steps=0)
+        except RematError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a ratio whose compiled step fails is a data point
+            out.append(BudgetTry(ratio=ratio, peak_bytes=None, fits=False, error=_first_line(exc)))
+            release_memory()
+            hi = ratio
+            continue
+        fits = m.peak_bytes <= limit
+        out.append(BudgetTry(ratio=ratio, peak_bytes=m.peak_bytes, fits=fits,
+                             compile_s=None if m.compile_s is None else round(m.compile_s, 3)))
+        if fits and (best is None or ratio > (best[2].compile.memory_budget or 0.0)):  # type: ignore[union-attr]
+            point = FrontierPoint(plan=label, planner=TORCH_BUDGET, compile=plan.compile.to_json())  # type: ignore[union-attr]
+            _record_peak(point, m)
+            best = (arm, point, plan)
+        if fits:
+            lo = ratio
+        else:
+            hi = ratio
+        if last:
+            break
+    progress("frontier: torch budget", tries, tries)
+    return best, out
 
 
 def _time_arms(loaded: LoadedWorkload, arms: list[Arm], *, warmup: int, steps: int,

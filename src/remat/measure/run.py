@@ -40,6 +40,7 @@ from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep, is_allocation_failure
 from ..workload.loader import LoadedWorkload, ShapeValue, factory_defaults
 from ..clock import StepClock, percentile
+from .compiled import CompiledFunction, CompileSpec, compile_model, compiled_step_peak
 
 Undo = Callable[[], None]
 
@@ -52,16 +53,32 @@ class Arm:
     ``prepare(fresh)`` changes a fresh build of the workload in place (wrap modules, swap
     the model) before its optimizer is made, and may return an undo callable. The base
     class prepares nothing: the unmodified control.
+
+    ``compile``: run the prepared model through ``torch.compile`` (NOTE [compiled arms] in
+    remat/measure/compiled.py); its peak then comes from the CUDA allocator or, on CPU,
+    from torch.profiler's allocator events, never from the live-tensor tracker.
     """
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, *, compile: CompileSpec | None = None) -> None:
         self.label = label
+        self.compile = compile
+        self._compiled: CompiledFunction | None = None   # shared by this arm's builds (NOTE [compiled arms])
+
+    def compiled_function(self) -> CompiledFunction:
+        """This arm's compiled entry: compiled at the first build's first step, reused by later builds."""
+        assert self.compile is not None
+        if self._compiled is None:
+            self._compiled = CompiledFunction(self.compile)
+        return self._compiled
 
     def prepare(self, fresh: LoadedWorkload) -> Undo | None:
         return None
 
     def measure_peak(self, step: TrainingStep, step_index: int) -> PeakMeasurement:
-        """Whole-step peak of one warm step (CUDA allocator, or the CPU live-tensor tracker)."""
+        """Whole-step peak of one warm step (CUDA allocator, or the CPU live-tensor tracker;
+        compiled: the CUDA allocator or torch.profiler's CPU allocator events)."""
+        if self.compile is not None:
+            return compiled_step_peak(step, step_index)
         return measure_step_peak(step, step_index)
 
     def __repr__(self) -> str:
@@ -109,7 +126,20 @@ def prepare_arm(loaded: LoadedWorkload, arm: Arm, **shape: ShapeValue) -> Prepar
     """Fresh build of ``loaded`` (at ``shape`` overrides), prepared by ``arm``, with a new optimizer."""
     fresh = loaded.rebuild(**shape)
     undo = arm.prepare(fresh)
+    if arm.compile is not None:
+        undo = _Undos([compile_model(fresh.workload.model, arm.compiled_function()), undo])
     return Prepared(arm=arm, loaded=fresh, step=TrainingStep(fresh.workload), undo=undo)
+
+
+class _Undos:
+    """Several undos, run in order (a compiled arm: un-compile, then the arm's own undo)."""
+
+    def __init__(self, undos: list[Undo | None]) -> None:
+        self.undos = [u for u in undos if u is not None]
+
+    def __call__(self) -> None:
+        for u in self.undos:
+            u()
 
 
 def is_cuda(step: TrainingStep) -> bool:
@@ -157,18 +187,34 @@ class StepMeasurement:
     step_ms: list[float]      # warm whole steps (batch, forward, backward, optimizer), ms
     memory_source: MemorySource
     num_alloc_retries: int = 0
+    compile_s: float | None = None   # compiled arms: first step's wall time less a warm step's (s)
 
     @property
     def p50_ms(self) -> float:
         return percentile(self.step_ms, 50.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak_bytes, "memory_source": self.memory_source.value,
+                "step_ms": [round(t, 4) for t in self.step_ms],
+                "p50_ms": self.p50_ms if self.step_ms else None,
+                "p95_ms": percentile(self.step_ms, 95.0) if self.step_ms else None,
+                "num_alloc_retries": self.num_alloc_retries, "compile_s": self.compile_s}
 
 
 def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int = 3) -> StepMeasurement:
     """Peak and warm step times of ``arm`` on a fresh build (NOTE [solo peaks]): ``warmup``
     untimed steps, one peak step, then ``steps`` timed steps (0: the peak only)."""
     prepared = prepare_arm(loaded, arm)
+    compile_s = None
     try:
-        warm_up(prepared.step, warmup)
+        if arm.compile is not None and warmup >= 1:
+            first = time_steps(prepared.step, [0])[0]
+            warm_up(prepared.step, warmup - 1, start=1)
+            warm = min(time_steps(prepared.step, [warmup]))
+            compile_s = max(0.0, first - warm) / 1e3
+            warmup += 1
+        else:
+            warm_up(prepared.step, warmup)
         peak = arm.measure_peak(prepared.step, warmup)
         times = time_steps(prepared.step, range(warmup + 1, warmup + 1 + steps))
     finally:
@@ -176,7 +222,7 @@ def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int
         prepared = None  # type: ignore[assignment]
         release_memory()
     return StepMeasurement(peak_bytes=peak.peak_bytes, step_ms=times, memory_source=peak.source,
-                           num_alloc_retries=peak.num_alloc_retries)
+                           num_alloc_retries=peak.num_alloc_retries, compile_s=compile_s)
 
 
 def measure_arm_peak(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2) -> PeakMeasurement:
@@ -198,6 +244,10 @@ def held_bytes_at_phase(loaded: LoadedWorkload, arm: Arm, phase: Phase, *, warmu
     remat.pipeline). CPU: the live-tensor tracker; CUDA: ``torch.cuda.memory_allocated``
     after a synchronise.
     """
+    if arm.compile is not None:
+        raise RematError(f"{arm.label}: the bytes held at a phase are read by the live-tensor tracker, which "
+                         "would run a compiled model eagerly (NOTE [compiled arms])",
+                         tip="measure held bytes on the eager arm")
     prepared = prepare_arm(loaded, arm)
     held: list[int] = []
     try:
@@ -294,6 +344,12 @@ def probe_capacity(loaded: LoadedWorkload, arm: Arm, key: str, value: int, limit
     allocates much beyond the limit. The measured step then uses the device's own source.
     Any other failure is returned as ``error`` (the search stops there).
     """
+    if arm.compile is not None:
+        # the probes run under the live-tensor tracker (a dispatch mode: the compiled frame would
+        # run eagerly), and every new value of the key recompiles: NOTE [compiled arms]
+        return ProbeResult(value=value, peak_bytes=None,
+                           error="capacity is not searched for compiled arms (the probes' tracker would run "
+                                 "the model eagerly, and each value recompiles)")
     prepared: Prepared | None = None
     try:
         prepared = prepare_arm(loaded, arm, **{key: value})

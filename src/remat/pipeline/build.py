@@ -26,6 +26,17 @@ bytes checkpointing that one module frees until its backward, net of the inputs 
 checkpoint keeps, measured rather than predicted. ``remat check`` measures it again and
 fails when it fell by more than ``saving_tolerance`` (default 10%).
 
+NOTE [compiled receipts]
+``remat receipt --compile`` (``settings.compile``): the frontier measures every plan eager and
+compiled, plus torch's activation_memory_budget aimed at the budget (NOTE [budget aimed at a
+peak]), and ships the cheapest that fits. A shipped compiled plan carries its CompileSpec
+(``plan.compile``), so verification runs compiled against the compiled control (NOTE [verify
+under compile]) and ``remat check`` re-runs it compiled; a shipped torch-budget point (the
+unplanned model at another ratio) is verified too, since its graph differs from the control's.
+The phase traces and per-boundary savings are eager measurements (the live-tensor tracker
+would run compiled code eagerly); the shipped peak is the compiled one, by the instrument its
+frontier point names.
+
 NOTE [receipt decision]
 The shipped plan is the frontier's (NOTE [ship decision] in frontier/pareto.py), but only
 once verified: a plan with boundaries that fails verification ships nothing and is listed
@@ -48,7 +59,8 @@ from ..plan import InfeasibleBudget, Plan, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
-from ..verify import TOLERANCES, VerifyReport, verify_plan
+from ..verify import COMPILED_TOLERANCES, TOLERANCES, VerifyReport, verify_plan
+from ..measure import CompileSpec
 from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
                              ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
 from ..units import mib
@@ -60,9 +72,14 @@ FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs pla
 
 # -- measurements ----------------------------------------------------------------------------------
 
+def _eager(plan: Plan | None) -> Plan | None:
+    """The plan run eagerly: held bytes and phase traces need the live-tensor tracker (NOTE [compiled receipts])."""
+    return plan if plan is None or plan.compile is None else dataclasses.replace(plan, compile=None)
+
+
 def held_bytes_at_backward(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 1) -> int:
-    """Live bytes when backward starts, on a fresh build with ``plan`` applied (NOTE [measured saving])."""
-    return held_bytes_at_phase(loaded, PlanArm("plan", plan), Phase.BACKWARD, warmup=warmup)
+    """Live bytes when backward starts, on a fresh build with ``plan`` applied, eagerly (NOTE [measured saving])."""
+    return held_bytes_at_phase(loaded, PlanArm("plan", _eager(plan)), Phase.BACKWARD, warmup=warmup)
 
 
 def measure_savings(loaded: LoadedWorkload, plan: Plan, *, warmup: int = 1,
@@ -83,7 +100,7 @@ def measure_savings(loaded: LoadedWorkload, plan: Plan, *, warmup: int = 1,
 def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int,
                   progress: ProgressFn = no_progress) -> StepTrace:
     """Phase trace of the step with ``plan`` applied to a fresh build (the timeline's "plan" curve)."""
-    prepared = prepare_arm(loaded, PlanArm("plan", plan))
+    prepared = prepare_arm(loaded, PlanArm("plan", _eager(plan)))
     try:
         fresh = prepared.loaded
         ctx = TraceContext.capture(workload=fresh.spec, shape=fresh.shape, dtype=fresh.dtype, device=fresh.device,
@@ -99,7 +116,8 @@ def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport,
                       savings: dict[str, int], settings: RunSettings) -> list[BoundaryRecord]:
     model = loaded.workload.model
     costs = {c.name: c for c in report.candidates}
-    tol = TOLERANCES.get(loaded.dtype, TOLERANCES["float32"])
+    table = TOLERANCES if verification is None or verification.compile is None else COMPILED_TOLERANCES
+    tol = table.get(loaded.dtype, table["float32"])
     activity = {a.module: a for a in verification.boundaries} if verification else {}
     rejected = tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected) \
         if verification else ()
@@ -147,11 +165,12 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     control_p50 = control.p50_ms if control is not None else None
     shipped_pt: FrontierPoint | None = frontier.shipped if frontier is not None else None
     has_boundaries = plan is not None and bool(plan.boundaries)
+    torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
     verified = None if verification is None else verification.passed
     rejected = [RejectedPlan(plan=p.plan, decision=Rejection(p.decision.value), reason=p.reason, peak_bytes=p.peak_bytes,
                              p50_ms=p.p50_ms) for p in points if p is not shipped_pt]
     unverified: str | None = None     # why the plan that fits failed verification, when it did
-    if shipped_pt is not None and has_boundaries and verified is False:
+    if shipped_pt is not None and (has_boundaries or torch_budget) and verified is False:
         assert verification is not None
         unverified = "failed verification: " + "; ".join(verification.failures[:3])
         rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision=Rejection.UNVERIFIED, reason="fits, but " + unverified,
@@ -164,14 +183,24 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
     n_measured = sum(1 for p in points if p.measured)
     ctrl_fits = control_peak is not None and control_peak <= limit
     budget_text = f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)"
-    if ship and not has_boundaries:
+    if ship and torch_budget and not has_boundaries:
+        assert shipped_pt is not None and plan is not None and plan.compile is not None
+        why.append(f"Ship {shipped_pt.plan}: no checkpoint boundaries; {plan.compile.describe()}, the largest ratio "
+                   f"tried whose measured compiled peak ({mib(peak)}, {shipped_pt.memory_source}) clears {budget_text} "
+                   "(NOTE [budget aimed at a peak]).")
+        if verification is not None:
+            why.append(f"Verified against the compiled control (torch's default budget): "
+                       f"{'passed' if verification.passed else 'failed'}.")
+    elif ship and not has_boundaries:
         why.append(f"Ship no checkpointing: the unmodified step's peak {mib(control_peak)} already clears {budget_text}.")
     elif ship:
         assert shipped_pt is not None and plan is not None
         mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
         family = shipped_pt.planner.split(":")[0].split("->")[0]
         kind = "remat's own plan" if family in ("optimal", "greedy", "floor") else "a baseline"
-        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}. The {family} family won ({kind}).")
+        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}"
+                   + (f", run compiled ({plan.compile.describe()})" if plan.compile is not None else "")
+                   + f". The {family} family won ({kind}).")
         phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
         if not ctrl_fits:
             why.append(f"Without checkpointing the step peaks at {mib(control_peak)}{phase}, over the {budget_text}.")
@@ -185,7 +214,7 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
             seeds, steps = len(verification.seeds), verification.steps
             bitwise = all(s.bitwise for s in verification.per_step)
             negs = [n.name for n in verification.negative_controls if n.applicable and n.rejected]
-            why.append(f"Verified against the seeded control: {_n(seeds, 'seed')} x {_n(steps, 'step')} + an eval step "
+            why.append(f"Verified against the seeded {'compiled ' if verification.compile else ''}control: {_n(seeds, 'seed')} x {_n(steps, 'step')} + an eval step "
                        f"{'match bitwise' if bitwise else 'match within tolerance'}; no replay hazards"
                        + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
     else:
@@ -210,12 +239,27 @@ def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTr
 
 # -- unsupported modes -----------------------------------------------------------------------------
 
-def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None) -> list[UnsupportedMode]:
-    """What this receipt's evidence does not cover: the modes a reader must not assume."""
-    out = [
-        UnsupportedMode(mode="torch.compile", status=Coverage.NOT_RUN,
-                        detail="every figure is from eager mode; torch.compile keeps checkpoint regions but plans "
-                               "memory itself (activation_memory_budget), so peaks and times would differ"),
+def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None,
+                      compiled: bool = False) -> list[UnsupportedMode]:
+    """What this receipt's evidence does not cover: the modes a reader must not assume.
+
+    ``compiled``: the receipt was made with --compile (NOTE [compiled receipts]): torch.compile
+    is covered when the shipped plan is compiled; eager execution then is what is not verified."""
+    if not compiled:
+        first = [UnsupportedMode(mode="torch.compile", status=Coverage.NOT_RUN,
+                                 detail="every figure is from eager mode; torch.compile keeps checkpoint regions but "
+                                        "plans memory itself (activation_memory_budget), so peaks and times would "
+                                        "differ (remat receipt --compile measures both)")]
+    elif plan is not None and plan.compile is not None:
+        first = [UnsupportedMode(mode="eager execution", status=Coverage.NOT_RUN,
+                                 detail=f"the shipped plan runs compiled ({plan.compile.describe()}) and was verified "
+                                        "compiled against the compiled control; its eager twin was measured on the "
+                                        "frontier but not verified")]
+    else:
+        first = [UnsupportedMode(mode="torch.compile", status=Coverage.NOT_RUN,
+                                 detail="compiled plans were measured on the frontier (+compile points) but the "
+                                        "shipped plan is eager and was verified eager only")]
+    out = first + [
         UnsupportedMode(mode="reentrant checkpointing", status=Coverage.UNSUPPORTED,
                         detail="remat applies non-reentrant torch.utils.checkpoint only (use_reentrant=False); "
                                "reentrant replay checks nothing and can give silently wrong gradients"),
@@ -275,7 +319,7 @@ def _capacity_key(loaded: LoadedWorkload, key: str | None) -> str | None:
 def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
-                 progress: ProgressFn = no_progress) -> Receipt:
+                 compile: CompileSpec | None = None, progress: ProgressFn = no_progress) -> Receipt:
     """Run the whole pipeline on ``loaded`` and return the receipt (NOTE [receipt pipeline]).
 
     ``budget``: whole-step peak budget as ``remat plan`` takes it (bytes, ``800MiB``, ``60%``
@@ -286,6 +330,10 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     not an error: the receipt says nothing ships and why.
     """
     settings = settings or RunSettings()
+    if compile is not None:
+        settings = dataclasses.replace(settings, compile=compile.to_json())
+    elif settings.compile is not None:
+        compile = CompileSpec.from_json(settings.compile)
     if not 0.0 <= reserve < 1.0:
         raise BudgetError(f"reserve must lie in [0, 1), got {reserve}")
     if not isinstance(budget, int):
@@ -319,7 +367,7 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
                             steps=settings.frontier_steps, warmup=settings.frontier_warmup,
                             capacity_key=_capacity_key(loaded, settings.capacity_key),
                             capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps,
-                            report=report, progress=progress)
+                            compile=compile, report=report, progress=progress)
     shipped = frontier.shipped
     if shipped is not None and frontier.shipped_plan is not None:
         plan: Plan | None = Plan.from_json(frontier.shipped_plan)
@@ -334,7 +382,8 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     planned_trace: StepTrace | None = None
     savings: dict[str, int] = {}
     held: int | None = None
-    if plan is not None and plan.boundaries:
+    torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
+    if plan is not None and (plan.boundaries or torch_budget):
         verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
                                    timing_steps=settings.verify_timing_steps, progress=progress)
         planned_trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
@@ -357,5 +406,5 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
                          closed_loop=list(closed.attempts) if closed else [],
                          closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note),
         verification=verification, verification_note=vnote, frontier=frontier, decision=decision,
-        unsupported=unsupported_modes(loaded, plan, boundary_shape))
+        unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))
 

@@ -315,14 +315,18 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
         return done()
     progress("check", 2, 5)
 
-    # 3. equivalence: the fixture the receipt names
-    if plan.boundaries:
-        fx = receipt.plan.boundaries[0].fixture
-        report = verify_plan(loaded, plan, steps=fx.steps, seeds=len(fx.seeds), timing_steps=0, progress=progress)
+    # 3. equivalence: the fixture the receipt names; a compiled plan (plan.compile) re-runs compiled
+    # against the compiled control (NOTE [compiled receipts]), a torch-budget plan too
+    torch_budget = plan.compile is not None and plan.compile.memory_budget is not None
+    if plan.boundaries or torch_budget:
+        fx = receipt.plan.boundaries[0].fixture if receipt.plan.boundaries else None
+        steps, seeds = (fx.steps, len(fx.seeds)) if fx else (receipt.settings.verify_steps, receipt.settings.verify_seeds)
+        report = verify_plan(loaded, plan, steps=steps, seeds=seeds, timing_steps=0, progress=progress)
         if report.passed:
             bitwise = all(s.bitwise for s in report.per_step)
-            checked.append(f"equivalence: {len(fx.seeds)} seed{'s' * (len(fx.seeds) != 1)} x {fx.steps} "
-                           f"step{'s' * (fx.steps != 1)} + eval "
+            how = f" (compiled: {plan.compile.describe()}, vs the compiled control)" if plan.compile else ""
+            checked.append(f"equivalence{how}: {seeds} seed{'s' * (seeds != 1)} x {steps} "
+                           f"step{'s' * (steps != 1)} + eval "
                            f"{'bitwise equal' if bitwise else 'within tolerance'}; negative controls rejected")
         else:
             blamed = report.first_divergent_module

@@ -12,6 +12,7 @@ from typing import Any
 
 from .._json import read_json_file, validate
 from ..errors import PlanError
+from ..measure.compiled import CompileSpec
 from ..profile.model import ModelFingerprint
 from ..types import CheckpointMode
 from .schema import PLAN
@@ -57,6 +58,7 @@ class Plan:
     memory_source: str = "cpu-live-tensors"
     simulated: bool = False               # figures from --simulate (issue 8), not a measured run
     device_model: str | None = None
+    compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -76,6 +78,10 @@ class Plan:
         d["boundaries"] = [{**dataclasses.asdict(b), "mode": b.mode.value} for b in self.boundaries]
         d["excluded"] = [dataclasses.asdict(e) for e in self.excluded]
         d["fingerprint"] = self.fingerprint.to_json()
+        if self.compile is None:
+            del d["compile"]   # eager plans read as they always did
+        else:
+            d["compile"] = self.compile.to_json()
         return d
 
     @classmethod
@@ -107,6 +113,7 @@ class Plan:
             memory_source=d.get("memory_source", "cpu-live-tensors"),
             simulated=d.get("simulated", False),
             device_model=d.get("device_model"),
+            compile=None if d.get("compile") is None else CompileSpec.from_json(d["compile"]),
             schema_version=version,
         )
 

@@ -18,7 +18,7 @@ HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
 MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*(\[[0-9]{1,6}:[0-9]{1,6}\])?|\[[0-9]{1,6}:[0-9]{1,6}\]",
                   max_len=500, what="a module path (dotted identifiers) or a segment (container[start:stop])")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
-MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "simulated")
+MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
 MAX_MODULES = 100_000
 
 # remat.profile.ModelFingerprint.to_json
@@ -33,6 +33,9 @@ FINGERPRINT = Obj({
 BOUNDARY = Obj({"module": MODULE_PATH, "mode": MODE, "saved_bytes": SIGNED_BYTES, "replay_ms": SIGNED_MS},
                {"guarded": Bool()})
 
+# remat.measure.CompileSpec.to_json: how a plan runs compiled (NOTE [compiled arms])
+COMPILE = Obj({"backend": Enum("inductor", "aot_eager", "eager"), "memory_budget": Opt(Num(0, 1))})
+
 # Plan.to_json; the optional fields are those older plan files may lack (Plan.from_json's defaults).
 PLAN = Obj({
     "schema_version": Enum(1),
@@ -44,4 +47,5 @@ PLAN = Obj({
 }, {
     "preserve_rng_state": Bool(), "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(MS),
     "memory_source": MEMORY_SOURCE, "simulated": Bool(), "device_model": Opt(SHORT),
+    "compile": Opt(COMPILE),
 })

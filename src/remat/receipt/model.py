@@ -125,6 +125,7 @@ class RunSettings:
     saving_tolerance: float = 0.10    # a boundary's re-measured saving may fall this much (relative)
     saving_warmup: int = 1
     note: str = ""
+    compile: dict[str, Any] | None = None   # CompileSpec JSON: made with --compile (NOTE [compiled receipts])
 
     def __post_init__(self) -> None:
         for name in ("trace_warmup", "trace_steps", "verify_steps", "verify_seeds", "frontier_steps",
@@ -137,7 +138,10 @@ class RunSettings:
             raise RematError(f"saving_tolerance must lie in [0, 1], got {self.saving_tolerance}")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.compile is None:
+            del d["compile"]   # eager receipts read as they always did
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RunSettings":

@@ -19,7 +19,7 @@ from .. import _json
 from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
                      Spec, Str, Tuple, show)
 from ..errors import ReceiptError
-from ..plan.schema import FINGERPRINT, PLAN
+from ..plan.schema import COMPILE, FINGERPRINT, PLAN
 from ..types import HazardKind
 
 MAX_BYTES = _json.MAX_BYTES
@@ -62,7 +62,7 @@ RUN_MODE = Enum("train", "eval")   # verify.model.RunMode
 # verify.model.Site: where a divergence showed first
 SITE = Enum("forward call order", "forward output", "gradient", "buffer", "python attribute",
             "parameter after optimizer step", "generator state", "loss or outputs")
-MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "simulated")
+MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
 TEXT = Str(max_len=20_000)
 SHORT = Str(max_len=2_000)
@@ -126,7 +126,7 @@ VERIFICATION = Obj({
                             "forward_calls": Map(COUNT, max_len=4), "replay_calls": Map(COUNT, max_len=4),
                             "draws_rng": Bool(), "replay_mutations": List(TEXT), "device_moves": List(TEXT)})),
     "repeatable": Bool(), "failures": List(TEXT), "warnings": List(TEXT),
-})
+}, {"compile": Opt(COMPILE)})
 
 FRONTIER_POINT = Obj({
     "plan": SHORT, "planner": SHORT, "decision": Enum("ship", "reject", "infeasible", "failed"), "reason": TEXT,
@@ -136,7 +136,7 @@ FRONTIER_POINT = Obj({
 }, {
     "plan_budget_bytes": Opt(SIGNED_BYTES), "predicted_peak_bytes": Opt(SIGNED_BYTES), "memory_source": Opt(SHORT),
     "predicted_overhead_ms": Opt(SIGNED_MS), "predicted_step_ms": Opt(SIGNED_MS),
-    "num_alloc_retries": Opt(COUNT), "capacity_p50_ms": Opt(MS),
+    "num_alloc_retries": Opt(COUNT), "capacity_p50_ms": Opt(MS), "compile": Opt(COMPILE), "compile_s": Opt(Num(0, 1e7)),
     "capacity_search": Opt(Obj({
         "key": SHORT, "capacity": COUNT, "resolved": Bool(), "capped": Bool(), "limit_bytes": SIGNED_BYTES,
         "tries": List(Obj({"value": Int(-2 ** 31, 2 ** 31), "peak_bytes": Opt(BYTES), "oom": Bool(), "error": Opt(TEXT)}),
@@ -147,6 +147,9 @@ FRONTIER = Obj({
     "schema_version": Enum(1), "context": Map(JsonValue(), max_len=200), "budget_bytes": Int(1, 2 ** 53),
     "reserve": Num(0, 0.999999), "effective_budget_bytes": SIGNED_BYTES, "capacity_key": SHORT, "control": SHORT,
     "shipped": Opt(SHORT), "points": List(FRONTIER_POINT, max_len=200), "shipped_plan": Opt(PLAN),
+}, {
+    "budget_search": List(Obj({"ratio": Num(0, 1), "peak_bytes": Opt(BYTES), "fits": Bool(),
+                               "compile_s": Opt(Num(0, 1e7)), "error": Opt(TEXT)}), max_len=100),
 })
 
 REJECTED = Obj({"plan": SHORT, "decision": Enum("reject", "infeasible", "failed", "unverified"), "reason": TEXT,
@@ -174,7 +177,7 @@ SETTINGS = Obj({
     "frontier_warmup": Int(1, MAX_WARMUP), "capacity_key": Opt(SHORT), "capacity_tries": Int(1, MAX_TRIES),
     "capacity_steps": Int(1, MAX_STEPS), "saving_tolerance": FRACTION, "saving_warmup": Int(1, MAX_WARMUP),
     "note": TEXT,
-})
+}, {"compile": Opt(COMPILE)})
 UNSUPPORTED = Obj({"mode": SHORT, "status": Enum("not run", "unsupported"), "detail": TEXT})
 
 RECEIPT_SCHEMA = Obj({

@@ -28,9 +28,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def tolerance_for(dtype: torch.dtype) -> Tolerance | None:
-    """The tolerance of a floating dtype; None for dtypes that must match exactly."""
-    return TOLERANCES.get(dtype_name(dtype))
+def tolerance_for(dtype: torch.dtype, table: dict[str, Tolerance] = TOLERANCES) -> Tolerance | None:
+    """The tolerance of a floating dtype in ``table`` (eager, or NOTE [compiled tolerances]); None for
+    dtypes that must match exactly."""
+    return table.get(dtype_name(dtype))
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -43,7 +44,8 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
                        b.detach().reshape(-1).contiguous().view(torch.uint8))
 
 
-def diff_tensor(name: str, control: torch.Tensor | None, planned: torch.Tensor | None) -> TensorDiff:
+def diff_tensor(name: str, control: torch.Tensor | None, planned: torch.Tensor | None,
+                table: dict[str, Tolerance] = TOLERANCES) -> TensorDiff:
     if control is None and planned is None:
         return TensorDiff(name=name, max_abs=0.0, max_rel=0.0, ref_max_abs=0.0, bitwise=True, ok=True)
     if control is None or planned is None or control.shape != planned.shape or control.dtype != planned.dtype:
@@ -57,15 +59,16 @@ def diff_tensor(name: str, control: torch.Tensor | None, planned: torch.Tensor |
     if math.isnan(max_abs):
         max_abs = math.inf
     max_rel = max_abs / ref if ref > 0 else (0.0 if max_abs == 0 else math.inf)
-    tol = tolerance_for(control.dtype)
+    tol = tolerance_for(control.dtype, table)
     ok = tol is not None and math.isfinite(max_abs) and tol.allows(max_abs, ref)
     return TensorDiff(name=name, max_abs=max_abs, max_rel=max_rel, ref_max_abs=ref, bitwise=False, ok=ok)
 
 
 def diff_tensors(prefix: str, control: dict[str, torch.Tensor | None],
-                 planned: dict[str, torch.Tensor | None]) -> list[TensorDiff]:
+                 planned: dict[str, torch.Tensor | None], table: dict[str, Tolerance] = TOLERANCES) -> list[TensorDiff]:
     names = list(control) + [n for n in planned if n not in control]
-    return [dataclasses.replace(diff_tensor(f"{prefix} {n}" if prefix else n, control.get(n), planned.get(n)), tensor=n)
+    return [dataclasses.replace(diff_tensor(f"{prefix} {n}" if prefix else n, control.get(n), planned.get(n), table),
+                                tensor=n)
             for n in names]
 
 

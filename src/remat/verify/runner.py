@@ -22,6 +22,19 @@ and the state that changed (``blocks.2.calls: 1 -> 2``,
 hazards too. Any hazard, any out-of-tolerance step, a negative control that is not
 rejected, or a control that does not repeat itself fails verification.
 
+NOTE [verify under compile]
+With ``compile`` both sides run compiled (remat.measure.compile_model): the control is the
+compiled unplanned step, the plan the compiled planned step, compared with
+COMPILED_TOLERANCES (NOTE [compiled tolerances] in model.py). Each role (control, plan, plan
+with RNG preservation off) has one compiled function shared by every seed's build, so a role
+compiles once, not once per pair. Nothing remat adds runs *inside* the compiled region: no
+per-module forward hooks (output digests) and no region probe (a dispatch mode would make
+Dynamo run the frame eagerly, and a hook is traced into the graph and changes it). What stays:
+loss, every gradient, the global grad norm, parameters after the step, buffers, Python
+attributes and generator states, all read outside the compiled code; the first divergent
+module is then named from the gradients, in parameter order. The negative controls run
+compiled too and must still be rejected.
+
 NOTE [deterministic kernels]
 On CUDA several backward kernels accumulate with atomics (embedding and index_add backward,
 some cuBLAS reductions with a split workspace), so the *unmodified* step does not repeat
@@ -48,13 +61,13 @@ from torch import nn
 
 from ..apply import ApplyHandle, apply, check_plan_fingerprint, load_plan
 from ..errors import RematError, WorkloadError
-from ..measure import time_round_robin
+from ..measure import CompiledFunction, CompileSpec, compile_model, time_round_robin
 from ..plan.model import Plan
 from ..types import HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
 from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors,
                       owner_module, python_state, short_repr, tolerance_for)
-from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
+from .model import (COMPILED_TOLERANCES, PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
                     RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport)
 from .probe import RegionProbe, RngState, StepRecorder, seed_everything
 
@@ -86,17 +99,21 @@ class _Side:
     """A fresh build, optionally planned, stepped with its own generators (NOTE [paired runs])."""
 
     def __init__(self, loaded: LoadedWorkload, plan: Plan | None, *, fault: Fault | None = None,
-                 probe: bool = False, stack: contextlib.ExitStack) -> None:
+                 probe: bool = False, stack: contextlib.ExitStack, compiled: CompiledFunction | None = None) -> None:
         self.workload = loaded.workload
         self.model = loaded.workload.model
         self.handle: ApplyHandle | None = None
         if plan is not None:
             self.handle = apply(self.model, plan, check_fingerprint=False)  # checked once in verify_plan
             stack.callback(self._remove)
+        if compiled is not None:   # NOTE [verify under compile]: nothing of remat's inside the compiled region
+            stack.callback(compile_model(self.model, compiled))
         self.trainer = TrainingStep(self.workload)
         self.fault = fault
-        self.recorder = stack.enter_context(StepRecorder(self.model, record_grad_order=True))
-        self.probe = stack.enter_context(RegionProbe(self.handle)) if (probe and self.handle) else None
+        self.recorder = StepRecorder(self.model, record_grad_order=True)
+        if compiled is None:
+            stack.enter_context(self.recorder)
+        self.probe = stack.enter_context(RegionProbe(self.handle)) if (probe and self.handle and compiled is None) else None
         self.rng: RngState | None = None
         self.buffers = clone_tensors(self.model.named_buffers())
         self.pystate = python_state(self.model)
@@ -149,12 +166,49 @@ def _check_same_init(a: nn.Module, b: nn.Module) -> None:
 
 # -- comparing one step ----------------------------------------------------------------------------
 
-def _model_tolerance(model: nn.Module) -> Tolerance:
+def _model_tolerance(model: nn.Module, table: dict[str, Tolerance] = TOLERANCES) -> Tolerance:
     for p in model.parameters():
-        tol = tolerance_for(p.dtype)
+        tol = tolerance_for(p.dtype, table)
         if tol is not None:
             return tol
-    return TOLERANCES["float32"]
+    return table["float32"]
+
+
+def _param_tolerances(table: dict[str, Tolerance], optimizer: torch.optim.Optimizer) -> dict[str, Tolerance]:
+    """Parameters after the optimizer step, under compile (NOTE [compiled tolerances]): atol 2 x the
+    largest learning rate. Adam-family steps move each element by about lr x sign(grad) early on, so
+    a gradient element within rounding of zero, whose sign the two compiled graphs disagree on, moves
+    a parameter by up to 2 lr while every gradient agrees to 1e-5. Gradients are compared at the
+    plain tolerance (the perturbed-gradient control is caught there)."""
+    lrs = [float(g["lr"]) for g in optimizer.param_groups
+           if isinstance(g.get("lr"), (int, float, torch.Tensor)) and not isinstance(g.get("lr"), bool)]
+    step = 2.0 * max(lrs, default=0.0)
+    return {k: dataclasses.replace(v, atol=max(v.atol, step)) for k, v in table.items()}
+
+
+class _Compiled:
+    """The compiled functions of one verification, one per role (NOTE [verify under compile]); None: eager."""
+
+    def __init__(self, spec: CompileSpec | None) -> None:
+        self.spec = spec
+        self.functions: dict[str, CompiledFunction] = {}
+
+    @property
+    def table(self) -> dict[str, Tolerance]:
+        return TOLERANCES if self.spec is None else COMPILED_TOLERANCES
+
+    def role(self, name: str) -> CompiledFunction | None:
+        """The control compiles at torch's default activation_memory_budget; the plan's roles at
+        the plan's own (a torch-budget plan is the unplanned model compiled at another ratio)."""
+        if self.spec is None:
+            return None
+        if name not in self.functions:
+            spec = dataclasses.replace(self.spec, memory_budget=None) if name == "control" else self.spec
+            self.functions[name] = CompiledFunction(spec)
+        return self.functions[name]
+
+
+_EAGER = _Compiled(None)
 
 
 def _grad_norm(grads: dict[str, torch.Tensor | None]) -> float:
@@ -212,15 +266,17 @@ class _Compared:
 
 
 def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMode, boundaries: list[str],
-             tol: Tolerance, probe: RegionProbe | None) -> _Compared:
-    loss = diff_tensor("loss", c.loss, p.loss)
+             tol: Tolerance, probe: RegionProbe | None, table: dict[str, Tolerance] = TOLERANCES,
+             param_table: dict[str, Tolerance] | None = None) -> _Compared:
+    loss = diff_tensor("loss", c.loss, p.loss, table)
     if len(c.outputs) == len(p.outputs):
-        outputs = [diff_tensor(f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(c.outputs, p.outputs))]
+        outputs = [diff_tensor(f"output[{i}]", a, b, table) for i, (a, b) in enumerate(zip(c.outputs, p.outputs))]
     else:
         outputs = [diff_tensor("outputs", None, torch.zeros(()))]
-    grads = diff_tensors("grad", c.grads, p.grads)
-    params = diff_tensors("param", c.params, p.params) if c.params is not None and p.params is not None else []
-    buffers = diff_tensors("buffer", c.buffers, p.buffers)
+    grads = diff_tensors("grad", c.grads, p.grads, table)
+    params = diff_tensors("param", c.params, p.params, param_table or table) \
+        if c.params is not None and p.params is not None else []
+    buffers = diff_tensors("buffer", c.buffers, p.buffers, table)
     norm_c, norm_p = _grad_norm(c.grads), _grad_norm(p.grads)
     norm_ok = (norm_c == norm_p or (math.isnan(norm_c) and math.isnan(norm_p))
                or (math.isfinite(norm_p) and tol.allows(abs(norm_p - norm_c), abs(norm_c))))
@@ -332,7 +388,8 @@ class _PairResult:
 
 
 def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: int, eval_pass: bool,
-              fault: Fault | None = None, tick: Callable[[], None] = lambda: None) -> _PairResult:
+              fault: Fault | None = None, tick: Callable[[], None] = lambda: None,
+              compiled: _Compiled = _EAGER, role: str = "plan") -> _PairResult:
     """Control vs ``plan`` (None: the control again) for ``steps`` steps of ``seed`` (NOTE [paired runs])."""
     comparisons: list[StepComparison] = []
     hazards: list[Hazard] = []
@@ -341,10 +398,12 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
     error: str | None = None
     boundaries = [b.module for b in plan.boundaries] if plan is not None else []
     with contextlib.ExitStack() as stack:
-        control = _Side(loaded.rebuild(), None, stack=stack)
-        planned = _Side(loaded.rebuild(), plan, fault=fault, probe=True, stack=stack)
+        control = _Side(loaded.rebuild(), None, stack=stack, compiled=compiled.role("control"))
+        planned = _Side(loaded.rebuild(), plan, fault=fault, probe=True, stack=stack,
+                        compiled=compiled.role(role if plan is not None else "control"))
         _check_same_init(control.model, planned.model)
-        tol = _model_tolerance(control.model)
+        tol = _model_tolerance(control.model, compiled.table)
+        param_table = _param_tolerances(compiled.table, control.trainer.optimizer) if compiled.spec else None
         seed_everything(seed)
         control.rng = planned.rng = RngState.capture()
         schedule = [(k, RunMode.TRAIN) for k in range(steps)] + ([(steps, RunMode.EVAL)] if eval_pass else [])
@@ -360,7 +419,8 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
             if p.fault:
                 faults.append(p.fault)
             calls.setdefault(mode.value, p.calls)
-            res = _compare(c, p, seed=seed, step=k, mode=mode, boundaries=boundaries, tol=tol, probe=planned.probe)
+            res = _compare(c, p, seed=seed, step=k, mode=mode, boundaries=boundaries, tol=tol, probe=planned.probe,
+                           table=compiled.table, param_table=param_table)
             comparisons.append(res.step)
             hazards += res.hazards
             tick()
@@ -486,7 +546,8 @@ def deterministic_kernels(device: str | torch.device):
 
 
 def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int = 3, seeds: int = 3,
-                timing_steps: int = 10, progress: ProgressFn = no_progress) -> VerifyReport:
+                timing_steps: int = 10, compile: CompileSpec | None = None,
+                progress: ProgressFn = no_progress) -> VerifyReport:
     """Prove (or refute) that ``plan`` applied to ``loaded`` is the same training procedure as the control.
 
     Runs ``seeds`` paired control/planned runs of ``steps`` steps plus an eval step each
@@ -494,8 +555,13 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
     (RNG preservation off; one gradient perturbed), and times RNG preservation
     (``timing_steps`` per variant, 0 to skip). Returns the report; call
     ``report.raise_if_failed()`` to turn a failure into :class:`VerificationFailed`.
+    ``compile``: both sides compiled, compared with COMPILED_TOLERANCES (NOTE [verify under
+    compile]); a plan made with ``--compile`` (``plan.compile``) is verified compiled.
     """
     plan = load_plan(plan)
+    if compile is None:
+        compile = plan.compile
+    compiled = _Compiled(compile)
     if steps < 1 or seeds < 1 or timing_steps < 0:
         raise RematError(f"steps and seeds must be >= 1 and timing_steps >= 0 (got {steps}, {seeds}, {timing_steps})")
     check_plan_fingerprint(loaded.workload.model, plan)
@@ -512,85 +578,92 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
     outer_rng = RngState.capture()
     try:
         with deterministic_kernels(loaded.device):
-            return _verify(loaded, plan, steps, seed_values, neg_steps, timing_steps, tick, total, progress)
+            per_step: list[StepComparison] = []
+            hazards: list[Hazard] = []
+            failures: list[str] = []
+            activity: list[BoundaryActivity] = []
+            for seed in seed_values:
+                res = _run_pair(loaded, plan, seed=seed, steps=steps, eval_pass=True, tick=tick, compiled=compiled)
+                per_step += res.comparisons
+                hazards += res.hazards
+                activity = activity or res.activity
+                if res.error is not None:
+                    failures.append(f"seed {seed}: the planned step raised {res.error}")
+            if compile is not None and plan.boundaries:
+                # NOTE [verify under compile]: the region probe cannot run inside compiled code, so which
+                # boundaries draw random numbers, replay, or move devices is observed on one eager pair
+                eager = _run_pair(loaded, plan, seed=seed_values[0], steps=1, eval_pass=False)
+                activity = eager.activity
+                hazards += [h for h in eager.hazards if h.kind is HazardKind.DEVICE_MOVE]
+            bad = [s for s in per_step if not s.passed]
+            if bad:
+                s = bad[0]
+                where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
+                    if s.first_divergent_module else ""
+                more = f" and {len(s.divergent) - 4} more" if len(s.divergent) > 4 else ""
+                failures.append(f"{len(bad)} of {len(per_step)} compared steps differ from the control; first: seed "
+                                f"{s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])}{more} out of "
+                                f"tolerance{where}")
+            hazards = _dedupe(hazards)
+            failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
+
+            # Positive control: the unmodified step must repeat itself, or no difference means anything.
+            repeat = _run_pair(loaded, None, seed=seed_values[0], steps=steps, eval_pass=False, tick=tick,
+                               compiled=compiled)
+            repeatable = not repeat.rejected
+            if not repeatable:
+                failures.append(f"the control does not repeat itself with the same seed ({repeat.reason()}): "
+                                "checkpointing cannot be told apart from nondeterminism")
+
+            drawers = sorted(a.module for a in activity if a.draws_rng)
+            negative = [_rng_off_control(loaded, plan, drawers, seed_values[0], neg_steps, tick, compiled)]
+            tol = _model_tolerance(loaded.workload.model, compiled.table)
+            negative.append(_perturbed_control(loaded, plan, seed_values[0], _perturbation_for(tol), tick, compiled))
+            failures += [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
+                         if n.applicable and not n.rejected]
+
+            # the RNG-preservation timing re-applies the plan around each step on one build: eager only
+            timing = measure_rng_overhead(loaded, plan, steps=timing_steps, tick=tick) \
+                if timing_steps and compile is None else None
+            first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
+            if first is None and hazards:
+                first = hazards[0].module
+            warnings = ([] if compile is None else [
+                "compiled: per-module output digests and the region probe do not run inside compiled code; boundary "
+                "activity (replays, RNG draws, device moves) was observed on one eager pair"]) + [
+                f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
+                        f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
+                        for s in _first_non_finite_per_seed(per_step)]
+            progress("verify", total, total)
+            return VerifyReport(
+                passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
+                dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
+                seeds=seed_values, tolerances=dict(compiled.table), perturbation=_perturbation_for(tol), per_step=per_step,
+                first_divergent_module=first, rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards,
+                negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures,
+                warnings=warnings, compile=None if compile is None else compile.to_json())
     finally:
         outer_rng.restore()
 
 
-def _verify(loaded: LoadedWorkload, plan: Plan, steps: int, seed_values: list[int], neg_steps: int,
-            timing_steps: int, tick: Callable[[], None], total: int, progress: ProgressFn) -> VerifyReport:
-    per_step: list[StepComparison] = []
-    hazards: list[Hazard] = []
-    failures: list[str] = []
-    activity: list[BoundaryActivity] = []
-    for seed in seed_values:
-        res = _run_pair(loaded, plan, seed=seed, steps=steps, eval_pass=True, tick=tick)
-        per_step += res.comparisons
-        hazards += res.hazards
-        activity = activity or res.activity
-        if res.error is not None:
-            failures.append(f"seed {seed}: the planned step raised {res.error}")
-    bad = [s for s in per_step if not s.passed]
-    if bad:
-        s = bad[0]
-        where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
-            if s.first_divergent_module else ""
-        more = f" and {len(s.divergent) - 4} more" if len(s.divergent) > 4 else ""
-        failures.append(f"{len(bad)} of {len(per_step)} compared steps differ from the control; first: seed "
-                        f"{s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])}{more} out of "
-                        f"tolerance{where}")
-    hazards = _dedupe(hazards)
-    failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
-
-    # Positive control: the unmodified step must repeat itself, or no difference means anything.
-    repeat = _run_pair(loaded, None, seed=seed_values[0], steps=steps, eval_pass=False, tick=tick)
-    repeatable = not repeat.rejected
-    if not repeatable:
-        failures.append(f"the control does not repeat itself with the same seed ({repeat.reason()}): "
-                        "checkpointing cannot be told apart from nondeterminism")
-
-    drawers = sorted(a.module for a in activity if a.draws_rng)
-    negative = [_rng_off_control(loaded, plan, drawers, seed_values[0], neg_steps, tick)]
-    tol = _model_tolerance(loaded.workload.model)
-    negative.append(_perturbed_control(loaded, plan, seed_values[0], _perturbation_for(tol), tick))
-    failures += [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
-                 if n.applicable and not n.rejected]
-
-    timing = measure_rng_overhead(loaded, plan, steps=timing_steps, tick=tick) if timing_steps else None
-    first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
-    if first is None and hazards:
-        first = hazards[0].module
-    warnings = [f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
-                f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
-                for s in _first_non_finite_per_seed(per_step)]
-    progress("verify", total, total)
-    return VerifyReport(
-        passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
-        dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
-        seeds=seed_values, tolerances=dict(TOLERANCES), perturbation=_perturbation_for(tol), per_step=per_step,
-        first_divergent_module=first, rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards,
-        negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures,
-        warnings=warnings)
-
-
 def _rng_off_control(loaded: LoadedWorkload, plan: Plan, drawers: list[str], seed: int, steps: int,
-                     tick: Callable[[], None]) -> NegativeControl:
+                     tick: Callable[[], None], compiled: _Compiled = _EAGER) -> NegativeControl:
     name = "rng_preservation_off"
     if not drawers:
         return NegativeControl(name=name, applicable=False, rejected=None,
                                detail="not applicable: no planned boundary draws random numbers in its forward "
                                       "(every generator's state was unchanged across each boundary's forward)")
     res = _run_pair(loaded, dataclasses.replace(plan, preserve_rng_state=False), seed=seed, steps=steps,
-                    eval_pass=False, tick=tick)
+                    eval_pass=False, tick=tick, compiled=compiled, role="plan-rng-off")
     return NegativeControl(name=name, applicable=True, rejected=res.rejected,
                            detail=f"same plan with preserve_rng_state=False: {res.reason()}")
 
 
 def _perturbed_control(loaded: LoadedWorkload, plan: Plan, seed: int, rel: float,
-                       tick: Callable[[], None]) -> NegativeControl:
+                       tick: Callable[[], None], compiled: _Compiled = _EAGER) -> NegativeControl:
     name = "perturbed_gradient"
     fault = GradientPerturbation(rel)
-    res = _run_pair(loaded, plan, seed=seed, steps=1, eval_pass=False, fault=fault, tick=tick)
+    res = _run_pair(loaded, plan, seed=seed, steps=1, eval_pass=False, fault=fault, tick=tick, compiled=compiled)
     if fault.param is None:
         return NegativeControl(name=name, applicable=False, rejected=None,
                                detail="not applicable: every gradient is zero or missing")
