@@ -14,6 +14,7 @@ from remat.apply import SegmentPassthrough, SegmentWrapper, apply, recover_handl
 from remat.errors import CandidateError, PlanError
 from remat.plan import CostModel, make_plan
 from remat.profile import CandidateCost, PeakRow, ProfileReport, profile_workload
+from remat.profile.segments import is_segment
 from remat.profile.segments import parse_segment, segment_lengths, segment_members
 from remat.types import CheckpointMode, MemorySource
 from remat.verify import verify_plan
@@ -247,3 +248,13 @@ def test_floor_is_at_or_below_every_baseline_measured_and_peaks_are_predicted():
     # over-predict `all` here by about 9%
     rough = profile_workload(lw, measure_replays=False)
     assert make_plan(rough, "all").predicted_peak_bytes > measured["all"] * 1.02
+
+
+def test_segments_false_offers_per_module_boundaries_only():
+    """``profile_workload(segments=False)`` (remat.auto's ``segments=False``, for export_check_fn): the
+    same profile without the segment candidates the default offers on this chain."""
+    with_segments = {c.name for c in profile_workload(_load(), measure_replays=False).candidates}
+    without = {c.name for c in profile_workload(_load(), segments=False, measure_replays=False).candidates}
+    assert any(is_segment(n) for n in with_segments)
+    assert without and not any(is_segment(n) for n in without)
+    assert without == {n for n in with_segments if not is_segment(n)}

@@ -66,6 +66,7 @@ class CacheKey:
     budget: str
     reserve: float
     planner: str
+    segments: bool                 # segment candidates offered (NOTE [segments])
     loss: str
     optimizer: list[Any]
     device: str

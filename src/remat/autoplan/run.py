@@ -76,7 +76,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
          optimizer: torch.optim.Optimizer | None = None, verify: str | None = None,
          cache_dir: str | Path | None = None, use_cache: bool = True, reserve: str | float = 0.05,
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
-         progress: ProgressFn = no_progress) -> AutoHandle:
+         segments: bool = True, progress: ProgressFn = no_progress) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
@@ -87,7 +87,10 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     (VerificationFailed when it differs). ``cache_dir``: default ``$REMAT_CACHE_DIR`` or
     ``~/.cache/remat`` (NOTE [plan cache key]). ``copy_fn``: how to copy the model when
     ``copy.deepcopy`` cannot. ``measure_replays=False`` keeps the profile's first replay-cost
-    estimates instead of timing each candidate's replay alone (faster; the overhead is less exact). Nothing of yours is changed but the wrapped modules' ``forward``
+    estimates instead of timing each candidate's replay alone (faster; the overhead is less exact).
+    ``segments=False``: plan per-module boundaries only, no segment candidates (NOTE [segments]):
+    what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express. Nothing of
+    yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
     t0 = time.perf_counter()
@@ -101,7 +104,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
         fingerprint=fingerprint(model).digest,
         trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
         training=model.training, batch=describe_batch(example_batch), budget=str(budget), reserve=reserve_f,
-        planner=planner, loss=code_identity(loss), optimizer=spec.key(), device=device_identity(device),
+        planner=planner, segments=segments, loss=code_identity(loss), optimizer=spec.key(), device=device_identity(device),
         torch_version=torch.__version__, remat_version=__version__)
     cache = PlanCache(Path(cache_dir) if cache_dir is not None else default_cache_dir()) if use_cache else None
 
@@ -114,7 +117,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
             with Parked(model, optimizer if device.type == "cuda" else None) if device.type == "cuda" else _Nothing():
                 source = ModelSource(model, example_batch, loss, spec, device, copy_fn)
                 if plan is None:
-                    plan = _plan(source, budget, reserve_f, planner, measure_replays, progress)
+                    plan = _plan(source, budget, reserve_f, planner, measure_replays, segments, progress)
                 if verify == "quick":
                     progress("auto: verify (quick)", 0, 1)
                     verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
@@ -142,9 +145,10 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
 
 
 def _plan(source: ModelSource, budget: str | int, reserve: float, planner: str, measure_replays: bool,
-          progress: ProgressFn) -> Plan:
+          segments: bool, progress: ProgressFn) -> Plan:
     loaded = source.loaded()
-    profile = profile_workload(loaded.rebuild(), measure_replays=measure_replays, progress=progress)
+    profile = profile_workload(loaded.rebuild(), measure_replays=measure_replays, segments=segments,
+                               progress=progress)
     budget_bytes = parse_budget(budget, profile.baseline_peak_bytes)
     return plan_closed_loop(loaded, profile, planner, budget_bytes=budget_bytes, reserve=reserve,
                             progress=progress).plan

@@ -471,15 +471,20 @@ def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, 
 
 
 def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = None, warmup: int = 2,
-                     repeats: int = 5, measure_replays: bool = True, progress: ProgressFn = no_progress) -> ProfileReport:
+                     repeats: int = 5, measure_replays: bool = True, segments: bool = True,
+                     progress: ProgressFn = no_progress) -> ProfileReport:
     """Profile every candidate of ``loaded`` (auto-discovered unless named) on its real step.
+
+    ``segments``: search for segment candidates when none are named (NOTE [segments]); False
+    offers per-module boundaries only (what torch's per-module checkpoint_wrapper can express).
 
     ``measure_replays``: measure each (candidate, mode)'s replay cost alone (NOTE [measured
     replay costs]); False keeps the first estimates (faster, less exact).
     """
     step = TrainingStep(loaded.workload)
     names = resolve_candidates(loaded.workload.model, candidates)
-    report = profile_step(step, names, warmup=warmup, repeats=repeats, segments=not candidates, progress=progress)
+    report = profile_step(step, names, warmup=warmup, repeats=repeats, segments=segments and not candidates,
+                          progress=progress)
     progress("profile: dry runs of each mode", 0, 1)
     exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
     progress("profile: dry runs of each mode", 1, 1)
