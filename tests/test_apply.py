@@ -258,3 +258,35 @@ def test_fingerprint_differences_are_records_by_path():
     assert all(d.under("10") and d.under("10", strictly=True) for d in diffs)
     assert not any(d.under("1") for d in diffs)
     assert "parameter 10.weight: [2, 2] float32 -> [3, 2] float32" in [str(d) for d in diffs]
+
+
+# -- NOTE [module names] ---------------------------------------------------------------------------
+
+def test_module_names_torch_accepts_round_trip_through_plan_json(tmp_path):
+    """torchvision's RegNet names blocks ``block1-0``: a plan naming them is written, read back by the
+    hardened loader, applied and removed exactly; names no module can have are still refused."""
+    import json
+    from remat.errors import RematError
+    from remat.plan import Plan
+
+    from .conftest import hand_plan
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential()
+    for name in ("block1-0", "block1+1", "stufe ü"):
+        trunk.add_module(name, torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()))
+    model = torch.nn.Sequential()
+    model.add_module("trunk_output", trunk)
+    paths = ["trunk_output.block1-0", "trunk_output.block1+1", "trunk_output.stufe ü"]
+    plan = hand_plan(model, paths)
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert [b.module for b in loaded.boundaries] == paths
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = model(x).sum()
+    with apply(model, loaded):
+        assert model(x).sum().item() == ref.item()
+    for bad in ("trunk_output..block1-0", "trunk_output.block1-0\n", "trunk_output.block[1].x"):
+        d = json.loads((tmp_path / "plan.json").read_text())
+        d["boundaries"][0]["module"] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(d))
+        with pytest.raises(RematError, match="module path"):
+            Plan.load(tmp_path / "bad.json")

@@ -522,3 +522,17 @@ def test_floor_explanation_tells_idle_exclusions_from_telling_ones_by_record():
     text = explain_floor(r, 900, classify_candidates(r))
     assert "1 candidates excluded: c: called 2 times" in text and "2 more free nothing until backward" in text
     assert "b: frees" not in text and "d: free" not in text
+
+
+def test_floor_explanation_tells_a_failing_mode_from_an_excluded_candidate():
+    """timm's resnet26d: recompute-pointwise failed its dry run on every block, but the blocks stay
+    plannable in full mode; the message must not call them excluded candidates."""
+    from remat.plan.planners import classify_candidates, explain_floor
+    r = report([cand("a", 0, saved={F: 100}, ms={F: 1.0})], [row(1000, live=["a"])],
+               excluded={"c": "called 2 times per step (shared module)"})
+    r.mode_excluded = {"a": {"recompute-pointwise": "recompute-pointwise mode fails in a dry run: RuntimeError: x"}}
+    elig = classify_candidates(r)
+    assert "a" in elig.allowed
+    text = explain_floor(r, 900, elig)
+    assert "1 candidates excluded: c: called 2 times" in text
+    assert "1 modes excluded on candidates still plannable in another mode: a: recompute-pointwise" in text

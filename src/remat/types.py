@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import enum
 
+# NOTE [module names]
+# torch accepts any non-empty child name without a "." (``add_module`` checks only that):
+# torchvision's RegNet names its blocks ``block1-0``, other models use "+", ":" or non-ASCII
+# letters. A plan or receipt is data (module paths are only looked up in named_modules()), so
+# its schema accepts every printable character a name can hold (spaces too) but ".", "[", "]"
+# (the path separator and remat's segment syntax, ``container[start:stop]``) and controls.
+MODULE_NAME_RE = r"(?:[ -\-/-Z\\^-~]|[^\x00-\x7f\s])+"
+MODULE_PATH_RE = MODULE_NAME_RE + r"(?:\." + MODULE_NAME_RE + r")*"
+
 
 class Phase(str, enum.Enum):
     """Phases of one training step, in the order they run."""

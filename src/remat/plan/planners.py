@@ -489,10 +489,15 @@ def explain_floor(report: ProfileReport, floor: int, eligibility: Eligibility) -
     idle_names = set(report.idle)
     idle = [e for e in eligibility.excluded if e.module in idle_names]
     telling = [e for e in eligibility.excluded if e.module not in idle_names]
-    if telling:
-        shown = "; ".join(f"{e.module}: {e.reason}" for e in telling[:4])
-        more = f" (+{len(telling) - 4} more)" if len(telling) > 4 else ""
-        parts.append(f"{len(telling)} candidates excluded: {shown}{more}")
+    # a failing mode leaves its candidate plannable in its other modes: say which is which
+    whole = [e for e in telling if e.module not in eligibility.allowed]
+    modes = [e for e in telling if e.module in eligibility.allowed]
+    for what, group in (("candidates excluded", whole), ("modes excluded on candidates still plannable in "
+                                                          "another mode", modes)):
+        if group:
+            shown = "; ".join(f"{e.module}: {e.reason}" for e in group[:4])
+            more = f" (+{len(group) - 4} more)" if len(group) > 4 else ""
+            parts.append(f"{len(group)} {what}: {shown}{more}")
     if idle:
         parts.append(f"{len(idle)} more free nothing until backward")
     return ". ".join(parts)

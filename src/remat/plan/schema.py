@@ -9,14 +9,16 @@ Nothing in a plan names code: module paths are looked up in ``model.named_module
 
 from __future__ import annotations
 
+from ..types import MODULE_PATH_RE
 from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, List, Num, Obj, Opt, Str, Tuple
 
 SHORT = Str(max_len=2_000)
 TEXT = Str(max_len=20_000)
 HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
 # a module path, or a segment of a container's children (NOTE [segments] in remat/profile/segments.py)
-MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*(\[[0-9]{1,6}:[0-9]{1,6}\])?|\[[0-9]{1,6}:[0-9]{1,6}\]",
-                  max_len=500, what="a module path (dotted identifiers) or a segment (container[start:stop])")
+# (NOTE [module names] in remat/types.py: any name torch accepts but ".", "[", "]" and controls)
+MODULE_PATH = Str(f"{MODULE_PATH_RE}(\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\])?|\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\]",
+                  max_len=500, what="a module path (names joined by '.') or a segment (container[start:stop])")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
 MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
 MAX_MODULES = 100_000
@@ -24,7 +26,7 @@ MAX_MODULES = 100_000
 # remat.profile.ModelFingerprint.to_json
 FINGERPRINT = Obj({
     "digest": HEX64,
-    "modules": List(Tuple(Str(r"[A-Za-z0-9_.]*", max_len=500), SHORT), max_len=MAX_MODULES),
+    "modules": List(Tuple(Str(f"(?:{MODULE_PATH_RE})?", max_len=500), SHORT), max_len=MAX_MODULES),
     "params": List(Obj({"name": Str(max_len=500), "shape": List(Int(0, 2 ** 40), max_len=16), "dtype": SHORT}),
                    max_len=MAX_MODULES),
     "class_source_hashes": List(Tuple(SHORT, Str(r"[0-9a-f]{16}")), max_len=MAX_MODULES),

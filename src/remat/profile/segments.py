@@ -46,10 +46,11 @@ import torch
 from torch import nn
 
 from ..errors import CandidateError
+from ..types import MODULE_PATH_RE
 
 MAX_RUN_LENGTHS = 8          # distinct segment lengths per run (NOTE [segment count])
 
-_SEGMENT_RE = re.compile(r"^(?P<container>[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)?\[(?P<a>[0-9]+):(?P<b>[0-9]+)\]$")
+_SEGMENT_RE = re.compile(f"^(?P<container>{MODULE_PATH_RE})?\\[(?P<a>[0-9]+):(?P<b>[0-9]+)\\]$")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .. import _json
 from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
                      Spec, Str, Tuple, show)
 from ..errors import ReceiptError
-from ..plan.schema import COMPILE, FINGERPRINT, PLAN
+from ..plan.schema import COMPILE, FINGERPRINT, MODULE_PATH, PLAN
 from ..types import HazardKind
 
 MAX_BYTES = _json.MAX_BYTES
@@ -48,9 +48,6 @@ def read_json_file(path: Path | str) -> Any:
 
 FRACTION = Num(0, 1)
 HEX16 = Str(r"[0-9a-f]{16}", what="a string of 16 hex digits")
-# a module path, or a segment of a container's children (NOTE [segments] in remat/profile/segments.py)
-MODULE_PATH = Str(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*(\[[0-9]{1,6}:[0-9]{1,6}\])?|\[[0-9]{1,6}:[0-9]{1,6}\]",
-                  max_len=500, what="a module path (dotted identifiers) or a segment (container[start:stop])")
 # Shape keywords: JSON scalars; an integer shape past 2**31 is no training step, and
 # remat check validates each value against the factory's annotation before calling it.
 SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(-2 ** 31, 2 ** 31), Str(max_len=200)),
