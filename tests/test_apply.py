@@ -272,11 +272,11 @@ def test_module_names_torch_accepts_round_trip_through_plan_json(tmp_path):
     from .conftest import hand_plan
     torch.manual_seed(0)
     trunk = torch.nn.Sequential()
-    for name in ("block1-0", "block1+1", "stufe ü"):
+    for name in ("block1-0", "block1+1", "stufe_ü"):
         trunk.add_module(name, torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()))
     model = torch.nn.Sequential()
     model.add_module("trunk_output", trunk)
-    paths = ["trunk_output.block1-0", "trunk_output.block1+1", "trunk_output.stufe ü"]
+    paths = ["trunk_output.block1-0", "trunk_output.block1+1", "trunk_output.stufe_ü"]
     plan = hand_plan(model, paths)
     loaded = Plan.load(plan.save(tmp_path / "plan.json"))
     assert [b.module for b in loaded.boundaries] == paths
@@ -284,9 +284,26 @@ def test_module_names_torch_accepts_round_trip_through_plan_json(tmp_path):
     ref = model(x).sum()
     with apply(model, loaded):
         assert model(x).sum().item() == ref.item()
-    for bad in ("trunk_output..block1-0", "trunk_output.block1-0\n", "trunk_output.block[1].x"):
+    for bad in ("trunk_output..block1-0", "trunk_output.block1-0\n", "trunk_output.block[1].x", "__import__('os')",
+                "a b"):
         d = json.loads((tmp_path / "plan.json").read_text())
         d["boundaries"][0]["module"] = bad
         (tmp_path / "bad.json").write_text(json.dumps(d))
         with pytest.raises(RematError, match="module path"):
             Plan.load(tmp_path / "bad.json")
+
+
+def test_a_block_whose_name_a_plan_cannot_hold_is_excluded_with_the_reason():
+    """A child named like code (spaces, quotes) is never offered: the plan it would be in could not be
+    read back (NOTE [module names]); its siblings are profiled as usual."""
+    from remat.profile import profile_step
+    from remat.workload import TrainingStep, Workload
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    for name in ("ok-0", "not ok", "ok-2"):
+        model.add_module(name, nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)))
+    x = torch.randn(32, 16)
+    step = TrainingStep(Workload(model=model, batch=lambda i: x, loss=lambda m, b: m(b).pow(2).mean()))
+    report = profile_step(step, ["ok-0", "not ok", "ok-2"], warmup=1, repeats=1)
+    assert "cannot be written in a plan" in report.excluded["not ok"]
+    assert {c.name for c in report.candidates} >= {"ok-0", "ok-2"}

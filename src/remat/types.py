@@ -7,10 +7,12 @@ import enum
 # NOTE [module names]
 # torch accepts any non-empty child name without a "." (``add_module`` checks only that):
 # torchvision's RegNet names its blocks ``block1-0``, other models use "+", ":" or non-ASCII
-# letters. A plan or receipt is data (module paths are only looked up in named_modules()), so
-# its schema accepts every printable character a name can hold (spaces too) but ".", "[", "]"
-# (the path separator and remat's segment syntax, ``container[start:stop]``) and controls.
-MODULE_NAME_RE = r"(?:[ -\-/-Z\\^-~]|[^\x00-\x7f\s])+"
+# letters. A plan or receipt is data (module paths are only looked up in named_modules()), yet
+# a name that reads like code (quotes, parentheses, "/", "$", ";", spaces) is refused anyway: no
+# model we have met uses one, and a receipt carrying one is more likely an attack than a model.
+# So: word characters (Unicode letters, digits, "_") and "-", "+", ":", "@", "#", "~", "=";
+# never ".", "[", "]" (the path separator and remat's segment syntax, ``container[start:stop]``).
+MODULE_NAME_RE = r"[\w\-+:@#~=]+"
 MODULE_PATH_RE = MODULE_NAME_RE + r"(?:\." + MODULE_NAME_RE + r")*"
 
 

@@ -175,6 +175,27 @@ def _load(receipt: Receipt, spec: str) -> LoadedWorkload:
                            tip=exc.tip or "run remat check where remat receipt ran, or pass --workload") from exc
 
 
+class CheckLedger:
+    """What a check has found, checked and skipped so far (both receipt kinds); ``report()`` is the
+    :class:`CheckReport`. Starts with the reports' stamps when ``reports`` names a folder."""
+
+    def __init__(self, spec: str, quick: bool, reports: tuple[Path, str] | None) -> None:
+        self.t0 = time.perf_counter()
+        self.spec, self.quick = spec, quick
+        self.failures: list[CheckFinding] = []
+        self.checked: list[str] = []
+        self.skipped: list[str] = []
+        if reports is not None:
+            f, c, sk = report_findings(*reports)
+            self.failures += f
+            self.checked += c
+            self.skipped += sk
+
+    def report(self) -> CheckReport:
+        return CheckReport(passed=not self.failures, quick=self.quick, workload=self.spec, failures=self.failures,
+                           checked=self.checked, skipped=self.skipped, wall_s=time.perf_counter() - self.t0)
+
+
 def report_findings(folder: Path, digest: str) -> tuple[list[CheckFinding], list[str], list[str]]:
     """(failures, checked, skipped): each report beside the receipt must name the receipt's sha256."""
     failures: list[CheckFinding] = []
@@ -269,22 +290,10 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     cannot be loaded here; check failures are data (``report.passed``), for the CLI to turn
     into exit code 1.
     """
-    t0 = time.perf_counter()
     chosen = choose_workload(receipt.context.workload, workload, cwd=cwd)
     spec = chosen.spec
-    failures: list[CheckFinding] = []
-    checked: list[str] = []
-    skipped: list[str] = []
-
-    def done() -> CheckReport:
-        return CheckReport(passed=not failures, quick=quick, workload=spec, failures=failures, checked=checked,
-                           skipped=skipped, wall_s=time.perf_counter() - t0)
-
-    if reports is not None:
-        f, c, sk = report_findings(*reports)
-        failures += f
-        checked += c
-        skipped += sk
+    ledger = CheckLedger(spec, quick, reports)
+    failures, checked, skipped, done = ledger.failures, ledger.checked, ledger.skipped, ledger.report
     if not same_workload(spec, receipt.context.workload, cwd=cwd):
         failures.append(CheckFinding(kind=FindingKind.WORKLOAD, message=(
             f"the receipt was made for workload {receipt.context.workload!r}, but {chosen.source} names {spec!r}: "

@@ -15,7 +15,6 @@ If the model changed (3), 5 is skipped: the plans are bound to the model they we
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from ..distributed.pipeline import PipelineConfig, run_pipeline_config
 from ..distributed.pipeline_report import PipelineReport
@@ -26,7 +25,7 @@ from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
-from .check import CheckFinding, CheckReport, FindingKind, choose_workload, report_findings, same_workload
+from .check import CheckFinding, CheckLedger, CheckReport, FindingKind, choose_workload, same_workload
 
 
 def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, command: str = "",
@@ -51,24 +50,12 @@ def check_pipeline_receipt(receipt: PipelineReceipt, *, quick: bool = False, wor
                            work_dir: Path | None = None, wall_timeout_s: float = 600.0,
                            progress: ProgressFn = no_progress) -> CheckReport:
     """The module docstring's checks; failures are data (``passed``), for the CLI's exit code 1."""
-    t0 = time.perf_counter()
     ctx = receipt.context
     d = receipt.pipeline.data
     chosen = choose_workload(ctx.workload, workload, cwd=cwd)
     spec = chosen.spec
-    failures: list[CheckFinding] = []
-    checked: list[str] = []
-    skipped: list[str] = []
-
-    def done() -> CheckReport:
-        return CheckReport(passed=not failures, quick=quick, workload=spec, failures=failures, checked=checked,
-                           skipped=skipped, wall_s=time.perf_counter() - t0)
-
-    if reports is not None:
-        f, c, sk = report_findings(*reports)
-        failures += f
-        checked += c
-        skipped += sk
+    ledger = CheckLedger(spec, quick, reports)
+    failures, checked, skipped, done = ledger.failures, ledger.checked, ledger.skipped, ledger.report
     if not same_workload(spec, ctx.workload, cwd=cwd):
         failures.append(CheckFinding(kind=FindingKind.WORKLOAD, message=(
             f"the receipt was made for workload {ctx.workload!r}, but {chosen.source} names {spec!r}: nothing was run")))

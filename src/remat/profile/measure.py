@@ -26,6 +26,7 @@ The rows follow NOTE [peak cost model] in profile/model.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -37,7 +38,8 @@ from ..measure import RegionTimer, percentile, time_steps, warm_up
 from ..memory.measure import measure_step_peak, model_device
 from ..memory.tracker import StorageRecord
 from ..trace.recorder import ModuleWindow, StepRecorder
-from ..types import OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, ProgressFn, is_cheap_op, no_progress, sac_saves
+from ..types import (MODULE_PATH_RE, OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, ProgressFn, is_cheap_op,
+                     no_progress, sac_saves)
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
 from .candidates import parent_of, resolve_candidates, segment_search
@@ -334,6 +336,10 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     spans: dict[str, tuple[int, int, int | None, int | None]] = {}
     for name in candidate_names:
         calls = len(windows_by_name.get(name, ()))
+        if not re.fullmatch(MODULE_PATH_RE, name):
+            excluded[name] = ("its name cannot be written in a plan (NOTE [module names]: word characters and "
+                              "- + : @ # ~ = only)")
+            continue
         if calls != 1:
             excluded[name] = ("not called during the step" if calls == 0 else
                               f"called {calls} times per step (shared module): a wrapper would checkpoint every call")
