@@ -171,8 +171,10 @@ def hazard_candidates(probe_dir: Path) -> dict[str, str]:
     """
     prof = read_json(probe_dir / "profile.json") or {}
     out: dict[str, str] = {}
-    for c in sorted(prof.get("candidates", []), key=lambda c: c.get("order", 0)):
-        if c["name"] in prof.get("excluded", {}):
+    # a segment's hazards are its members' (NOTE [segments]), and `--planner all` plans the
+    # top-level modules, not segments: confirm a hazard on a module
+    for c in sorted(prof.get("candidates", []), key=lambda c: (c.get("order", 0))):
+        if c["name"] in prof.get("excluded", {}) or c.get("members"):
             continue
         for h in c.get("hazards", []):
             if h["kind"] != "rng":
@@ -196,8 +198,11 @@ def confirm_hazards(base: list[str], probe_dir: Path, out_dir: Path, timeout: fl
                           "--timing-steps", "0", "--out", str(hdir / "verify")], timeout,
                          out_dir / f"hazard-{kind}-verify.log") if plan["exit_code"] == 0 else None
         confirmed = verify is not None and verify["exit_code"] == 1
+        # an empty plan checkpoints nothing: its passing verify says nothing about the hazard
+        planned = bool((read_json(hdir / "plan.json") or {}).get("boundaries"))
         rows.append({"kind": kind, "module": module, "plan": plan, "verify": verify, "confirmed": confirmed,
-                     "false_alarm": verify is not None and verify["exit_code"] == 0})
+                     "false_alarm": planned and verify is not None and verify["exit_code"] == 0,
+                     "unconfirmable": None if planned else "the unguarded plan of the candidate is empty"})
     return rows
 
 
