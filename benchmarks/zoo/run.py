@@ -297,7 +297,16 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started: str, total_s: float) -> None:
+def _shown(p: Path) -> str:
+    """``p`` relative to the repository when it lies inside it."""
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started: str, total_s: float,
+                   results: Path = ZOO / "results.json") -> None:
     n_pass = sum(r["verdict"] == "pass" for r in rows)
     alarms = sum(h["false_alarm"] for r in rows for h in r.get("hazard_checks", []))
     confirmed = sum(h["confirmed"] for r in rows for h in r.get("hazard_checks", []))
@@ -309,7 +318,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         f"remat at commit {git_commit()}.",
         "Do not edit by hand. Figures in MiB; the budget is halfway between the floor (the measured peak of",
         "`remat plan --planner all`, or the predicted floor where `all` did not lower the peak) and the control peak.",
-        "Every figure and the full stderr tail of each failure are in `benchmarks/zoo/results.json`.",
+        f"Every figure and the full stderr tail of each failure are in `{_shown(results)}`.",
         "",
         f"**{n_pass} / {len(rows)} pass** (shipped under budget and verified, or a typed refusal); "
         f"{crashes} crashed or timed out; {alarms} false alarms ({confirmed} reported hazards confirmed by a "
@@ -377,8 +386,8 @@ def recheck(args: argparse.Namespace) -> int:
             row["verdict"] = verdict(row)
     data["command"] += " (check stage: python benchmarks/zoo/run.py --recheck)"
     args.results.write_text(json.dumps(data, indent=1))
-    write_markdown(data["rows"], args.markdown, data["command"], data["started"],
-                   sum(r["wall_s"] for r in data["rows"]))
+    write_markdown(data["rows"], args.markdown, data["command"], data["started"], total_s=sum(r["wall_s"] for r in data["rows"]),
+                   results=args.results)
     return 0
 
 
@@ -409,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         return recheck(args)
     if args.render:
         data = json.loads(args.results.read_text())
-        write_markdown(data["rows"], args.markdown, data["command"], data["started"],
-                       sum(r["wall_s"] for r in data["rows"]))
+        write_markdown(data["rows"], args.markdown, data["command"], data["started"], total_s=sum(r["wall_s"] for r in data["rows"]),
+                       results=args.results)
         return 0
     command = "python benchmarks/zoo/run.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -433,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.advance(task)
             # written after every model, so an interrupted run keeps what it measured
             args.results.write_text(json.dumps({"command": command, "started": started, "rows": rows}, indent=1))
-            write_markdown(rows, args.markdown, command, started, time.perf_counter() - t0)
+            write_markdown(rows, args.markdown, command, started, time.perf_counter() - t0, results=args.results)
     crashed = [r["model"] for r in rows if "crash" in r["verdict"] or "timed out" in r["verdict"]]
     console.print(f"{sum(r['verdict'] == 'pass' for r in rows)}/{len(rows)} pass; crashes: {crashed or 'none'}; "
                   f"wrote {args.markdown} and {args.results}")
