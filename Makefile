@@ -43,6 +43,7 @@ test-compile: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py
 	$(BIN)/python -m pytest -m cuda tests
+	$(BIN)/python benchmarks/compile_check.py --device cuda --gpt2-small
 
 zoo: $(ZOO_STAMP)
 	$(BIN)/python benchmarks/zoo/run.py
