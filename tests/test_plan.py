@@ -536,3 +536,15 @@ def test_floor_explanation_tells_a_failing_mode_from_an_excluded_candidate():
     text = explain_floor(r, 900, elig)
     assert "1 candidates excluded: c: called 2 times" in text
     assert "1 modes excluded on candidates still plannable in another mode: a: recompute-pointwise" in text
+
+
+def test_infeasible_tip_says_when_checkpointing_saves_less_than_the_reserve():
+    """timm's resnet26d: the least workable budget (floor / (1 - reserve)) was above the unplanned peak,
+    and the tip asked for it as if checkpointing could help."""
+    from remat.plan.budget import InfeasibleBudget, min_budget_for
+    floor, control = 190 * 2**20, 193 * 2**20          # saves 3 MiB of 193: under the 5% reserve
+    assert min_budget_for(floor, 0.05) >= control
+    e = InfeasibleBudget(floor_bytes=floor, budget_bytes=180 * 2**20, reserve=0.05, control_peak_bytes=control)
+    assert "fits without checkpointing" in e.tip
+    ok = InfeasibleBudget(floor_bytes=100 * 2**20, budget_bytes=90 * 2**20, reserve=0.05, control_peak_bytes=control)
+    assert "fits without checkpointing" not in ok.tip and "at least" in ok.tip

@@ -149,7 +149,7 @@ class InfeasibleBudget(BudgetError):
     """No valid plan's predicted peak reaches the effective budget; carries the floor."""
 
     def __init__(self, *, floor_bytes: int, budget_bytes: int, reserve: float, margin_bytes: int = 0,
-                 explanation: str = "") -> None:
+                 explanation: str = "", control_peak_bytes: int | None = None) -> None:
         self.floor_bytes = floor_bytes
         self.budget_bytes = budget_bytes
         self.reserve = reserve
@@ -162,5 +162,15 @@ class InfeasibleBudget(BudgetError):
             f"(budget {format_bytes(budget_bytes)} x (1 - reserve {reserve:g}){margin}); "
             f"the floor, the lowest predicted peak any valid plan reaches, is {format_bytes(floor_bytes)}"
             + (f". Why: {explanation}" if explanation else ""),
-            tip=f"ask for a budget of at least {format_bytes(min_budget_for(floor_bytes, reserve, margin_bytes))}, "
-                "lower the reserve, or make more candidates plannable (--candidates, --allow-hazards)")
+            tip=_infeasible_tip(min_budget_for(floor_bytes, reserve, margin_bytes), control_peak_bytes))
+
+
+def _infeasible_tip(least_budget: int, control_peak_bytes: int | None) -> str:
+    tip = (f"ask for a budget of at least {format_bytes(least_budget)}, lower the reserve, or make more "
+           "candidates plannable (--candidates, --allow-hazards)")
+    if control_peak_bytes is not None and least_budget >= control_peak_bytes:
+        # checkpointing saves less than the reserve takes: the least workable budget fits the unplanned step
+        tip += (f"; at that budget the unplanned step (peak {format_bytes(control_peak_bytes)}) fits without "
+                "checkpointing: checkpointing saves less than the reserve holds back, so lower the reserve "
+                "or the batch")
+    return tip

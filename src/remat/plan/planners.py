@@ -460,7 +460,8 @@ def _infeasible(ctx: PlanningContext, floor: int) -> InfeasibleBudget:
     assert ctx.requested_budget_bytes is not None
     return InfeasibleBudget(floor_bytes=floor, budget_bytes=ctx.requested_budget_bytes, reserve=ctx.reserve,
                             margin_bytes=ctx.margin_bytes, explanation=explain_floor(ctx.report, floor,
-                                                                                     ctx.eligibility))
+                                                                                     ctx.eligibility),
+                            control_peak_bytes=ctx.report.baseline_peak_bytes or None)
 
 
 def explain_floor(report: ProfileReport, floor: int, eligibility: Eligibility) -> str:
