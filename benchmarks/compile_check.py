@@ -56,6 +56,8 @@ MIB = 2 ** 20
 SHAPES = {   # compare.py's shapes (benchmarks/RESULTS.md "Frontier and anchors"), gpt without dropout
     "gpt": {"batch_size": 8, "seq_len": 128, "n_layer": 4, "dropout": 0.0},
     "mlp": {"batch_size": 2048, "width": 128},
+    # the zoo's Hugging Face models at their factories' shapes (Llama has no dropout: NOTE [compiled tolerances])
+    "benchmarks/zoo/hf_llama.py:build": {},
 }
 SMOKE = {
     "gpt": {"batch_size": 2, "seq_len": 32, "n_layer": 2, "d_model": 32, "n_head": 2, "vocab": 64, "dropout": 0.0},
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default float32 (bfloat16 with --gpt2-small on CUDA)")
-    ap.add_argument("--workloads", default="gpt,mlp")
+    ap.add_argument("--workloads", default="gpt,mlp", help="gpt, mlp, benchmarks/zoo/hf_llama.py:build")
+    ap.add_argument("--json", type=Path, default=None, help="write the JSON here (default benchmarks/results/)")
     ap.add_argument("--budgets", default="70,55")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tries", type=int, default=5, help="most recompiles for torch's budget (default 5)")
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/compile_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command.strip(), "torch": torch.__version__, "rows": rows}
     name = "compile_check" + ("_smoke" if args.smoke else "") + ("" if args.device == "cpu" else "_cuda")
-    out = HERE / "results" / f"{name}.json"
+    out = args.json or HERE / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.workloads.split(","):
         if spec not in shapes:
