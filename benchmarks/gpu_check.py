@@ -280,47 +280,65 @@ def _block_wrapped(model: torch.nn.Module, how: str) -> list[tuple[torch.nn.Modu
     return undo
 
 
-def _interleaved(arms: dict[str, Callable[[int], Any]], device: str, rounds: int, warmup: int = 2
-                 ) -> dict[str, dict[str, float]]:
-    """Step ms (device-correct clock) of each arm, interleaved round-robin; peak bytes per arm from
-    the allocator (CUDA) after reset_peak_memory_stats, over the arm's own steps."""
-    from remat.clock import StepClock, p50, p95
-    clock = StepClock(device)
-    cuda = device.startswith("cuda")
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    peaks: dict[str, int] = {k: 0 for k in arms}
-    for k, fn in arms.items():
-        for i in range(warmup):
-            fn(i)
-    for r in range(rounds):
-        for k, fn in arms.items():
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            _, ms = clock.time(fn, warmup + r)
-            times[k].append(ms)
-            if cuda:
-                peaks[k] = max(peaks[k], int(torch.cuda.max_memory_allocated()))
-    return {k: {"p50_ms": p50(v), "p95_ms": p95(v), "peak_bytes": peaks[k] or None} for k, v in times.items()}
+@dataclasses.dataclass
+class _StepRunner:
+    """A TrainingStep as a remat.measure Runner (label, device, run(index))."""
+    label: str
+    step: Any
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.step.workload.model.parameters()).device
+
+    def run(self, index: int) -> Any:
+        return self.step.run(index)
+
+
+def _solo_peak(step: Any, device: str, warmup: int = 2) -> int | None:
+    """Allocator peak (bytes) of one warm step of ``step`` with nothing else of the check resident
+    (CUDA); None on CPU, where this probe has no instrument."""
+    for i in range(warmup):
+        step.run(i)
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step.run(warmup)
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def _timed(runners: list[_StepRunner], steps: int, warmup: int = 2) -> dict[str, dict[str, float]]:
+    """p50/p95 step ms of each runner from remat.measure's one interleaved scheduler."""
+    from remat.measure import time_round_robin
+    t = time_round_robin(runners, warmup=warmup, steps=steps, what="gpu_check")
+    return {r.label: {"p50_ms": t.p50(r.label), "p95_ms": t.p95(r.label)} for r in runners}
 
 
 def check_offload(device: str, dtype: str, shape: dict) -> Check:
     from remat.workload import TrainingStep, load_workload
-    steps = {}
-    for how in ("none", "checkpoint", "offload"):
+
+    def build(how: str) -> Any:
         step = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
         if how != "none":
             _block_wrapped(step.workload.model, how)
-        steps[how] = step
-    # one arm's model at a time on the device would be cleaner, but three GPT-2 smalls fit easily
-    res = _interleaved({k: s.run for k, s in steps.items()}, device, rounds=3 if device == "cpu" else 8)
+        return step
+    arms = ("none", "checkpoint", "offload")
+    peaks = {}
+    for how in arms:     # peaks one arm resident at a time: the allocator counts every resident model
+        peaks[how] = _solo_peak(build(how), device)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    res = _timed([_StepRunner(how, build(how)) for how in arms], steps=3 if device == "cpu" else 8)
     base = res["none"]
     for k, r in res.items():
+        r["peak_bytes"] = peaks[k]
         r["overhead"] = r["p50_ms"] / base["p50_ms"] - 1
-        r["peak_over_none"] = (r["peak_bytes"] / base["peak_bytes"]) if r["peak_bytes"] and base["peak_bytes"] else None
+        r["peak_over_none"] = (peaks[k] / peaks["none"]) if peaks[k] and peaks["none"] else None
     summary = "; ".join(f"{k}: {fmt_bytes(r['peak_bytes']) if r['peak_bytes'] else 'n/a'}, p50 {r['p50_ms']:.1f} ms "
                         f"({r['overhead']:+.0%})" for k, r in res.items())
-    return Check("offload", True, "per block, interleaved: " + summary, {"arms": res, "shape": shape})
+    return Check("offload", True, "per block; peaks solo, times interleaved: " + summary,
+                 {"arms": res, "shape": shape})
 
 
 # -- 7. torch.compile: what activation_memory_budget does to the peak ---------------------------------
@@ -335,7 +353,8 @@ def check_compile_budget(device: str, dtype: str, shape: dict, budgets: tuple[fl
     rows = []
     t_start = time.perf_counter()
     eager = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
-    eager_res = _interleaved({"eager": eager.run}, device, rounds=5)["eager"]
+    eager_res = _timed([_StepRunner("eager", eager)], steps=5)["eager"]
+    eager_res["peak_bytes"] = _solo_peak(eager, device)
     del eager
     old = fconfig.activation_memory_budget
     try:
@@ -352,7 +371,8 @@ def check_compile_budget(device: str, dtype: str, shape: dict, budgets: tuple[fl
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
-            r = _interleaved({"c": step.run}, device, rounds=5, warmup=3)["c"]
+            r = _timed([_StepRunner("c", step)], steps=5, warmup=3)["c"]
+            r["peak_bytes"] = _solo_peak(step, device)
             r.update(budget=b, compile_s=compile_s,
                      peak_over_eager=(r["peak_bytes"] / eager_res["peak_bytes"]) if r["peak_bytes"] and eager_res["peak_bytes"] else None,
                      time_over_eager=r["p50_ms"] / eager_res["p50_ms"])
