@@ -106,7 +106,6 @@ def one(spec: str, shape: dict, pct: int, *, device: str, dtype: str, steps: int
     if verify and remat_arm is not None and remat_arm.peak_bytes is not None:
         plan = Plan.from_json(fr.shipped_plan) if (fr.shipped and fr.shipped.plan == remat_arm.plan) else None
         if plan is None:
-            from remat.plan import make_plan
             from remat.closed_loop import plan_closed_loop
             try:
                 plan = plan_closed_loop(loaded, report, "optimal", budget_bytes=budget, reserve=0.0, steps=1).plan

@@ -4,7 +4,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the zoo folder: _zoo_common, _torchvision_cpu
 import torch
 import _zoo_common as zc
-from _torchvision_cpu import import_torchvision
+from _torchvision_cpu import import_torchvision  # noqa: F401 - re-exported for the tv_* factories
 
 def causal(model_cls_name, config_name, batch_size, seq_len, vocab, device, dtype, **cfg):
     tf = zc.import_transformers()

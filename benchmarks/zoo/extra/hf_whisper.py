@@ -1,5 +1,5 @@
 import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch, _h
+import torch
 from _h import zc
 def build(batch_size=4, frames=200, tgt_len=32, *, device="cpu", dtype=torch.float32):
     tf = zc.import_transformers()

@@ -1,5 +1,5 @@
 import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch, _h
+import torch
 from _h import zc, import_torchvision
 def build(batch_size=8, image_size=96, *, device="cpu", dtype=torch.float32):
     tv = import_torchvision()

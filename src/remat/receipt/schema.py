@@ -19,7 +19,7 @@ from .. import _json
 from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
                      Spec, Str, Tuple, show)
 from ..errors import ReceiptError
-from ..plan.schema import COMPILE, FINGERPRINT, MODULE_PATH, PLAN
+from ..plan.schema import COMPILE, MODULE_PATH, PLAN
 from ..types import HazardKind
 
 MAX_BYTES = _json.MAX_BYTES
