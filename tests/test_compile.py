@@ -6,6 +6,7 @@ keeps a few; the ``compile`` marker holds the rest (``make test-compile``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -93,6 +94,25 @@ def test_verify_under_compile_passes_and_still_rejects_the_perturbed_gradient():
     assert COMPILED_TOLERANCES["float32"].rtol * 4 <= report.perturbation
     for s in report.per_step:
         assert s.grad_max_rel <= COMPILED_TOLERANCES["float32"].rtol
+
+
+@pytest.mark.compile
+def test_verify_under_compile_with_dropout_draws_the_controls_masks(monkeypatch):
+    """Dropout under compile (NOTE [compiled arms], *Random numbers*): with random ops in program
+    order the compiled plan equals the compiled control and RNG preservation off is still rejected;
+    with inductor's own random kernels (the wrong case) the same plan fails."""
+    import remat.verify.runner as runner
+    loaded = load_workload("gpt", {**TINY["gpt"], "dropout": 0.1})
+    plan = hand_plan(loaded.workload.model, ["h.0", "h.1"])
+    report = verify_plan(loaded, plan, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
+    assert report.passed, report.failures
+    assert any("fallback_random" in w for w in report.warnings)
+    neg = {n.name: n for n in report.negative_controls}
+    assert neg["rng_preservation_off"].applicable and neg["rng_preservation_off"].rejected
+    monkeypatch.setattr(runner, "random_ops_in_program_order", contextlib.nullcontext)
+    wrong = verify_plan(loaded, plan, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
+    assert not wrong.passed
+    torch._dynamo.reset()
 
 
 @pytest.mark.compile

@@ -11,10 +11,11 @@ or ``apply``; profile, the closed loop, verify, frontier, distributed and the pi
 from .run import (Arm, Prepared, ProbeResult, PeakLimitExceeded, Runner, StepMeasurement, Timings, Undo,
                   held_bytes_at_phase, is_cuda, measure_arm, measure_arm_peak, measure_step_peak_within,
                   prepare_arm, probe_capacity, release_memory, shape_value, time_round_robin, time_steps, warm_up)
-from .compiled import BACKENDS, CompileSpec, CompiledCall, CompiledFunction, compile_model, compiled_step_peak, is_compiled
+from .compiled import (BACKENDS, CompileSpec, CompiledCall, CompiledFunction, compile_model, compiled_step_peak, is_compiled,
+                       random_ops_in_program_order)
 from ..clock import RegionTimer, StepClock, p50, p50_along, p95, percentile
 
-__all__ = ["BACKENDS", "CompileSpec", "CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled", "Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
+__all__ = ["BACKENDS", "CompileSpec", "CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled", "random_ops_in_program_order", "Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
            "StepMeasurement", "Timings", "Undo", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak",
            "measure_step_peak_within", "p50", "p50_along", "p95", "percentile", "prepare_arm", "probe_capacity", "release_memory",
            "shape_value", "time_round_robin", "time_steps", "warm_up"]

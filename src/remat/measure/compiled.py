@@ -34,6 +34,18 @@ tracker's figure on eager steps, remat.memory.reference). Inductor's CPU kernels
 buffers allocated through that allocator (``empty_strided``), so compiled buffers are seen;
 scratch a C++ kernel keeps on its own stack is not.
 
+*Random numbers*: inductor's own random kernels draw from a philox stream seeded once per
+compiled graph, so any two different graphs (the compiled control and a compiled plan, whose
+checkpoint regions change the partition) draw different dropout masks from the same generator
+state: on the zoo's GPT-2 (dropout 0.1) the compiled plan's step-0 loss was 6.962677 against
+the compiled control's 6.962151, and the CPU generator's state after the step differed. For a
+comparison, :func:`random_ops_in_program_order` sets inductor's ``fallback_random``: random ops
+then run torch's eager kernels, which draw from the generator in program order, as eager does,
+so the two graphs draw the same masks (and the plan with RNG preservation off still draws new
+ones in its backward replay, so that negative control is still rejected). It changes how a
+random op is lowered, not how AOTAutograd partitions the graph, so what is saved and what is
+recomputed is the same as in the timed arms, which keep inductor's kernels.
+
 *Compile time*: the first step of a fresh build compiles (forward at the first call, backward
 at the first backward). ``compile_s`` is that first step's wall time less a warm step's: the
 compile cost, reported apart from the warm step times, never mixed into them.
@@ -41,11 +53,12 @@ compile cost, reported apart from the warm step times, never mixed into them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch._functorch.config as functorch_config
@@ -157,6 +170,16 @@ def compile_model(model: nn.Module, spec: CompileSpec | CompiledFunction) -> Com
     previous = model._compiled_call_impl
     model._compiled_call_impl = call
     return CompiledModel(model, call, previous)
+
+
+@contextlib.contextmanager
+def random_ops_in_program_order() -> Iterator[None]:
+    """Compiled random ops draw from torch's generator in program order, as eager does
+    (inductor ``fallback_random``; NOTE [compiled arms], *Random numbers*). Held over forward
+    *and* backward: AOTAutograd compiles the backward graph at the first backward call."""
+    import torch._inductor.config as inductor_config   # loaded on demand: eager runs never need inductor
+    with inductor_config.patch(fallback_random=True):
+        yield
 
 
 def is_compiled(model: nn.Module) -> bool:

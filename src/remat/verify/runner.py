@@ -33,7 +33,10 @@ Dynamo run the frame eagerly, and a hook is traced into the graph and changes it
 loss, every gradient, the global grad norm, parameters after the step, buffers, Python
 attributes and generator states, all read outside the compiled code; the first divergent
 module is then named from the gradients, in parameter order. The negative controls run
-compiled too and must still be rejected.
+compiled too and must still be rejected. Every compiled side runs under
+``random_ops_in_program_order`` (NOTE [compiled arms], *Random numbers*): inductor's own
+random kernels draw other masks in any two different graphs, so without it a dropout model's
+compiled plan could never match its compiled control; the report's warnings say so.
 
 NOTE [deterministic kernels]
 On CUDA several backward kernels accumulate with atomics (embedding and index_add backward,
@@ -61,7 +64,7 @@ from torch import nn
 
 from ..apply import ApplyHandle, apply, check_plan_fingerprint, load_plan
 from ..errors import RematError, WorkloadError
-from ..measure import CompiledFunction, CompileSpec, compile_model, time_round_robin
+from ..measure import CompiledFunction, CompileSpec, compile_model, random_ops_in_program_order, time_round_robin
 from ..plan.model import Plan
 from ..types import HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
@@ -577,7 +580,8 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
 
     outer_rng = RngState.capture()
     try:
-        with deterministic_kernels(loaded.device):
+        with deterministic_kernels(loaded.device), \
+                (random_ops_in_program_order() if compile is not None else contextlib.nullcontext()):
             per_step: list[StepComparison] = []
             hazards: list[Hazard] = []
             failures: list[str] = []
@@ -630,7 +634,9 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
                 first = hazards[0].module
             warnings = ([] if compile is None else [
                 "compiled: per-module output digests and the region probe do not run inside compiled code; boundary "
-                "activity (replays, RNG draws, device moves) was observed on one eager pair"]) + [
+                "activity (replays, RNG draws, device moves) was observed on one eager pair",
+                "compiled: random ops ran torch's eager kernels (inductor fallback_random), drawing from the generator "
+                "in program order on both sides; the timed compiled arms keep inductor's own random kernels"]) + [
                 f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
                         f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
                         for s in _first_non_finite_per_seed(per_step)]
