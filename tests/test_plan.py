@@ -433,7 +433,7 @@ class _ScriptedMeasure:
     def __call__(self, loaded, plan, *, warmup=2, steps=3):
         from remat.closed_loop import StepMeasurement as PlanMeasurement
         self.calls.append(tuple((b.module, b.mode.value) for b in plan.boundaries))
-        return PlanMeasurement(peak_bytes=int(self.peak_of(plan)), step_ms=[1.0], memory_source="cpu-live-tensors")
+        return PlanMeasurement(peak_bytes=int(self.peak_of(plan)), step_ms=[1.0], memory_source=MemorySource.CPU_LIVE_TENSORS)
 
 
 def test_closed_loop_falls_back_to_all_when_optimal_keeps_missing(chain9, monkeypatch):
@@ -484,6 +484,44 @@ def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9,
     with pytest.raises(InfeasibleBudget):
         closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget // 2, reserve=0.0)
     assert never.calls == []
+
+
+def test_compiled_closed_loop_relaxes_when_the_compiled_step_peaks_lower(chain9, monkeypatch):
+    """NOTE [compiled closed loop]: a compiled plan that measures under its prediction is planned
+    again with that error as its margin: a cheaper plan, itself measured to fit. Eager does not relax."""
+    from remat import closed_loop
+    from remat.measure import CompileSpec
+    budget = int(chain9.baseline_peak_bytes * 0.7)
+    first = make_plan(chain9, "optimal", budget_bytes=budget)
+    slack = chain9.baseline_peak_bytes // 10          # the compiled step peaks 10% of the control lower
+    fake = _ScriptedMeasure(lambda p: p.predicted_peak_bytes - slack)
+    monkeypatch.setattr(closed_loop, "measure_plan", fake)
+    eager = closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget)
+    assert blocks(eager.plan) == blocks(first) and len(fake.calls) == 1
+    fake.calls.clear()
+    compiled = closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, compile=CompileSpec())
+    plan = compiled.plan
+    assert plan.compile == CompileSpec() and plan.measured_peak_bytes <= plan.effective_budget_bytes
+    assert plan.predicted_overhead_ms < first.predicted_overhead_ms            # it bought a cheaper plan
+    assert plan.predicted_peak_bytes > first.effective_budget_bytes            # one the eager model says misses
+    assert [a.fits for a in compiled.attempts][:2] == [True, True]
+    assert compiled.attempts[1].margin_bytes == -slack
+    assert len(set(fake.calls)) == len(fake.calls)                              # no plan measured twice
+
+
+def test_compiled_closed_loop_keeps_the_fitting_plan_when_the_relaxed_one_misses(chain9, monkeypatch):
+    from remat import closed_loop
+    from remat.measure import CompileSpec
+    budget = int(chain9.baseline_peak_bytes * 0.7)
+    first = make_plan(chain9, "optimal", budget_bytes=budget)
+    eff = first.effective_budget_bytes
+    # the eager plan measures 10% lower compiled, every other plan 1 byte over: relaxing must not ship a miss
+    fake = _ScriptedMeasure(lambda p: first.predicted_peak_bytes - chain9.baseline_peak_bytes // 10
+                            if blocks(p) == blocks(first) else eff + 1)
+    monkeypatch.setattr(closed_loop, "measure_plan", fake)
+    result = closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, compile=CompileSpec())
+    assert blocks(result.plan) == blocks(first) and result.plan.measured_peak_bytes <= eff
+    assert [a.fits for a in result.attempts] == [True, False]
 
 
 def test_floor_planner_reaches_the_floor_cheapest(chain9):

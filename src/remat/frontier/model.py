@@ -154,6 +154,9 @@ class FrontierReport:
     shipped_plan: dict[str, Any] | None = None  # the shipped plan's Plan JSON (for receipts / remat.apply)
     budget_search: list[BudgetTry] = dataclasses.field(default_factory=list)  # --compile: torch's budget aimed at the peak
     schema_version: int = FRONTIER_SCHEMA_VERSION
+    # In-process only (not in the JSON, which keeps the shipped plan): the Plan each measured point
+    # ran, by label, so a caller can verify or apply a point that did not ship.
+    plans: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def effective_budget_bytes(self) -> int:

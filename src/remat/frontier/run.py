@@ -22,7 +22,11 @@ NOTE [frontier pipeline]
 With ``compile`` (``remat frontier --compile``) every plan is measured twice, eager and
 compiled (``<label>+compile``: NOTE [compiled arms] in remat/measure/compiled.py), and torch's
 own memory knob is aimed at the same peak (NOTE [budget aimed at a peak]); all of them are
-timed in the one interleaved run and the ship decision picks among all of them.
+timed in the one interleaved run and the ship decision picks among all of them. A plan the
+closed loop made (``optimal``/``greedy`` at the frontier's budget) is not merely compiled: its
+twin is planned again through the closed loop on the compiled step's peak (NOTE [compiled
+closed loop] in remat/closed_loop.py), so ``optimal+compile`` may hold other boundaries than
+``optimal``; every other plan's twin keeps its boundaries.
 
 NOTE [budget aimed at a peak]
 ``torch._functorch.config.activation_memory_budget`` is a ratio of saved-activation bytes, not
@@ -250,11 +254,22 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
                                         closed_loop=closed_loop, progress=progress)
     arms = [PlanArm(p.plan, plan_by_label[p.plan]) for p in points if p.plan in plan_by_label]
     if compile is not None:
-        for arm in list(arms):
-            twin = _compiled_twin(by_plan(points, arm.label), plan_by_label[arm.label], compile)
-            plan_by_label[twin.plan] = dataclasses.replace(plan_by_label[arm.label], compile=compile)
+        for req in requests:
+            point = by_plan(points, req.label)
+            if closed_loop and req.needs_budget and req.budget is None:
+                # NOTE [compiled closed loop]: planned again on the compiled step's peak, even when the
+                # eager plan was infeasible (the compiled step may peak lower than the eager model says)
+                twin, plan = _compiled_closed_loop(loaded, report, point, compile, budget_bytes=budget_bytes,
+                                                   reserve=reserve, progress=progress)
+            elif req.label in plan_by_label:
+                twin = _compiled_twin(point, compile)
+                plan = dataclasses.replace(plan_by_label[req.label], compile=compile)
+            else:
+                continue
             points.append(twin)
-            arms.append(PlanArm(twin.plan, plan_by_label[twin.plan]))
+            if plan is not None:
+                plan_by_label[twin.plan] = plan
+                arms.append(PlanArm(twin.plan, plan))
     by_label = {p.plan: p for p in points}
 
     # 2. peaks, one plan at a time
@@ -328,7 +343,7 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     return FrontierReport(context=context, budget_bytes=budget_bytes, reserve=float(reserve),
                           capacity_key=capacity_key or "", points=points, control=CONTROL,
                           shipped_plan=None if shipped is None else plan_by_label[shipped.plan].to_json(),
-                          budget_search=budget_search)
+                          budget_search=budget_search, plans=dict(plan_by_label))
 
 
 def by_plan(points: list[FrontierPoint], label: str) -> FrontierPoint:
@@ -342,12 +357,39 @@ def _record_peak(point: FrontierPoint, peak: StepMeasurement) -> None:
     point.compile_s = None if peak.compile_s is None else round(peak.compile_s, 3)
 
 
-def _compiled_twin(point: FrontierPoint, plan: Plan, spec: CompileSpec) -> FrontierPoint:
+def _compiled_twin(point: FrontierPoint, spec: CompileSpec) -> FrontierPoint:
     """The compiled twin of an eager plan's point: same boundaries, run through torch.compile."""
     return FrontierPoint(plan=point.plan + COMPILED, planner=point.planner, plan_budget_bytes=point.plan_budget_bytes,
                          predicted_peak_bytes=point.predicted_peak_bytes,
                          predicted_overhead_ms=point.predicted_overhead_ms, boundaries=list(point.boundaries),
                          compile=spec.to_json())
+
+
+def _compiled_closed_loop(loaded: LoadedWorkload, report: ProfileReport, point: FrontierPoint, spec: CompileSpec, *,
+                          budget_bytes: int, reserve: float,
+                          progress: ProgressFn) -> tuple[FrontierPoint, Plan | None]:
+    """The compiled twin of a closed-loop plan, planned again through the closed loop on the
+    *compiled* step's peak (NOTE [compiled closed loop]): its boundaries may differ from the
+    eager plan's. A budget the compiled loop cannot meet is a data point (plan None)."""
+    twin = FrontierPoint(plan=point.plan + COMPILED, planner=point.planner, plan_budget_bytes=budget_bytes,
+                         compile=spec.to_json())
+    try:
+        plan = plan_closed_loop(loaded, report, point.planner, budget_bytes=budget_bytes, reserve=reserve, steps=1,
+                                compile=spec, progress=progress).plan
+    except BudgetError as exc:   # InfeasibleBudget or BudgetMissed: measured, nothing compiled fits
+        twin.decision = Decision.INFEASIBLE
+        twin.reason = f"compiled closed loop: {exc.message}"
+        return twin, None
+    except RematError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the compiled step raised: a data point
+        twin.decision = Decision.FAILED
+        twin.reason = f"the compiled plan's step raised {_first_line(exc)}"
+        return twin, None
+    twin.predicted_peak_bytes = plan.predicted_peak_bytes
+    twin.predicted_overhead_ms = plan.predicted_overhead_ms
+    twin.boundaries = _boundaries(plan)
+    return twin, plan
 
 
 def _aim_torch_budget(loaded: LoadedWorkload, control: Plan, spec: CompileSpec, limit: int,
