@@ -99,20 +99,59 @@ def test_verify_under_compile_passes_and_still_rejects_the_perturbed_gradient():
 @pytest.mark.compile
 def test_verify_under_compile_with_dropout_draws_the_controls_masks(monkeypatch):
     """Dropout under compile (NOTE [compiled arms], *Random numbers*): with random ops in program
-    order the compiled plan equals the compiled control and RNG preservation off is still rejected;
-    with inductor's own random kernels (the wrong case) the same plan fails."""
+    order the compiled plan (full and selective regions) equals the compiled control, and so does
+    a guarded region whose graph breaks; with inductor's own random kernels (the wrong case) the
+    graph-broken plan fails (its graphs differ from the control's). RNG preservation off
+    matches too, because a traced checkpoint replays from the forward's RNG state: reported
+    as not applicable, and the perturbed gradient is still rejected."""
     import remat.verify.runner as runner
+    from remat.types import CheckpointMode
     loaded = load_workload("gpt", {**TINY["gpt"], "dropout": 0.1})
-    plan = hand_plan(loaded.workload.model, ["h.0", "h.1"])
+    plan = hand_plan(loaded.workload.model, ["h.0"])
+    plan.boundaries += hand_plan(loaded.workload.model, ["h.1"], mode=CheckpointMode.SELECTIVE).boundaries
     report = verify_plan(loaded, plan, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
     assert report.passed, report.failures
     assert any("fallback_random" in w for w in report.warnings)
     neg = {n.name: n for n in report.negative_controls}
-    assert neg["rng_preservation_off"].applicable and neg["rng_preservation_off"].rejected
+    assert not neg["rng_preservation_off"].applicable and "matched the control" in neg["rng_preservation_off"].detail
+    assert neg["perturbed_gradient"].applicable and neg["perturbed_gradient"].rejected
+    # a guarded region keeps the eager path (NOTE [wrapper under compile]): the graph breaks there, so
+    # the plan's compiled graphs differ from the control's, and only program-order random ops match
+    broken = hand_plan(loaded.workload.model, ["h.0"], guarded=True)
+    assert verify_plan(loaded, broken, steps=1, seeds=1, timing_steps=0, compile=CompileSpec()).passed
     monkeypatch.setattr(runner, "random_ops_in_program_order", contextlib.nullcontext)
-    wrong = verify_plan(loaded, plan, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
+    wrong = verify_plan(loaded, broken, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
     assert not wrong.passed
     torch._dynamo.reset()
+
+
+def test_planned_regions_trace_into_one_graph():
+    """NOTE [wrapper under compile]: full and selective regions become checkpoint ops inside one
+    Dynamo graph (ground truth: Dynamo's own graph counter); a guarded region (buffer restore on
+    replay) keeps the eager path, which breaks the graph (the case this fixed)."""
+    from torch._dynamo.testing import CompileCounter
+    from remat.apply import apply
+    from remat.types import CheckpointMode
+
+    def graphs(plan) -> int:
+        loaded = load_workload("gpt", GPT)
+        model = loaded.workload.model
+        handle = apply(model, plan(model))
+        counter = CompileCounter()
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=counter)(loaded.workload.batch(0)[0])
+        out.float().sum().backward()
+        handle.remove()
+        torch._dynamo.reset()
+        return counter.frame_count
+
+    def mixed(model):
+        plan = hand_plan(model, ["h.0"])
+        plan.boundaries += hand_plan(model, ["h.1"], mode=CheckpointMode.SELECTIVE).boundaries
+        return plan
+    assert graphs(lambda m: hand_plan(m, [])) == 1
+    assert graphs(mixed) == 1
+    assert graphs(lambda m: hand_plan(m, ["h.0"], guarded=True)) > 1
 
 
 @pytest.mark.compile

@@ -78,3 +78,17 @@ class OpLevelPolicy:
 def selective_context_fn(policy: SaveMatmulPolicy | OpLevelPolicy | None = None) -> Callable[[], tuple[ContextManager, ContextManager]]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (or ``checkpoint_wrapper``) running ``policy``."""
     return functools.partial(create_selective_checkpoint_contexts, policy or SaveMatmulPolicy())
+
+
+def traceable_context_fn(policy: SaveMatmulPolicy | OpLevelPolicy | None = None) -> Callable[[], tuple[ContextManager, ContextManager]]:
+    """:func:`selective_context_fn` in the form torch.compile accepts (NOTE [wrapper under compile]
+    in remat/apply/wrapper.py): Dynamo takes a checkpoint's ``context_fn`` only as a Python
+    constant, and a ``partial`` holding a policy *object* is not one, while one holding a plain
+    function is. The function is made here, outside any compiled region, and calls the policy."""
+    chosen = policy or SaveMatmulPolicy()
+
+    def remat_policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return chosen(ctx, op, *args, **kwargs)
+
+    return functools.partial(create_selective_checkpoint_contexts, remat_policy)
+

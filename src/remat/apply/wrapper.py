@@ -38,6 +38,20 @@ The restore writes only buffers that changed (in eval mode none do) and does so 
 ``_unsafe_preserve_version_counter``, so autograd does not report an in-place change of
 a tensor the replay may have saved; in train mode BatchNorm's backward reads the saved
 batch statistics, never the running ones, so no gradient depends on the restored values.
+
+NOTE [wrapper under compile]
+When Dynamo traces a wrapper (``torch.compiler.is_compiling()``), the region is
+``checkpoint(module.forward)`` and nothing else: no forward/replay counters, no
+saved-tensor hook juggling, no observers, and the SAC policy handed over as a ``partial`` of
+a plain function (Dynamo takes ``context_fn`` only as a Python constant; a policy *object*
+is not one). Dynamo then turns the region into one checkpoint higher-order op inside the
+compiled graph, which AOTAutograd partitions like torch's own. Before this, the eager path's
+``with instrumentation_hooks_off()`` broke the graph at every planned region (Dynamo cannot
+resume inside a user context manager), so each region ran as an eager checkpoint around
+separately compiled pieces, and remat's compiled plans paid for the breaks. Guarded wrappers
+(buffer restore on replay mutates state inside the region) and wrappers with observers keep
+the eager path and its graph break. Under compile nobody counts replays: verify observes
+boundary activity on an eager pair (NOTE [verify under compile]).
 """
 
 from __future__ import annotations
@@ -55,7 +69,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..trace.recorder import instrumentation_hooks_off
 from ..types import OP_POLICY_MODES, CheckpointMode
-from .policy import OpLevelPolicy, SaveMatmulPolicy, selective_context_fn
+from .policy import OpLevelPolicy, SaveMatmulPolicy, selective_context_fn, traceable_context_fn
 
 
 class RegionObserver(Protocol):
@@ -127,6 +141,8 @@ class CheckpointWrapper:
         self.preserve_rng_state = preserve_rng_state
         self.policy: SaveMatmulPolicy | OpLevelPolicy | None = (
             policy if mode is CheckpointMode.SELECTIVE else OpLevelPolicy(mode) if mode in OP_POLICY_MODES else None)
+        # made once, outside any compiled region: NOTE [wrapper under compile]
+        self.traceable_context_fn = traceable_context_fn(self.policy) if mode in OP_POLICY_MODES else None
         self.module = module
         # What ``module.forward`` resolved to before us: a bound method, or an instance attribute
         # somebody else installed (``had_instance_forward`` says which, so ``uninstall`` is exact).
@@ -162,6 +178,8 @@ class CheckpointWrapper:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = snapshot_containers(args, kwargs)   # NOTE [argument containers]
+        if torch.compiler.is_compiling() and not self.guarded and not self.observers:
+            return self._traced_checkpoint(args, kwargs)
         self.forward_calls += 1
         self._depth += 1
         try:
@@ -175,6 +193,16 @@ class CheckpointWrapper:
                 return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra)
         finally:
             self._depth -= 1
+
+    def _traced_checkpoint(self, args: tuple, kwargs: dict) -> Any:
+        """The region as Dynamo traces it (NOTE [wrapper under compile]): checkpoint straight
+        around the module's forward, no counters, no hook juggling, so the whole region becomes
+        one checkpoint higher-order op inside the compiled graph instead of a graph break."""
+        extra: dict[str, Any] = {}
+        if self.mode in OP_POLICY_MODES:
+            extra["context_fn"] = self.traceable_context_fn
+        fn = functools.partial(self._region_forward, **kwargs) if kwargs else self._region_forward
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         replay = self._depth == 0 or _in_backward()  # NOTE [replay detection]
