@@ -155,10 +155,47 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(out)
 
 
-def write_results(section: str) -> None:
+def zoo_markdown(rows: list[dict], command: str) -> str:
+    """One line per zoo model: what frontier --compile shipped, remat's compiled plan, torch's arm, verify."""
+    out = ["## torch.compile on the zoo (issue 16)", "",
+           f"`{command}` on {platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}, "
+           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Each model at its factory's shape, "
+           "budget = share of the control's eager profiled peak, no reserve; the same interleaved frontier as above. "
+           "Peaks of compiled points by `cpu-profiler-allocator`; p50 of the warm whole step (ms).", "",
+           "| model | budget | shipped | remat compiled plan: peak MiB / p50 (boundaries) | torch arm that fits: peak MiB / p50 "
+           "| none+compile peak MiB | verify (compiled control) |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = Path(r["workload"].split(":")[0]).stem
+        if "crash" in r:
+            out.append(f"| {name} | {r['budget_pct']}% | CRASH: {r['crash'][:120]} | | | | |")
+            continue
+        pts = {p["plan"]: p for p in r["points"]}
+        ra, ta, ctrl = pts.get(r["remat_arm"] or ""), pts.get(r["torch_arm"] or ""), pts.get("none+compile")
+
+        def cell(p: dict | None) -> str:
+            if p is None:
+                return "-"
+            if p["peak_bytes"] is None:
+                return f"{p['decision']}: {p['reason'][:80]}"
+            fit = "" if p["fits"] else " (over)"
+            return f"{p['peak_bytes'] / MIB:.2f}{fit} / {p['p50_ms']:.1f}" if p["p50_ms"] else f"{p['peak_bytes'] / MIB:.2f}{fit}"
+        v = r.get("verify")
+        vcell = "-" if v is None else ("error" if "error" in v else (
+            f"{'pass' if v['passed'] else 'FAIL: ' + '; '.join(v['failures'])[:120]} (perturbed rejected: "
+            f"{v['negative_controls'].get('perturbed_gradient')})"))
+        remat = "-" if ra is None else f"{cell(ra)} ({len(ra['boundaries'])})"
+        torch_cell = "none fits" if ta is None else f"{ta['plan']}: {cell(ta)}"
+        ctrl_cell = "-" if ctrl is None or ctrl["peak_bytes"] is None else f"{ctrl['peak_bytes'] / MIB:.1f}"
+        out.append(f"| {name} | {r['budget_pct']}% = {r['budget_bytes'] / MIB:.1f} MiB | {r['shipped'] or 'none'} | {remat} | "
+                   f"{torch_cell} | {ctrl_cell} | {vcell} |")
+    return "\n".join(out + [""])
+
+
+def write_results(section: str, marker: str = "compile-check") -> None:
     path = HERE / "RESULTS.md"
     text = path.read_text() if path.exists() else ""
-    begin, end = "<!-- compile-check -->", "<!-- /compile-check -->"
+    begin, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
     block = f"{begin}\n{section}\n{end}"
     if begin in text and end in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
@@ -180,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; no RESULTS.md")
     ap.add_argument("--gpt2-small", action="store_true", help="gpt at GPT-2-small shape, 70%% only, no verify")
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--zoo", action="store_true",
+                    help="every benchmarks/zoo model at its factory's shape (RESULTS.md 'torch.compile on the zoo')")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -194,18 +233,29 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     command = "python benchmarks/compile_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command.strip(), "torch": torch.__version__, "rows": rows}
-    name = "compile_check" + ("_smoke" if args.smoke else "") + ("" if args.device == "cpu" else "_cuda")
+    name = "compile_check" + ("_zoo" if args.zoo else "") + ("_smoke" if args.smoke else "") + ("" if args.device == "cpu" else "_cuda")
     out = args.json or HERE / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.zoo:   # every zoo model at its factory's shape: does the compiled path work on models we did not write?
+        shapes = {f"benchmarks/zoo/{p.name}:build": {} for p in sorted((HERE / "zoo").glob("*.py"))
+                  if not p.name.startswith("_") and p.name != "run.py"}
+        args.workloads = ",".join(shapes)
     for spec in args.workloads.split(","):
         if spec not in shapes:
             continue
         for pct in budgets:
-            rows.append(one(spec, shapes[spec], pct, device=args.device, dtype=dtype, steps=args.steps,
-                            tries=args.tries, verify=not (args.no_verify or args.gpt2_small), log=log))
+            try:
+                rows.append(one(spec, shapes[spec], pct, device=args.device, dtype=dtype, steps=args.steps,
+                                tries=args.tries, verify=not (args.no_verify or args.gpt2_small), log=log))
+            except Exception as exc:  # noqa: BLE001 - with --zoo a model that crashes is a row, not the end
+                if not args.zoo:
+                    raise
+                rows.append({"workload": spec, "budget_pct": pct, "crash": f"{type(exc).__name__}: {exc}"[:300]})
             # after every row: a long run that is stopped keeps what it measured
             out.write_text(json.dumps(result, indent=1, default=str))
-            if not (args.smoke or args.no_write or args.device != "cpu"):
+            if args.zoo and not args.no_write:
+                write_results(zoo_markdown(rows, result["command"]), marker="compile-zoo")
+            elif not (args.smoke or args.no_write or args.device != "cpu"):
                 write_results(markdown(rows, result["command"]))
     print(json.dumps(result, default=str))
     return 0
