@@ -85,8 +85,10 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     The cost model is built from the eager step, and a compiled step peaks elsewhere: inductor
     frees and fuses differently, and a checkpoint region changes how AOTAutograd partitions the
     graph. The zoo's Llama at 70%: the eager closed-loop plan measured 81.66 MiB eager and 83.54
-    MiB compiled, 1.5% over; on ``gpt`` and ``mlp`` compiled plans peaked *under* their eager
-    prediction. So under ``compile`` the loop corrects in both directions: a plan that misses
+    MiB compiled, 1.5% over; on the zoo's GPT-2 the compiled step peaks far *under* the eager
+    one (unplanned: 71.08 against 108.35 MiB), so the eager plan over-checkpoints there (at 70%
+    the relaxed compiled plan holds one selective MLP instead of four regions; RESULTS.md,
+    torch.compile). So under ``compile`` the loop corrects in both directions: a plan that misses
     tightens the margin as always, and a plan that fits with its compiled peak under the
     prediction is planned again with that (negative) error as its margin, i.e. with the budget
     the compiled step leaves, which buys a cheaper plan. A relaxed plan is measured like any
