@@ -115,9 +115,12 @@ def test_verify_under_compile_with_dropout_draws_the_controls_masks(monkeypatch)
     neg = {n.name: n for n in report.negative_controls}
     assert not neg["rng_preservation_off"].applicable and "matched the control" in neg["rng_preservation_off"].detail
     assert neg["perturbed_gradient"].applicable and neg["perturbed_gradient"].rejected
-    # a guarded region keeps the eager path (NOTE [wrapper under compile]): the graph breaks there, so
-    # the plan's compiled graphs differ from the control's, and only program-order random ops match
-    broken = hand_plan(loaded.workload.model, ["h.0"], guarded=True)
+    # a region whose graph breaks (here: the wrapper made to take its eager path, as a module with an
+    # op Dynamo cannot trace would) compiles into other graphs than the control's, and only
+    # program-order random ops still draw the control's masks
+    import remat.apply.wrapper as wrapper
+    monkeypatch.setattr(wrapper, "_tracing", lambda: False)
+    broken = hand_plan(loaded.workload.model, ["h.0"])
     assert verify_plan(loaded, broken, steps=1, seeds=1, timing_steps=0, compile=CompileSpec()).passed
     monkeypatch.setattr(runner, "random_ops_in_program_order", contextlib.nullcontext)
     wrong = verify_plan(loaded, broken, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
@@ -125,10 +128,11 @@ def test_verify_under_compile_with_dropout_draws_the_controls_masks(monkeypatch)
     torch._dynamo.reset()
 
 
-def test_planned_regions_trace_into_one_graph():
-    """NOTE [wrapper under compile]: full and selective regions become checkpoint ops inside one
-    Dynamo graph (ground truth: Dynamo's own graph counter); a guarded region (buffer restore on
-    replay) keeps the eager path, which breaks the graph (the case this fixed)."""
+def test_planned_regions_trace_into_one_graph(monkeypatch):
+    """NOTE [wrapper under compile]: full, selective and guarded regions become checkpoint ops
+    inside one Dynamo graph (ground truth: Dynamo's own graph counter); the wrapper's eager path
+    (what every region took before) breaks the graph."""
+    import remat.apply.wrapper as wrapper
     from torch._dynamo.testing import CompileCounter
     from remat.apply import apply
     from remat.types import CheckpointMode
@@ -151,7 +155,24 @@ def test_planned_regions_trace_into_one_graph():
         return plan
     assert graphs(lambda m: hand_plan(m, [])) == 1
     assert graphs(mixed) == 1
-    assert graphs(lambda m: hand_plan(m, ["h.0"], guarded=True)) > 1
+    assert graphs(lambda m: hand_plan(m, ["h.0"], guarded=True)) == 1
+    monkeypatch.setattr(wrapper, "_tracing", lambda: False)
+    assert graphs(mixed) > 1
+
+
+@pytest.mark.compile
+def test_guarded_batchnorm_regions_trace_and_verify_compiled(monkeypatch):
+    """The zoo U-Net (BatchNorm in every region, guarded): traced into the graph, the compiled plan
+    equals the compiled control, buffers and num_batches_tracked included; through the eager path
+    (graph breaks, other graphs) its gradients differ from the control's by about 1% (the wrong case)."""
+    import remat.apply.wrapper as wrapper
+    loaded = load_workload("benchmarks/zoo/own_unet.py:build", {})
+    plan = hand_plan(loaded.workload.model, ["inc", "down1.conv"], guarded=True)
+    report = verify_plan(loaded, plan, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
+    assert report.passed, report.failures
+    monkeypatch.setattr(wrapper, "_tracing", lambda: False)
+    wrong = verify_plan(loaded, plan, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
+    assert not wrong.passed and any("grad" in f for f in wrong.failures)
 
 
 @pytest.mark.compile

@@ -430,3 +430,28 @@ def test_a_few_rounds_all_one_way_are_not_a_resolved_difference():
     assert four.low_ms > 0 and not four.resolved
     ten = p50_difference([x + 1.5 for x in base], base)
     assert ten.low_ms > 0 and ten.resolved
+
+
+def test_a_plan_whose_step_raises_is_a_data_point_and_the_control_is_not(monkeypatch):
+    """A plan arm (or a compile of one) whose step raises in user code is a FAILED point, and the
+    frontier goes on; the unplanned control raising is the workload's own error and propagates."""
+    import remat.frontier.run as frontier_run
+    from remat.errors import UserCodeError
+    from remat.frontier import run_frontier
+    loaded = load_workload("mlp", TINY["mlp"])
+    real = frontier_run.measure_arm
+
+    def failing(label):
+        def measure(loaded, arm, **kw):
+            if arm.label == label:
+                raise UserCodeError("the backward pass raised AssertionError: expected size 8==8, stride 10752==43008")
+            return real(loaded, arm, **kw)
+        return measure
+    monkeypatch.setattr(frontier_run, "measure_arm", failing("all"))
+    report = run_frontier(loaded, budget_bytes=10 ** 12, plans="none,all,sqrt", steps=2, warmup=1, capacity_key=None)
+    point = report.point("all")
+    assert point.decision is Decision.FAILED and "stride 10752" in point.reason
+    assert report.point("sqrt").p50_ms is not None and report.shipped is not None
+    monkeypatch.setattr(frontier_run, "measure_arm", failing("none"))
+    with pytest.raises(UserCodeError):
+        run_frontier(loaded, budget_bytes=10 ** 12, plans="none,all", steps=2, warmup=1, capacity_key=None)

@@ -52,7 +52,7 @@ import torch
 
 from .. import __version__
 from ..closed_loop import plan_closed_loop
-from ..errors import BudgetError, PlanError, RematError, WorkloadError
+from ..errors import BudgetError, PlanError, RematError, UserCodeError, WorkloadError
 from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, check_budget_syntax, make_plan, parse_budget,
                     planner_from_spec)
 from ..profile import ProfileReport, profile_workload
@@ -279,6 +279,13 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         point = by_label[arm.label]
         try:
             peak = measure_arm(loaded, arm, warmup=warmup, steps=0)
+        except UserCodeError as exc:
+            if arm.label == CONTROL:
+                raise   # the unplanned step itself fails: the workload's own error
+            point.decision = Decision.FAILED   # a plan, or a compile of it, made the step raise: a data point
+            point.reason = f"the plan's step raised {_first_line(exc)}"
+            release_memory()
+            continue
         except RematError:
             raise  # e.g. FingerprintMismatch: the report was made for another model
         except Exception as exc:  # noqa: BLE001 - OOM, or the wrapped step raised: a data point
@@ -380,6 +387,10 @@ def _compiled_closed_loop(loaded: LoadedWorkload, report: ProfileReport, point: 
         twin.decision = Decision.INFEASIBLE
         twin.reason = f"compiled closed loop: {exc.message}"
         return twin, None
+    except UserCodeError as exc:   # inductor or the compiled plan's step raised: a data point
+        twin.decision = Decision.FAILED
+        twin.reason = f"the compiled plan's step raised {_first_line(exc)}"
+        return twin, None
     except RematError:
         raise
     except Exception as exc:  # noqa: BLE001 - the compiled step raised: a data point
@@ -415,9 +426,9 @@ def _aim_torch_budget(loaded: LoadedWorkload, control: Plan, spec: CompileSpec, 
         arm = PlanArm(label, plan)
         try:
             m = measure_arm(loaded, arm, warmup=warmup, steps=0)
-        except RematError:
-            raise
         except Exception as exc:  # noqa: BLE001 - a ratio whose compiled step fails is a data point
+            if isinstance(exc, RematError) and not isinstance(exc, UserCodeError):
+                raise   # remat's own refusal, not the compiled step's failure
             out.append(BudgetTry(ratio=ratio, peak_bytes=None, fits=False, error=_first_line(exc)))
             release_memory()
             hi = ratio
