@@ -5,7 +5,8 @@
 # already in .venv pinned (.venv/constraints.txt), so it never replaces that torch; so is the
 # integrations extra (transformers, accelerate, peft, lightning: tests/test_examples.py).
 # `make gpu-check` runs benchmarks/gpu_check.py and the cuda-marked tests on a GPU machine.
-# `make zoo` runs remat receipt on every zoo model (benchmarks/zoo/run.py -> benchmarks/ZOO.md).
+# `make zoo` runs remat receipt on every zoo model (benchmarks/zoo/run.py -> benchmarks/ZOO.md);
+# `make compile-zoo` runs frontier --compile and verify --compile on each (benchmarks/compile_check.py --zoo).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,7 +25,7 @@ $(ZOO_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,zoo,integrations]' -c $(VENV)/constraints.txt
 	touch $(ZOO_STAMP)
 
-.PHONY: install demo test test-compile zoo zoo-extra gpu-check
+.PHONY: install demo test test-compile compile-zoo zoo zoo-extra gpu-check
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -38,6 +39,12 @@ test: $(ZOO_STAMP)
 # the torch.compile tests the default run leaves out (issue 16; a few minutes on 2 CPU cores)
 test-compile: $(STAMP)
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python -m pytest -m compile tests
+
+# frontier --compile and verify --compile on every zoo model at a budget halfway between remat's floor
+# and the control's peak (make zoo's rule; about 30 min on 2 CPU cores;
+# benchmarks/results/compile_check_zoo.json and RESULTS.md "torch.compile on the zoo")
+compile-zoo: $(ZOO_STAMP)
+	TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python benchmarks/compile_check.py --zoo --budgets mid --tries 2 --steps 5
 
 # every CUDA path on one GPU (issue 13): benchmarks/results/gpu/*.json and a section of benchmarks/RESULTS.md
 gpu-check: $(STAMP)

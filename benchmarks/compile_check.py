@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 from remat.frontier import p50_difference, run_frontier  # noqa: E402
 from remat.measure import CompileSpec  # noqa: E402
+from remat.plan import make_plan  # noqa: E402
 from remat.profile import profile_workload  # noqa: E402
 from remat.verify import verify_plan  # noqa: E402
 from remat.workload import load_workload  # noqa: E402
@@ -69,12 +70,19 @@ GPT2_SMALL = {"gpt": {"batch_size": 8, "seq_len": 1024, "n_layer": 12, "d_model"
                       "vocab": 50304, "dropout": 0.0}}
 
 
-def one(spec: str, shape: dict, pct: int, *, device: str, dtype: str, steps: int, tries: int,
+def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, steps: int, tries: int,
         verify: bool, log) -> dict[str, Any]:  # noqa: ANN001
+    """``pct``: a share of the control's eager profiled peak, or "mid": halfway between remat's
+    predicted floor and that peak (``make zoo``'s rule, so every model has a budget remat can meet)."""
     t0 = time.perf_counter()
     loaded = load_workload(spec, shape, device=device, dtype=dtype)
     report = profile_workload(loaded)
-    budget = int(report.baseline_peak_bytes * pct / 100)
+    if pct == "mid":
+        floor = make_plan(report, "floor").predicted_peak_bytes
+        budget = (floor + report.baseline_peak_bytes) // 2
+        pct = round(100 * budget / report.baseline_peak_bytes)
+    else:
+        budget = int(report.baseline_peak_bytes * int(pct) / 100)
     log(f"[{spec} {pct}%] frontier --compile, budget {budget / MIB:.2f} MiB")
     seen: set[str] = set()
 
@@ -160,7 +168,8 @@ def zoo_markdown(rows: list[dict], command: str) -> str:
     out = ["## torch.compile on the zoo (issue 16)", "",
            f"`{command}` on {platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}, "
            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Each model at its factory's shape, "
-           "budget = share of the control's eager profiled peak, no reserve; the same interleaved frontier as above. "
+           "budget = share of the control's eager profiled peak (`mid`: halfway between remat's predicted floor and "
+           "that peak, `make zoo`'s rule), no reserve; the same interleaved frontier as above. "
            "Peaks of compiled points by `cpu-profiler-allocator`; p50 of the warm whole step (ms).", "",
            "| model | budget | shipped | remat compiled plan: peak MiB / p50 (boundaries) | torch arm that fits: peak MiB / p50 "
            "| none+compile peak MiB | verify (compiled control) |",
@@ -211,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="gpt,mlp",
                     help="gpt, mlp, benchmarks/zoo/hf_gpt2.py:build, benchmarks/zoo/hf_llama.py:build")
     ap.add_argument("--json", type=Path, default=None, help="write the JSON here (default benchmarks/results/)")
-    ap.add_argument("--budgets", default="70,55")
+    ap.add_argument("--budgets", default="70,55",
+                    help="shares of the control's peak, or mid (halfway between remat's floor and the peak)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tries", type=int, default=5, help="most recompiles for torch's budget (default 5)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; no RESULTS.md")
@@ -225,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": "CUDA requested but not available"}))
         return 2
     shapes = GPT2_SMALL if args.gpt2_small else SMOKE if args.smoke else SHAPES
-    budgets = [70] if args.gpt2_small and args.budgets == "70,55" else [int(b) for b in args.budgets.split(",")]
+    budgets = [70] if args.gpt2_small and args.budgets == "70,55" else [
+        b if b == "mid" else int(b) for b in args.budgets.split(",")]
     if args.gpt2_small and args.tries == 5:
         args.tries = 2   # each try is a recompile of a 12-layer model: keep the GPU run to a few minutes
     dtype = args.dtype or ("bfloat16" if args.gpt2_small and args.device.startswith("cuda") else "float32")
