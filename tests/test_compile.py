@@ -96,6 +96,29 @@ def test_verify_under_compile_passes_and_still_rejects_the_perturbed_gradient():
         assert s.grad_max_rel <= COMPILED_TOLERANCES["float32"].rtol
 
 
+def test_a_segment_traces_into_one_graph_and_holds_no_output_after_the_step():
+    """A segment (NOTE [segment wrapper]) under Dynamo: one graph (ground truth: Dynamo's counter),
+    the same loss as eager, and no segment output held after the step."""
+    from torch._dynamo.testing import CompileCounter
+    from remat.apply import apply
+
+    def run() -> tuple[int, float, list]:
+        loaded = load_workload("mlp", MLP)
+        model = loaded.workload.model
+        handle = apply(model, hand_plan(model, ["blocks[0:2]", "blocks.3"]))
+        counter = CompileCounter()
+        torch._dynamo.reset()
+        model.compile(backend=counter)
+        loss = TrainingStep(loaded.workload).run(0)
+        held = [w._traced_last for w in handle.wrappers if hasattr(w, "_traced_last")]
+        handle.remove()
+        torch._dynamo.reset()
+        return counter.frame_count, loss, held
+    graphs, loss, held = run()
+    eager_loss = TrainingStep(load_workload("mlp", MLP).workload).run(0)
+    assert graphs == 1 and loss == pytest.approx(eager_loss, rel=1e-5) and held == [None]
+
+
 @pytest.mark.compile
 def test_verify_under_compile_with_dropout_draws_the_controls_masks(monkeypatch):
     """Dropout under compile (NOTE [compiled arms], *Random numbers*): with random ops in program

@@ -273,3 +273,24 @@ def test_verify_on_cuda_control_repeats_itself_and_plan_passes():
     assert rep.repeatable, rep.failures
     assert rep.passed, rep.failures
     assert any(n.name == "perturbed_gradient" and n.rejected for n in rep.negative_controls)
+
+
+def test_cancelled_gradients_are_compared_at_the_models_scale():
+    """NOTE [cancelled gradients]: a gradient wholly within rtol x the model's largest one (float32
+    compiled: 1e-4) is rounding noise, compared at that scale; one above it keeps its own magnitude,
+    so a one-part-in-a-thousand change of it is still caught. Hand-computed thresholds."""
+    from remat.verify import COMPILED_TOLERANCES
+    from remat.verify.compare import diff_tensor, largest_magnitude
+    big = torch.full((4,), 1.0)
+    tiny = torch.full((4,), 5e-6)                   # cancels to ~0: 5e-6 <= 1e-4 x 1.0
+    small = torch.full((4,), 1e-2)                  # a real gradient, 100x under the largest
+    assert largest_magnitude({"a": big, "b": tiny, "c": None}) == 1.0 and largest_magnitude({}) == 0.0
+    t = COMPILED_TOLERANCES
+    # tiny differs by 1.65x its own size (8.3e-6): noise at the model's scale (allowed 1e-6 + 1e-4 x 1.0) ...
+    assert diff_tensor("g", tiny, tiny * 2.65, t, scale=1.0).ok
+    # ... but not judged against its own magnitude (allowed 1e-6 + 1e-4 x 5e-6), nor with a larger error
+    assert not diff_tensor("g", tiny, tiny * 2.65, t).ok
+    assert not diff_tensor("g", tiny, tiny + 2e-4, t, scale=1.0).ok
+    # small is not cancellation: one part in a thousand (1e-5) exceeds 1e-6 + 1e-4 x 1e-2 = 2e-6
+    assert not diff_tensor("g", small, small * 1.001, t, scale=1.0).ok
+    assert diff_tensor("g", small, small * (1 + 5e-5), t, scale=1.0).ok

@@ -55,7 +55,9 @@ back once, never replayed, so there is nothing for the buffer guard to restore (
 zoo U-Net's guarded plan verifies against the compiled control, buffers and
 ``num_batches_tracked`` included; through the eager path its graphs differed from the
 control's and so did its gradients, by 0.93% relative after one step, as eager and compiled
-differ). Wrappers with observers keep the eager path. Under compile nobody counts replays:
+differ). A segment (NOTE [segment wrapper]) checks its chain while traced too, holding its
+output by a strong reference that the last member drops (Dynamo cannot trace ``weakref``).
+Wrappers with observers keep the eager path. Under compile nobody counts replays:
 verify observes boundary activity on an eager pair (NOTE [verify under compile]).
 """
 
@@ -277,6 +279,7 @@ class SegmentWrapper(CheckpointWrapper):
         self.rest_forwards = tuple(m.forward for m in self.members[1:])
         self.passthroughs = tuple(SegmentPassthrough(self, k) for k in range(1, len(self.members)))
         self._last: Any = None            # weakref to the tensor the segment last returned
+        self._traced_last: Any = None     # the same, while Dynamo traces (NOTE [wrapper under compile])
         self._next = 0                    # position of the member the parent should call next
 
     def install(self) -> None:
@@ -302,7 +305,10 @@ class SegmentWrapper(CheckpointWrapper):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = super().__call__(*args, **kwargs)
-        self._last = weakref.ref(out) if isinstance(out, torch.Tensor) else None
+        if _tracing():   # Dynamo cannot trace a weakref; a strong one, dropped by the last member
+            self._traced_last = out
+        else:
+            self._last = weakref.ref(out) if isinstance(out, torch.Tensor) else None
         self._next = 1
         return out
 
@@ -317,7 +323,11 @@ class SegmentWrapper(CheckpointWrapper):
 
     def passed(self, position: int, x: Any) -> Any:
         """A later member was called by the parent with ``x`` (NOTE [segment wrapper])."""
-        last = self._last() if self._last is not None else None
+        tracing = _tracing()
+        if tracing:
+            last = self._traced_last
+        else:
+            last = self._last() if self._last is not None else None
         if position != self._next or last is None or x is not last:
             from ..errors import PlanError
             what = ("was called out of order" if position != self._next else
@@ -326,6 +336,8 @@ class SegmentWrapper(CheckpointWrapper):
                             "pass one tensor along these modules, so the segment cannot be checkpointed as one",
                             tip="re-plan: remat plan offers a segment only where the profiled step shows a chain")
         self._next = position + 1 if position + 1 < len(self.members) else 0
+        if tracing and self._next == 0:
+            self._traced_last = None   # the chain is done: hold no activation past it
         return x
 
     def renamed(self, head_path: str) -> str:
@@ -337,7 +349,7 @@ class SegmentWrapper(CheckpointWrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_last=None, _next=0)
+        state.update(_last=None, _traced_last=None, _next=0)
         return state
 
     def __repr__(self) -> str:

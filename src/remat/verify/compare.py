@@ -45,7 +45,10 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def diff_tensor(name: str, control: torch.Tensor | None, planned: torch.Tensor | None,
-                table: dict[str, Tolerance] = TOLERANCES) -> TensorDiff:
+                table: dict[str, Tolerance] = TOLERANCES, scale: float | None = None) -> TensorDiff:
+    """``scale``: the largest magnitude among the tensors compared with this one (the model's
+    largest gradient); a tensor wholly within ``rtol x scale`` is compared at that scale (NOTE
+    [cancelled gradients] in remat/verify/model.py). None: each tensor against its own magnitude."""
     if control is None and planned is None:
         return TensorDiff(name=name, max_abs=0.0, max_rel=0.0, ref_max_abs=0.0, bitwise=True, ok=True)
     if control is None or planned is None or control.shape != planned.shape or control.dtype != planned.dtype:
@@ -60,16 +63,24 @@ def diff_tensor(name: str, control: torch.Tensor | None, planned: torch.Tensor |
         max_abs = math.inf
     max_rel = max_abs / ref if ref > 0 else (0.0 if max_abs == 0 else math.inf)
     tol = tolerance_for(control.dtype, table)
-    ok = tol is not None and math.isfinite(max_abs) and tol.allows(max_abs, ref)
+    ref_tol = scale if (scale is not None and tol is not None and ref <= tol.rtol * scale) else ref
+    ok = tol is not None and math.isfinite(max_abs) and tol.allows(max_abs, ref_tol)
     return TensorDiff(name=name, max_abs=max_abs, max_rel=max_rel, ref_max_abs=ref, bitwise=False, ok=ok)
 
 
 def diff_tensors(prefix: str, control: dict[str, torch.Tensor | None],
-                 planned: dict[str, torch.Tensor | None], table: dict[str, Tolerance] = TOLERANCES) -> list[TensorDiff]:
+                 planned: dict[str, torch.Tensor | None], table: dict[str, Tolerance] = TOLERANCES,
+                 scale: float | None = None) -> list[TensorDiff]:
     names = list(control) + [n for n in planned if n not in control]
-    return [dataclasses.replace(diff_tensor(f"{prefix} {n}" if prefix else n, control.get(n), planned.get(n), table),
-                                tensor=n)
+    return [dataclasses.replace(diff_tensor(f"{prefix} {n}" if prefix else n, control.get(n), planned.get(n), table,
+                                            scale), tensor=n)
             for n in names]
+
+
+def largest_magnitude(named: dict[str, torch.Tensor | None]) -> float:
+    """max |x| over every tensor in ``named`` (0.0 when there is none)."""
+    return max((float(t.detach().double().abs().max()) for t in named.values() if t is not None and t.numel()),
+               default=0.0)
 
 
 def clone_tensors(named: Any) -> dict[str, torch.Tensor]:

@@ -76,7 +76,7 @@ from ..measure import CompiledFunction, CompileSpec, compile_model, random_ops_i
 from ..plan.model import Plan
 from ..types import HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
-from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors,
+from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors, largest_magnitude,
                       owner_module, python_state, short_repr, tolerance_for)
 from .model import (COMPILED_TOLERANCES, PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
                     RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport)
@@ -284,7 +284,9 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMod
         outputs = [diff_tensor(f"output[{i}]", a, b, table) for i, (a, b) in enumerate(zip(c.outputs, p.outputs))]
     else:
         outputs = [diff_tensor("outputs", None, torch.zeros(()))]
-    grads = diff_tensors("grad", c.grads, p.grads, table)
+    # NOTE [cancelled gradients]: under compile a gradient that cancels to ~0 is compared at the model's scale
+    grads = diff_tensors("grad", c.grads, p.grads, table,
+                         scale=largest_magnitude(c.grads) if param_table is not None else None)
     params = diff_tensors("param", c.params, p.params, param_table or table) \
         if c.params is not None and p.params is not None else []
     buffers = diff_tensors("buffer", c.buffers, p.buffers, table)
