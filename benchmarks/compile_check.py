@@ -97,8 +97,6 @@ def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, step
     if torch_arm is None and points.get("none+compile") is not None and points["none+compile"].fits:
         torch_arm = points["none+compile"]   # torch's default budget (1.0) already fits
     remat_arm = points.get("optimal+compile")
-    # NOTE [remat plan with torch's budget]: remat's plan under the closest torch ratio, when none fits alone
-    hybrid_arm = next((p for p in fr.points if p.plan.startswith("optimal+torch-budget@")), None)
     row: dict[str, Any] = {
         "workload": spec, "shape": shape, "budget_pct": pct, "budget_bytes": budget, "device": device, "dtype": dtype,
         "control_eager_peak_bytes": report.baseline_peak_bytes,
@@ -109,24 +107,20 @@ def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, step
         "budget_search": [t.to_json() for t in fr.budget_search],
         "torch_arm": None if torch_arm is None else torch_arm.plan,
         "remat_arm": None if remat_arm is None else remat_arm.plan,
-        "hybrid_arm": None if hybrid_arm is None else hybrid_arm.plan,
     }
     if torch_arm is not None and remat_arm is not None and remat_arm.step_ms and torch_arm.step_ms:
         d = p50_difference(remat_arm.step_ms, torch_arm.step_ms)
         row["remat_vs_torch"] = {"ratio": remat_arm.p50_ms / torch_arm.p50_ms, "diff_ms": d.diff_ms,
                                  "ci_ms": [d.low_ms, d.high_ms], "resolved": d.resolved}
-    for key, arm in (("verify", remat_arm), ("verify_hybrid", hybrid_arm)):
-        plan = None if arm is None or arm.peak_bytes is None else fr.plans.get(arm.plan)
-        if not verify or plan is None:
-            continue
-        # the very plan the frontier measured, compiled as it ran (its own ratio, if any) against
-        # the compiled control at torch's default
-        log(f"[{spec} {pct}%] verify --compile of {arm.plan}")
-        v = verify_plan(loaded, plan, steps=2, seeds=1, timing_steps=0, compile=plan.compile)
-        row[key] = {"passed": v.passed, "failures": v.failures[:3],
-                    "max_grad_rel": max((s.grad_max_rel for s in v.per_step), default=None),
-                    "negative_controls": {n.name: n.rejected for n in v.negative_controls},
-                    "tolerance_float32_rtol": v.tolerances["float32"].rtol}
+    if verify and remat_arm is not None and remat_arm.peak_bytes is not None:
+        plan = fr.plans.get(remat_arm.plan)   # the very plan the frontier measured (compiled closed loop)
+        if plan is not None:
+            log(f"[{spec} {pct}%] verify --compile of {remat_arm.plan}")
+            v = verify_plan(loaded, plan, steps=2, seeds=1, timing_steps=0, compile=CompileSpec())
+            row["verify"] = {"passed": v.passed, "failures": v.failures[:3],
+                             "max_grad_rel": max((s.grad_max_rel for s in v.per_step), default=None),
+                             "negative_controls": {n.name: n.rejected for n in v.negative_controls},
+                             "tolerance_float32_rtol": v.tolerances["float32"].rtol}
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     return row
 
@@ -140,9 +134,8 @@ def markdown(rows: list[dict], command: str) -> str:
            "`cpu-profiler-allocator` (torch.profiler's CPU allocator events over one warm step, plus the step's "
            "starting state; the tracker cannot see inside compiled graphs). p50 of the warm whole step (ms).", "",
            "| workload | budget | remat compiled plan: peak MiB / p50 | torch budget arm that fits: ratio, peak MiB / p50 "
-           "| remat / torch p50 (95% CI of diff, ms) | remat plan + closest torch ratio: peak MiB / p50 | shipped "
-           "| verify (compiled control) | budget tries (ratio: MiB) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| remat / torch p50 (95% CI of diff, ms) | shipped | verify (compiled control) | budget tries (ratio: MiB) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pts = {p["plan"]: p for p in r["points"]}
         ra, ta = pts.get(r["remat_arm"] or ""), pts.get(r["torch_arm"] or "")
@@ -156,19 +149,14 @@ def markdown(rows: list[dict], command: str) -> str:
         cmp_ = r.get("remat_vs_torch")
         cmp_cell = "-" if cmp_ is None else (f"{cmp_['ratio']:.2f} ({cmp_['ci_ms'][0]:+.1f}..{cmp_['ci_ms'][1]:+.1f}"
                                             f"{', resolved' if cmp_['resolved'] else ', not resolved'})")
-        def vcell_of(v: dict | None) -> str:
-            return "-" if v is None else ("error" if "error" in v else
-                                          f"{'pass' if v['passed'] else 'FAIL'} (max grad rel {v['max_grad_rel']:.1e}; "
-                                          f"perturbed rejected: {v['negative_controls'].get('perturbed_gradient')})")
-        vcell = vcell_of(r.get("verify"))
-        ha = pts.get(r.get("hybrid_arm") or "")
-        hcell = "-" if ha is None else f"{ha['plan']}: {cell(ha) if ha['peak_bytes'] else ha['decision']}"
-        if r.get("verify_hybrid"):
-            vcell += f"; combined: {vcell_of(r['verify_hybrid'])}"
+        v = r.get("verify")
+        vcell = "-" if v is None else ("error" if "error" in v else
+                                       f"{'pass' if v['passed'] else 'FAIL'} (max grad rel {v['max_grad_rel']:.1e}; "
+                                       f"perturbed rejected: {v['negative_controls'].get('perturbed_gradient')})")
         tries = ", ".join(f"{t['ratio']:g}: " + ("-" if t["peak_bytes"] is None else f"{t['peak_bytes'] / MIB:.1f}")
                           + ("*" if t["fits"] else "") for t in r["budget_search"])
         out.append(f"| {r['workload']} | {r['budget_pct']}% = {r['budget_bytes'] / MIB:.2f} MiB | "
-                   f"{r['remat_arm'] or '-'}: {cell(ra)} | {torch_cell} | {cmp_cell} | {hcell} | {r['shipped'] or 'none'} | "
+                   f"{r['remat_arm'] or '-'}: {cell(ra)} | {torch_cell} | {cmp_cell} | {r['shipped'] or 'none'} | "
                    f"{vcell} | {tries} |")
     out += ["", "Budget tries: `*` = the measured compiled peak fits; ratio 1 is the compiled control (torch's "
             "default). Per-point figures, with each instrument, in `benchmarks/results/compile_check.json`.", ""]
