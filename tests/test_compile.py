@@ -228,30 +228,6 @@ def test_frontier_aims_torch_budget_at_the_peak():
         assert shipped["compile"]["memory_budget"] == best.ratio and shipped["boundaries"] == []
 
 
-@pytest.mark.compile
-def test_frontier_combines_remat_with_the_closest_torch_budget():
-    """NOTE [remat plan with torch's budget]: no ratio fits alone, so remat's plan is made again with
-    the step compiled at the ratio of lowest measured peak; its peak, re-measured here, fits."""
-    from remat.apply import PlanArm as Armed
-    from remat.profile import profile_workload
-    loaded = load_workload("mlp", MLP)
-    prof = profile_workload(loaded)
-    budget = int(prof.baseline_peak_bytes * 0.78)
-    report = run_frontier(loaded, budget_bytes=budget, reserve=0.0, plans="none,optimal", steps=2, warmup=1,
-                          capacity_key=None, compile=CompileSpec(backend="aot_eager"), budget_tries=2, report=prof)
-    tries = report.budget_search
-    assert tries and not any(t.fits for t in tries), [(t.ratio, t.peak_bytes, budget) for t in tries]
-    closest = min((t for t in tries if t.ratio < 1.0), key=lambda t: (t.peak_bytes, -t.ratio))
-    hybrid = report.point(f"optimal+torch-budget@{closest.ratio:g}")
-    assert hybrid.compile == {"backend": "aot_eager", "memory_budget": closest.ratio}
-    plan = report.plans[hybrid.plan]
-    again = measure_arm(loaded, Armed("again", plan), warmup=2, steps=0)
-    assert hybrid.fits and again.peak_bytes <= budget and again.memory_source is MemorySource.CPU_PROFILER
-    # torch's recompute lowers the compiled peak, so the combined plan needs no more boundaries than remat's alone
-    assert len(hybrid.boundaries) <= len(report.point("optimal+compile").boundaries)
-    torch._dynamo.reset()
-
-
 def test_frontier_compile_refuses_zero_budget_tries():
     loaded = load_workload("mlp", TINY["mlp"])
     with pytest.raises(RematError, match="budget_tries"):

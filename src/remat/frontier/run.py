@@ -40,14 +40,6 @@ one measured warm step, at most ``budget_tries`` tries, stopping when the interv
 answer is the largest ratio *seen* to fit, not a proven maximum. It becomes the point
 ``torch-budget@<ratio>`` (the unplanned model compiled at that ratio), timed with the rest;
 every try is kept in ``budget_search``.
-
-NOTE [remat plan with torch's budget]
-When no ratio fits alone, the two knobs are combined: remat's closed-loop plan is made again
-through the compiled closed loop with the step compiled at the ratio that came closest (lowest
-measured peak). torch's partitioner then recomputes what is cheap inside fused kernels, which
-the compiled closed loop sees as a lower measured peak and answers with a lighter plan (NOTE
-[compiled closed loop]). It is the point ``optimal+torch-budget@<ratio>``, measured and timed
-with the rest, and ships only if it is the cheapest that fits, like any other.
 """
 
 from __future__ import annotations
@@ -318,19 +310,6 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
             by_label[point.plan] = point
             plan_by_label[point.plan] = plan
             measured.append(arm)
-        else:   # NOTE [remat plan with torch's budget]
-            for req in requests:
-                if not (closed_loop and req.needs_budget and req.budget is None):
-                    continue
-                hybrid = _hybrid(loaded, report, by_plan(points, req.label), compile, budget_search,
-                                 budget_bytes=budget_bytes, reserve=reserve, warmup=warmup, progress=progress)
-                if hybrid is not None:
-                    arm, point, plan = hybrid
-                    points.append(point)
-                    by_label[point.plan] = point
-                    if plan is not None:
-                        plan_by_label[point.plan] = plan
-                        measured.append(arm)
 
     # 3. time, interleaved
     timings, interleaved = _time_arms(loaded, measured, warmup=warmup, steps=steps, progress=progress)
@@ -422,35 +401,6 @@ def _compiled_closed_loop(loaded: LoadedWorkload, report: ProfileReport, point: 
     twin.predicted_overhead_ms = plan.predicted_overhead_ms
     twin.boundaries = _boundaries(plan)
     return twin, plan
-
-
-def _hybrid(loaded: LoadedWorkload, report: ProfileReport, point: FrontierPoint, spec: CompileSpec,
-            tries: list[BudgetTry], *, budget_bytes: int, reserve: float, warmup: int,
-            progress: ProgressFn) -> tuple[PlanArm | None, FrontierPoint, Plan | None] | None:
-    """NOTE [remat plan with torch's budget]: when no ratio of torch's knob fits alone, remat's
-    plan made through the compiled closed loop *under* the ratio that came closest (lowest measured
-    peak). None when there is no such ratio; a plan the loop cannot fit is a data point."""
-    near = [t for t in tries if t.ratio < 1.0 and t.peak_bytes is not None]
-    if not near:
-        return None
-    ratio = min(near, key=lambda t: (t.peak_bytes, -t.ratio)).ratio
-    with_budget = dataclasses.replace(spec, memory_budget=ratio)
-    twin, plan = _compiled_closed_loop(loaded, report, point, with_budget, budget_bytes=budget_bytes, reserve=reserve,
-                                       progress=progress)
-    twin.plan = f"{point.plan}+{TORCH_BUDGET}@{ratio:g}"
-    if plan is None:
-        return None, twin, None
-    arm = PlanArm(twin.plan, plan)
-    try:
-        _record_peak(twin, measure_arm(loaded, arm, warmup=warmup, steps=0))
-    except Exception as exc:  # noqa: BLE001 - the closed loop ran it; a failure now is a data point
-        if isinstance(exc, RematError) and not isinstance(exc, UserCodeError):
-            raise
-        twin.decision = Decision.FAILED
-        twin.reason = f"the plan's step raised {_first_line(exc)}"
-        release_memory()
-        return None, twin, None
-    return arm, twin, plan
 
 
 def _aim_torch_budget(loaded: LoadedWorkload, control: Plan, spec: CompileSpec, limit: int,
