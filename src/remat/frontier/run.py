@@ -387,13 +387,9 @@ def _compiled_closed_loop(loaded: LoadedWorkload, report: ProfileReport, point: 
         twin.decision = Decision.INFEASIBLE
         twin.reason = f"compiled closed loop: {exc.message}"
         return twin, None
-    except UserCodeError as exc:   # inductor or the compiled plan's step raised: a data point
-        twin.decision = Decision.FAILED
-        twin.reason = f"the compiled plan's step raised {_first_line(exc)}"
-        return twin, None
-    except RematError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the compiled step raised: a data point
+    except Exception as exc:  # noqa: BLE001 - inductor or the compiled plan's step raised: a data point
+        if isinstance(exc, RematError) and not isinstance(exc, UserCodeError):
+            raise   # remat's own refusal, not the compiled step's failure
         twin.decision = Decision.FAILED
         twin.reason = f"the compiled plan's step raised {_first_line(exc)}"
         return twin, None
