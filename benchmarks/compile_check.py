@@ -125,6 +125,16 @@ def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, step
     return row
 
 
+def cell_of(p: dict | None, *, why: bool = False) -> str:
+    """A point's "peak MiB / p50 ms" table cell; ``why``: an unmeasured point shows its decision and reason."""
+    if p is None or (p["peak_bytes"] is None and not why):
+        return "-"
+    if p["peak_bytes"] is None:
+        return f"{p['decision']}: {p['reason'][:80]}"
+    peak = f"{p['peak_bytes'] / MIB:.2f}" + ("" if p["fits"] else " (over)")
+    return f"{peak} / {p['p50_ms']:.1f}" if p["p50_ms"] else peak
+
+
 def markdown(rows: list[dict], command: str) -> str:
     out = ["## torch.compile: remat's compiled plans vs torch's budget aimed at the peak (issue 16)", "",
            f"`{command}` on {platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}, "
@@ -140,12 +150,7 @@ def markdown(rows: list[dict], command: str) -> str:
         pts = {p["plan"]: p for p in r["points"]}
         ra, ta = pts.get(r["remat_arm"] or ""), pts.get(r["torch_arm"] or "")
 
-        def cell(p: dict | None) -> str:
-            if p is None or p["peak_bytes"] is None:
-                return "-"
-            fit = "" if p["fits"] else " (over)"
-            return f"{p['peak_bytes'] / MIB:.2f}{fit} / {p['p50_ms']:.1f}" if p["p50_ms"] else f"{p['peak_bytes'] / MIB:.2f}{fit}"
-        torch_cell = "none fits" if ta is None else f"{ta['plan']}: {cell(ta)}"
+        torch_cell = "none fits" if ta is None else f"{ta['plan']}: {cell_of(ta)}"
         cmp_ = r.get("remat_vs_torch")
         cmp_cell = "-" if cmp_ is None else (f"{cmp_['ratio']:.2f} ({cmp_['ci_ms'][0]:+.1f}..{cmp_['ci_ms'][1]:+.1f}"
                                             f"{', resolved' if cmp_['resolved'] else ', not resolved'})")
@@ -156,7 +161,7 @@ def markdown(rows: list[dict], command: str) -> str:
         tries = ", ".join(f"{t['ratio']:g}: " + ("-" if t["peak_bytes"] is None else f"{t['peak_bytes'] / MIB:.1f}")
                           + ("*" if t["fits"] else "") for t in r["budget_search"])
         out.append(f"| {r['workload']} | {r['budget_pct']}% = {r['budget_bytes'] / MIB:.2f} MiB | "
-                   f"{r['remat_arm'] or '-'}: {cell(ra)} | {torch_cell} | {cmp_cell} | {r['shipped'] or 'none'} | "
+                   f"{r['remat_arm'] or '-'}: {cell_of(ra)} | {torch_cell} | {cmp_cell} | {r['shipped'] or 'none'} | "
                    f"{vcell} | {tries} |")
     out += ["", "Budget tries: `*` = the measured compiled peak fits; ratio 1 is the compiled control (torch's "
             "default). Per-point figures, with each instrument, in `benchmarks/results/compile_check.json`.", ""]
@@ -181,20 +186,12 @@ def zoo_markdown(rows: list[dict], command: str) -> str:
             continue
         pts = {p["plan"]: p for p in r["points"]}
         ra, ta, ctrl = pts.get(r["remat_arm"] or ""), pts.get(r["torch_arm"] or ""), pts.get("none+compile")
-
-        def cell(p: dict | None) -> str:
-            if p is None:
-                return "-"
-            if p["peak_bytes"] is None:
-                return f"{p['decision']}: {p['reason'][:80]}"
-            fit = "" if p["fits"] else " (over)"
-            return f"{p['peak_bytes'] / MIB:.2f}{fit} / {p['p50_ms']:.1f}" if p["p50_ms"] else f"{p['peak_bytes'] / MIB:.2f}{fit}"
         v = r.get("verify")
         vcell = "-" if v is None else ("error" if "error" in v else (
             f"{'pass' if v['passed'] else 'FAIL: ' + '; '.join(v['failures'])[:120]} (perturbed rejected: "
             f"{v['negative_controls'].get('perturbed_gradient')})"))
-        remat = "-" if ra is None else f"{cell(ra)} ({len(ra['boundaries'])})"
-        torch_cell = "none fits" if ta is None else f"{ta['plan']}: {cell(ta)}"
+        remat = "-" if ra is None else f"{cell_of(ra, why=True)} ({len(ra['boundaries'])})"
+        torch_cell = "none fits" if ta is None else f"{ta['plan']}: {cell_of(ta, why=True)}"
         ctrl_cell = "-" if ctrl is None or ctrl["peak_bytes"] is None else f"{ctrl['peak_bytes'] / MIB:.1f}"
         out.append(f"| {name} | {r['budget_pct']}% = {r['budget_bytes'] / MIB:.1f} MiB | {r['shipped'] or 'none'} | {remat} | "
                    f"{torch_cell} | {ctrl_cell} | {vcell} |")
