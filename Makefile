@@ -36,7 +36,7 @@ test: $(ZOO_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
-# the torch.compile tests the default run leaves out (issue 16; a few minutes on 2 CPU cores)
+# the torch.compile tests the default run leaves out (a few minutes on 2 CPU cores)
 test-compile: $(STAMP)
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python -m pytest -m compile tests
 
@@ -46,7 +46,7 @@ test-compile: $(STAMP)
 compile-zoo: $(ZOO_STAMP)
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python benchmarks/compile_check.py --zoo --budgets mid --tries 2 --steps 5
 
-# every CUDA path on one GPU (issue 13): benchmarks/results/gpu/*.json and a section of benchmarks/RESULTS.md
+# every CUDA path on one GPU: benchmarks/results/gpu/*.json and a section of benchmarks/RESULTS.md
 gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py
 	$(BIN)/python -m pytest -m cuda tests

@@ -14,7 +14,7 @@ backward, optimizer) of:
   uniform:2       every 2nd block                                                  [remat planner]
   sqrt            Chen et al.'s sqrt(n) trade, per-module form (plan/planners.py)  [remat planner]
   sac-matmuls     torch SAC, "save matmuls / attention / conv, recompute the rest",
-                  on every block (= remat's ``selective`` planner, apply/policy.py)
+                  on every block (= remat's ``selective`` planner, wrap/policy.py)
   ckpt_seq:S      torch.utils.checkpoint.checkpoint_sequential over the block chain,
                   S segments (S = 2, ceil(sqrt n), n); see SequentialArm for ModuleList models
   compile-amb0.5  torch.compile with torch._functorch.config.activation_memory_budget = 0.5

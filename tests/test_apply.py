@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat.apply import ApplyHandle, CheckpointWrapper, SaveMatmulPolicy, apply, export_check_fn
+from remat.wrap import ApplyHandle, CheckpointWrapper, SaveMatmulPolicy, apply, export_check_fn
 from remat.errors import CandidateError, FingerprintMismatch, PlanError
 from remat.plan import Plan
 from remat.types import CheckpointMode
@@ -138,7 +138,7 @@ def test_apply_from_plan_json_and_top_level_call(tmp_path):
     handle = remat.apply(lw.workload.model, str(path))
     assert [w.path for w in handle.wrappers] == ["blocks.1"]
     handle.remove()
-    assert callable(remat.apply) and remat.apply.apply is apply
+    assert callable(remat.apply) and remat.wrap.apply is apply
 
 
 def test_fingerprint_mismatch_lists_the_differences():
@@ -226,25 +226,27 @@ def _tiny_plan_and_model() -> tuple[nn.Module, Plan]:
     return m, make_plan(m, ["0"])
 
 
-@pytest.mark.parametrize("first", ["function", "module"])
-def test_remat_apply_is_callable_whatever_was_imported_first(first, monkeypatch):
-    """A fresh ``remat.apply`` import in-process (monkeypatch puts the original modules back afterwards)."""
-    for name in [n for n in sys.modules if n == "remat.apply" or n.startswith("remat.apply.")]:
+@pytest.mark.parametrize("first", ["function", "stage"])
+def test_remat_apply_is_a_plain_function_whatever_was_imported_first(first, monkeypatch):
+    """``remat.apply`` is the function, never a module, and its signature does not change with import order."""
+    import inspect
+    import types as pytypes
+    for name in [n for n in sys.modules if n == "remat.wrap" or n.startswith("remat.wrap.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.delattr(remat, "apply", raising=False)
-    if first == "module":
+    monkeypatch.delitem(remat.__dict__, "apply", raising=False)
+    monkeypatch.delitem(remat.__dict__, "wrap", raising=False)
+    before = str(inspect.signature(remat.apply))
+    if first == "stage":
         import importlib
-        importlib.import_module("remat.apply")  # binds remat.apply to the (callable) package
-        assert isinstance(remat.__dict__["apply"], type(sys))
-    else:
-        assert "apply" not in remat.__dict__  # remat.__getattr__ resolves the function
+        importlib.import_module("remat.wrap.handle")   # the stage's modules loaded first
+    assert isinstance(remat.apply, pytypes.FunctionType)
+    assert str(inspect.signature(remat.apply)) == before
+    assert "plan" in inspect.signature(remat.apply).parameters
     m, plan = _tiny_plan_and_model()
     handle = remat.apply(m, plan)
+    assert isinstance(handle, remat.ApplyHandle)
     m(torch.ones(2, 4, requires_grad=True)).sum().backward()
     assert handle.wrappers[0].replay_calls == 1
-    assert callable(remat.apply) and callable(remat.export_check_fn)
-    handle.remove()
-    handle = remat.apply(m, plan)  # a second call after the subpackage got bound: still works
     handle.remove()
 
 

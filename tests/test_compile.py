@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from remat.apply import PlanArm
+from remat.wrap import PlanArm
 from remat.frontier import run_frontier
 from remat.measure import Arm, CompileSpec, measure_arm
 from remat.memory import profiler_step_peak
@@ -100,7 +100,7 @@ def test_a_segment_traces_into_one_graph_and_holds_no_output_after_the_step():
     """A segment (NOTE [segment wrapper]) under Dynamo: one graph (ground truth: Dynamo's counter),
     the same loss as eager, and no segment output held after the step."""
     from torch._dynamo.testing import CompileCounter
-    from remat.apply import apply
+    from remat.wrap import apply
 
     def run() -> tuple[int, float, list]:
         loaded = load_workload("mlp", MLP)
@@ -141,7 +141,7 @@ def test_verify_under_compile_with_dropout_draws_the_controls_masks(monkeypatch)
     # a region whose graph breaks (here: the wrapper made to take its eager path, as a module with an
     # op Dynamo cannot trace would) compiles into other graphs than the control's, and only
     # program-order random ops still draw the control's masks
-    import remat.apply.wrapper as wrapper
+    import remat.wrap.wrapper as wrapper
     monkeypatch.setattr(wrapper, "_tracing", lambda: False)
     broken = hand_plan(loaded.workload.model, ["h.0"])
     assert verify_plan(loaded, broken, steps=1, seeds=1, timing_steps=0, compile=CompileSpec()).passed
@@ -155,9 +155,9 @@ def test_planned_regions_trace_into_one_graph(monkeypatch):
     """NOTE [wrapper under compile]: full, selective and guarded regions become checkpoint ops
     inside one Dynamo graph (ground truth: Dynamo's own graph counter); the wrapper's eager path
     (what every region took before) breaks the graph."""
-    import remat.apply.wrapper as wrapper
+    import remat.wrap.wrapper as wrapper
     from torch._dynamo.testing import CompileCounter
-    from remat.apply import apply
+    from remat.wrap import apply
     from remat.types import CheckpointMode
 
     def graphs(plan) -> int:
@@ -188,7 +188,7 @@ def test_guarded_batchnorm_regions_trace_and_verify_compiled(monkeypatch):
     """The zoo U-Net (BatchNorm in every region, guarded): traced into the graph, the compiled plan
     equals the compiled control, buffers and num_batches_tracked included; through the eager path
     (graph breaks, other graphs) its gradients differ from the control's by about 1% (the wrong case)."""
-    import remat.apply.wrapper as wrapper
+    import remat.wrap.wrapper as wrapper
     loaded = load_workload("benchmarks/zoo/own_unet.py:build", {})
     plan = hand_plan(loaded.workload.model, ["inc", "down1.conv"], guarded=True)
     report = verify_plan(loaded, plan, steps=1, seeds=1, timing_steps=0, compile=CompileSpec())
@@ -255,7 +255,7 @@ def test_plan_json_carries_the_compile_spec_and_refuses_a_bad_one():
 
 
 def test_modes_not_covered_follow_the_compiled_receipt():
-    from remat.pipeline.build import unsupported_modes
+    from remat.workflow.build import unsupported_modes
     loaded = load_workload("mlp", TINY["mlp"])
     eager_plan = hand_plan(loaded.workload.model, ["blocks.0"])
     compiled_plan = hand_plan(loaded.workload.model, ["blocks.0"])
@@ -282,7 +282,7 @@ def test_held_bytes_refuse_a_compiled_arm():
 
 @pytest.mark.compile
 def test_receipt_with_compile_ships_verifies_and_checks_compiled(tmp_path):
-    from remat.pipeline import check_receipt, make_receipt
+    from remat.workflow import check_receipt, make_receipt
     from remat.receipt.model import RunSettings
     loaded = load_workload("mlp", MLP)
     settings = RunSettings(verify_steps=1, verify_seeds=1, verify_timing_steps=0, frontier_plans=["none", "optimal"],

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from remat.cli.main import main
 from remat.errors import RematError
 from remat.plan import Plan, parse_budget, parse_reserve
-from remat.pipeline import choose_workload, make_receipt
+from remat.workflow import choose_workload, make_receipt
 from remat.receipt import Receipt, RunSettings, write_receipt
 from remat.workload import BUILTINS, load_workload, parse_shape
 
@@ -238,7 +238,7 @@ def test_fuzz_check_cli_on_mutated_receipts(seed_receipt, tmp_path, monkeypatch)
 # -- plans ----------------------------------------------------------------------------------------------------
 
 def test_fuzz_plan_loading_and_applying(seed_plan, tmp_path):
-    from remat.apply import apply
+    from remat.wrap import apply
     model = load_workload("mlp", TINY["mlp"]).workload.model
     paths = node_paths(seed_plan)
     path = tmp_path / "plan.json"

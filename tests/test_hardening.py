@@ -329,7 +329,7 @@ def test_remat_code_raising_inside_the_users_step_is_not_blamed_on_the_user():
 # -- handle.remove(): all or nothing; copies of a planned model are removable ---------------------------------
 
 def _planned_mlp():
-    from remat.apply import apply
+    from remat.wrap import apply
     loaded = load_workload("mlp", TINY["mlp"])
     model = loaded.workload.model
     names = [n for n, _ in model.named_modules() if n.startswith("blocks") and n.count(".") == 1][:3]
@@ -376,7 +376,7 @@ def test_remove_force_restores_the_others_and_leaves_the_replaced_one():
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_copies_of_a_planned_model_are_checkpointed_and_removable(how):
-    from remat.apply import CheckpointWrapper, recover_handle
+    from remat.wrap import CheckpointWrapper, recover_handle
     model, names, handle = _planned_mlp()
     if how == "deepcopy":
         twin = copy.deepcopy(model)

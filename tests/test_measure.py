@@ -122,7 +122,7 @@ def test_held_bytes_and_peak_see_the_callers_preparation():
     planned = held_bytes_at_phase(lw, _Checkpointed("ckpt"), Phase.BACKWARD)
     assert planned < control   # checkpointing every block holds fewer activations at the turn
     # and the same plan through remat.apply measures the same held bytes (an independent route)
-    from remat.apply import PlanArm
+    from remat.wrap import PlanArm
     blocks = [n for n, _ in lw.workload.model.named_modules() if n.count(".") == 1 and n.startswith("blocks")]
     via_apply = held_bytes_at_phase(lw, PlanArm("plan", hand_plan(lw.workload.model, blocks)), Phase.BACKWARD)
     assert via_apply == planned

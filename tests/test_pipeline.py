@@ -16,12 +16,12 @@ import torch
 import remat
 from remat.cli.main import main
 from remat.distributed.launch import _alive_rank_pid
-from remat.distributed.pipeline import (PIPELINE_WORKER_MODULE, PipelineConfig, balanced_bounds, build_stage_module,
+from remat.pipeline_parallel.engine import (PIPELINE_WORKER_MODULE, PipelineConfig, balanced_bounds, build_stage_module,
                                         run_pipeline_config, split_batch, stage_layout)
-from remat.distributed.pipeline_report import PipelineReport
+from remat.pipeline_parallel.report import PipelineReport
 from remat.distributed.worker import FAULT_ENV
 from remat.errors import BudgetError, DistributedError, PlanError
-from remat.plan.pipeline import PipelinePlan, Schedule, ideal_bubble, in_flight, load_any_plan, plan_stages
+from remat.pipeline_parallel.plan import PipelinePlan, Schedule, ideal_bubble, in_flight, load_any_plan, plan_stages
 from remat.profile.fingerprint import fingerprint
 from remat.profile.model import CandidateCost, PeakRow, ProfileReport
 from remat.types import CheckpointMode, MemorySource
@@ -91,7 +91,7 @@ def test_stage_plans_count_each_saving_once_per_microbatch_held():
 
 
 def test_pipeline_plan_round_trip_and_refusals(tmp_path):
-    from remat.plan.pipeline import StagePlan
+    from remat.pipeline_parallel.plan import StagePlan
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
     plans = plan_stages(report, blocks, schedule="1f1b", microbatches=4, base_peaks=[1000, 900], planner="optimal",
                         budget_bytes=950, reserve=0.0)
@@ -140,12 +140,12 @@ def test_stage_modules_compose_to_the_whole_model_bitwise():
 
 
 def test_apply_takes_the_stage_a_rank_owns(tmp_path):
-    from remat.apply import apply
+    from remat.wrap import apply
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
     model = load_workload("gpt", SHAPE).workload.model
     plans = plan_stages(dataclass_fp(report, model), blocks, schedule="1f1b", microbatches=4, base_peaks=[1000, 900],
                         planner="all", budget_bytes=None)
-    from remat.plan.pipeline import StagePlan
+    from remat.pipeline_parallel.plan import StagePlan
     pp = PipelinePlan(schedule="1f1b", microbatches=4, budget_bytes=950, reserve=0.0, split_points=["h.2"],
                       split_source="given",
                       stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=1, base_peak_bytes=1, plan=plans[k])
@@ -276,7 +276,7 @@ def test_verify_engine_pipeline_rejects_a_plan_that_changes_the_gradients(rank_e
     """`remat verify --engine pipeline`'s negative control on the real path: replay without RNG preservation
     redraws dropout masks, so the planned pipeline's gradients differ and verify exits 1."""
     from remat.plan.model import Boundary, Plan
-    from remat.plan.pipeline import StagePlan
+    from remat.pipeline_parallel.plan import StagePlan
     model = load_workload("gpt", SHAPE).workload.model
     blocks = [["h.0", "h.1"], ["h.2", "h.3"]]
 
@@ -355,7 +355,7 @@ def test_pipeline_receipt_shows_the_per_stage_table_and_timelines(gpt_run):
     import re
     import xml.etree.ElementTree as ET
     from remat.profile import module_revision
-    from remat.receipt.pipeline_receipt import PipelineReceipt, load_any_receipt_with_digest
+    from remat.pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
     _, out = gpt_run
     receipt, digest = load_any_receipt_with_digest(out / "receipt.json")
     assert isinstance(receipt, PipelineReceipt) and receipt.holds and receipt.why_not == []
@@ -387,10 +387,10 @@ def test_pipeline_receipt_shows_the_per_stage_table_and_timelines(gpt_run):
 def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
     import shutil
     from remat.errors import ReceiptError
-    from remat.pipeline import check_pipeline_receipt
-    from remat.pipeline.check import FindingKind
-    from remat.receipt.pipeline_receipt import PipelineReceipt
-    from remat.receipt.write import write_pipeline_receipt
+    from remat.pipeline_parallel.check import check_pipeline_receipt
+    from remat.workflow.check import FindingKind
+    from remat.pipeline_parallel.receipt import PipelineReceipt
+    from remat.pipeline_parallel.render import write_pipeline_receipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json"), "--quick"]) == 0
     data = json.loads((out / "receipt.json").read_text())
@@ -426,9 +426,9 @@ def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
 
 
 def test_check_pipeline_receipt_re_runs_the_pipeline(gpt_run, tmp_path):
-    from remat.pipeline import check_pipeline_receipt
-    from remat.pipeline.check import FindingKind
-    from remat.receipt.pipeline_receipt import PipelineReceipt
+    from remat.pipeline_parallel.check import check_pipeline_receipt
+    from remat.workflow.check import FindingKind
+    from remat.pipeline_parallel.receipt import PipelineReceipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json")]) == 0
     # the same receipt with a per-device budget below every stage's peak: the re-run still finds the gradients
@@ -485,7 +485,7 @@ def test_a_model_without_embed_and_head_is_refused_naming_its_blocks():
 
 
 def test_timeline_rows_place_each_interval_in_its_columns():
-    from remat.receipt.pipeline_md import timeline_rows
+    from remat.pipeline_parallel.markdown import timeline_rows
     side = {"per_stage": [
         {"stage": 0, "timeline": [["forward", 0, 0.0, 25.0], ["p2p:fwd_send", -1, 25.0, 50.0],
                                   ["backward", 0, 50.0, 100.0], ["replay", -1, 50.0, 75.0]]},
@@ -499,7 +499,7 @@ def test_timeline_rows_place_each_interval_in_its_columns():
 # -- interleaved 1F1B ------------------------------------------------------------------------------------
 
 def test_in_flight_from_the_schedules_own_order():
-    from remat.plan.pipeline import in_flight_from_order
+    from remat.pipeline_parallel.plan import in_flight_from_order
     # rank 0 of 2, stages 0 and 2, m = 2: F0 F0 F2 F2 B2 B2 B0 B0: holds 2 + 2 after its 4th forward
     order = [(0, "F"), (0, "F"), (2, "F"), (2, "F"), (2, "B"), (0, "F"), (2, "B"), (0, "B"), (0, "B"), (0, "B")]
     assert in_flight_from_order(order) == {0: 2, 2: 2}
@@ -538,8 +538,8 @@ def test_interleaved_1f1b_gradients_match_the_unsplit_model(rank_env, tmp_path):
 def test_closed_loop_replans_only_the_stage_that_missed():
     """NOTE [pipeline closed loop]: stage 0 measured 80 bytes over its prediction; its base is raised by the miss
     and it is planned again (two boundaries now), stage 1 keeps its plan."""
-    from remat.distributed.pipeline_worker import PipelineRank
-    from remat.plan.pipeline import StagePlan
+    from remat.pipeline_parallel.worker import PipelineRank
+    from remat.pipeline_parallel.plan import StagePlan
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
     kw = dict(schedule="1f1b", microbatches=4, base_peaks=[1000, 900], reserve=0.0)
     plans = plan_stages(report, blocks, planner="optimal", budget_bytes=950, **kw)
@@ -565,7 +565,7 @@ def test_closed_loop_replans_only_the_stage_that_missed():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 8)])
 def test_played_schedule_with_equal_stages_has_the_ideal_bubble(schedule, p, m):
-    from remat.distributed.pipeline_sim import play_schedule
+    from remat.pipeline_parallel.simulate import play_schedule
     step, busy = play_schedule(schedule, [1.0] * p, [2.0] * p, m)
     assert step == pytest.approx(3.0 * (m + p - 1))   # (m + p - 1) slots of forward + backward
     assert all(1 - b / step == pytest.approx(ideal_bubble(p, m)) for b in busy)
@@ -575,7 +575,7 @@ def test_played_schedule_with_equal_stages_has_the_ideal_bubble(schedule, p, m):
 
 
 def test_simulated_pipeline_stages_at_a_world_size_this_machine_lacks():
-    from remat.distributed.pipeline_sim import simulate_pipeline
+    from remat.pipeline_parallel.simulate import simulate_pipeline
     shape = {**SHAPE, "n_layer": 4}
     sims = {s: simulate_pipeline("gpt", shape, world_size=4, microbatches=4, schedule=s) for s in ("1f1b", "gpipe")}
     one, gp = sims["1f1b"], sims["gpipe"]

@@ -39,7 +39,7 @@ def test_plan_fits_measured_and_predicted_agree(spec, extra, budget, tmp_path):
     assert plan.predicted_peak_bytes == pytest.approx(plan.measured_peak_bytes, rel=0.05)
     assert (out / "profile.json").exists()
     model = load_workload(spec, {**TINY[spec], **extra}).workload.model
-    from remat.apply import boundary_module
+    from remat.wrap import boundary_module
     for b in plan.boundaries:  # exactly the regions holding BatchNorm are guarded (cnn), never silently
         # (a segment, ``h[0:2]``, holds its members: NOTE [segments])
         has_bn = any(isinstance(m, torch.nn.BatchNorm2d) for m in boundary_module(model, b.module).modules())

@@ -369,7 +369,7 @@ def test_op_level_modes_keep_what_a_hand_count_says():
 def test_op_level_mode_applied_predicts_its_peak_and_keeps_gradients(mode):
     import torch
 
-    from remat.apply import CheckpointWrapper
+    from remat.wrap import CheckpointWrapper
 
     report = profile_workload(load_workload(SDPA, {}), candidates=SDPA_BLOCKS, repeats=1)
     names = ["blocks.0", "blocks.2"]

@@ -20,7 +20,7 @@ from remat.cli.main import main
 from remat.errors import ReceiptError, WorkloadError
 from remat.plan import InfeasibleBudget
 from remat.profile.segments import parse_segment
-from remat.pipeline import check_receipt, choose_workload, make_receipt
+from remat.workflow import check_receipt, choose_workload, make_receipt
 from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, git_revision, load_receipt, render_html,
                            render_markdown, write_receipt)
 from remat.receipt import write as write_mod

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from remat.apply import SegmentPassthrough, SegmentWrapper, apply, recover_handle
+from remat.wrap import SegmentPassthrough, SegmentWrapper, apply, recover_handle
 from remat.errors import CandidateError, PlanError
 from remat.plan import CostModel, make_plan
 from remat.profile import CandidateCost, PeakRow, ProfileReport, profile_workload

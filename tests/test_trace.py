@@ -124,7 +124,7 @@ def test_torch_replays_distinct_inputs_under_saved_tensor_hooks():
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recorder_does_not_change_a_planned_mha_replay(mode):
     """NOTE [saved-tensor hooks and identity]: the planned step traced with saved-tensor hooks runs."""
-    from remat.apply import apply
+    from remat.wrap import apply
     from remat.trace.recorder import StepRecorder
     from remat.types import CheckpointMode
     from remat.workload import TrainingStep

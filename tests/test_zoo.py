@@ -25,7 +25,7 @@ from remat.closed_loop import plan_closed_loop
 from remat.errors import RematError
 from remat.plan import Plan, peak_floor
 from remat.profile import profile_workload
-from remat.pipeline import trace_planned
+from remat.workflow import trace_planned
 from remat.trace import trace_workload
 from remat.verify import verify_plan
 from remat.workload import load_workload

@@ -1,7 +1,7 @@
 """remat: plan, apply and prove activation checkpointing for PyTorch training.
 
 The stages (DESIGN.md): workload -> memory -> trace -> measure -> simulate -> profile ->
-plan -> apply -> closed_loop -> verify -> autoplan -> integrations -> frontier -> distributed -> receipt -> pipeline -> cli. The names below are the public API.
+plan -> wrap (apply) -> closed_loop -> verify -> autoplan -> integrations -> frontier -> distributed -> receipt -> workflow -> cli. The names below are the public API.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ _LAZY = {
     "TrainingStep": "remat.workload",
     "Workload": "remat.workload",
     "load_workload": "remat.workload",
-    "recover_handle": "remat.apply",
+    "recover_handle": "remat.wrap",
+    "ApplyHandle": "remat.wrap",
     "Plan": "remat.plan",
     "trace_workload": "remat.trace",
     "StepTrace": "remat.trace",
-    "apply": "remat.apply",
-    "export_check_fn": "remat.apply",
+    "apply": "remat.wrap",
+    "export_check_fn": "remat.wrap",
     "profile_workload": "remat.profile",
     "make_plan": "remat.plan",
     "verify_plan": "remat.verify",
@@ -45,6 +46,11 @@ __all__ = [
     "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError",
     "__version__", *_LAZY,
 ]
+
+
+def __dir__() -> list[str]:
+    """The lazy names too: ``'auto' in dir(remat)`` before anything has loaded them."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def __getattr__(name: str) -> Any:

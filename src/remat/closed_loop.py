@@ -1,7 +1,7 @@
 """Closed loop: plan, apply to a fresh model, measure, and re-plan if the peak missed.
 
 It sits below ``apply`` and the measurement stage (it plans, applies and measures), not in
-either: wrapping modules is not re-planning, and measuring never imports ``plan`` (issue 13).
+either: wrapping modules is not re-planning, and measuring never imports ``plan``.
 
 NOTE [closed loop]
 The cost model (profile/model.py) is built from one baseline step; real checkpointing
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .apply import PlanArm
+from .wrap import PlanArm
 from .errors import BudgetError
 from .measure import CompileSpec, StepMeasurement, measure_arm
 from .plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, effective_budget, format_bytes, make_plan,

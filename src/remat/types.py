@@ -93,7 +93,7 @@ SAC_SAVE_OPS: frozenset[str] = frozenset({
 # NOTE [op-level policies]
 # Every mode but KEEP and FULL is an op-level (SAC) policy: the region runs under torch's
 # ``create_selective_checkpoint_contexts`` and the policy keeps some ops' outputs for
-# backward and recomputes the others at replay (issue 14). ``sac_saves`` is the one
+# backward and recomputes the others at replay. ``sac_saves`` is the one
 # definition, used by remat.profile (kept bytes, dry runs, measured replays) and remat.apply
 # (the wrapper's policy), so the prediction and the wrapper can never disagree:
 #   SELECTIVE            keep SAC_SAVE_OPS (matmuls, convolutions, attention)

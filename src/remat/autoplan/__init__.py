@@ -1,4 +1,4 @@
-"""``remat.auto``: one call that fits a model's training step under a memory budget (issue 15).
+"""``remat.auto``: one call that fits a model's training step under a memory budget.
 
 A stage above ``verify`` and ``closed_loop`` (it profiles, plans in a closed loop, optionally
 verifies, and applies); the integrations (``remat.integrations``) sit above it.

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from ..apply import ApplyHandle
+from ..wrap import ApplyHandle
 from ..units import fmt_bytes
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..apply import apply, recover_handle
+from ..wrap import apply, recover_handle
 from ..closed_loop import plan_closed_loop
 from ..errors import AutoError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve

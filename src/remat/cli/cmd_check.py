@@ -11,8 +11,9 @@ import torch
 from rich.markup import escape
 
 from ..errors import CheckFailed
-from ..pipeline import check_pipeline_receipt, check_receipt
-from ..receipt.pipeline_receipt import PipelineReceipt, load_any_receipt_with_digest
+from ..pipeline_parallel.check import check_pipeline_receipt
+from ..workflow import check_receipt
+from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, bounded_int
 from .render import console, progress_bar
 

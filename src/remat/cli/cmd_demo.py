@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 
 from ..errors import RematError
-from ..pipeline import make_receipt
+from ..workflow import make_receipt
 from ..receipt import RunSettings, write_receipt
 from ..workload import load_workload
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE

@@ -71,7 +71,7 @@ def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_d
         return None
     if args.engine == "pipeline":
         from ..errors import DistributedError
-        # verify and frontier route --engine pipeline to cli/cmd_pipeline.py before they get here
+        # verify and frontier route --engine pipeline to cli/pipeline_parallel.py before they get here
         raise DistributedError("--engine pipeline takes per-stage plans, not a whole-model plan",
                                tip="remat distributed --engine pipeline --world-size 2 --schedule 1f1b --microbatches 4 ...")
     config = config_from_args(args, plan)
@@ -136,7 +136,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":
-        from .cmd_pipeline import run_pipeline, run_pipeline_simulate
+        from .pipeline_parallel import run_pipeline, run_pipeline_simulate
         return run_pipeline_simulate(args) if args.simulate else run_pipeline(args)
     if args.simulate:
         from ..errors import DistributedError

@@ -96,7 +96,7 @@ def render_frontier(report: FrontierReport) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":   # the pipeline's points: no plan, uniform, per-stage plans at --budget
-        from .cmd_pipeline import run_pipeline_frontier
+        from .pipeline_parallel import run_pipeline_frontier
         return run_pipeline_frontier(args)
     # cheap checks first: a typo should not cost minutes of profiling
     reserve = parse_reserve(args.reserve)

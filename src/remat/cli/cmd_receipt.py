@@ -1,4 +1,4 @@
-"""``remat receipt``: the whole pipeline (trace, profile, plan, frontier, verify) -> DIR/receipt.json + reports."""
+"""``remat receipt``: every stage end to end (trace, profile, plan, frontier, verify) -> DIR/receipt.json + reports."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from ..errors import RematError
 from ..plan import check_budget_syntax, parse_reserve
-from ..pipeline import make_receipt
+from ..workflow import make_receipt
 from ..receipt import Receipt, ReceiptFiles, RunSettings, ShipStatus, write_receipt
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
@@ -27,7 +27,7 @@ from .render import console, err_console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("receipt", help="run the whole pipeline and publish a receipt CI can re-check")
+    p = sub.add_parser("receipt", help="run every stage end to end and publish a receipt CI can re-check")
     add_workload_args(p)
     p.add_argument("--boundary-shape", default="", help="a second shape to trace, e.g. the first one that does not fit")
     p.add_argument("--budget", required=True,

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..apply import load_plan
+from ..wrap import load_plan
 from ..verify import VerifyReport, verify_plan
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import (MAX_SEEDS, MAX_STEPS, add_compile_args, add_workload_args, bounded_int, check_out_dir,
@@ -80,7 +80,7 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":   # per-stage plans: the planned pipeline vs the unplanned one, bitwise
-        from .cmd_pipeline import run_pipeline_verify
+        from .pipeline_parallel import run_pipeline_verify
         return run_pipeline_verify(args)
     plan = load_plan(args.plan)  # bad plan -> PlanError, exit 2, before building anything
     check_out_dir(args.out, ("verify.json", "distributed.json"))

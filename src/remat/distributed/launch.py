@@ -247,7 +247,7 @@ def _launch_once(config: DistributedConfig, out: Path, wall_timeout_s: float,
                  progress: ProgressFn, *, module: str = WORKER_MODULE, what: str | None = None,
                  report_name: str = REPORT_NAME) -> tuple[int | None, float | None]:
     """Run torchrun once; (its exit code, the wall limit if it was hit). ``module`` is the rank program
-    (the pipeline engine has its own, remat.distributed.pipeline_worker, with the same rank files)."""
+    (the pipeline engine has its own, remat.pipeline_parallel.worker, with the same rank files)."""
     _clean(out, config.world_size, report_name)
     cmd = torchrun_command(out / "config.json", out, config.world_size, free_port(), module)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -138,8 +138,8 @@ def _maybe_fault(rank: int, steps_done: int) -> None:
 
 
 def _apply_plan(model: torch.nn.Module, plan: Plan) -> Any:
-    """``remat.apply.apply``: non-reentrant checkpointing of exactly the planned modules; returns its handle."""
-    from ..apply import apply
+    """``remat.wrap.apply``: non-reentrant checkpointing of exactly the planned modules; returns its handle."""
+    from ..wrap import apply
     return apply(model, plan)
 
 

@@ -1,10 +1,10 @@
 """The frontier's measuring parts: remat.measure's arms and scheduler, with capacity probes as
 :class:`CapacityTry` (the frontier's JSON type). Running and timing steps lives in remat.measure
-(NOTE [interleaved timing], NOTE [solo peaks]); plans become arms through remat.apply.PlanArm."""
+(NOTE [interleaved timing], NOTE [solo peaks]); plans become arms through remat.wrap.PlanArm."""
 
 from __future__ import annotations
 
-from ..apply import PlanArm, apply_at_shape
+from ..wrap import PlanArm, apply_at_shape
 from ..measure import (Arm, PeakLimitExceeded, Prepared, Timings, measure_arm_peak, measure_step_peak_within,
                        percentile, prepare_arm, release_memory, shape_value, time_round_robin)
 from ..measure import probe_capacity as _probe

@@ -102,7 +102,7 @@ class FrontierPoint:
 
     @property
     def step_prediction_ratio(self) -> float | None:
-        """predicted / measured p50 (issue 14's goal: within 0.9-1.1); None when either is missing."""
+        """predicted / measured p50 (goal: within 0.9-1.1); None when either is missing."""
         if self.predicted_step_ms is None or not self.p50_ms:
             return None
         return self.predicted_step_ms / self.p50_ms

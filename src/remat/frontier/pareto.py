@@ -30,7 +30,7 @@ difference ``p50(a) - p50(b)`` is resolved when its 95% bootstrap confidence int
 (``scipy.stats.bootstrap``, rounds resampled jointly when paired, percentile method,
 2000 resamples, a fixed seed so the same samples always give the same call) excludes
 zero and, for paired samples, a two-sided sign test on the per-round differences rejects
-"either plan is as likely to be faster in a round" at the same level (issue 14: with n rounds
+"either plan is as likely to be faster in a round" at the same level (with n rounds
 the bootstrap alone calls noise resolved whenever all n differences share a sign, 1 in 8 at
 n = 4; the sign test needs at least 6 rounds all one way, or 9 of 10). Fewer than
 ``MIN_SAMPLES`` samples never resolve a difference. Points made without

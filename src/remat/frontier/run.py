@@ -1,6 +1,6 @@
 """``run_frontier``: plan a set of ways to checkpoint, measure each, search capacity, decide.
 
-NOTE [frontier pipeline]
+NOTE [frontier run]
 1. Profile the workload once (or take the caller's ``ProfileReport``) and make one plan per
    requested spec (``parse_plan_requests``). An ``optimal``/``greedy`` request without
    ``@`` is planned at the frontier's budget *with* its reserve and through the closed
@@ -94,7 +94,7 @@ def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
     """``"none,all,uniform:2,optimal,optimal@50%"`` -> requests, control first; PlanError/BudgetError if bad.
 
     Planner specs are those of ``remat plan`` (none, all, uniform:K, sqrt, selective, greedy,
-    optimal); ``optimal@X``/``greedy@X`` plan at budget X (see NOTE [frontier pipeline]).
+    optimal); ``optimal@X``/``greedy@X`` plan at budget X (see NOTE [frontier run]).
     """
     if specs is None:
         specs = DEFAULT_PLANS
@@ -215,7 +215,7 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
                  capacity_tries: int = 8, capacity_steps: int = 3, capacity_granularity: int = 1,
                  closed_loop: bool = True, compile: CompileSpec | None = None, budget_tries: int = 6,
                  report: ProfileReport | None = None, progress: ProgressFn = no_progress) -> FrontierReport:
-    """Measure every requested plan on ``loaded`` and decide which one to ship (NOTE [frontier pipeline]).
+    """Measure every requested plan on ``loaded`` and decide which one to ship (NOTE [frontier run]).
 
     ``budget_bytes``: whole-step peak budget (bytes); a plan fits when its measured peak is
     <= ``int(budget_bytes * (1 - reserve))``. ``plans``: specs as in
@@ -324,7 +324,7 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         plan.measured_peak_bytes = point.peak_bytes
         plan.measured_step_ms = point.p50_ms
     ctrl_point = by_label.get(CONTROL)
-    if ctrl_point is not None and ctrl_point.p50_ms is not None:   # predicted vs measured step time (issue 14)
+    if ctrl_point is not None and ctrl_point.p50_ms is not None:   # predicted vs measured step time
         for point in points:
             if point.predicted_overhead_ms is not None and point.p50_ms is not None:
                 point.predicted_step_ms = ctrl_point.p50_ms + point.predicted_overhead_ms

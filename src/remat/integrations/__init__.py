@@ -1,4 +1,4 @@
-"""Integrations with training frameworks (issue 15), each an optional extra, never a dependency:
+"""Integrations with training frameworks, each an optional extra, never a dependency:
 
 - ``remat.integrations.transformers``: ``enable(model, example_batch, budget=...)`` (the drop-in for
   ``model.gradient_checkpointing_enable()``) and ``RematTrainerCallback`` for ``transformers.Trainer``;

@@ -1,7 +1,7 @@
 """remat.measure: runs a training step and measures it (the measurement stage of DESIGN.md).
 
 A fresh build of the workload, prepared by the caller (an :class:`Arm`: the control, a plan
-applied by ``remat.apply.PlanArm``, a torch baseline), warm-up, the whole-step peak and the
+applied by ``remat.wrap.PlanArm``, a torch baseline), warm-up, the whole-step peak and the
 bytes held when a phase starts, and device-correct step timing (NOTE [device-correct timing]):
 one percentile definition (:func:`percentile`), one timed-step loop (:func:`time_steps`) and
 one interleaved round-robin scheduler (:func:`time_round_robin`). It never imports ``plan``

@@ -1,7 +1,7 @@
 """Running a step and measuring it: arms, fresh builds, warm-up, peaks, held bytes, timing.
 
 An *arm* is one way of running the workload's step: the unmodified control, a remat plan
-(``remat.apply.PlanArm``), or in ``benchmarks/compare.py`` a torch baseline such as
+(``remat.wrap.PlanArm``), or in ``benchmarks/compare.py`` a torch baseline such as
 ``checkpoint_sequential``. The caller prepares the model (this stage never imports ``plan``
 or ``apply``, DESIGN.md); each arm prepares its own fresh build of the workload, so no two
 arms share a model, optimizer state or wrapper.
@@ -241,7 +241,7 @@ def held_bytes_at_phase(loaded: LoadedWorkload, arm: Arm, phase: Phase, *, warmu
     """Live bytes as ``phase`` starts, on a fresh build prepared by ``arm`` (``warmup`` steps first).
 
     At ``Phase.BACKWARD`` every activation the step keeps is alive (NOTE [measured saving] in
-    remat.pipeline). CPU: the live-tensor tracker; CUDA: ``torch.cuda.memory_allocated``
+    remat.workflow). CPU: the live-tensor tracker; CUDA: ``torch.cuda.memory_allocated``
     after a synchronise.
     """
     if arm.compile is not None:

@@ -56,7 +56,7 @@ class Plan:
     measured_peak_bytes: int | None = None
     measured_step_ms: float | None = None
     memory_source: str = "cpu-live-tensors"
-    simulated: bool = False               # figures from --simulate (issue 8), not a measured run
+    simulated: bool = False               # figures from --simulate, not a measured run
     device_model: str | None = None
     compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
     schema_version: int = PLAN_SCHEMA_VERSION

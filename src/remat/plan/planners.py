@@ -167,7 +167,7 @@ def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
             continue
         allowed[c.name] = modes
         excluded += [Exclusion(module=c.name, reason=r) for r in report.mode_excluded.get(c.name, {}).values()]
-        # --allow-hazards plans *everything* unguarded, BatchNorm included (issue 3), so that
+        # --allow-hazards plans *everything* unguarded, BatchNorm included, so that
         # verification can be shown catching the double update the guard prevents
         if guardable and not blocking and not allow_hazards:
             guarded.add(c.name)

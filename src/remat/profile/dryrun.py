@@ -1,4 +1,4 @@
-"""Dry runs: does each checkpoint mode actually run on each candidate? (issue 11: no crash later)
+"""Dry runs: does each checkpoint mode actually run on each candidate? (so that nothing crashes later)
 
 NOTE [mode dry runs]
 A mode the profiler measured can still fail when it runs: torch's selective policy raises

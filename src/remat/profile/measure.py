@@ -347,7 +347,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
         w = last_window[name]
         full_saved, unsaved_inputs = evidence.full_saved_bytes(w)
         if full_saved <= 0:
-            # checkpointing it can only keep its inputs alive longer: never offer it (issue 11:
+            # checkpointing it can only keep its inputs alive longer: never offer it (
             # single Conv/BN/ReLU layers whose checkpoints raised the measured peak)
             excluded[name] = (f"frees nothing until backward: it saves {full_saved + unsaved_inputs} bytes of its "
                               f"own for backward, and a checkpoint would keep {unsaved_inputs} bytes of inputs")
@@ -457,7 +457,7 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
 def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, dtype: str = "float32",
                       target_device: str = "cpu", candidates: list[str] | None = None, warmup: int = 2,
                       progress: ProgressFn = no_progress) -> ProfileReport:
-    """Profile under FakeTensorMode at any shape, times from a device model (issue 8).
+    """Profile under FakeTensorMode at any shape, times from a device model.
 
     Bytes are exact storage bytes of the same step (remat.simulate); ms are roofline
     predictions for ``target_device``. Nothing is allocated, so a 1B-parameter model at a

@@ -199,7 +199,7 @@ class ProfileReport:
     baseline_step_ms: float           # warm median of the unmodified step
     memory_source: MemorySource
     fingerprint: ModelFingerprint
-    simulated: bool = False           # figures from FakeTensorMode + a device model (issue 8)
+    simulated: bool = False           # figures from FakeTensorMode + a device model
     device_model: str | None = None
     # suspicions a replay did not reproduce (NOTE [confirmed hazards]): name -> "kind: detail"
     refuted_hazards: dict[str, list[str]] = dataclasses.field(default_factory=dict)

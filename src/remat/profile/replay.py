@@ -1,4 +1,4 @@
-"""Measured replay costs: each (candidate, mode) recomputed alone, warm, interleaved (issue 14).
+"""Measured replay costs: each (candidate, mode) recomputed alone, warm, interleaved.
 
 NOTE [measured replay costs]
 What checkpointing candidate j in mode m adds to a step is the difference between j's
@@ -6,7 +6,7 @@ forward + backward *under that mode* and j's plain forward + backward: for FULL,
 replay of its forward in backward plus checkpoint's own bookkeeping; for SELECTIVE, the
 replay of the ops SAC does not keep plus the Python dispatch mode SAC runs in forward and
 in the replay. Modelling SELECTIVE from a no-op dispatch micro-benchmark underpriced it
-about 2x on CPU (issue 14), so it is measured here, like every other mode:
+about 2x on CPU, so it is measured here, like every other mode:
 
 1. One forward of the step captures each candidate's arguments (detached copies, each
    tensor's ``requires_grad`` kept). The step's loss is dropped; buffers are restored.

@@ -1,4 +1,4 @@
-"""Segment candidates: one checkpoint around a run of consecutive sibling modules (issue 14).
+"""Segment candidates: one checkpoint around a run of consecutive sibling modules.
 
 NOTE [segments]
 ``torch.utils.checkpoint.checkpoint_sequential`` checkpoints a *run* of blocks as one unit:

@@ -1,6 +1,6 @@
 """remat.receipt: the versioned JSON receipt, its schema and its HTML/Markdown rendering (DESIGN.md).
 
-The runs that make and check a receipt are remat.pipeline's (``make_receipt``, ``check_receipt``).
+The runs that make and check a receipt are remat.workflow's (``make_receipt``, ``check_receipt``).
 ``write_receipt(receipt, out_dir)`` writes ``receipt.json``, ``report.html`` and ``report.md``
 atomically; ``load_receipt(path)`` reads one back, validated against its schema (a malformed
 or hostile file raises :class:`~remat.errors.ReceiptError`). ``render_html``/``render_markdown`` need nothing but the receipt.

@@ -194,7 +194,7 @@ class BoundaryRecord:
     guarded: bool
     revision: str                   # remat.profile.module_revision: class sources + parameter shapes
     predicted_saving_bytes: int     # the planner's figure (profile of the unmodified step)
-    measured_saving_bytes: int      # NOTE [measured saving] in remat/pipeline/build.py
+    measured_saving_bytes: int      # NOTE [measured saving] in remat/workflow/build.py
     saving_tolerance: float         # check fails when the saving falls by more than this share
     replay_ms: float                # measured warm forward time of the module: the added backward time
     fixture: Fixture
@@ -308,7 +308,7 @@ class RejectedPlan:
 
 @dataclasses.dataclass(kw_only=True)
 class ReceiptDecision:
-    """What ships and why (NOTE [receipt decision] in remat/pipeline/build.py)."""
+    """What ships and why (NOTE [receipt decision] in remat/workflow/build.py)."""
 
     status: ShipStatus
     shipped: str | None               # frontier label of the shipped plan

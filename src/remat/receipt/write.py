@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from .._io import stage_bytes
 from .model import Receipt
@@ -44,20 +44,11 @@ def write_receipt(receipt: Receipt, out_dir: Path | str) -> ReceiptFiles:
     data = receipt_bytes(receipt)
     # round trip through the loader: never publish a receipt `remat check` would refuse
     Receipt.loads(data)
-    return _write_folder(out_dir, data, lambda: render_html(receipt), lambda: render_markdown(receipt))
+    return write_folder(out_dir, data, lambda: render_html(receipt), lambda: render_markdown(receipt))
 
 
-def write_pipeline_receipt(receipt: Any, out_dir: Path | str) -> ReceiptFiles:
-    """A :class:`~remat.receipt.pipeline_receipt.PipelineReceipt`'s folder (NOTE [pipeline receipt]), the same way."""
-    from .pipeline_receipt import PipelineReceipt
-    from .pipeline_render import render_pipeline_html, render_pipeline_receipt_markdown
-    data = (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8")
-    PipelineReceipt.from_json(json.loads(data))
-    return _write_folder(out_dir, data, lambda: render_pipeline_html(receipt),
-                         lambda: render_pipeline_receipt_markdown(receipt))
-
-
-def _write_folder(out_dir: Path | str, data: bytes, html: Callable[[], str], markdown: Callable[[], str]) -> ReceiptFiles:
+def write_folder(out_dir: Path | str, data: bytes, html: Callable[[], str], markdown: Callable[[], str]) -> ReceiptFiles:
+    """``receipt.json`` (``data``), ``report.html`` and ``report.md`` into ``out_dir``, atomically (NOTE [atomic receipt folder])."""
     out = Path(out_dir)
     digest = hashlib.sha256(data).hexdigest()
     stamp = f"receipt.json sha256 {digest}"

@@ -1,4 +1,4 @@
-"""Simulated traces and runtimes: plan for hardware you do not have (issue 8).
+"""Simulated traces and runtimes: plan for hardware you do not have.
 
 The step runs under ``FakeTensorMode`` on a model built on ``meta`` (NOTE [building without
 memory], NOTE [simulated step]); bytes come from the same live-tensor tracker as a real CPU

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..apply import ApplyHandle, CheckpointWrapper
+from ..wrap import ApplyHandle, CheckpointWrapper
 from .compare import changed_attributes, python_state
 
 aten = torch.ops.aten
@@ -139,7 +139,7 @@ class RegionStats:
 
 
 class RegionProbe:
-    """A :class:`~remat.apply.RegionObserver` on every wrapper of a handle (installed while entered)."""
+    """A :class:`~remat.wrap.RegionObserver` on every wrapper of a handle (installed while entered)."""
 
     def __init__(self, handle: ApplyHandle, *, detect_device_moves: bool = True) -> None:
         self.handle = handle

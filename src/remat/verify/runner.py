@@ -34,7 +34,7 @@ loss, every gradient, the global grad norm, parameters after the step, buffers, 
 attributes and generator states, all read outside the compiled code; the first divergent
 module is then named from the gradients, in parameter order. The negative controls run
 compiled too and must still be rejected, with one exception measured here: a checkpoint traced
-into the compiled graph (NOTE [wrapper under compile] in remat/apply/wrapper.py) replays its
+into the compiled graph (NOTE [wrapper under compile] in remat/wrap/wrapper.py) replays its
 random ops from the forward's RNG state whatever ``preserve_rng_state`` says (the zoo's GPT-2:
 the plan with it off matched the compiled control), so when that control matches under
 compile it is reported as not applicable, not as a failure; the perturbed-gradient control
@@ -70,7 +70,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..apply import ApplyHandle, apply, check_plan_fingerprint, load_plan
+from ..wrap import ApplyHandle, apply, check_plan_fingerprint, load_plan
 from ..errors import RematError, WorkloadError
 from ..measure import CompiledFunction, CompileSpec, compile_model, random_ops_in_program_order, time_round_robin
 from ..plan.model import Plan

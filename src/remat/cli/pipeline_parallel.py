@@ -17,12 +17,13 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..distributed.pipeline import (PipelineConfig, check_split, check_stages_per_rank, default_split, microbatch_shape,
+from ..pipeline_parallel.engine import (PipelineConfig, check_split, check_stages_per_rank, default_split, microbatch_shape,
                                     run_pipeline_config)
-from ..distributed.pipeline_report import PipelineReport
+from ..pipeline_parallel.report import PipelineReport
 from ..plan import parse_budget, parse_reserve
-from ..plan.pipeline import PipelinePlan, load_any_plan
-from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE, write_pipeline_receipt
+from ..pipeline_parallel.plan import PipelinePlan, load_any_plan
+from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
+from ..pipeline_parallel.render import write_pipeline_receipt
 from ..workload import parse_shape
 from ..errors import DistributedError, PlanError
 from .common import check_out_dir
@@ -103,12 +104,12 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
     if "remat" in result.data["plans"]:
         atomic_write_json(Path(args.out) / "plan.json", result.data["plans"]["remat"])
     from .._io import atomic_write_text
-    from ..receipt.pipeline_md import render_pipeline_markdown
+    from ..pipeline_parallel.markdown import render_pipeline_markdown
     atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result.data))
     render(result)
     console.print(f"wrote {path}")
     if "remat" in result.data["plans"]:
-        from ..pipeline import make_pipeline_receipt
+        from ..pipeline_parallel.check import make_pipeline_receipt
         from ..workload.loader import load_workload
         command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
         receipt = make_pipeline_receipt(result, loaded=load_workload(args.workload, shape, dtype=args.dtype),
@@ -171,7 +172,7 @@ def run_pipeline_frontier(args: argparse.Namespace) -> int:
 def run_pipeline_simulate(args: argparse.Namespace) -> int:
     """``remat distributed --engine pipeline --simulate``: per-stage peaks and bubbles predicted at --world-size
     for --target-device (NOTE [simulated pipeline]); OUT/pipeline-sim.json, nothing launched."""
-    from ..distributed.pipeline_sim import simulate_pipeline
+    from ..pipeline_parallel.simulate import simulate_pipeline
     shape = parse_shape(args.shape)
     check_out_dir(args.out, ("pipeline-sim.json",))
     points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None

@@ -1,4 +1,4 @@
-"""The pipeline rank program: ``python -m remat.distributed.pipeline_worker --config C --out DIR``, one per stage.
+"""The pipeline rank program: ``python -m remat.pipeline_parallel.worker --config C --out DIR``, one per stage.
 
 Started by torchrun through the launcher of NOTE [launcher] (launch.py), with the same rank
 files (NOTE [rank files], worker.py), errors (NOTE [rank errors]) and teardown (NOTE [teardown]).
@@ -54,15 +54,15 @@ from .._io import atomic_write_json
 from ..errors import DistributedError, PlanError
 from ..memory.measure import optimizer_state_tensors
 from ..plan.model import Plan
-from ..plan.pipeline import PipelinePlan, StagePlan, in_flight, in_flight_from_order, plan_stages
+from .plan import PipelinePlan, StagePlan, in_flight, in_flight_from_order, plan_stages
 from ..types import MemCategory, MemorySource
 from ..workload.contract import call_user
 from ..workload.loader import load_workload
-from .intervals import exposed_ns, total_ns, union
-from .pipeline import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_modules, make_loss_fn, split_batch,
+from ..distributed.intervals import exposed_ns, total_ns, union
+from .engine import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_modules, make_loss_fn, split_batch,
                        stage_examples, stage_layout)
-from .pipeline_report import StageResult, TimelineEvent, assemble_pipeline
-from .worker import RankFiles, _env_int, _maybe_fault, compare_grads, rank_main
+from .report import StageResult, TimelineEvent, assemble_pipeline
+from ..distributed.worker import RankFiles, _env_int, _maybe_fault, compare_grads, rank_main
 
 _COMPUTE = ("forward", "loss", "backward", "optimizer")
 
@@ -203,7 +203,7 @@ class PipelineRank:
         handle = None
         rec = StageRecorder()
         if plan is not None and plan.boundaries:
-            from ..apply import apply
+            from ..wrap import apply
             handle = apply(model, plan)   # the whole model's names and fingerprint; then prune
             for w in handle:
                 w.observers.append(rec)
@@ -506,7 +506,7 @@ def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    rank_main(argv, prog="python -m remat.distributed.pipeline_worker",
+    rank_main(argv, prog="python -m remat.pipeline_parallel.worker",
               description="one stage of a remat pipeline run (start it with torchrun)",
               config_help="pipeline config JSON (PipelineConfig)",
               out_help="folder for pipeline.json and the rank files",

@@ -2,7 +2,7 @@
 
 Sides: ``none`` (no plan), ``uniform`` (the same rule on every stage, e.g. every block),
 ``remat`` (per-stage plans, NOTE [pipeline in-flight cost model]). Times in ms, bytes in bytes.
-NOTE [pipeline instruments] (pipeline_worker.py) says how each figure is read.
+NOTE [pipeline instruments] (pipeline_parallel/worker.py) says how each figure is read.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 from .._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
 from ..errors import DistributedError
-from ..plan.pipeline import PIPELINE_PLAN, SCHEDULES, ideal_bubble
+from .plan import PIPELINE_PLAN, SCHEDULES, ideal_bubble
 from ..plan.schema import MODULE_PATH
 from ..measure import p50
-from .report import percentile
+from ..distributed.report import percentile
 
 PIPELINE_REPORT_SCHEMA_VERSION = 1
 

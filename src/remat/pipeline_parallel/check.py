@@ -16,16 +16,16 @@ If the model changed (3), 5 is skipped: the plans are bound to the model they we
 from __future__ import annotations
 
 from pathlib import Path
-from ..distributed.pipeline import PipelineConfig, run_pipeline_config
-from ..distributed.pipeline_report import PipelineReport
+from .engine import PipelineConfig, run_pipeline_config
+from .report import PipelineReport
 from ..profile import fingerprint, module_revision
 from ..receipt.model import ReceiptContext, resolved_shape
-from ..receipt.pipeline_receipt import PipelineReceipt, StageBoundary
+from .receipt import PipelineReceipt, StageBoundary
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
-from .check import CheckFinding, CheckLedger, CheckReport, FindingKind, choose_workload, same_workload
+from ..workflow.check import CheckFinding, CheckLedger, CheckReport, FindingKind, choose_workload, same_workload
 
 
 def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, command: str = "",

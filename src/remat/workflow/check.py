@@ -7,7 +7,7 @@ What is checked, in order (``quick`` stops after 3):
 3. equivalence: the receipt's paired-step fixture (same seeds, steps, tolerance), hazards
    and negative controls included (``remat.verify.verify_plan``);
 4. the peak with the plan applied still clears budget x (1 - reserve);
-5. each boundary's measured saving (NOTE [measured saving] in pipeline/build.py) has not fallen by
+5. each boundary's measured saving (NOTE [measured saving] in workflow/build.py) has not fallen by
    more than its stated tolerance.
 If the model changed (2), 3-5 are skipped: the plan is bound to the model it was made
 for, and the failure list already says what to do (re-run ``remat receipt``).
@@ -44,7 +44,7 @@ from typing import Any
 
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan
-from ..apply import boundary_module
+from ..wrap import boundary_module
 from ..errors import CandidateError, ReceiptError, WorkloadError
 from ..profile import FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress

@@ -1,4 +1,4 @@
-"""remat.pipeline: the end-to-end runs, just below the CLI (DESIGN.md's *pipeline* row).
+"""remat.workflow: the end-to-end runs, just below the CLI (docs/DESIGN.md's *workflow* row).
 
 ``make_receipt(loaded, budget=...)`` runs trace -> profile -> plan (closed loop) -> frontier
 -> verify and assembles a :class:`remat.receipt.Receipt` (``remat receipt``, ``remat demo``);
@@ -9,8 +9,7 @@ receipt package keeps only the receipt's model, schema and rendering.
 from .build import held_bytes_at_backward, make_receipt, measure_savings, trace_planned, unsupported_modes
 from .check import (CheckFinding, CheckReport, ChosenWorkload, FindingKind, check_receipt, choose_workload,
                     project_workload, report_findings, same_workload)
-from .check_pipeline import check_pipeline_receipt, make_pipeline_receipt
 
-__all__ = ["CheckFinding", "CheckReport", "check_pipeline_receipt", "make_pipeline_receipt", "ChosenWorkload", "FindingKind", "check_receipt", "choose_workload",
+__all__ = ["CheckFinding", "CheckReport", "ChosenWorkload", "FindingKind", "check_receipt", "choose_workload",
            "held_bytes_at_backward", "make_receipt", "measure_savings", "project_workload", "report_findings",
            "same_workload", "trace_planned", "unsupported_modes"]

@@ -1,9 +1,9 @@
-"""``make_receipt``: the whole pipeline, trace -> profile -> plan -> frontier -> verify, as one receipt.
+"""``make_receipt``: the whole run, trace -> profile -> plan -> frontier -> verify, as one receipt.
 
-It is the pipeline stage of DESIGN.md (just below the CLI): it calls every stage and
+It is the workflow stage of docs/DESIGN.md (just below the CLI): it calls every stage and
 assembles their results into remat.receipt's model, which only holds, validates and renders them.
 
-NOTE [receipt pipeline]
+NOTE [receipt run]
 1. Trace the unmodified step at the target shape and, when given, the boundary shape.
 2. Profile the candidates once; every later stage reuses this profile.
 3. Plan with the optimal planner through the closed loop (apply, measure, re-plan), so
@@ -50,7 +50,7 @@ import dataclasses
 from typing import Any
 
 
-from ..apply import PlanArm, boundary_members, boundary_module
+from ..wrap import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
@@ -293,7 +293,7 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
     return out
 
 
-# -- the pipeline ----------------------------------------------------------------------------------
+# -- the whole run ----------------------------------------------------------------------------------
 
 def _stage(progress: ProgressFn, name: str) -> ProgressFn:
     """Prefix a stage's progress labels ("warm-up" -> "trace boundary shape: warm-up")."""
@@ -320,7 +320,7 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
                  compile: CompileSpec | None = None, progress: ProgressFn = no_progress) -> Receipt:
-    """Run the whole pipeline on ``loaded`` and return the receipt (NOTE [receipt pipeline]).
+    """Run every stage on ``loaded`` and return the receipt (NOTE [receipt run]).
 
     ``budget``: whole-step peak budget as ``remat plan`` takes it (bytes, ``800MiB``, ``60%``
     of the unmodified peak); ``reserve``: share of the budget kept free. Raises the stages'

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 17): stages built from the workload's model, the split, the config, the launch.
+"""Pipeline parallelism: stages built from the workload's model, the split, the config, the launch.
 
 NOTE [pipeline stages]
 A model is pipelined when it is ``embed -> blocks -> head``: it defines
@@ -41,11 +41,11 @@ from typing import Any, Callable, Mapping
 
 from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError, WorkloadError
-from ..plan.pipeline import SCHEDULES, Schedule
+from .plan import SCHEDULES, Schedule
 from ..plan.schema import MODULE_PATH
 from ..types import ProgressFn, no_progress
 
-PIPELINE_WORKER_MODULE = "remat.distributed.pipeline_worker"
+PIPELINE_WORKER_MODULE = "remat.pipeline_parallel.worker"
 PIPELINE_REPORT_NAME = "pipeline.json"
 PIPELINE_CONFIG_SCHEMA_VERSION = 1
 SIDES = ("none", "uniform", "remat")   # no plan; the uniform plan on every stage; remat's per-stage plans
@@ -507,8 +507,8 @@ def run_pipeline_config(config: PipelineConfig, *, work_dir: Path | str | None =
     same diagnosis: a dead or hung stage is a DistributedError naming its rank); the PipelineReport."""
     import shutil
     import tempfile
-    from . import launch
-    from .pipeline_report import PipelineReport
+    from ..distributed import launch
+    from .report import PipelineReport
     temporary = work_dir is None
     out = Path(tempfile.mkdtemp(prefix="remat-pipeline-")) if work_dir is None else Path(work_dir)
     out = out.resolve()
@@ -539,7 +539,7 @@ def _diagnose_pipeline(out: Path, config: PipelineConfig, returncode: int | None
                        timed_out: float | None) -> DistributedError:
     """launch.diagnose, plus the pipeline's hung stage: its neighbours fail first (their p2p op times out
     after ``timeout_s``), the hung rank only when the launcher stops it; then it is the hung rank we name."""
-    from . import launch
+    from ..distributed import launch
     err = launch.diagnose(out, config.world_size, returncode=returncode, timed_out=timed_out, log=out / "torchrun.log")
     states = [launch.rank_state(out, r) for r in range(config.world_size)]
     stopped = [s for s in states if s.kind == "stopped"]

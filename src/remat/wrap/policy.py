@@ -82,7 +82,7 @@ def selective_context_fn(policy: SaveMatmulPolicy | OpLevelPolicy | None = None)
 
 def traceable_context_fn(policy: SaveMatmulPolicy | OpLevelPolicy | None = None) -> Callable[[], tuple[ContextManager, ContextManager]]:
     """:func:`selective_context_fn` in the form torch.compile accepts (NOTE [wrapper under compile]
-    in remat/apply/wrapper.py): Dynamo takes a checkpoint's ``context_fn`` only as a Python
+    in remat/wrap/wrapper.py): Dynamo takes a checkpoint's ``context_fn`` only as a Python
     constant, and a ``partial`` holding a policy *object* is not one, while one holding a plain
     function is. The function is made here, outside any compiled region, and calls the policy."""
     chosen = policy or SaveMatmulPolicy()

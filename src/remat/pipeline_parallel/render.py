@@ -7,12 +7,15 @@ replay drawn over the backward it runs in, p2p waits as a thin bar.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from ..receipt.write import ReceiptFiles, write_folder
 from ..units import mib
-from .pipeline_md import _formula, render_pipeline_markdown
-from .pipeline_receipt import PipelineReceipt
-from .render import _CSS, _html_table, e
+from .markdown import _formula, render_pipeline_markdown
+from .receipt import PipelineReceipt
+from ..receipt.render import _CSS, _html_table, e
 
 # kind -> (colour, lane height share); drawn in this order, so replay lies over backward
 _KINDS = (("forward", "#54aeff", 1.0), ("loss", "#bf8700", 1.0), ("backward", "#4ac26b", 1.0),
@@ -149,3 +152,11 @@ def render_pipeline_receipt_markdown(r: PipelineReceipt) -> str:
     bounds = ["## Boundaries", "", "| stage | module | class | revision |", "|---|---|---|---|",
               *[f"| {b.stage} | {b.module} | {b.class_name} | {b.revision} |" for b in r.boundaries], ""]
     return "\n".join(head) + render_pipeline_markdown(d) + "\n" + "\n".join(bounds)
+
+
+def write_pipeline_receipt(receipt: PipelineReceipt, out_dir: Path | str) -> ReceiptFiles:
+    """A :class:`PipelineReceipt`'s folder (NOTE [pipeline receipt]), written as ``write_receipt`` writes one."""
+    data = (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8")
+    PipelineReceipt.from_json(json.loads(data))   # never publish a receipt `remat check` would refuse
+    return write_folder(out_dir, data, lambda: render_pipeline_html(receipt),
+                        lambda: render_pipeline_receipt_markdown(receipt))

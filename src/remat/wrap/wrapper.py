@@ -13,7 +13,7 @@ NOTE [copies of a planned model]
 ``forward`` with the rest of the module, so a copy of a planned model is *checkpointed too*,
 by its own wrappers bound to the copied modules (``__getstate__`` drops what belongs to this
 run: observers, call counts). Copies are therefore *removable*, not clean:
-``remat.apply.recover_handle(copy)`` finds the wrappers in any model and returns a handle
+``remat.wrap.recover_handle(copy)`` finds the wrappers in any model and returns a handle
 whose ``remove()`` restores the copy exactly. (Clean copies are not possible from here: the
 module's ``__dict__`` is copied wholesale, and a wrapper cannot make itself absent from it.)
 

@@ -1,4 +1,4 @@
-"""Predict a pipeline's per-stage peaks and bubbles for world sizes this machine does not have (issue 17).
+"""Predict a pipeline's per-stage peaks and bubbles for world sizes this machine does not have.
 
 NOTE [simulated pipeline]
 Built on the simulate stage (NOTE [simulated step] in remat/simulate): the whole model is built
@@ -32,9 +32,9 @@ import dataclasses
 from typing import Any
 
 from ..errors import DistributedError
-from ..plan.pipeline import PipelinePlan, Schedule, ideal_bubble, in_flight
+from .plan import PipelinePlan, Schedule, ideal_bubble, in_flight
 from ..types import Phase, ProgressFn, no_progress
-from .pipeline import microbatch_shape, split_batch, stage_examples, stage_layout
+from .engine import microbatch_shape, split_batch, stage_examples, stage_layout
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -159,7 +159,7 @@ def simulate_pipeline(spec: str, shape: dict[str, Any], *, world_size: int, micr
         inputs, targets = split_batch(wl.batch(0))
         source = "given"
         if split_points is None:   # as the engine's default (NOTE [default split]), by *predicted* forward time
-            from .pipeline import balanced_bounds, find_blocks
+            from .engine import balanced_bounds, find_blocks
             path = find_blocks(model)
             n = len(model.get_submodule(path))
             probe = stage_layout(model, [f"{path}.{max(1, (k * n) // world_size)}" for k in range(1, world_size)]
@@ -178,7 +178,7 @@ def simulate_pipeline(spec: str, shape: dict[str, Any], *, world_size: int, micr
             source = "default: even by predicted forward time"
         layout = stage_layout(model, split_points, world_size, inputs)
         if plan is not None:
-            from ..apply import apply
+            from ..wrap import apply
             merged = plan.stages[0].plan
             merged = dataclasses.replace(merged, boundaries=[b for st in plan.stages for b in st.plan.boundaries])
             apply(model, merged)
