@@ -31,7 +31,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/remat demo --out out/demo
 
-# lint-imports: the [tool.importlinter] layers contract in pyproject.toml (DESIGN.md's stage table)
+# lint-imports: the [tool.importlinter] layers contract in pyproject.toml (docs/DESIGN.md's stage table)
 test: $(ZOO_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
@@ -42,7 +42,7 @@ test-compile: $(STAMP)
 
 # frontier --compile and verify --compile on every zoo model at a budget halfway between remat's floor
 # and the control's peak (make zoo's rule; about 30 min on 2 CPU cores;
-# benchmarks/results/compile_check_zoo.json and RESULTS.md "torch.compile on the zoo")
+# benchmarks/results/compile_check_zoo.json and benchmarks/RESULTS.md "torch.compile on the zoo")
 compile-zoo: $(ZOO_STAMP)
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python benchmarks/compile_check.py --zoo --budgets mid --tries 2 --steps 5
 

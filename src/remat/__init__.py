@@ -1,6 +1,6 @@
 """remat: plan, apply and prove activation checkpointing for PyTorch training.
 
-The stages (DESIGN.md): workload -> memory -> trace -> measure -> simulate -> profile ->
+The stages (docs/DESIGN.md): workload -> memory -> trace -> measure -> simulate -> profile ->
 plan -> wrap (apply) -> closed_loop -> verify -> autoplan -> integrations -> frontier -> distributed -> receipt -> workflow -> cli. The names below are the public API.
 """
 

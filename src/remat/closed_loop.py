@@ -87,7 +87,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     graph. The zoo's Llama at 70%: the eager closed-loop plan measured 81.66 MiB eager and 83.54
     MiB compiled, 1.5% over; on the zoo's GPT-2 the compiled step peaks far *under* the eager
     one (unplanned: 71.08 against 108.35 MiB), so the eager plan over-checkpoints there (at 70%
-    the relaxed compiled plan holds one selective MLP instead of four regions; RESULTS.md,
+    the relaxed compiled plan holds one selective MLP instead of four regions; benchmarks/RESULTS.md,
     torch.compile). So under ``compile`` the loop corrects in both directions: a plan that misses
     tightens the margin as always, and a plan that fits with its compiled peak under the
     prediction is planned again with that (negative) error as its margin, i.e. with the budget

@@ -1,4 +1,4 @@
-"""Enums shared by several stages (DESIGN.md: shared types live here)."""
+"""Enums shared by several stages (docs/DESIGN.md: shared types live here)."""
 
 from __future__ import annotations
 

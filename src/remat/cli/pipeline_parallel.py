@@ -3,7 +3,7 @@
 Writes ``OUT/pipeline.json`` (PipelineReport), ``OUT/plan.json`` (the per-stage PipelinePlan),
 ``OUT/profile.json`` (the whole model profiled at the microbatch shape, what it plans from),
 ``OUT/pipeline.md``, and the pipeline receipt: ``OUT/receipt.json``, ``OUT/report.html`` and
-``OUT/report.md`` (NOTE [pipeline receipt] in remat/receipt/pipeline_receipt.py), which
+``OUT/report.md`` (NOTE [pipeline receipt] in remat/pipeline_parallel/receipt.py), which
 ``remat check OUT/receipt.json`` re-checks.
 """
 

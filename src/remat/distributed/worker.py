@@ -168,7 +168,7 @@ def equivalence_criterion(device: str, dtype: str) -> str:
     rtol * max |control|`` with the per-dtype tolerances of remat.verify (NOTE [tolerances]
     there: a per-tensor max-norm bound, not element-wise ``allclose``, which flags
     near-zero entries of a gradient whose scale is set by its large ones). Where the same
-    engine configuration is known to be bitwise repeatable (CPU float32, TORCH-NOTES),
+    engine configuration is known to be bitwise repeatable (CPU float32, docs/TORCH-NOTES.md),
     bitwise equality is required instead.
     """
     if device.startswith("cpu") and dtype == "float32":

@@ -1,4 +1,4 @@
-"""remat.frontier: warm p50/p95, peak, capacity search, Pareto set and the ship decision (DESIGN.md).
+"""remat.frontier: warm p50/p95, peak, capacity search, Pareto set and the ship decision (docs/DESIGN.md).
 
 ``run_frontier(loaded, budget_bytes=..., reserve=...)`` measures a set of plans on one
 workload, interleaved, and returns a :class:`FrontierReport` (``to_json()`` is what

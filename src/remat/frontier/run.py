@@ -11,7 +11,7 @@ NOTE [frontier run]
    is a point with decision INFEASIBLE and the floor in its reason, never an error.
    The control (``none``) is always measured, first, even when not requested: every
    overhead is relative to it, in the same process run.
-2. Peaks: every plan alone on the device (NOTE [solo peaks] in measure.py).
+2. Peaks: every plan alone on the device (NOTE [solo peaks] in remat/measure/run.py).
 3. Time: all plans interleaved round-robin (NOTE [interleaved timing]).
 4. Capacity: per plan, search the capacity key (NOTE [capacity search]) against the
    effective budget, budget x (1 - reserve), the same bar the ship decision uses, so the

@@ -1,4 +1,4 @@
-"""remat.measure: runs a training step and measures it (the measurement stage of DESIGN.md).
+"""remat.measure: runs a training step and measures it (the measurement stage of docs/DESIGN.md).
 
 A fresh build of the workload, prepared by the caller (an :class:`Arm`: the control, a plan
 applied by ``remat.wrap.PlanArm``, a torch baseline), warm-up, the whole-step peak and the

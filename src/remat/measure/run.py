@@ -3,7 +3,7 @@
 An *arm* is one way of running the workload's step: the unmodified control, a remat plan
 (``remat.wrap.PlanArm``), or in ``benchmarks/compare.py`` a torch baseline such as
 ``checkpoint_sequential``. The caller prepares the model (this stage never imports ``plan``
-or ``apply``, DESIGN.md); each arm prepares its own fresh build of the workload, so no two
+or ``apply``, docs/DESIGN.md); each arm prepares its own fresh build of the workload, so no two
 arms share a model, optimizer state or wrapper.
 
 NOTE [interleaved timing]

@@ -1,8 +1,8 @@
-"""Making and re-checking a pipeline receipt (NOTE [pipeline receipt] in remat/receipt/pipeline_receipt.py).
+"""Making and re-checking a pipeline receipt (NOTE [pipeline receipt] in remat/pipeline_parallel/receipt.py).
 
 ``check_pipeline_receipt`` checks, in order (``quick`` stops after 4):
 1. the reports beside it name its sha256; the workload is the user's (NOTE [workload spec policy]
-   in check.py) and the receipt's;
+   in remat/workflow/check.py) and the receipt's;
 2. the shape: every keyword of the factory, defaults included;
 3. the model: every stage plan's whole-model fingerprint, and each boundary's revision hash;
 4. the receipt itself holds (per-stage plans present, bitwise equal, negative control rejected,

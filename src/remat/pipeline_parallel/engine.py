@@ -191,8 +191,8 @@ def _check_pipelinable(model: Any) -> None:
                             f"{' and '.join(missing) or 'nn.Module'}{where}",
                             tip="define pipeline_embed(inputs) -> hidden and pipeline_head(hidden) -> outputs so that "
                                 "forward = head(blocks(embed(inputs))) (NOTE [pipeline stages] in "
-                                "remat/distributed/pipeline.py; the built-in gpt and the zoo's "
-                                "torch_transformer_encoder.py:build_pipeline do)")
+                                "remat/pipeline_parallel/engine.py; the built-in gpt and the zoo's "
+                                "benchmarks/zoo/torch_transformer_encoder.py:build_pipeline do)")
 
 
 def find_blocks(model: Any) -> str:
@@ -337,7 +337,7 @@ def check_split(spec: str, shape: Mapping[str, Any], points: list[str], stages: 
 def split_batch(batch: Any) -> tuple[Any, Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise WorkloadError("the pipeline engine needs batches of (inputs, targets)",
-                            tip="NOTE [pipeline stages] in remat/distributed/pipeline.py")
+                            tip="NOTE [pipeline stages] in remat/pipeline_parallel/engine.py")
     return batch[0], batch[1]
 
 

@@ -1,8 +1,8 @@
 """The pipeline rank program: ``python -m remat.pipeline_parallel.worker --config C --out DIR``, one per stage.
 
-Started by torchrun through the launcher of NOTE [launcher] (launch.py), with the same rank
-files (NOTE [rank files], worker.py), errors (NOTE [rank errors]) and teardown (NOTE [teardown]).
-Rank k runs stage k (NOTE [pipeline stages], pipeline.py) under torch.distributed.pipelining's
+Started by torchrun through the launcher of NOTE [launcher] (distributed/launch.py), with the same rank
+files (NOTE [rank files] in distributed/worker.py), errors (NOTE [rank errors]) and teardown (NOTE [teardown]).
+Rank k runs stage k (NOTE [pipeline stages], engine.py) under torch.distributed.pipelining's
 ``PipelineStage`` and ``ScheduleGPipe``/``Schedule1F1B``, for each side in turn: no plan, the
 uniform plan on every stage, remat's per-stage plans (planned here, after the unplanned side
 measured every stage's peak: NOTE [pipeline in-flight cost model]). Rank 0 writes

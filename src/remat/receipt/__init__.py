@@ -1,4 +1,4 @@
-"""remat.receipt: the versioned JSON receipt, its schema and its HTML/Markdown rendering (DESIGN.md).
+"""remat.receipt: the versioned JSON receipt, its schema and its HTML/Markdown rendering (docs/DESIGN.md).
 
 The runs that make and check a receipt are remat.workflow's (``make_receipt``, ``check_receipt``).
 ``write_receipt(receipt, out_dir)`` writes ``receipt.json``, ``report.html`` and ``report.md``

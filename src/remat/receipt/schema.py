@@ -7,7 +7,7 @@ overflowing numbers and huge integers refused) and then checked field by field a
 before any dataclass is built from it; every failure is a :class:`ReceiptError` naming the
 JSON path. Nothing in a receipt is imported, opened, unpickled or evaluated: ``remat
 check`` runs the workload the *user* names and only compares the receipt's (NOTE
-[workload spec policy] in check.py).
+[workload spec policy] in remat/workflow/check.py).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ change what is allocated or saved for backward:
 Not modelled (stated, not hidden): the caching allocator's 512-byte rounding and 2 MiB block
 granularity, cuBLAS/cuDNN workspaces (tens of MiB, allocated inside kernels), cuDNN's
 BatchNorm reserve space, and the host->device copy of the batch (the simulated batch is the
-CPU batch). ``benchmarks/gpu_simulate_check.py`` measures the resulting gap on a GPU.
+CPU batch). ``benchmarks/gpu_check.py`` (its ``simulate`` check) measures the resulting gap on a GPU.
 """
 
 from __future__ import annotations

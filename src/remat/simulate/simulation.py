@@ -30,7 +30,7 @@ from .errors import SimulationError
 from .runtime import RuntimePrediction, predict_runtime
 
 # What fake mode raises for steps it cannot run without values (all are plain Python errors
-# raised in forward/optimizer code; see TORCH-NOTES.md on errors raised during backward).
+# raised in forward/optimizer code; see docs/TORCH-NOTES.md on errors raised during backward).
 _FAKE_ERRORS = tuple(e for e in (getattr(_ft, n, None) for n in (
     "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
     "UnsupportedFakeTensorException")) if isinstance(e, type))

@@ -1,4 +1,4 @@
-"""Prove the checkpointed step is the same training procedure as the control (DESIGN.md: ``remat.verify``)."""
+"""Prove the checkpointed step is the same training procedure as the control (docs/DESIGN.md: ``remat.verify``)."""
 
 from .compare import TensorDiff, diff_tensor, python_state
 from .model import (COMPILED_TOLERANCES, PERTURBATION, TOLERANCES, VERIFY_SCHEMA_VERSION, BoundaryActivity, Hazard, NegativeControl,

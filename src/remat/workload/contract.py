@@ -1,4 +1,4 @@
-"""The workload contract (DESIGN.md) and the one training step every stage runs."""
+"""The workload contract (docs/DESIGN.md) and the one training step every stage runs."""
 
 from __future__ import annotations
 

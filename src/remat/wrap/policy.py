@@ -8,7 +8,7 @@ and recompute it at replay. Matmuls, convolutions and attention are the expensiv
 whose outputs are cheap to keep relative to their FLOPs; norms, activations, dropout,
 adds and views are cheap to recompute. This is the torchtitan "op-level SAC" policy.
 
-Two limits worth knowing (TORCH-NOTES.md):
+Two limits worth knowing (docs/TORCH-NOTES.md):
 - an op whose saved output is later mutated in place (``linear(x).relu_()``) makes the
   backward raise ``Tensor cached during selective activation checkpoint has been
   mutated``: use FULL mode for such blocks;
