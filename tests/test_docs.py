@@ -65,7 +65,7 @@ NOT_IN_REPO = {
 }
 
 # Projects whose issue numbers may be cited in src/ (the word just before "issue").
-EXTERNAL_ISSUE_PROJECTS = {"pytorch", "torch", "torchtitan", "megatron-lm", "transformers"}
+EXTERNAL_ISSUE_PROJECTS = {"pytorch", "torchtitan", "megatron-lm"}
 
 
 def citing_files() -> dict[Path, str]:
@@ -74,12 +74,9 @@ def citing_files() -> dict[Path, str]:
     return {p: p.read_text() for p in files}
 
 
-def line_of(text: str, pos: int) -> int:
-    return text.count("\n", 0, pos) + 1
-
-
 def where(path: Path, text: str, pos: int) -> str:
-    return f"{path.relative_to(ROOT)}:{line_of(text, pos)}"
+    """``file:line`` of offset ``pos`` in ``text``."""
+    return f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, pos) + 1}"
 
 
 # --- the stage table ------------------------------------------------------------------------------------
@@ -304,7 +301,7 @@ def test_a_missing_module_is_reported():
 
 # --- issue numbers --------------------------------------------------------------------------------------
 
-ISSUE = re.compile(r"([\w-]+)?\s+issues?\s+#?\d+", re.I)
+ISSUE = re.compile(r"(?:([\w-]+)\s+)?\bissues?\s+#?\d+", re.I)
 
 
 def own_issue_refs(files: dict[Path, str]) -> list[str]:
@@ -319,5 +316,5 @@ def test_no_own_issue_numbers_in_src():
 
 def test_an_own_issue_number_is_reported():
     fake = PKG / "fake.py"
-    text = "# fixed for issue 17 (pytorch issue 96136; Megatron-LM issue 6491)\n"
-    assert own_issue_refs({fake: text}) == ["src/remat/fake.py:1: for issue 17"]
+    text = "# fixed for issue 17 (pytorch issue 96136; Megatron-LM issue 6491; tissue 3)\nIssue #4\n"
+    assert own_issue_refs({fake: text}) == ["src/remat/fake.py:1: for issue 17", "src/remat/fake.py:2: Issue #4"]
