@@ -176,12 +176,12 @@ def test_every_allowed_outside_path_is_still_cited():
 
 
 def test_a_missing_path_is_reported():
-    fake = PKG / "plan" / "fake.py"
-    text = ("# plan/cost.py, cost.py, docs/DESIGN.md, OUT/pipeline.md, torch/utils/checkpoint.py\n"
+    fake = PKG / "fake.py"
+    text = ("# remat/__init__.py, errors.py, docs/DESIGN.md, OUT/pipeline.md, torch/utils/checkpoint.py\n"
             "# https://example.org/nope/gone.py\n# plan/nope.py and gone.py and NOPE.md\n")
-    assert broken_paths({fake: text}) == ["src/remat/plan/fake.py:3: plan/nope.py",
-                                          "src/remat/plan/fake.py:3: gone.py",
-                                          "src/remat/plan/fake.py:3: NOPE.md"]
+    assert broken_paths({fake: text}) == ["src/remat/fake.py:3: plan/nope.py",
+                                          "src/remat/fake.py:3: gone.py",
+                                          "src/remat/fake.py:3: NOPE.md"]
     assert broken_paths({ROOT / "README.md": "`report.md` and `gone.py` are not citations here"}) == []
 
 
@@ -239,17 +239,17 @@ def test_every_cited_note_is_defined_once_where_it_is_said_to_be():
 
 
 def test_a_wrong_note_citation_is_reported():
-    defs = note_definitions(definition_files())
-    fake = PKG / "frontier" / "fake.py"
-    text = ("# NOTE [solo peaks] in remat/measure/run.py, NOTE [solo peaks] in remat.measure, NOTE [solo\n"
-            "# peaks] in the measurement stage\n"
-            "# NOTE [made-up note] and NOTE [solo peaks] in measure.py and NOTE [solo peaks] (remat.plan)\n")
+    defs = {"fake note": ["src/remat/errors.py:1"]}   # a made-up definition in a real file
+    fake = PKG / "fake.py"
+    text = ("# NOTE [fake note] in remat/errors.py, NOTE [fake note] in remat.errors, NOTE [fake\n"
+            "# note] in the errors module\n"
+            "# NOTE [made-up note] and NOTE [fake note] in clock.py and NOTE [fake note] (remat.types)\n")
     assert note_problems({fake: text}, defs) == [
-        "src/remat/frontier/fake.py:3: NOTE [made-up note] is defined nowhere",
-        f"src/remat/frontier/fake.py:3: NOTE [solo peaks] cited in measure.py, defined in {defs['solo peaks'][0]}",
-        f"src/remat/frontier/fake.py:3: NOTE [solo peaks] cited in remat.plan, defined in {defs['solo peaks'][0]}"]
+        "src/remat/fake.py:3: NOTE [made-up note] is defined nowhere",
+        "src/remat/fake.py:3: NOTE [fake note] cited in clock.py, defined in src/remat/errors.py:1",
+        "src/remat/fake.py:3: NOTE [fake note] cited in remat.types, defined in src/remat/errors.py:1"]
     twice = note_definitions({fake: '"""NOTE [x]\n\nNOTE [x]\n"""\n# NOTE [x]: a citation, not a definition\n'})
-    assert note_problems({}, twice) == ["NOTE [x] is defined 2 times: src/remat/frontier/fake.py:1, src/remat/frontier/fake.py:3"]
+    assert note_problems({}, twice) == ["NOTE [x] is defined 2 times: src/remat/fake.py:1, src/remat/fake.py:3"]
 
 
 # --- module names ---------------------------------------------------------------------------------------
@@ -294,9 +294,9 @@ def test_every_named_remat_module_exists():
 
 def test_a_missing_module_is_reported():
     fake = PKG / "fake.py"
-    text = 'remat.pipeline = 1  # remat.workflow.build, remat.auto, remat.pipeline\n"""remat.wrap.nope."""\n'
+    text = 'remat.pipeline = 1  # remat.errors.RematError, remat.auto, remat.pipeline\n"""remat.errors.nope."""\n'
     assert unresolved_modules({fake: text}) == ["src/remat/fake.py:1: remat.pipeline",
-                                               "src/remat/fake.py:2: remat.wrap.nope"]
+                                               "src/remat/fake.py:2: remat.errors.nope"]
 
 
 # --- issue numbers --------------------------------------------------------------------------------------
