@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -56,7 +58,44 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
     return found
 
 
-def _check_callable_state(model: Any, verify: Any) -> None:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoSettings:
+    """:func:`auto`'s keywords, built once from them and validated here. Each is documented on
+    :func:`auto`, whose signature holds the defaults (it is the public API)."""
+
+    budget: str | int           # bytes, "8GiB", or "70%" of the unplanned step's measured peak
+    loss_fn: LossFn | None      # None: default_loss(batch)
+    optimizer: torch.optim.Optimizer | None
+    verify: str | None          # one of VERIFY_MODES
+    cache_dir: str | Path | None
+    use_cache: bool
+    reserve: str | float        # as given: 0.05 or "5%"
+    planner: str
+    copy_fn: CopyFn | None
+    measure_replays: bool
+    segments: bool
+    progress: ProgressFn
+    reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFY_MODES:
+            raise AutoError(f"verify={self.verify!r}: expected None (default: not verified) or 'quick'")
+        check_budget_syntax(self.budget)
+        object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
+
+    @property
+    def quick_verify(self) -> bool:
+        return self.verify == "quick"
+
+    def plan_cache(self) -> PlanCache | None:
+        """The plan cache (``cache_dir``, else ``default_cache_dir()``); None with ``use_cache=False``."""
+        if not self.use_cache:
+            return None
+        return PlanCache(Path(self.cache_dir) if self.cache_dir is not None else default_cache_dir())
+
+
+def _check_trainable(model: Any) -> None:
+    """``model`` is a module, and autograd is on (a training step is what remat plans)."""
     if not isinstance(model, nn.Module):
         raise AutoError(f"remat.auto needs a torch.nn.Module, got {type(model).__name__}")
     if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
@@ -64,8 +103,9 @@ def _check_callable_state(model: Any, verify: Any) -> None:
         raise AutoError(f"remat.auto was called under {ctx}: it plans a training step, which needs autograd "
                         "(nothing would be saved for backward, so there is nothing to checkpoint)",
                         tip=f"call remat.auto outside the {ctx} block, where you train")
-    if verify not in VERIFY_MODES:
-        raise AutoError(f"verify={verify!r}: expected None (default: not verified) or 'quick'")
+
+
+def _check_unwrapped(model: nn.Module) -> None:
     wrapped = existing_checkpointing(model)
     if wrapped:
         raise AutoError("the model is already checkpointed by " + "; and by ".join(wrapped),
@@ -94,69 +134,94 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
     t0 = time.perf_counter()
-    _check_callable_state(model, verify)
-    check_budget_syntax(budget)
-    reserve_f = parse_reserve(reserve)
-    loss = loss_fn if loss_fn is not None else default_loss(example_batch)
-    device = model_device(model)
-    spec = OptimizerSpec.of(model, optimizer)
-    key = CacheKey(
-        fingerprint=fingerprint(model).digest,
-        trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
-        training=model.training, batch=describe_batch(example_batch), budget=str(budget), reserve=reserve_f,
-        planner=planner, segments=segments, loss=code_identity(loss), optimizer=spec.key(), device=device_identity(device),
-        torch_version=torch.__version__, remat_version=__version__)
-    cache = PlanCache(Path(cache_dir) if cache_dir is not None else default_cache_dir()) if use_cache else None
+    _check_trainable(model)
+    settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
+                            use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
+                            measure_replays=measure_replays, segments=segments, progress=progress)
+    _check_unwrapped(model)
+    return _fit(model, example_batch, settings, t0)
 
-    plan = cache.load(key) if cache is not None else None
-    status = CacheStatus.HIT if plan is not None else (CacheStatus.STORED if cache else CacheStatus.DISABLED)
-    verified = VerifyStatus.NOT_VERIFIED
-    rng = RngState.capture()
-    try:
-        if plan is None or verify == "quick":
-            with Parked(model, optimizer if device.type == "cuda" else None) if device.type == "cuda" else _Nothing():
-                source = ModelSource(model, example_batch, loss, spec, device, copy_fn)
-                if plan is None:
-                    plan = _plan(source, budget, reserve_f, planner, measure_replays, segments, progress)
-                if verify == "quick":
-                    progress("auto: verify (quick)", 0, 1)
-                    verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
-                    verified = VerifyStatus.PASSED
-    finally:
-        rng.restore()
+
+def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float) -> AutoHandle:
+    """:func:`auto` once its arguments hold: the cached or a new plan, applied to ``model``
+    (``t0``: when the call began, perf_counter seconds)."""
+    loss = settings.loss_fn if settings.loss_fn is not None else default_loss(example_batch)
+    device = model_device(model)
+    source = ModelSource(model, example_batch, loss, OptimizerSpec.of(model, settings.optimizer), device,
+                         settings.copy_fn)
+    key = _cache_key(source, settings)
+    cache = settings.plan_cache()
+    cached = cache.load(key) if cache is not None else None
+    status = CacheStatus.HIT if cached is not None else (CacheStatus.STORED if cache else CacheStatus.DISABLED)
+    plan, verified = _plan_and_verify(source, cached, settings)
     path = None
     if cache is not None:
         path = str(cache.path(key))
         if status is CacheStatus.STORED:
             cache.store(key, plan)
     handle = apply(model, plan)
-    report = AutoReport(
+    return AutoHandle(handle, _auto_report(plan, settings, source.optimizer, status, path, verified,
+                                           seconds=time.perf_counter() - t0))
+
+
+def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
+    """What a cached plan is bound to (NOTE [plan cache key])."""
+    model = source.model
+    return CacheKey(
+        fingerprint=fingerprint(model).digest,
+        trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
+        training=model.training, batch=describe_batch(source.batch), budget=str(settings.budget),
+        reserve=settings.reserve_fraction, planner=settings.planner, segments=settings.segments,
+        loss=code_identity(source.loss), optimizer=source.optimizer.key(), device=device_identity(source.device),
+        torch_version=torch.__version__, remat_version=__version__)
+
+
+def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings) -> tuple[Plan, VerifyStatus]:
+    """``cached``, or a new plan; verified (quick) when asked. On CUDA the user's tensors are parked on
+    the CPU meanwhile, and the RNG state is restored after (NOTE [no side effects])."""
+    plan = cached
+    verified = VerifyStatus.NOT_VERIFIED
+    rng = RngState.capture()
+    try:
+        if plan is None or settings.quick_verify:
+            with _parked(source, settings.optimizer):
+                if plan is None:
+                    plan = _plan(source, settings)
+                if settings.quick_verify:
+                    settings.progress("auto: verify (quick)", 0, 1)
+                    verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
+                    verified = VerifyStatus.PASSED
+    finally:
+        rng.restore()
+    return plan, verified
+
+
+def _parked(source: ModelSource, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager[Any]:
+    """On CUDA, the user's model and optimizer state parked on the CPU (:class:`Parked`); elsewhere nothing."""
+    return Parked(source.model, optimizer) if source.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _plan(source: ModelSource, settings: AutoSettings) -> Plan:
+    """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak)."""
+    loaded = source.loaded()
+    profile = profile_workload(loaded.rebuild(), measure_replays=settings.measure_replays,
+                               segments=settings.segments, progress=settings.progress)
+    budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)
+    return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes,
+                            reserve=settings.reserve_fraction, progress=settings.progress).plan
+
+
+def _auto_report(plan: Plan, settings: AutoSettings, optimizer: OptimizerSpec, cache: CacheStatus,
+                 cache_path: str | None, verified: VerifyStatus, *, seconds: float) -> AutoReport:
+    return AutoReport(
         planner=plan.planner, boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
-        budget=str(budget), budget_bytes=plan.budget_bytes or 0, effective_budget_bytes=plan.effective_budget_bytes or 0,
+        budget=str(settings.budget), budget_bytes=plan.budget_bytes or 0,
+        effective_budget_bytes=plan.effective_budget_bytes or 0,
         baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
         measured_peak_bytes=plan.measured_peak_bytes, memory_source=plan.memory_source,
         baseline_step_ms=plan.baseline_step_ms, measured_step_ms=plan.measured_step_ms,
-        predicted_overhead_ms=plan.predicted_overhead_ms, optimizer=spec.describe(), optimizer_assumed=spec.assumed,
-        cache=status, cache_path=path, verification=verified,
+        predicted_overhead_ms=plan.predicted_overhead_ms, optimizer=optimizer.describe(),
+        optimizer_assumed=optimizer.assumed, cache=cache, cache_path=cache_path, verification=verified,
         verify_note="verified (quick: 1 seed, 1 step, negative controls rejected)" if verified is VerifyStatus.PASSED
         else _HOW_TO_VERIFY,
-        seconds=time.perf_counter() - t0)
-    return AutoHandle(handle, report)
-
-
-def _plan(source: ModelSource, budget: str | int, reserve: float, planner: str, measure_replays: bool,
-          segments: bool, progress: ProgressFn) -> Plan:
-    loaded = source.loaded()
-    profile = profile_workload(loaded.rebuild(), measure_replays=measure_replays, segments=segments,
-                               progress=progress)
-    budget_bytes = parse_budget(budget, profile.baseline_peak_bytes)
-    return plan_closed_loop(loaded, profile, planner, budget_bytes=budget_bytes, reserve=reserve,
-                            progress=progress).plan
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+        seconds=seconds)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import DistributedError
 from ..measure import percentile as _percentile
+from .config import Engine
 
 REPORT_SCHEMA_VERSION = 1
 SIDES = ("control", "plan")
@@ -262,17 +263,28 @@ def _side_report(ranks: list[tuple[int, int, RankSide]]) -> SideReport:
                       ablation_step_ms=worst([f.ablation_step_ms for f in per_rank]))
 
 
+def _op_counts(side: RankSide) -> dict[str, int]:
+    """Collectives per step, by op: how many calls."""
+    return {op: c.count for op, c in side.collectives.items()}
+
+
+def _same_collectives(r: RankResult) -> bool:
+    """On one rank: the plan issues the control's collectives (count per op, per step), each side the same
+    every timed step (a replay that re-issues a collective is another training step)."""
+    return (r.plan is not None and _op_counts(r.control) == _op_counts(r.plan)
+            and r.control.collectives_stable and r.plan.collectives_stable)
+
+
+def _same_loss(r: RankResult) -> bool:
+    return r.plan is not None and r.plan.loss0 == r.control.loss0
+
+
 def _equivalence(results: list[RankResult], criterion: str) -> Equivalence:
     grads = [(r.rank, r.grads) for r in results if r.grads is not None]
     worst_rank, worst_cmp = max(grads, key=lambda rg: rg[1].max_abs_diff)
     bitwise = all(g.bitwise_equal for _, g in grads)
     within = all(g.within_tolerance for _, g in grads)
     mismatched = sorted({f"rank {r}: {m}" for r, g in grads for m in g.mismatched})
-    counts_equal = all(r.plan is not None and
-                       {op: c.count for op, c in r.control.collectives.items()} ==
-                       {op: c.count for op, c in r.plan.collectives.items()} and
-                       r.control.collectives_stable and r.plan.collectives_stable
-                       for r in results)
     r0 = results[0]
     assert r0.plan is not None
     return Equivalence(
@@ -283,26 +295,52 @@ def _equivalence(results: list[RankResult], criterion: str) -> Equivalence:
         worst=None if worst_cmp.worst_param is None else {"rank": worst_rank, "param": worst_cmp.worst_param},
         params_compared=worst_cmp.params_compared,
         mismatched=mismatched,
-        loss_equal=all(r.plan is not None and r.plan.loss0 == r.control.loss0 for r in results),
-        collective_counts_equal=counts_equal,
-        collective_counts={"control": {op: c.count for op, c in r0.control.collectives.items()},
-                           "plan": {op: c.count for op, c in r0.plan.collectives.items()}},
+        loss_equal=all(_same_loss(r) for r in results),
+        collective_counts_equal=all(_same_collectives(r) for r in results),
+        collective_counts={"control": _op_counts(r0.control), "plan": _op_counts(r0.plan)},
     )
 
 
-def assemble(*, results: list[RankResult], world_size: int, engine: str, backend: str, device: str, dtype: str,
-             spec: str, shape: dict[str, Any], steps: int, warmup: int, comm_steps: int, comm_source: str,
-             torch_version: str, plan_boundaries: list[str], criterion: str, notes: list[str]) -> DistributedReport:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedRun:
+    """What rank 0 records beside the ranks' results: how the run was set up and measured."""
+
+    world_size: int
+    engine: Engine
+    backend: str
+    device: str
+    dtype: str
+    spec: str
+    shape: dict[str, Any]
+    steps: int                  # timed warm steps per side
+    warmup: int
+    comm_steps: int             # steps timed for communication, after the timed ones
+    comm_source: str            # how communication was timed
+    torch_version: str
+    plan_boundaries: list[str]  # the plan's modules ([] with no plan)
+    criterion: str              # "bitwise" or "allclose(...)" (worker.equivalence_criterion)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", Engine(self.engine))
+        if self.world_size < 1 or self.steps < 1 or self.warmup < 0 or self.comm_steps < 0:
+            raise DistributedError(f"a distributed run needs world_size >= 1, steps >= 1, warmup >= 0 and "
+                                   f"comm_steps >= 0; got {self.world_size}, {self.steps}, {self.warmup}, "
+                                   f"{self.comm_steps}")
+
+
+def assemble(results: list[RankResult], run: DistributedRun) -> DistributedReport:
     """Rank 0: the report from every rank's :class:`RankResult` (ordered by rank)."""
     results = sorted(results, key=lambda r: r.rank)
-    if [r.rank for r in results] != list(range(world_size)):
-        raise DistributedError(f"expected results from ranks 0..{world_size - 1}, got {[r.rank for r in results]}")
+    if [r.rank for r in results] != list(range(run.world_size)):
+        raise DistributedError(f"expected results from ranks 0..{run.world_size - 1}, got {[r.rank for r in results]}")
     control = _side_report([(r.rank, r.samples_per_step, r.control) for r in results])
     has_plan = results[0].plan is not None
     plan = _side_report([(r.rank, r.samples_per_step, r.plan) for r in results if r.plan is not None]) if has_plan else None
     return DistributedReport(
-        world_size=world_size, engine=engine, backend=backend, device=device, dtype=dtype, spec=spec, shape=shape,
-        steps=steps, warmup=warmup, comm_steps=comm_steps, samples_per_step=[r.samples_per_step for r in results],
-        memory_source=results[0].memory_source, comm_source=comm_source, torch_version=torch_version,
-        plan_boundaries=plan_boundaries, control=control, plan=plan,
-        equivalence=_equivalence(results, criterion) if has_plan else None, notes=notes)
+        world_size=run.world_size, engine=run.engine.value, backend=run.backend, device=run.device, dtype=run.dtype,
+        spec=run.spec, shape=run.shape, steps=run.steps, warmup=run.warmup, comm_steps=run.comm_steps,
+        samples_per_step=[r.samples_per_step for r in results], memory_source=results[0].memory_source,
+        comm_source=run.comm_source, torch_version=run.torch_version, plan_boundaries=run.plan_boundaries,
+        control=control, plan=plan, equivalence=_equivalence(results, run.criterion) if has_plan else None,
+        notes=run.notes)

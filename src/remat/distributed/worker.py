@@ -68,7 +68,7 @@ from .config import REENTRANT_FIND_UNUSED_TIP, DistributedConfig, Engine
 from .engines import EngineContext, make_context, unwrap, wrap
 from .instrument import CollectiveEvent, CommRecorder, ComputeTimer, ShardAwareTracker
 from .intervals import exposed_ns, total_ns
-from .report import CollectiveCount, GradComparison, RankResult, RankSide, assemble
+from .report import CollectiveCount, DistributedRun, GradComparison, RankResult, RankSide, assemble
 
 REPORT_NAME = "distributed.json"
 # Test-only fault injection (read from the environment, which torchrun passes on to every rank):
@@ -373,6 +373,19 @@ def _notes(cfg: DistributedConfig) -> list[str]:
     return notes
 
 
+def _run_description(cfg: DistributedConfig) -> DistributedRun:
+    """What the report records about this run, beside the ranks' results."""
+    return DistributedRun(
+        world_size=cfg.world_size, engine=cfg.engine, backend=cfg.backend, device=cfg.device, dtype=cfg.dtype,
+        spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup, comm_steps=cfg.comm_steps,
+        comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
+                     if cfg.engine is Engine.DDP else
+                     "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
+        torch_version=torch.__version__,
+        plan_boundaries=[] if cfg.plan is None else [b.module for b in cfg.plan.boundaries],
+        criterion=equivalence_criterion(cfg.device, cfg.dtype), notes=_notes(cfg))
+
+
 def _env_int(name: str) -> int:
     try:
         return int(os.environ[name])
@@ -414,17 +427,7 @@ def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:
         assert gathered is not None
-        criterion = equivalence_criterion(cfg.device, cfg.dtype)
-        report = assemble(
-            results=gathered, world_size=world_size, engine=cfg.engine.value, backend=cfg.backend,
-            device=cfg.device, dtype=cfg.dtype, spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup,
-            comm_steps=cfg.comm_steps,
-            comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
-                         if cfg.engine is Engine.DDP else
-                         "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
-            torch_version=torch.__version__,
-            plan_boundaries=[] if cfg.plan is None else [b.module for b in cfg.plan.boundaries],
-            criterion=criterion, notes=_notes(cfg))
+        report = assemble(gathered, _run_description(cfg))
         atomic_write_json(out / REPORT_NAME, report.to_json())
     files.what = "teardown"
     dist.barrier()

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
 from ..units import MIB, fmt_bytes
+from ..verify.model import VerifyReport
 from .model import Receipt, ShipStatus
 
 PHASE_COLORS = {"batch": "#9e9e9e", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c"}
@@ -147,10 +148,7 @@ def _summary_rows(r: Receipt) -> list[tuple[str, str, str]]:
     ]
 
 
-def _verify_rows(r: Receipt) -> list[list[str]]:
-    v = r.verification
-    if v is None:
-        return []
+def _verify_rows(v: VerifyReport) -> list[list[str]]:
     return [[str(s.seed), str(s.step), s.mode, f"{s.loss[0]:.6f}", _err(abs(s.loss[1] - s.loss[0])),
              _err(s.grad_max_abs), _err(s.grad_max_rel), "yes" if s.bitwise else "no",
              "ok" if s.passed else "DIFF: " + ", ".join(s.divergent[:3])] for s in v.per_step]
@@ -293,95 +291,132 @@ img{max-width:100%;border:1px solid #d0d7de;border-radius:6px}code{background:#f
 """
 
 
-def render_html(receipt: Receipt | dict[str, Any]) -> str:
-    """The self-contained report (plots embedded, no network, no JavaScript), from the receipt alone."""
-    r = _as_receipt(receipt)
+def _html_head(r: Receipt) -> str:
+    """The document head, the title and the line of context under it."""
+    c = r.context
+    return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{e(_title(r))}</title>"
+            f"<style>{_CSS}</style></head><body>"
+            f"<h1>{e(_title(r))}</h1><p class=\"muted\">{e(c.created)} · remat {e(c.remat_version)}"
+            f" · {e(c.device)} {e(c.dtype)} · git {e(c.git_revision or 'n/a')}</p>")
+
+
+def _html_decision(r: Receipt) -> str:
+    """1. the verdict and its reasons, control vs shipped, the budget arithmetic."""
     d = r.decision
-    v = r.verification
-    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{e(_title(r))}</title>"
-             f"<style>{_CSS}</style></head><body>"]
-    parts.append(f"<h1>{e(_title(r))}</h1><p class=\"muted\">{e(r.context.created)} · remat {e(r.context.remat_version)}"
-                 f" · {e(r.context.device)} {e(r.context.dtype)} · git {e(r.context.git_revision or 'n/a')}</p>")
-    # 1. the decision
     cls = "ship" if d.status is ShipStatus.SHIP else "noplan"
-    parts.append(f'<div class="verdict {cls}"><h2>{e(_headline(r))}</h2><ol>'
-                 + "".join(f"<li>{e(w)}</li>" for w in d.why) + "</ol></div>")
-    parts.append(_html_table(["", "control", f"shipped ({d.shipped or '-'})"], _summary_rows(r), cls="kv"))
-    parts.append(_html_table(["budget", "required reserve", "peak must stay under", "clears", "headroom"],
-                             [[fmt_bytes(d.budget_bytes), f"{d.reserve:.0%}", fmt_bytes(d.effective_budget_bytes),
-                               "yes" if d.clears else "no", fmt_bytes(d.headroom_bytes)]]))
-    # 2. frontier
-    parts.append("<h2>Frontier: peak vs step time</h2>")
-    parts.append(_img(frontier_png(r), "frontier plot"))
-    parts.append(_html_table(FRONTIER_HEADERS, _frontier_rows(r)))
-    parts.append(f"<p class=\"muted\">{e(_frontier_caption(r))}</p>")
+    return (f'<div class="verdict {cls}"><h2>{e(_headline(r))}</h2><ol>'
+            + "".join(f"<li>{e(w)}</li>" for w in d.why) + "</ol></div>"
+            + _html_table(["", "control", f"shipped ({d.shipped or '-'})"], _summary_rows(r), cls="kv")
+            + _html_table(["budget", "required reserve", "peak must stay under", "clears", "headroom"],
+                          [[fmt_bytes(d.budget_bytes), f"{d.reserve:.0%}", fmt_bytes(d.effective_budget_bytes),
+                            "yes" if d.clears else "no", fmt_bytes(d.headroom_bytes)]]))
+
+
+def _html_frontier(r: Receipt) -> str:
+    """2. the frontier plot and table; the optimal planner's closed-loop tries."""
+    out = ("<h2>Frontier: peak vs step time</h2>" + _img(frontier_png(r), "frontier plot")
+           + _html_table(FRONTIER_HEADERS, _frontier_rows(r)) + f"<p class=\"muted\">{e(_frontier_caption(r))}</p>")
     if r.plan.closed_loop:
         tries = "; ".join(f"predicted {fmt_bytes(a.predicted_peak_bytes)}, measured {fmt_bytes(a.measured_peak_bytes)}"
                           f"{' (fits)' if a.fits else ' (misses)'}" for a in r.plan.closed_loop)
-        parts.append(f"<p class=\"muted\">Optimal planner, closed loop ({e(', '.join(r.plan.closed_loop_boundaries))}):"
-                     f" {e(tries)}.</p>")
-    # 3. timeline
-    parts.append("<h2>Phase timeline: live bytes over one step</h2>")
-    parts.append(_img(timeline_png(r), "phase timeline, control vs plan"))
-    phase_rows = []
+        out += (f"<p class=\"muted\">Optimal planner, closed loop ({e(', '.join(r.plan.closed_loop_boundaries))}):"
+                f" {e(tries)}.</p>")
+    return out
+
+
+def _phase_rows(r: Receipt) -> list[list[str]]:
+    """Per phase: peak bytes and traced time, control vs plan."""
     planned = {p.name.value: p for p in r.traces.planned.phases} if r.traces.planned else {}
+    rows = []
     for p in r.traces.target.phases:
         q = planned.get(p.name.value)
-        phase_rows.append([p.name.value, fmt_bytes(p.peak_bytes), fmt_bytes(q.peak_bytes if q else None),
-                           _ms(p.duration_ms), _ms(q.duration_ms if q else None)])
-    parts.append(_html_table(["phase", "peak: control", "peak: plan", "time: control (traced)", "time: plan (traced)"],
-                             phase_rows))
-    if r.traces.boundary is not None:
-        b = r.traces.boundary
-        parts.append(f"<p class=\"muted\">Boundary shape {e(_shape(b.context.shape))} (unmodified): peak "
-                     f"{e(fmt_bytes(b.peak_bytes))} in {e(b.peak_phase.value if b.peak_phase else '-')}.</p>")
-    # 4. boundaries
-    parts.append("<h2>Boundaries: why each wrapper exists</h2>")
-    if r.plan.boundaries:
-        parts.append(_html_table(BOUNDARY_HEADERS, _boundary_rows(r)))
-        parts.append("<p class=\"muted\">saves (measured): live bytes at the start of backward, control minus this "
-                     "boundary alone checkpointed. remat check fails when a revision changes or a saving falls by more "
-                     "than its tolerance.</p>")
-    else:
-        parts.append(f"<p class=\"muted\">{e(r.plan.note or 'No boundaries: nothing is checkpointed.')}</p>")
-    # 5. equivalence
-    parts.append("<h2>Equivalence with the unmodified step</h2>")
-    if v is None:
-        parts.append(f"<p class=\"muted\">{e(r.verification_note)}</p>")
-    else:
-        verdict = '<span class="pass">PASSED</span>' if v.passed else '<span class="fail">FAILED</span>'
-        parts.append(f"<p>{verdict}: {e(_n(len(v.seeds), 'seed'))} x {e(_n(v.steps, 'step'))} + an eval step per seed; "
-                     f"tolerance per tensor max|planned - control| &lt;= atol + rtol x max|control| "
-                     f"({e(', '.join(f'{k}: rtol {t.rtol:g}' for k, t in v.tolerances.items() if k == v.dtype))}); "
-                     f"control repeatable: {e('yes' if v.repeatable else 'NO')}.</p>")
-        parts.append(_html_table(VERIFY_HEADERS, _verify_rows(r)))
-        parts.append(_html_table(["negative control", "result", "detail"],
-                                 [[n.name, ("rejected" if n.rejected else "NOT rejected") if n.applicable else "n/a",
-                                   n.detail] for n in v.negative_controls]))
-        pol = v.rng_policy
-        timing = "" if v.rng_timing is None else (f"; preservation costs {v.rng_timing.overhead_ms:+.2f} ms/step")
-        parts.append(f"<p>RNG policy: <b>{e(pol.policy)}</b>: {e(pol.justification)}{e(timing)}</p>")
-        if v.failures:
-            parts.append("<p class=\"fail\">Failures:</p>" + _ul(list(v.failures), ""))
-        if v.warnings:
-            parts.append(_ul(list(v.warnings), ""))
-    # 6. hazards
-    parts.append("<h2>Hazards</h2>")
-    parts.append(_ul(_hazard_lines(r), "No replay hazard was observed in the checkpointed regions."))
+        rows.append([p.name.value, fmt_bytes(p.peak_bytes), fmt_bytes(q.peak_bytes if q else None),
+                     _ms(p.duration_ms), _ms(q.duration_ms if q else None)])
+    return rows
+
+
+def _html_timeline(r: Receipt) -> str:
+    """3. the phase timeline plot, the per-phase table, the boundary-shape trace."""
+    out = ("<h2>Phase timeline: live bytes over one step</h2>" + _img(timeline_png(r), "phase timeline, control vs plan")
+           + _html_table(["phase", "peak: control", "peak: plan", "time: control (traced)", "time: plan (traced)"],
+                         _phase_rows(r)))
+    b = r.traces.boundary
+    if b is not None:
+        out += (f"<p class=\"muted\">Boundary shape {e(_shape(b.context.shape))} (unmodified): peak "
+                f"{e(fmt_bytes(b.peak_bytes))} in {e(b.peak_phase.value if b.peak_phase else '-')}.</p>")
+    return out
+
+
+def _html_boundaries(r: Receipt) -> str:
+    """4. why each wrapper exists."""
+    out = "<h2>Boundaries: why each wrapper exists</h2>"
+    if not r.plan.boundaries:
+        return out + f"<p class=\"muted\">{e(r.plan.note or 'No boundaries: nothing is checkpointed.')}</p>"
+    return (out + _html_table(BOUNDARY_HEADERS, _boundary_rows(r))
+            + "<p class=\"muted\">saves (measured): live bytes at the start of backward, control minus this "
+              "boundary alone checkpointed. remat check fails when a revision changes or a saving falls by more "
+              "than its tolerance.</p>")
+
+
+def _html_verification(v: VerifyReport) -> str:
+    """The verdict, per-step table, negative controls, RNG policy, failures and warnings of one verification."""
+    verdict = '<span class="pass">PASSED</span>' if v.passed else '<span class="fail">FAILED</span>'
+    out = (f"<p>{verdict}: {e(_n(len(v.seeds), 'seed'))} x {e(_n(v.steps, 'step'))} + an eval step per seed; "
+           f"tolerance per tensor max|planned - control| &lt;= atol + rtol x max|control| "
+           f"({e(', '.join(f'{k}: rtol {t.rtol:g}' for k, t in v.tolerances.items() if k == v.dtype))}); "
+           f"control repeatable: {e('yes' if v.repeatable else 'NO')}.</p>")
+    out += _html_table(VERIFY_HEADERS, _verify_rows(v))
+    out += _html_table(["negative control", "result", "detail"],
+                       [[n.name, ("rejected" if n.rejected else "NOT rejected") if n.applicable else "n/a", n.detail]
+                        for n in v.negative_controls])
+    timing = "" if v.rng_timing is None else f"; preservation costs {v.rng_timing.overhead_ms:+.2f} ms/step"
+    out += f"<p>RNG policy: <b>{e(v.rng_policy.policy)}</b>: {e(v.rng_policy.justification)}{e(timing)}</p>"
+    if v.failures:
+        out += "<p class=\"fail\">Failures:</p>" + _ul(list(v.failures), "")
+    if v.warnings:
+        out += _ul(list(v.warnings), "")
+    return out
+
+
+def _html_equivalence(r: Receipt) -> str:
+    """5. equivalence with the unmodified step."""
+    out = "<h2>Equivalence with the unmodified step</h2>"
+    if r.verification is None:
+        return out + f"<p class=\"muted\">{e(r.verification_note)}</p>"
+    return out + _html_verification(r.verification)
+
+
+def _html_hazards(r: Receipt) -> str:
+    """6. replay hazards, and the candidates the planner excluded (the first 30)."""
+    out = "<h2>Hazards</h2>" + _ul(_hazard_lines(r), "No replay hazard was observed in the checkpointed regions.")
     excluded = _excluded_lines(r)
     if excluded:
-        parts.append(f"<p class=\"muted\">Candidates the planner excluded ({len(excluded)}):</p>"
-                     + _ul(excluded[:30] + ([f"... {len(excluded) - 30} more in receipt.json"] if len(excluded) > 30 else []), ""))
-    # 7. unsupported
-    parts.append("<h2>Not covered by this receipt</h2>")
-    parts.append(_html_table(["mode", "status", "detail"], [[u.mode, u.status, u.detail] for u in r.unsupported]))
-    # 8. context
-    parts.append("<h2>Context</h2>")
-    parts.append(_html_table(None, _context_rows(r), cls="kv"))
-    parts.append("<p class=\"muted\">Re-check in CI: <code>remat check receipt.json</code> (add <code>--quick</code> "
-                 "for revision hashes and equivalence only). Rendered from receipt.json alone.</p>")
-    parts.append("</body></html>\n")
-    return "".join(parts)
+        more = [f"... {len(excluded) - 30} more in receipt.json"] if len(excluded) > 30 else []
+        out += f"<p class=\"muted\">Candidates the planner excluded ({len(excluded)}):</p>" + _ul(excluded[:30] + more, "")
+    return out
+
+
+def _html_unsupported(r: Receipt) -> str:
+    """7. the modes this receipt does not cover."""
+    return ("<h2>Not covered by this receipt</h2>"
+            + _html_table(["mode", "status", "detail"], [[u.mode, u.status, u.detail] for u in r.unsupported]))
+
+
+def _html_context(r: Receipt) -> str:
+    """8. where and how it ran; how to re-check it."""
+    return ("<h2>Context</h2>" + _html_table(None, _context_rows(r), cls="kv")
+            + "<p class=\"muted\">Re-check in CI: <code>remat check receipt.json</code> (add <code>--quick</code> "
+              "for revision hashes and equivalence only). Rendered from receipt.json alone.</p>")
+
+
+_HTML_SECTIONS = (_html_head, _html_decision, _html_frontier, _html_timeline, _html_boundaries, _html_equivalence,
+                  _html_hazards, _html_unsupported, _html_context)
+
+
+def render_html(receipt: Receipt | dict[str, Any]) -> str:
+    """The self-contained report (plots embedded, no network, no JavaScript), from the receipt alone."""
+    r = _as_receipt(receipt)
+    return "".join(section(r) for section in _HTML_SECTIONS) + "</body></html>\n"
 
 
 # -- Markdown --------------------------------------------------------------------------------------
@@ -398,45 +433,70 @@ def _md_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str
     return out
 
 
+def _md_decision(r: Receipt) -> list[str]:
+    """The title, the verdict and its reasons, control vs shipped, the budget arithmetic."""
+    d = r.decision
+    headroom = f" (headroom {md(fmt_bytes(d.headroom_bytes))})." if d.headroom_bytes is not None else "."
+    return [f"## {md(_title(r))}", "", f"**{md(_headline(r))}**", "",
+            *[f"{i}. {md(w)}" for i, w in enumerate(d.why, 1)],
+            "", *_md_table(["", "control", f"shipped ({d.shipped or '-'})"], _summary_rows(r)), "",
+            f"Budget {md(fmt_bytes(d.budget_bytes))}, required reserve {d.reserve:.0%}: the peak must stay under "
+            f"{md(fmt_bytes(d.effective_budget_bytes))}; clears: **{'yes' if d.clears else 'no'}**" + headroom, ""]
+
+
+def _md_boundaries(r: Receipt) -> list[str]:
+    head = ["### Boundaries", ""]
+    if not r.plan.boundaries:
+        return [*head, md(r.plan.note or "No boundaries: nothing is checkpointed.")]
+    return [*head, *_md_table(BOUNDARY_HEADERS, _boundary_rows(r))]
+
+
+def _md_frontier(r: Receipt) -> list[str]:
+    head = ["", "### Frontier", ""]
+    if not r.frontier:
+        return [*head, "not run"]
+    return [*head, *_md_table(FRONTIER_HEADERS, _frontier_rows(r)), "", md(_frontier_caption(r))]
+
+
+def _md_verification(v: VerifyReport) -> list[str]:
+    """One verification: the verdict line, then each negative control and failure."""
+    bitwise = all(s.bitwise for s in v.per_step)
+    verdict = (f"**{'PASSED' if v.passed else 'FAILED'}**: {_n(len(v.seeds), 'seed')} x {_n(v.steps, 'step')} + eval, "
+               f"{'bitwise equal' if bitwise else 'within tolerance'}; control repeatable: "
+               f"{'yes' if v.repeatable else 'NO'}; RNG policy: {md(v.rng_policy.policy)}.")
+    controls = [f"- negative control {md(n.name)}: "
+                + md(("rejected" if n.rejected else "NOT rejected") if n.applicable else "n/a") + f" ({md(n.detail)})"
+                for n in v.negative_controls]
+    return [verdict, "", *controls, *[f"- failure: {md(f)}" for f in v.failures]]
+
+
+def _md_equivalence(r: Receipt) -> list[str]:
+    head = ["", "### Equivalence", ""]
+    if r.verification is None:
+        return [*head, md(r.verification_note)]
+    return [*head, *_md_verification(r.verification)]
+
+
+def _md_hazards(r: Receipt) -> list[str]:
+    return ["", "### Hazards", "",
+            *([f"- {md(h)}" for h in _hazard_lines(r)] or ["No replay hazard was observed in the checkpointed regions."])]
+
+
+def _md_unsupported(r: Receipt) -> list[str]:
+    return ["", "### Not covered", "", *[f"- **{md(u.mode)}** ({md(u.status)}): {md(u.detail)}" for u in r.unsupported]]
+
+
+def _md_footer(r: Receipt) -> list[str]:
+    c = r.context
+    return ["", f"<sub>{md(c.workload)} · {md(c.dtype)} on {md(c.device)} · torch {md(c.torch_version)} · "
+                f"remat {md(c.remat_version)} · git {md(c.git_revision or 'n/a')} · {md(c.created)}. "
+                f"Re-check: remat check receipt.json. Full report: report.html.</sub>", ""]
+
+
+_MD_SECTIONS = (_md_decision, _md_boundaries, _md_frontier, _md_equivalence, _md_hazards, _md_unsupported, _md_footer)
+
+
 def render_markdown(receipt: Receipt | dict[str, Any]) -> str:
     """The pull-request summary: decision, boundaries, frontier, equivalence, what is not covered."""
     r = _as_receipt(receipt)
-    d = r.decision
-    v = r.verification
-    lines = [f"## {md(_title(r))}", "", f"**{md(_headline(r))}**", ""]
-    lines += [f"{i}. {md(w)}" for i, w in enumerate(d.why, 1)]
-    lines += ["", *_md_table(["", "control", f"shipped ({d.shipped or '-'})"], _summary_rows(r)), ""]
-    lines += [f"Budget {md(fmt_bytes(d.budget_bytes))}, required reserve {d.reserve:.0%}: the peak must stay under "
-              f"{md(fmt_bytes(d.effective_budget_bytes))}; clears: **{'yes' if d.clears else 'no'}**"
-              + (f" (headroom {md(fmt_bytes(d.headroom_bytes))})." if d.headroom_bytes is not None else "."), ""]
-    lines += ["### Boundaries", ""]
-    if r.plan.boundaries:
-        lines += _md_table(BOUNDARY_HEADERS, _boundary_rows(r))
-    else:
-        lines.append(md(r.plan.note or "No boundaries: nothing is checkpointed."))
-    lines += ["", "### Frontier", ""]
-    lines += [*_md_table(FRONTIER_HEADERS, _frontier_rows(r)), "", md(_frontier_caption(r))] if r.frontier \
-        else ["not run"]
-    lines += ["", "### Equivalence", ""]
-    if v is None:
-        lines.append(md(r.verification_note))
-    else:
-        bitwise = all(s.bitwise for s in v.per_step)
-        lines.append(f"**{'PASSED' if v.passed else 'FAILED'}**: {_n(len(v.seeds), 'seed')} x {_n(v.steps, 'step')} + eval, "
-                     f"{'bitwise equal' if bitwise else 'within tolerance'}; control repeatable: "
-                     f"{'yes' if v.repeatable else 'NO'}; RNG policy: {md(v.rng_policy.policy)}.")
-        lines.append("")
-        lines += [f"- negative control {md(n.name)}: "
-                  + md(("rejected" if n.rejected else "NOT rejected") if n.applicable else "n/a") + f" ({md(n.detail)})"
-                  for n in v.negative_controls]
-        lines += [f"- failure: {md(f)}" for f in v.failures]
-    lines += ["", "### Hazards", ""]
-    hz = _hazard_lines(r)
-    lines += [f"- {md(h)}" for h in hz] or ["No replay hazard was observed in the checkpointed regions."]
-    lines += ["", "### Not covered", ""]
-    lines += [f"- **{md(u.mode)}** ({md(u.status)}): {md(u.detail)}" for u in r.unsupported]
-    c = r.context
-    lines += ["", f"<sub>{md(c.workload)} · {md(c.dtype)} on {md(c.device)} · torch {md(c.torch_version)} · "
-                  f"remat {md(c.remat_version)} · git {md(c.git_revision or 'n/a')} · {md(c.created)}. "
-                  f"Re-check: remat check receipt.json. Full report: report.html.</sub>", ""]
-    return "\n".join(lines)
+    return "\n".join(line for section in _MD_SECTIONS for line in section(r))

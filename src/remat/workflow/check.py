@@ -42,17 +42,20 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan
 from ..wrap import boundary_module
 from ..errors import CandidateError, ReceiptError, WorkloadError
+from ..plan import Plan
 from ..profile import FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
 from .build import measure_savings
-from ..receipt.model import Receipt, ShipStatus, resolved_shape
+from ..receipt.model import BoundaryRecord, Receipt, ShipStatus, resolved_shape
 from ..receipt.write import HTML_FILE, MD_FILE
 
 PYPROJECT = "pyproject.toml"
@@ -242,40 +245,160 @@ def _shape_findings(receipt: Receipt, spec: str) -> list[CheckFinding]:
     return out
 
 
+def _boundary_findings(b: BoundaryRecord, model: nn.Module, named: list[str], fp_diffs: list[FingerprintDiff]
+                       ) -> tuple[list[CheckFinding], list[FingerprintDiff]]:
+    """What changed in one boundary (its module is gone, or its revision differs), and the fingerprint
+    differences that explains."""
+    try:
+        module = boundary_module(model, b.module)   # a segment: its members (NOTE [segments])
+    except CandidateError:
+        module = None
+    if module is None:
+        close = difflib.get_close_matches(b.module, named, n=3)
+        hint = f"; closest: {', '.join(close)}" if close else ""
+        return ([CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
+                              message=f"boundary {b.module} ({b.class_name}): the module is gone{hint}")],
+                [d for d in fp_diffs if d.under(b.module)])
+    rev = module_revision(module)
+    if rev == b.revision:
+        return [], []
+    classes = {type(m).__qualname__ for m in module.modules()}
+    mine = [d for d in fp_diffs if d.under(b.module, strictly=True) or (d.kind == "class" and d.name in classes)]
+    why = "; ".join(str(d) for d in mine[:4]) or "its class source or parameter shapes changed"
+    return ([CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
+                          message=f"boundary {b.module} ({b.class_name}): revision {b.revision} -> {rev} ({why})")],
+            mine)
+
+
 def _model_findings(receipt: Receipt, loaded: LoadedWorkload) -> list[CheckFinding]:
+    """Each boundary's changes, then the fingerprint differences no boundary explains."""
     model = loaded.workload.model
-    named = dict(model.named_modules(remove_duplicate=False))
+    named = list(dict(model.named_modules(remove_duplicate=False)))
     plan = receipt.plan.plan
     assert plan is not None
     fp_diffs = plan.fingerprint.differences(fingerprint(model))
     out: list[CheckFinding] = []
     explained: set[FingerprintDiff] = set()
     for b in receipt.plan.boundaries:
-        try:
-            module = boundary_module(model, b.module)   # a segment: its members (NOTE [segments])
-        except CandidateError:
-            module = None
-        if module is None:
-            close = difflib.get_close_matches(b.module, list(named), n=3)
-            hint = f"; closest: {', '.join(close)}" if close else ""
-            out.append(CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
-                                    message=f"boundary {b.module} ({b.class_name}): the module is gone{hint}"))
-            explained.update(d for d in fp_diffs if d.under(b.module))
-            continue
-        rev = module_revision(module)
-        if rev != b.revision:
-            classes = {type(m).__qualname__ for m in module.modules()}
-            mine = [d for d in fp_diffs if d.under(b.module, strictly=True) or (d.kind == "class" and d.name in classes)]
-            explained.update(mine)
-            why = "; ".join(str(d) for d in mine[:4]) or "its class source or parameter shapes changed"
-            out.append(CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
-                                    message=f"boundary {b.module} ({b.class_name}): revision {b.revision} -> {rev} "
-                                            f"({why})"))
+        found, diffs = _boundary_findings(b, model, named, fp_diffs)
+        out += found
+        explained.update(diffs)
     rest = [d for d in fp_diffs if d not in explained]
     if rest:
         shown = "; ".join(str(d) for d in rest[:6]) + (f"; ... {len(rest) - 6} more" if len(rest) > 6 else "")
         out.append(CheckFinding(kind=FindingKind.MODEL, message=f"the model changed outside the boundaries: {shown}"))
     return out
+
+
+def _workload_is_the_receipts(ledger: CheckLedger, receipt: Receipt, chosen: ChosenWorkload, cwd: Path | None) -> bool:
+    """1. the chosen workload must be the one the receipt names (NOTE [workload spec policy])."""
+    theirs = receipt.context.workload
+    if not same_workload(chosen.spec, theirs, cwd=cwd):
+        ledger.failures.append(CheckFinding(kind=FindingKind.WORKLOAD, message=(
+            f"the receipt was made for workload {theirs!r}, but {chosen.source} names {chosen.spec!r}: "
+            "nothing was run")))
+        return False
+    ledger.checked.append(f"workload {chosen.spec} ({chosen.source}) is the receipt's")
+    return True
+
+
+def _shipped_plan(ledger: CheckLedger, receipt: Receipt) -> Plan | None:
+    """The plan the receipt ships; None (a DECISION failure) when it ships none."""
+    d = receipt.decision
+    plan = receipt.plan.plan
+    if d.status is not ShipStatus.SHIP or plan is None:
+        ledger.failures.append(CheckFinding(kind=FindingKind.DECISION,
+                                            message="the receipt ships no plan: " + (d.why[0] if d.why else "")))
+        return None
+    return plan
+
+
+def _check_shape(ledger: CheckLedger, receipt: Receipt, spec: str) -> None:
+    """2. every shape keyword of the factory, defaults included."""
+    shape = _shape_findings(receipt, spec)
+    ledger.failures += shape
+    if not shape:
+        ledger.checked.append(f"shape unchanged ({', '.join(f'{k}={v}' for k, v in receipt.context.resolved_shape.items())})")
+
+
+def _check_model(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan) -> bool:
+    """2. the model the plan is bound to; False (3-5 skipped) when it changed."""
+    model = _model_findings(receipt, loaded)
+    ledger.failures += model
+    if not plan.boundaries:
+        ledger.checked.append("the receipt ships no checkpointing: no boundary to re-check")
+    elif not model:
+        ledger.checked.append(f"{len(plan.boundaries)} boundary revision{'s' * (len(plan.boundaries) != 1)} "
+                              "unchanged: " + ", ".join(f"{b.module} {b.revision}" for b in receipt.plan.boundaries))
+    if model:
+        ledger.skipped.append("equivalence, peak and savings not re-run: the model is not the one the receipt was "
+                              "made for (re-run remat receipt)")
+    return not model
+
+
+def _blamed_boundary(receipt: Receipt, blamed: str | None) -> str | None:
+    """The boundary whose module (or a module inside it) diverged first."""
+    return next((b.module for b in receipt.plan.boundaries
+                 if blamed and (blamed == b.module or blamed.startswith(b.module + "."))), None)
+
+
+def _check_equivalence(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
+                       progress: ProgressFn) -> None:
+    """3. the fixture the receipt names; a compiled plan (plan.compile) re-runs compiled against the
+    compiled control (NOTE [compiled receipts]), a torch-budget plan too."""
+    torch_budget = plan.compile is not None and plan.compile.memory_budget is not None
+    if not (plan.boundaries or torch_budget):
+        return
+    fx = receipt.plan.boundaries[0].fixture if receipt.plan.boundaries else None
+    steps, seeds = (fx.steps, len(fx.seeds)) if fx else (receipt.settings.verify_steps, receipt.settings.verify_seeds)
+    report = verify_plan(loaded, plan, steps=steps, seeds=seeds, timing_steps=0, progress=progress)
+    if not report.passed:
+        owner = _blamed_boundary(receipt, report.first_divergent_module)
+        ledger.failures += [CheckFinding(kind=FindingKind.EQUIVALENCE, boundary=owner, message=f)
+                            for f in report.failures]
+        return
+    bitwise = all(s.bitwise for s in report.per_step)
+    how = f" (compiled: {plan.compile.describe()}, vs the compiled control)" if plan.compile else ""
+    ledger.checked.append(f"equivalence{how}: {seeds} seed{'s' * (seeds != 1)} x {steps} "
+                          f"step{'s' * (steps != 1)} + eval "
+                          f"{'bitwise equal' if bitwise else 'within tolerance'}; negative controls rejected")
+
+
+def _check_peak(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan) -> None:
+    """4. the peak with the plan applied still clears budget x (1 - reserve) (bytes)."""
+    d = receipt.decision
+    limit = d.effective_budget_bytes
+    peak = measure_plan(loaded, plan, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
+    if peak <= limit:
+        ledger.checked.append(f"peak {mib(peak)} clears {mib(limit)} (receipt: {mib(d.shipped_peak_bytes)})")
+        return
+    names = ", ".join(b.module for b in plan.boundaries) or "no boundaries"
+    ledger.failures.append(CheckFinding(
+        kind=FindingKind.PEAK, boundary=plan.boundaries[0].module if len(plan.boundaries) == 1 else None,
+        message=f"peak {mib(peak)} with the plan ({names}) no longer clears {mib(limit)} (budget "
+                f"{mib(d.budget_bytes)} less the required {d.reserve:.0%} reserve); the receipt measured "
+                f"{mib(d.shipped_peak_bytes)}"))
+
+
+def _check_savings(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
+                   progress: ProgressFn) -> None:
+    """5. each boundary's measured saving (bytes) has not fallen by more than its tolerance."""
+    if not plan.boundaries:
+        return
+    _, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
+    ok = []
+    for b in receipt.plan.boundaries:
+        now = savings[b.module]
+        floor = b.measured_saving_bytes - b.saving_tolerance * abs(b.measured_saving_bytes)
+        if now < floor:
+            ledger.failures.append(CheckFinding(
+                kind=FindingKind.SAVING, boundary=b.module,
+                message=f"boundary {b.module}: saves {mib(now)}, down from {mib(b.measured_saving_bytes)} "
+                        f"(more than the {b.saving_tolerance:.0%} tolerance)"))
+        else:
+            ok.append(f"{b.module} {mib(now)}")
+    if ok:
+        ledger.checked.append(f"savings within tolerance: {', '.join(ok)}")
 
 
 def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
@@ -291,92 +414,25 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     into exit code 1.
     """
     chosen = choose_workload(receipt.context.workload, workload, cwd=cwd)
-    spec = chosen.spec
-    ledger = CheckLedger(spec, quick, reports)
-    failures, checked, skipped, done = ledger.failures, ledger.checked, ledger.skipped, ledger.report
-    if not same_workload(spec, receipt.context.workload, cwd=cwd):
-        failures.append(CheckFinding(kind=FindingKind.WORKLOAD, message=(
-            f"the receipt was made for workload {receipt.context.workload!r}, but {chosen.source} names {spec!r}: "
-            "nothing was run")))
-        return done()
-    checked.append(f"workload {spec} ({chosen.source}) is the receipt's")
-    d = receipt.decision
-    plan = receipt.plan.plan
-    if d.status is not ShipStatus.SHIP or plan is None:
-        failures.append(CheckFinding(kind=FindingKind.DECISION, message="the receipt ships no plan: " + (d.why[0] if d.why else "")))
-        return done()
-    loaded = _load(receipt, spec)
+    ledger = CheckLedger(chosen.spec, quick, reports)
+    if not _workload_is_the_receipts(ledger, receipt, chosen, cwd):
+        return ledger.report()
+    plan = _shipped_plan(ledger, receipt)
+    if plan is None:
+        return ledger.report()
+    loaded = _load(receipt, chosen.spec)
     progress("check", 1, 5)
-    shape = _shape_findings(receipt, spec)
-    failures += shape
-    if not shape:
-        checked.append(f"shape unchanged ({', '.join(f'{k}={v}' for k, v in receipt.context.resolved_shape.items())})")
-    model = _model_findings(receipt, loaded)
-    failures += model
-    if not plan.boundaries:
-        checked.append("the receipt ships no checkpointing: no boundary to re-check")
-    elif not model:
-        checked.append(f"{len(plan.boundaries)} boundary revision{'s' * (len(plan.boundaries) != 1)} unchanged: "
-                       + ", ".join(f"{b.module} {b.revision}" for b in receipt.plan.boundaries))
-    if model:
-        skipped.append("equivalence, peak and savings not re-run: the model is not the one the receipt was made "
-                       "for (re-run remat receipt)")
-        return done()
+    _check_shape(ledger, receipt, chosen.spec)
+    if not _check_model(ledger, receipt, loaded, plan):
+        return ledger.report()
     progress("check", 2, 5)
-
-    # 3. equivalence: the fixture the receipt names; a compiled plan (plan.compile) re-runs compiled
-    # against the compiled control (NOTE [compiled receipts]), a torch-budget plan too
-    torch_budget = plan.compile is not None and plan.compile.memory_budget is not None
-    if plan.boundaries or torch_budget:
-        fx = receipt.plan.boundaries[0].fixture if receipt.plan.boundaries else None
-        steps, seeds = (fx.steps, len(fx.seeds)) if fx else (receipt.settings.verify_steps, receipt.settings.verify_seeds)
-        report = verify_plan(loaded, plan, steps=steps, seeds=seeds, timing_steps=0, progress=progress)
-        if report.passed:
-            bitwise = all(s.bitwise for s in report.per_step)
-            how = f" (compiled: {plan.compile.describe()}, vs the compiled control)" if plan.compile else ""
-            checked.append(f"equivalence{how}: {seeds} seed{'s' * (seeds != 1)} x {steps} "
-                           f"step{'s' * (steps != 1)} + eval "
-                           f"{'bitwise equal' if bitwise else 'within tolerance'}; negative controls rejected")
-        else:
-            blamed = report.first_divergent_module
-            owner = next((b.module for b in receipt.plan.boundaries
-                          if blamed and (blamed == b.module or blamed.startswith(b.module + "."))), None)
-            for f in report.failures:
-                failures.append(CheckFinding(kind=FindingKind.EQUIVALENCE, boundary=owner, message=f))
+    _check_equivalence(ledger, receipt, loaded, plan, progress)
     progress("check", 3, 5)
     if quick:
-        skipped.append("peak and per-boundary savings not re-measured (--quick)")
-        return done()
-
-    # 4. the peak still clears the reserve
-    limit = d.effective_budget_bytes
-    peak = measure_plan(loaded, plan, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
-    names = ", ".join(b.module for b in plan.boundaries) or "no boundaries"
-    if peak > limit:
-        failures.append(CheckFinding(
-            kind=FindingKind.PEAK, boundary=plan.boundaries[0].module if len(plan.boundaries) == 1 else None,
-            message=f"peak {mib(peak)} with the plan ({names}) no longer clears {mib(limit)} (budget "
-                    f"{mib(d.budget_bytes)} less the required {d.reserve:.0%} reserve); the receipt measured "
-                    f"{mib(d.shipped_peak_bytes)}"))
-    else:
-        checked.append(f"peak {mib(peak)} clears {mib(limit)} (receipt: {mib(d.shipped_peak_bytes)})")
+        ledger.skipped.append("peak and per-boundary savings not re-measured (--quick)")
+        return ledger.report()
+    _check_peak(ledger, receipt, loaded, plan)
     progress("check", 4, 5)
-
-    # 5. per-boundary savings
-    if plan.boundaries:
-        _, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
-        ok = []
-        for b in receipt.plan.boundaries:
-            now = savings[b.module]
-            floor = b.measured_saving_bytes - b.saving_tolerance * abs(b.measured_saving_bytes)
-            if now < floor:
-                failures.append(CheckFinding(
-                    kind=FindingKind.SAVING, boundary=b.module,
-                    message=f"boundary {b.module}: saves {mib(now)}, down from {mib(b.measured_saving_bytes)} "
-                            f"(more than the {b.saving_tolerance:.0%} tolerance)"))
-            else:
-                ok.append(f"{b.module} {mib(now)}")
-        if ok:
-            checked.append(f"savings within tolerance: {', '.join(ok)}")
+    _check_savings(ledger, receipt, loaded, plan, progress)
     progress("check", 5, 5)
-    return done()
+    return ledger.report()
