@@ -6,9 +6,7 @@ plan -> wrap (apply) -> closed_loop -> verify -> autoplan -> integrations -> fro
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
-
+from ._lazy import lazy_exports
 from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch, HandleError,
                      MemoryMeasurementError, OutputError, PlanError, ReceiptError, RematError, ShapeError, UserCodeError,
                      VerificationFailed, WorkloadError)
@@ -18,7 +16,7 @@ __version__ = "0.1.0"
 
 # Everything that imports torch loads on first use (``remat.Workload``, ``remat.apply``...): name ->
 # module. ``import remat`` itself stays light, so the ``remat`` command can catch a Ctrl-C during
-# torch's import (NOTE [exit codes] in remat.cli.main).
+# torch's import (NOTE [exit codes] in remat.cli.main; NOTE [import cost] in remat._lazy).
 _LAZY = {
     "LoadedWorkload": "remat.workload",
     "TrainingStep": "remat.workload",
@@ -31,8 +29,10 @@ _LAZY = {
     "StepTrace": "remat.trace",
     "apply": "remat.wrap",
     "export_check_fn": "remat.wrap",
+    "PlanCheckFn": "remat.wrap",
     "profile_workload": "remat.profile",
     "make_plan": "remat.plan",
+    "ProfileReport": "remat.profile",
     "verify_plan": "remat.verify",
     "VerifyReport": "remat.verify",
     "auto": "remat.autoplan",
@@ -41,19 +41,14 @@ _LAZY = {
 }
 
 __all__ = [
+    # errors and enums (imported above)
     "AutoError", "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
     "HandleError", "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "OutputError", "Phase", "PlanError",
-    "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError",
-    "__version__", *_LAZY,
+    "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
+    # loaded on first use (_LAZY): the stage functions and the results they hand back
+    "ApplyHandle", "AutoHandle", "AutoReport", "LoadedWorkload", "Plan", "PlanCheckFn", "ProfileReport", "StepTrace",
+    "TrainingStep", "VerifyReport", "Workload", "apply", "auto", "export_check_fn", "load_workload", "make_plan",
+    "profile_workload", "recover_handle", "trace_workload", "verify_plan",
 ]
 
-
-def __dir__() -> list[str]:
-    """The lazy names too: ``'auto' in dir(remat)`` before anything has loaded them."""
-    return sorted(set(globals()) | set(_LAZY))
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'remat' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)   # dir(remat) lists the lazy names too

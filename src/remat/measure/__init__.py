@@ -6,16 +6,26 @@ bytes held when a phase starts, and device-correct step timing (NOTE [device-cor
 one percentile definition (:func:`percentile`), one timed-step loop (:func:`time_steps`) and
 one interleaved round-robin scheduler (:func:`time_round_robin`). It never imports ``plan``
 or ``apply``; profile, the closed loop, verify, frontier, distributed and the pipeline use it.
+:class:`CompileSpec` imports without torch, so a plan carries one; the rest loads torch on
+first use (NOTE [import cost] in remat._lazy).
 """
 
-from .run import (Arm, Prepared, ProbeResult, PeakLimitExceeded, Runner, StepMeasurement, Timings, Undo,
-                  held_bytes_at_phase, is_cuda, measure_arm, measure_arm_peak, measure_step_peak_within,
-                  prepare_arm, probe_capacity, release_memory, shape_value, time_round_robin, time_steps, warm_up)
-from .compiled import (BACKENDS, CompileSpec, CompiledCall, CompiledFunction, compile_model, compiled_step_peak, is_compiled,
-                       random_ops_in_program_order)
-from ..clock import RegionTimer, StepClock, p50, p50_along, p95, percentile
+from .._lazy import lazy_exports
+from .compile_spec import BACKENDS, CompileSpec
+
+_LAZY = {   # name -> the module that defines it
+    **dict.fromkeys(["Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "Runner", "StepMeasurement", "Timings", "Undo",
+                     "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak", "measure_step_peak_within",
+                     "prepare_arm", "probe_capacity", "release_memory", "shape_value", "time_round_robin", "time_steps",
+                     "warm_up"], "remat.measure.run"),
+    **dict.fromkeys(["CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled",
+                     "random_ops_in_program_order"], "remat.measure.compiled"),
+    **dict.fromkeys(["RegionTimer", "StepClock", "p50", "p50_along", "p95", "percentile"], "remat.clock"),
+}
 
 __all__ = ["BACKENDS", "CompileSpec", "CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled", "random_ops_in_program_order", "Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
            "StepMeasurement", "Timings", "Undo", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak",
            "measure_step_peak_within", "p50", "p50_along", "p95", "percentile", "prepare_arm", "probe_capacity", "release_memory",
            "shape_value", "time_round_robin", "time_steps", "warm_up"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -40,7 +40,8 @@ from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep, is_allocation_failure
 from ..workload.loader import LoadedWorkload, ShapeValue, factory_defaults
 from ..clock import StepClock, percentile
-from .compiled import CompiledFunction, CompileSpec, compile_model, compiled_step_peak
+from .compile_spec import CompileSpec
+from .compiled import CompiledFunction, compile_model, compiled_step_peak
 
 Undo = Callable[[], None]
 

@@ -53,11 +53,12 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Union
 
-import numpy as np
-
+from .._lazy import LazyModule
 from ..errors import CandidateError, PlanError
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
+
+np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
 
 # What may be checkpointed: None (every candidate, every measured mode), candidate names
 # (every measured mode of each), or name -> modes.

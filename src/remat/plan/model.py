@@ -12,7 +12,7 @@ from typing import Any
 
 from .._json import read_json_file, validate
 from ..errors import PlanError
-from ..measure.compiled import CompileSpec
+from ..measure.compile_spec import CompileSpec
 from ..profile.model import ModelFingerprint
 from ..types import CheckpointMode
 from .schema import PLAN

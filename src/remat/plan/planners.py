@@ -95,14 +95,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
+from .._lazy import LazyModule
 from ..errors import BudgetError, PlanError
 from ..profile.model import CandidateCost, HazardRecord, ProfileReport
 from ..types import CheckpointMode, HazardKind
 from .budget import InfeasibleBudget, effective_budget, format_bytes
 from .cost import CostModel, ancestor_chains, checkpoint_modes
 from .model import Boundary, Exclusion, Plan
+
+np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
 
 PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "checkpoint_sequential",
                  "checkpoint_sequential:K", "first-k", "first-k:K", "floor", "none")

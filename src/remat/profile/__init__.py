@@ -1,10 +1,23 @@
-"""Per-candidate costs (saved bytes, replay ms, hazards) measured on the real step."""
+"""Per-candidate costs (saved bytes, replay ms, hazards) measured on the real step.
 
-from .candidates import auto_candidates, resolve_candidates
-from .fingerprint import class_source_hash, fingerprint, module_revision
-from .measure import profile_simulated, profile_step, profile_workload
+The result types (``model``) and fingerprints import without torch, so the plan stage reads a
+profile without it; the measuring functions load torch on first use (NOTE [import cost] in remat._lazy).
+"""
+
+from .._lazy import lazy_exports
+from .fingerprint import class_source_hash, fingerprint, module_revision   # eager: ``fingerprint`` is also a submodule's name
 from .model import CandidateCost, FingerprintDiff, HazardRecord, ModelFingerprint, ParamSignature, PeakRow, ProfileReport
+
+_LAZY = {
+    "auto_candidates": "remat.profile.candidates",
+    "resolve_candidates": "remat.profile.candidates",
+    "profile_simulated": "remat.profile.measure",
+    "profile_step": "remat.profile.measure",
+    "profile_workload": "remat.profile.measure",
+}
 
 __all__ = ["CandidateCost", "FingerprintDiff", "HazardRecord", "ModelFingerprint", "ParamSignature", "PeakRow", "ProfileReport",
            "auto_candidates", "class_source_hash", "fingerprint", "module_revision", "profile_simulated", "profile_step",
            "profile_workload", "resolve_candidates"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -9,10 +9,12 @@ import inspect
 import json
 import linecache
 import types
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .model import ModelFingerprint, ParamSignature
+
+if TYPE_CHECKING:   # annotations only: remat.profile imports this module without torch (NOTE [import cost] in remat._lazy)
+    from torch import nn
 
 # NOTE [class identity without source]
 # A class's revision is the sha256 of its source (``inspect.getsource``). That fails for classes

@@ -1,0 +1,40 @@
+"""How an arm is compiled (:class:`CompileSpec`): torch-free, so a plan (remat.plan.model) can carry one
+without importing torch. The compiling itself is remat.measure.compiled (NOTE [compiled arms])."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..errors import RematError
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileSpec:
+    """How an arm is compiled. ``memory_budget``: torch's ``activation_memory_budget`` (a ratio of
+    saved-activation bytes in [0, 1]; None leaves torch's own setting, 1.0 by default)."""
+
+    backend: str = "inductor"
+    memory_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise RematError(f"unknown torch.compile backend {self.backend!r}; use one of {', '.join(BACKENDS)}")
+        b = self.memory_budget
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                              or not 0.0 <= b <= 1.0):
+            raise RematError(f"activation_memory_budget must lie in [0, 1], got {b!r}")
+
+    def describe(self) -> str:
+        budget = "" if self.memory_budget is None else f", activation_memory_budget={self.memory_budget:g}"
+        return f"torch.compile(model, backend={self.backend}{budget})"
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "memory_budget": self.memory_budget}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CompileSpec":
+        return cls(backend=d["backend"], memory_budget=d["memory_budget"])
+
