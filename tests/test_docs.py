@@ -5,7 +5,7 @@ files*). The rules, kept simple:
 
 - **Stage table.** The first table under ``## The stages`` in ``docs/DESIGN.md``: each row's first cell
   names one layer by its backticked modules (``remat.`` dropped; a layer of several sibling modules,
-  ``_json | _io | units | clock`` in pyproject.toml, is one row naming each). The rows, top to bottom,
+  ``_json | _io | units | clock | _lazy`` in pyproject.toml, is one row naming each). The rows, top to bottom,
   must be the ``layers`` of the ``[tool.importlinter]`` contract, in order; every module of
   ``src/remat`` (and of ``src/remat/pipeline_parallel``, whose modules sit at layers of their own) must
   belong to a layer.
