@@ -124,7 +124,7 @@ def _hazard_text(h: HazardRecord, where: str | None) -> str:
     return f"{h.kind.value}: {h.detail}" + ("" if where is None else f" (in nested candidate {where})")
 
 
-_Found = tuple[HazardRecord, "str | None"]   # a hazard and the nested candidate it is in (None: the region's own)
+_Found = tuple[HazardRecord, str | None]   # a hazard and the nested candidate it is in (None: the region's own)
 
 
 def _nested_candidates(cands: list[CandidateCost]) -> dict[str, list[CandidateCost]]:

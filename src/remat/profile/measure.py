@@ -269,7 +269,7 @@ class _StepEvidence:
         return out
 
 
-_Span = tuple[int, int, "int | None", "int | None"]   # (fwd start, fwd end, bwd first unpack, bwd last unpack) events
+_Span = tuple[int, int, int | None, int | None]   # (fwd start, fwd end, bwd first unpack, bwd last unpack) events
 
 
 def _chain_probe(model: nn.Module, asked_segments: list[str], *, search: bool) -> ChainProbe | None:
@@ -338,14 +338,17 @@ class _Recorded:
     evidence: _StepEvidence
 
     @classmethod
-    def of(cls, rec: StepRecorder, oplog: _OpLog, **kw: Any) -> "_Recorded":
+    def of(cls, rec: StepRecorder, oplog: _OpLog, *, modules: dict[str, nn.Module], cand_set: set[str],
+           fwd_ms: dict[str, float], predicted: RuntimePrediction | None,
+           probes: dict[str, HazardProbe]) -> "_Recorded":
         windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
         for w in rec.windows:
             if not w.in_backward:   # a replay of the model's own checkpoint is not a second call
                 windows_by_name[w.name].append(w)
-        return cls(calls={n: len(ws) for n, ws in windows_by_name.items()},
+        return cls(modules=modules, cand_set=cand_set, fwd_ms=fwd_ms, predicted=predicted, probes=probes,
+                   calls={n: len(ws) for n, ws in windows_by_name.items()},
                    last_window={n: ws[-1] for n, ws in windows_by_name.items()},
-                   evidence=_StepEvidence(rec, oplog), **kw)
+                   evidence=_StepEvidence(rec, oplog))
 
     def forward_ms(self, name: str) -> float:
         """Module ``name``'s forward time (ms): timed, else its window's wall time in the recorded step."""
@@ -484,8 +487,8 @@ def _segment_hazards(kids: list[str], hazards_of: Callable[[str], list[HazardRec
     segment's replay recreates: only the first member's counts (as for nested candidates)."""
     hazards = [h for i, k in enumerate(kids) for h in hazards_of(k)
                if i == 0 or h.kind is not HazardKind.INPLACE_INPUT]
-    seen: set[tuple[HazardKind, str]] = set()
-    return [h for h in hazards if not ((h.kind, h.detail) in seen or seen.add((h.kind, h.detail)))]
+    once: set[tuple[HazardKind, str]] = set()
+    return [h for h in hazards if not ((h.kind, h.detail) in once or once.add((h.kind, h.detail)))]
 
 
 def _segment_bwd_span(kids: list[str], last_window: dict[str, ModuleWindow]) -> tuple[int | None, int | None]:
