@@ -586,3 +586,28 @@ def test_infeasible_tip_says_when_checkpointing_saves_less_than_the_reserve():
     assert "fits without checkpointing" in e.tip
     ok = InfeasibleBudget(floor_bytes=100 * 2**20, budget_bytes=90 * 2**20, reserve=0.05, control_peak_bytes=control)
     assert "fits without checkpointing" not in ok.tip and "at least" in ok.tip
+
+
+def test_byte_scale_brings_every_figure_below_2_pow_20():
+    """NOTE [exact integer check]: a power of two, 1 while figures fit, and every scaled figure < 2**20."""
+    import numpy as np
+    from remat.plan.cost import _byte_scale
+    assert _byte_scale(np.array([[-(2**20 - 1)]]), np.array([5]), None) == 1
+    for top in (2**20, 3 * 2**30 + 7, 2**40):
+        scale = _byte_scale(np.array([[1]]), np.array([top]), 10)
+        assert scale & (scale - 1) == 0 and top / scale < 2**20 <= 2 * top / scale
+    assert _byte_scale(np.zeros((0, 0), dtype=np.int64), np.zeros(0, dtype=np.int64), 2**24) == 2**5
+
+
+def test_sort_hazards_follows_the_hazard_policy():
+    """NOTE [hazard policy]: RNG is no hazard while preserved and blocking otherwise; a guardable
+    buffer mutation is guarded; any other hazard blocks."""
+    from remat.plan.planners import _sort_hazards
+    rng = HazardRecord(kind=HazardKind.RNG, detail="dropout")
+    bn = HazardRecord(kind=HazardKind.BUFFER_MUTATION, detail="bn", guardable=True)
+    cache = HazardRecord(kind=HazardKind.BUFFER_MUTATION, detail="cache", guardable=False)
+    found = [(rng, None), (bn, "b.0"), (cache, None)]
+    assert _sort_hazards(found, preserve_rng_state=True) == ([(cache, None)], [(bn, "b.0")])
+    blocking, guardable = _sort_hazards(found, preserve_rng_state=False)
+    assert [h.detail for h, _ in blocking] == ["dropout; RNG state is not preserved", "cache"]
+    assert guardable == [(bn, "b.0")]

@@ -406,3 +406,12 @@ def test_a_failing_op_level_mode_is_excluded_with_its_reason(monkeypatch):
     for c in report.candidates:
         assert M.SAVE_ATTENTION not in c.saved_bytes and M.RECOMPUTE_POINTWISE in c.saved_bytes
         assert "policy blew up" in report.mode_excluded[c.name]["save-attention"]
+
+
+def test_module_exclusion_reasons():
+    """A module is offered only when its name can be written in a plan and it runs once per step."""
+    from remat.profile.measure import _module_exclusion
+    assert _module_exclusion("blocks.0", 1) is None
+    assert "cannot be written in a plan" in _module_exclusion("blocks 0", 1)
+    assert _module_exclusion("blocks.0", 0) == "not called during the step"
+    assert _module_exclusion("shared", 3).startswith("called 3 times per step (shared module)")

@@ -35,7 +35,8 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else ("0" if x == 0 else f"{x:.2e}")
 
 
-def render_report(report: VerifyReport, max_lines: int = 12) -> None:
+def _steps_table(report: VerifyReport) -> Table:
+    """One row per compared step: loss, its difference, gradient errors, bitwise, result."""
     table = Table(title=f"verify {report.workload} ({report.planner} plan, {report.dtype})")
     for col in ("seed", "step", "mode", "loss", "|dloss|", "grad abs err", "grad rel err", "bitwise", "result"):
         table.add_column(col, justify="left" if col in ("mode", "result") else "right")
@@ -43,23 +44,36 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
         table.add_row(str(s.seed), str(s.step), s.mode, f"{s.loss[0]:.5f}", _fmt(abs(s.loss[1] - s.loss[0])),
                       _fmt(s.grad_max_abs), _fmt(s.grad_max_rel), "yes" if s.bitwise else "no",
                       "[green]ok[/]" if s.passed else "[bold red]DIFF[/]")
-    console.print(table)
+    return table
+
+
+def _print_first_difference(report: VerifyReport) -> None:
     first_bad = next((s for s in report.per_step if not s.passed), None)
     if first_bad is not None:
         console.print(f"first difference: seed {first_bad.seed} step {first_bad.step} ({first_bad.mode}) in "
                       f"[bold]{first_bad.first_divergent_module or '-'}[/] ({first_bad.first_divergence}): "
                       f"{', '.join(first_bad.divergent[:4])}", highlight=False)
+
+
+def _print_boundaries(report: VerifyReport) -> None:
+    """Each boundary's forward and replay calls per step, per mode."""
     for b in report.boundaries:
         calls = ", ".join(f"{m} {b.forward_calls[m]} forward + {b.replay_calls.get(m, 0)} replay"
                           for m in b.forward_calls)
         console.print(f"  {b.module} ({b.mode}{', guarded' if b.guarded else ''}): {calls} per step"
                       f"{'; draws RNG' if b.draws_rng else ''}", highlight=False)
-    pol = report.rng_policy
-    timing = "" if report.rng_timing is None else (
-        f"; preservation costs {report.rng_timing.overhead_ms:+.2f} ms/step "
-        f"(p50 {report.rng_timing.with_ms:.2f} vs {report.rng_timing.without_ms:.2f} ms over {report.rng_timing.steps} "
-        "warm steps each)")
+
+
+def _print_rng_policy(report: VerifyReport) -> None:
+    pol, t = report.rng_policy, report.rng_timing
+    timing = "" if t is None else (
+        f"; preservation costs {t.overhead_ms:+.2f} ms/step "
+        f"(p50 {t.with_ms:.2f} vs {t.without_ms:.2f} ms over {t.steps} warm steps each)")
     console.print(f"RNG policy: [bold]{pol.policy}[/] ({pol.justification}){timing}", highlight=False)
+
+
+def _print_findings(report: VerifyReport, max_lines: int) -> None:
+    """Negative controls, the first ``max_lines`` hazards, warnings."""
     for n in report.negative_controls:
         state = ("[green]rejected[/]" if n.rejected else "[bold red]NOT rejected[/]") if n.applicable else "n/a"
         console.print(f"negative control {n.name}: {state} ({n.detail})", highlight=False)
@@ -69,13 +83,25 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
         console.print(f"... and {len(report.hazards) - max_lines} more hazards in verify.json")
     for w in report.warnings:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    if report.passed:
-        if report.compile is not None:
-            console.print("compiled: control = the compiled unplanned step; tolerances "
-                          + ", ".join(f"{k} rtol {v.rtol:g}" for k, v in report.tolerances.items()), highlight=False)
-        console.print("[bold green]PASSED[/]: the planned step is the same training procedure as the control")
-    else:
+
+
+def _print_verdict(report: VerifyReport) -> None:
+    if not report.passed:
         console.print(f"[bold red]FAILED[/]: first divergent module {report.first_divergent_module or '-'}")
+        return
+    if report.compile is not None:
+        console.print("compiled: control = the compiled unplanned step; tolerances "
+                      + ", ".join(f"{k} rtol {v.rtol:g}" for k, v in report.tolerances.items()), highlight=False)
+    console.print("[bold green]PASSED[/]: the planned step is the same training procedure as the control")
+
+
+def render_report(report: VerifyReport, max_lines: int = 12) -> None:
+    console.print(_steps_table(report))
+    _print_first_difference(report)
+    _print_boundaries(report)
+    _print_rng_policy(report)
+    _print_findings(report, max_lines)
+    _print_verdict(report)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -121,6 +121,58 @@ def _segment_cliques(cands: list[CandidateCost]) -> list[list[int]]:
     return out
 
 
+def _check_unique_names(cands: list[CandidateCost]) -> None:
+    names = [c.name for c in cands]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise CandidateError(f"candidate names must be unique; repeated: {dup}")
+
+
+_Signature = tuple[frozenset[str], frozenset[str]]   # (live, replaying) plannable candidates of a row
+
+
+def _merged_rows(report: ProfileReport, plannable: set[str]) -> dict[_Signature, int]:
+    """Row signature restricted to ``plannable`` -> its largest base (bytes); the baseline peak without rows."""
+    merged: dict[_Signature, int] = {}
+    for r in report.rows:
+        sig = (frozenset(n for n in r.live if n in plannable), frozenset(n for n in r.replaying if n in plannable))
+        merged[sig] = max(merged.get(sig, r.base_bytes), r.base_bytes)
+    if not merged:
+        merged[(frozenset(), frozenset())] = int(report.baseline_peak_bytes)
+    return merged
+
+
+def _byte_scale(delta: np.ndarray, base: np.ndarray, budget_bytes: int | None) -> int:
+    """NOTE [exact integer check]: the power of two that brings every byte figure below 2**20."""
+    top = int(max(np.abs(delta).max(initial=0), np.abs(base).max(initial=0), abs(budget_bytes or 0), 1))
+    return 2 ** max(0, top.bit_length() - _SCALE_BITS)
+
+
+def _row_constraints(delta: np.ndarray, base: np.ndarray, scale: int, *, minimise_peak: bool,
+                     budget_bytes: int | None, slack: int) -> list:
+    """Each row under the peak variable t (``minimise_peak``) or under the budget (+ 0.5 - slack bytes), scaled."""
+    from scipy.optimize import LinearConstraint
+    from scipy.sparse import csr_array, hstack
+
+    if len(base) == 0:
+        return []
+    a_rows = csr_array(delta / scale)
+    if minimise_peak:
+        # base_r + delta_r x <= t  <=>  delta_r x - t <= -base_r
+        a = hstack([a_rows, csr_array(-np.ones((len(base), 1)))], format="csr")
+        return [LinearConstraint(a, -np.inf, -base / scale)]
+    return [LinearConstraint(a_rows, -np.inf, (budget_bytes - base + 0.5 - slack) / scale)]
+
+
+def _overhead_constraint(ms: np.ndarray, n_var: int, max_overhead_ms: float):
+    """Total replay ms of the chosen options <= ``max_overhead_ms`` (t, if any, has no cost)."""
+    from scipy.optimize import LinearConstraint
+    from scipy.sparse import csr_array
+
+    row = np.concatenate([ms, np.zeros(n_var - len(ms))])[None, :]
+    return LinearConstraint(csr_array(row), -np.inf, max_overhead_ms)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Option:
     """One (candidate, non-KEEP mode) pair a plan may pick: one binary MILP variable."""
@@ -144,27 +196,33 @@ class CostModel:
 
     def __init__(self, report: ProfileReport, allowed: Allowed = None) -> None:
         cands = sorted(report.candidates, key=lambda c: (c.order, c.name))
-        names = [c.name for c in cands]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise CandidateError(f"candidate names must be unique; repeated: {dup}")
+        _check_unique_names(cands)
         self.candidates = cands
         self.index = {c.name: i for i, c in enumerate(cands)}
-        chains = ancestor_chains(cands)
-        self.ancestors: list[tuple[int, ...]] = [tuple(self.index[a] for a in chains[c.name]) for c in cands]
+        self._build_relations()
+        self._build_options(self._allowed_modes(allowed))
+        self._build_rows(report)
+
+    # -- construction -------------------------------------------------------------------
+
+    def _build_relations(self) -> None:
+        """Ancestors per candidate, and every candidate it may not be checkpointed with (NOTE [valid choice])."""
+        chains = ancestor_chains(self.candidates)
+        self.ancestors: list[tuple[int, ...]] = [tuple(self.index[a] for a in chains[c.name]) for c in self.candidates]
         self.related: list[set[int]] = [set(a) for a in self.ancestors]   # ancestors and descendants
         for j, anc in enumerate(self.ancestors):
             for a in anc:
                 self.related[a].add(j)
-        self.segment_cliques = _segment_cliques(cands)   # NOTE [valid choice]: segments overlap, not nest
+        self.segment_cliques = _segment_cliques(self.candidates)   # NOTE [valid choice]: segments overlap, not nest
         for clique in self.segment_cliques:
             for a in clique:
                 self.related[a].update(b for b in clique if b != a)
 
-        modes_of = self._allowed_modes(allowed)
+    def _build_options(self, modes_of: dict[str, list[CheckpointMode]]) -> None:
+        """One Option per (candidate, allowed mode), candidates' options contiguous, in candidate order."""
         self.options: list[Option] = []
-        self.options_of: list[list[int]] = [[] for _ in cands]
-        for j, c in enumerate(cands):
+        self.options_of: list[list[int]] = [[] for _ in self.candidates]
+        for j, c in enumerate(self.candidates):
             for m in modes_of.get(c.name, ()):
                 self.options_of[j].append(len(self.options))
                 self.options.append(Option(candidate=c.name, index=j, mode=m, saved_bytes=int(c.saved_bytes[m]),
@@ -173,9 +231,6 @@ class CostModel:
         self.option_index = {(o.candidate, o.mode): k for k, o in enumerate(self.options)}
         self.replay_ms = np.array([o.replay_ms for o in self.options], dtype=np.float64)   # (O,) ms
         self.saved = np.array([o.saved_bytes for o in self.options], dtype=np.int64)      # (O,) bytes
-        self._build_rows(report)
-
-    # -- construction -------------------------------------------------------------------
 
     def _allowed_modes(self, allowed: Allowed) -> dict[str, list[CheckpointMode]]:
         by_name = {c.name: c for c in self.candidates}
@@ -203,13 +258,9 @@ class CostModel:
         return out
 
     def _build_rows(self, report: ProfileReport) -> None:
+        """base (R,) and delta (R, O) over the merged rows, and the option cliques."""
         plannable = {self.candidates[j].name for j in range(len(self.candidates)) if self.options_of[j]}
-        merged: dict[tuple[frozenset[str], frozenset[str]], int] = {}
-        for r in report.rows:
-            sig = (frozenset(n for n in r.live if n in plannable), frozenset(n for n in r.replaying if n in plannable))
-            merged[sig] = max(merged.get(sig, r.base_bytes), r.base_bytes)
-        if not merged:
-            merged[(frozenset(), frozenset())] = int(report.baseline_peak_bytes)
+        merged = _merged_rows(report, plannable)
         sigs = list(merged)
         self.base = np.array([merged[s] for s in sigs], dtype=np.int64)                 # (R,) bytes
         self.delta = np.zeros((len(sigs), len(self.options)), dtype=np.int64)           # (R, O) bytes
@@ -220,17 +271,13 @@ class CostModel:
             for name in replaying:
                 for k in self.options_of[self.index[name]]:
                     self.delta[r, k] += self.options[k].extra_bytes
-        # Cliques of pairwise-exclusive options (NOTE [valid choice]); only chains with >= 2 options matter.
-        cliques = []
-        for j in range(len(self.candidates)):
-            opts = [k for i in (j, *self.ancestors[j]) for k in self.options_of[i]]
-            if len(opts) >= 2:
-                cliques.append(opts)
-        for clique in self.segment_cliques:
-            opts = [k for i in clique for k in self.options_of[i]]
-            if len(opts) >= 2:
-                cliques.append(opts)
-        self.cliques: list[list[int]] = cliques
+        self.cliques: list[list[int]] = self._option_cliques()
+
+    def _option_cliques(self) -> list[list[int]]:
+        """Cliques of pairwise-exclusive options (NOTE [valid choice]); only chains with >= 2 options matter."""
+        chains = [(j, *self.ancestors[j]) for j in range(len(self.candidates))]
+        cliques = [[k for i in group for k in self.options_of[i]] for group in [*chains, *self.segment_cliques]]
+        return [opts for opts in cliques if len(opts) >= 2]
 
     # -- evaluation ----------------------------------------------------------------------
 
@@ -385,56 +432,55 @@ class CostModel:
     def _milp(self, rows: np.ndarray, cols: np.ndarray, *, minimise_peak: bool, budget_bytes: int | None,
               slack: int, max_overhead_ms: float | None, t_lb: int, time_limit_s: float,
               best_effort: bool) -> np.ndarray | None:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import csr_array, hstack
+        """One HiGHS MILP over options ``cols`` and rows ``rows``: least overhead under the budget, or
+        (``minimise_peak``) least peak; returns the full 0/1 option vector, None when infeasible."""
+        from scipy.optimize import Bounds, milp
 
         n_x = len(cols)
         n_var = n_x + (1 if minimise_peak else 0)           # [x (binary) ..., t (peak, scaled bytes)]
         delta = self.delta[np.ix_(rows, cols)]
         base = self.base[rows]
-        # NOTE [exact integer check]: bytes scaled by a power of two, so HiGHS sees figures < 2**20.
-        top = int(max(np.abs(delta).max(initial=0), np.abs(base).max(initial=0), abs(budget_bytes or 0), 1))
-        scale = 2 ** max(0, top.bit_length() - _SCALE_BITS)
-        a_rows = csr_array(delta / scale)
-        constraints = []
-        if len(rows) == 0:
-            pass
-        elif minimise_peak:
-            # base_r + delta_r x <= t  <=>  delta_r x - t <= -base_r
-            a = hstack([a_rows, csr_array(-np.ones((len(rows), 1)))], format="csr")
-            constraints.append(LinearConstraint(a, -np.inf, -base / scale))
-        else:
-            constraints.append(LinearConstraint(a_rows, -np.inf, (budget_bytes - base + 0.5 - slack) / scale))
-        pos = {int(o): i for i, o in enumerate(cols)}
-        cliques = [[pos[o] for o in c if o in pos] for c in self.cliques]
-        cliques = [c for c in cliques if len(c) >= 2]
-        if cliques:
-            ri = [r for r, c in enumerate(cliques) for _ in c]
-            ci = [i for c in cliques for i in c]
-            constraints.append(LinearConstraint(csr_array((np.ones(len(ci)), (ri, ci)), shape=(len(cliques), n_var)),
-                                                -np.inf, 1.0))
+        scale = _byte_scale(delta, base, budget_bytes)
+        constraints = [*_row_constraints(delta, base, scale, minimise_peak=minimise_peak, budget_bytes=budget_bytes,
+                                         slack=slack),
+                       *self._clique_constraints(cols, n_var)]
         ms = self.replay_ms[cols]
         if max_overhead_ms is not None:
-            row = np.concatenate([ms, np.zeros(n_var - n_x)])[None, :]
-            constraints.append(LinearConstraint(csr_array(row), -np.inf, max_overhead_ms))
-        lb, ub, integrality = np.zeros(n_var), np.ones(n_var), np.ones(n_var)
+            constraints.append(_overhead_constraint(ms, n_var, max_overhead_ms))
+        lb, ub, c = np.zeros(n_var), np.ones(n_var), ms.astype(np.float64)
         if minimise_peak:
             # t: an integer count of ``scale`` bytes (NOTE [MILP reductions]); t >= ceil(peak / scale).
             lb[-1] = -((-t_lb) // scale)
             ub[-1] = np.inf if budget_bytes is None else -((slack - budget_bytes) // scale)
             c = np.zeros(n_var)
             c[-1] = 1.0
-        else:
-            c = ms.astype(np.float64)
-        res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=constraints,
+        res = milp(c, integrality=np.ones(n_var), bounds=Bounds(lb, ub), constraints=constraints,
                    options={"mip_rel_gap": 0.0, "time_limit": time_limit_s, "presolve": True})
+        return self._read_solution(res, cols, best_effort=best_effort)
+
+    def _clique_constraints(self, cols: np.ndarray, n_var: int) -> list:
+        """At most one option per clique (NOTE [valid choice]), over the MILP's columns ``cols``."""
+        from scipy.optimize import LinearConstraint
+        from scipy.sparse import csr_array
+
+        pos = {int(o): i for i, o in enumerate(cols)}
+        cliques = [[pos[o] for o in c if o in pos] for c in self.cliques]
+        cliques = [c for c in cliques if len(c) >= 2]
+        if not cliques:
+            return []
+        ri = [r for r, c in enumerate(cliques) for _ in c]
+        ci = [i for c in cliques for i in c]
+        return [LinearConstraint(csr_array((np.ones(len(ci)), (ri, ci)), shape=(len(cliques), n_var)), -np.inf, 1.0)]
+
+    def _read_solution(self, res, cols: np.ndarray, *, best_effort: bool) -> np.ndarray | None:
+        """The option vector of a HiGHS result; None when infeasible (or, ``best_effort``, no incumbent in time)."""
         if res.status == 2 or (best_effort and res.x is None):   # infeasible, or no incumbent in time
             return None
         if (res.status != 0 and not best_effort) or res.x is None:
             raise PlanError(f"the MILP solver did not finish: {res.message}",
                             tip="try --planner greedy, or fewer candidates")
         x = np.zeros(len(self.options), dtype=np.int64)
-        x[cols] = np.rint(res.x[:n_x]).astype(np.int64)
+        x[cols] = np.rint(res.x[:len(cols)]).astype(np.int64)
         return x
 
 

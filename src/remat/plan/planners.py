@@ -125,48 +125,77 @@ def _hazard_text(h: HazardRecord, where: str | None) -> str:
     return f"{h.kind.value}: {h.detail}" + ("" if where is None else f" (in nested candidate {where})")
 
 
-def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
-                        preserve_rng_state: bool = True) -> Eligibility:
-    """Apply NOTE [hazard policy] to every candidate of ``report``."""
-    cands = sorted(report.candidates, key=lambda c: (c.order, c.name))
+_Found = tuple[HazardRecord, str | None]   # a hazard and the nested candidate it is in (None: the region's own)
+
+
+def _nested_candidates(cands: list[CandidateCost]) -> dict[str, list[CandidateCost]]:
+    """Candidate name -> the candidates nested in it, in ``cands``' order."""
     chains = ancestor_chains(cands)
     nested: dict[str, list[CandidateCost]] = {c.name: [] for c in cands}
     for c in cands:
         for a in chains[c.name]:
             nested[a].append(c)
+    return nested
 
+
+def _region_hazards(c: CandidateCost, nested: list[CandidateCost]) -> list[_Found]:
+    """``c``'s own hazards and those of the candidates nested in it.
+
+    A nested candidate's in-place write into *its* input is a write into an intermediate
+    of this region, which its replay recreates: only this region's own inputs matter here,
+    and the profiler checks those in this region's window (writes by nested code included)."""
+    return [(h, None) for h in c.hazards] + [(h, d.name) for d in nested for h in d.hazards
+                                             if h.kind is not HazardKind.INPLACE_INPUT]
+
+
+def _sort_hazards(hazards: list[_Found], *, preserve_rng_state: bool) -> tuple[list[_Found], list[_Found]]:
+    """(blocking, guardable) hazards under NOTE [hazard policy]; RNG while preserved is neither."""
+    blocking: list[_Found] = []
+    guardable: list[_Found] = []
+    for h, where in hazards:
+        if h.kind is HazardKind.RNG and preserve_rng_state:
+            continue   # same random numbers on replay
+        if h.kind is HazardKind.BUFFER_MUTATION and h.guardable:
+            guardable.append((h, where))
+        elif h.kind is HazardKind.RNG:
+            blocking.append((HazardRecord(kind=h.kind, detail=f"{h.detail}; RNG state is not preserved"), where))
+        else:
+            blocking.append((h, where))
+    return blocking, guardable
+
+
+def _unplannable(c: CandidateCost, report: ProfileReport) -> Exclusion | None:
+    """Why ``c`` cannot be planned before its hazards are looked at (profiler exclusion, no mode), or None."""
+    if c.name in report.excluded:
+        return Exclusion(module=c.name, reason=report.excluded[c.name])
+    if not checkpoint_modes(c):
+        return Exclusion(module=c.name, reason="no checkpoint mode was measured for it")
+    return None
+
+
+def _hazard_exclusion(name: str, blocking: list[_Found]) -> Exclusion:
+    reasons = "; ".join(_hazard_text(h, w) for h, w in blocking)
+    return Exclusion(module=name, reason=f"replay hazard: {reasons} (allow_hazards / --allow-hazards plans it unguarded)")
+
+
+def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
+                        preserve_rng_state: bool = True) -> Eligibility:
+    """Apply NOTE [hazard policy] to every candidate of ``report``."""
+    cands = sorted(report.candidates, key=lambda c: (c.order, c.name))
+    nested = _nested_candidates(cands)
     allowed: dict[str, list[CheckpointMode]] = {}
     guarded: set[str] = set()
     excluded: list[Exclusion] = []
     for c in cands:
-        if c.name in report.excluded:
-            excluded.append(Exclusion(module=c.name, reason=report.excluded[c.name]))
+        unplannable = _unplannable(c, report)
+        if unplannable is not None:
+            excluded.append(unplannable)
             continue
-        modes = checkpoint_modes(c)
-        if not modes:
-            excluded.append(Exclusion(module=c.name, reason="no checkpoint mode was measured for it"))
-            continue
-        # A nested candidate's in-place write into *its* input is a write into an intermediate
-        # of this region, which its replay recreates: only this region's own inputs matter here,
-        # and the profiler checks those in this region's window (writes by nested code included).
-        hazards = [(h, None) for h in c.hazards] + [(h, d.name) for d in nested[c.name] for h in d.hazards
-                                                    if h.kind is not HazardKind.INPLACE_INPUT]
-        blocking, guardable = [], []
-        for h, where in hazards:
-            if h.kind is HazardKind.RNG and preserve_rng_state:
-                continue   # same random numbers on replay
-            if h.kind is HazardKind.BUFFER_MUTATION and h.guardable:
-                guardable.append((h, where))
-            elif h.kind is HazardKind.RNG:
-                blocking.append((HazardRecord(kind=h.kind, detail=f"{h.detail}; RNG state is not preserved"), where))
-            else:
-                blocking.append((h, where))
+        blocking, guardable = _sort_hazards(_region_hazards(c, nested[c.name]), preserve_rng_state=preserve_rng_state)
         if blocking and not allow_hazards:
-            reasons = "; ".join(_hazard_text(h, w) for h, w in blocking)
-            excluded.append(Exclusion(module=c.name, reason=f"replay hazard: {reasons} "
-                                                             "(allow_hazards / --allow-hazards plans it unguarded)"))
+            excluded.append(_hazard_exclusion(c.name, blocking))
             continue
-        allowed[c.name] = modes
+        allowed[c.name] = checkpoint_modes(c)
         excluded += [Exclusion(module=c.name, reason=r) for r in report.mode_excluded.get(c.name, {}).values()]
         # --allow-hazards plans *everything* unguarded, BatchNorm included, so that
         # verification can be shown catching the double update the guard prevents

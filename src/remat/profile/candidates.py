@@ -82,37 +82,48 @@ def segment_search(model: nn.Module) -> tuple[list[str], set[str]]:
     return containers, ends
 
 
+def _auto_found(model: nn.Module) -> list[str]:
+    found = auto_candidates(model)
+    if not found:
+        raise CandidateError("no repeated blocks found to checkpoint automatically",
+                             tip="name candidates with --candidates (module paths, class names or a regex)")
+    return found
+
+
+def _regex_matches(spec: str, paths: list[str]) -> list[str]:
+    """The module paths (root excluded) that regex ``spec`` matches whole; CandidateError when none or not a regex."""
+    try:
+        rx = re.compile(spec)
+    except re.error as exc:
+        raise CandidateError(f"candidate {spec!r} is not a module path, a class name or a valid regex ({exc})") from exc
+    hits = [p for p in paths if p and rx.fullmatch(p)]
+    if not hits:
+        sample = ", ".join(list(p for p in paths if p)[:8])
+        raise CandidateError(f"candidate {spec!r} matches no module (paths look like: {sample}, ...)")
+    return hits
+
+
+def _resolve_spec(spec: str, modules: dict[str, nn.Module], by_class: dict[str, list[str]]) -> list[str]:
+    """One spec's module paths: a segment name, an exact path, a class name, else a regex over paths."""
+    if is_segment(spec):
+        parse_segment(spec)       # CandidateError for a malformed name; the profile checks the chain
+        return [spec]
+    if spec in modules and spec:
+        return [spec]
+    if spec in by_class:
+        return [p for p in by_class[spec] if p]
+    return _regex_matches(spec, list(modules))
+
+
 def resolve_candidates(model: nn.Module, specs: list[str] | None) -> list[str]:
     """Module paths for ``specs`` (exact path, class name, or a regex over paths); auto when None."""
     if not specs:
-        found = auto_candidates(model)
-        if not found:
-            raise CandidateError("no repeated blocks found to checkpoint automatically",
-                                 tip="name candidates with --candidates (module paths, class names or a regex)")
-        return found
+        return _auto_found(model)
     modules = dict(model.named_modules())
     by_class: dict[str, list[str]] = {}
     for path, m in modules.items():
         by_class.setdefault(type(m).__name__, []).append(path)
-    out: list[str] = []
-    for spec in specs:
-        if is_segment(spec):
-            parse_segment(spec)       # CandidateError for a malformed name; the profile checks the chain
-            out.append(spec)
-        elif spec in modules and spec:
-            out.append(spec)
-        elif spec in by_class:
-            out += [p for p in by_class[spec] if p]
-        else:
-            try:
-                rx = re.compile(spec)
-            except re.error as exc:
-                raise CandidateError(f"candidate {spec!r} is not a module path, a class name or a valid regex ({exc})") from exc
-            hits = [p for p in modules if p and rx.fullmatch(p)]
-            if not hits:
-                sample = ", ".join(list(p for p in modules if p)[:8])
-                raise CandidateError(f"candidate {spec!r} matches no module (paths look like: {sample}, ...)")
-            out += hits
+    out = [p for spec in specs for p in _resolve_spec(spec, modules, by_class)]
     seen: set[str] = set()
     return [n for n in out if not (n in seen or seen.add(n))]
 

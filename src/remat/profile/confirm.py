@@ -81,6 +81,52 @@ class _Frame:
     python_before: dict[str, Any]
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Observed:
+    """What one forward of a suspect left: its output tensors, simple Python attributes, buffers."""
+
+    out: list[torch.Tensor]
+    python: dict[str, Any]
+    buffers: dict[str, torch.Tensor]
+
+
+def _output_verdict(first: _Observed, replay: _Observed) -> str | None:
+    return _max_diff(first.out, replay.out)
+
+
+def _python_verdict(first: _Observed, replay: _Observed) -> str | None:
+    changed = [f"{k}: {first.python.get(k)!r} after the forward, {replay.python.get(k)!r} after a replay"
+               for k in sorted(first.python.keys() | replay.python.keys())
+               if first.python.get(k) != replay.python.get(k)]
+    return "; ".join(changed[:3]) or None
+
+
+def _buffer_verdict(first: _Observed, replay: _Observed) -> str | None:
+    changed = [n for n, b in replay.buffers.items() if n in first.buffers and not torch.equal(b, first.buffers[n])]
+    return f"{', '.join(changed[:3])} changed again on replay" if changed else None
+
+
+# Per confirmable kind: the replay's difference from the first forward (evidence), None when it has none.
+_VERDICTS = {HazardKind.INPLACE_INPUT: _output_verdict, HazardKind.PYTHON_STATE: _python_verdict,
+             HazardKind.BUFFER_MUTATION: _buffer_verdict}
+
+
+@contextlib.contextmanager
+def _rng_rewound(frame: _Frame) -> Iterator[None]:
+    """Generators as the first forward found them (``frame``) for the duration, then as it left them."""
+    rng_after = torch.get_rng_state()
+    cuda_after = torch.cuda.get_rng_state_all() if frame.rng_cuda is not None else None
+    torch.set_rng_state(frame.rng_cpu)
+    if frame.rng_cuda is not None:
+        torch.cuda.set_rng_state_all(frame.rng_cuda)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng_after)
+        if cuda_after is not None:
+            torch.cuda.set_rng_state_all(cuda_after)
+
+
 class ReplayConfirmer:
     """Replays each suspect right after its forward in one step (NOTE [confirmed hazards])."""
 
@@ -128,16 +174,18 @@ class ReplayConfirmer:
 
     def _replay(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any,
                 frame: _Frame) -> dict[HazardKind, str | None]:
-        first_out = [t.detach().clone() for t in _tensors(output)]
-        python_after = python_state(module)
-        buffers_after = _buffers(module)
+        """Run ``module``'s forward again as a checkpoint would and judge each suspicion of ``name``."""
+        first = _Observed(out=[t.detach().clone() for t in _tensors(output)], python=python_state(module),
+                          buffers=_buffers(module))
         inputs = [t for t in _tensors((args, kwargs))]
+        with _rng_rewound(frame):
+            replay = self._rerun(module, args, kwargs, first, inputs)
+        return {h.kind: _VERDICTS[h.kind](first, replay) for h in self.suspects[name] if h.kind in _VERDICTS}
+
+    def _rerun(self, module: nn.Module, args: tuple, kwargs: dict, first: _Observed,
+               inputs: list[torch.Tensor]) -> _Observed:
+        """The replay's output, Python attributes and buffers; everything it touched is put back to ``first``."""
         inputs_after = [t.detach().clone() for t in inputs]
-        rng_after = torch.get_rng_state()
-        cuda_after = torch.cuda.get_rng_state_all() if frame.rng_cuda is not None else None
-        torch.set_rng_state(frame.rng_cpu)
-        if frame.rng_cuda is not None:
-            torch.cuda.set_rng_state_all(frame.rng_cuda)
         # The replay sees the same storages (an in-place write by the first forward is visible,
         # as it is to checkpoint's recompute) through detached aliases, so an in-place op of the
         # replay cannot rewrite the step's autograd graph; version counters are put back so no
@@ -148,28 +196,10 @@ class ReplayConfirmer:
                 versions.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
             try:
                 with torch.enable_grad():
-                    replay_out = [t.detach() for t in _tensors(module.forward(*detached[0], **detached[1]))]
-                python_replay = python_state(module)
-                buffers_replay = _buffers(module)
+                    out = [t.detach() for t in _tensors(module.forward(*detached[0], **detached[1]))]
+                return _Observed(out=out, python=python_state(module), buffers=_buffers(module))
             finally:
-                self._put_back(module, python_after, buffers_after, inputs, inputs_after)
-                torch.set_rng_state(rng_after)
-                if cuda_after is not None:
-                    torch.cuda.set_rng_state_all(cuda_after)
-        verdict: dict[HazardKind, str | None] = {}
-        for h in self.suspects[name]:
-            if h.kind is HazardKind.INPLACE_INPUT:
-                verdict[h.kind] = _max_diff(first_out, replay_out)
-            elif h.kind is HazardKind.PYTHON_STATE:
-                changed = [f"{k}: {python_after.get(k)!r} after the forward, {python_replay.get(k)!r} after a replay"
-                           for k in sorted(python_after.keys() | python_replay.keys())
-                           if python_after.get(k) != python_replay.get(k)]
-                verdict[h.kind] = "; ".join(changed[:3]) or None
-            elif h.kind is HazardKind.BUFFER_MUTATION:
-                changed = [n for n, b in buffers_replay.items()
-                           if n in buffers_after and not torch.equal(b, buffers_after[n])]
-                verdict[h.kind] = f"{', '.join(changed[:3])} changed again on replay" if changed else None
-        return verdict
+                self._put_back(module, first.python, first.buffers, inputs, inputs_after)
 
     @staticmethod
     def _put_back(module: nn.Module, python_after: dict[str, Any], buffers_after: dict[str, torch.Tensor],

@@ -269,6 +269,267 @@ class _StepEvidence:
         return out
 
 
+_Span = tuple[int, int, int | None, int | None]   # (fwd start, fwd end, bwd first unpack, bwd last unpack) events
+
+
+def _chain_probe(model: nn.Module, asked_segments: list[str], *, search: bool) -> ChainProbe | None:
+    """The probe that finds chains (NOTE [single tensor passed along]); None when no segment is wanted."""
+    if not (search or asked_segments):
+        return None
+    containers, ends = segment_search(model)
+    containers = sorted(set(containers if search else []) | {parse_segment(n).container for n in asked_segments})
+    return ChainProbe(model, containers, ends)
+
+
+def _forward_times(step: TrainingStep, names: dict[int, str], wanted: set[str], candidate_names: list[str], *,
+                   warmup: int, repeats: int, predicted: RuntimePrediction | None) -> tuple[dict[str, float], list[float]]:
+    """(forward ms per module, step times in ms): measured, or the device model's ``predicted`` times."""
+    if predicted is None:
+        return _time_forwards(step, names, wanted, repeats, warmup + 1)
+    return {n: predicted.replay_ms(n, CheckpointMode.FULL) for n in candidate_names}, [predicted.step_ms]
+
+
+def _chain_children(chain: ChainProbe | None) -> set[str]:
+    """Paths of the children of every container the chain probe watches (none without a probe)."""
+    return {p for kids in (chain.children.values() if chain else ()) for p in kids}
+
+
+def _hazard_probes(modules: dict[str, nn.Module], paths: list[str], *, compare_rng_state: bool) -> dict[str, HazardProbe]:
+    """One hazard probe per module path in ``paths`` that names a module."""
+    return {n: HazardProbe(modules[n], compare_rng_state=compare_rng_state) for n in paths if n in modules}
+
+
+def _record_step(step: TrainingStep, names: dict[int, str], probes: dict[str, HazardProbe],
+                 chain: ChainProbe | None, steps: int) -> tuple[StepRecorder, _OpLog, int]:
+    """Run ``steps`` under a StepRecorder with the op log, hazard probes and chain probe installed.
+
+    Returns (recorder, op log, first tracker event of the recorded step); every hook is removed."""
+    pre_h = register_module_forward_pre_hook(lambda m, a: probes[names[id(m)]].before() if names.get(id(m)) in probes else None)
+    post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after() if names.get(id(m)) in probes else None)
+    try:
+        with StepRecorder(step, names=names) as rec:
+            oplog = _OpLog(rec)
+            if chain is not None:
+                chain.install(rec.tracker.records)
+                oplog.chain = chain
+            rec.tracker.op_observer = oplog
+            start_event = rec.tracker.events
+            rec.run(steps)
+            rec.tracker.op_observer = None
+    finally:
+        pre_h.remove()
+        post_h.remove()
+        if chain is not None:
+            chain.remove()
+    return rec, oplog, start_event
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Recorded:
+    """The recorded baseline step, read for every candidate (NOTE [what one profiled step gives])."""
+
+    modules: dict[str, nn.Module]
+    cand_set: set[str]                       # the module candidates asked for
+    fwd_ms: dict[str, float]                 # warm median forward time per module (ms)
+    predicted: RuntimePrediction | None      # the device model's times (simulated profiles)
+    probes: dict[str, HazardProbe]
+    calls: dict[str, int]                    # forward calls per module in the step (replays not counted)
+    last_window: dict[str, ModuleWindow]     # each module's last forward call
+    evidence: _StepEvidence
+
+    @classmethod
+    def of(cls, rec: StepRecorder, oplog: _OpLog, *, modules: dict[str, nn.Module], cand_set: set[str],
+           fwd_ms: dict[str, float], predicted: RuntimePrediction | None,
+           probes: dict[str, HazardProbe]) -> "_Recorded":
+        windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
+        for w in rec.windows:
+            if not w.in_backward:   # a replay of the model's own checkpoint is not a second call
+                windows_by_name[w.name].append(w)
+        return cls(modules=modules, cand_set=cand_set, fwd_ms=fwd_ms, predicted=predicted, probes=probes,
+                   calls={n: len(ws) for n, ws in windows_by_name.items()},
+                   last_window={n: ws[-1] for n, ws in windows_by_name.items()},
+                   evidence=_StepEvidence(rec, oplog))
+
+    def forward_ms(self, name: str) -> float:
+        """Module ``name``'s forward time (ms): timed, else its window's wall time in the recorded step."""
+        w = self.last_window[name]
+        return self.fwd_ms.get(name, (w.fwd_end_ns - w.fwd_start_ns) / 1e6)
+
+    def hazards(self, name: str) -> list[HazardRecord]:
+        return self.evidence.hazards(self.last_window[name], self.probes[name].found)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Offers:
+    """What profile_step has decided so far: candidates offered (with their spans) and names excluded."""
+
+    costs: list[CandidateCost] = dataclasses.field(default_factory=list)
+    spans: dict[str, _Span] = dataclasses.field(default_factory=dict)
+    excluded: dict[str, str] = dataclasses.field(default_factory=dict)   # name -> reason
+    idle: list[str] = dataclasses.field(default_factory=list)           # excluded because they free nothing
+
+    def offer(self, cost: CandidateCost, span: _Span) -> None:
+        self.costs.append(cost)
+        self.spans[cost.name] = span
+
+    def exclude(self, name: str, reason: str, *, idle: bool = False) -> None:
+        self.excluded[name] = reason
+        if idle:
+            self.idle.append(name)
+
+
+def _module_exclusion(name: str, calls: int) -> str | None:
+    """Why module ``name`` (called ``calls`` times per step) cannot be a candidate, or None."""
+    if not re.fullmatch(MODULE_PATH_RE, name):
+        return "its name cannot be written in a plan (NOTE [module names]: word characters and - + : @ # ~ = only)"
+    if calls == 0:
+        return "not called during the step"
+    if calls != 1:
+        return f"called {calls} times per step (shared module): a wrapper would checkpoint every call"
+    return None
+
+
+def _op_policy_costs(seen: _Recorded, name: str, w: ModuleWindow, full_saved: int, t_fwd: float, extra: int,
+                     cost: CandidateCost) -> None:
+    """Add to ``cost`` the op-level modes that keep something new (NOTE [op-level policies])."""
+    offered_kept: set[int] = set()
+    for mode in OP_POLICY_MODES:
+        if seen.predicted is not None and mode is not CheckpointMode.SELECTIVE:
+            continue   # the device model predicts SELECTIVE only
+        kept_bytes, save_share, n_ops = seen.evidence.policy_figures(w, mode)
+        if kept_bytes <= 0 or not n_ops or kept_bytes in offered_kept:
+            continue
+        if mode is not CheckpointMode.SELECTIVE and full_saved - kept_bytes <= 0:
+            continue
+        offered_kept.add(kept_bytes)
+        cost.saved_bytes[mode] = full_saved - kept_bytes
+        cost.replay_ms[mode] = (t_fwd * (1.0 - save_share)     # first estimate; profile_workload measures it
+                                if seen.predicted is None else seen.predicted.replay_ms(name, mode))
+        cost.replay_extra_bytes[mode] = extra
+
+
+def _offer_module(seen: _Recorded, offers: _Offers, name: str) -> None:
+    """Offer module ``name`` with its per-mode costs, or exclude it with the reason."""
+    reason = _module_exclusion(name, seen.calls.get(name, 0))
+    if reason is not None:
+        offers.exclude(name, reason)
+        return
+    w = seen.last_window[name]
+    full_saved, unsaved_inputs = seen.evidence.full_saved_bytes(w)
+    if full_saved <= 0:
+        # checkpointing it can only keep its inputs alive longer: never offer it (
+        # single Conv/BN/ReLU layers whose checkpoints raised the measured peak)
+        offers.exclude(name, f"frees nothing until backward: it saves {full_saved + unsaved_inputs} bytes of its "
+                             f"own for backward, and a checkpoint would keep {unsaved_inputs} bytes of inputs", idle=True)
+        return
+    extra = max(0, seen.evidence.forward_rise(w) - max(full_saved, 0))
+    t_fwd = seen.forward_ms(name)
+    cost = CandidateCost(name=name, class_name=type(seen.modules[name]).__name__, order=w.fwd_start,
+                         parent=parent_of(name, seen.cand_set), fwd_ms=t_fwd, input_bytes=unsaved_inputs,
+                         saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
+                         replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
+                         replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
+                         hazards=seen.hazards(name))
+    _op_policy_costs(seen, name, w, full_saved, t_fwd, extra, cost)
+    offers.offer(cost, (w.fwd_start, w.fwd_end, *_bwd_window(name, seen.last_window)))
+
+
+def _segment_members(chain: ChainProbe, asked_segments: list[str], *, search: bool, seen: _Recorded,
+                     offers: _Offers) -> dict[str, list[str]]:
+    """Segment name -> member paths for the segments to cost (NOTE [segments]): runs of linked
+    children, tiled when ``search``, plus the asked ones the step shows are chains (others excluded)."""
+    runs = chain.runs()
+    offered = [s for c, first, n in runs
+               for s in run_segments(c, first, n, children=len(chain.children[c]))] if search else []
+    for name in asked_segments:
+        seg = parse_segment(name)
+        inside = any(c == seg.container and first <= seg.start and seg.stop <= first + n for c, first, n in runs)
+        if not inside:
+            offers.exclude(name, "not a chain in the profiled step: its modules do not pass one tensor along "
+                                 "(NOTE [single tensor passed along])")
+        elif seg not in offered:
+            offered.append(seg)
+    members: dict[str, list[str]] = {}
+    for seg in offered:
+        kids = chain.children[seg.container][seg.start:seg.stop]
+        if str(seg) not in offers.excluded and all(k in seen.last_window for k in kids):
+            members[str(seg)] = kids
+    return members
+
+
+def _member_hazards(seen: _Recorded, seg_members: dict[str, list[str]], cost_names: set[str]) -> dict[str, list[HazardRecord]]:
+    """Hazards of the segment members that are not candidates themselves (probed members only)."""
+    return {m: seen.hazards(m) for ms in seg_members.values() for m in ms if m not in cost_names and m in seen.probes}
+
+
+def _confirm_suspects(step: TrainingStep, seen: _Recorded, costs: list[CandidateCost],
+                      member_hazards: dict[str, list[HazardRecord]], start: int,
+                      progress: ProgressFn) -> dict[str, list[str]]:
+    """Replay each suspected hazard to confirm it (remat.profile.confirm): keep the confirmed ones on
+    ``costs`` and ``member_hazards`` (in place); returns the refuted ones as name -> ["kind: detail"]."""
+    progress("profile: confirming hazards", 0, 1)
+    suspects = {c.name: c.hazards for c in costs if c.hazards}
+    suspects.update({m: hs for m, hs in member_hazards.items() if hs})
+    kept, dropped = confirm_hazards(step, seen.modules, suspects, start)
+    for c in costs:
+        if c.hazards:
+            c.hazards = kept.get(c.name, [])
+    for m in member_hazards:
+        member_hazards[m] = kept.get(m, [])
+    progress("profile: confirming hazards", 1, 1)
+    return {n: [f"{h.kind.value}: {h.detail}" for h in hs] for n, hs in dropped.items()}
+
+
+def _segment_hazards(kids: list[str], hazards_of: Callable[[str], list[HazardRecord]]) -> list[HazardRecord]:
+    """A segment's hazards: its members', each (kind, detail) once.
+
+    A member's in-place write into its input writes an intermediate of the segment, which the
+    segment's replay recreates: only the first member's counts (as for nested candidates)."""
+    hazards = [h for i, k in enumerate(kids) for h in hazards_of(k)
+               if i == 0 or h.kind is not HazardKind.INPLACE_INPUT]
+    once: set[tuple[HazardKind, str]] = set()
+    return [h for h in hazards if not ((h.kind, h.detail) in once or once.add((h.kind, h.detail)))]
+
+
+def _segment_bwd_span(kids: list[str], last_window: dict[str, ModuleWindow]) -> tuple[int | None, int | None]:
+    """(first, last) backward unpack event over a segment's members (None where none unpacked)."""
+    firsts = [_bwd_window(k, last_window) for k in kids]
+    starts = [a for a, _ in firsts if a is not None]
+    ends = [b for _, b in firsts if b is not None]
+    return min(starts) if starts else None, max(ends) if ends else None
+
+
+def _offer_segment(seen: _Recorded, offers: _Offers, name: str, kids: list[str],
+                   hazards_of: Callable[[str], list[HazardRecord]]) -> None:
+    """Offer segment ``name`` (members ``kids``) with its FULL costs, or exclude it when it frees nothing."""
+    region = _SegmentRegion.of(name, kids, seen.last_window)
+    full_saved, unsaved_inputs = seen.evidence.full_saved_bytes(region)   # type: ignore[arg-type]
+    if full_saved <= 0:
+        offers.exclude(name, f"frees nothing until backward: it would keep {unsaved_inputs} bytes of inputs", idle=True)
+        return
+    t_fwd = sum(seen.forward_ms(k) for k in kids)
+    extra = max(0, seen.evidence.forward_rise(region) - full_saved)   # type: ignore[arg-type]
+    offers.offer(CandidateCost(
+        name=name, class_name=f"segment of {len(kids)} ({type(seen.modules[kids[0]]).__name__})",
+        order=region.fwd_start, parent=parent_of(kids[0], seen.cand_set), fwd_ms=t_fwd, input_bytes=unsaved_inputs,
+        saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
+        replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
+        replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
+        hazards=_segment_hazards(kids, hazards_of), members=tuple(kids)),
+        (region.fwd_start, region.fwd_end, *_segment_bwd_span(kids, seen.last_window)))
+
+
+def _renumber(costs: list[CandidateCost]) -> None:
+    """Sort ``costs`` by forward order, number them 0.., and re-parent children of excluded parents."""
+    costs.sort(key=lambda c: c.order)
+    for i, c in enumerate(costs):
+        c.order = i
+    kept = {c.name for c in costs}
+    for c in costs:  # a parent that was excluded no longer constrains its children
+        if c.parent is not None and c.parent not in kept:
+            c.parent = parent_of(c.parent, kept - {n for n in kept if is_segment(n)})
+
+
 def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int = 2, repeats: int = 5,
                  runtime: Callable[[int], RuntimePrediction] | None = None, segments: bool = False,
                  progress: ProgressFn = no_progress) -> ProfileReport:
@@ -286,172 +547,41 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     asked_segments = [n for n in candidate_names if is_segment(n)]
     candidate_names = [n for n in candidate_names if not is_segment(n)]
     cand_set = set(candidate_names)
-    chain: ChainProbe | None = None
-    if runtime is None and (segments or asked_segments):
-        containers, ends = segment_search(model)
-        containers = sorted(set(containers if segments else []) | {parse_segment(n).container for n in asked_segments})
-        chain = ChainProbe(model, containers, ends)
-    chain_children = {p for kids in (chain.children.values() if chain else ()) for p in kids}
+    chain = _chain_probe(model, asked_segments, search=segments) if runtime is None else None
+    chain_children = _chain_children(chain)
     warm_up(step, warmup, progress=progress, what="profile: warm-up")
     base = measure_step_peak(step, warmup)
-    predicted: RuntimePrediction | None = None
-    if runtime is None:
-        fwd_ms, step_ms = _time_forwards(step, names, cand_set | chain_children, repeats, warmup + 1)
-    else:
-        predicted = runtime(warmup + 1)
-        fwd_ms, step_ms = {n: predicted.replay_ms(n, CheckpointMode.FULL) for n in candidate_names}, [predicted.step_ms]
+    predicted = runtime(warmup + 1) if runtime is not None else None
+    fwd_ms, step_ms = _forward_times(step, names, cand_set | chain_children, candidate_names,
+                                     warmup=warmup, repeats=repeats, predicted=predicted)
     progress("profile: timing", 1, 1)
 
-    probes = {n: HazardProbe(modules[n], compare_rng_state=runtime is None)
-              for n in [*candidate_names, *sorted(chain_children - cand_set)] if n in modules}
-    pre_h = register_module_forward_pre_hook(lambda m, a: probes[names[id(m)]].before() if names.get(id(m)) in probes else None)
-    post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after() if names.get(id(m)) in probes else None)
-    try:
-        with StepRecorder(step, names=names) as rec:
-            oplog = _OpLog(rec)
-            if chain is not None:
-                chain.install(rec.tracker.records)
-                oplog.chain = chain
-            rec.tracker.op_observer = oplog
-            start_event = rec.tracker.events
-            rec.run(warmup + 1 + repeats)
-            rec.tracker.op_observer = None
-    finally:
-        pre_h.remove()
-        post_h.remove()
-        if chain is not None:
-            chain.remove()
+    probes = _hazard_probes(modules, [*candidate_names, *sorted(chain_children - cand_set)],
+                            compare_rng_state=runtime is None)
+    rec, oplog, start_event = _record_step(step, names, probes, chain, warmup + 1 + repeats)
     progress("profile: saved tensors", 1, 1)
 
-    windows_by_name: dict[str, list[ModuleWindow]] = defaultdict(list)
-    for w in rec.windows:
-        if not w.in_backward:   # a replay of the model's own checkpoint is not a second call
-            windows_by_name[w.name].append(w)
-    last_window = {n: ws[-1] for n, ws in windows_by_name.items()}
-    evidence = _StepEvidence(rec, oplog)
-
-    excluded: dict[str, str] = {}
-    idle: list[str] = []          # excluded because checkpointing them frees nothing
-    costs: list[CandidateCost] = []
-    spans: dict[str, tuple[int, int, int | None, int | None]] = {}
+    seen = _Recorded.of(rec, oplog, modules=modules, cand_set=cand_set, fwd_ms=fwd_ms, predicted=predicted,
+                        probes=probes)
+    offers = _Offers()
     for name in candidate_names:
-        calls = len(windows_by_name.get(name, ()))
-        if not re.fullmatch(MODULE_PATH_RE, name):
-            excluded[name] = ("its name cannot be written in a plan (NOTE [module names]: word characters and "
-                              "- + : @ # ~ = only)")
-            continue
-        if calls != 1:
-            excluded[name] = ("not called during the step" if calls == 0 else
-                              f"called {calls} times per step (shared module): a wrapper would checkpoint every call")
-            continue
-        w = last_window[name]
-        full_saved, unsaved_inputs = evidence.full_saved_bytes(w)
-        if full_saved <= 0:
-            # checkpointing it can only keep its inputs alive longer: never offer it (
-            # single Conv/BN/ReLU layers whose checkpoints raised the measured peak)
-            excluded[name] = (f"frees nothing until backward: it saves {full_saved + unsaved_inputs} bytes of its "
-                              f"own for backward, and a checkpoint would keep {unsaved_inputs} bytes of inputs")
-            idle.append(name)
-            continue
-        extra = max(0, evidence.forward_rise(w) - max(full_saved, 0))
-        t_fwd = fwd_ms.get(name, (w.fwd_end_ns - w.fwd_start_ns) / 1e6)
-        saved = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved}
-        replay = {CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd}
-        extras = {CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra}
-        offered_kept: set[int] = set()
-        for mode in OP_POLICY_MODES:   # NOTE [op-level policies]: offered where they keep something new
-            if predicted is not None and mode is not CheckpointMode.SELECTIVE:
-                continue   # the device model predicts SELECTIVE only
-            kept_bytes, save_share, n_ops = evidence.policy_figures(w, mode)
-            if kept_bytes <= 0 or not n_ops or kept_bytes in offered_kept:
-                continue
-            if mode is not CheckpointMode.SELECTIVE and full_saved - kept_bytes <= 0:
-                continue
-            offered_kept.add(kept_bytes)
-            saved[mode] = full_saved - kept_bytes
-            replay[mode] = (t_fwd * (1.0 - save_share)     # first estimate; profile_workload measures it
-                            if predicted is None else predicted.replay_ms(name, mode))
-            extras[mode] = extra
-        bs, be = _bwd_window(name, last_window)
-        spans[name] = (w.fwd_start, w.fwd_end, bs, be)
-        costs.append(CandidateCost(name=name, class_name=type(modules[name]).__name__, order=w.fwd_start,
-                                   parent=parent_of(name, cand_set), fwd_ms=t_fwd,
-                                   input_bytes=unsaved_inputs, saved_bytes=saved, replay_ms=replay,
-                                   replay_extra_bytes=extras, hazards=evidence.hazards(w, probes[name].found)))
-    # segments (NOTE [segments]): runs of linked children, tiled; members' hazards confirmed below
-    seg_members: dict[str, list[str]] = {}
-    if chain is not None:
-        runs = chain.runs()
-        offered = [s for c, first, n in runs
-                   for s in run_segments(c, first, n, children=len(chain.children[c]))] if segments else []
-        for name in asked_segments:
-            seg = parse_segment(name)
-            inside = any(c == seg.container and first <= seg.start and seg.stop <= first + n for c, first, n in runs)
-            if not inside:
-                excluded[name] = ("not a chain in the profiled step: its modules do not pass one tensor along "
-                                  "(NOTE [single tensor passed along])")
-            elif seg not in offered:
-                offered.append(seg)
-        for seg in offered:
-            kids = chain.children[seg.container][seg.start:seg.stop]
-            if str(seg) not in excluded and all(k in last_window for k in kids):
-                seg_members[str(seg)] = kids
-    cost_names = {c.name for c in costs}
-    member_hazards = {m: evidence.hazards(last_window[m], probes[m].found)
-                      for ms in seg_members.values() for m in ms if m not in cost_names and m in probes}
+        _offer_module(seen, offers, name)
+    seg_members = (_segment_members(chain, asked_segments, search=segments, seen=seen, offers=offers)
+                   if chain is not None else {})
+    member_hazards = _member_hazards(seen, seg_members, {c.name for c in offers.costs})
     refuted: dict[str, list[str]] = {}
     if runtime is None:   # fake tensors cannot be compared: simulated profiles keep suspicions
-        progress("profile: confirming hazards", 0, 1)
-        suspects = {c.name: c.hazards for c in costs if c.hazards}
-        suspects.update({m: hs for m, hs in member_hazards.items() if hs})
-        kept, dropped = confirm_hazards(step, modules, suspects, warmup + 1 + repeats + 1)
-        for c in costs:
-            if c.hazards:
-                c.hazards = kept.get(c.name, [])
-        for m in member_hazards:
-            member_hazards[m] = kept.get(m, [])
-        refuted = {n: [f"{h.kind.value}: {h.detail}" for h in hs] for n, hs in dropped.items()}
-        progress("profile: confirming hazards", 1, 1)
-    final_hazards = {c.name: c.hazards for c in costs}
+        refuted = _confirm_suspects(step, seen, offers.costs, member_hazards, warmup + 1 + repeats + 1, progress)
+    final_hazards = {c.name: c.hazards for c in offers.costs}
     for name, kids in seg_members.items():
-        region = _SegmentRegion.of(name, kids, last_window)
-        full_saved, unsaved_inputs = evidence.full_saved_bytes(region)   # type: ignore[arg-type]
-        if full_saved <= 0:
-            excluded[name] = f"frees nothing until backward: it would keep {unsaved_inputs} bytes of inputs"
-            idle.append(name)
-            continue
-        # a member's in-place write into its input writes an intermediate of the segment, which
-        # the segment's replay recreates: only the first member's counts (as for nested candidates)
-        hazards = [h for i, k in enumerate(kids) for h in final_hazards.get(k, member_hazards.get(k, []))
-                   if i == 0 or h.kind is not HazardKind.INPLACE_INPUT]
-        seen: set[tuple[HazardKind, str]] = set()
-        hazards = [h for h in hazards if not ((h.kind, h.detail) in seen or seen.add((h.kind, h.detail)))]
-        t_fwd = sum(fwd_ms.get(k, (last_window[k].fwd_end_ns - last_window[k].fwd_start_ns) / 1e6) for k in kids)
-        extra = max(0, evidence.forward_rise(region) - full_saved)   # type: ignore[arg-type]
-        firsts = [_bwd_window(k, last_window) for k in kids]
-        starts = [a for a, _ in firsts if a is not None]
-        ends_ = [b for _, b in firsts if b is not None]
-        spans[name] = (region.fwd_start, region.fwd_end, min(starts) if starts else None, max(ends_) if ends_ else None)
-        costs.append(CandidateCost(
-            name=name, class_name=f"segment of {len(kids)} ({type(modules[kids[0]]).__name__})",
-            order=region.fwd_start, parent=parent_of(kids[0], cand_set), fwd_ms=t_fwd, input_bytes=unsaved_inputs,
-            saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
-            replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
-            replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
-            hazards=hazards, members=tuple(kids)))
-    costs.sort(key=lambda c: c.order)
-    for i, c in enumerate(costs):
-        c.order = i
-    kept = {c.name for c in costs}
-    for c in costs:  # a parent that was excluded no longer constrains its children
-        if c.parent is not None and c.parent not in kept:
-            c.parent = parent_of(c.parent, kept - {n for n in kept if is_segment(n)})
-    rows = _rows(rec, {n: s for n, s in spans.items() if n in kept}, start_event)
-    phase_peaks = _phase_peaks(rec, start_event)
-    return ProfileReport(candidates=costs, rows=rows, excluded=excluded, baseline_peak_bytes=base.peak_bytes,
-                         baseline_step_ms=percentile(step_ms, 50.0), memory_source=base.source,
-                         fingerprint=fingerprint(model), refuted_hazards=refuted, phase_peak_bytes=phase_peaks,
-                         idle=idle)
+        _offer_segment(seen, offers, name, kids, lambda k: final_hazards.get(k, member_hazards.get(k, [])))
+    _renumber(offers.costs)
+    kept = {c.name for c in offers.costs}
+    rows = _rows(rec, {n: s for n, s in offers.spans.items() if n in kept}, start_event)
+    return ProfileReport(candidates=offers.costs, rows=rows, excluded=offers.excluded,
+                         baseline_peak_bytes=base.peak_bytes, baseline_step_ms=percentile(step_ms, 50.0),
+                         memory_source=base.source, fingerprint=fingerprint(model), refuted_hazards=refuted,
+                         phase_peak_bytes=_phase_peaks(rec, start_event), idle=offers.idle)
 
 
 def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, dtype: str = "float32",

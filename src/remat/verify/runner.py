@@ -276,10 +276,41 @@ class _Compared:
     hazards: list[Hazard]
 
 
-def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMode, boundaries: list[str],
-             tol: Tolerance, probe: RegionProbe | None, table: dict[str, Tolerance] = TOLERANCES,
-             param_table: dict[str, Tolerance] | None = None) -> _Compared:
-    loss = diff_tensor("loss", c.loss, p.loss, table)
+@dataclasses.dataclass(kw_only=True)
+class _StepDiffs:
+    """Every difference between a control step and a planned step (NOTE [paired runs])."""
+
+    loss: TensorDiff
+    outputs: list[TensorDiff]
+    grads: list[TensorDiff]
+    params: list[TensorDiff]
+    buffers: list[TensorDiff]
+    grad_norm: tuple[float, float]            # (control, planned)
+    grad_norm_ok: bool
+    changed: list[tuple[str, Any, Any]]       # Python attributes: (key, control value, planned value)
+    rng: list[str]                            # generators whose state differs
+
+    @property
+    def tensors(self) -> list[TensorDiff]:
+        return [self.loss, *self.outputs, *self.grads, *self.params, *self.buffers]
+
+    def divergent(self) -> list[str]:
+        """Names of what is out of tolerance, in report order."""
+        out = [d.name for d in self.tensors if not d.ok]
+        out += [] if self.grad_norm_ok else ["grad_norm"]
+        out += [f"python {k}: {short_repr(a)} -> {short_repr(b)}" for k, a, b in self.changed]
+        return out + [f"rng {g}" for g in self.rng]
+
+
+def _grad_norm_ok(norm_c: float, norm_p: float, tol: Tolerance) -> bool:
+    """Do the global gradient norms agree (both NaN counts as agreeing)?"""
+    return (norm_c == norm_p or (math.isnan(norm_c) and math.isnan(norm_p))
+            or (math.isfinite(norm_p) and tol.allows(abs(norm_p - norm_c), abs(norm_c))))
+
+
+def _diff_step(c: _StepState, p: _StepState, tol: Tolerance, table: dict[str, Tolerance],
+               param_table: dict[str, Tolerance] | None) -> _StepDiffs:
+    """Compare everything one step leaves behind; ``param_table`` is set under compile only."""
     if len(c.outputs) == len(p.outputs):
         outputs = [diff_tensor(f"output[{i}]", a, b, table) for i, (a, b) in enumerate(zip(c.outputs, p.outputs))]
     else:
@@ -289,64 +320,96 @@ def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMod
                          scale=largest_magnitude(c.grads) if param_table is not None else None)
     params = diff_tensors("param", c.params, p.params, param_table or table) \
         if c.params is not None and p.params is not None else []
-    buffers = diff_tensors("buffer", c.buffers, p.buffers, table)
-    norm_c, norm_p = _grad_norm(c.grads), _grad_norm(p.grads)
-    norm_ok = (norm_c == norm_p or (math.isnan(norm_c) and math.isnan(norm_p))
-               or (math.isfinite(norm_p) and tol.allows(abs(norm_p - norm_c), abs(norm_c))))
-    changed = changed_attributes(c.pystate, p.pystate)
-    py = [f"{k}: {short_repr(a)} -> {short_repr(b)}" for k, a, b in changed]
-    rng = c.rng.differences(p.rng)
+    norm = (_grad_norm(c.grads), _grad_norm(p.grads))
+    return _StepDiffs(loss=diff_tensor("loss", c.loss, p.loss, table), outputs=outputs, grads=grads, params=params,
+                      buffers=diff_tensors("buffer", c.buffers, p.buffers, table), grad_norm=norm,
+                      grad_norm_ok=_grad_norm_ok(*norm, tol), changed=changed_attributes(c.pystate, p.pystate),
+                      rng=c.rng.differences(p.rng))
 
-    all_diffs = [loss, *outputs, *grads, *params, *buffers]
-    divergent = [d.name for d in all_diffs if not d.ok]
-    divergent += [] if norm_ok else ["grad_norm"]
-    divergent += [f"python {d}" for d in py] + [f"rng {g}" for g in rng]
-    module, where = (None, None)
-    if divergent:
-        module, where = _first_divergence(c, p, grads, buffers, params, [k for k, _, _ in changed], rng, tol)
 
+@dataclasses.dataclass(kw_only=True)
+class _HazardSite:
+    """Where hazards of one compared step are reported: its seed, step and mode, and the plan's boundaries."""
+
+    seed: int
+    step: int
+    mode: RunMode
+    boundaries: list[str]
+
+    def hazard(self, module: str, kind: HazardKind, state: str, detail: str) -> Hazard:
+        return Hazard(module=module, kind=kind, detail=detail, mode=self.mode, seed=self.seed, step=self.step,
+                      state=state)
+
+
+def _buffer_hazards(diffs: _StepDiffs, c: _StepState, p: _StepState, site: _HazardSite,
+                    probe: RegionProbe | None) -> list[Hazard]:
+    """Buffers inside a boundary that the planned step changed differently (NOTE [hazards vs divergence])."""
     replay_mut = set().union(*(s.replay_mutations for s in probe.stats.values())) if probe else set()
-    hazards: list[Hazard] = []
-    for d in buffers:
+    out: list[Hazard] = []
+    for d in diffs.buffers:
         name = d.tensor
-        b = boundary_of(owner_module(name), boundaries)
+        b = boundary_of(owner_module(name), site.boundaries)
         detail = None if (d.ok or b is None or name not in p.buffers) else _buffer_hazard(name, d, c, p)
         if detail is None:
             continue
         if name in replay_mut:
             detail += " (changed again by the replay)"
-        hazards.append(Hazard(module=b, kind=HazardKind.BUFFER_MUTATION, detail=detail, mode=mode, seed=seed, step=step,
-                              state=name))
-    for key, ca, pa in changed:
-        b = boundary_of(owner_module(key), boundaries)
+        out.append(site.hazard(b, HazardKind.BUFFER_MUTATION, name, detail))
+    return out
+
+
+def _attribute_hazards(diffs: _StepDiffs, c: _StepState, p: _StepState, site: _HazardSite) -> list[Hazard]:
+    """Python attributes inside a boundary that the planned step changed differently."""
+    out: list[Hazard] = []
+    for key, ca, pa in diffs.changed:
+        b = boundary_of(owner_module(key), site.boundaries)
         detail = None if b is None else _attribute_hazard(key, ca, pa, c, p)
         if detail is not None:
-            hazards.append(Hazard(module=b, kind=HazardKind.PYTHON_STATE, detail=detail, mode=mode, seed=seed, step=step,
-                                  state=key))
-    if rng:
-        drawers = sorted(k for k, s in (probe.stats.items() if probe else []) if s.rng_draws_replay)
-        hazards.append(Hazard(
-            module=", ".join(drawers) or "(not attributed)", kind=HazardKind.RNG, mode=mode, seed=seed, step=step,
-            state=" and ".join(rng),
-            detail=f"{' and '.join(rng)} generator state after the step differs from the control"
-                   + (f": the replay of {', '.join(drawers)} drew from the live generator" if drawers else "")))
-
-    comparison = StepComparison(
-        seed=seed, step=step, mode=mode, loss=(float(c.loss), float(p.loss)),
-        outputs_max_abs=_max(outputs, "max_abs") if outputs else None,
-        grad_max_abs=_max(grads, "max_abs"), grad_max_rel=_max(grads, "max_rel"),
-        grads_bitwise=all(d.bitwise for d in grads), grad_norm=(norm_c, norm_p),
-        params_max_abs=_max(params, "max_abs") if c.params is not None else None,
-        buffers_max_abs=_max(buffers, "max_abs"),
-        bitwise=all(d.bitwise for d in all_diffs), divergent=divergent,
-        first_divergent_module=module, first_divergence=where, passed=not divergent)
-    return _Compared(step=comparison, hazards=hazards)
+            out.append(site.hazard(b, HazardKind.PYTHON_STATE, key, detail))
+    return out
 
 
-def _first_divergence(c: _StepState, p: _StepState, grads: list[TensorDiff], buffers: list[TensorDiff],
-                      params: list[TensorDiff], py: list[str], rng: list[str],  # py: changed attribute keys
-                      tol: Tolerance) -> tuple[str | None, Site]:
-    """NOTE [first divergent module] in remat.verify.probe."""
+def _rng_hazards(rng: list[str], site: _HazardSite, probe: RegionProbe | None) -> list[Hazard]:
+    """Generators left in another state than the control's, with the boundaries whose replay drew."""
+    if not rng:
+        return []
+    drawers = sorted(k for k, s in (probe.stats.items() if probe else []) if s.rng_draws_replay)
+    states = " and ".join(rng)
+    return [site.hazard(", ".join(drawers) or "(not attributed)", HazardKind.RNG, states,
+                        f"{states} generator state after the step differs from the control"
+                        + (f": the replay of {', '.join(drawers)} drew from the live generator" if drawers else ""))]
+
+
+def _step_comparison(diffs: _StepDiffs, c: _StepState, p: _StepState, site: _HazardSite,
+                     first: tuple[str | None, Site | None]) -> StepComparison:
+    """The report's record of one compared step; ``first``: (first divergent module, where), or Nones."""
+    divergent = diffs.divergent()
+    return StepComparison(
+        seed=site.seed, step=site.step, mode=site.mode, loss=(float(c.loss), float(p.loss)),
+        outputs_max_abs=_max(diffs.outputs, "max_abs") if diffs.outputs else None,
+        grad_max_abs=_max(diffs.grads, "max_abs"), grad_max_rel=_max(diffs.grads, "max_rel"),
+        grads_bitwise=all(d.bitwise for d in diffs.grads), grad_norm=diffs.grad_norm,
+        params_max_abs=_max(diffs.params, "max_abs") if c.params is not None else None,
+        buffers_max_abs=_max(diffs.buffers, "max_abs"),
+        bitwise=all(d.bitwise for d in diffs.tensors), divergent=divergent,
+        first_divergent_module=first[0], first_divergence=first[1], passed=not divergent)
+
+
+def _compare(c: _StepState, p: _StepState, *, seed: int, step: int, mode: RunMode, boundaries: list[str],
+             tol: Tolerance, probe: RegionProbe | None, table: dict[str, Tolerance] = TOLERANCES,
+             param_table: dict[str, Tolerance] | None = None) -> _Compared:
+    diffs = _diff_step(c, p, tol, table, param_table)
+    first: tuple[str | None, Site | None] = (None, None)
+    if diffs.divergent():
+        first = _first_divergence(c, p, diffs, tol)
+    site = _HazardSite(seed=seed, step=step, mode=mode, boundaries=boundaries)
+    hazards = [*_buffer_hazards(diffs, c, p, site, probe), *_attribute_hazards(diffs, c, p, site),
+               *_rng_hazards(diffs.rng, site, probe)]
+    return _Compared(step=_step_comparison(diffs, c, p, site, first), hazards=hazards)
+
+
+def _forward_divergence(c: _StepState, p: _StepState, tol: Tolerance) -> tuple[str, Site] | None:
+    """The first module whose forward call order or output digest differs, or None."""
     for (path_c, dc), (path_p, dp) in zip(c.digests, p.digests):
         if path_c != path_p:
             return path_c or "(root)", Site.CALL_ORDER
@@ -354,22 +417,26 @@ def _first_divergence(c: _StepState, p: _StepState, grads: list[TensorDiff], buf
             return path_c or "(root)", Site.FORWARD_OUTPUT
     if len(c.digests) != len(p.digests):
         return "(root)", Site.CALL_ORDER
-    bad = {d.tensor: d for d in grads if not d.ok}
-    order = c.grad_order + [n for n in c.grads if n not in c.grad_order]
-    for name in order:
-        if name in bad:
-            return owner_module(name) or "(root)", Site.GRADIENT
-    for d in buffers:
-        if not d.ok:
-            return owner_module(d.tensor) or "(root)", Site.BUFFER
-    if py:
-        return owner_module(py[0]) or "(root)", Site.PYTHON_ATTRIBUTE
-    for d in params:
-        if not d.ok:
-            return owner_module(d.tensor) or "(root)", Site.PARAMETER
-    if rng:
-        return None, Site.GENERATOR
-    return None, Site.LOSS_OR_OUTPUTS
+    return None
+
+
+def _failing(diffs: list[TensorDiff]) -> list[str]:
+    return [d.tensor for d in diffs if not d.ok]
+
+
+def _first_divergence(c: _StepState, p: _StepState, diffs: _StepDiffs, tol: Tolerance) -> tuple[str | None, Site]:
+    """NOTE [first divergent module] in remat.verify.probe."""
+    forward = _forward_divergence(c, p, tol)
+    if forward is not None:
+        return forward
+    bad_grads = set(_failing(diffs.grads))
+    order = c.grad_order + [n for n in c.grads if n not in c.grad_order]   # backward order, then the rest
+    for names, site in (([n for n in order if n in bad_grads], Site.GRADIENT), (_failing(diffs.buffers), Site.BUFFER),
+                        ([k for k, _, _ in diffs.changed], Site.PYTHON_ATTRIBUTE),
+                        (_failing(diffs.params), Site.PARAMETER)):
+        if names:
+            return owner_module(names[0]) or "(root)", site
+    return None, Site.GENERATOR if diffs.rng else Site.LOSS_OR_OUTPUTS
 
 
 # -- a pair of runs --------------------------------------------------------------------------------
@@ -392,9 +459,7 @@ class _PairResult:
         bad = [s for s in self.comparisons if not s.passed]
         if bad:
             s = bad[0]
-            where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
-                if s.first_divergent_module else ""
-            return f"seed {s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:3])} out of tolerance{where}"
+            return f"seed {s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:3])} out of tolerance{_where(s)}"
         if self.hazards:
             return f"hazard in {self.hazards[0].module}: {self.hazards[0].detail}"
         return "no difference from the control"
@@ -558,6 +623,140 @@ def deterministic_kernels(device: str | torch.device):
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
+class _Progress:
+    """Ticks of one verification: one per compared step, control repeat, negative-control step and timing."""
+
+    def __init__(self, progress: ProgressFn, total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.done = 0
+
+    def tick(self) -> None:
+        self.done += 1
+        self.progress("verify", min(self.done, self.total), self.total)
+
+    def finish(self) -> None:
+        self.progress("verify", self.total, self.total)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _PairedRuns:
+    """What every seed's control/planned pair found (NOTE [paired runs])."""
+
+    per_step: list[StepComparison]
+    hazards: list[Hazard]
+    activity: list[BoundaryActivity]
+    failures: list[str]        # the planned step raised, per seed
+
+
+def _paired_runs(loaded: LoadedWorkload, plan: Plan, seeds: list[int], steps: int, tick: Callable[[], None],
+                 compiled: _Compiled) -> _PairedRuns:
+    """Every seed's pair, plus one eager pair for boundary activity under compile."""
+    out = _PairedRuns(per_step=[], hazards=[], activity=[], failures=[])
+    for seed in seeds:
+        res = _run_pair(loaded, plan, seed=seed, steps=steps, eval_pass=True, tick=tick, compiled=compiled)
+        out.per_step += res.comparisons
+        out.hazards += res.hazards
+        out.activity = out.activity or res.activity
+        if res.error is not None:
+            out.failures.append(f"seed {seed}: the planned step raised {res.error}")
+    if compiled.spec is not None and plan.boundaries:
+        # NOTE [verify under compile]: the region probe cannot run inside compiled code, so which
+        # boundaries draw random numbers, replay, or move devices is observed on one eager pair
+        eager = _run_pair(loaded, plan, seed=seeds[0], steps=1, eval_pass=False)
+        out.activity = eager.activity
+        out.hazards += [h for h in eager.hazards if h.kind is HazardKind.DEVICE_MOVE]
+    return out
+
+
+def _where(s: StepComparison) -> str:
+    """``"; first divergent module m (site)"``, or "" when none was named."""
+    return f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
+        if s.first_divergent_module else ""
+
+
+def _divergence_failure(per_step: list[StepComparison]) -> list[str]:
+    """The failure line for the compared steps out of tolerance (none when all passed)."""
+    bad = [s for s in per_step if not s.passed]
+    if not bad:
+        return []
+    s = bad[0]
+    more = f" and {len(s.divergent) - 4} more" if len(s.divergent) > 4 else ""
+    return [f"{len(bad)} of {len(per_step)} compared steps differ from the control; first: seed "
+            f"{s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])}{more} out of tolerance{_where(s)}"]
+
+
+def _control_repeats(loaded: LoadedWorkload, seed: int, steps: int, tick: Callable[[], None],
+                     compiled: _Compiled) -> tuple[bool, list[str]]:
+    """Positive control: the unmodified step must repeat itself, or no difference means anything.
+
+    Returns (repeatable, its failure line if not)."""
+    repeat = _run_pair(loaded, None, seed=seed, steps=steps, eval_pass=False, tick=tick, compiled=compiled)
+    if not repeat.rejected:
+        return True, []
+    return False, [f"the control does not repeat itself with the same seed ({repeat.reason()}): "
+                   "checkpointing cannot be told apart from nondeterminism"]
+
+
+def _negative_controls(loaded: LoadedWorkload, plan: Plan, drawers: list[str], seed: int, steps: int, rel: float,
+                       tick: Callable[[], None], compiled: _Compiled) -> tuple[list[NegativeControl], list[str]]:
+    """(the negative controls, a failure line for each that applied and was not rejected)."""
+    negative = [_rng_off_control(loaded, plan, drawers, seed, steps, tick, compiled),
+                _perturbed_control(loaded, plan, seed, rel, tick, compiled)]
+    return negative, [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
+                      if n.applicable and not n.rejected]
+
+
+def _first_divergent_module(per_step: list[StepComparison], hazards: list[Hazard]) -> str | None:
+    """The first failing step's divergent module, else the first hazard's boundary."""
+    first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
+    if first is None and hazards:
+        first = hazards[0].module
+    return first
+
+
+def _verify_warnings(loaded: LoadedWorkload, compiled: bool, per_step: list[StepComparison]) -> list[str]:
+    """What the report cannot vouch for: compiled-code blind spots, and non-finite control gradients."""
+    warnings = [] if not compiled else [
+        "compiled: per-module output digests and the region probe do not run inside compiled code; boundary "
+        "activity (replays, RNG draws, device moves) was observed on one eager pair",
+        "compiled: random ops ran torch's eager kernels (inductor fallback_random), drawing from the generator "
+        "in program order on both sides; the timed compiled arms keep inductor's own random kernels"]
+    return warnings + [f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
+                       f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
+                       for s in _first_non_finite_per_seed(per_step)]
+
+
+def _verify(loaded: LoadedWorkload, plan: Plan, *, steps: int, seeds: int, timing_steps: int, compiled: _Compiled,
+            ticks: _Progress) -> VerifyReport:
+    """verify_plan's runs and report, inside its kernel and RNG settings."""
+    seed_values = list(range(seeds))
+    pairs = _paired_runs(loaded, plan, seed_values, steps, ticks.tick, compiled)
+    hazards = _dedupe(pairs.hazards)
+    failures = pairs.failures + _divergence_failure(pairs.per_step)
+    failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
+    repeatable, not_repeated = _control_repeats(loaded, seed_values[0], steps, ticks.tick, compiled)
+    failures += not_repeated
+    drawers = sorted(a.module for a in pairs.activity if a.draws_rng)
+    tol = _model_tolerance(loaded.workload.model, compiled.table)
+    negative, not_rejected = _negative_controls(loaded, plan, drawers, seed_values[0], min(steps, 2),
+                                                _perturbation_for(tol), ticks.tick, compiled)
+    failures += not_rejected
+    # the RNG-preservation timing re-applies the plan around each step on one build: eager only
+    timing = measure_rng_overhead(loaded, plan, steps=timing_steps, tick=ticks.tick) \
+        if timing_steps and compiled.spec is None else None
+    ticks.finish()
+    return VerifyReport(
+        passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
+        dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
+        seeds=seed_values, tolerances=dict(compiled.table), perturbation=_perturbation_for(tol),
+        per_step=pairs.per_step, first_divergent_module=_first_divergent_module(pairs.per_step, hazards),
+        rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards, negative_controls=negative,
+        boundaries=pairs.activity, repeatable=repeatable, failures=failures,
+        warnings=_verify_warnings(loaded, compiled.spec is not None, pairs.per_step),
+        compile=None if compiled.spec is None else compiled.spec.to_json())
+
+
 def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int = 3, seeds: int = 3,
                 timing_steps: int = 10, compile: CompileSpec | None = None,
                 progress: ProgressFn = no_progress) -> VerifyReport:
@@ -578,88 +777,15 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
     if steps < 1 or seeds < 1 or timing_steps < 0:
         raise RematError(f"steps and seeds must be >= 1 and timing_steps >= 0 (got {steps}, {seeds}, {timing_steps})")
     check_plan_fingerprint(loaded.workload.model, plan)
-    seed_values = list(range(seeds))
-    neg_steps = min(steps, 2)
-    total = seeds * (steps + 1) + steps + neg_steps + 1 + (timing_steps + 2 if timing_steps else 0)
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        progress("verify", min(done, total), total)
-
+    total = seeds * (steps + 1) + steps + min(steps, 2) + 1 + (timing_steps + 2 if timing_steps else 0)
     outer_rng = RngState.capture()
     if compile is not None:
         torch._dynamo.reset()   # NOTE [verify under compile]: nothing compiled under other settings is reused
     try:
         with deterministic_kernels(loaded.device), \
                 (random_ops_in_program_order() if compile is not None else contextlib.nullcontext()):
-            per_step: list[StepComparison] = []
-            hazards: list[Hazard] = []
-            failures: list[str] = []
-            activity: list[BoundaryActivity] = []
-            for seed in seed_values:
-                res = _run_pair(loaded, plan, seed=seed, steps=steps, eval_pass=True, tick=tick, compiled=compiled)
-                per_step += res.comparisons
-                hazards += res.hazards
-                activity = activity or res.activity
-                if res.error is not None:
-                    failures.append(f"seed {seed}: the planned step raised {res.error}")
-            if compile is not None and plan.boundaries:
-                # NOTE [verify under compile]: the region probe cannot run inside compiled code, so which
-                # boundaries draw random numbers, replay, or move devices is observed on one eager pair
-                eager = _run_pair(loaded, plan, seed=seed_values[0], steps=1, eval_pass=False)
-                activity = eager.activity
-                hazards += [h for h in eager.hazards if h.kind is HazardKind.DEVICE_MOVE]
-            bad = [s for s in per_step if not s.passed]
-            if bad:
-                s = bad[0]
-                where = f"; first divergent module {s.first_divergent_module} ({s.first_divergence})" \
-                    if s.first_divergent_module else ""
-                more = f" and {len(s.divergent) - 4} more" if len(s.divergent) > 4 else ""
-                failures.append(f"{len(bad)} of {len(per_step)} compared steps differ from the control; first: seed "
-                                f"{s.seed} step {s.step} ({s.mode}): {', '.join(s.divergent[:4])}{more} out of "
-                                f"tolerance{where}")
-            hazards = _dedupe(hazards)
-            failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
-
-            # Positive control: the unmodified step must repeat itself, or no difference means anything.
-            repeat = _run_pair(loaded, None, seed=seed_values[0], steps=steps, eval_pass=False, tick=tick,
-                               compiled=compiled)
-            repeatable = not repeat.rejected
-            if not repeatable:
-                failures.append(f"the control does not repeat itself with the same seed ({repeat.reason()}): "
-                                "checkpointing cannot be told apart from nondeterminism")
-
-            drawers = sorted(a.module for a in activity if a.draws_rng)
-            negative = [_rng_off_control(loaded, plan, drawers, seed_values[0], neg_steps, tick, compiled)]
-            tol = _model_tolerance(loaded.workload.model, compiled.table)
-            negative.append(_perturbed_control(loaded, plan, seed_values[0], _perturbation_for(tol), tick, compiled))
-            failures += [f"negative control {n.name} was not rejected: {n.detail}" for n in negative
-                         if n.applicable and not n.rejected]
-
-            # the RNG-preservation timing re-applies the plan around each step on one build: eager only
-            timing = measure_rng_overhead(loaded, plan, steps=timing_steps, tick=tick) \
-                if timing_steps and compile is None else None
-            first = next((s.first_divergent_module for s in per_step if not s.passed and s.first_divergent_module), None)
-            if first is None and hazards:
-                first = hazards[0].module
-            warnings = ([] if compile is None else [
-                "compiled: per-module output digests and the region probe do not run inside compiled code; boundary "
-                "activity (replays, RNG draws, device moves) was observed on one eager pair",
-                "compiled: random ops ran torch's eager kernels (inductor fallback_random), drawing from the generator "
-                "in program order on both sides; the timed compiled arms keep inductor's own random kernels"]) + [
-                f"the control's global gradient norm is {s.grad_norm[0]} from seed {s.seed} step {s.step} "
-                        f"({s.mode}, {loaded.dtype}): comparisons after that point agree vacuously"
-                        for s in _first_non_finite_per_seed(per_step)]
-            progress("verify", total, total)
-            return VerifyReport(
-                passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
-                dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
-                seeds=seed_values, tolerances=dict(compiled.table), perturbation=_perturbation_for(tol), per_step=per_step,
-                first_divergent_module=first, rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards,
-                negative_controls=negative, boundaries=activity, repeatable=repeatable, failures=failures,
-                warnings=warnings, compile=None if compile is None else compile.to_json())
+            return _verify(loaded, plan, steps=steps, seeds=seeds, timing_steps=timing_steps, compiled=compiled,
+                           ticks=_Progress(progress, total))
     finally:
         outer_rng.restore()
         if compile is not None:
