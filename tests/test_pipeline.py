@@ -296,9 +296,9 @@ def test_verify_engine_pipeline_rejects_a_plan_that_changes_the_gradients(rank_e
                  "--out", str(tmp_path / "v"), "--dist-timeout", "20", "--dist-wall-timeout", "90"])
     assert code == 1
     report = PipelineReport.from_json(json.loads((tmp_path / "v" / "pipeline.json").read_text()))
-    assert set(report.data["sides"]) == {"none", "remat"}
-    eq = report.data["equivalence"]["remat"]
-    assert not eq["bitwise_equal"] and not eq["ok"] and eq["max_abs_diff"] > 0
+    assert set(report.sides) == {"none", "remat"}
+    eq = report.equivalence["remat"]
+    assert not eq.bitwise_equal and not eq.ok and eq.max_abs_diff > 0
     assert not report.ok
     # the receipt written beside it records the failure, and check fails on it without a launch
     assert main(["check", str(tmp_path / "v" / "receipt.json"), "--quick"]) == 1
@@ -485,11 +485,19 @@ def test_a_model_without_embed_and_head_is_refused_naming_its_blocks():
 
 
 def test_timeline_rows_place_each_interval_in_its_columns():
+    import dataclasses
     from remat.pipeline_parallel.markdown import timeline_rows
-    side = {"per_stage": [
-        {"stage": 0, "timeline": [["forward", 0, 0.0, 25.0], ["p2p:fwd_send", -1, 25.0, 50.0],
-                                  ["backward", 0, 50.0, 100.0], ["replay", -1, 50.0, 75.0]]},
-        {"stage": 1, "timeline": [["forward", 0, 25.0, 50.0], ["loss", 0, 50.0, 75.0]]}]}
+    from remat.pipeline_parallel.report import SideReport, StageReport, TimelineSpan
+    blank = StageReport(stage=0, rank=0, host="h", in_flight=1, blocks=[], boundaries=[], p50_ms=0.0, p95_ms=0.0,
+                        forward_ms=0.0, backward_ms=0.0, replay_ms=0.0, optimizer_ms=0.0, p2p_ms=0.0,
+                        exposed_p2p_ms=0.0, idle_ms=0.0, bubble_fraction=0.0, peak_bytes=0, held_at_backward_bytes=[],
+                        fits_budget=None, bubble_delta_vs_none=None, predicted_peak_bytes=None, grad_sq_sum=None,
+                        timeline=[])
+    timelines = [[["forward", 0, 0.0, 25.0], ["p2p:fwd_send", -1, 25.0, 50.0], ["backward", 0, 50.0, 100.0],
+                  ["replay", -1, 50.0, 75.0]], [["forward", 0, 25.0, 50.0], ["loss", 0, 50.0, 75.0]]]
+    side = SideReport(per_stage=[dataclasses.replace(blank, stage=k, timeline=[TimelineSpan.from_json(e) for e in t])
+                                 for k, t in enumerate(timelines)],
+                      p50_ms=0.0, p95_ms=0.0, samples_per_s=0.0, max_peak_bytes=0, max_bubble_fraction=0.0)
     rows = timeline_rows(side, width=8)
     assert rows[0] == "stage 0 |FF--RRBB|"      # replay drawn over the backward it runs in
     assert rows[1] == "stage 1 |..FFLL..|"      # idle where nothing was recorded

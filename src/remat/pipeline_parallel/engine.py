@@ -41,14 +41,13 @@ from typing import Any, Callable, Mapping
 
 from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError, WorkloadError
-from .plan import SCHEDULES, Schedule
+from .plan import SCHEDULES, SIDES, Schedule
 from ..plan.schema import MODULE_PATH
 from ..types import ProgressFn, no_progress
 
 PIPELINE_WORKER_MODULE = "remat.pipeline_parallel.worker"
 PIPELINE_REPORT_NAME = "pipeline.json"
 PIPELINE_CONFIG_SCHEMA_VERSION = 1
-SIDES = ("none", "uniform", "remat")   # no plan; the uniform plan on every stage; remat's per-stage plans
 
 PIPELINE_CONFIG_SCHEMA = Obj({
     "schema_version": Enum(PIPELINE_CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
