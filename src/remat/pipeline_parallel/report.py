@@ -29,26 +29,46 @@ PIPELINE_REPORT_SCHEMA_VERSION = 1
 # -- what one rank measured -------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TimelineEvent:
-    """One interval on a rank, as recorded (``perf_counter_ns``)."""
+class Interval:
+    """What one interval of a stage's step ran (NOTE [pipeline instruments])."""
 
     kind: str        # forward, loss, backward, replay, optimizer, p2p:<what>
     mb: int          # microbatch, -1 when none
+
+    @property
+    def category(self) -> str:
+        """The kind with every p2p interval as one: ``p2p``."""
+        return "p2p" if self.kind.startswith("p2p:") else self.kind
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimelineEvent(Interval):
+    """One interval on a rank, as recorded (``perf_counter_ns``)."""
+
     start_ns: int
     end_ns: int
 
 
 @dataclasses.dataclass(kw_only=True)
-class StageResult:
-    """One stage (rank), one side, as measured on its rank (gathered by rank 0)."""
+class StageInfo:
+    """Which stage (with several stages per rank: which rank), where it ran, what it runs and holds."""
 
-    side: Side
     stage: int
     rank: int
     host: str
-    in_flight: int
+    in_flight: int          # microbatches held at the peak (NOTE [pipeline in-flight cost model])
     blocks: list[str]
-    boundaries: list[str]
+    boundaries: list[str]   # the side's checkpoint boundaries on the stage
+
+    def info(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(StageInfo)}
+
+
+@dataclasses.dataclass(kw_only=True)
+class StageResult(StageInfo):
+    """One stage (rank), one side, as measured on its rank (gathered by rank 0)."""
+
+    side: Side
     step_ns: list[tuple[int, int]]       # (start, end) of every timed step, perf_counter_ns
     forward_ms: list[float]              # per timed step (forward chunks + loss)
     backward_ms: list[float]             # per timed step (backward chunks, replay included)
@@ -83,18 +103,11 @@ class RankOutcome:
 # -- the report ----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TimelineSpan:
+class TimelineSpan(Interval):
     """One interval of a side's last timed step: ms from the earliest stage's start (one host clock)."""
 
-    kind: str        # forward, loss, backward, replay, optimizer, p2p:<what>
-    mb: int          # microbatch, -1 when none
     start_ms: float
     end_ms: float
-
-    @property
-    def category(self) -> str:
-        """The kind with every p2p interval as one: ``p2p``."""
-        return "p2p" if self.kind.startswith("p2p:") else self.kind
 
     def to_json(self) -> list[Any]:
         return [self.kind, self.mb, self.start_ms, self.end_ms]
@@ -106,15 +119,9 @@ class TimelineSpan:
 
 
 @dataclasses.dataclass(kw_only=True)
-class StageReport:
+class StageReport(StageInfo):
     """One stage of one side: medians over the timed steps (ms), peaks (bytes), bubble fraction."""
 
-    stage: int
-    rank: int
-    host: str
-    in_flight: int
-    blocks: list[str]
-    boundaries: list[str]
     p50_ms: float                        # the stage's own step (its start to its end)
     p95_ms: float
     forward_ms: float
@@ -341,8 +348,7 @@ def _stage_report(r: StageResult, budget: int | None, pipeline_ms: list[float], 
     bubble = [i / g if g > 0 else 0.0 for i, g in zip(idle, pipeline_ms)]
     shift = r.timeline_t0_ns - t0_ns
     return StageReport(
-        stage=r.stage, rank=r.rank, host=r.host, in_flight=r.in_flight, blocks=r.blocks, boundaries=r.boundaries,
-        p50_ms=percentile(steps, 50), p95_ms=percentile(steps, 95), forward_ms=_med(r.forward_ms),
+        **r.info(), p50_ms=percentile(steps, 50), p95_ms=percentile(steps, 95), forward_ms=_med(r.forward_ms),
         backward_ms=_med(r.backward_ms), replay_ms=_med(r.replay_ms), optimizer_ms=_med(r.optimizer_ms),
         p2p_ms=_med(r.p2p_ms), exposed_p2p_ms=_med(r.exposed_p2p_ms), idle_ms=_med(idle),
         bubble_fraction=min(1.0, max(0.0, _med(bubble))), peak_bytes=r.peak_bytes,

@@ -345,7 +345,7 @@ class PipelineRank:
         fwd, bwd, rep, p2p, exposed, busy, opt = [], [], [], [], [], [], []
         for (t0, t1), events in zip(step_ns, per_step):
             compute = [(e.start_ns, e.end_ns) for e in events if e.kind in _COMPUTE]
-            comm = [(e.start_ns, e.end_ns) for e in events if e.kind.startswith("p2p:")]
+            comm = [(e.start_ns, e.end_ns) for e in events if e.category == "p2p"]
 
             def total(kind: str) -> float:
                 return total_ns([(e.start_ns, e.end_ns) for e in events if e.kind == kind]) / 1e6
