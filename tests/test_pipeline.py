@@ -610,3 +610,45 @@ def test_a_stage_that_already_fits_gets_no_boundary_even_when_replay_looks_free(
     plans = plan_stages(report, blocks, schedule="1f1b", microbatches=4, base_peaks=[1000, 900], planner="optimal",
                         budget_bytes=950, reserve=0.0)
     assert plans[0].boundaries and plans[1].boundaries == [] and plans[1].predicted_peak_bytes == 900
+
+
+def test_assembled_report_is_typed_and_round_trips_its_json():
+    from remat.distributed.report import GradComparison
+    from remat.pipeline_parallel.markdown import render_pipeline_markdown
+    from remat.pipeline_parallel.plan import Side
+    from remat.pipeline_parallel.report import RankOutcome, StageResult, TimelineEvent, assemble_pipeline
+    cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, microbatches=2, split_points=["h.2"],
+                         sides=["none", "uniform"], profile={"given": True})
+
+    def result(side: Side, k: int, busy_ms: float) -> StageResult:
+        t0 = 1_000_000 * (k + 1)
+        return StageResult(side=side, stage=k, rank=k, host="h", in_flight=2 - k, blocks=[f"h.{2 * k}"], boundaries=[],
+                           step_ns=[(t0, t0 + 10_000_000)], forward_ms=[1.0], backward_ms=[2.0], replay_ms=[0.0],
+                           optimizer_ms=[0.5], p2p_ms=[0.1], exposed_p2p_ms=[0.1], compute_ms=[busy_ms],
+                           peak_bytes=1000 * (k + 1), held_at_backward_bytes=[10, 20],
+                           timeline=[TimelineEvent(kind="forward", mb=0, start_ns=0, end_ns=1_000_000),
+                                     TimelineEvent(kind="p2p:send", mb=-1, start_ns=1_000_000, end_ns=2_000_000)],
+                           timeline_t0_ns=t0)
+
+    def outcome(k: int, missing: list[str]) -> RankOutcome:
+        cmp = GradComparison(params_compared=3, bitwise_equal=True, within_tolerance=True, max_abs_diff=0.0,
+                             worst_param=None, mismatched=[])
+        return RankOutcome(results={Side.NONE: result(Side.NONE, k, 8.0), Side.UNIFORM: result(Side.UNIFORM, k, 5.0)},
+                           comparisons={Side.UNIFORM: cmp}, negative_rejected=True,
+                           losses={Side.NONE: 1.5, Side.UNIFORM: 1.5},
+                           missing_grads={Side.NONE: [], Side.UNIFORM: missing}, notes=["rank note"], plans={})
+    report = assemble_pipeline(cfg, [outcome(0, []), outcome(1, ["w"])], torch_version="t", memory_source="m")
+    assert list(report.sides) == [Side.NONE, Side.UNIFORM] and report.schedule is Schedule.ONE_F_ONE_B
+    uni = report.sides[Side.UNIFORM].per_stage
+    # the pipeline step is 11 ms (stage 0 starts at 1 ms, stage 1 ends at 12): idle 3 ms unplanned, 6 ms uniform
+    assert uni[0].bubble_delta_vs_none == pytest.approx(3 / 11)
+    assert report.sides[Side.NONE].per_stage[0].bubble_delta_vs_none is None
+    assert uni[1].timeline[0].start_ms == pytest.approx(1.0) and uni[1].timeline[1].category == "p2p"
+    eq = report.equivalence[Side.UNIFORM]
+    assert not eq.ok and eq.mismatched == ["stage 1: w: no gradient"] and eq.params_compared == 6 and eq.first_loss_equal
+    assert not report.ok and report.remat_fits is None and report.remat_plan is None and report.notes[-1] == "rank note"
+    d = json.loads(json.dumps(report.to_json()))
+    assert d["sides"]["uniform"]["per_stage"][1]["timeline"][1] == ["p2p:send", -1, pytest.approx(2.0), pytest.approx(3.0)]
+    again = PipelineReport.from_json(d)
+    assert again == report and again.to_json() == d
+    assert "| uniform | 1 |" in render_pipeline_markdown(again)

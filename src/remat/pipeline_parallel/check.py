@@ -83,7 +83,7 @@ def _rerun_config(receipt: PipelineReceipt, spec: str, plan: PipelinePlan) -> Pi
                           microbatches=p.microbatches, split_points=list(p.split_points), split_source=p.split_source,
                           stages_per_rank=p.stages_per_rank, plan=plan.to_json(), device=ctx.device, dtype=ctx.dtype,
                           steps=receipt.check_steps, warmup=1, timeout_s=receipt.check_timeout_s,
-                          sides=[Side.NONE.value, Side.REMAT.value])
+                          sides=[Side.NONE, Side.REMAT])
 
 
 def _rerun_findings(was: PipelineReport, again: PipelineReport, ledger: CheckLedger) -> None:

@@ -71,6 +71,9 @@ class Side(str, enum.Enum):
     UNIFORM = "uniform"   # the same rule on every stage (e.g. every block)
     REMAT = "remat"       # remat's per-stage plans (NOTE [pipeline in-flight cost model])
 
+    def __str__(self) -> str:   # the name a report and a progress line print: "none", not "Side.NONE"
+        return self.value
+
 
 SIDES = tuple(s.value for s in Side)
 

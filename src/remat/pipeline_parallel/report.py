@@ -423,7 +423,7 @@ def assemble_pipeline(cfg: Any, gathered: list[RankOutcome], *, torch_version: s
     batch_size = int(cfg.shape.get("batch_size", 1))
     plans = gathered[0].plans
     budget = plans[Side.REMAT].budget_bytes if Side.REMAT in plans else None
-    sides = {Side(n): _side_report([g.results[Side(n)] for g in gathered], budget, batch_size) for n in cfg.sides}
+    sides = {name: _side_report([g.results[name] for g in gathered], budget, batch_size) for name in cfg.sides}
     _compare_sides(sides, plans)
     equivalence = {name: eq for name in sides if name is not Side.NONE
                    if (eq := _equivalence(name, gathered)) is not None}

@@ -463,20 +463,18 @@ class PipelineRank:
                         results[name], grads[name], losses[name] = self.run_side(name, remat.for_stage(self.rank))
         return self.outcome(results, grads, losses, notes, {Side.UNIFORM: uniform, Side.REMAT: remat})
 
-    def outcome(self, results: dict[str, StageResult], grads: dict[str, list], losses: dict[str, float | None],
+    def outcome(self, results: dict[Side, StageResult], grads: dict[Side, list], losses: dict[Side, float | None],
                 notes: list[str], plans: dict[Side, PipelinePlan | None]) -> RankOutcome:
         """What this rank gathers to rank 0: its results, each planned side's gradients against ``none``'s,
-        the negative control, and the plans."""
+        the negative control, and the plans (``cfg.sides`` are the keys)."""
         control = grads.get(Side.NONE)
         comparisons = {} if control is None else \
-            {Side(name): compare_grads(control, g) for name, g in grads.items() if name != Side.NONE}
+            {name: compare_grads(control, g) for name, g in grads.items() if name is not Side.NONE}
         negative = negative_control_rejected(control) if self.cfg.perturb_control and control is not None else None
         # every parameter of the stage must have a gradient: None on both sides would compare as "equal"
-        missing = {Side(name): [n for n, g in gs if g is None] for name, gs in grads.items()}
-        return RankOutcome(results={Side(n): r for n, r in results.items()}, comparisons=comparisons,
-                           negative_rejected=negative, losses={Side(n): x for n, x in losses.items()},
-                           missing_grads=missing, notes=notes,
-                           plans={k: p for k, p in plans.items() if p is not None})
+        missing = {name: [n for n, g in gs if g is None] for name, gs in grads.items()}
+        return RankOutcome(results=results, comparisons=comparisons, negative_rejected=negative, losses=losses,
+                           missing_grads=missing, notes=notes, plans={k: p for k, p in plans.items() if p is not None})
 
 
 def negative_control_rejected(control: list) -> bool:
