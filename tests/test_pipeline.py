@@ -296,9 +296,9 @@ def test_verify_engine_pipeline_rejects_a_plan_that_changes_the_gradients(rank_e
                  "--out", str(tmp_path / "v"), "--dist-timeout", "20", "--dist-wall-timeout", "90"])
     assert code == 1
     report = PipelineReport.from_json(json.loads((tmp_path / "v" / "pipeline.json").read_text()))
-    assert set(report.data["sides"]) == {"none", "remat"}
-    eq = report.data["equivalence"]["remat"]
-    assert not eq["bitwise_equal"] and not eq["ok"] and eq["max_abs_diff"] > 0
+    assert set(report.sides) == {"none", "remat"}
+    eq = report.equivalence["remat"]
+    assert not eq.bitwise_equal and not eq.ok and eq.max_abs_diff > 0
     assert not report.ok
     # the receipt written beside it records the failure, and check fails on it without a launch
     assert main(["check", str(tmp_path / "v" / "receipt.json"), "--quick"]) == 1
@@ -485,11 +485,19 @@ def test_a_model_without_embed_and_head_is_refused_naming_its_blocks():
 
 
 def test_timeline_rows_place_each_interval_in_its_columns():
+    import dataclasses
     from remat.pipeline_parallel.markdown import timeline_rows
-    side = {"per_stage": [
-        {"stage": 0, "timeline": [["forward", 0, 0.0, 25.0], ["p2p:fwd_send", -1, 25.0, 50.0],
-                                  ["backward", 0, 50.0, 100.0], ["replay", -1, 50.0, 75.0]]},
-        {"stage": 1, "timeline": [["forward", 0, 25.0, 50.0], ["loss", 0, 50.0, 75.0]]}]}
+    from remat.pipeline_parallel.report import SideReport, StageReport, TimelineSpan
+    blank = StageReport(stage=0, rank=0, host="h", in_flight=1, blocks=[], boundaries=[], p50_ms=0.0, p95_ms=0.0,
+                        forward_ms=0.0, backward_ms=0.0, replay_ms=0.0, optimizer_ms=0.0, p2p_ms=0.0,
+                        exposed_p2p_ms=0.0, idle_ms=0.0, bubble_fraction=0.0, peak_bytes=0, held_at_backward_bytes=[],
+                        fits_budget=None, bubble_delta_vs_none=None, predicted_peak_bytes=None, grad_sq_sum=None,
+                        timeline=[])
+    timelines = [[["forward", 0, 0.0, 25.0], ["p2p:fwd_send", -1, 25.0, 50.0], ["backward", 0, 50.0, 100.0],
+                  ["replay", -1, 50.0, 75.0]], [["forward", 0, 25.0, 50.0], ["loss", 0, 50.0, 75.0]]]
+    side = SideReport(per_stage=[dataclasses.replace(blank, stage=k, timeline=[TimelineSpan.from_json(e) for e in t])
+                                 for k, t in enumerate(timelines)],
+                      p50_ms=0.0, p95_ms=0.0, samples_per_s=0.0, max_peak_bytes=0, max_bubble_fraction=0.0)
     rows = timeline_rows(side, width=8)
     assert rows[0] == "stage 0 |FF--RRBB|"      # replay drawn over the backward it runs in
     assert rows[1] == "stage 1 |..FFLL..|"      # idle where nothing was recorded
@@ -602,3 +610,45 @@ def test_a_stage_that_already_fits_gets_no_boundary_even_when_replay_looks_free(
     plans = plan_stages(report, blocks, schedule="1f1b", microbatches=4, base_peaks=[1000, 900], planner="optimal",
                         budget_bytes=950, reserve=0.0)
     assert plans[0].boundaries and plans[1].boundaries == [] and plans[1].predicted_peak_bytes == 900
+
+
+def test_assembled_report_is_typed_and_round_trips_its_json():
+    from remat.distributed.report import GradComparison
+    from remat.pipeline_parallel.markdown import render_pipeline_markdown
+    from remat.pipeline_parallel.plan import Side
+    from remat.pipeline_parallel.report import RankOutcome, StageResult, TimelineEvent, assemble_pipeline
+    cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, microbatches=2, split_points=["h.2"],
+                         sides=["none", "uniform"], profile={"given": True})
+
+    def result(side: Side, k: int, busy_ms: float) -> StageResult:
+        t0 = 1_000_000 * (k + 1)
+        return StageResult(side=side, stage=k, rank=k, host="h", in_flight=2 - k, blocks=[f"h.{2 * k}"], boundaries=[],
+                           step_ns=[(t0, t0 + 10_000_000)], forward_ms=[1.0], backward_ms=[2.0], replay_ms=[0.0],
+                           optimizer_ms=[0.5], p2p_ms=[0.1], exposed_p2p_ms=[0.1], compute_ms=[busy_ms],
+                           peak_bytes=1000 * (k + 1), held_at_backward_bytes=[10, 20],
+                           timeline=[TimelineEvent(kind="forward", mb=0, start_ns=0, end_ns=1_000_000),
+                                     TimelineEvent(kind="p2p:send", mb=-1, start_ns=1_000_000, end_ns=2_000_000)],
+                           timeline_t0_ns=t0)
+
+    def outcome(k: int, missing: list[str]) -> RankOutcome:
+        cmp = GradComparison(params_compared=3, bitwise_equal=True, within_tolerance=True, max_abs_diff=0.0,
+                             worst_param=None, mismatched=[])
+        return RankOutcome(results={Side.NONE: result(Side.NONE, k, 8.0), Side.UNIFORM: result(Side.UNIFORM, k, 5.0)},
+                           comparisons={Side.UNIFORM: cmp}, negative_rejected=True,
+                           losses={Side.NONE: 1.5, Side.UNIFORM: 1.5},
+                           missing_grads={Side.NONE: [], Side.UNIFORM: missing}, notes=["rank note"], plans={})
+    report = assemble_pipeline(cfg, [outcome(0, []), outcome(1, ["w"])], torch_version="t", memory_source="m")
+    assert list(report.sides) == [Side.NONE, Side.UNIFORM] and report.schedule is Schedule.ONE_F_ONE_B
+    uni = report.sides[Side.UNIFORM].per_stage
+    # the pipeline step is 11 ms (stage 0 starts at 1 ms, stage 1 ends at 12): idle 3 ms unplanned, 6 ms uniform
+    assert uni[0].bubble_delta_vs_none == pytest.approx(3 / 11)
+    assert report.sides[Side.NONE].per_stage[0].bubble_delta_vs_none is None
+    assert uni[1].timeline[0].start_ms == pytest.approx(1.0) and uni[1].timeline[1].category == "p2p"
+    eq = report.equivalence[Side.UNIFORM]
+    assert not eq.ok and eq.mismatched == ["stage 1: w: no gradient"] and eq.params_compared == 6 and eq.first_loss_equal
+    assert not report.ok and report.remat_fits is None and report.remat_plan is None and report.notes[-1] == "rank note"
+    d = json.loads(json.dumps(report.to_json()))
+    assert d["sides"]["uniform"]["per_stage"][1]["timeline"][1] == ["p2p:send", -1, pytest.approx(2.0), pytest.approx(3.0)]
+    again = PipelineReport.from_json(d)
+    assert again == report and again.to_json() == d
+    assert "| uniform | 1 |" in render_pipeline_markdown(again)

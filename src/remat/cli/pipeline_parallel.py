@@ -19,9 +19,9 @@ from rich.table import Table
 from .._io import atomic_write_json
 from ..pipeline_parallel.engine import (PipelineConfig, check_split, check_stages_per_rank, default_split, microbatch_shape,
                                     run_pipeline_config)
-from ..pipeline_parallel.report import PipelineReport
+from ..pipeline_parallel.report import PipelineReport, SideReport
 from ..plan import parse_budget, parse_reserve
-from ..pipeline_parallel.plan import PipelinePlan, load_any_plan
+from ..pipeline_parallel.plan import PipelinePlan, Side, load_any_plan
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..pipeline_parallel.render import write_pipeline_receipt
 from ..workload import parse_shape
@@ -101,14 +101,14 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
         result = run_pipeline_config(config, work_dir=Path(args.out) / "distributed",
                                      wall_timeout_s=args.dist_wall_timeout, progress=progress)
     path = atomic_write_json(Path(args.out) / "pipeline.json", result.to_json())
-    if "remat" in result.data["plans"]:
-        atomic_write_json(Path(args.out) / "plan.json", result.data["plans"]["remat"])
+    if result.remat_plan is not None:
+        result.remat_plan.save(Path(args.out) / "plan.json")
     from .._io import atomic_write_text
     from ..pipeline_parallel.markdown import render_pipeline_markdown
-    atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result.data))
+    atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result))
     render(result)
     console.print(f"wrote {path}")
-    if "remat" in result.data["plans"]:
+    if result.remat_plan is not None:
         from ..pipeline_parallel.check import make_pipeline_receipt
         from ..workload.loader import load_workload
         command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
@@ -126,8 +126,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     result = _launch(args)
     if result.remat_fits is False:
         console.print("[bold red]remat's per-stage plans measured over the per-device budget on "
-                      + ", ".join(f"stage {s['stage']}" for s in result.side("remat")["per_stage"]
-                                  if not s["fits_budget"]) + "[/]")
+                      + ", ".join(f"stage {k}" for k in result.over_budget_stages) + "[/]")
     return 0 if result.ok and result.remat_fits is not False else 1
 
 
@@ -136,11 +135,11 @@ def run_pipeline_verify(args: argparse.Namespace) -> int:
     schedule, microbatches and split, bitwise on CPU; the negative control (a perturbed gradient) must be rejected.
     Exit 1 when they differ or the control is accepted."""
     result = _launch(args, verify_only=True)
-    eq = result.data["equivalence"].get("remat")
-    if eq is not None and eq["ok"] and result.data["negative_control_rejected"] is True:
+    eq = result.equivalence.get(Side.REMAT)
+    if eq is not None and eq.ok and result.negative_control_rejected is True:
         console.print("[bold green]PASSED[/]: the planned pipeline trains bitwise like the unplanned one")
         return 0
-    console.print("[bold red]FAILED[/]: " + ("the planned pipeline's gradients differ" if not (eq and eq["ok"])
+    console.print("[bold red]FAILED[/]: " + ("the planned pipeline's gradients differ" if not (eq and eq.ok)
                                            else "the negative control was accepted: the comparison proves nothing"))
     return 1
 
@@ -153,20 +152,24 @@ def run_pipeline_frontier(args: argparse.Namespace) -> int:
                                "plan on every stage and remat's per-stage plans at --budget",
                                tip="drop --plans; run again with another --budget for another point")
     result = _launch(args)
-    sides = result.data["sides"]
+    console.print(_frontier_table(result))
+    return 0 if result.ok and result.remat_fits is not False else 1
+
+
+def _frontier_table(report: PipelineReport) -> Table:
+    """Each side a point: largest stage peak vs step p50, ``*`` where no other side is as good on both."""
+    points = {name: (s.max_peak_bytes, s.p50_ms) for name, s in report.sides.items()}
     table = Table(title="pipeline frontier: largest stage peak vs step p50 (* = Pareto)")
     for col in ("side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"):
         table.add_column(col, justify="left" if col == "side" else "right")
-    budget = result.data["budget_bytes"]
-    for name, s in sides.items():
-        dominated = any(o["max_peak_bytes"] <= s["max_peak_bytes"] and o["p50_ms"] <= s["p50_ms"]
-                        and (o["max_peak_bytes"], o["p50_ms"]) != (s["max_peak_bytes"], s["p50_ms"])
-                        for o in sides.values())
-        fits = "-" if budget is None else ("yes" if s["max_peak_bytes"] <= budget else "no")
-        table.add_row(name + ("" if dominated else " *"), fmt_bytes(s["max_peak_bytes"]), f"{s['p50_ms']:.1f}",
-                      f"{s['samples_per_s']:.1f}", fits, f"{s['max_bubble_fraction']:.3f}")
-    console.print(table)
-    return 0 if result.ok and result.remat_fits is not False else 1
+    budget = report.budget_bytes
+    for name, s in report.sides.items():
+        mine = points[name]
+        dominated = any(o[0] <= mine[0] and o[1] <= mine[1] and o != mine for o in points.values())
+        fits = "-" if budget is None else ("yes" if s.max_peak_bytes <= budget else "no")
+        table.add_row(name.value + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.p50_ms:.1f}",
+                      f"{s.samples_per_s:.1f}", fits, f"{s.max_bubble_fraction:.3f}")
+    return table
 
 
 def run_pipeline_simulate(args: argparse.Namespace) -> int:
@@ -184,7 +187,7 @@ def run_pipeline_simulate(args: argparse.Namespace) -> int:
                                 schedule=args.schedule, split_points=points or (plan.split_points if plan else None),
                                 target_device=args.target_device, dtype=args.dtype, plan=plan, progress=progress)
     path = atomic_write_json(Path(args.out) / "pipeline-sim.json", sim.to_json())
-    table = Table(title=f"{sim.spec} simulated on {sim.world_size} x {sim.device}: {sim.schedule}, {sim.microbatches} "
+    table = Table(title=f"{sim.spec} simulated on {sim.world_size} x {sim.device}: {sim.schedule.value}, {sim.microbatches} "
                         f"microbatches, split at {', '.join(sim.split_points)} (ideal bubble "
                         f"{sim.ideal_bubble_fraction:.3f}; predicted step {sim.step_ms:.1f} ms)")
     for col in ("stage", "blocks", "in flight", "fwd ms", "bwd ms", "held / mb", "static", "peak", "bubble"):
@@ -198,34 +201,41 @@ def run_pipeline_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(report: PipelineReport) -> None:
-    d = report.data
-    table = Table(title=f"{d['spec']} pipeline: {d['world_size']} stages, {d['schedule']}, {d['microbatches']} "
-                        f"microbatches, split at {', '.join(d['split_points'])} (ideal bubble "
-                        f"{d['ideal_bubble_fraction']:.3f})")
+def _stage_table(report: PipelineReport) -> Table:
+    table = Table(title=f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, "
+                        f"{report.microbatches} microbatches, split at {', '.join(report.split_points)} (ideal bubble "
+                        f"{report.ideal_bubble_fraction:.3f})")
     for col in ("side", "stage", "in flight", "boundaries", "peak", "fits", "fwd ms", "bwd ms", "replay ms",
                 "p2p ms", "idle ms", "bubble"):
         table.add_column(col, justify="left" if col in ("side", "boundaries") else "right")
-    for name, side in d["sides"].items():
-        for s in side["per_stage"]:
-            fits = "-" if s["fits_budget"] is None else ("yes" if s["fits_budget"] else "[red]no[/]")
-            table.add_row(name, str(s["stage"]), str(s["in_flight"]), ", ".join(s["boundaries"]) or "-",
-                          fmt_bytes(s["peak_bytes"]), fits, f"{s['forward_ms']:.1f}", f"{s['backward_ms']:.1f}",
-                          f"{s['replay_ms']:.1f}", f"{s['p2p_ms']:.1f}", f"{s['idle_ms']:.1f}",
-                          f"{s['bubble_fraction']:.3f}")
-    console.print(table)
-    for name, side in d["sides"].items():
-        console.print(f"[bold]{name}[/]: step p50 {side['p50_ms']:.1f} ms, p95 {side['p95_ms']:.1f} ms, "
-                      f"{side['samples_per_s']:.1f} samples/s, largest stage peak {fmt_bytes(side['max_peak_bytes'])}")
-    for name, side in d["sides"].items():
-        worse = [f"stage {s['stage']} +{s['bubble_delta_vs_none']:.3f} (replay {s['replay_ms']:.1f} ms)"
-                 for s in side["per_stage"] if (s["bubble_delta_vs_none"] or 0.0) > 0.0]
+    for name, side in report.sides.items():
+        for s in side.per_stage:
+            fits = "-" if s.fits_budget is None else ("yes" if s.fits_budget else "[red]no[/]")
+            table.add_row(name.value, str(s.stage), str(s.in_flight), ", ".join(s.boundaries) or "-",
+                          fmt_bytes(s.peak_bytes), fits, f"{s.forward_ms:.1f}", f"{s.backward_ms:.1f}",
+                          f"{s.replay_ms:.1f}", f"{s.p2p_ms:.1f}", f"{s.idle_ms:.1f}", f"{s.bubble_fraction:.3f}")
+    return table
+
+
+def _bubble_growth(side: SideReport) -> list[str]:
+    """The stages whose bubble grew over the unplanned run's, with their replay time."""
+    return [f"stage {s.stage} +{s.bubble_delta_vs_none:.3f} (replay {s.replay_ms:.1f} ms)"
+            for s in side.per_stage if (s.bubble_delta_vs_none or 0.0) > 0.0]
+
+
+def render(report: PipelineReport) -> None:
+    console.print(_stage_table(report))
+    for name, side in report.sides.items():
+        console.print(f"[bold]{name.value}[/]: step p50 {side.p50_ms:.1f} ms, p95 {side.p95_ms:.1f} ms, "
+                      f"{side.samples_per_s:.1f} samples/s, largest stage peak {fmt_bytes(side.max_peak_bytes)}")
+    for name, side in report.sides.items():
+        worse = _bubble_growth(side)
         if worse:
-            console.print(f"{name}: bubble grew over the unplanned run on {', '.join(worse)}")
-    for name, eq in d["equivalence"].items():
-        verdict = "[green]bitwise equal[/]" if eq["ok"] else "[bold red]DIFFERENT[/]"
-        console.print(f"equivalence ({name} vs none, same schedule and microbatches): {verdict} "
-                      f"(max |diff| {eq['max_abs_diff']:.3g})")
-    neg = d["negative_control_rejected"]
+            console.print(f"{name.value}: bubble grew over the unplanned run on {', '.join(worse)}")
+    for name, eq in report.equivalence.items():
+        verdict = "[green]bitwise equal[/]" if eq.ok else "[bold red]DIFFERENT[/]"
+        console.print(f"equivalence ({name.value} vs none, same schedule and microbatches): {verdict} "
+                      f"(max |diff| {eq.max_abs_diff:.3g})")
+    neg = report.negative_control_rejected
     if neg is not None:
         console.print(f"negative control (a gradient perturbed by 1e-3): {'rejected' if neg else '[bold red]ACCEPTED[/]'}")

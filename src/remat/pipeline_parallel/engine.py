@@ -41,14 +41,13 @@ from typing import Any, Callable, Mapping
 
 from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError, WorkloadError
-from .plan import SCHEDULES, Schedule
+from .plan import SCHEDULES, SIDES, Schedule, Side
 from ..plan.schema import MODULE_PATH
 from ..types import ProgressFn, no_progress
 
 PIPELINE_WORKER_MODULE = "remat.pipeline_parallel.worker"
 PIPELINE_REPORT_NAME = "pipeline.json"
 PIPELINE_CONFIG_SCHEMA_VERSION = 1
-SIDES = ("none", "uniform", "remat")   # no plan; the uniform plan on every stage; remat's per-stage plans
 
 PIPELINE_CONFIG_SCHEMA = Obj({
     "schema_version": Enum(PIPELINE_CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
@@ -94,7 +93,7 @@ class PipelineConfig:
     warmup: int = 2
     timeout_s: float = 120.0
     seed: int = 0
-    sides: list[str] = dataclasses.field(default_factory=lambda: list(SIDES))
+    sides: list[Side] = dataclasses.field(default_factory=lambda: list(Side))
     perturb_control: bool = True   # the negative control: a gradient perturbed by 1e-3 must be rejected
     schema_version: int = PIPELINE_CONFIG_SCHEMA_VERSION
 
@@ -116,6 +115,7 @@ class PipelineConfig:
         unknown = [s for s in self.sides if s not in SIDES]
         if unknown or not self.sides:
             raise DistributedError(f"pipeline sides must be among {SIDES}, got {self.sides}")
+        self.sides = [Side(s) for s in self.sides]
         if "remat" in self.sides and self.plan is None and self.profile is None:
             raise DistributedError("the remat side needs a profile to plan from, or a pipeline plan")
         if ("uniform" in self.sides) and self.profile is None:
@@ -132,6 +132,7 @@ class PipelineConfig:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["schedule"] = self.schedule.value
+        d["sides"] = [s.value for s in self.sides]
         return d
 
     @classmethod

@@ -64,6 +64,20 @@ class Schedule(str, enum.Enum):
 SCHEDULES = tuple(s.value for s in Schedule)
 
 
+class Side(str, enum.Enum):
+    """One side of a pipeline run: which plan every stage runs under."""
+
+    NONE = "none"         # no plan
+    UNIFORM = "uniform"   # the same rule on every stage (e.g. every block)
+    REMAT = "remat"       # remat's per-stage plans (NOTE [pipeline in-flight cost model])
+
+    def __str__(self) -> str:   # the name a report and a progress line print: "none", not "Side.NONE"
+        return self.value
+
+
+SIDES = tuple(s.value for s in Side)
+
+
 def in_flight(schedule: Schedule | str, stage: int, stages: int, microbatches: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at once (NOTE [pipeline in-flight cost model])."""
     if Schedule(schedule).multi:

@@ -26,7 +26,7 @@ from .. import _json
 from .._json import read_bounded_bytes
 from .report import PIPELINE_REPORT, PipelineReport
 from ..errors import ReceiptError, RematError
-from .plan import PipelinePlan
+from .plan import PipelinePlan, Side
 from ..receipt.model import ReceiptContext
 from ..receipt.schema import CONTEXT, HEX16, MODULE_PATH, SHORT, parse_json_bounded
 
@@ -70,28 +70,26 @@ class PipelineReceipt:
     @property
     def plan(self) -> PipelinePlan | None:
         """remat's per-stage plans (None when the run had no ``remat`` side)."""
-        d = self.pipeline.data["plans"].get("remat")
-        return None if d is None else PipelinePlan.from_json(d, source="the receipt's pipeline plan")
+        return self.pipeline.remat_plan
 
     @property
     def why_not(self) -> list[str]:
         """Why this receipt proves nothing to ship (empty when it does): the decision ``check`` re-checks."""
-        d = self.pipeline.data
+        report = self.pipeline
         out = []
-        if "remat" not in d["plans"]:
+        if report.remat_plan is None:
             out.append("the run has no per-stage plans (no remat side)")
-        eq = d["equivalence"].get("remat")
+        eq = report.equivalence.get(Side.REMAT)
         if eq is None:
             out.append("the per-stage plans were not compared with the unplanned pipeline")
-        elif not eq["ok"]:
+        elif not eq.ok:
             out.append(f"the per-stage plans' gradients differ from the unplanned pipeline's "
-                       f"(max |diff| {eq['max_abs_diff']:.3g})")
-        if d["negative_control_rejected"] is False:
+                       f"(max |diff| {eq.max_abs_diff:.3g})")
+        if report.negative_control_rejected is False:
             out.append("the negative control (a perturbed gradient) was accepted: the comparison proves nothing")
-        if self.pipeline.remat_fits is False:
+        if report.remat_fits is False:
             out.append("a stage's measured peak is over the per-device budget: "
-                       + ", ".join(f"stage {s['stage']}" for s in d["sides"]["remat"]["per_stage"]
-                                   if not s["fits_budget"]))
+                       + ", ".join(f"stage {k}" for k in report.over_budget_stages))
         return out
 
     @property
@@ -115,7 +113,7 @@ class PipelineReceipt:
         _json.validate(data, PIPELINE_RECEIPT_SCHEMA, error=ReceiptError, what="pipeline receipt")
         try:
             receipt = cls(context=ReceiptContext.from_json(data["context"]),
-                          pipeline=PipelineReport(data=data["pipeline"]),
+                          pipeline=PipelineReport.from_json(data["pipeline"]),
                           boundaries=[StageBoundary(**b) for b in data["boundaries"]],
                           check_steps=data["check_steps"], check_timeout_s=float(data["check_timeout_s"]))
             plan = receipt.plan
@@ -130,7 +128,7 @@ class PipelineReceipt:
         if planned != recorded:
             raise ReceiptError(f"malformed pipeline receipt: the per-stage plans' boundaries {planned} differ from "
                                f"the boundary records {recorded}")
-        if receipt.context.workload != receipt.pipeline.data["spec"]:
+        if receipt.context.workload != receipt.pipeline.spec:
             raise ReceiptError("malformed pipeline receipt: the context and the pipeline report name different workloads")
         return receipt
 

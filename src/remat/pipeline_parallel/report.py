@@ -1,8 +1,14 @@
 """What a pipeline run measured (``pipeline.json``): per side, per stage, and the schedule's ideal bubble.
 
-Sides: ``none`` (no plan), ``uniform`` (the same rule on every stage, e.g. every block),
-``remat`` (per-stage plans, NOTE [pipeline in-flight cost model]). Times in ms, bytes in bytes.
-NOTE [pipeline instruments] (pipeline_parallel/worker.py) says how each figure is read.
+Sides (:class:`~remat.pipeline_parallel.plan.Side`): ``none`` (no plan), ``uniform`` (the same rule on every
+stage, e.g. every block), ``remat`` (per-stage plans, NOTE [pipeline in-flight cost model]). Times in ms,
+bytes in bytes. NOTE [pipeline instruments] (pipeline_parallel/worker.py) says how each figure is read.
+
+Each rank's :class:`PipelineRank.run <remat.pipeline_parallel.worker.PipelineRank>` returns a
+:class:`RankOutcome` (one :class:`StageResult` per side, raw ns intervals); rank 0 gathers them and
+:func:`assemble_pipeline` turns them into the :class:`PipelineReport`: per side a :class:`SideReport` of
+:class:`StageReport` rows (medians, bubbles, the last timed step's :class:`TimelineSpan` list), and per
+planned side a :class:`PipelineEquivalence` against the unplanned one.
 """
 
 from __future__ import annotations
@@ -11,34 +17,58 @@ import dataclasses
 from typing import Any
 
 from .._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
-from ..errors import DistributedError
-from .plan import PIPELINE_PLAN, SCHEDULES, ideal_bubble
+from ..errors import DistributedError, PlanError
+from .plan import PIPELINE_PLAN, SCHEDULES, PipelinePlan, Schedule, Side, ideal_bubble
 from ..plan.schema import MODULE_PATH
 from ..measure import p50
-from ..distributed.report import percentile
+from ..distributed.report import GradComparison, percentile
 
 PIPELINE_REPORT_SCHEMA_VERSION = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class TimelineEvent:
+# -- what one rank measured -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Interval:
+    """What one interval of a stage's step ran (NOTE [pipeline instruments])."""
+
     kind: str        # forward, loss, backward, replay, optimizer, p2p:<what>
     mb: int          # microbatch, -1 when none
+
+    @property
+    def category(self) -> str:
+        """The kind with every p2p interval as one: ``p2p``."""
+        return "p2p" if self.kind.startswith("p2p:") else self.kind
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimelineEvent(Interval):
+    """One interval on a rank, as recorded (``perf_counter_ns``)."""
+
     start_ns: int
     end_ns: int
 
 
 @dataclasses.dataclass(kw_only=True)
-class StageResult:
-    """One stage (rank), one side, as measured on its rank (gathered by rank 0)."""
+class StageInfo:
+    """Which stage (with several stages per rank: which rank), where it ran, what it runs and holds."""
 
-    side: str
     stage: int
     rank: int
     host: str
-    in_flight: int
+    in_flight: int          # microbatches held at the peak (NOTE [pipeline in-flight cost model])
     blocks: list[str]
-    boundaries: list[str]
+    boundaries: list[str]   # the side's checkpoint boundaries on the stage
+
+    def info(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(StageInfo)}
+
+
+@dataclasses.dataclass(kw_only=True)
+class StageResult(StageInfo):
+    """One stage (rank), one side, as measured on its rank (gathered by rank 0)."""
+
+    side: Side
     step_ns: list[tuple[int, int]]       # (start, end) of every timed step, perf_counter_ns
     forward_ms: list[float]              # per timed step (forward chunks + loss)
     backward_ms: list[float]             # per timed step (backward chunks, replay included)
@@ -53,10 +83,118 @@ class StageResult:
     timeline_t0_ns: int
     grad_sq_sum: float | None = None     # sum of squares of the stage's first-step gradients (float64)
 
+    def __post_init__(self) -> None:
+        self.side = Side(self.side)
 
-def _med(xs: list[float]) -> float:
-    """remat.measure's p50 (the one definition), 0.0 for no values."""
-    return float(p50(xs)) if xs else 0.0
+
+@dataclasses.dataclass(kw_only=True)
+class RankOutcome:
+    """What one rank's run of every side returns, gathered by rank 0 for :func:`assemble_pipeline`."""
+
+    results: dict[Side, StageResult]
+    comparisons: dict[Side, GradComparison]   # each planned side's first-step gradients against ``none``'s
+    negative_rejected: bool | None            # the perturbed control was told apart (None: not run)
+    losses: dict[Side, float | None]          # first-step loss (the last stage's only)
+    missing_grads: dict[Side, list[str]]      # parameters of the stage left without a gradient
+    notes: list[str]
+    plans: dict[Side, PipelinePlan]           # uniform and remat, where planned (every rank plans the same)
+
+
+# -- the report ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimelineSpan(Interval):
+    """One interval of a side's last timed step: ms from the earliest stage's start (one host clock)."""
+
+    start_ms: float
+    end_ms: float
+
+    def to_json(self) -> list[Any]:
+        return [self.kind, self.mb, self.start_ms, self.end_ms]
+
+    @classmethod
+    def from_json(cls, e: list[Any]) -> "TimelineSpan":
+        kind, mb, start_ms, end_ms = e
+        return cls(kind=kind, mb=mb, start_ms=start_ms, end_ms=end_ms)
+
+
+@dataclasses.dataclass(kw_only=True)
+class StageReport(StageInfo):
+    """One stage of one side: medians over the timed steps (ms), peaks (bytes), bubble fraction."""
+
+    p50_ms: float                        # the stage's own step (its start to its end)
+    p95_ms: float
+    forward_ms: float
+    backward_ms: float
+    replay_ms: float
+    optimizer_ms: float
+    p2p_ms: float
+    exposed_p2p_ms: float
+    idle_ms: float                       # the pipeline's step - the stage's compute
+    bubble_fraction: float               # idle / the pipeline's step
+    peak_bytes: int
+    held_at_backward_bytes: list[int]
+    fits_budget: bool | None             # None: no budget
+    bubble_delta_vs_none: float | None   # bubble_fraction less the unplanned side's (None: no such side)
+    predicted_peak_bytes: int | None     # the stage plan's prediction (None: unplanned)
+    grad_sq_sum: float | None
+    timeline: list[TimelineSpan]
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["timeline"] = [e.to_json() for e in self.timeline]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StageReport":
+        return cls(**{**d, "timeline": [TimelineSpan.from_json(e) for e in d["timeline"]]})
+
+
+@dataclasses.dataclass(kw_only=True)
+class SideReport:
+    """Every stage of one side; the step runs from the first stage's start to the last stage's end."""
+
+    per_stage: list[StageReport]
+    p50_ms: float
+    p95_ms: float
+    samples_per_s: float                 # batch_size / p50
+    max_peak_bytes: int
+    max_bubble_fraction: float
+
+    @property
+    def timeline_span_ms(self) -> float | None:
+        """From the earliest to the latest recorded interval of the last timed step (None: none recorded)."""
+        events = [e for s in self.per_stage for e in s.timeline]
+        return max(e.end_ms for e in events) - min(e.start_ms for e in events) if events else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"per_stage": [s.to_json() for s in self.per_stage], "p50_ms": self.p50_ms, "p95_ms": self.p95_ms,
+                "samples_per_s": self.samples_per_s, "max_peak_bytes": self.max_peak_bytes,
+                "max_bubble_fraction": self.max_bubble_fraction}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SideReport":
+        return cls(**{**d, "per_stage": [StageReport.from_json(s) for s in d["per_stage"]]})
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelineEquivalence:
+    """A planned side's first step against the unplanned one's, same schedule and microbatches: bitwise."""
+
+    criterion: str                       # "bitwise" (the only one a pipeline uses)
+    bitwise_equal: bool                  # every stage's gradients, and none missing
+    max_abs_diff: float
+    params_compared: int                 # over every stage
+    mismatched: list[str]                # "stage k: <param>"
+    first_loss_equal: bool | None        # None: no loss recorded
+    ok: bool                             # bitwise_equal and the first loss not different
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PipelineEquivalence":
+        return cls(**d)
 
 
 STAGE = Obj({
@@ -93,108 +231,178 @@ PIPELINE_REPORT = Obj({
 
 @dataclasses.dataclass(kw_only=True)
 class PipelineReport:
-    """``pipeline.json``: the JSON is the data model (validated on read); accessors for the common figures."""
+    """``pipeline.json``: the run's settings, per side the stages' figures, the equivalence and the plans."""
 
-    data: dict[str, Any]
+    spec: str
+    shape: dict[str, Any]
+    world_size: int
+    schedule: Schedule
+    microbatches: int
+    batch_size: int
+    split_points: list[str]
+    split_source: str
+    stages_per_rank: int
+    ideal_bubble_fraction: float
+    backend: str
+    device: str
+    dtype: str
+    memory_source: str
+    torch_version: str
+    steps: int
+    warmup: int
+    timeout_s: float
+    budget_bytes: int | None             # remat's per-device budget (None: no remat side)
+    sides: dict[Side, SideReport]
+    equivalence: dict[Side, PipelineEquivalence]
+    negative_control_rejected: bool | None
+    plans: dict[Side, PipelinePlan]
+    notes: list[str]
+    schema_version: int = PIPELINE_REPORT_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.schedule = Schedule(self.schedule)
+
+    def side(self, name: Side) -> SideReport | None:
+        return self.sides.get(name)
+
+    @property
+    def remat_plan(self) -> PipelinePlan | None:
+        """remat's per-stage plans (None when the run had no ``remat`` side)."""
+        return self.plans.get(Side.REMAT)
+
+    @property
+    def over_budget_stages(self) -> list[int]:
+        """The stages of remat's side not measured within the per-device budget ([]: no budget or no side)."""
+        side = self.side(Side.REMAT)
+        if side is None or self.budget_bytes is None:
+            return []
+        return [s.stage for s in side.per_stage if not s.fits_budget]
+
+    @property
+    def remat_fits(self) -> bool | None:
+        """Whether every stage of remat's side measured within the per-device budget (None: no budget/side)."""
+        if self.side(Side.REMAT) is None or self.budget_bytes is None:
+            return None
+        return not self.over_budget_stages
+
+    @property
+    def ok(self) -> bool:
+        """Every planned side bitwise equal to the unplanned run, and the negative control rejected."""
+        return all(e.ok for e in self.equivalence.values()) and self.negative_control_rejected is not False
+
+    @property
+    def timeline_span_ms(self) -> float | None:
+        """The longest side's last timed step (ms): one time axis for every side's timeline."""
+        spans = [s for side in self.sides.values() if (s := side.timeline_span_ms) is not None]
+        return max(spans) if spans else None
 
     def to_json(self) -> dict[str, Any]:
-        return self.data
+        return {
+            "schema_version": self.schema_version, "spec": self.spec, "shape": self.shape,
+            "world_size": self.world_size, "schedule": self.schedule.value, "microbatches": self.microbatches,
+            "batch_size": self.batch_size, "split_points": self.split_points, "split_source": self.split_source,
+            "stages_per_rank": self.stages_per_rank, "ideal_bubble_fraction": self.ideal_bubble_fraction,
+            "backend": self.backend, "device": self.device, "dtype": self.dtype, "memory_source": self.memory_source,
+            "torch_version": self.torch_version, "steps": self.steps, "warmup": self.warmup,
+            "timeout_s": self.timeout_s, "budget_bytes": self.budget_bytes,
+            "sides": {k.value: s.to_json() for k, s in self.sides.items()},
+            "equivalence": {k.value: e.to_json() for k, e in self.equivalence.items()},
+            "negative_control_rejected": self.negative_control_rejected,
+            "plans": {k.value: p.to_json() for k, p in self.plans.items()}, "notes": self.notes,
+        }
 
     @classmethod
     def from_json(cls, d: Any) -> "PipelineReport":
         if not isinstance(d, dict):
             raise DistributedError("pipeline report JSON must be an object")
         validate(d, PIPELINE_REPORT, error=DistributedError, what="pipeline report")
-        return cls(data=d)
-
-    def side(self, name: str) -> dict[str, Any] | None:
-        return self.data["sides"].get(name)
-
-    @property
-    def remat_fits(self) -> bool | None:
-        """Whether every stage of remat's side measured within the per-device budget (None: no budget/side)."""
-        side = self.side("remat")
-        if side is None or self.data["budget_bytes"] is None:
-            return None
-        return all(s["fits_budget"] for s in side["per_stage"])
-
-    @property
-    def ok(self) -> bool:
-        """Every planned side bitwise equal to the unplanned run, and the negative control rejected."""
-        eq = self.data["equivalence"]
-        return all(e["ok"] for e in eq.values()) and self.data["negative_control_rejected"] is not False
+        try:
+            plans = {Side(k): PipelinePlan.from_json(p, source=f"the pipeline report's {k} plan")
+                     for k, p in d["plans"].items()}
+        except PlanError as exc:
+            raise DistributedError(exc.message, tip=exc.tip) from exc
+        return cls(**{**d, "schedule": Schedule(d["schedule"]),
+                      "sides": {Side(k): SideReport.from_json(s) for k, s in d["sides"].items()},
+                      "equivalence": {Side(k): PipelineEquivalence.from_json(e) for k, e in d["equivalence"].items()},
+                      "plans": plans})
 
 
-def _stage_json(r: StageResult, budget: int | None, pipeline_ms: list[float]) -> dict[str, Any]:
-    """``pipeline_ms``: per timed step, the first stage's start to the last stage's end (NOTE [pipeline instruments])."""
+# -- assembly (rank 0) ----------------------------------------------------------------------------------
+
+def _med(xs: list[float]) -> float:
+    """remat.measure's p50 (the one definition), 0.0 for no values."""
+    return float(p50(xs)) if xs else 0.0
+
+
+def _pipeline_step_ms(stages: list[StageResult]) -> list[float]:
+    """Per timed step, the first stage's start to the last stage's end (ms; one clock per host)."""
+    n = min(len(r.step_ns) for r in stages)
+    return [(max(r.step_ns[i][1] for r in stages) - min(r.step_ns[i][0] for r in stages)) / 1e6 for i in range(n)]
+
+
+def _stage_report(r: StageResult, budget: int | None, pipeline_ms: list[float], t0_ns: int) -> StageReport:
+    """``pipeline_ms``: :func:`_pipeline_step_ms` (NOTE [pipeline instruments]); ``t0_ns``: the side's earliest
+    stage start of the last timed step, where its timeline starts."""
     steps = [(b - a) / 1e6 for a, b in r.step_ns]
     idle = [max(0.0, g - c) for g, c in zip(pipeline_ms, r.compute_ms)]
     bubble = [i / g if g > 0 else 0.0 for i, g in zip(idle, pipeline_ms)]
-    return {
-        "stage": r.stage, "rank": r.rank, "host": r.host, "in_flight": r.in_flight, "blocks": r.blocks,
-        "boundaries": r.boundaries, "p50_ms": percentile(steps, 50), "p95_ms": percentile(steps, 95),
-        "forward_ms": _med(r.forward_ms), "backward_ms": _med(r.backward_ms), "replay_ms": _med(r.replay_ms),
-        "optimizer_ms": _med(r.optimizer_ms), "p2p_ms": _med(r.p2p_ms), "exposed_p2p_ms": _med(r.exposed_p2p_ms),
-        "idle_ms": _med(idle), "bubble_fraction": min(1.0, max(0.0, _med(bubble))),
-        "peak_bytes": r.peak_bytes, "held_at_backward_bytes": r.held_at_backward_bytes,
-        "fits_budget": None if budget is None else r.peak_bytes <= budget,
-        "bubble_delta_vs_none": None, "predicted_peak_bytes": None, "grad_sq_sum": r.grad_sq_sum,
-        "timeline": [],
-    }
+    shift = r.timeline_t0_ns - t0_ns
+    return StageReport(
+        **r.info(), p50_ms=percentile(steps, 50), p95_ms=percentile(steps, 95), forward_ms=_med(r.forward_ms),
+        backward_ms=_med(r.backward_ms), replay_ms=_med(r.replay_ms), optimizer_ms=_med(r.optimizer_ms),
+        p2p_ms=_med(r.p2p_ms), exposed_p2p_ms=_med(r.exposed_p2p_ms), idle_ms=_med(idle),
+        bubble_fraction=min(1.0, max(0.0, _med(bubble))), peak_bytes=r.peak_bytes,
+        held_at_backward_bytes=r.held_at_backward_bytes,
+        fits_budget=None if budget is None else r.peak_bytes <= budget,
+        bubble_delta_vs_none=None, predicted_peak_bytes=None, grad_sq_sum=r.grad_sq_sum,
+        timeline=[TimelineSpan(kind=e.kind, mb=e.mb, start_ms=(e.start_ns + shift) / 1e6,
+                               end_ms=(e.end_ns + shift) / 1e6) for e in r.timeline])
 
 
-def assemble_pipeline(cfg: Any, gathered: list[dict[str, Any]], *, torch_version: str, memory_source: str) -> PipelineReport:
-    p = cfg.world_size
-    batch_size = int(cfg.shape.get("batch_size", 1))
-    rank0 = gathered[0]
-    plans = {k: rank0[k] for k in ("uniform", "remat") if rank0.get(k) is not None}
-    budget = plans["remat"]["budget_bytes"] if "remat" in plans else None
-    sides: dict[str, Any] = {}
-    for name in cfg.sides:
-        stages = [g["results"][name] for g in gathered]
-        # a step of the pipeline: from the first stage's start to the last stage's end (one clock per host)
-        n = min(len(r.step_ns) for r in stages)
-        global_ms = [(max(r.step_ns[i][1] for r in stages) - min(r.step_ns[i][0] for r in stages)) / 1e6
-                     for i in range(n)]
-        per_stage = [_stage_json(r, budget, global_ms) for r in stages]
-        t0 = min(r.timeline_t0_ns for r in stages)
-        for js, r in zip(per_stage, stages):
-            shift = r.timeline_t0_ns - t0
-            js["timeline"] = [[e.kind, e.mb, (e.start_ns + shift) / 1e6, (e.end_ns + shift) / 1e6] for e in r.timeline]
-        p50 = percentile(global_ms, 50)
-        sides[name] = {"per_stage": per_stage, "p50_ms": p50, "p95_ms": percentile(global_ms, 95),
-                       "samples_per_s": batch_size / (p50 / 1000.0) if p50 > 0 else 0.0,
-                       "max_peak_bytes": max(s["peak_bytes"] for s in per_stage),
-                       "max_bubble_fraction": max(s["bubble_fraction"] for s in per_stage)}
-    # where replay stretched the bubbles: each planned stage's bubble fraction less the unplanned one's
+def _side_report(stages: list[StageResult], budget: int | None, batch_size: int) -> SideReport:
+    pipeline_ms = _pipeline_step_ms(stages)
+    t0 = min(r.timeline_t0_ns for r in stages)
+    per_stage = [_stage_report(r, budget, pipeline_ms, t0) for r in stages]
+    step = percentile(pipeline_ms, 50)
+    return SideReport(per_stage=per_stage, p50_ms=step, p95_ms=percentile(pipeline_ms, 95),
+                      samples_per_s=batch_size / (step / 1000.0) if step > 0 else 0.0,
+                      max_peak_bytes=max(s.peak_bytes for s in per_stage),
+                      max_bubble_fraction=max(s.bubble_fraction for s in per_stage))
+
+
+def _compare_sides(sides: dict[Side, SideReport], plans: dict[Side, PipelinePlan]) -> None:
+    """Fill each planned stage's bubble delta against the unplanned one (where replay stretched the bubbles)
+    and its plan's predicted peak."""
+    none = sides.get(Side.NONE)
     for name, side in sides.items():
-        if name != "none" and "none" in sides:
-            for js, base in zip(side["per_stage"], sides["none"]["per_stage"]):
-                js["bubble_delta_vs_none"] = max(-1.0, min(1.0, js["bubble_fraction"] - base["bubble_fraction"]))
+        if name is not Side.NONE and none is not None:
+            for s, base in zip(side.per_stage, none.per_stage):
+                s.bubble_delta_vs_none = max(-1.0, min(1.0, s.bubble_fraction - base.bubble_fraction))
         if name in plans:
-            for js, st in zip(side["per_stage"], plans[name]["stages"]):
-                js["predicted_peak_bytes"] = st["plan"]["predicted_peak_bytes"]
-    equivalence: dict[str, Any] = {}
-    for name in cfg.sides:
-        if name == "none":
-            continue
-        comps = [g["comparisons"].get(name) for g in gathered]
-        if any(c is None for c in comps):
-            continue
-        l0 = [g["losses"].get("none") for g in gathered][p - 1], [g["losses"].get(name) for g in gathered][p - 1]
-        missing = [f"stage {k}: {n}: no gradient" for k, g in enumerate(gathered)
-                   for side in ("none", name) for n in g.get("missing_grads", {}).get(side, [])]
-        bitwise = all(c.bitwise_equal and not c.mismatched for c in comps) and not missing
-        first_loss_equal = None if l0[0] is None else l0[0] == l0[1]
-        equivalence[name] = {"criterion": "bitwise", "bitwise_equal": bitwise,
-                             "max_abs_diff": max(c.max_abs_diff for c in comps),
-                             "params_compared": sum(c.params_compared for c in comps),
-                             "mismatched": [f"stage {k}: {m}" for k, c in enumerate(comps) for m in c.mismatched]
-                             + missing,
-                             "first_loss_equal": first_loss_equal,
-                             "ok": bitwise and first_loss_equal is not False}
-    negs = [g["negative_rejected"] for g in gathered]
-    notes = [
+            for s, st in zip(side.per_stage, plans[name].stages):
+                s.predicted_peak_bytes = st.plan.predicted_peak_bytes
+
+
+def _equivalence(name: Side, gathered: list[RankOutcome]) -> PipelineEquivalence | None:
+    """Side ``name``'s first step against ``none``'s on every stage (None: a stage did not compare them)."""
+    comps = [g.comparisons.get(name) for g in gathered]
+    if any(c is None for c in comps):
+        return None
+    last = gathered[-1].losses   # the last stage computes the loss
+    first_loss = last.get(Side.NONE)
+    missing = [f"stage {k}: {n}: no gradient" for k, g in enumerate(gathered)
+               for side in (Side.NONE, name) for n in g.missing_grads.get(side, [])]
+    bitwise = all(c.bitwise_equal and not c.mismatched for c in comps) and not missing
+    first_loss_equal = None if first_loss is None else first_loss == last.get(name)
+    return PipelineEquivalence(
+        criterion="bitwise", bitwise_equal=bitwise, max_abs_diff=max(c.max_abs_diff for c in comps),
+        params_compared=sum(c.params_compared for c in comps),
+        mismatched=[f"stage {k}: {m}" for k, c in enumerate(comps) for m in c.mismatched] + missing,
+        first_loss_equal=first_loss_equal, ok=bitwise and first_loss_equal is not False)
+
+
+def _notes(memory_source: str, rank_notes: list[str]) -> list[str]:
+    return [
         "bubble_fraction = idle / step per stage, idle = the pipeline's step (first stage's start to last stage's "
         "end, one host clock) - union(forward, loss, backward, optimizer) of the stage; "
         "ideal_bubble_fraction = (p - 1) / (v m + p - 1) (v stages per rank, 1 but for interleaved schedules) for "
@@ -204,18 +412,31 @@ def assemble_pipeline(cfg: Any, gathered: list[dict[str, Any]], *, torch_version
         "replay_ms is inside backward_ms; peak_bytes and held_at_backward_bytes come from one extra step under the "
         f"live-tensor tracker ({memory_source})",
         "step p50/p95: per step, the first stage's start to the last stage's end; samples/s = batch_size / p50",
+        *rank_notes,
     ]
-    notes += [n for n in rank0.get("notes", [])]
-    data = {
-        "schema_version": PIPELINE_REPORT_SCHEMA_VERSION, "spec": cfg.spec, "shape": dict(cfg.shape),
-        "world_size": p, "schedule": cfg.schedule.value, "microbatches": cfg.microbatches, "batch_size": batch_size,
-        "split_points": list(cfg.split_points), "split_source": cfg.split_source,
-        "stages_per_rank": cfg.stages_per_rank,
-        "ideal_bubble_fraction": ideal_bubble(p, cfg.microbatches, cfg.stages_per_rank), "backend": cfg.backend, "device": cfg.device,
-        "dtype": cfg.dtype, "memory_source": memory_source, "torch_version": torch_version, "steps": cfg.steps,
-        "warmup": cfg.warmup, "timeout_s": cfg.timeout_s, "budget_bytes": budget, "sides": sides,
-        "equivalence": equivalence,
-        "negative_control_rejected": None if any(x is None for x in negs) else all(negs),
-        "plans": plans, "notes": notes,
-    }
-    return PipelineReport.from_json(data)
+
+
+def assemble_pipeline(cfg: Any, gathered: list[RankOutcome], *, torch_version: str,
+                      memory_source: str) -> PipelineReport:
+    """Rank 0: the report from every rank's :class:`RankOutcome` (ordered by rank); ``cfg``: the PipelineConfig."""
+    p = cfg.world_size
+    batch_size = int(cfg.shape.get("batch_size", 1))
+    plans = gathered[0].plans
+    budget = plans[Side.REMAT].budget_bytes if Side.REMAT in plans else None
+    sides = {name: _side_report([g.results[name] for g in gathered], budget, batch_size) for name in cfg.sides}
+    _compare_sides(sides, plans)
+    equivalence = {name: eq for name in sides if name is not Side.NONE
+                   if (eq := _equivalence(name, gathered)) is not None}
+    negs = [g.negative_rejected for g in gathered]
+    report = PipelineReport(
+        spec=cfg.spec, shape=dict(cfg.shape), world_size=p, schedule=cfg.schedule, microbatches=cfg.microbatches,
+        batch_size=batch_size, split_points=list(cfg.split_points), split_source=cfg.split_source,
+        stages_per_rank=cfg.stages_per_rank,
+        ideal_bubble_fraction=ideal_bubble(p, cfg.microbatches, cfg.stages_per_rank), backend=cfg.backend,
+        device=cfg.device, dtype=cfg.dtype, memory_source=memory_source, torch_version=torch_version,
+        steps=cfg.steps, warmup=cfg.warmup, timeout_s=cfg.timeout_s, budget_bytes=budget, sides=sides,
+        equivalence=equivalence, negative_control_rejected=None if any(x is None for x in negs) else all(negs),
+        plans=dict(plans), notes=_notes(memory_source, gathered[0].notes))
+    # never write a pipeline.json that the launcher (PipelineReport.from_json) would refuse
+    validate(report.to_json(), PIPELINE_REPORT, error=DistributedError, what="pipeline report")
+    return report

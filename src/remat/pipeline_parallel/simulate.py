@@ -58,7 +58,7 @@ class SimulatedPipeline:
     spec: str
     device: str
     world_size: int
-    schedule: str
+    schedule: Schedule
     microbatches: int
     split_points: list[str]
     split_source: str
@@ -67,9 +67,7 @@ class SimulatedPipeline:
     stages: list[SimulatedStage]
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["stages"] = [s.to_json() for s in self.stages]
-        return d
+        return {**dataclasses.asdict(self), "schedule": self.schedule.value, "stages": [s.to_json() for s in self.stages]}
 
 
 def schedule_order(schedule: Schedule | str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -135,104 +133,148 @@ def _storage_bytes(tensors: list[Any]) -> int:
     return sum(seen.values())
 
 
+def _default_split(sim: Any, inputs: Any, targets: Any, world_size: int) -> list[str]:
+    """The engine's default split (NOTE [default split]), balanced by *predicted* forward time per block."""
+    import torch
+
+    from ..simulate import OpCostRecorder, predict_runtime
+    from ..workload.contract import call_user
+    from .engine import balanced_bounds, find_blocks
+    wl = sim.loaded.workload
+    model = wl.model
+    path = find_blocks(model)
+    n = len(model.get_submodule(path))
+    probe = stage_layout(model, [f"{path}.{max(1, (k * n) // world_size)}" for k in range(1, world_size)]
+                         if n >= world_size else [], world_size, inputs)
+    with OpCostRecorder(model) as cost, torch.no_grad():
+        cost.marker(Phase.FORWARD)
+        call_user("the workload's loss", wl.loss, model, (inputs, targets))
+    run = predict_runtime(cost.ops, sim.device_model)
+    fwd = run.module_fwd_ms
+    costs = [fwd.get(f"{path}.{i}", 0.0) for i in range(n)]
+    embed_ms = sum(fwd.get(m, 0.0) for m in probe.embed_modules)
+    # the head and the loss: everything of the forward outside the embedding and the blocks
+    bounds = balanced_bounds(costs, world_size, embed_ms,
+                             max(0.0, run.phase_ms.get(Phase.FORWARD, 0.0) - embed_ms - sum(costs)))
+    return [f"{path}.{b}" for b in bounds[1:-1]]
+
+
+def _apply_merged(model: Any, plan: PipelinePlan) -> None:
+    """Every stage's boundaries on the whole model (they carry its names), before the stages are cut."""
+    from ..wrap import apply
+    merged = dataclasses.replace(plan.stages[0].plan, boundaries=[b for st in plan.stages for b in st.plan.boundaries])
+    apply(model, merged)
+
+
+def _static_bytes(sim: Any, names: list[str]) -> int:
+    """Parameters of the stage's modules, their gradients and the optimizer's state after one step (bytes).
+    Leaves zero gradients on them, so a microbatch's backward accumulates into them in place."""
+    import torch
+
+    from ..simulate.semantics import prepare_optimizer
+    from ..workload.contract import call_user
+    wl = sim.loaded.workload
+    model = wl.model
+    # every name a parameter goes by: a tied weight (gpt's lm_head.weight is wte.weight) is on both end stages
+    params = list({id(p): p for n, p in model.named_parameters(remove_duplicate=False)
+                   if any(n == m or n.startswith(m + ".") for m in names)}.values())
+    model.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = call_user("the workload's optimizer", wl.optimizer, params) if wl.optimizer is not None \
+        else torch.optim.SGD(params, lr=1e-3)
+    prepare_optimizer(opt, sim.semantics)
+    opt.step()
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return _storage_bytes(params) * 2 + _storage_bytes(state)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Microbatch:
+    """One microbatch through one stage."""
+
+    held_bytes: int      # live after the stage's forward (saved activations + output)
+    peak_bytes: int      # the peak of its forward and backward above what was live before it
+    forward_ms: float    # predicted on the target device
+    backward_ms: float
+
+
+def _microbatch_pass(sim: Any, layout: Any, k: int, stage_in: Any, targets: Any) -> _Microbatch:
+    """Stage ``k``'s forward (and loss on the last stage) and backward of one microbatch, under the live-tensor
+    tracker and the cost recorder (NOTE [simulated pipeline])."""
+    import torch
+
+    from ..memory.tracker import LiveTensorTracker
+    from ..simulate import OpCostRecorder, predict_runtime
+    from ..workload.contract import call_user
+    wl = sim.loaded.workload
+    model = wl.model
+    blocks = model.get_submodule(layout.blocks_path)
+    first, last = k == 0, k == layout.stages - 1
+    with LiveTensorTracker(keep_timeline=False) as tracker:
+        with OpCostRecorder(model) as fcost:
+            h = model.pipeline_embed(stage_in) if first else stage_in
+            for i in range(layout.bounds[k], layout.bounds[k + 1]):
+                h = blocks[i](h)
+            out = call_user("the workload's loss", wl.loss, _Out(model.pipeline_head(h)), (None, targets)) \
+                if last else h
+        held = tracker.live_bytes
+        with OpCostRecorder(model) as bcost:
+            if last:
+                out.backward()
+            else:
+                out.backward(torch.ones_like(out))
+        del out, h
+        peak = tracker.peak_bytes
+    return _Microbatch(held_bytes=held, peak_bytes=peak, forward_ms=predict_runtime(fcost.ops, sim.device_model).step_ms,
+                       backward_ms=predict_runtime(bcost.ops, sim.device_model).step_ms)
+
+
+def _simulate_stage(sim: Any, layout: Any, k: int, inputs: Any, targets: Any, schedule: Schedule,
+                    microbatches: int) -> SimulatedStage:
+    """Stage ``k``: its static bytes, one microbatch's pass, and its peak with the schedule's in-flight count
+    (its bubble comes from playing the schedule, :func:`play_schedule`)."""
+    model = sim.loaded.workload.model
+    stage_in, _ = stage_examples(model, layout, k, inputs)
+    static = _static_bytes(sim, layout.stage_modules(k))
+    mb = _microbatch_pass(sim, layout, k, stage_in, targets)
+    n_held = in_flight(schedule, k, layout.stages, microbatches)
+    return SimulatedStage(stage=k, blocks=layout.stage_blocks(k), in_flight=n_held, forward_ms=mb.forward_ms,
+                          backward_ms=mb.backward_ms, held_bytes=mb.held_bytes, static_bytes=static,
+                          peak_bytes=static + (n_held - 1) * mb.held_bytes + mb.peak_bytes, bubble_fraction=0.0)
+
+
 def simulate_pipeline(spec: str, shape: dict[str, Any], *, world_size: int, microbatches: int,
                       schedule: Schedule | str = Schedule.ONE_F_ONE_B, split_points: list[str] | None = None,
                       target_device: str = "cpu", dtype: str = "float32", plan: PipelinePlan | None = None,
                       progress: ProgressFn = no_progress) -> SimulatedPipeline:
     """NOTE [simulated pipeline]. ``split_points``: as the engine takes them (default: even block counts)."""
-    import torch
-
-    from ..memory.tracker import LiveTensorTracker
-    from ..simulate import OpCostRecorder, load_simulated, predict_runtime
-    from ..simulate.semantics import prepare_optimizer
-    from ..workload.contract import call_user
+    from ..simulate import load_simulated
     schedule = Schedule(schedule)
     if schedule.multi:
         schedule_order(schedule, 0, world_size, microbatches)   # the typed refusal
     sim = load_simulated(spec, microbatch_shape(shape, microbatches), dtype=dtype, target_device=target_device)
-    wl = sim.loaded.workload
-    model = wl.model
-    stages_out: list[SimulatedStage] = []
-    fwd_ms: list[float] = []
-    bwd_ms: list[float] = []
+    model = sim.loaded.workload.model
+    stages: list[SimulatedStage] = []
     with sim.session():
-        inputs, targets = split_batch(wl.batch(0))
+        inputs, targets = split_batch(sim.loaded.workload.batch(0))
         source = "given"
-        if split_points is None:   # as the engine's default (NOTE [default split]), by *predicted* forward time
-            from .engine import balanced_bounds, find_blocks
-            path = find_blocks(model)
-            n = len(model.get_submodule(path))
-            probe = stage_layout(model, [f"{path}.{max(1, (k * n) // world_size)}" for k in range(1, world_size)]
-                                 if n >= world_size else [], world_size, inputs)
-            with OpCostRecorder(model) as cost, torch.no_grad():
-                cost.marker(Phase.FORWARD)
-                call_user("the workload's loss", wl.loss, model, (inputs, targets))
-            run = predict_runtime(cost.ops, sim.device_model)
-            fwd = run.module_fwd_ms
-            costs = [fwd.get(f"{path}.{i}", 0.0) for i in range(n)]
-            embed_ms = sum(fwd.get(m, 0.0) for m in probe.embed_modules)
-            # the head and the loss: everything of the forward outside the embedding and the blocks
-            bounds = balanced_bounds(costs, world_size, embed_ms,
-                                     max(0.0, run.phase_ms.get(Phase.FORWARD, 0.0) - embed_ms - sum(costs)))
-            split_points = [f"{path}.{b}" for b in bounds[1:-1]]
+        if split_points is None:
+            split_points = _default_split(sim, inputs, targets, world_size)
             source = "default: even by predicted forward time"
         layout = stage_layout(model, split_points, world_size, inputs)
         if plan is not None:
-            from ..wrap import apply
-            merged = plan.stages[0].plan
-            merged = dataclasses.replace(merged, boundaries=[b for st in plan.stages for b in st.plan.boundaries])
-            apply(model, merged)
-        blocks = model.get_submodule(layout.blocks_path)
+            _apply_merged(model, plan)
         for k in range(world_size):
             progress("simulating pipeline stages", k, world_size)
-            stage_in, _ = stage_examples(model, layout, k, inputs)
-            first, last = k == 0, k == world_size - 1
-            names = layout.stage_modules(k)
-            # every name a parameter goes by: a tied weight (gpt's lm_head.weight is wte.weight) is on both end stages
-            params = list({id(p): p for n, p in model.named_parameters(remove_duplicate=False)
-                           if any(n == m or n.startswith(m + ".") for m in names)}.values())
-            # static first: gradients (zeros, so the microbatch's backward accumulates into them in place) and
-            # the optimizer's state after one step
-            model.zero_grad(set_to_none=True)
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            opt = call_user("the workload's optimizer", wl.optimizer, params) if wl.optimizer is not None \
-                else torch.optim.SGD(params, lr=1e-3)
-            prepare_optimizer(opt, sim.semantics)
-            opt.step()
-            state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-            static = _storage_bytes(params) * 2 + _storage_bytes(state)
-            # one microbatch through the stage: what it leaves held after its forward, and its own peak
-            with LiveTensorTracker(keep_timeline=False) as tracker:
-                with OpCostRecorder(model) as fcost:
-                    h = model.pipeline_embed(stage_in) if first else stage_in
-                    for i in range(layout.bounds[k], layout.bounds[k + 1]):
-                        h = blocks[i](h)
-                    out = call_user("the workload's loss", wl.loss, _Out(model.pipeline_head(h)), (None, targets)) \
-                        if last else h
-                held = tracker.live_bytes
-                with OpCostRecorder(model) as bcost:
-                    if last:
-                        out.backward()
-                    else:
-                        out.backward(torch.ones_like(out))
-                del out, h
-                mb_peak = tracker.peak_bytes
-            f = predict_runtime(fcost.ops, sim.device_model).step_ms
-            b = predict_runtime(bcost.ops, sim.device_model).step_ms
-            fwd_ms.append(f)
-            bwd_ms.append(b)
-            n_held = in_flight(schedule, k, world_size, microbatches)
-            stages_out.append(SimulatedStage(stage=k, blocks=layout.stage_blocks(k), in_flight=n_held, forward_ms=f,
-                                             backward_ms=b, held_bytes=held, static_bytes=static,
-                                             peak_bytes=static + (n_held - 1) * held + mb_peak, bubble_fraction=0.0))
-    step, busy = play_schedule(schedule, fwd_ms, bwd_ms, microbatches)
-    for s, bz in zip(stages_out, busy):
+            stages.append(_simulate_stage(sim, layout, k, inputs, targets, schedule, microbatches))
+    step, busy = play_schedule(schedule, [s.forward_ms for s in stages], [s.backward_ms for s in stages], microbatches)
+    for s, bz in zip(stages, busy):
         s.bubble_fraction = max(0.0, 1.0 - bz / step) if step > 0 else 0.0
     progress("simulating pipeline stages", world_size, world_size)
-    return SimulatedPipeline(spec=spec, device=sim.device_model.name, world_size=world_size, schedule=schedule.value,
-                             microbatches=microbatches, split_points=list(split_points), split_source=source, step_ms=step,
-                             ideal_bubble_fraction=ideal_bubble(world_size, microbatches), stages=stages_out)
+    return SimulatedPipeline(spec=spec, device=sim.device_model.name, world_size=world_size, schedule=schedule,
+                             microbatches=microbatches, split_points=list(split_points), split_source=source,
+                             step_ms=step, ideal_bubble_fraction=ideal_bubble(world_size, microbatches), stages=stages)
 
 
 class _Out:

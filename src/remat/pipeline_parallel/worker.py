@@ -54,14 +54,14 @@ from .._io import atomic_write_json
 from ..errors import DistributedError, PlanError
 from ..memory.measure import optimizer_state_tensors
 from ..plan.model import Plan
-from .plan import PipelinePlan, StagePlan, in_flight, in_flight_from_order, plan_stages
+from .plan import PipelinePlan, Side, StagePlan, in_flight, in_flight_from_order, plan_stages
 from ..types import MemCategory, MemorySource
 from ..workload.contract import call_user
 from ..workload.loader import load_workload
 from ..distributed.intervals import exposed_ns, total_ns, union
 from .engine import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_modules, make_loss_fn, split_batch,
                        stage_examples, stage_layout)
-from .report import StageResult, TimelineEvent, assemble_pipeline
+from .report import RankOutcome, StageResult, TimelineEvent, assemble_pipeline
 from ..distributed.worker import RankFiles, _env_int, _maybe_fault, compare_grads, rank_main
 
 _COMPUTE = ("forward", "loss", "backward", "optimizer")
@@ -345,7 +345,7 @@ class PipelineRank:
         fwd, bwd, rep, p2p, exposed, busy, opt = [], [], [], [], [], [], []
         for (t0, t1), events in zip(step_ns, per_step):
             compute = [(e.start_ns, e.end_ns) for e in events if e.kind in _COMPUTE]
-            comm = [(e.start_ns, e.end_ns) for e in events if e.kind.startswith("p2p:")]
+            comm = [(e.start_ns, e.end_ns) for e in events if e.category == "p2p"]
 
             def total(kind: str) -> float:
                 return total_ns([(e.start_ns, e.end_ns) for e in events if e.kind == kind]) / 1e6
@@ -429,7 +429,7 @@ class PipelineRank:
             f"remat side re-planned once (closed loop): {what}; its unplanned peak was raised by the difference "
             f"and the stage planned again; the figures are the second attempt's")
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RankOutcome:
         cfg = self.cfg
         results: dict[str, StageResult] = {}
         grads: dict[str, list] = {}
@@ -461,24 +461,30 @@ class PipelineRank:
                         remat = again
                         self.total += cfg.warmup + cfg.steps + 1
                         results[name], grads[name], losses[name] = self.run_side(name, remat.for_stage(self.rank))
-        comparisons = {}
-        for name in cfg.sides:
-            if name != "none" and "none" in grads:
-                comparisons[name] = compare_grads(grads["none"], grads[name])
-        negative = None
-        if cfg.perturb_control and "none" in grads:
-            bad = [(n, None if g is None else g.clone()) for n, g in grads["none"]]
-            for k, (n, g) in enumerate(bad):
-                if g is not None and g.numel():
-                    g.view(-1)[0] += 1e-3
-                    break
-            negative = not compare_grads(grads["none"], bad).bitwise_equal
+        return self.outcome(results, grads, losses, notes, {Side.UNIFORM: uniform, Side.REMAT: remat})
+
+    def outcome(self, results: dict[Side, StageResult], grads: dict[Side, list], losses: dict[Side, float | None],
+                notes: list[str], plans: dict[Side, PipelinePlan | None]) -> RankOutcome:
+        """What this rank gathers to rank 0: its results, each planned side's gradients against ``none``'s,
+        the negative control, and the plans (``cfg.sides`` are the keys)."""
+        control = grads.get(Side.NONE)
+        comparisons = {} if control is None else \
+            {name: compare_grads(control, g) for name, g in grads.items() if name is not Side.NONE}
+        negative = negative_control_rejected(control) if self.cfg.perturb_control and control is not None else None
         # every parameter of the stage must have a gradient: None on both sides would compare as "equal"
         missing = {name: [n for n, g in gs if g is None] for name, gs in grads.items()}
-        return {"results": results, "comparisons": comparisons, "negative_rejected": negative, "losses": losses,
-                "missing_grads": missing, "notes": notes,
-                "uniform": None if uniform is None else uniform.to_json(),
-                "remat": None if remat is None else remat.to_json()}
+        return RankOutcome(results=results, comparisons=comparisons, negative_rejected=negative, losses=losses,
+                           missing_grads=missing, notes=notes, plans={k: p for k, p in plans.items() if p is not None})
+
+
+def negative_control_rejected(control: list) -> bool:
+    """Whether :func:`compare_grads` tells the unplanned gradients from a copy with one element moved by 1e-3."""
+    bad = [(n, None if g is None else g.clone()) for n, g in control]
+    for n, g in bad:
+        if g is not None and g.numel():
+            g.view(-1)[0] += 1e-3
+            break
+    return not compare_grads(control, bad).bitwise_equal
 
 
 def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
@@ -493,7 +499,7 @@ def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
     out_of_rank = PipelineRank(cfg, files).run()
     files.what = "gathering results"
-    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    gathered: list[RankOutcome] | None = [None] * world_size if rank == 0 else None  # type: ignore[list-item]
     dist.gather_object(out_of_rank, gathered, dst=0)
     if rank == 0:
         assert gathered is not None
