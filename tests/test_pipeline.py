@@ -535,11 +535,11 @@ def test_interleaved_1f1b_gradients_match_the_unsplit_model(rank_env, tmp_path):
     assert sum(s["grad_sq_sum"] for s in ranks) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_closed_loop_replans_only_the_stage_that_missed():
-    """NOTE [pipeline closed loop]: stage 0 measured 80 bytes over its prediction; its base is raised by the miss
-    and it is planned again (two boundaries now), stage 1 keeps its plan."""
-    from remat.pipeline_parallel.worker import RematSideLoop, StageReplanner
+def _two_stages_at_950():
+    """Two stages planned from the synthetic profile at a 950-byte budget: (stage plans, the PipelinePlan, the
+    StageReplanner that made them)."""
     from remat.pipeline_parallel.plan import StagePlan
+    from remat.pipeline_parallel.worker import StageReplanner
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
     kw = dict(schedule="1f1b", microbatches=4, base_peaks=[1000, 900], reserve=0.0)
     plans = plan_stages(report, blocks, planner="optimal", budget_bytes=950, **kw)
@@ -547,9 +547,17 @@ def test_closed_loop_replans_only_the_stage_that_missed():
                       split_source="given", stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=[2, 1][k],
                                                               base_peak_bytes=[1000, 900][k], plan=plans[k])
                                                     for k in range(2)])
+    return plans, pp, StageReplanner(report=report, stage_blocks=blocks, budget_bytes=950, planner="optimal",
+                                     plan_kw=kw)
+
+
+def test_closed_loop_replans_only_the_stage_that_missed():
+    """NOTE [pipeline closed loop]: stage 0 measured 80 bytes over its prediction; its base is raised by the miss
+    and it is planned again (two boundaries now), stage 1 keeps its plan."""
+    from remat.pipeline_parallel.worker import RematSideLoop
+    plans, pp, replanner = _two_stages_at_950()
     notes: list[str] = []
-    loop = RematSideLoop(rank=None, notes=notes, replanner=StageReplanner(
-        report=report, stage_blocks=blocks, budget_bytes=950, planner="optimal", plan_kw=kw))
+    loop = RematSideLoop(rank=None, notes=notes, replanner=replanner)
     loop.peaks = [plans[0].predicted_peak_bytes + 80, 900]
     assert not loop.fits(pp)
     again = loop.correct(pp)
@@ -564,18 +572,11 @@ def test_closed_loop_replans_only_the_stage_that_missed():
     assert "no re-plan fits" in notes[-1]
 
 
-def test_remat_side_loop_runs_the_replan_once_and_reports_its_figures(monkeypatch):
+def test_remat_side_loop_runs_the_replan_once_and_reports_its_figures():
     """NOTE [pipeline closed loop] through the one closed loop: a side that misses is re-planned and run once
     more, and the figures shipped are the second run's; a side that fits runs once."""
-    from remat.pipeline_parallel.worker import RematSideLoop, StageReplanner
-    from remat.pipeline_parallel.plan import StagePlan
-    report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
-    kw = dict(schedule="1f1b", microbatches=4, base_peaks=[1000, 900], reserve=0.0)
-    plans = plan_stages(report, blocks, planner="optimal", budget_bytes=950, **kw)
-    pp = PipelinePlan(schedule="1f1b", microbatches=4, budget_bytes=950, reserve=0.0, split_points=["h.2"],
-                      split_source="given", stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=[2, 1][k],
-                                                              base_peak_bytes=[1000, 900][k], plan=plans[k])
-                                                    for k in range(2)])
+    from remat.pipeline_parallel.worker import RematSideLoop
+    plans, pp, replanner = _two_stages_at_950()
 
     class FakeRank:   # stage 0 peaks 80 bytes over its prediction on every plan: one re-plan, then it stands
         rank, total, runs = 0, 0, 0
@@ -591,8 +592,7 @@ def test_remat_side_loop_runs_the_replan_once_and_reports_its_figures(monkeypatc
     for over, runs in ((80, 2), (0, 1)):
         rank, notes = FakeRank(), []
         rank.stage0_peak = plans[0].predicted_peak_bytes + over
-        loop = RematSideLoop(rank=rank, notes=notes, replanner=StageReplanner(
-            report=report, stage_blocks=blocks, budget_bytes=950, planner="optimal", plan_kw=kw))
+        loop = RematSideLoop(rank=rank, notes=notes, replanner=replanner)
         shipped, run = loop.run(pp)
         assert rank.runs == runs and run[0] == f"run {runs}" and len(notes) == runs - 1
         assert (shipped is pp) == (runs == 1)

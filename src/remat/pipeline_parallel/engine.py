@@ -39,7 +39,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
+from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, validate
 from ..distributed.config import LaunchConfig
 from ..distributed.launch import RankProgram, diagnose_launch, launch_ranks, rank_state
 from ..errors import DistributedError, WorkloadError
