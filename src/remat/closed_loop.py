@@ -129,8 +129,7 @@ def _correct_until_fit(plan: P | None, steps: LoopSteps[P], settings: ClosedLoop
         progress(settings.what, i, settings.max_tries)
         fits = _measure(steps, plan, tried, fallback=False)
         measured[steps.key(plan)] = plan
-        if fits and (best_fit is None or steps.cost(plan) < steps.cost(best_fit)):
-            best_fit = plan
+        best_fit = _cheaper_fit(steps, best_fit, plan) if fits else best_fit
         if i == settings.max_tries - 1 or (not fits and best_fit is not None):
             break   # out of tries, or a relaxed plan missed: the plan that fitted before it stands
         try:
@@ -145,6 +144,11 @@ def _correct_until_fit(plan: P | None, steps: LoopSteps[P], settings: ClosedLoop
             break   # the re-plan is a plan already measured: nothing new to learn
     progress(settings.what, settings.max_tries, settings.max_tries)
     return best_fit if best_fit is not None else plan
+
+
+def _cheaper_fit(steps: LoopSteps[P], best_fit: P | None, plan: P) -> P:
+    """Of two plans measured to fit, the one of less predicted added time (the earlier on a tie)."""
+    return plan if best_fit is None or steps.cost(plan) < steps.cost(best_fit) else best_fit
 
 
 def _next_plan(steps: LoopSteps[P], plan: P, fits: bool) -> P | None:
