@@ -30,7 +30,8 @@ from remat.types import CheckpointMode
 from remat.workload import Workload, load_workload
 
 SHAPE = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "batch_size": 2, "vocab": 64}
-FAST = dict(steps=2, warmup=2, comm_steps=1, timeout_s=20.0, wall_timeout_s=75.0)
+FAST = dict(steps=2, warmup=2, comm_steps=1, timeout_s=20.0)
+WALL_S = 75.0
 REPORT_KEYS = {"world_size", "engine", "backend", "per_rank", "global_samples_per_s", "collectives",
                "exposed_comm_ms", "ablation_step_ms", "equivalence"}
 
@@ -93,7 +94,8 @@ def test_ddp_world_size_2_through_the_cli(rank_env, tmp_path):
 
 
 def test_fsdp2_world_size_2(rank_env, tmp_path):
-    report = run_distributed("gpt", SHAPE, block_plan(), world_size=2, engine="fsdp2", work_dir=tmp_path, **FAST)
+    config = DistributedConfig(spec="gpt", shape=SHAPE, plan=block_plan(), world_size=2, engine=Engine.FSDP2, **FAST)
+    report = run_distributed(config, work_dir=tmp_path, wall_timeout_s=WALL_S)
     d = report.to_json()
     check_report(d, "fsdp2", {"all_gather", "reduce_scatter"})
     # the replay inside backward must not all-gather again: root + each block in forward, each block in backward
@@ -106,7 +108,8 @@ def test_killed_rank_raises_naming_it_and_leaves_no_process(rank_env, tmp_path):
     rank_env.setenv(FAULT_ENV, "exit:1:1")  # rank 1 calls os._exit(1) after its first step
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
-        run_distributed("gpt", SHAPE, None, world_size=2, engine="ddp", work_dir=tmp_path, ablation=False, **FAST)
+        run_distributed(DistributedConfig(spec="gpt", shape=SHAPE, world_size=2, engine=Engine.DDP, ablation=False,
+                                          **FAST), work_dir=tmp_path, wall_timeout_s=WALL_S)
     assert time.monotonic() - t0 < 60
     assert info.value.message.startswith("rank 1 died after 1/")
     assert all(_alive_rank_pid(tmp_path.resolve(), r) is None for r in (0, 1))
@@ -145,8 +148,9 @@ def test_reentrant_with_find_unused_parameters_is_refused(rank_env, tmp_path):
     spec = f"{Path(__file__).resolve()}:build_reentrant"
     with pytest.raises(DistributedError, match=r"rank \d raised DistributedError: rank \d: DDP marked a parameter "
                                                r"ready twice") as info:
-        run_distributed(spec, {}, None, world_size=2, engine="ddp", find_unused_parameters=True,
-                        work_dir=tmp_path, ablation=False, **FAST)
+        run_distributed(DistributedConfig(spec=spec, shape={}, world_size=2, engine=Engine.DDP,
+                                          find_unused_parameters=True, ablation=False, **FAST),
+                        work_dir=tmp_path, wall_timeout_s=WALL_S)
     assert info.value.tip and "use_reentrant=False" in info.value.tip
 
 

@@ -543,11 +543,11 @@ def test_interleaved_1f1b_gradients_match_the_unsplit_model(rank_env, tmp_path):
     assert sum(s["grad_sq_sum"] for s in ranks) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_closed_loop_replans_only_the_stage_that_missed():
-    """NOTE [pipeline closed loop]: stage 0 measured 80 bytes over its prediction; its base is raised by the miss
-    and it is planned again (two boundaries now), stage 1 keeps its plan."""
-    from remat.pipeline_parallel.worker import PipelineRank
+def _two_stages_at_950():
+    """Two stages planned from the synthetic profile at a 950-byte budget: (stage plans, the PipelinePlan, the
+    StageReplanner that made them)."""
     from remat.pipeline_parallel.plan import StagePlan
+    from remat.pipeline_parallel.worker import StageReplanner
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
     kw = dict(schedule="1f1b", microbatches=4, base_peaks=[1000, 900], reserve=0.0)
     plans = plan_stages(report, blocks, planner="optimal", budget_bytes=950, **kw)
@@ -555,17 +555,56 @@ def test_closed_loop_replans_only_the_stage_that_missed():
                       split_source="given", stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=[2, 1][k],
                                                               base_peak_bytes=[1000, 900][k], plan=plans[k])
                                                     for k in range(2)])
-    rank = PipelineRank.__new__(PipelineRank)
-    rank.cfg, rank.p = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.2"], sides=["none"]), 2
-    rank._replan = (report, blocks, 950, kw)
-    again, note = rank.replan(pp, [plans[0].predicted_peak_bytes + 80, 900])
+    return plans, pp, StageReplanner(report=report, stage_blocks=blocks, budget_bytes=950, planner="optimal",
+                                     plan_kw=kw)
+
+
+def test_closed_loop_replans_only_the_stage_that_missed():
+    """NOTE [pipeline closed loop]: stage 0 measured 80 bytes over its prediction; its base is raised by the miss
+    and it is planned again (two boundaries now), stage 1 keeps its plan."""
+    from remat.pipeline_parallel.worker import RematSideLoop
+    plans, pp, replanner = _two_stages_at_950()
+    notes: list[str] = []
+    loop = RematSideLoop(rank=None, notes=notes, replanner=replanner)
+    loop.peaks = [plans[0].predicted_peak_bytes + 80, 900]
+    assert not loop.fits(pp)
+    again = loop.correct(pp)
     assert plans[0].predicted_peak_bytes == 900 and len(plans[0].boundaries) == 1
     assert again.stages[0].base_peak_bytes == 1080 and len(again.stages[0].plan.boundaries) == 2
     assert again.stages[0].plan.predicted_peak_bytes == 1080 - 2 * 200 + 100
-    assert again.stages[1] is pp.stages[1] and "stage 0 measured" in note
+    assert again.stages[1] is pp.stages[1] and "stage 0 measured" in notes[-1]
     # a miss no plan can absorb is said, and nothing is re-run
-    none, why = rank.replan(pp, [2000, 900])
-    assert none is None and "no re-plan fits" in why
+    loop.peaks = [2000, 900]
+    with pytest.raises(BudgetError):
+        loop.correct(pp)
+    assert "no re-plan fits" in notes[-1]
+
+
+def test_remat_side_loop_runs_the_replan_once_and_reports_its_figures():
+    """NOTE [pipeline closed loop] through the one closed loop: a side that misses is re-planned and run once
+    more, and the figures shipped are the second run's; a side that fits runs once."""
+    from remat.pipeline_parallel.worker import RematSideLoop
+    plans, pp, replanner = _two_stages_at_950()
+
+    class FakeRank:   # stage 0 peaks 80 bytes over its prediction on every plan: one re-plan, then it stands
+        rank, total, runs = 0, 0, 0
+        cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.2"], sides=["none"])
+
+        def run_side(self, name, plan):
+            self.runs += 1
+            return f"run {self.runs}", [], None
+
+        def gather_peaks(self, result):
+            return [self.stage0_peak, 900]
+
+    for over, runs in ((80, 2), (0, 1)):
+        rank, notes = FakeRank(), []
+        rank.stage0_peak = plans[0].predicted_peak_bytes + over
+        loop = RematSideLoop(rank=rank, notes=notes, replanner=replanner)
+        shipped, run = loop.run(pp)
+        assert rank.runs == runs and run[0] == f"run {runs}" and len(notes) == runs - 1
+        assert (shipped is pp) == (runs == 1)
+        assert rank.total == (runs - 1) * (rank.cfg.warmup + rank.cfg.steps + 1)
 
 
 # -- simulated pipelines (NOTE [simulated pipeline]) -------------------------------------------------------

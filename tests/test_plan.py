@@ -486,6 +486,25 @@ def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9,
     assert never.calls == []
 
 
+def test_one_closed_loop_corrects_a_miss_and_ships_a_fallback():
+    """NOTE [one closed loop], on plans that are numbers: a miss is corrected until one fits; when the tries run out,
+    the first fallback not yet measured that fits ships."""
+    import dataclasses
+    from remat.closed_loop import ClosedLoopSettings, LoopSteps, run_closed_loop
+    peak = {1: 12, 2: 11, 3: 9, 10: 5}    # bytes each plan measures; the target is 10
+    measured: list[int] = []
+    steps = LoopSteps(measure=measured.append, fits=lambda p: peak[p] <= 10, key=lambda p: p, cost=float,
+                      correct=lambda p: p + 1)
+    out = run_closed_loop(1, steps, ClosedLoopSettings(max_tries=3))
+    assert out.plan == 3 and not out.fallback and measured == [1, 2, 3]
+    assert [t.fits for t in out.tried] == [False, False, True]
+    measured.clear()
+    out = run_closed_loop(1, dataclasses.replace(steps, fallbacks=lambda: [2, 10]), ClosedLoopSettings(max_tries=2))
+    assert out.plan == 10 and out.fallback and measured == [1, 2, 10]    # 2 was measured already: not again
+    with pytest.raises(PlanError):
+        ClosedLoopSettings(max_tries=0)
+
+
 def test_compiled_closed_loop_relaxes_when_the_compiled_step_peaks_lower(chain9, monkeypatch):
     """NOTE [compiled closed loop]: a compiled plan that measures under its prediction is planned
     again with that error as its margin: a cheaper plan, itself measured to fit. Eager does not relax."""

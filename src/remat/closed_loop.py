@@ -11,21 +11,33 @@ measured peak misses the effective budget, the planner's margin grows by the obs
 error (plan.replan_with_correction) and it plans again, at most ``max_tries`` times; then
 it falls back to measured plans (NOTE [closed loop fallbacks]). The plan returned records
 predicted *and* measured figures.
+
+NOTE [one closed loop]
+:func:`run_closed_loop` is the only loop that measures a plan and plans again; what differs
+per caller is a :class:`LoopSteps` (how a plan is measured, what fitting means, how a miss is
+corrected, whether a fit may be relaxed, which fallbacks exist) and its
+:class:`ClosedLoopSettings`. One device (:func:`plan_closed_loop`): a ``Plan``, measured on a
+fresh build, corrected by the margin rule, relaxed under ``compile``, with fallbacks. A
+pipeline (NOTE [pipeline closed loop], pipeline_parallel/worker.py): a ``PipelinePlan``,
+measured by running the whole side on every rank, corrected per stage, with no relaxing and
+no fallbacks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Generic, Hashable, TypeVar
 
 from .wrap import PlanArm
-from .errors import BudgetError
+from .errors import BudgetError, PlanError
 from .measure import CompileSpec, StepMeasurement, measure_arm
 from .plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .profile.model import ProfileReport
 from .types import ProgressFn, no_progress
 from .workload.loader import LoadedWorkload
+
+P = TypeVar("P")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +63,121 @@ class ClosedLoopResult:
     plan: Plan
     attempts: list[Attempt]
 
+
+# -- the loop, for any kind of plan (NOTE [one closed loop]) ----------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class ClosedLoopSettings:
+    """How many plans the loop measures before it stops correcting, and what it reports progress as."""
+
+    max_tries: int = 3                    # plans measured by correcting (fallbacks come on top)
+    what: str = "plan: apply and measure"  # the progress label
+
+    def __post_init__(self) -> None:
+        if self.max_tries < 1:
+            raise PlanError(f"the closed loop needs max_tries >= 1, got {self.max_tries}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopSteps(Generic[P]):
+    """What the closed loop does with one caller's plans (NOTE [one closed loop])."""
+
+    measure: Callable[[P], None]         # apply and run the plan; it (or the caller) keeps the measured peak(s)
+    fits: Callable[[P], bool]            # its measured peak(s) within the target
+    key: Callable[[P], Hashable]         # plans with one key are one plan: never measured twice
+    cost: Callable[[P], float]           # predicted added time (ms): the cheapest plan measured to fit wins
+    correct: Callable[[P], P] | None = None   # the next plan after a miss (BudgetError: none fits); None: never
+    relax: Callable[[P], P | None] | None = None   # a cheaper plan after a fit, or None (NOTE [compiled closed loop])
+    fallbacks: Callable[[], list[P]] | None = None  # plans to measure when correcting failed, in order
+                                                    # (NOTE [closed loop fallbacks]); None: there are none
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tried(Generic[P]):
+    plan: P
+    fits: bool
+    fallback: bool
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoopOutcome(Generic[P]):
+    plan: P | None        # the plan to ship; None: nothing measured to fit and the fallbacks missed too
+    tried: list[Tried[P]]
+    fallback: bool = False   # ``plan`` is a fallback: the model's own plans missed
+
+
+def run_closed_loop(first: P | None, steps: LoopSteps[P], settings: ClosedLoopSettings | None = None,
+                    progress: ProgressFn = no_progress) -> LoopOutcome[P]:
+    """Measure ``first``, correct it until a plan measures to fit, then try the fallbacks (NOTE [one closed loop]).
+
+    ``first`` None: the model said nothing fits, so only the fallbacks are measured.
+    """
+    settings = settings or ClosedLoopSettings()
+    tried: list[Tried[P]] = []
+    plan = _correct_until_fit(first, steps, settings, tried, progress)
+    if steps.fallbacks is None or (plan is not None and steps.fits(plan)):
+        return LoopOutcome(plan=plan, tried=tried)
+    return _first_fallback_that_fits(steps.fallbacks(), steps, tried, progress)
+
+
+def _correct_until_fit(plan: P | None, steps: LoopSteps[P], settings: ClosedLoopSettings, tried: list[Tried[P]],
+                       progress: ProgressFn) -> P | None:
+    """The corrected plans, measured in turn; the cheapest that fits, else the last one measured."""
+    measured: dict[Hashable, P] = {}
+    best_fit: P | None = None
+    for i in range(settings.max_tries if plan is not None else 0):
+        progress(settings.what, i, settings.max_tries)
+        fits = _measure(steps, plan, tried, fallback=False)
+        measured[steps.key(plan)] = plan
+        best_fit = _cheaper_fit(steps, best_fit, plan) if fits else best_fit
+        if i == settings.max_tries - 1 or (not fits and best_fit is not None):
+            break   # out of tries, or a relaxed plan missed: the plan that fitted before it stands
+        try:
+            again = _next_plan(steps, plan, fits)
+        except BudgetError:
+            break   # the corrected target is below the floor: fall back to measuring
+        if again is None:
+            break
+        plan = again
+        if steps.key(plan) in measured:
+            plan = measured[steps.key(plan)]
+            break   # the re-plan is a plan already measured: nothing new to learn
+    progress(settings.what, settings.max_tries, settings.max_tries)
+    return best_fit if best_fit is not None else plan
+
+
+def _cheaper_fit(steps: LoopSteps[P], best_fit: P | None, plan: P) -> P:
+    """Of two plans measured to fit, the one of less predicted added time (the earlier on a tie)."""
+    return plan if best_fit is None or steps.cost(plan) < steps.cost(best_fit) else best_fit
+
+
+def _next_plan(steps: LoopSteps[P], plan: P, fits: bool) -> P | None:
+    """The plan to measure next: corrected after a miss, relaxed after a fit; None: this one stands."""
+    if not fits:
+        return None if steps.correct is None else steps.correct(plan)
+    return None if steps.relax is None else steps.relax(plan)
+
+
+def _first_fallback_that_fits(fallbacks: list[P], steps: LoopSteps[P], tried: list[Tried[P]],
+                              progress: ProgressFn) -> LoopOutcome[P]:
+    """NOTE [closed loop fallbacks]: measure what the model ranks lower in peak, in order; the first that fits ships."""
+    for fb in fallbacks:
+        if any(steps.key(t.plan) == steps.key(fb) for t in tried):
+            continue
+        progress("plan: measure a fallback", 0, 1)
+        if _measure(steps, fb, tried, fallback=True):
+            return LoopOutcome(plan=fb, tried=tried, fallback=True)
+    return LoopOutcome(plan=None, tried=tried)
+
+
+def _measure(steps: LoopSteps[P], plan: P, tried: list[Tried[P]], *, fallback: bool) -> bool:
+    steps.measure(plan)
+    fits = steps.fits(plan)
+    tried.append(Tried(plan=plan, fits=fits, fallback=fallback))
+    return fits
+
+
+# -- one device ---------------------------------------------------------------------------------------
 
 def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, steps: int = 3) -> StepMeasurement:
     """Peak and warm step times of ``plan`` applied to a fresh build of the workload (remat.measure)."""
@@ -97,78 +224,30 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     a few percent and one more measured build is not worth it there.
     """
     budget_driven = planner in BUDGET_PLANNERS
-    attempts: list[Attempt] = []
-    kw = dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
-              preserve_rng_state=preserve_rng_state)
+    device = _OneDevice(loaded, report, planner, compile=compile, steps=steps,
+                        kw=dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
+                                preserve_rng_state=preserve_rng_state))
     try:
-        plan: Plan | None = make_plan(report, planner, **kw)
+        first: Plan | None = make_plan(report, planner, **device.kw)
     except InfeasibleBudget as exc:
         if not budget_driven:
             raise
-        plan, infeasible = None, exc
+        first, infeasible = None, exc
     else:
         infeasible = None
-    margin = 0
-    measured: dict[tuple, Plan] = {}
-    relax = compile is not None and budget_driven and budget_bytes is not None   # NOTE [compiled closed loop]
-    best_fit: Plan | None = None     # the cheapest (predicted added time) plan measured to fit
-    for i in range(max_tries if plan is not None else 0):
-        progress("plan: apply and measure", i, max_tries)
-        _measure_into(loaded, plan, steps, compile)
-        measured[_key(plan)] = plan
-        fits = _fits(plan)
-        attempts.append(Attempt(predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=plan.measured_peak_bytes,
-                                margin_bytes=margin, fits=fits))
-        if fits and (best_fit is None or plan.predicted_overhead_ms < best_fit.predicted_overhead_ms):
-            best_fit = plan
-        if not budget_driven or i == max_tries - 1:
-            break
-        error = plan.measured_peak_bytes - plan.predicted_peak_bytes    # bytes; < 0: the step peaked lower
-        if fits and not (relax and error < 0):
-            break
-        if not fits and best_fit is not None:
-            break   # a relaxed plan missed: the plan that fitted before it stands
-        try:
-            if fits:   # compiled and under its prediction: plan again at the compiled step's own error
-                margin = error
-                plan = make_plan(report, planner, margin_bytes=margin, **kw)
-            else:
-                plan, margin = replan_with_correction(report, plan, plan.measured_peak_bytes, margin_bytes=margin,
-                                                      allow_hazards=allow_hazards)
-        except BudgetError:
-            break  # the corrected target is below the floor: fall back to measuring (below)
-        if _key(plan) in measured:
-            plan = measured[_key(plan)]
-            break  # the re-plan is a plan already measured: nothing new to learn
-    progress("plan: apply and measure", max_tries, max_tries)
-    if best_fit is not None:
-        plan = best_fit
-    if plan is not None and (not budget_driven or budget_bytes is None or _fits(plan)):
-        return ClosedLoopResult(plan=plan, attempts=attempts)
-
-    # NOTE [closed loop fallbacks]: measure what the model ranks lower in peak, cheapest first
-    fallbacks = []
-    target = effective_budget(budget_bytes, reserve)
-    for spec in ("all", "floor"):
-        fb = make_plan(report, spec, **kw)
-        # only plans the model could be wrong about: predicted within its error bound of the target
-        if fb.boundaries and _key(fb) not in measured and fb.predicted_peak_bytes <= target * (1 + _MODEL_ERROR):
-            fallbacks.append(fb)
-    for fb in sorted(fallbacks, key=lambda p: (p.predicted_overhead_ms, p.predicted_peak_bytes)):
-        if _key(fb) in measured:
-            continue
-        progress("plan: measure a fallback", 0, 1)
-        _measure_into(loaded, fb, steps, compile)
-        measured[_key(fb)] = fb
-        attempts.append(Attempt(predicted_peak_bytes=fb.predicted_peak_bytes, measured_peak_bytes=fb.measured_peak_bytes,
-                                margin_bytes=0, fits=_fits(fb)))
-        if _fits(fb):
+    outcome = run_closed_loop(first, device.steps(budget_driven=budget_driven, budget_given=budget_bytes is not None,
+                                                  relax=compile is not None),
+                              ClosedLoopSettings(max_tries=max_tries), progress)
+    attempts = device.attempts(outcome.tried)
+    if outcome.plan is not None:
+        fb = outcome.plan
+        if outcome.fallback:
             fb.planner = f"{planner}->{fb.planner}"   # says what shipped and why: the model's pick missed
-            return ClosedLoopResult(plan=fb, attempts=attempts)
+        return ClosedLoopResult(plan=fb, attempts=attempts)
     if infeasible is not None:
         raise infeasible   # the model said so from the start, and no measurement disagreed
-    best = min(measured.values(), key=lambda p: p.measured_peak_bytes)
-    raise BudgetMissed(best=best, tried=len(measured))
+    best = min((t.plan for t in outcome.tried), key=lambda p: p.measured_peak_bytes)
+    raise BudgetMissed(best=best, tried=len(outcome.tried))
 
 
 # How far the cost model's predicted peak has been seen from the measured one (a share of the
@@ -176,8 +255,63 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
 _MODEL_ERROR = 0.15
 
 
+class _OneDevice:
+    """NOTE [closed loop] on one device: plans from the profile, each measured on a fresh build of the workload."""
+
+    def __init__(self, loaded: LoadedWorkload, report: ProfileReport, planner: str, *, compile: CompileSpec | None,
+                 steps: int, kw: dict[str, Any]) -> None:
+        self.loaded, self.report, self.planner, self.compile, self.n_steps = loaded, report, planner, compile, steps
+        self.kw = kw                    # make_plan's budget, reserve, hazards and RNG policy
+        self.margin = 0                 # bytes: the planner's margin for the plan being made (NOTE [closed-loop margin])
+        self.margins: list[int] = []    # the margin of each plan measured, in order
+
+    def steps(self, *, budget_driven: bool, budget_given: bool, relax: bool) -> LoopSteps[Plan]:
+        """Only a budget-driven plan is corrected; under ``compile`` with a budget it is also relaxed
+        (NOTE [compiled closed loop]); fallbacks are for a budget-driven plan at a budget."""
+        return LoopSteps(measure=self.measure, fits=_fits, key=_key, cost=_overhead_ms,
+                         correct=self.correct if budget_driven else None,
+                         relax=self.relax if relax and budget_driven and budget_given else None,
+                         fallbacks=self.fallbacks if budget_driven and budget_given else None)
+
+    def measure(self, plan: Plan) -> None:
+        _measure_into(self.loaded, plan, self.n_steps, self.compile)
+        self.margins.append(self.margin)
+
+    def correct(self, plan: Plan) -> Plan:
+        assert plan.measured_peak_bytes is not None
+        plan, self.margin = replan_with_correction(self.report, plan, plan.measured_peak_bytes, margin_bytes=self.margin,
+                                                   allow_hazards=self.kw["allow_hazards"])
+        return plan
+
+    def relax(self, plan: Plan) -> Plan | None:
+        """Compiled and under its prediction: plan again at the compiled step's own (negative) error."""
+        assert plan.measured_peak_bytes is not None
+        error = plan.measured_peak_bytes - plan.predicted_peak_bytes    # bytes; < 0: the step peaked lower
+        if error >= 0:
+            return None
+        self.margin = error
+        return make_plan(self.report, self.planner, margin_bytes=error, **self.kw)
+
+    def fallbacks(self) -> list[Plan]:
+        """NOTE [closed loop fallbacks]: ``all`` and ``floor``, cheapest first, when the model could be wrong
+        about them (predicted within its error bound of the target)."""
+        target = effective_budget(self.kw["budget_bytes"], self.kw["reserve"])
+        plans = [make_plan(self.report, spec, **self.kw) for spec in ("all", "floor")]
+        near = [fb for fb in plans if fb.boundaries and fb.predicted_peak_bytes <= target * (1 + _MODEL_ERROR)]
+        return sorted(near, key=lambda p: (p.predicted_overhead_ms, p.predicted_peak_bytes))
+
+    def attempts(self, tried: list[Tried[Plan]]) -> list[Attempt]:
+        return [Attempt(predicted_peak_bytes=t.plan.predicted_peak_bytes, measured_peak_bytes=t.plan.measured_peak_bytes,
+                        margin_bytes=0 if t.fallback else margin, fits=t.fits)
+                for t, margin in zip(tried, self.margins)]
+
+
 def _key(plan: Plan) -> tuple:
     return tuple((b.module, b.mode.value) for b in plan.boundaries)
+
+
+def _overhead_ms(plan: Plan) -> float:
+    return plan.predicted_overhead_ms
 
 
 def _fits(plan: Plan) -> bool:

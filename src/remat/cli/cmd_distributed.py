@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..distributed import DistributedConfig, DistributedReport, Engine, run_config
+from ..distributed import DistributedConfig, DistributedReport, Engine, run_distributed
 from ..distributed.launch import WORKER_MODULE
 from ..plan.model import Plan
 from ..workload import parse_shape
@@ -76,8 +76,8 @@ def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_d
                                tip="remat distributed --engine pipeline --world-size 2 --schedule 1f1b --microbatches 4 ...")
     config = config_from_args(args, plan)
     with progress_bar() as progress:
-        report = run_config(config, work_dir=Path(out_dir) / "distributed", wall_timeout_s=args.dist_wall_timeout,
-                            progress=progress)
+        report = run_distributed(config, work_dir=Path(out_dir) / "distributed", wall_timeout_s=args.dist_wall_timeout,
+                                 progress=progress)
     path = atomic_write_json(Path(out_dir) / "distributed.json", report.to_json())
     render_report(report)
     console.print(f"wrote {path}")

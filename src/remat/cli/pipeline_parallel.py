@@ -26,6 +26,7 @@ from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..pipeline_parallel.render import write_pipeline_receipt
 from ..workload import parse_shape
 from ..errors import DistributedError, PlanError
+from ..types import ProgressFn
 from .common import check_out_dir
 from ..units import fmt_bytes
 from .render import console, progress_bar
@@ -55,25 +56,53 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
     ``verify_only``: the unplanned and the planned pipeline only, one warm-up step each (the step whose
     gradients are compared) and one timed step: ``remat verify --engine pipeline``.
     """
-    if getattr(args, "emit_config", None) is not None:
-        raise DistributedError("--emit-config does not cover --engine pipeline yet",
-                               tip="run `remat distributed --engine pipeline` on one host")
-    if not getattr(args, "world_size", None):
-        raise DistributedError("--engine pipeline needs --world-size N (one stage per rank, N >= 2)")
+    _refuse_unlaunchable(args)
     shape = parse_shape(args.shape)
     v = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
     check_stages_per_rank(args.schedule, v, args.world_size, args.microbatches)
-    n_stages = v * args.world_size
-    budget = getattr(args, "budget", None)
-    reserve = parse_reserve(getattr(args, "reserve", "5%"))
-    if budget is not None:
-        parse_budget(budget, 1 << 50)   # syntax check before any measuring
+    budget, reserve = _budget_and_reserve(args)
     check_out_dir(args.out, ("pipeline.json", "plan.json", RECEIPT_FILE, HTML_FILE, MD_FILE))
     given = _given_plan(args)
     if verify_only and given is None:
         raise PlanError("remat verify --engine pipeline needs --plan: a per-stage plan (the plan.json that "
                         "`remat distributed --engine pipeline` writes)")
     mb_shape = microbatch_shape(shape, args.microbatches)
+    points, source = _split(args, shape, given, v * args.world_size)
+    with progress_bar() as progress:
+        config = PipelineConfig(
+            spec=args.workload, shape=shape, world_size=args.world_size, schedule=args.schedule,
+            microbatches=args.microbatches, split_points=points, split_source=source, stages_per_rank=v,
+            profile=None if given is not None else _profile(args, mb_shape, progress),
+            budget=budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
+            dtype=args.dtype, steps=1 if verify_only else args.dist_steps, warmup=1 if verify_only else args.dist_warmup,
+            timeout_s=args.dist_timeout, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
+        result = run_pipeline_config(config, work_dir=Path(args.out) / "distributed",
+                                     wall_timeout_s=args.dist_wall_timeout, progress=progress)
+    _write_outputs(args, result)
+    if result.remat_plan is not None:
+        _write_receipt(args, shape, result)
+    return result
+
+
+def _budget_and_reserve(args: argparse.Namespace) -> tuple[str | None, float]:
+    """``--budget`` as given (syntax-checked before any measuring) and ``--reserve`` as a share."""
+    budget = getattr(args, "budget", None)
+    reserve = parse_reserve(getattr(args, "reserve", "5%"))
+    if budget is not None:
+        parse_budget(budget, 1 << 50)
+    return budget, reserve
+
+
+def _refuse_unlaunchable(args: argparse.Namespace) -> None:
+    if getattr(args, "emit_config", None) is not None:
+        raise DistributedError("--emit-config does not cover --engine pipeline yet",
+                               tip="run `remat distributed --engine pipeline` on one host")
+    if not getattr(args, "world_size", None):
+        raise DistributedError("--engine pipeline needs --world-size N (one stage per rank, N >= 2)")
+
+
+def _split(args: argparse.Namespace, shape: dict, given: PipelinePlan | None, n_stages: int) -> tuple[list[str], str]:
+    """(split points, where they come from): ``--split-points``, the plan's, or NOTE [default split]."""
     if args.split_points:
         points, source = [p.strip() for p in args.split_points.split(",") if p.strip()], "given (--split-points)"
     elif given is not None:
@@ -83,23 +112,21 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
     check_split(args.workload, shape, points, n_stages, args.microbatches, dtype=args.dtype)
     if not points:
         points, source = default_split(args.workload, shape, n_stages, args.microbatches, dtype=args.dtype)
-    with progress_bar() as progress:
-        profile = None
-        if given is None:
-            from ..profile.measure import profile_workload
-            from ..workload.loader import load_workload
-            report = profile_workload(load_workload(args.workload, mb_shape, dtype=args.dtype), progress=progress)
-            atomic_write_json(Path(args.out) / "profile.json", report.to_json())
-            profile = report.to_json()
-        config = PipelineConfig(
-            spec=args.workload, shape=shape, world_size=args.world_size, schedule=args.schedule,
-            microbatches=args.microbatches, split_points=points, split_source=source, stages_per_rank=v,
-            profile=profile,
-            budget=budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
-            dtype=args.dtype, steps=1 if verify_only else args.dist_steps, warmup=1 if verify_only else args.dist_warmup,
-            timeout_s=args.dist_timeout, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
-        result = run_pipeline_config(config, work_dir=Path(args.out) / "distributed",
-                                     wall_timeout_s=args.dist_wall_timeout, progress=progress)
+    return points, source
+
+
+def _profile(args: argparse.Namespace, mb_shape: dict, progress: ProgressFn) -> dict:
+    """The whole model profiled at the microbatch shape (what the per-stage plans are planned from): its JSON,
+    also written to OUT/profile.json."""
+    from ..profile.measure import profile_workload
+    from ..workload.loader import load_workload
+    report = profile_workload(load_workload(args.workload, mb_shape, dtype=args.dtype), progress=progress)
+    atomic_write_json(Path(args.out) / "profile.json", report.to_json())
+    return report.to_json()
+
+
+def _write_outputs(args: argparse.Namespace, result: PipelineReport) -> None:
+    """OUT/pipeline.json, plan.json (remat's per-stage plans) and pipeline.md; the table."""
     path = atomic_write_json(Path(args.out) / "pipeline.json", result.to_json())
     if result.remat_plan is not None:
         result.remat_plan.save(Path(args.out) / "plan.json")
@@ -108,17 +135,19 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
     atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result))
     render(result)
     console.print(f"wrote {path}")
-    if result.remat_plan is not None:
-        from ..pipeline_parallel.check import make_pipeline_receipt
-        from ..workload.loader import load_workload
-        command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
-        receipt = make_pipeline_receipt(result, loaded=load_workload(args.workload, shape, dtype=args.dtype),
-                                        command=command, check_timeout_s=max(args.dist_timeout, 1.0))
-        files = write_pipeline_receipt(receipt, args.out)
-        console.print(f"wrote {files.receipt}, {files.html} and {files.markdown}; re-check it: remat check "
-                      f"{files.receipt}" + ("" if receipt.holds else f" (it does NOT hold: {'; '.join(receipt.why_not)})"),
-                      highlight=False)
-    return result
+
+
+def _write_receipt(args: argparse.Namespace, shape: dict, result: PipelineReport) -> None:
+    """The pipeline receipt (NOTE [pipeline receipt]): OUT/receipt.json, report.html and report.md."""
+    from ..pipeline_parallel.check import make_pipeline_receipt
+    from ..workload.loader import load_workload
+    command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
+    receipt = make_pipeline_receipt(result, loaded=load_workload(args.workload, shape, dtype=args.dtype),
+                                    command=command, check_timeout_s=max(args.dist_timeout, 1.0))
+    files = write_pipeline_receipt(receipt, args.out)
+    console.print(f"wrote {files.receipt}, {files.html} and {files.markdown}; re-check it: remat check "
+                  f"{files.receipt}" + ("" if receipt.holds else f" (it does NOT hold: {'; '.join(receipt.why_not)})"),
+                  highlight=False)
 
 
 def run_pipeline(args: argparse.Namespace) -> int:

@@ -8,11 +8,11 @@ exposed communication (NOTE [exposed communication] in intervals.py), the no-op-
 ablation, and gradient equivalence.
 """
 
-from .config import DistributedConfig, Engine
-from .launch import free_port, run_config, run_distributed, torchrun_command
+from .config import DistributedConfig, Engine, LaunchConfig
+from .launch import free_port, launch_ranks, run_distributed, torchrun_command
 from .report import (CollectiveCount, DistributedReport, Equivalence, GradComparison, RankFigures, RankResult,
                      RankSide, SideReport)
 
 __all__ = ["CollectiveCount", "DistributedConfig", "DistributedReport", "Engine", "Equivalence", "GradComparison",
-           "RankFigures", "RankResult", "RankSide", "SideReport", "free_port", "run_config", "run_distributed",
-           "torchrun_command"]
+           "LaunchConfig", "RankFigures", "RankResult", "RankSide", "SideReport", "free_port", "launch_ranks",
+           "run_distributed", "torchrun_command"]

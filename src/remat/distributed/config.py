@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from .._json import Bool, Enum, Int, JsonValue, Map, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError, PlanError
@@ -41,7 +41,54 @@ class Engine(str, enum.Enum):
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistributedConfig:
+class LaunchConfig:
+    """What every torchrun launch carries (NOTE [launcher], launch.py): the workload each rank rebuilds from
+    ``spec`` + ``shape``, the ranks, the device and dtype, the step counts and the per-collective timeout
+    (``timeout_s``, seconds). :class:`DistributedConfig` and the pipeline's ``PipelineConfig`` extend it; each
+    validates its own limits and keeps its own file format (``FORMAT``: its fields in its file's order)."""
+
+    spec: str
+    shape: dict[str, Any]
+    world_size: int
+    device: str = "cpu"
+    dtype: str = "float32"
+    steps: int = 10
+    warmup: int = 2
+    timeout_s: float = 120.0
+    seed: int = 0
+
+    FORMAT: ClassVar[Obj]   # the config file's schema; its field order is the file's, schema_version written last
+    WHAT: ClassVar[str]     # what the file is called in errors, e.g. "distributed config"
+
+    @property
+    def backend(self) -> str:
+        """gloo on CPU, nccl on CUDA."""
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.json_fields()
+        return {k: d[k] for k in [*(k for k in self.FORMAT.required if k != "schema_version"), "schema_version"]}
+
+    def json_fields(self) -> dict[str, Any]:
+        """Every field as JSON (enums as their values), in any order."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> Self:
+        """Build from the config file's JSON, checked against ``FORMAT`` (each config its own)."""
+        raise NotImplementedError
+
+    def save(self, path: Path | str) -> Path:
+        from .._io import atomic_write_json
+        return atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: Path | str) -> Self:
+        return cls.from_json(read_json_file(path, error=DistributedError, what=cls.WHAT))
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistributedConfig(LaunchConfig):
     """One distributed measurement: control (no plan) and, when ``plan`` is given, the plan.
 
     ``steps`` warm steps are timed per side (after ``warmup`` >= 2 untimed ones, since DDP
@@ -50,22 +97,16 @@ class DistributedConfig:
     ``timeout_s`` bounds every collective (``init_process_group(timeout=...)``).
     """
 
-    spec: str
-    shape: dict[str, Any]
-    world_size: int
     engine: Engine = Engine.DDP
     plan: Plan | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    steps: int = 10
-    warmup: int = 2
     comm_steps: int = 3
-    timeout_s: float = 120.0
-    seed: int = 0
     ablation: bool = True                 # also time a no-op comm hook (same compute, no communication)
     find_unused_parameters: bool = False  # DDP only
     use_reentrant: bool = False           # the workload checkpoints itself with use_reentrant=True
     schema_version: int = CONFIG_SCHEMA_VERSION
+
+    FORMAT = CONFIG_SCHEMA
+    WHAT = "distributed config"
 
     def __post_init__(self) -> None:
         self.engine = Engine(self.engine)
@@ -93,12 +134,7 @@ class DistributedConfig:
                 tip=REENTRANT_FIND_UNUSED_TIP,
             )
 
-    @property
-    def backend(self) -> str:
-        """gloo on CPU, nccl on CUDA."""
-        return "nccl" if self.device.startswith("cuda") else "gloo"
-
-    def to_json(self) -> dict[str, Any]:
+    def json_fields(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["engine"] = self.engine.value
         d["plan"] = None if self.plan is None else self.plan.to_json()
@@ -121,11 +157,3 @@ class DistributedConfig:
             except PlanError as exc:
                 raise DistributedError(exc.message) from None
         return cls(**d)
-
-    def save(self, path: Path | str) -> Path:
-        from .._io import atomic_write_json
-        return atomic_write_json(path, self.to_json())
-
-    @classmethod
-    def load(cls, path: Path | str) -> "DistributedConfig":
-        return cls.from_json(read_json_file(path, error=DistributedError, what="distributed config"))

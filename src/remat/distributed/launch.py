@@ -19,7 +19,7 @@ The ranks are started by PyTorch's own launcher, ``python -m torch.distributed.r
   stragglers by the PIDs the ranks wrote (NOTE [rank files], worker.py).
 The cost is start-up: about 3-5 s per run here (the agent and each rank import torch).
 
-Locally (what :func:`run_config` runs; the port is a free loopback port picked per run)::
+Locally (what :func:`launch_ranks` runs; the port is a free loopback port picked per run)::
 
     python -m torch.distributed.run --nnodes 1 --nproc-per-node N --master-addr 127.0.0.1 \
         --master-port PORT --max-restarts 0 --monitor-interval 0.1 --shutdown-timeout 5 \
@@ -51,13 +51,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Generic, TypeVar
 
 from .._json import Enum, Int, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError
-from ..plan.model import Plan
 from ..types import ProgressFn, no_progress
-from .config import DistributedConfig, Engine
+from .config import DistributedConfig, LaunchConfig
 from .report import DistributedReport
 from .worker import REPORT_NAME, rank_file
 
@@ -65,6 +64,7 @@ WORKER_MODULE = "remat.distributed.worker"
 DEFAULT_WALL_TIMEOUT_S = 3600.0
 _POLL_S = 0.1
 _GRACE_S = 5.0  # after SIGTERM: how long torchrun and the ranks get before SIGKILL
+R = TypeVar("R")
 
 
 def free_port() -> int:
@@ -165,11 +165,7 @@ def _log_tail(log: Path, lines: int = 15) -> str:
 def diagnose(out: Path, world_size: int, *, returncode: int | None, timed_out: float | None, log: Path) -> DistributedError:
     """One typed error naming the rank(s) at fault, with every rank's state."""
     states = [rank_state(out, r) for r in range(world_size)]
-    others = "; ".join(f"rank {s.rank} {s.detail}" for s in states)
-    tip = f"every rank's files and torchrun's output are in {out} ({log.name})"
-    stacks = [s.rank for s in states if s.kind == "stopped"]
-    if stacks:
-        tip += "; where the stopped ranks were: " + ", ".join(rank_file(out, r, "sigterm").name for r in stacks)
+    tip = _failure_tip(out, states, log)
     if timed_out is not None:
         stuck = [s for s in states if s.kind != "done"]
         return DistributedError(
@@ -177,18 +173,37 @@ def diagnose(out: Path, world_size: int, *, returncode: int | None, timed_out: f
             + "; ".join(f"rank {s.rank} {s.detail}" for s in (stuck or states)), tip=tip)
     culprits = lead_culprits(states)
     if culprits:
-        first = culprits[0]
-        head = f"rank {first.rank} {first.detail}"
-        rest = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s is not first)
-        return DistributedError(head + (f" (then: {rest})" if rest else ""), tip=first.tip or tip,
-                                traceback_text=first.traceback if first.error_kind in ("user", "internal") else None,
-                                internal=first.error_kind == "internal")
+        return _culprit_error(culprits[0], states, tip)
+    return _no_culprit_error(states, returncode, tip, log)
+
+
+def _failure_tip(out: Path, states: list[RankState], log: Path) -> str:
+    """Where every rank's files are, and the stopped ranks' stacks."""
+    tip = f"every rank's files and torchrun's output are in {out} ({log.name})"
+    stacks = [s.rank for s in states if s.kind == "stopped"]
+    if stacks:
+        tip += "; where the stopped ranks were: " + ", ".join(rank_file(out, r, "sigterm").name for r in stacks)
+    return tip
+
+
+def _culprit_error(first: RankState, states: list[RankState], tip: str) -> DistributedError:
+    """The rank at fault first (NOTE [rank errors]), then every other rank's state."""
+    head = f"rank {first.rank} {first.detail}"
+    rest = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s is not first)
+    return DistributedError(head + (f" (then: {rest})" if rest else ""), tip=first.tip or tip,
+                            traceback_text=first.traceback if first.error_kind in ("user", "internal") else None,
+                            internal=first.error_kind == "internal")
+
+
+def _no_culprit_error(states: list[RankState], returncode: int | None, tip: str, log: Path) -> DistributedError:
+    """No rank failed on its own: torchrun failed before any started, or rank 0 wrote no report."""
     if all(s.kind == "not started" for s in states):
         return DistributedError(f"torchrun exited with code {returncode} before any rank started:\n{_log_tail(log)}",
                                 tip=tip)
     if all(s.kind == "done" for s in states):
         return DistributedError(f"every rank finished but rank 0 wrote no {REPORT_NAME} (torchrun exit code "
                                 f"{returncode})", tip=tip)
+    others = "; ".join(f"rank {s.rank} {s.detail}" for s in states)
     return DistributedError(f"the distributed run failed (torchrun exit code {returncode}): {others}", tip=tip)
 
 
@@ -243,90 +258,116 @@ def _clean(out: Path, world_size: int, report_name: str = REPORT_NAME) -> None:
             rank_file(out, r, kind).unlink(missing_ok=True)
 
 
-def _launch_once(config: DistributedConfig, out: Path, wall_timeout_s: float,
-                 progress: ProgressFn, *, module: str = WORKER_MODULE, what: str | None = None,
-                 report_name: str = REPORT_NAME) -> tuple[int | None, float | None]:
-    """Run torchrun once; (its exit code, the wall limit if it was hit). ``module`` is the rank program
-    (the pipeline engine has its own, remat.pipeline_parallel.worker, with the same rank files)."""
-    _clean(out, config.world_size, report_name)
-    cmd = torchrun_command(out / "config.json", out, config.world_size, free_port(), module)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // config.world_size)), "PYTHONUNBUFFERED": "1"}
-    what = what or f"{config.engine.value} x{config.world_size}"
-    with open(out / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        deadline = time.monotonic() + wall_timeout_s
-        timed_out: float | None = None
-        try:
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    timed_out = wall_timeout_s
-                    break
-                text = _read(rank_file(out, 0, "progress"))
-                if text and len(parts := text.split(" ", 2)) == 3:
-                    try:
-                        progress(what, int(parts[0]), int(parts[1]))
-                    except ValueError:
-                        pass
-                time.sleep(_POLL_S)
-        finally:  # also on KeyboardInterrupt: nothing outlives the caller
-            _stop(proc)
-            kill_stragglers(out, config.world_size, module=module)
-    return proc.returncode, timed_out
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankProgram(Generic[R]):
+    """What torchrun starts on every rank and what rank 0 leaves behind (NOTE [launcher])."""
+
+    module: str                  # ``python -m MODULE --config DIR/config.json --out DIR``
+    report_name: str             # rank 0's report, DIR/report_name
+    name: str                    # "distributed": the report is the "distributed report", a temporary DIR remat-NAME-*
+    read_report: Callable[[Any], R]   # the report's JSON -> the report
+    diagnose: Callable[[Path, LaunchConfig, int | None, float | None], DistributedError]
+    # (DIR, config, torchrun's exit code, the wall limit if hit) -> the error naming the rank at fault
 
 
-def run_config(config: DistributedConfig, *, work_dir: Path | str | None = None,
-               wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> DistributedReport:
-    """Run ``config`` on ``config.world_size`` local ranks; the report, or a :class:`DistributedError`.
+def diagnose_launch(out: Path, config: LaunchConfig, returncode: int | None, timed_out: float | None) -> DistributedError:
+    """:func:`diagnose` for a launch of ``config`` in ``out``."""
+    return diagnose(out, config.world_size, returncode=returncode, timed_out=timed_out, log=out / "torchrun.log")
 
-    ``work_dir`` receives ``config.json``, ``distributed.json``, torchrun's log and the rank
-    files (a temporary folder when None: removed after a success, kept after a failure and
-    named in the error's tip).
+
+DISTRIBUTED_PROGRAM = RankProgram(module=WORKER_MODULE, report_name=REPORT_NAME, name="distributed",
+                                  read_report=DistributedReport.from_json, diagnose=diagnose_launch)
+
+
+def launch_ranks(config: LaunchConfig, program: RankProgram[R], *, what: str, work_dir: Path | str | None = None,
+           wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> R:
+    """Run ``config`` on ``config.world_size`` local ranks of ``program``; its report, or a :class:`DistributedError`.
+
+    ``work_dir`` receives ``config.json``, the report, torchrun's log and the rank files (a
+    temporary folder when None: removed after a success, kept after a failure and named in the
+    error's tip). ``wall_timeout_s`` bounds the whole run; ``what`` labels its progress. A port
+    taken between picking and binding it is retried once, on another.
     """
+    _check_devices(config)
+    temporary = work_dir is None
+    out = Path(tempfile.mkdtemp(prefix=f"remat-{program.name}-")) if work_dir is None else Path(work_dir)
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    config.save(out / "config.json")
+    limit = DEFAULT_WALL_TIMEOUT_S if wall_timeout_s is None else float(wall_timeout_s)
+    for attempt in range(2):
+        returncode, timed_out = _launch_once(config, program, out, limit, progress, what)
+        report_path = out / program.report_name
+        if returncode == 0 and timed_out is None and report_path.is_file():
+            report = program.read_report(read_json_file(report_path, error=DistributedError,
+                                                        what=f"{program.name} report"))
+            if temporary:
+                shutil.rmtree(out, ignore_errors=True)
+            return report
+        if attempt == 0 and timed_out is None and _port_taken(out):
+            continue  # the free port was taken between picking and binding it: once more, on another
+        raise program.diagnose(out, config, returncode, timed_out)
+    raise AssertionError("unreachable")
+
+
+def _check_devices(config: LaunchConfig) -> None:
     if config.device.startswith("cuda"):
         import torch
         if torch.cuda.device_count() < config.world_size:
             raise DistributedError(f"world size {config.world_size} on CUDA needs {config.world_size} GPUs on this "
                                    f"host, found {torch.cuda.device_count()}",
                                    tip="NCCL needs one GPU per rank; for more ranks than GPUs use --device cpu (gloo)")
-    temporary = work_dir is None
-    out = Path(tempfile.mkdtemp(prefix="remat-distributed-")) if work_dir is None else Path(work_dir)
-    out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    config.save(out / "config.json")
-    limit = DEFAULT_WALL_TIMEOUT_S if wall_timeout_s is None else float(wall_timeout_s)
-    for attempt in range(2):
-        returncode, timed_out = _launch_once(config, out, limit, progress)
-        report_path = out / REPORT_NAME
-        if returncode == 0 and timed_out is None and report_path.is_file():
-            report = DistributedReport.from_json(read_json_file(report_path, error=DistributedError,
-                                                                what="distributed report"))
-            if temporary:
-                shutil.rmtree(out, ignore_errors=True)
-            return report
-        log_text = (_read(out / "torchrun.log") or "").lower()
-        port_taken = "address already in use" in log_text or "eaddrinuse" in log_text
-        if attempt == 0 and timed_out is None and port_taken and rank_state(out, 0).kind in ("not started", "error"):
-            continue  # the free port was taken between picking and binding it: once more, on another
-        raise diagnose(out, config.world_size, returncode=returncode, timed_out=timed_out, log=out / "torchrun.log")
-    raise AssertionError("unreachable")
 
 
-def run_distributed(spec: str, shape: Mapping[str, Any] | None = None, plan: Plan | None = None, *,
-                    world_size: int, engine: Engine | str = Engine.DDP, steps: int = 10, warmup: int = 2,
-                    comm_steps: int = 3, timeout_s: float = 120.0, device: str = "cpu", dtype: str = "float32",
-                    seed: int = 0, ablation: bool = True, find_unused_parameters: bool = False,
-                    use_reentrant: bool = False, work_dir: Path | str | None = None,
+def _port_taken(out: Path) -> bool:
+    """torchrun failed to bind its port, before rank 0 got anywhere."""
+    log_text = (_read(out / "torchrun.log") or "").lower()
+    port_taken = "address already in use" in log_text or "eaddrinuse" in log_text
+    return port_taken and rank_state(out, 0).kind in ("not started", "error")
+
+
+def _launch_once(config: LaunchConfig, program: RankProgram[Any], out: Path, wall_timeout_s: float,
+                 progress: ProgressFn, what: str) -> tuple[int | None, float | None]:
+    """Run torchrun once; (its exit code, the wall limit if it was hit)."""
+    _clean(out, config.world_size, program.report_name)
+    cmd = torchrun_command(out / "config.json", out, config.world_size, free_port(), program.module)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // config.world_size)), "PYTHONUNBUFFERED": "1"}
+    with open(out / "torchrun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            timed_out = _watch(proc, out, wall_timeout_s, progress, what)
+        finally:  # also on KeyboardInterrupt: nothing outlives the caller
+            _stop(proc)
+            kill_stragglers(out, config.world_size, module=program.module)
+    return proc.returncode, timed_out
+
+
+def _watch(proc: subprocess.Popen[bytes], out: Path, wall_timeout_s: float, progress: ProgressFn,
+           what: str) -> float | None:
+    """Poll torchrun until it exits, reporting rank 0's progress; the wall limit (s) if it ran past it."""
+    deadline = time.monotonic() + wall_timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            return wall_timeout_s
+        text = _read(rank_file(out, 0, "progress"))
+        if text and len(parts := text.split(" ", 2)) == 3:
+            try:
+                progress(what, int(parts[0]), int(parts[1]))
+            except ValueError:
+                pass
+        time.sleep(_POLL_S)
+    return None
+
+
+def run_distributed(config: DistributedConfig, *, work_dir: Path | str | None = None,
                     wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> DistributedReport:
-    """Measure the workload ``spec`` at ``shape`` on ``world_size`` ranks, without and with ``plan``.
+    """Measure ``config.spec`` at ``config.shape`` on ``config.world_size`` ranks, without and with ``config.plan``.
 
-    Every rank rebuilds the workload itself. ``timeout_s`` bounds each collective
-    (``init_process_group(timeout=...)``); ``wall_timeout_s`` bounds the whole run. Raises
-    :class:`DistributedError` naming the rank when one dies, fails or times out.
+    Every rank rebuilds the workload itself. ``config.timeout_s`` bounds each collective
+    (``init_process_group(timeout=...)``); ``wall_timeout_s`` bounds the whole run. ``work_dir``:
+    as :func:`launch_ranks`. Raises :class:`DistributedError` naming the rank when one dies, fails or times out.
     """
-    config = DistributedConfig(spec=spec, shape=dict(shape or {}), world_size=world_size, engine=Engine(engine),
-                               plan=plan, device=device, dtype=dtype, steps=steps, warmup=warmup,
-                               comm_steps=comm_steps, timeout_s=timeout_s, seed=seed, ablation=ablation,
-                               find_unused_parameters=find_unused_parameters, use_reentrant=use_reentrant)
-    return run_config(config, work_dir=work_dir, wall_timeout_s=wall_timeout_s, progress=progress)
+    return launch_ranks(config, DISTRIBUTED_PROGRAM, what=f"{config.engine.value} x{config.world_size}",
+                  work_dir=work_dir, wall_timeout_s=wall_timeout_s, progress=progress)

@@ -39,9 +39,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
+from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, validate
+from ..distributed.config import LaunchConfig
+from ..distributed.launch import RankProgram, diagnose_launch, launch_ranks, rank_state
 from ..errors import DistributedError, WorkloadError
 from .plan import SCHEDULES, SIDES, Schedule, Side
+from .report import PipelineReport
 from ..plan.schema import MODULE_PATH
 from ..types import ProgressFn, no_progress
 
@@ -53,7 +56,7 @@ PIPELINE_CONFIG_SCHEMA = Obj({
     "schema_version": Enum(PIPELINE_CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
     "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
     "world_size": Int(2, 1 << 16), "schedule": Enum(*SCHEDULES), "microbatches": Int(1, 100_000),
-    "stages_per_rank": Int(1, 1000), "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
+    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000), "stages_per_rank": Int(1, 1000),
     "profile": Opt(JsonValue()), "planner": Str(max_len=200), "uniform_planner": Str(max_len=200),
     "budget": Opt(Str(max_len=200)), "reserve": Num(0, 0.999999), "plan": Opt(JsonValue()),
     "device": Str(r"cpu"), "dtype": Enum("float32", "bfloat16", "float16"),
@@ -63,7 +66,7 @@ PIPELINE_CONFIG_SCHEMA = Obj({
 
 
 @dataclasses.dataclass(kw_only=True)
-class PipelineConfig:
+class PipelineConfig(LaunchConfig):
     """One pipeline launch: the sides to run (``none``, ``uniform``, ``remat``) at one schedule and split.
 
     ``profile`` (a ProfileReport's JSON, whole model at the microbatch shape) is what the
@@ -73,9 +76,6 @@ class PipelineConfig:
     ``warmup`` untimed ones. ``timeout_s`` bounds every p2p op and collective.
     """
 
-    spec: str
-    shape: dict[str, Any]
-    world_size: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
     microbatches: int = 4
     split_points: list[str] = dataclasses.field(default_factory=list)   # stages_per_rank x world_size - 1 of them
@@ -87,15 +87,12 @@ class PipelineConfig:
     budget: str | None = None
     reserve: float = 0.05
     plan: Any = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    steps: int = 10
-    warmup: int = 2
-    timeout_s: float = 120.0
-    seed: int = 0
     sides: list[Side] = dataclasses.field(default_factory=lambda: list(Side))
     perturb_control: bool = True   # the negative control: a gradient perturbed by 1e-3 must be rejected
     schema_version: int = PIPELINE_CONFIG_SCHEMA_VERSION
+
+    FORMAT = PIPELINE_CONFIG_SCHEMA
+    WHAT = "pipeline config"
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.schedule)
@@ -122,14 +119,10 @@ class PipelineConfig:
             raise DistributedError("the uniform side needs a profile to plan from")
 
     @property
-    def backend(self) -> str:
-        return "gloo"
-
-    @property
     def n_stages(self) -> int:
         return self.world_size * self.stages_per_rank
 
-    def to_json(self) -> dict[str, Any]:
+    def json_fields(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["schedule"] = self.schedule.value
         d["sides"] = [s.value for s in self.sides]
@@ -141,14 +134,6 @@ class PipelineConfig:
             raise DistributedError("pipeline config JSON must be an object")
         validate(d, PIPELINE_CONFIG_SCHEMA, error=DistributedError, what="pipeline config")
         return cls(**{k: v for k, v in d.items() if k != "schema_version"})
-
-    def save(self, path: Path | str) -> Path:
-        from .._io import atomic_write_json
-        return atomic_write_json(path, self.to_json())
-
-    @classmethod
-    def load(cls, path: Path | str) -> "PipelineConfig":
-        return cls.from_json(read_json_file(path, error=DistributedError, what="pipeline config"))
 
 
 def check_stages_per_rank(schedule: Schedule | str, v: int, world_size: int, microbatches: int) -> None:
@@ -503,46 +488,20 @@ def build_stage_modules(model: Any, layout: StageLayout, ks: list[int]) -> list[
 # -- the launch --------------------------------------------------------------------------------------
 
 def run_pipeline_config(config: PipelineConfig, *, work_dir: Path | str | None = None,
-                        wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> Any:
+                        wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> PipelineReport:
     """Run ``config`` on ``world_size`` local ranks with the launcher of NOTE [launcher] (same rank files,
     same diagnosis: a dead or hung stage is a DistributedError naming its rank); the PipelineReport."""
-    import shutil
-    import tempfile
-    from ..distributed import launch
-    from .report import PipelineReport
-    temporary = work_dir is None
-    out = Path(tempfile.mkdtemp(prefix="remat-pipeline-")) if work_dir is None else Path(work_dir)
-    out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    config.save(out / "config.json")
-    limit = launch.DEFAULT_WALL_TIMEOUT_S if wall_timeout_s is None else float(wall_timeout_s)
-    what = f"pipeline {config.schedule.value} x{config.world_size}, {config.microbatches} microbatches"
-    for attempt in range(2):
-        returncode, timed_out = launch._launch_once(config, out, limit, progress,  # type: ignore[arg-type]
-                                                    module=PIPELINE_WORKER_MODULE, what=what,
-                                                    report_name=PIPELINE_REPORT_NAME)
-        report_path = out / PIPELINE_REPORT_NAME
-        if returncode == 0 and timed_out is None and report_path.is_file():
-            report = PipelineReport.from_json(read_json_file(report_path, error=DistributedError,
-                                                             what="pipeline report"))
-            if temporary:
-                shutil.rmtree(out, ignore_errors=True)
-            return report
-        log_text = (launch._read(out / "torchrun.log") or "").lower()
-        port_taken = "address already in use" in log_text or "eaddrinuse" in log_text
-        if attempt == 0 and timed_out is None and port_taken and launch.rank_state(out, 0).kind in ("not started", "error"):
-            continue
-        raise _diagnose_pipeline(out, config, returncode, timed_out)
-    raise AssertionError("unreachable")
+    return launch_ranks(config, PIPELINE_PROGRAM,
+                  what=f"pipeline {config.schedule.value} x{config.world_size}, {config.microbatches} microbatches",
+                  work_dir=work_dir, wall_timeout_s=wall_timeout_s, progress=progress)
 
 
-def _diagnose_pipeline(out: Path, config: PipelineConfig, returncode: int | None,
+def _diagnose_pipeline(out: Path, config: LaunchConfig, returncode: int | None,
                        timed_out: float | None) -> DistributedError:
     """launch.diagnose, plus the pipeline's hung stage: its neighbours fail first (their p2p op times out
     after ``timeout_s``), the hung rank only when the launcher stops it; then it is the hung rank we name."""
-    from ..distributed import launch
-    err = launch.diagnose(out, config.world_size, returncode=returncode, timed_out=timed_out, log=out / "torchrun.log")
-    states = [launch.rank_state(out, r) for r in range(config.world_size)]
+    err = diagnose_launch(out, config, returncode, timed_out)
+    states = [rank_state(out, r) for r in range(config.world_size)]
     stopped = [s for s in states if s.kind == "stopped"]
     errors = [s for s in states if s.kind == "error"]
     if timed_out is None and stopped and errors and all(s.follow_on for s in errors):
@@ -552,3 +511,8 @@ def _diagnose_pipeline(out: Path, config: PipelineConfig, returncode: int | None
             f"rank {hung.rank} (pipeline stage {hung.rank}) hung: its peers' p2p ops timed out after "
             f"{config.timeout_s:g} s waiting for it, and it {hung.detail} (then: {others})", tip=err.tip)
     return err
+
+
+# the pipeline's rank program for the one launcher (NOTE [launcher]): its worker, report and diagnosis
+PIPELINE_PROGRAM = RankProgram(module=PIPELINE_WORKER_MODULE, report_name=PIPELINE_REPORT_NAME, name="pipeline",
+                               read_report=PipelineReport.from_json, diagnose=_diagnose_pipeline)

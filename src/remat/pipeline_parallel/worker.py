@@ -29,8 +29,15 @@ NOTE [pipeline closed loop]
 The per-stage prediction can miss (the cost model counts each held microbatch's saving but not
 every transient the stage keeps). When a stage of remat's side measures over the per-device
 budget, every rank (same gathered peaks, same deterministic planner) re-plans the stages that
-missed once, each stage's unplanned peak raised by its miss (measured - predicted), and runs
-the side again; the report's notes say so, and the figures are the second attempt's. Memory is read on one more step under the live-tensor
+missed once, each stage's unplanned peak raised by its miss (measured - predicted:
+plan.correction_margin, the single-device loop's error), and runs the side again; the report's
+notes say so, and the figures are the second attempt's. This is the one closed loop
+(NOTE [one closed loop], closed_loop.py; RematSideLoop here) with two tries, no relaxing and no fallbacks:
+a pipeline plan is measured by running the whole side on every rank (warm-up, timed and memory
+steps), so measuring fallback plans as well would multiply the run, and the pipeline's report
+shows what was measured, each stage's fit included (``remat distributed`` exits 1 when remat's
+side missed), instead of refusing; relaxing is for compiled steps, and the stages run eager.
+A given ``--plan`` runs as given. Memory is read on one more step under the live-tensor
 tracker (its per-op cost would distort the times): the stage's peak, and the live bytes when each
 microbatch's backward starts (the held activations of every in-flight microbatch).
 """
@@ -51,9 +58,11 @@ import torch
 import torch.distributed as dist
 
 from .._io import atomic_write_json
-from ..errors import DistributedError, PlanError
+from ..closed_loop import ClosedLoopSettings, LoopSteps, run_closed_loop
+from ..errors import BudgetError, DistributedError, PlanError
 from ..memory.measure import optimizer_state_tensors
 from ..plan.model import Plan
+from ..plan.planners import correction_margin
 from .plan import PipelinePlan, Side, StagePlan, in_flight, in_flight_from_order, plan_stages
 from ..types import MemCategory, MemorySource
 from ..workload.contract import call_user
@@ -367,100 +376,79 @@ class PipelineRank:
             timeline=[dataclasses.replace(e, start_ns=e.start_ns - last_t0, end_ns=e.end_ns - last_t0)
                       for e in per_step[-1]], timeline_t0_ns=last_t0)
 
-    def plans(self, base_peaks: list[int]) -> tuple[PipelinePlan | None, PipelinePlan | None]:
-        """(uniform, remat): both from the profile and the measured unplanned stage peaks."""
+    def plans(self, base_peaks: list[int]) -> tuple[PipelinePlan | None, PipelinePlan | None, "StageReplanner | None"]:
+        """(uniform, remat, how to re-plan remat): both plans from the profile and the measured unplanned stage
+        peaks; the re-planner only when remat's plans were made here (a given plan runs as given)."""
         cfg = self.cfg
         from ..plan.budget import parse_budget
-        from ..profile.model import ProfileReport
-        # one plan per rank: with several stages per rank they share its device and budget
-        stage_blocks = [self.rank_blocks(k) for k in range(self.p)]
-        loads = [self.block_in_flight(k) for k in range(self.p)]
-        report = None
-        if cfg.profile is not None:
-            try:
-                report = ProfileReport.from_json(cfg.profile)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise DistributedError(f"the pipeline config's profile is malformed: {exc!r}") from None
+        report = self.profile()
         budget = parse_budget(cfg.budget or "80%", max(base_peaks))
-
-        def wrap(plans: list[Plan]) -> PipelinePlan:
-            return PipelinePlan(schedule=cfg.schedule, microbatches=cfg.microbatches, budget_bytes=budget,
-                                reserve=cfg.reserve,
-                                stages=[StagePlan(stage=k, blocks=stage_blocks[k],
-                                                  in_flight=sum(self.stage_in_flight(k).values()),
-                                                  base_peak_bytes=base_peaks[k], plan=plans[k])
-                                        for k in range(self.p)],
-                                split_points=list(cfg.split_points), split_source=cfg.split_source)
+        # one plan per rank: with several stages per rank they share its device and budget
+        replanner = StageReplanner(report=report, stage_blocks=[self.rank_blocks(k) for k in range(self.p)],
+                                   budget_bytes=budget, planner=cfg.planner,
+                                   plan_kw=dict(schedule=cfg.schedule, microbatches=cfg.microbatches,
+                                                base_peaks=base_peaks, reserve=cfg.reserve,
+                                                in_flights=[self.block_in_flight(k) for k in range(self.p)])) \
+            if report is not None else None
         uniform = remat = None
-        kw = dict(schedule=cfg.schedule, microbatches=cfg.microbatches, base_peaks=base_peaks, reserve=cfg.reserve,
-                  in_flights=loads)
-        if "uniform" in cfg.sides and report is not None:
-            uniform = wrap(plan_stages(report, stage_blocks, planner=cfg.uniform_planner, budget_bytes=None, **kw))
-        if "remat" in cfg.sides:
+        if Side.UNIFORM in cfg.sides and replanner is not None:
+            uniform = self.pipeline_plan(replanner.plan(planner=cfg.uniform_planner, budget_bytes=None), budget,
+                                         base_peaks)
+        if Side.REMAT in cfg.sides:
             if cfg.plan is not None:
                 remat = PipelinePlan.from_json(cfg.plan, source="the pipeline config's plan")
                 if len(remat.stages) != self.p:
                     raise PlanError(f"the pipeline plan has {len(remat.stages)} stages; this run has {self.p}")
-            elif report is not None:
-                remat = wrap(plan_stages(report, stage_blocks, planner=cfg.planner, budget_bytes=budget, **kw))
-                self._replan = (report, stage_blocks, budget, kw)
-        return uniform, remat
+                return uniform, remat, None
+            if replanner is not None:
+                remat = self.pipeline_plan(replanner.plan(planner=cfg.planner, budget_bytes=budget), budget,
+                                           base_peaks)
+        return uniform, remat, replanner if remat is not None else None
 
-    def replan(self, remat: PipelinePlan, peaks: list[int]) -> tuple[PipelinePlan | None, str]:
-        """NOTE [pipeline closed loop]: re-plan every stage that measured over the per-device budget, its
-        measured unplanned peak raised by what the model missed (measured - predicted with its plan); the
-        other stages keep their plans. (None, why) when no plan fits the raised stage."""
-        from ..errors import BudgetError
-        report, stage_blocks, budget, kw = self._replan
-        over = [k for k in range(self.p) if peaks[k] > budget]
-        base = list(kw["base_peaks"])
-        for k in over:
-            base[k] += max(0, peaks[k] - remat.stages[k].plan.predicted_peak_bytes)
-        what = ", ".join(f"stage {k} measured {peaks[k] / 2 ** 20:.2f} MiB against a predicted "
-                         f"{remat.stages[k].plan.predicted_peak_bytes / 2 ** 20:.2f} MiB" for k in over)
+    def profile(self) -> Any:
+        """The config's ProfileReport (what the per-stage plans are planned from), or None."""
+        from ..profile.model import ProfileReport
+        if self.cfg.profile is None:
+            return None
         try:
-            fresh = plan_stages(report, stage_blocks, planner=self.cfg.planner, budget_bytes=budget,
-                                **{**kw, "base_peaks": base})
-        except BudgetError as exc:
-            return None, f"remat side: {what}; no re-plan fits ({exc.message})"
-        stages = [dataclasses.replace(st, plan=fresh[k], base_peak_bytes=base[k]) if k in over else st
-                  for k, st in enumerate(remat.stages)]
-        return dataclasses.replace(remat, stages=stages), (
-            f"remat side re-planned once (closed loop): {what}; its unplanned peak was raised by the difference "
-            f"and the stage planned again; the figures are the second attempt's")
+            return ProfileReport.from_json(self.cfg.profile)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DistributedError(f"the pipeline config's profile is malformed: {exc!r}") from None
+
+    def pipeline_plan(self, plans: list[Plan], budget: int, base_peaks: list[int]) -> PipelinePlan:
+        """Every rank's plan, with the stages' blocks, loads and measured unplanned peaks (bytes)."""
+        cfg = self.cfg
+        return PipelinePlan(schedule=cfg.schedule, microbatches=cfg.microbatches, budget_bytes=budget,
+                            reserve=cfg.reserve,
+                            stages=[StagePlan(stage=k, blocks=self.rank_blocks(k),
+                                              in_flight=sum(self.stage_in_flight(k).values()),
+                                              base_peak_bytes=base_peaks[k], plan=plans[k])
+                                    for k in range(self.p)],
+                            split_points=list(cfg.split_points), split_source=cfg.split_source)
+
+    def gather_peaks(self, result: StageResult | None) -> list[int]:
+        """Every rank's measured peak (bytes) of the side just run (a collective: every rank calls it)."""
+        if result is None:
+            raise DistributedError("per-stage planning needs the unplanned side ('none') first")
+        peaks: list[Any] = [None] * self.p
+        dist.all_gather_object(peaks, result.peak_bytes)
+        return [int(x) for x in peaks]
 
     def run(self) -> RankOutcome:
         cfg = self.cfg
-        results: dict[str, StageResult] = {}
-        grads: dict[str, list] = {}
-        losses: dict[str, float | None] = {}
-        uniform = remat = None
+        results: dict[Side, StageResult] = {}
+        grads: dict[Side, list] = {}
+        losses: dict[Side, float | None] = {}
+        uniform = remat = replanner = None
         notes: list[str] = []
-        for name in cfg.sides:
-            plan: Plan | None = None
-            if name in ("uniform", "remat") and uniform is None and remat is None:
-                peaks: list[Any] = [None] * self.p
-                base = results.get("none")
-                if base is None:
-                    raise DistributedError("per-stage planning needs the unplanned side ('none') first")
-                dist.all_gather_object(peaks, base.peak_bytes)
-                uniform, remat = self.plans([int(x) for x in peaks])
-            if name == "uniform":
-                plan = uniform.for_stage(self.rank) if uniform else None
-            elif name == "remat":
-                plan = remat.for_stage(self.rank) if remat else None
-            results[name], grads[name], losses[name] = self.run_side(name, plan)
-            if name == "remat" and remat is not None and getattr(self, "_replan", None) is not None:
-                # NOTE [pipeline closed loop]: one more attempt when a stage measured over the budget
-                measured: list[Any] = [None] * self.p
-                dist.all_gather_object(measured, results[name].peak_bytes)
-                if any(int(x) > remat.budget_bytes for x in measured):
-                    again, note = self.replan(remat, [int(x) for x in measured])
-                    notes.append(note)
-                    if again is not None:
-                        remat = again
-                        self.total += cfg.warmup + cfg.steps + 1
-                        results[name], grads[name], losses[name] = self.run_side(name, remat.for_stage(self.rank))
+        for side in cfg.sides:
+            if side in (Side.UNIFORM, Side.REMAT) and uniform is None and remat is None:
+                uniform, remat, replanner = self.plans(self.gather_peaks(results.get(Side.NONE)))
+            if side is Side.REMAT and remat is not None and replanner is not None:
+                remat, run = RematSideLoop(rank=self, replanner=replanner, notes=notes).run(remat)
+            else:
+                run = self.run_side(side, _side_plan(side, uniform, remat, self.rank))
+            results[side], grads[side], losses[side] = run
         return self.outcome(results, grads, losses, notes, {Side.UNIFORM: uniform, Side.REMAT: remat})
 
     def outcome(self, results: dict[Side, StageResult], grads: dict[Side, list], losses: dict[Side, float | None],
@@ -485,6 +473,103 @@ def negative_control_rejected(control: list) -> bool:
             g.view(-1)[0] += 1e-3
             break
     return not compare_grads(control, bad).bitwise_equal
+
+
+_SideRun = tuple[StageResult, list, "float | None"]   # one side on this rank: figures, first-step grads, first loss
+
+
+def _side_plan(side: Side, uniform: PipelinePlan | None, remat: PipelinePlan | None, rank: int) -> Plan | None:
+    """This rank's plan on ``side`` (none: no plan)."""
+    pipeline = {Side.UNIFORM: uniform, Side.REMAT: remat}.get(side)
+    return pipeline.for_stage(rank) if pipeline else None
+
+
+@dataclasses.dataclass(kw_only=True)
+class StageReplanner:
+    """NOTE [pipeline closed loop]: what planning the stages needs; the same on every rank (same gathered peaks,
+    same deterministic planner), so every rank re-plans alike."""
+
+    report: Any                 # ProfileReport: the whole model at the microbatch shape
+    stage_blocks: list[list[str]]
+    budget_bytes: int           # the per-device budget
+    planner: str
+    plan_kw: dict[str, Any]     # plan_stages' schedule, microbatches, base_peaks (bytes), reserve, in_flights
+
+    def plan(self, *, planner: str, budget_bytes: int | None, base_peaks: list[int] | None = None) -> list[Plan]:
+        kw = self.plan_kw if base_peaks is None else {**self.plan_kw, "base_peaks": base_peaks}
+        return plan_stages(self.report, self.stage_blocks, planner=planner, budget_bytes=budget_bytes, **kw)
+
+    def over(self, peaks: list[int]) -> list[int]:
+        """The stages whose measured peak (bytes) is over the per-device budget."""
+        return [k for k, peak in enumerate(peaks) if peak > self.budget_bytes]
+
+    def replan(self, remat: PipelinePlan, peaks: list[int]) -> PipelinePlan:
+        """Every stage that measured over the budget planned again, its unplanned peak raised by what the model
+        missed (measured - predicted with its plan: correction_margin); the others keep their plans. BudgetError
+        when no plan fits a raised stage."""
+        over = self.over(peaks)
+        base = list(self.plan_kw["base_peaks"])
+        for k in over:
+            base[k] += correction_margin(remat.stages[k].plan, peaks[k])
+        fresh = self.plan(planner=self.planner, budget_bytes=self.budget_bytes, base_peaks=base)
+        stages = [dataclasses.replace(st, plan=fresh[k], base_peak_bytes=base[k]) if k in over else st
+                  for k, st in enumerate(remat.stages)]
+        return dataclasses.replace(remat, stages=stages)
+
+
+class RematSideLoop:
+    """NOTE [pipeline closed loop]: remat's per-stage plans through the one closed loop (NOTE [one closed loop]),
+    each plan run as the whole remat side on every rank and measured per stage."""
+
+    settings = ClosedLoopSettings(max_tries=2, what="remat side")   # the plan, and one re-plan
+
+    def __init__(self, *, rank: PipelineRank, replanner: StageReplanner, notes: list[str]) -> None:
+        self.rank, self.replanner, self.notes = rank, replanner, notes
+        self.runs: dict[Any, _SideRun] = {}
+        self.peaks: list[int] = []    # bytes: every stage's measured peak with the plan run last
+
+    def run(self, remat: PipelinePlan) -> tuple[PipelinePlan, _SideRun]:
+        """The plan whose figures the report shows (the re-plan's when there was one), and its run."""
+        steps = LoopSteps(measure=self.measure, fits=self.fits, key=_stages_key, cost=_stages_cost,
+                          correct=self.correct)   # no relax, no fallbacks: NOTE [pipeline closed loop]
+        plan = run_closed_loop(remat, steps, self.settings).plan
+        assert plan is not None   # without fallbacks the loop ships the last plan it measured
+        return plan, self.runs[_stages_key(plan)]
+
+    def measure(self, remat: PipelinePlan) -> None:
+        rank = self.rank
+        if self.runs:   # one more side on the progress bar
+            rank.total += rank.cfg.warmup + rank.cfg.steps + 1
+        run = rank.run_side(Side.REMAT, remat.for_stage(rank.rank))
+        self.runs[_stages_key(remat)] = run
+        self.peaks = rank.gather_peaks(run[0])
+
+    def fits(self, remat: PipelinePlan) -> bool:
+        return all(peak <= remat.budget_bytes for peak in self.peaks)
+
+    def correct(self, remat: PipelinePlan) -> PipelinePlan:
+        """The stages that missed, re-planned; the report's notes say so (or that no re-plan fits)."""
+        what = ", ".join(f"stage {k} measured {self.peaks[k] / 2 ** 20:.2f} MiB against a predicted "
+                         f"{remat.stages[k].plan.predicted_peak_bytes / 2 ** 20:.2f} MiB"
+                         for k in self.replanner.over(self.peaks))
+        try:
+            again = self.replanner.replan(remat, self.peaks)
+        except BudgetError as exc:
+            self.notes.append(f"remat side: {what}; no re-plan fits ({exc.message})")
+            raise
+        self.notes.append(f"remat side re-planned once (closed loop): {what}; its unplanned peak was raised by the "
+                          f"difference and the stage planned again; the figures are the second attempt's")
+        return again
+
+
+def _stages_key(remat: PipelinePlan) -> tuple:
+    """A pipeline plan's identity: each stage's (raised) unplanned peak and boundaries."""
+    return tuple((st.base_peak_bytes, tuple((b.module, b.mode.value) for b in st.plan.boundaries))
+                 for st in remat.stages)
+
+
+def _stages_cost(remat: PipelinePlan) -> float:
+    return sum(st.plan.predicted_overhead_ms for st in remat.stages)   # ms, predicted added time over all stages
 
 
 def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
