@@ -53,7 +53,7 @@ import torch
 from .. import __version__
 from ..closed_loop import plan_closed_loop
 from ..errors import BudgetError, PlanError, RematError, UserCodeError, WorkloadError
-from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, check_budget_syntax, make_plan, parse_budget,
+from ..plan import (InfeasibleBudget, Plan, PlannerKind, PlannerSpec, check_budget_syntax, make_plan, parse_budget,
                     planner_from_spec)
 from ..profile import ProfileReport, profile_workload
 from ..trace.model import HostContext, TraceContext
@@ -69,25 +69,40 @@ from .pareto import decide
 
 CONTROL = "none"
 COMPILED = "+compile"            # label suffix of a plan's compiled twin
-TORCH_BUDGET = "torch-budget"    # planner of the torch.compile budget arm aimed at the peak
+TORCH_BUDGET = PlannerKind.TORCH_BUDGET.value    # planner of the torch.compile budget arm aimed at the peak
 DEFAULT_COMPILED_PLANS: tuple[str, ...] = ("none", "all", "sqrt", "optimal")
 # the strong baselines are plans on the frontier too (NOTE [baseline families] in plan/planners.py)
 DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k",
                                   "optimal", "optimal@90%", "optimal@70%", "optimal@50%", "optimal@35%")
-_FAMILIES = ("checkpoint_sequential", "first-k")   # a family that does not apply to a model is a data point
+# a family that does not apply to a model is a data point
+_FAMILIES = (PlannerKind.CHECKPOINT_SEQUENTIAL, PlannerKind.FIRST_K)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
-    """One plan to put on the frontier: ``planner`` spec, and for ``planner@X`` the budget text X."""
+    """One plan to put on the frontier: its label as given and its spec (``planner@X``: planned at budget X)."""
 
     label: str
-    planner: str
-    budget: str | None = None   # "70%", "1.5GiB", "123456"; None: the frontier's budget (budget planners)
+    spec: PlannerSpec
+
+    @property
+    def planner(self) -> str:
+        """The planner's spec text, without ``@X`` (a frontier point's ``planner``)."""
+        return self.spec.planner.format()
+
+    @property
+    def budget(self) -> str | None:
+        """``"70%"``, ``"1.5GiB"``, ``"123456"``; None: the frontier's budget (budget planners)."""
+        return self.spec.budget
 
     @property
     def needs_budget(self) -> bool:
-        return self.planner in BUDGET_PLANNERS
+        return self.spec.needs_budget
+
+    @property
+    def closed_loop_point(self) -> bool:
+        """Planned at the frontier's own budget: through the closed loop when it runs (NOTE [frontier run])."""
+        return self.needs_budget and self.budget is None
 
 
 def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
@@ -105,19 +120,16 @@ def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
     out: list[PlanRequest] = []
     seen: set[str] = set()
     for item in items:
-        planner, sep, budget = item.partition("@")
-        planner = planner.strip().lower()
-        planner_from_spec(planner)  # PlanError for an unknown planner
-        req = PlanRequest(label=item.replace(" ", ""), planner=planner, budget=budget.strip() if sep else None)
-        if sep:
-            if not req.needs_budget:
-                raise PlanError(f"{item!r}: only {', '.join(BUDGET_PLANNERS)} take a budget (planner@budget)")
+        spec = PlannerSpec.parse(item)
+        planner_from_spec(spec.planner)  # PlanError for a spec no planner runs
+        req = PlanRequest(label=item.replace(" ", ""), spec=spec)
+        if req.budget is not None:
             check_budget_syntax(req.budget)  # syntax only; a share is resolved against the control's peak
         if req.label not in seen:
             seen.add(req.label)
             out.append(req)
     if CONTROL not in seen:
-        out.insert(0, PlanRequest(label=CONTROL, planner=CONTROL))
+        out.insert(0, PlanRequest(label=CONTROL, spec=PlannerSpec.parse(CONTROL)))
     else:
         out.sort(key=lambda r: r.label != CONTROL)  # control first, the rest in the order given
     return out
@@ -140,7 +152,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
     for i, req in enumerate(requests):
         progress("frontier: planning", i, len(requests))
         point = FrontierPoint(plan=req.label, planner=req.planner)
-        if req.needs_budget and req.budget is None:
+        if req.closed_loop_point:
             b, r = budget_bytes, reserve
         elif req.needs_budget:
             b, r = parse_budget(req.budget, control_peak), 0.0  # type: ignore[arg-type]
@@ -148,7 +160,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
             b, r = None, reserve
         point.plan_budget_bytes = b
         try:
-            if closed_loop and req.needs_budget and req.budget is None:
+            if closed_loop and req.closed_loop_point:
                 plan = plan_closed_loop(loaded, report, req.planner, budget_bytes=b, reserve=r, steps=1).plan
             else:
                 plan = make_plan(report, req.planner, budget_bytes=b, reserve=r)
@@ -165,7 +177,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
             points.append(point)
             continue
         except PlanError as exc:
-            if req.planner.split(":")[0] not in _FAMILIES:
+            if req.spec.kind not in _FAMILIES:
                 raise
             point.decision = Decision.INFEASIBLE
             point.reason = f"not applicable: {exc.message}"
@@ -256,7 +268,7 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
     if compile is not None:
         for req in requests:
             point = by_plan(points, req.label)
-            if closed_loop and req.needs_budget and req.budget is None:
+            if closed_loop and req.closed_loop_point:
                 # NOTE [compiled closed loop]: planned again on the compiled step's peak, even when the
                 # eager plan was infeasible (the compiled step may peak lower than the eager model says)
                 twin, plan = _compiled_closed_loop(loaded, report, point, compile, budget_bytes=budget_bytes,
@@ -418,7 +430,7 @@ def _aim_torch_budget(loaded: LoadedWorkload, control: Plan, spec: CompileSpec, 
         last = i == tries - 1 or hi - lo < 0.02
         ratio = 0.0 if (last and best is None) else round((lo + hi) / 2, 4)
         plan = dataclasses.replace(control, compile=dataclasses.replace(spec, memory_budget=ratio))
-        label = f"{TORCH_BUDGET}@{ratio:g}"
+        label = PlannerSpec(kind=PlannerKind.TORCH_BUDGET, ratio=ratio).format()
         arm = PlanArm(label, plan)
         try:
             m = measure_arm(loaded, arm, warmup=warmup, steps=0)

@@ -103,10 +103,8 @@ from ..types import CheckpointMode, HazardKind
 from .budget import InfeasibleBudget, effective_budget, format_bytes
 from .cost import CostModel, ancestor_chains, checkpoint_modes
 from .model import Boundary, Exclusion, Plan
+from .spec import PLANNER_SPECS, PlannerKind, PlannerSpec
 
-PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "checkpoint_sequential",
-                 "checkpoint_sequential:K", "first-k", "first-k:K", "floor", "none")
-BUDGET_PLANNERS = ("optimal", "greedy", "checkpoint_sequential", "first-k")
 
 
 # -- eligibility (NOTE [hazard policy]) --------------------------------------------------
@@ -504,31 +502,24 @@ def explain_floor(report: ProfileReport, floor: int, eligibility: Eligibility) -
     return ". ".join(parts)
 
 
-def planner_from_spec(spec: str) -> Planner:
-    """``optimal | greedy | sqrt | uniform:K | all | selective | none`` -> Planner; else PlanError."""
-    text = str(spec).strip().lower()
-    simple = {"none": NonePlanner, "all": AllPlanner, "sqrt": SqrtPlanner, "selective": SelectivePlanner,
-              "greedy": GreedyPlanner, "optimal": OptimalPlanner, "floor": FloorPlanner}
-    if text in simple:
-        return simple[text]()
-    for prefix, cls in (("checkpoint_sequential", CheckpointSequentialPlanner), ("first-k", FirstKPlanner)):
-        if text == prefix:
-            return cls()
-        if text.startswith(prefix + ":"):
-            arg = text.split(":", 1)[1]
-            try:
-                k = int(arg)
-            except ValueError:
-                raise PlanError(f"{prefix}:K needs an integer K, got {arg!r}") from None
-            return cls(k)
-    if text.startswith("uniform:"):
-        arg = text.split(":", 1)[1]
-        try:
-            k = int(arg)
-        except ValueError:
-            raise PlanError(f"uniform:K needs an integer K >= 1, got {arg!r}") from None
-        return UniformPlanner(k)
-    raise PlanError(f"unknown planner {spec!r}; valid: {', '.join(PLANNER_SPECS)}")
+_SIMPLE: dict[PlannerKind, type[Planner]] = {
+    PlannerKind.NONE: NonePlanner, PlannerKind.ALL: AllPlanner, PlannerKind.SQRT: SqrtPlanner,
+    PlannerKind.SELECTIVE: SelectivePlanner, PlannerKind.GREEDY: GreedyPlanner, PlannerKind.OPTIMAL: OptimalPlanner,
+    PlannerKind.FLOOR: FloorPlanner}
+_WITH_K: dict[PlannerKind, type[Planner]] = {
+    PlannerKind.UNIFORM: UniformPlanner, PlannerKind.CHECKPOINT_SEQUENTIAL: CheckpointSequentialPlanner,
+    PlannerKind.FIRST_K: FirstKPlanner}
+
+
+def planner_from_spec(spec: str | PlannerSpec) -> Planner:
+    """A planner spec (NOTE [planner specs]) -> its Planner; PlanError for one no planner runs
+    (unknown, ``planner@X``, ``origin->own``, ``torch-budget``)."""
+    s = PlannerSpec.parse(spec)
+    if s.budget is not None or s.fallback_of is not None or s.kind not in _SIMPLE.keys() | _WITH_K.keys():
+        raise PlanError(f"unknown planner {str(spec)!r}; valid: {', '.join(PLANNER_SPECS)}")
+    if s.kind in _SIMPLE:
+        return _SIMPLE[s.kind]()
+    return _WITH_K[s.kind](s.k)  # type: ignore[call-arg]
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -539,7 +530,7 @@ def _top_level(report: ProfileReport) -> list[CandidateCost]:
                   key=lambda c: (c.order, c.name))
 
 
-def make_plan(report: ProfileReport, planner: str = "optimal", *, budget_bytes: int | None = None,
+def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, budget_bytes: int | None = None,
               reserve: float = 0.05, allow_hazards: bool = False, preserve_rng_state: bool = True,
               margin_bytes: int = 0) -> Plan:
     """Plan checkpoint boundaries for ``report`` with the planner named by ``planner``.
