@@ -10,7 +10,8 @@ from rich.table import Table
 
 from .._io import atomic_write_bytes, atomic_write_json
 from ..errors import RematError
-from ..frontier import DEFAULT_PLANS, Decision, FrontierReport, parse_plan_requests, render_frontier_png, run_frontier
+from ..frontier import (DEFAULT_PLANS, Decision, FrontierReport, FrontierSettings, parse_plan_requests,
+                        render_frontier_png, run_frontier)
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
 from ..units import fmt_bytes
@@ -112,12 +113,13 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar() as progress:
         report = profile_workload(loaded, progress=progress)
         budget = parse_budget(args.budget, report.baseline_peak_bytes)
-        frontier = run_frontier(loaded, budget_bytes=budget, reserve=reserve, plans=args.plans, steps=args.steps,
-                                warmup=args.warmup, capacity_key=None if args.no_capacity else args.capacity_key,
-                                capacity_max=args.capacity_max, capacity_tries=args.capacity_tries,
-                                capacity_steps=args.capacity_steps, capacity_granularity=args.capacity_granularity,
-                                compile=compile_from_args(args), budget_tries=args.budget_tries,
-                                report=report, progress=progress)
+        settings = FrontierSettings(
+            budget_bytes=budget, reserve=reserve, plans=args.plans, steps=args.steps, warmup=args.warmup,
+            capacity_key=None if args.no_capacity else args.capacity_key, capacity_max=args.capacity_max,
+            capacity_tries=args.capacity_tries, capacity_steps=args.capacity_steps,
+            capacity_granularity=args.capacity_granularity, compile=compile_from_args(args),
+            budget_tries=args.budget_tries)
+        frontier = run_frontier(loaded, settings, report=report, progress=progress)
     png = render_frontier_png(frontier)
     atomic_write_json(args.out / "frontier.json", frontier.to_json())
     atomic_write_bytes(args.out / "frontier.png", png)

@@ -53,7 +53,7 @@ from typing import Any
 from ..wrap import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
-from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
+from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
 from ..measure import held_bytes_at_phase, prepare_arm
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision, profile_workload
@@ -421,11 +421,11 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
         note = exc.message
 
     # 4. frontier
-    frontier = run_frontier(loaded, budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans,
-                            steps=settings.frontier_steps, warmup=settings.frontier_warmup,
-                            capacity_key=_capacity_key(loaded, settings.capacity_key),
-                            capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps,
-                            compile=compile, report=report, progress=progress)
+    frontier = run_frontier(loaded, FrontierSettings(
+        budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
+        warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
+        capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
+        report=report, progress=progress)
     shipped = frontier.shipped
     if shipped is not None and frontier.shipped_plan is not None:
         plan: Plan | None = Plan.from_json(frontier.shipped_plan)
