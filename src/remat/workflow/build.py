@@ -112,39 +112,49 @@ def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int
 
 # -- per boundary ----------------------------------------------------------------------------------
 
+def _fixture_passed(module: str, plan: Plan, verification: VerifyReport | None) -> bool | None:
+    """Did verification pass for this boundary? (None: not run). A failure exonerates a boundary
+    only when it is attributed to others."""
+    if verification is None:
+        return None
+    if verification.passed:
+        return True
+    blamed = [x.module for x in plan.boundaries if verification.implicates(x.module)]
+    return bool(blamed) and module not in blamed
+
+
+def _fixture(loaded: LoadedWorkload, module: str, params: tuple[str, ...], plan: Plan,
+             verification: VerifyReport | None, settings: RunSettings) -> Fixture:
+    """The paired-step fixture covering one boundary, as ``remat check`` re-runs it."""
+    table = TOLERANCES if verification is None or verification.compile is None else COMPILED_TOLERANCES
+    act = None if verification is None else next((a for a in verification.boundaries if a.module == module), None)
+    rejected = () if verification is None else \
+        tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected)
+    return Fixture(
+        name=FIXTURE_NAME, seeds=tuple(range(settings.verify_seeds)), steps=settings.verify_steps,
+        modes=("train", "eval"), dtype=loaded.dtype, tolerance=table.get(loaded.dtype, table["float32"]),
+        parameters=params, passed=_fixture_passed(module, plan, verification),
+        forward_calls_per_step=None if act is None else act.forward_calls.get("train"),
+        replay_calls_per_step=None if act is None else act.replay_calls.get("train"),
+        draws_rng=None if act is None else act.draws_rng, negative_controls=rejected)
+
+
 def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport, verification: VerifyReport | None,
                       savings: dict[str, int], settings: RunSettings) -> list[BoundaryRecord]:
     model = loaded.workload.model
     costs = {c.name: c for c in report.candidates}
-    table = TOLERANCES if verification is None or verification.compile is None else COMPILED_TOLERANCES
-    tol = table.get(loaded.dtype, table["float32"])
-    activity = {a.module: a for a in verification.boundaries} if verification else {}
-    rejected = tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected) \
-        if verification else ()
     out = []
     for b in plan.boundaries:
         module = boundary_module(model, b.module)     # a segment: its members (NOTE [segments])
         params = tuple(f"{p}.{n}" for p, m in boundary_members(model, b.module) for n, _ in m.named_parameters())
-        passed: bool | None = None
-        if verification is not None:
-            if verification.passed:
-                passed = True
-            else:  # a failure exonerates this boundary only when it is attributed to others
-                blamed = [x.module for x in plan.boundaries if verification.implicates(x.module)]
-                passed = bool(blamed) and b.module not in blamed
-        act = activity.get(b.module)
         cost = costs.get(b.module)
         out.append(BoundaryRecord(
-            module=b.module, class_name=cost.class_name if cost and cost.members else type(module).__qualname__, mode=b.mode.value, guarded=b.guarded,
-            revision=module_revision(module), predicted_saving_bytes=b.saved_bytes,
-            measured_saving_bytes=savings[b.module], saving_tolerance=settings.saving_tolerance,
+            module=b.module, class_name=cost.class_name if cost and cost.members else type(module).__qualname__,
+            mode=b.mode.value, guarded=b.guarded, revision=module_revision(module),
+            predicted_saving_bytes=b.saved_bytes, measured_saving_bytes=savings[b.module],
+            saving_tolerance=settings.saving_tolerance,
             replay_ms=float(cost.replay_ms.get(b.mode, b.replay_ms)) if cost else float(b.replay_ms),
-            fixture=Fixture(
-                name=FIXTURE_NAME, seeds=tuple(range(settings.verify_seeds)), steps=settings.verify_steps,
-                modes=("train", "eval"), dtype=loaded.dtype, tolerance=tol, parameters=params, passed=passed,
-                forward_calls_per_step=None if act is None else act.forward_calls.get("train"),
-                replay_calls_per_step=None if act is None else act.replay_calls.get("train"),
-                draws_rng=None if act is None else act.draws_rng, negative_controls=rejected)))
+            fixture=_fixture(loaded, b.module, params, plan, verification, settings)))
     return out
 
 
@@ -374,6 +384,77 @@ def _capacity_key(loaded: LoadedWorkload, key: str | None) -> str | None:
     return key if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Evidence:
+    """What the receipt measured on the plan it shows (steps 5 and 6 of NOTE [receipt run])."""
+
+    verification: VerifyReport | None = None
+    note: str = ""                        # why verification did not run
+    trace: StepTrace | None = None        # the step with the plan applied
+    held: int | None = None               # the control's held bytes at backward
+    savings: dict[str, int] = dataclasses.field(default_factory=dict)   # boundary -> measured saving, bytes
+
+
+def _settings_and_compile(settings: RunSettings | None, compile: CompileSpec | None
+                          ) -> tuple[RunSettings, CompileSpec | None]:
+    """One CompileSpec for the run: the argument wins and is written into the settings."""
+    settings = settings or RunSettings()
+    if compile is not None:
+        return dataclasses.replace(settings, compile=compile.to_json()), compile
+    return settings, None if settings.compile is None else CompileSpec.from_json(settings.compile)
+
+
+def _trace_unmodified(loaded: LoadedWorkload, boundary_shape: dict[str, Any] | None, settings: RunSettings,
+                      progress: ProgressFn) -> tuple[StepTrace, StepTrace | None]:
+    """Step 1: phase traces of the unmodified step at the target shape and the boundary shape."""
+    target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
+                            progress=_stage(progress, "trace"))
+    if not boundary_shape:
+        return target, None
+    return target, trace_workload(loaded.rebuild(**boundary_shape), warmup=settings.trace_warmup,
+                                  steps=settings.trace_steps, progress=_stage(progress, "trace boundary shape"))
+
+
+def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
+                 progress: ProgressFn) -> tuple[ClosedLoopResult | None, str]:
+    """Step 3: the optimal plan through the closed loop, or (None, why the measured loop missed).
+
+    InfeasibleBudget propagates: bad input, as in ``remat plan`` (exit 2 naming the floor, and no
+    receipt: no plan reaches the budget by the profile's own prediction)."""
+    try:
+        return plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
+                                progress=progress), ""
+    except InfeasibleBudget:
+        raise
+    except BudgetError as exc:
+        return None, exc.message
+
+
+def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tuple[Plan | None, str | None]:
+    """(plan, label) the receipt shows: the frontier's shipped plan, else the closed loop's, unshipped."""
+    if frontier.shipped is not None and frontier.shipped_plan is not None:
+        return Plan.from_json(frontier.shipped_plan), frontier.shipped.plan
+    if closed is None:
+        return None, None
+    return closed.plan, "optimal"
+
+
+def _gather_evidence(loaded: LoadedWorkload, plan: Plan | None, settings: RunSettings,
+                     progress: ProgressFn) -> _Evidence:
+    """Steps 5 and 6: verify the plan, trace it, measure each boundary's saving; a plan with no
+    boundaries and no torch budget is the control itself, and nothing is run."""
+    torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
+    if plan is None or not (plan.boundaries or torch_budget):
+        return _Evidence(note="not run: the shipped plan checkpoints nothing, so the step is the control itself"
+                         if plan is not None else "not run: no plan reaches the budget")
+    verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
+                               timing_steps=settings.verify_timing_steps, progress=progress)
+    trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
+                          progress=_stage(progress, "trace with the plan"))
+    held, savings = measure_savings(loaded, plan, warmup=settings.saving_warmup, progress=progress)
+    return _Evidence(verification=verification, trace=trace, held=held, savings=savings)
+
+
 def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
@@ -387,81 +468,35 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     the budget (as ``remat plan`` does). A plan predicted to fit whose *measured* peak misses is
     not an error: the receipt says nothing ships and why.
     """
-    settings = settings or RunSettings()
-    if compile is not None:
-        settings = dataclasses.replace(settings, compile=compile.to_json())
-    elif settings.compile is not None:
-        compile = CompileSpec.from_json(settings.compile)
+    settings, compile = _settings_and_compile(settings, compile)
     if not 0.0 <= reserve < 1.0:
         raise BudgetError(f"reserve must lie in [0, 1), got {reserve}")
     if not isinstance(budget, int):
         check_budget_syntax(budget)  # syntax check before minutes of measuring
-
-    # 1. traces of the unmodified step
-    target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
-                            progress=_stage(progress, "trace"))
-    boundary_trace = None
-    if boundary_shape:
-        boundary_trace = trace_workload(loaded.rebuild(**boundary_shape), warmup=settings.trace_warmup,
-                                        steps=settings.trace_steps, progress=_stage(progress, "trace boundary shape"))
-
-    # 2. profile, 3. plan (closed loop)
-    report = profile_workload(loaded, candidates=candidates, progress=progress)
+    target, boundary_trace = _trace_unmodified(loaded, boundary_shape, settings, progress)        # 1.
+    report = profile_workload(loaded, candidates=candidates, progress=progress)                    # 2.
     budget_bytes = parse_budget(budget, report.baseline_peak_bytes)
-    closed: ClosedLoopResult | None = None
-    note = ""
-    try:
-        closed = plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
-                                  progress=progress)
-    except InfeasibleBudget:
-        # bad input, as in `remat plan`: exit 2 naming the floor, and no receipt (there is nothing to
-        # publish: no plan reaches the budget by the profile's own prediction)
-        raise
-    except BudgetError as exc:
-        note = exc.message
-
-    # 4. frontier
-    frontier = run_frontier(loaded, FrontierSettings(
+    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, progress)                   # 3.
+    frontier = run_frontier(loaded, FrontierSettings(                                              # 4.
         budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
         warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
         capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
         report=report, progress=progress)
-    shipped = frontier.shipped
-    if shipped is not None and frontier.shipped_plan is not None:
-        plan: Plan | None = Plan.from_json(frontier.shipped_plan)
-        label: str | None = shipped.plan
-    else:  # nothing fits: show what the closed loop planned, unshipped
-        plan = closed.plan if closed is not None else None
-        label = "optimal" if closed is not None else None
-
-    # 5. verify what ships, 6. its trace and per-boundary savings
-    verification: VerifyReport | None = None
-    vnote = ""
-    planned_trace: StepTrace | None = None
-    savings: dict[str, int] = {}
-    held: int | None = None
-    torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
-    if plan is not None and (plan.boundaries or torch_budget):
-        verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
-                                   timing_steps=settings.verify_timing_steps, progress=progress)
-        planned_trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
-                                      progress=_stage(progress, "trace with the plan"))
-        held, savings = measure_savings(loaded, plan, warmup=settings.saving_warmup, progress=progress)
-    else:
-        vnote = ("not run: the shipped plan checkpoints nothing, so the step is the control itself"
-                 if plan is not None else "not run: no plan reaches the budget")
-    records = _boundary_records(loaded, plan, report, verification, savings, settings) if plan is not None else []
-    decision = _decide(frontier=frontier, plan=plan, trace=target, verification=verification, closed_loop_note=note)
+    plan, label = _shown_plan(frontier, closed)
+    evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
+    records = [] if plan is None else _boundary_records(loaded, plan, report, evidence.verification,
+                                                         evidence.savings, settings)
     memory_source = MemorySource.CUDA_ALLOCATOR.value if loaded.device.startswith("cuda") \
         else MemorySource.CPU_LIVE_TENSORS.value
     return Receipt(
         context=ReceiptContext.capture(loaded, boundary_shape=boundary_shape, memory_source=memory_source,
                                        command=command),
         settings=settings,
-        traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=planned_trace),
-        plan=ReceiptPlan(label=label, plan=plan, boundaries=records, control_held_bytes=held,
+        traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=evidence.trace),
+        plan=ReceiptPlan(label=label, plan=plan, boundaries=records, control_held_bytes=evidence.held,
                          closed_loop=list(closed.attempts) if closed else [],
                          closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note),
-        verification=verification, verification_note=vnote, frontier=frontier, decision=decision,
+        verification=evidence.verification, verification_note=evidence.note, frontier=frontier,
+        decision=_decide(frontier=frontier, plan=plan, trace=target, verification=evidence.verification,
+                         closed_loop_note=note),
         unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))
-
