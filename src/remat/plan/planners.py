@@ -7,7 +7,8 @@ figures), so the planners differ only in which candidates they pick.
 Specs: ``none``, ``all``, ``uniform:K``, ``sqrt``, ``selective`` (baselines: no budget
 needed, they never fail on one, they report their predicted peak), ``floor`` (the cheapest
 plan of least predicted peak), ``greedy`` and
-``optimal`` (need a budget; BudgetError when no plan reaches it).
+``optimal`` (need a budget; BudgetError when no plan reaches it). The grammar, with the
+frontier's ``planner@X`` and the closed loop's ``origin->own``, is NOTE [planner specs] in spec.py.
 
 NOTE [hazard policy]
 Per candidate, from its own hazards and those of every candidate nested in it (a

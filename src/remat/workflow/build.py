@@ -38,10 +38,13 @@ would run compiled code eagerly); the shipped peak is the compiled one, by the i
 frontier point names.
 
 NOTE [receipt decision]
-The shipped plan is the frontier's (NOTE [ship decision] in frontier/pareto.py), but only
-once verified: a plan with boundaries that fails verification ships nothing and is listed
-as rejected with the failure. The control ships when it fits (nothing to checkpoint).
-``clears`` compares the shipped plan's measured peak with budget x (1 - reserve).
+The receipt does not decide again: the shipped plan is the frontier's (NOTE [ship decision]
+in frontier/pareto.py), every other point keeps the frontier's decision and reason, and the
+budget, reserve and effective budget are the frontier's. The one thing the receipt adds is
+the VerifyReport: a shipped plan that was verified (boundaries, or a torch budget) and failed
+ships nothing and is listed first as UNVERIFIED with the failure. The control ships when it
+fits (nothing to checkpoint). ``clears`` compares the shipped plan's measured peak with
+budget x (1 - reserve).
 """
 
 from __future__ import annotations
