@@ -9,7 +9,7 @@ from .planners import (Eligibility, Planner, classify_candidates, correction_mar
 from .spec import BUDGET_PLANNERS, PLANNER_SPECS, PlannerKind, PlannerSpec
 
 __all__ = ["BUDGET_PLANNERS", "PLANNER_SPECS", "PLAN_SCHEMA_VERSION", "Boundary", "CostModel", "Eligibility",
-           "Exclusion", "InfeasibleBudget", "Plan", "Planner", "PlannerKind", "PlannerSpec", "classify_candidates", "correction_margin",
-           "check_budget_syntax", "effective_budget", "format_bytes", "make_plan", "min_budget_for", "parse_budget",
+           "Exclusion", "InfeasibleBudget", "Plan", "Planner", "PlannerKind", "PlannerSpec", "classify_candidates",
+           "correction_margin", "check_budget_syntax", "effective_budget", "format_bytes", "make_plan", "min_budget_for", "parse_budget",
            "parse_reserve",
            "peak_floor", "planner_from_spec", "predict_overhead_ms", "predict_peak", "replan_with_correction"]
