@@ -46,7 +46,6 @@ class PlannerKind(enum.Enum):
 
 
 _TAKES_K = (PlannerKind.UNIFORM, PlannerKind.CHECKPOINT_SEQUENTIAL, PlannerKind.FIRST_K)
-_K_OPTIONAL = (PlannerKind.CHECKPOINT_SEQUENTIAL, PlannerKind.FIRST_K)
 _BUDGET_KINDS = (PlannerKind.OPTIMAL, PlannerKind.GREEDY, PlannerKind.CHECKPOINT_SEQUENTIAL, PlannerKind.FIRST_K)
 _REMATS_OWN = (PlannerKind.OPTIMAL, PlannerKind.GREEDY, PlannerKind.FLOOR)   # not a baseline
 
