@@ -271,10 +271,10 @@ def _why_nothing(bar: _Bar, first_rejected: str | None, unverified: str | None, 
     return [first, f"The unmodified step peaks at {mib(bar.control_peak)}."]
 
 
-def _why(shipped: FrontierPoint | None, plan: Plan | None, bar: _Bar, trace: StepTrace,
+def _why(shipped: FrontierPoint, plan: Plan | None, bar: _Bar, trace: StepTrace,
          verification: VerifyReport | None) -> list[str]:
-    """The sentences for a plan that ships (``shipped`` and its ``plan``)."""
-    assert shipped is not None and plan is not None
+    """The sentences for a point that ships and its ``plan`` (the frontier's shipped plan)."""
+    assert plan is not None
     if plan.boundaries:
         return _why_plan(shipped, plan, bar, trace, verification)
     if plan.compile is not None and plan.compile.memory_budget is not None:
