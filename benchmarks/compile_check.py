@@ -43,7 +43,7 @@ if "cuda" not in " ".join(sys.argv):   # a 2-core CPU box: one compile thread; a
 
 import torch  # noqa: E402
 
-from remat.frontier import p50_difference, run_frontier  # noqa: E402
+from remat.frontier import FrontierSettings, p50_difference, run_frontier  # noqa: E402
 from remat.measure import CompileSpec  # noqa: E402
 from remat.plan import make_plan  # noqa: E402
 from remat.profile import profile_workload  # noqa: E402
@@ -90,8 +90,9 @@ def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, step
         if what not in seen:
             seen.add(what)
             log(f"[{spec} {pct}%]   {what} ({time.perf_counter() - t0:.0f} s)")
-    fr = run_frontier(loaded, budget_bytes=budget, reserve=0.0, plans="none,optimal", steps=steps, warmup=2,
-                      capacity_key=None, compile=CompileSpec(), budget_tries=tries, report=report, progress=progress)
+    fr = run_frontier(loaded, FrontierSettings(budget_bytes=budget, reserve=0.0, plans="none,optimal", steps=steps,
+                                               warmup=2, capacity_key=None, compile=CompileSpec(),
+                                               budget_tries=tries), report=report, progress=progress)
     points = {p.plan: p for p in fr.points}
     torch_arm = next((p for p in fr.points if p.planner == "torch-budget"), None)
     if torch_arm is None and points.get("none+compile") is not None and points["none+compile"].fits:

@@ -202,7 +202,7 @@ def check_profile_timing(device: str, dtype: str, shape: dict) -> Check:
 
 def check_pipeline(device: str, dtype: str, shape: dict, smoke: bool) -> Check:
     from remat.closed_loop import plan_closed_loop
-    from remat.frontier import run_frontier
+    from remat.frontier import FrontierSettings, run_frontier
     from remat.plan import peak_floor
     from remat.profile import profile_workload
     from remat.verify import verify_plan
@@ -217,8 +217,8 @@ def check_pipeline(device: str, dtype: str, shape: dict, smoke: bool) -> Check:
     closed = plan_closed_loop(lw, report, "optimal", budget_bytes=budget, reserve=0.05)
     plan = closed.plan
     v = verify_plan(lw, plan, steps=2, seeds=2, timing_steps=5)
-    fr = run_frontier(lw, budget_bytes=budget, reserve=0.05, plans="none,all,sqrt,optimal",
-                      steps=3 if smoke else 10, warmup=2, capacity_key=None, report=report)
+    fr = run_frontier(lw, FrontierSettings(budget_bytes=budget, reserve=0.05, plans="none,all,sqrt,optimal",
+                                           steps=3 if smoke else 10, warmup=2, capacity_key=None), report=report)
     pts = {p.plan: {"peak_bytes": p.peak_bytes, "p50_ms": p.p50_ms, "p95_ms": p.p95_ms,
                     "decision": p.decision.value} for p in fr.points}
     data = {"baseline_peak_bytes": report.baseline_peak_bytes, "baseline_step_ms": report.baseline_step_ms,

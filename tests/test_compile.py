@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from remat.wrap import PlanArm
-from remat.frontier import run_frontier
+from remat.frontier import FrontierSettings, run_frontier
 from remat.measure import Arm, CompileSpec, measure_arm
 from remat.memory import profiler_step_peak
 from remat.errors import RematError
@@ -206,8 +206,9 @@ def test_frontier_aims_torch_budget_at_the_peak():
     loaded = load_workload("mlp", MLP)
     prof = profile_workload(loaded)
     budget = int(prof.baseline_peak_bytes * 0.85)
-    report = run_frontier(loaded, budget_bytes=budget, reserve=0.0, plans="none", steps=3, warmup=1,
-                          capacity_key=None, compile=CompileSpec(), budget_tries=3, report=prof)
+    report = run_frontier(loaded, FrontierSettings(budget_bytes=budget, reserve=0.0, plans="none", steps=3, warmup=1,
+                                                   capacity_key=None, compile=CompileSpec(), budget_tries=3),
+                          report=prof)
     labels = [p.plan for p in report.points]
     assert labels[:2] == ["none", "none+compile"]
     tries = report.budget_search
@@ -231,7 +232,8 @@ def test_frontier_aims_torch_budget_at_the_peak():
 def test_frontier_compile_refuses_zero_budget_tries():
     loaded = load_workload("mlp", TINY["mlp"])
     with pytest.raises(RematError, match="budget_tries"):
-        run_frontier(loaded, budget_bytes=10**9, compile=CompileSpec(), budget_tries=0, capacity_key=None)
+        run_frontier(loaded, FrontierSettings(budget_bytes=10**9, compile=CompileSpec(), budget_tries=0,
+                                              capacity_key=None))
 
 
 def test_plan_json_carries_the_compile_spec_and_refuses_a_bad_one():

@@ -11,8 +11,8 @@ import pytest
 
 from remat.cli.main import main
 from remat.errors import BudgetError, PlanError
-from remat.frontier import (CapacityTry, Decision, FrontierPoint, FrontierReport, PlanArm, decide, pareto_flags,
-                            parse_plan_requests, probe_capacity, run_frontier, search_capacity)
+from remat.frontier import (CapacityTry, Decision, FrontierPoint, FrontierReport, FrontierSettings, PlanArm, decide,
+                            pareto_flags, parse_plan_requests, probe_capacity, run_frontier, search_capacity)
 from remat.frontier.measure import Arm, percentile
 from remat.plan import make_plan
 from remat.profile import profile_workload
@@ -217,9 +217,9 @@ def test_run_frontier_on_tiny_mlp():
     report = profile_workload(loaded, warmup=1, repeats=2)
     budget = int(report.baseline_peak_bytes * 0.92)
     progress_calls = []
-    fr = run_frontier(loaded, budget_bytes=budget, reserve=0.02, plans="all,sqrt,optimal@88%,optimal@10%",
-                      steps=2, warmup=1, capacity_max=256, capacity_tries=4, capacity_steps=1, report=report,
-                      progress=lambda *a: progress_calls.append(a))
+    settings = FrontierSettings(budget_bytes=budget, reserve=0.02, plans="all,sqrt,optimal@88%,optimal@10%", steps=2,
+                                warmup=1, capacity_max=256, capacity_tries=4, capacity_steps=1)
+    fr = run_frontier(loaded, settings, report=report, progress=lambda *a: progress_calls.append(a))
     d = json.loads(json.dumps(fr.to_json()))  # JSON-clean
     assert {"schema_version", "context", "budget_bytes", "points"} <= d.keys()
     assert [p["plan"] for p in d["points"]] == ["none", "all", "sqrt", "optimal@88%", "optimal@10%"]
@@ -309,8 +309,9 @@ def test_a_plan_whose_step_raises_is_a_failed_point(monkeypatch):
             raise RuntimeError("replay blew up")
         return original(self, fresh)
     monkeypatch.setattr(PlanArm, "prepare", prepare)
-    fr = run_frontier(loaded, budget_bytes=report.baseline_peak_bytes * 2, reserve=0.0, plans="all,sqrt",
-                      steps=1, warmup=1, capacity_key=None, report=report)
+    settings = FrontierSettings(budget_bytes=report.baseline_peak_bytes * 2, reserve=0.0, plans="all,sqrt", steps=1,
+                                warmup=1, capacity_key=None)
+    fr = run_frontier(loaded, settings, report=report)
     assert fr.point("all").decision is Decision.FAILED and "replay blew up" in fr.point("all").reason
     assert fr.point("none").decision is Decision.SHIP  # the control fits twice its own peak
     assert fr.point("sqrt").capacity is None and fr.point("sqrt").measured
@@ -411,8 +412,9 @@ def test_the_same_frontier_run_three_times_ships_the_same_plan():
     budget = int(report.baseline_peak_bytes * 0.92)
     shipped = []
     for _ in range(3):
-        fr = run_frontier(loaded, budget_bytes=budget, reserve=0.0, plans="first-k:2,first-k:3", steps=4, warmup=1,
-                          capacity_key=None, report=report)
+        settings = FrontierSettings(budget_bytes=budget, reserve=0.0, plans="first-k:2,first-k:3", steps=4, warmup=1,
+                                    capacity_key=None)
+        fr = run_frontier(loaded, settings, report=report)
         by = {p.plan: p for p in fr.points}
         assert by["none"].reason.startswith("over budget")
         assert [len(by[k].boundaries) for k in ("first-k:2", "first-k:3")] == [2, 3]
@@ -437,7 +439,7 @@ def test_a_plan_whose_step_raises_is_a_data_point_and_the_control_is_not(monkeyp
     frontier goes on; the unplanned control raising is the workload's own error and propagates."""
     import remat.frontier.run as frontier_run
     from remat.errors import UserCodeError
-    from remat.frontier import run_frontier
+    from remat.frontier import FrontierSettings, run_frontier
     loaded = load_workload("mlp", TINY["mlp"])
     real = frontier_run.measure_arm
 
@@ -448,10 +450,12 @@ def test_a_plan_whose_step_raises_is_a_data_point_and_the_control_is_not(monkeyp
             return real(loaded, arm, **kw)
         return measure
     monkeypatch.setattr(frontier_run, "measure_arm", failing("all"))
-    report = run_frontier(loaded, budget_bytes=10 ** 12, plans="none,all,sqrt", steps=2, warmup=1, capacity_key=None)
+    report = run_frontier(loaded, FrontierSettings(budget_bytes=10 ** 12, plans="none,all,sqrt", steps=2, warmup=1,
+                                                   capacity_key=None))
     point = report.point("all")
     assert point.decision is Decision.FAILED and "stride 10752" in point.reason
     assert report.point("sqrt").p50_ms is not None and report.shipped is not None
     monkeypatch.setattr(frontier_run, "measure_arm", failing("none"))
     with pytest.raises(UserCodeError):
-        run_frontier(loaded, budget_bytes=10 ** 12, plans="none,all", steps=2, warmup=1, capacity_key=None)
+        run_frontier(loaded, FrontierSettings(budget_bytes=10 ** 12, plans="none,all", steps=2, warmup=1,
+                                              capacity_key=None))

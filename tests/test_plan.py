@@ -304,6 +304,29 @@ def test_bad_planner_specs(chain9, spec):
         make_plan(chain9, spec)
 
 
+@pytest.mark.parametrize("text", ["optimal", "greedy", "none", "uniform:2", "checkpoint_sequential:3", "first-k",
+                                  "optimal@60%", "greedy@1.5GiB", "optimal->all", "optimal->floor", "torch-budget@0.5"])
+def test_planner_specs_format_as_they_were_written(text):
+    from remat.plan import PlannerSpec
+    assert PlannerSpec.parse(text).format() == text
+
+
+def test_planner_spec_fields_and_what_no_planner_runs():
+    from remat.plan import PlannerKind, PlannerSpec, planner_from_spec
+    s = PlannerSpec.parse(" Optimal @ 50% ")
+    assert (s.kind, s.budget, s.needs_budget, s.planner.format()) == (PlannerKind.OPTIMAL, "50%", True, "optimal")
+    fb = PlannerSpec.parse("optimal->all")
+    assert (fb.kind, fb.fallback_of.kind, fb.family, fb.is_remats_own) == (PlannerKind.ALL, PlannerKind.OPTIMAL,
+                                                                           "optimal", True)
+    assert PlannerSpec.parse("uniform:02").format() == "uniform:2" and not PlannerSpec.parse("first-k:2").needs_budget
+    assert PlannerSpec.parse("first-k:2").family == "first-k" and not PlannerSpec.parse("sqrt").is_remats_own
+    for text in ("optimal@60%", "optimal->all", "torch-budget@0.5"):
+        with pytest.raises(PlanError, match="unknown planner"):
+            planner_from_spec(text)
+    with pytest.raises(PlanError, match="take a budget"):
+        PlannerSpec.parse("sqrt@50%")
+
+
 def test_budget_planners_need_a_budget(chain9):
     for spec in ("optimal", "greedy"):
         with pytest.raises(BudgetError, match="needs a budget"):

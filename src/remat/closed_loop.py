@@ -31,7 +31,7 @@ from typing import Any, Callable, Generic, Hashable, TypeVar
 from .wrap import PlanArm
 from .errors import BudgetError, PlanError
 from .measure import CompileSpec, StepMeasurement, measure_arm
-from .plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, effective_budget, format_bytes, make_plan,
+from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .profile.model import ProfileReport
 from .types import ProgressFn, no_progress
@@ -184,7 +184,7 @@ def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, 
     return measure_arm(loaded, PlanArm("plan", plan), warmup=warmup, steps=steps)
 
 
-def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str = "optimal", *,
+def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec = "optimal", *,
                      budget_bytes: int | None, reserve: float = 0.05, allow_hazards: bool = False,
                      preserve_rng_state: bool = True, max_tries: int = 3, steps: int = 3,
                      compile: CompileSpec | None = None,
@@ -223,7 +223,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     never returns a plan that misses. Eager keeps the one-way loop: its model error is within
     a few percent and one more measured build is not worth it there.
     """
-    budget_driven = planner in BUDGET_PLANNERS
+    budget_driven = PlannerSpec.parse(planner).needs_budget
     device = _OneDevice(loaded, report, planner, compile=compile, steps=steps,
                         kw=dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
                                 preserve_rng_state=preserve_rng_state))
@@ -242,7 +242,8 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     if outcome.plan is not None:
         fb = outcome.plan
         if outcome.fallback:
-            fb.planner = f"{planner}->{fb.planner}"   # says what shipped and why: the model's pick missed
+            # says what shipped and why: the model's pick missed (NOTE [planner specs])
+            fb.planner = PlannerSpec.parse(fb.planner).after_miss_of(PlannerSpec.parse(planner)).format()
         return ClosedLoopResult(plan=fb, attempts=attempts)
     if infeasible is not None:
         raise infeasible   # the model said so from the start, and no measurement disagreed

@@ -10,7 +10,8 @@ from rich.table import Table
 
 from .._io import atomic_write_bytes, atomic_write_json
 from ..errors import RematError
-from ..frontier import DEFAULT_PLANS, Decision, FrontierReport, parse_plan_requests, render_frontier_png, run_frontier
+from ..frontier import (DEFAULT_PLANS, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
+                        render_frontier_png, run_frontier)
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
 from ..units import fmt_bytes
@@ -49,7 +50,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def render_frontier(report: FrontierReport) -> None:
+_STYLE = {Decision.SHIP: "bold green", Decision.INFEASIBLE: "dim", Decision.FAILED: "red"}
+
+
+def _point_row(p: FrontierPoint) -> tuple[str, ...]:
+    """One table row: plan, peak MiB, p50/p95 ms, overhead, capacity (+: not resolved), samples/s, decision."""
+    cap = "-" if p.capacity is None else (f"{p.capacity}" + ("" if p.capacity_search is None or
+                                                              p.capacity_search.resolved else "+"))
+    decision = p.decision.value + (" *" if p.pareto else "")
+    style = _STYLE.get(p.decision, "")
+    return (p.plan, "-" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:.2f}",
+            "-" if p.p50_ms is None else f"{p.p50_ms:.1f}/{p.p95_ms:.1f}",
+            "-" if p.overhead_pct is None else f"{p.overhead_pct:+.0f}%", cap,
+            "-" if p.samples_per_s is None else f"{p.samples_per_s:.1f}",
+            f"[{style}]{decision}[/]" if style else decision)
+
+
+def _points_table(report: FrontierReport) -> Table:
     key = report.capacity_key or "capacity"
     table = Table(title=f"frontier: {report.context.get('workload')} {report.context.get('shape') or ''}",
                   box=box.SIMPLE_HEAD, pad_edge=False, caption=f"cap = largest {key} whose peak fits; samples/s at cap; ovh = p50 vs control; "
@@ -57,33 +74,28 @@ def render_frontier(report: FrontierReport) -> None:
     for col in ("plan", "peak MiB", "p50/p95 ms", "ovh", "cap", "samples/s", "decision"):
         table.add_column(col, justify="left" if col in ("plan", "decision") else "right", no_wrap=True)
     for p in report.points:
-        style = {"ship": "bold green", "infeasible": "dim", "failed": "red"}.get(p.decision.value, "")
-        cap = "-" if p.capacity is None else (f"{p.capacity}" + ("" if p.capacity_search is None or
-                                                                  p.capacity_search.resolved else "+"))
-        decision = p.decision.value + (" *" if p.pareto else "")
-        table.add_row(p.plan, "-" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:.2f}",
-                      "-" if p.p50_ms is None else f"{p.p50_ms:.1f}/{p.p95_ms:.1f}",
-                      "-" if p.overhead_pct is None else f"{p.overhead_pct:+.0f}%", cap,
-                      "-" if p.samples_per_s is None else f"{p.samples_per_s:.1f}",
-                      f"[{style}]{decision}[/]" if style else decision)
-    console.print(table)
-    preds = [f"{p.plan} {p.predicted_step_ms:.1f}/{p.p50_ms:.1f} ms ({p.step_prediction_ratio:.2f})"
-             for p in report.points if p.step_prediction_ratio is not None and p.plan != report.control]
-    if preds:
-        console.print("predicted/measured step time (control p50 + modelled replay): " + "; ".join(preds))
-    console.print(f"budget {fmt_bytes(report.budget_bytes)} less {report.reserve:.0%} reserve = "
-                  f"{fmt_bytes(report.effective_budget_bytes)}; peaks from {report.context.get('memory_source')}; "
-                  f"times: {report.context.get('steps')} warm steps per plan, "
-                  + ("interleaved round-robin" if report.context.get("interleaved", True)
-                     else "each plan alone (interleaved builds ran out of device memory)"))
-    if report.budget_search:
-        tries = "; ".join(f"{t.ratio:g} -> " + ("failed" if t.peak_bytes is None else
-                                                  f"{t.peak_bytes / 2**20:.2f} MiB{' fits' if t.fits else ''}")
-                          for t in report.budget_search)
-        console.print(f"torch activation_memory_budget aimed at {fmt_bytes(report.effective_budget_bytes)}: {tries}",
-                      highlight=False)
-    if report.context.get("compiled_peaks"):
-        console.print(str(report.context["compiled_peaks"]), highlight=False)
+        table.add_row(*_point_row(p))
+    return table
+
+
+def _how_measured(report: FrontierReport) -> str:
+    """The budget line: effective budget, the peaks' instrument, how the steps were timed."""
+    return (f"budget {fmt_bytes(report.budget_bytes)} less {report.reserve:.0%} reserve = "
+            f"{fmt_bytes(report.effective_budget_bytes)}; peaks from {report.context.get('memory_source')}; "
+            f"times: {report.context.get('steps')} warm steps per plan, "
+            + ("interleaved round-robin" if report.context.get("interleaved", True)
+               else "each plan alone (interleaved builds ran out of device memory)"))
+
+
+def _budget_search_line(report: FrontierReport) -> str:
+    tries = "; ".join(f"{t.ratio:g} -> " + ("failed" if t.peak_bytes is None else
+                                              f"{t.peak_bytes / 2**20:.2f} MiB{' fits' if t.fits else ''}")
+                      for t in report.budget_search)
+    return f"torch activation_memory_budget aimed at {fmt_bytes(report.effective_budget_bytes)}: {tries}"
+
+
+def _print_decisions(report: FrontierReport) -> None:
+    """Every point not shipped with its reason, then the shipped one (or that nothing ships)."""
     for p in report.points:
         if p.decision is not Decision.SHIP:
             console.print(f"  {p.plan}: {p.decision.value}: {p.reason}", highlight=False)
@@ -92,6 +104,20 @@ def render_frontier(report: FrontierReport) -> None:
         console.print(f"[bold green]ship {shipped.plan}[/]: {shipped.reason}", highlight=False)
     else:
         console.print("[bold red]no measured plan clears the budget with the reserve[/]")
+
+
+def render_frontier(report: FrontierReport) -> None:
+    console.print(_points_table(report))
+    preds = [f"{p.plan} {p.predicted_step_ms:.1f}/{p.p50_ms:.1f} ms ({p.step_prediction_ratio:.2f})"
+             for p in report.points if p.step_prediction_ratio is not None and p.plan != report.control]
+    if preds:
+        console.print("predicted/measured step time (control p50 + modelled replay): " + "; ".join(preds))
+    console.print(_how_measured(report))
+    if report.budget_search:
+        console.print(_budget_search_line(report), highlight=False)
+    if report.context.get("compiled_peaks"):
+        console.print(str(report.context["compiled_peaks"]), highlight=False)
+    _print_decisions(report)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,12 +138,13 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar() as progress:
         report = profile_workload(loaded, progress=progress)
         budget = parse_budget(args.budget, report.baseline_peak_bytes)
-        frontier = run_frontier(loaded, budget_bytes=budget, reserve=reserve, plans=args.plans, steps=args.steps,
-                                warmup=args.warmup, capacity_key=None if args.no_capacity else args.capacity_key,
-                                capacity_max=args.capacity_max, capacity_tries=args.capacity_tries,
-                                capacity_steps=args.capacity_steps, capacity_granularity=args.capacity_granularity,
-                                compile=compile_from_args(args), budget_tries=args.budget_tries,
-                                report=report, progress=progress)
+        settings = FrontierSettings(
+            budget_bytes=budget, reserve=reserve, plans=args.plans, steps=args.steps, warmup=args.warmup,
+            capacity_key=None if args.no_capacity else args.capacity_key, capacity_max=args.capacity_max,
+            capacity_tries=args.capacity_tries, capacity_steps=args.capacity_steps,
+            capacity_granularity=args.capacity_granularity, compile=compile_from_args(args),
+            budget_tries=args.budget_tries)
+        frontier = run_frontier(loaded, settings, report=report, progress=progress)
     png = render_frontier_png(frontier)
     atomic_write_json(args.out / "frontier.json", frontier.to_json())
     atomic_write_bytes(args.out / "frontier.png", png)

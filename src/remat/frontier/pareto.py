@@ -125,6 +125,24 @@ def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
     limit = int(budget_bytes * (1.0 - reserve))
     measured = [p for p in points if p.measured]
     ctrl = next((p for p in measured if p.plan == control), None)
+    _mark(points, measured, ctrl, limit)
+    order = {id(p): i for i, p in enumerate(points)}
+    shipped, beaten = _ship([p for p in measured if p.fits], order)
+    clears = f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)"
+    for p in measured:
+        if p is shipped:
+            p.decision = Decision.SHIP
+            p.reason = _ship_reason(p, beaten, vs_control=p is not ctrl, clears=clears)
+        else:
+            p.decision = Decision.REJECT
+            p.reason = _reject_reason(p, shipped, beaten, _dominator(p, measured, shipped, order), limit)
+    return shipped
+
+
+def _mark(points: list[FrontierPoint], measured: list[FrontierPoint], ctrl: FrontierPoint | None,
+          limit: int) -> None:
+    """Set ``overhead_pct`` (against the control) on every point, ``pareto`` and ``fits`` (peak <=
+    ``limit`` bytes) on the measured ones."""
     for p in points:
         p.fits = False
         p.pareto = False
@@ -134,50 +152,50 @@ def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
     for p, flag in zip(measured, pareto_flags(xy)):
         p.pareto = flag
         p.fits = p.peak_bytes <= limit  # type: ignore[operator]
-    fitting = [p for p in measured if p.fits]
-    order = {id(p): i for i, p in enumerate(points)}
-    shipped, beaten = _ship(fitting, order)
 
-    def dominator(p: FrontierPoint) -> FrontierPoint | None:
-        doms = [q for q in measured if q is not p and dominates((q.peak_bytes, q.p50_ms), (p.peak_bytes, p.p50_ms))]
-        if shipped is not None and shipped in doms:
-            return shipped
-        return min(doms, key=lambda q: (q.p50_ms, q.peak_bytes, order[id(q)]), default=None)
 
-    for p in measured:
-        if p is shipped:
-            p.decision = Decision.SHIP
-            vs = f", {p.overhead_pct:+.1f}% vs control" if p.overhead_pct is not None and p is not ctrl else ""
-            clears = f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)"
-            if beaten:
-                fastest, d = beaten[0]
-                p.reason = (f"fewest boundaries ({len(p.boundaries)}) among plans whose measured peak clears {clears} "
-                            f"and that no plan beats by a resolved p50 difference: p50 {p.p50_ms:.2f} ms{vs}; the "
-                            f"fastest, {fastest.plan} ({len(fastest.boundaries)} boundaries), differs by "
-                            f"{d.describe()}, not resolved")
-            else:
-                p.reason = f"lowest p50 ({p.p50_ms:.2f} ms{vs}) among plans whose measured peak clears {clears}"
-            continue
-        p.decision = Decision.REJECT
-        dom = dominator(p)
-        if not p.fits:
-            p.reason = f"over budget: peak {mib(p.peak_bytes)} > {mib(limit)}"  # type: ignore[arg-type]
-            if dom is not None:
-                p.reason += f"; also dominated by {dom.plan}"
-        elif any(q is p for q, _ in beaten):
-            d = next(d for q, d in beaten if q is p)
-            p.reason = (f"faster than shipped {shipped.plan} by {-d.diff_ms:.2f} ms, not resolved "  # type: ignore[union-attr]
-                        f"({d.describe()}): {shipped.plan} has fewer boundaries "  # type: ignore[union-attr]
-                        f"({len(shipped.boundaries)} vs {len(p.boundaries)})")  # type: ignore[union-attr]
-        elif dom is not None:
-            p.reason = (f"dominated by {dom.plan} (peak {mib(dom.peak_bytes)} <= {mib(p.peak_bytes)}, "  # type: ignore[arg-type]
-                        f"p50 {dom.p50_ms:.2f} <= {p.p50_ms:.2f} ms)")
-        else:
-            assert shipped is not None  # p fits, so something ships
-            slower = (p.p50_ms - shipped.p50_ms) / shipped.p50_ms * 100.0 if shipped.p50_ms else 0.0  # type: ignore[operator]
-            p.reason = (f"slower than shipped {shipped.plan}: p50 {p.p50_ms:.2f} ms vs {shipped.p50_ms:.2f} ms "
-                        f"({slower:+.1f}%), for a lower peak than it needs")
-    return shipped
+def _dominator(p: FrontierPoint, measured: list[FrontierPoint], shipped: FrontierPoint | None,
+               order: dict[int, int]) -> FrontierPoint | None:
+    """The point a reason names as dominating ``p``: the shipped one if it does, else the fastest."""
+    at = (p.peak_bytes, p.p50_ms)
+    doms = [q for q in measured if q is not p and dominates((q.peak_bytes, q.p50_ms), at)]  # type: ignore[arg-type]
+    if shipped is not None and shipped in doms:
+        return shipped
+    return min(doms, key=lambda q: (q.p50_ms, q.peak_bytes, order[id(q)]), default=None)
+
+
+def _ship_reason(p: FrontierPoint, beaten: list[tuple[FrontierPoint, P50Difference]], *, vs_control: bool,
+                 clears: str) -> str:
+    vs = f", {p.overhead_pct:+.1f}% vs control" if p.overhead_pct is not None and vs_control else ""
+    if not beaten:
+        return f"lowest p50 ({p.p50_ms:.2f} ms{vs}) among plans whose measured peak clears {clears}"
+    fastest, d = beaten[0]
+    return (f"fewest boundaries ({len(p.boundaries)}) among plans whose measured peak clears {clears} "
+            f"and that no plan beats by a resolved p50 difference: p50 {p.p50_ms:.2f} ms{vs}; the "
+            f"fastest, {fastest.plan} ({len(fastest.boundaries)} boundaries), differs by "
+            f"{d.describe()}, not resolved")
+
+
+def _reject_reason(p: FrontierPoint, shipped: FrontierPoint | None, beaten: list[tuple[FrontierPoint, P50Difference]],
+                   dom: FrontierPoint | None, limit: int) -> str:
+    """The first reason that applies (NOTE [ship decision]): over budget, faster but not resolved,
+    dominated, slower than shipped."""
+    if not p.fits:
+        reason = f"over budget: peak {mib(p.peak_bytes)} > {mib(limit)}"  # type: ignore[arg-type]
+        return reason if dom is None else reason + f"; also dominated by {dom.plan}"
+    assert shipped is not None  # p fits, so something ships
+    d = next((d for q, d in beaten if q is p), None)
+    if d is not None:
+        return (f"faster than shipped {shipped.plan} by {-d.diff_ms:.2f} ms, not resolved "
+                f"({d.describe()}): {shipped.plan} has fewer boundaries "
+                f"({len(shipped.boundaries)} vs {len(p.boundaries)})")
+    if dom is not None:
+        peaks = f"{mib(dom.peak_bytes)} <= {mib(p.peak_bytes)}"  # type: ignore[arg-type]
+        return (f"dominated by {dom.plan} (peak {peaks}, "
+                f"p50 {dom.p50_ms:.2f} <= {p.p50_ms:.2f} ms)")
+    slower = (p.p50_ms - shipped.p50_ms) / shipped.p50_ms * 100.0 if shipped.p50_ms else 0.0  # type: ignore[operator]
+    return (f"slower than shipped {shipped.plan}: p50 {p.p50_ms:.2f} ms vs {shipped.p50_ms:.2f} ms "
+            f"({slower:+.1f}%), for a lower peak than it needs")
 
 
 def _resolved_faster(q: FrontierPoint, p: FrontierPoint) -> tuple[bool, P50Difference | None]:

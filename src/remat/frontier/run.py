@@ -53,7 +53,7 @@ import torch
 from .. import __version__
 from ..closed_loop import plan_closed_loop
 from ..errors import BudgetError, PlanError, RematError, UserCodeError, WorkloadError
-from ..plan import (BUDGET_PLANNERS, InfeasibleBudget, Plan, check_budget_syntax, make_plan, parse_budget,
+from ..plan import (InfeasibleBudget, Plan, PlannerKind, PlannerSpec, check_budget_syntax, make_plan, parse_budget,
                     planner_from_spec)
 from ..profile import ProfileReport, profile_workload
 from ..trace.model import HostContext, TraceContext
@@ -69,25 +69,40 @@ from .pareto import decide
 
 CONTROL = "none"
 COMPILED = "+compile"            # label suffix of a plan's compiled twin
-TORCH_BUDGET = "torch-budget"    # planner of the torch.compile budget arm aimed at the peak
+TORCH_BUDGET = PlannerKind.TORCH_BUDGET.value    # planner of the torch.compile budget arm aimed at the peak
 DEFAULT_COMPILED_PLANS: tuple[str, ...] = ("none", "all", "sqrt", "optimal")
 # the strong baselines are plans on the frontier too (NOTE [baseline families] in plan/planners.py)
 DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k",
                                   "optimal", "optimal@90%", "optimal@70%", "optimal@50%", "optimal@35%")
-_FAMILIES = ("checkpoint_sequential", "first-k")   # a family that does not apply to a model is a data point
+# a family that does not apply to a model is a data point
+_FAMILIES = (PlannerKind.CHECKPOINT_SEQUENTIAL, PlannerKind.FIRST_K)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
-    """One plan to put on the frontier: ``planner`` spec, and for ``planner@X`` the budget text X."""
+    """One plan to put on the frontier: its label as given and its spec (``planner@X``: planned at budget X)."""
 
     label: str
-    planner: str
-    budget: str | None = None   # "70%", "1.5GiB", "123456"; None: the frontier's budget (budget planners)
+    spec: PlannerSpec
+
+    @property
+    def planner(self) -> str:
+        """The planner's spec text, without ``@X`` (a frontier point's ``planner``)."""
+        return self.spec.planner.format()
+
+    @property
+    def budget(self) -> str | None:
+        """``"70%"``, ``"1.5GiB"``, ``"123456"``; None: the frontier's budget (budget planners)."""
+        return self.spec.budget
 
     @property
     def needs_budget(self) -> bool:
-        return self.planner in BUDGET_PLANNERS
+        return self.spec.needs_budget
+
+    @property
+    def closed_loop_point(self) -> bool:
+        """Planned at the frontier's own budget: through the closed loop when it runs (NOTE [frontier run])."""
+        return self.needs_budget and self.budget is None
 
 
 def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
@@ -105,19 +120,16 @@ def parse_plan_requests(specs: str | Sequence[str] | None) -> list[PlanRequest]:
     out: list[PlanRequest] = []
     seen: set[str] = set()
     for item in items:
-        planner, sep, budget = item.partition("@")
-        planner = planner.strip().lower()
-        planner_from_spec(planner)  # PlanError for an unknown planner
-        req = PlanRequest(label=item.replace(" ", ""), planner=planner, budget=budget.strip() if sep else None)
-        if sep:
-            if not req.needs_budget:
-                raise PlanError(f"{item!r}: only {', '.join(BUDGET_PLANNERS)} take a budget (planner@budget)")
+        spec = PlannerSpec.parse(item)
+        planner_from_spec(spec.planner)  # PlanError for a spec no planner runs
+        req = PlanRequest(label=item.replace(" ", ""), spec=spec)
+        if req.budget is not None:
             check_budget_syntax(req.budget)  # syntax only; a share is resolved against the control's peak
         if req.label not in seen:
             seen.add(req.label)
             out.append(req)
     if CONTROL not in seen:
-        out.insert(0, PlanRequest(label=CONTROL, planner=CONTROL))
+        out.insert(0, PlanRequest(label=CONTROL, spec=PlannerSpec.parse(CONTROL)))
     else:
         out.sort(key=lambda r: r.label != CONTROL)  # control first, the rest in the order given
     return out
@@ -140,7 +152,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
     for i, req in enumerate(requests):
         progress("frontier: planning", i, len(requests))
         point = FrontierPoint(plan=req.label, planner=req.planner)
-        if req.needs_budget and req.budget is None:
+        if req.closed_loop_point:
             b, r = budget_bytes, reserve
         elif req.needs_budget:
             b, r = parse_budget(req.budget, control_peak), 0.0  # type: ignore[arg-type]
@@ -148,7 +160,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
             b, r = None, reserve
         point.plan_budget_bytes = b
         try:
-            if closed_loop and req.needs_budget and req.budget is None:
+            if closed_loop and req.closed_loop_point:
                 plan = plan_closed_loop(loaded, report, req.planner, budget_bytes=b, reserve=r, steps=1).plan
             else:
                 plan = make_plan(report, req.planner, budget_bytes=b, reserve=r)
@@ -165,7 +177,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
             points.append(point)
             continue
         except PlanError as exc:
-            if req.planner.split(":")[0] not in _FAMILIES:
+            if req.spec.kind not in _FAMILIES:
                 raise
             point.decision = Decision.INFEASIBLE
             point.reason = f"not applicable: {exc.message}"
@@ -187,14 +199,15 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
     return plans, points
 
 
-def _context(loaded: LoadedWorkload, *, warmup: int, steps: int, capacity_key: str | None, report: ProfileReport,
-             extra: dict) -> dict:
+def _context(loaded: LoadedWorkload, report: ProfileReport, settings: FrontierSettings, *, start: int | None,
+             interleaved: bool) -> dict:
     ctx = dataclasses.asdict(TraceContext.capture(workload=loaded.spec, shape=loaded.shape, dtype=loaded.dtype,
-                                                  device=loaded.device, warmup=warmup, steps=steps))
+                                                  device=loaded.device, warmup=settings.warmup, steps=settings.steps))
     host = HostContext.capture()
     ctx.update(cpu_count=host.cpu_count, platform=host.platform)
     if loaded.device.startswith("cuda") and torch.cuda.is_available():
         ctx["cuda_device"] = torch.cuda.get_device_name(torch.device(loaded.device))
+    compile = settings.compile
     ctx.update({
         "remat_version": __version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -203,76 +216,161 @@ def _context(loaded: LoadedWorkload, *, warmup: int, steps: int, capacity_key: s
         "peaks": "each plan alone on the device, one warm step",
         "memory_source": report.memory_source.value,
         "control_profiled_peak_bytes": report.baseline_peak_bytes,
-        "capacity_key": capacity_key,
-        **extra,
+        "capacity_key": settings.capacity_key,
+        "capacity_start": start, "capacity_max": settings.capacity_max_for(start),
+        "capacity_tries": settings.capacity_tries, "capacity_steps": settings.capacity_steps,
+        "capacity_granularity": settings.capacity_granularity,
+        "closed_loop": settings.closed_loop, "interleaved": interleaved,
+        "compile": None if compile is None else compile.to_json(),
+        "compiled_peaks": None if compile is None else (
+            "compiled points: cuda-allocator on CUDA; on CPU cpu-profiler-allocator "
+            "(torch.profiler's allocator events; the live-tensor tracker would run the "
+            "compiled model eagerly)"),
     })
     return ctx
 
 
-def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 0.05,
-                 plans: str | Sequence[str] | None = None, steps: int = 10, warmup: int = 2,
-                 capacity_key: str | None = "batch_size", capacity_max: int | None = None,
-                 capacity_tries: int = 8, capacity_steps: int = 3, capacity_granularity: int = 1,
-                 closed_loop: bool = True, compile: CompileSpec | None = None, budget_tries: int = 6,
-                 report: ProfileReport | None = None, progress: ProgressFn = no_progress) -> FrontierReport:
-    """Measure every requested plan on ``loaded`` and decide which one to ship (NOTE [frontier run]).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrontierSettings:
+    """What :func:`run_frontier` measures, and how long (NOTE [frontier run]); checked on construction.
 
     ``budget_bytes``: whole-step peak budget (bytes); a plan fits when its measured peak is
-    <= ``int(budget_bytes * (1 - reserve))``. ``plans``: specs as in
-    :func:`parse_plan_requests` (default :data:`DEFAULT_PLANS`). ``steps``: timed warm steps
-    per plan (>= 10 for a published figure; fewer allowed for tests). ``capacity_key``: shape
-    keyword to search (None: skip capacity); ``capacity_max`` bounds it (default 64x its
-    current value), ``capacity_tries`` bounds the probes per plan, ``capacity_steps`` is the
-    timed steps per plan at capacity, ``capacity_granularity`` how close the bisection gets
-    (1: the exact value). ``report``: a profile of ``loaded`` made earlier. ``compile``: also
-    measure every plan compiled, and torch's activation_memory_budget aimed at the budget with
-    at most ``budget_tries`` recompiles (NOTE [budget aimed at a peak]); default plans then
-    :data:`DEFAULT_COMPILED_PLANS`.
-    Raises BudgetError/PlanError for malformed inputs, WorkloadError for a capacity key
-    the workload lacks; infeasible plans and out-of-memory probes are data points.
+    <= :attr:`limit`. ``plans``: specs as in :func:`parse_plan_requests` (None:
+    :data:`DEFAULT_PLANS`, with ``compile`` :data:`DEFAULT_COMPILED_PLANS`). ``steps``: timed warm
+    steps per plan (>= 10 for a published figure; fewer allowed for tests). ``capacity_key``: shape
+    keyword to search (None: skip capacity); ``capacity_max`` bounds it (None: 64x its current
+    value), ``capacity_tries`` bounds the probes per plan, ``capacity_steps`` is the timed steps
+    per plan at capacity, ``capacity_granularity`` how close the bisection gets (1: the exact
+    value). ``closed_loop``: plan budget planners at this budget through the closed loop.
+    ``compile``: also measure every plan compiled, and torch's activation_memory_budget aimed at
+    the budget with at most ``budget_tries`` recompiles (NOTE [budget aimed at a peak]).
+    Raises BudgetError for a bad budget or reserve, RematError for bad counts.
     """
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise BudgetError(f"budget must be a positive whole number of bytes, got {budget_bytes!r}")
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0.0 <= reserve < 1.0:
-        raise BudgetError(f"reserve must lie in [0, 1), got {reserve!r}")
-    if steps < 1 or warmup < 1:
-        raise RematError(f"the frontier needs steps >= 1 and warmup >= 1 (got steps={steps}, warmup={warmup})")
-    if budget_tries < 1:
-        raise RematError(f"budget_tries must be >= 1, got {budget_tries}")
-    requests = parse_plan_requests(DEFAULT_COMPILED_PLANS if plans is None and compile is not None else plans)
-    start = None
-    if capacity_key is not None:
-        start = shape_value(loaded, capacity_key)
-        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
-            raise WorkloadError(f"capacity key {capacity_key!r} must be a positive integer shape keyword; "
-                                f"its value here is {start!r}")
+
+    budget_bytes: int
+    reserve: float = 0.05
+    plans: str | Sequence[str] | None = None
+    steps: int = 10
+    warmup: int = 2
+    capacity_key: str | None = "batch_size"
+    capacity_max: int | None = None
+    capacity_tries: int = 8
+    capacity_steps: int = 3
+    capacity_granularity: int = 1
+    closed_loop: bool = True
+    compile: CompileSpec | None = None
+    budget_tries: int = 6
+
+    def __post_init__(self) -> None:
+        b, r = self.budget_bytes, self.reserve
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+            raise BudgetError(f"budget must be a positive whole number of bytes, got {b!r}")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
+            raise BudgetError(f"reserve must lie in [0, 1), got {r!r}")
+        if self.steps < 1 or self.warmup < 1:
+            raise RematError(f"the frontier needs steps >= 1 and warmup >= 1 "
+                             f"(got steps={self.steps}, warmup={self.warmup})")
+        if self.budget_tries < 1:
+            raise RematError(f"budget_tries must be >= 1, got {self.budget_tries}")
+
+    @property
+    def limit(self) -> int:
+        """The effective budget, budget x (1 - reserve) (bytes): what a measured peak must clear."""
+        return int(self.budget_bytes * (1.0 - self.reserve))
+
+    def requests(self) -> list[PlanRequest]:
+        default = DEFAULT_COMPILED_PLANS if self.compile is not None else None
+        return parse_plan_requests(default if self.plans is None else self.plans)
+
+    def capacity_max_for(self, start: int | None) -> int | None:
+        """The capacity search's upper bound when the key's value is ``start`` (None: no search)."""
+        return (self.capacity_max or 64 * start) if start else None
+
+
+def run_frontier(loaded: LoadedWorkload, settings: FrontierSettings, *, report: ProfileReport | None = None,
+                 progress: ProgressFn = no_progress) -> FrontierReport:
+    """Measure every requested plan on ``loaded`` and decide which one to ship (NOTE [frontier run]).
+
+    ``report``: a profile of ``loaded`` made earlier. Raises BudgetError/PlanError for malformed
+    plan specs, WorkloadError for a capacity key the workload lacks; infeasible plans and
+    out-of-memory probes are data points.
+    """
+    requests = settings.requests()
+    start = _capacity_start(loaded, settings.capacity_key)
     if report is None:
         report = profile_workload(loaded, progress=progress)
-    limit = int(budget_bytes * (1.0 - reserve))
-
-    plan_by_label, points = _make_plans(loaded, report, requests, budget_bytes=budget_bytes, reserve=reserve,
-                                        closed_loop=closed_loop, progress=progress)
-    arms = [PlanArm(p.plan, plan_by_label[p.plan]) for p in points if p.plan in plan_by_label]
-    if compile is not None:
-        for req in requests:
-            point = by_plan(points, req.label)
-            if closed_loop and req.needs_budget and req.budget is None:
-                # NOTE [compiled closed loop]: planned again on the compiled step's peak, even when the
-                # eager plan was infeasible (the compiled step may peak lower than the eager model says)
-                twin, plan = _compiled_closed_loop(loaded, report, point, compile, budget_bytes=budget_bytes,
-                                                   reserve=reserve, progress=progress)
-            elif req.label in plan_by_label:
-                twin = _compiled_twin(point, compile)
-                plan = dataclasses.replace(plan_by_label[req.label], compile=compile)
-            else:
-                continue
-            points.append(twin)
-            if plan is not None:
-                plan_by_label[twin.plan] = plan
-                arms.append(PlanArm(twin.plan, plan))
+    # 1. plans (with --compile, their compiled twins)
+    plans, points = _make_plans(loaded, report, requests, budget_bytes=settings.budget_bytes,
+                                reserve=settings.reserve, closed_loop=settings.closed_loop, progress=progress)
+    arms = [PlanArm(p.plan, plans[p.plan]) for p in points if p.plan in plans]
+    if settings.compile is not None:
+        arms += _compiled_twins(loaded, report, requests, points, plans, settings, progress)
     by_label = {p.plan: p for p in points}
+    # 2. peaks, one plan at a time (and torch's budget aimed at the limit)
+    measured = _measure_peaks(loaded, arms, by_label, warmup=settings.warmup, progress=progress)
+    budget_search: list[BudgetTry] = []
+    if settings.compile is not None and CONTROL in plans:
+        budget_search = _add_torch_budget(loaded, settings, plans, points, by_label, measured, progress)
+    # 3. time, interleaved
+    interleaved = _time_measured(loaded, measured, by_label, plans, settings, progress)
+    _predict_step_times(points, by_label.get(CONTROL))
+    # 4. capacity
+    if start is not None and measured:
+        _capacity(loaded, measured, by_label, key=settings.capacity_key, start=start,  # type: ignore[arg-type]
+                  limit=settings.limit, max_value=settings.capacity_max_for(start),  # type: ignore[arg-type]
+                  max_tries=settings.capacity_tries, granularity=settings.capacity_granularity,
+                  steps=settings.capacity_steps, progress=progress)
+    # 5. decide
+    shipped = decide(points, budget_bytes=settings.budget_bytes, reserve=settings.reserve, control=CONTROL)
+    return FrontierReport(context=_context(loaded, report, settings, start=start, interleaved=interleaved),
+                          budget_bytes=settings.budget_bytes, reserve=float(settings.reserve),
+                          capacity_key=settings.capacity_key or "", points=points, control=CONTROL,
+                          shipped_plan=None if shipped is None else plans[shipped.plan].to_json(),
+                          budget_search=budget_search, plans=dict(plans))
 
-    # 2. peaks, one plan at a time
+
+def _capacity_start(loaded: LoadedWorkload, key: str | None) -> int | None:
+    """The capacity key's value in ``loaded``'s shape (None: no key); WorkloadError unless a positive int."""
+    if key is None:
+        return None
+    start = shape_value(loaded, key)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+        raise WorkloadError(f"capacity key {key!r} must be a positive integer shape keyword; "
+                            f"its value here is {start!r}")
+    return start
+
+
+def _compiled_twins(loaded: LoadedWorkload, report: ProfileReport, requests: list[PlanRequest],
+                    points: list[FrontierPoint], plans: dict[str, Plan], settings: FrontierSettings,
+                    progress: ProgressFn) -> list[Arm]:
+    """Every request's compiled twin, its point appended to ``points`` and its plan to ``plans``; their arms."""
+    assert settings.compile is not None
+    arms: list[Arm] = []
+    for req in requests:
+        point = by_plan(points, req.label)
+        if settings.closed_loop and req.closed_loop_point:
+            # NOTE [compiled closed loop]: planned again on the compiled step's peak, even when the
+            # eager plan was infeasible (the compiled step may peak lower than the eager model says)
+            twin, plan = _compiled_closed_loop(loaded, report, point, settings.compile,
+                                               budget_bytes=settings.budget_bytes, reserve=settings.reserve,
+                                               progress=progress)
+        elif req.label in plans:
+            twin = _compiled_twin(point, settings.compile)
+            plan = dataclasses.replace(plans[req.label], compile=settings.compile)
+        else:
+            continue
+        points.append(twin)
+        if plan is not None:
+            plans[twin.plan] = plan
+            arms.append(PlanArm(twin.plan, plan))
+    return arms
+
+
+def _measure_peaks(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, FrontierPoint], *, warmup: int,
+                   progress: ProgressFn) -> list[Arm]:
+    """Each arm's peak alone on the device (NOTE [solo peaks]) into its point; the arms measured.
+
+    A plan whose step raises or runs out of memory is a FAILED point; the control's own error propagates."""
     measured: list[Arm] = []
     for i, arm in enumerate(arms):
         progress("frontier: peaks", i, len(arms))
@@ -282,37 +380,50 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         except UserCodeError as exc:
             if arm.label == CONTROL:
                 raise   # the unplanned step itself fails: the workload's own error
-            point.decision = Decision.FAILED   # a plan, or a compile of it, made the step raise: a data point
-            point.reason = f"the plan's step raised {_first_line(exc)}"
-            release_memory()
+            # a plan, or a compile of it, made the step raise: a data point
+            _failed(point, f"the plan's step raised {_first_line(exc)}")
             continue
         except RematError:
             raise  # e.g. FingerprintMismatch: the report was made for another model
         except Exception as exc:  # noqa: BLE001 - OOM, or the wrapped step raised: a data point
-            point.decision = Decision.FAILED
-            point.reason = (f"out of memory at the base shape: {_first_line(exc)}"
-                            if isinstance(exc, torch.OutOfMemoryError) else f"the plan's step raised {_first_line(exc)}")
-            release_memory()
+            _failed(point, f"out of memory at the base shape: {_first_line(exc)}"
+                    if isinstance(exc, torch.OutOfMemoryError) else f"the plan's step raised {_first_line(exc)}")
             continue
         _record_peak(point, peak)
         measured.append(arm)
     progress("frontier: peaks", len(arms), len(arms))
+    return measured
 
-    budget_search: list[BudgetTry] = []
-    if compile is not None and CONTROL in plan_by_label:
-        ctrl_twin = by_label.get(CONTROL + COMPILED)
-        found, budget_search = _aim_torch_budget(loaded, plan_by_label[CONTROL], compile, limit,
-                                                 None if ctrl_twin is None else ctrl_twin.peak_bytes,
-                                                 tries=budget_tries, warmup=warmup, progress=progress)
-        if found is not None:
-            arm, point, plan = found
-            points.append(point)
-            by_label[point.plan] = point
-            plan_by_label[point.plan] = plan
-            measured.append(arm)
 
-    # 3. time, interleaved
-    timings, interleaved = _time_arms(loaded, measured, warmup=warmup, steps=steps, progress=progress)
+def _failed(point: FrontierPoint, reason: str) -> None:
+    point.decision = Decision.FAILED
+    point.reason = reason
+    release_memory()
+
+
+def _add_torch_budget(loaded: LoadedWorkload, settings: FrontierSettings, plans: dict[str, Plan],
+                      points: list[FrontierPoint], by_label: dict[str, FrontierPoint], measured: list[Arm],
+                      progress: ProgressFn) -> list[BudgetTry]:
+    """torch's budget aimed at the limit (NOTE [budget aimed at a peak]); its point, when one fits, joins the run."""
+    assert settings.compile is not None
+    ctrl_twin = by_label.get(CONTROL + COMPILED)
+    found, tries = _aim_torch_budget(loaded, plans[CONTROL], settings.compile, settings.limit,
+                                     None if ctrl_twin is None else ctrl_twin.peak_bytes,
+                                     tries=settings.budget_tries, warmup=settings.warmup, progress=progress)
+    if found is not None:
+        arm, point, plan = found
+        points.append(point)
+        by_label[point.plan] = point
+        plans[point.plan] = plan
+        measured.append(arm)
+    return tries
+
+
+def _time_measured(loaded: LoadedWorkload, measured: list[Arm], by_label: dict[str, FrontierPoint],
+                   plans: dict[str, Plan], settings: FrontierSettings, progress: ProgressFn) -> bool:
+    """Time the measured arms interleaved into their points and plans; whether they ran interleaved."""
+    timings, interleaved = _time_arms(loaded, measured, warmup=settings.warmup, steps=settings.steps,
+                                      progress=progress)
     for arm in measured:
         point = by_label[arm.label]
         point.step_ms = [round(t, 4) for t in timings.step_ms[arm.label]]
@@ -320,37 +431,19 @@ def run_frontier(loaded: LoadedWorkload, *, budget_bytes: int, reserve: float = 
         point.p95_ms = timings.p95(arm.label)
         if point.num_alloc_retries is not None:
             point.num_alloc_retries += timings.num_alloc_retries[arm.label]
-        plan = plan_by_label[arm.label]
+        plan = plans[arm.label]
         plan.measured_peak_bytes = point.peak_bytes
         plan.measured_step_ms = point.p50_ms
-    ctrl_point = by_label.get(CONTROL)
-    if ctrl_point is not None and ctrl_point.p50_ms is not None:   # predicted vs measured step time
-        for point in points:
-            if point.predicted_overhead_ms is not None and point.p50_ms is not None:
-                point.predicted_step_ms = ctrl_point.p50_ms + point.predicted_overhead_ms
+    return interleaved
 
-    # 4. capacity
-    if capacity_key is not None and measured:
-        _capacity(loaded, measured, by_label, key=capacity_key, start=start, limit=limit,  # type: ignore[arg-type]
-                  max_value=capacity_max or 64 * start, max_tries=capacity_tries,  # type: ignore[operator]
-                  granularity=capacity_granularity, steps=capacity_steps, progress=progress)
 
-    # 5. decide
-    shipped = decide(points, budget_bytes=budget_bytes, reserve=reserve, control=CONTROL)
-    context = _context(loaded, warmup=warmup, steps=steps, capacity_key=capacity_key, report=report,
-                       extra={"capacity_start": start, "capacity_max": (capacity_max or 64 * start) if start else None,
-                              "capacity_tries": capacity_tries, "capacity_steps": capacity_steps,
-                              "capacity_granularity": capacity_granularity,
-                              "closed_loop": closed_loop, "interleaved": interleaved,
-                              "compile": None if compile is None else compile.to_json(),
-                              "compiled_peaks": None if compile is None else (
-                                  "compiled points: cuda-allocator on CUDA; on CPU cpu-profiler-allocator "
-                                  "(torch.profiler's allocator events; the live-tensor tracker would run the "
-                                  "compiled model eagerly)")})
-    return FrontierReport(context=context, budget_bytes=budget_bytes, reserve=float(reserve),
-                          capacity_key=capacity_key or "", points=points, control=CONTROL,
-                          shipped_plan=None if shipped is None else plan_by_label[shipped.plan].to_json(),
-                          budget_search=budget_search, plans=dict(plan_by_label))
+def _predict_step_times(points: list[FrontierPoint], control: FrontierPoint | None) -> None:
+    """Predicted step time = the control's measured p50 + the predicted overhead (ms)."""
+    if control is None or control.p50_ms is None:
+        return
+    for point in points:
+        if point.predicted_overhead_ms is not None and point.p50_ms is not None:
+            point.predicted_step_ms = control.p50_ms + point.predicted_overhead_ms
 
 
 def by_plan(points: list[FrontierPoint], label: str) -> FrontierPoint:
@@ -418,7 +511,7 @@ def _aim_torch_budget(loaded: LoadedWorkload, control: Plan, spec: CompileSpec, 
         last = i == tries - 1 or hi - lo < 0.02
         ratio = 0.0 if (last and best is None) else round((lo + hi) / 2, 4)
         plan = dataclasses.replace(control, compile=dataclasses.replace(spec, memory_budget=ratio))
-        label = f"{TORCH_BUDGET}@{ratio:g}"
+        label = PlannerSpec(kind=PlannerKind.TORCH_BUDGET, ratio=ratio).format()
         arm = PlanArm(label, plan)
         try:
             m = measure_arm(loaded, arm, warmup=warmup, steps=0)

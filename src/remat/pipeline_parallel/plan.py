@@ -237,7 +237,8 @@ def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedul
                 allow_hazards: bool = False, in_flights: list[dict[str, int]] | None = None) -> list[Plan]:
     """One plan per stage, each from ``make_plan`` on the stage's scaled profile; BudgetError names the stage."""
     from ..plan.budget import effective_budget
-    from ..plan.planners import BUDGET_PLANNERS, make_plan
+    from ..plan.planners import make_plan
+    from ..plan.spec import PlannerSpec
     p = len(stage_blocks)
     if len(base_peaks) != p:
         raise PlanError(f"{len(base_peaks)} measured stage peaks for {p} stages")
@@ -250,7 +251,7 @@ def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedul
         # and a budget planner then adds "free" boundaries that cost real replay time
         fits = budget_bytes is not None and base_peaks[k] <= effective_budget(budget_bytes, reserve, 0)
         try:
-            plans.append(make_plan(sub, "none" if fits and planner in BUDGET_PLANNERS else planner,
+            plans.append(make_plan(sub, "none" if fits and PlannerSpec.parse(planner).needs_budget else planner,
                                    budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards))
         except BudgetError as exc:
             exc.message = f"pipeline stage {k} ({blocks[0]}..{blocks[-1]}): {exc.message}"

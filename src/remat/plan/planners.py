@@ -7,7 +7,8 @@ figures), so the planners differ only in which candidates they pick.
 Specs: ``none``, ``all``, ``uniform:K``, ``sqrt``, ``selective`` (baselines: no budget
 needed, they never fail on one, they report their predicted peak), ``floor`` (the cheapest
 plan of least predicted peak), ``greedy`` and
-``optimal`` (need a budget; BudgetError when no plan reaches it).
+``optimal`` (need a budget; BudgetError when no plan reaches it). The grammar, with the
+frontier's ``planner@X`` and the closed loop's ``origin->own``, is NOTE [planner specs] in spec.py.
 
 NOTE [hazard policy]
 Per candidate, from its own hazards and those of every candidate nested in it (a
@@ -102,12 +103,9 @@ from ..types import CheckpointMode, HazardKind
 from .budget import InfeasibleBudget, effective_budget, format_bytes
 from .cost import CostModel, ancestor_chains, checkpoint_modes
 from .model import Boundary, Exclusion, Plan
+from .spec import PLANNER_SPECS, PlannerKind, PlannerSpec
 
 np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
-
-PLANNER_SPECS = ("optimal", "greedy", "sqrt", "uniform:K", "all", "selective", "checkpoint_sequential",
-                 "checkpoint_sequential:K", "first-k", "first-k:K", "floor", "none")
-BUDGET_PLANNERS = ("optimal", "greedy", "checkpoint_sequential", "first-k")
 
 
 # -- eligibility (NOTE [hazard policy]) --------------------------------------------------
@@ -534,31 +532,24 @@ def explain_floor(report: ProfileReport, floor: int, eligibility: Eligibility) -
     return ". ".join(parts)
 
 
-def planner_from_spec(spec: str) -> Planner:
-    """``optimal | greedy | sqrt | uniform:K | all | selective | none`` -> Planner; else PlanError."""
-    text = str(spec).strip().lower()
-    simple = {"none": NonePlanner, "all": AllPlanner, "sqrt": SqrtPlanner, "selective": SelectivePlanner,
-              "greedy": GreedyPlanner, "optimal": OptimalPlanner, "floor": FloorPlanner}
-    if text in simple:
-        return simple[text]()
-    for prefix, cls in (("checkpoint_sequential", CheckpointSequentialPlanner), ("first-k", FirstKPlanner)):
-        if text == prefix:
-            return cls()
-        if text.startswith(prefix + ":"):
-            arg = text.split(":", 1)[1]
-            try:
-                k = int(arg)
-            except ValueError:
-                raise PlanError(f"{prefix}:K needs an integer K, got {arg!r}") from None
-            return cls(k)
-    if text.startswith("uniform:"):
-        arg = text.split(":", 1)[1]
-        try:
-            k = int(arg)
-        except ValueError:
-            raise PlanError(f"uniform:K needs an integer K >= 1, got {arg!r}") from None
-        return UniformPlanner(k)
-    raise PlanError(f"unknown planner {spec!r}; valid: {', '.join(PLANNER_SPECS)}")
+_SIMPLE: dict[PlannerKind, type[Planner]] = {
+    PlannerKind.NONE: NonePlanner, PlannerKind.ALL: AllPlanner, PlannerKind.SQRT: SqrtPlanner,
+    PlannerKind.SELECTIVE: SelectivePlanner, PlannerKind.GREEDY: GreedyPlanner, PlannerKind.OPTIMAL: OptimalPlanner,
+    PlannerKind.FLOOR: FloorPlanner}
+_WITH_K: dict[PlannerKind, type[Planner]] = {
+    PlannerKind.UNIFORM: UniformPlanner, PlannerKind.CHECKPOINT_SEQUENTIAL: CheckpointSequentialPlanner,
+    PlannerKind.FIRST_K: FirstKPlanner}
+
+
+def planner_from_spec(spec: str | PlannerSpec) -> Planner:
+    """A planner spec (NOTE [planner specs]) -> its Planner; PlanError for one no planner runs
+    (unknown, ``planner@X``, ``origin->own``, ``torch-budget``)."""
+    s = PlannerSpec.parse(spec)
+    if s.budget is not None or s.fallback_of is not None or s.kind not in _SIMPLE.keys() | _WITH_K.keys():
+        raise PlanError(f"unknown planner {str(spec)!r}; valid: {', '.join(PLANNER_SPECS)}")
+    if s.kind in _SIMPLE:
+        return _SIMPLE[s.kind]()
+    return _WITH_K[s.kind](s.k)  # type: ignore[call-arg]
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -569,7 +560,7 @@ def _top_level(report: ProfileReport) -> list[CandidateCost]:
                   key=lambda c: (c.order, c.name))
 
 
-def make_plan(report: ProfileReport, planner: str = "optimal", *, budget_bytes: int | None = None,
+def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, budget_bytes: int | None = None,
               reserve: float = 0.05, allow_hazards: bool = False, preserve_rng_state: bool = True,
               margin_bytes: int = 0) -> Plan:
     """Plan checkpoint boundaries for ``report`` with the planner named by ``planner``.

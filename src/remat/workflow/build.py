@@ -38,10 +38,13 @@ would run compiled code eagerly); the shipped peak is the compiled one, by the i
 frontier point names.
 
 NOTE [receipt decision]
-The shipped plan is the frontier's (NOTE [ship decision] in frontier/pareto.py), but only
-once verified: a plan with boundaries that fails verification ships nothing and is listed
-as rejected with the failure. The control ships when it fits (nothing to checkpoint).
-``clears`` compares the shipped plan's measured peak with budget x (1 - reserve).
+The receipt does not decide again: the shipped plan is the frontier's (NOTE [ship decision]
+in frontier/pareto.py), every other point keeps the frontier's decision and reason, and the
+budget, reserve and effective budget are the frontier's. The one thing the receipt adds is
+the VerifyReport: a shipped plan that was verified (boundaries, or a torch budget) and failed
+ships nothing and is listed first as UNVERIFIED with the failure. The control ships when it
+fits (nothing to checkpoint). ``clears`` compares the shipped plan's measured peak with
+budget x (1 - reserve).
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ from typing import Any
 from ..wrap import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
-from ..frontier import FrontierPoint, FrontierReport, run_frontier, shape_value
+from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
 from ..measure import held_bytes_at_phase, prepare_arm
-from ..plan import InfeasibleBudget, Plan, check_budget_syntax, parse_budget
+from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
@@ -112,39 +115,49 @@ def trace_planned(loaded: LoadedWorkload, plan: Plan, *, warmup: int, steps: int
 
 # -- per boundary ----------------------------------------------------------------------------------
 
+def _fixture_passed(module: str, plan: Plan, verification: VerifyReport | None) -> bool | None:
+    """Did verification pass for this boundary? (None: not run). A failure exonerates a boundary
+    only when it is attributed to others."""
+    if verification is None:
+        return None
+    if verification.passed:
+        return True
+    blamed = [x.module for x in plan.boundaries if verification.implicates(x.module)]
+    return bool(blamed) and module not in blamed
+
+
+def _fixture(loaded: LoadedWorkload, module: str, params: tuple[str, ...], plan: Plan,
+             verification: VerifyReport | None, settings: RunSettings) -> Fixture:
+    """The paired-step fixture covering one boundary, as ``remat check`` re-runs it."""
+    table = TOLERANCES if verification is None or verification.compile is None else COMPILED_TOLERANCES
+    act = None if verification is None else next((a for a in verification.boundaries if a.module == module), None)
+    rejected = () if verification is None else \
+        tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected)
+    return Fixture(
+        name=FIXTURE_NAME, seeds=tuple(range(settings.verify_seeds)), steps=settings.verify_steps,
+        modes=("train", "eval"), dtype=loaded.dtype, tolerance=table.get(loaded.dtype, table["float32"]),
+        parameters=params, passed=_fixture_passed(module, plan, verification),
+        forward_calls_per_step=None if act is None else act.forward_calls.get("train"),
+        replay_calls_per_step=None if act is None else act.replay_calls.get("train"),
+        draws_rng=None if act is None else act.draws_rng, negative_controls=rejected)
+
+
 def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport, verification: VerifyReport | None,
                       savings: dict[str, int], settings: RunSettings) -> list[BoundaryRecord]:
     model = loaded.workload.model
     costs = {c.name: c for c in report.candidates}
-    table = TOLERANCES if verification is None or verification.compile is None else COMPILED_TOLERANCES
-    tol = table.get(loaded.dtype, table["float32"])
-    activity = {a.module: a for a in verification.boundaries} if verification else {}
-    rejected = tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected) \
-        if verification else ()
     out = []
     for b in plan.boundaries:
         module = boundary_module(model, b.module)     # a segment: its members (NOTE [segments])
         params = tuple(f"{p}.{n}" for p, m in boundary_members(model, b.module) for n, _ in m.named_parameters())
-        passed: bool | None = None
-        if verification is not None:
-            if verification.passed:
-                passed = True
-            else:  # a failure exonerates this boundary only when it is attributed to others
-                blamed = [x.module for x in plan.boundaries if verification.implicates(x.module)]
-                passed = bool(blamed) and b.module not in blamed
-        act = activity.get(b.module)
         cost = costs.get(b.module)
         out.append(BoundaryRecord(
-            module=b.module, class_name=cost.class_name if cost and cost.members else type(module).__qualname__, mode=b.mode.value, guarded=b.guarded,
-            revision=module_revision(module), predicted_saving_bytes=b.saved_bytes,
-            measured_saving_bytes=savings[b.module], saving_tolerance=settings.saving_tolerance,
+            module=b.module, class_name=cost.class_name if cost and cost.members else type(module).__qualname__,
+            mode=b.mode.value, guarded=b.guarded, revision=module_revision(module),
+            predicted_saving_bytes=b.saved_bytes, measured_saving_bytes=savings[b.module],
+            saving_tolerance=settings.saving_tolerance,
             replay_ms=float(cost.replay_ms.get(b.mode, b.replay_ms)) if cost else float(b.replay_ms),
-            fixture=Fixture(
-                name=FIXTURE_NAME, seeds=tuple(range(settings.verify_seeds)), steps=settings.verify_steps,
-                modes=("train", "eval"), dtype=loaded.dtype, tolerance=tol, parameters=params, passed=passed,
-                forward_calls_per_step=None if act is None else act.forward_calls.get("train"),
-                replay_calls_per_step=None if act is None else act.replay_calls.get("train"),
-                draws_rng=None if act is None else act.draws_rng, negative_controls=rejected)))
+            fixture=_fixture(loaded, b.module, params, plan, verification, settings)))
     return out
 
 
@@ -154,86 +167,144 @@ def _describe(plan: Plan | None) -> list[str]:
     return [] if plan is None else [f"{b.module}:{b.mode.value}" for b in plan.boundaries]
 
 
-def _decide(*, frontier: FrontierReport | None, plan: Plan | None, trace: StepTrace,
-            verification: VerifyReport | None, budget_bytes: int, reserve: float,
-            closed_loop_note: str) -> ReceiptDecision:
-    limit = int(budget_bytes * (1.0 - reserve))
-    points = frontier.points if frontier is not None else []
-    by = {p.plan: p for p in points}
-    control = by.get(frontier.control) if frontier is not None else None
-    control_peak = control.peak_bytes if control is not None and control.peak_bytes is not None else trace.peak_bytes
-    control_p50 = control.p50_ms if control is not None else None
-    shipped_pt: FrontierPoint | None = frontier.shipped if frontier is not None else None
-    has_boundaries = plan is not None and bool(plan.boundaries)
-    torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
-    verified = None if verification is None else verification.passed
-    rejected = [RejectedPlan(plan=p.plan, decision=Rejection(p.decision.value), reason=p.reason, peak_bytes=p.peak_bytes,
-                             p50_ms=p.p50_ms) for p in points if p is not shipped_pt]
-    unverified: str | None = None     # why the plan that fits failed verification, when it did
-    if shipped_pt is not None and (has_boundaries or torch_budget) and verified is False:
-        assert verification is not None
-        unverified = "failed verification: " + "; ".join(verification.failures[:3])
-        rejected.insert(0, RejectedPlan(plan=shipped_pt.plan, decision=Rejection.UNVERIFIED, reason="fits, but " + unverified,
-                                        peak_bytes=shipped_pt.peak_bytes, p50_ms=shipped_pt.p50_ms))
-        shipped_pt = None
-    ship = shipped_pt is not None
-    peak = shipped_pt.peak_bytes if shipped_pt is not None else None
-    why: list[str] = []
-    n_fit = sum(1 for p in points if p.fits)
-    n_measured = sum(1 for p in points if p.measured)
-    ctrl_fits = control_peak is not None and control_peak <= limit
-    budget_text = f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)"
-    if ship and torch_budget and not has_boundaries:
-        assert shipped_pt is not None and plan is not None and plan.compile is not None
-        why.append(f"Ship {shipped_pt.plan}: no checkpoint boundaries; {plan.compile.describe()}, the largest ratio "
-                   f"tried whose measured compiled peak ({mib(peak)}, {shipped_pt.memory_source}) clears {budget_text} "
-                   "(NOTE [budget aimed at a peak]).")
-        if verification is not None:
-            why.append(f"Verified against the compiled control (torch's default budget): "
-                       f"{'passed' if verification.passed else 'failed'}.")
-    elif ship and not has_boundaries:
-        why.append(f"Ship no checkpointing: the unmodified step's peak {mib(control_peak)} already clears {budget_text}.")
-    elif ship:
-        assert shipped_pt is not None and plan is not None
-        mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
-        family = shipped_pt.planner.split(":")[0].split("->")[0]
-        kind = "remat's own plan" if family in ("optimal", "greedy", "floor") else "a baseline"
-        why.append(f"Ship {shipped_pt.plan}: checkpoint {mods}"
-                   + (f", run compiled ({plan.compile.describe()})" if plan.compile is not None else "")
-                   + f". The {family} family won ({kind}).")
+def _rejected(point: FrontierPoint) -> RejectedPlan:
+    """A point the frontier did not ship, with the frontier's own decision and reason."""
+    return RejectedPlan(plan=point.plan, decision=Rejection(point.decision.value), reason=point.reason,
+                        peak_bytes=point.peak_bytes, p50_ms=point.p50_ms)
+
+
+def _verified_ship(frontier: FrontierReport, verification: VerifyReport | None
+                   ) -> tuple[FrontierPoint | None, list[RejectedPlan], str | None]:
+    """(the point that ships, every point that does not, why the frontier's pick failed verification).
+
+    The frontier's shipped point ships unless the verification of its plan failed (NOTE [receipt
+    decision]); it is then listed first, as UNVERIFIED, and nothing ships."""
+    shipped = frontier.shipped
+    rejected = [_rejected(p) for p in frontier.points if p is not shipped]
+    if shipped is None or verification is None or verification.passed:
+        return shipped, rejected, None
+    unverified = "failed verification: " + "; ".join(verification.failures[:3])
+    rejected.insert(0, RejectedPlan(plan=shipped.plan, decision=Rejection.UNVERIFIED, reason="fits, but " + unverified,
+                                    peak_bytes=shipped.peak_bytes, p50_ms=shipped.p50_ms))
+    return None, rejected, unverified
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Bar:
+    """What the receipt's sentences compare against: the frontier's budget and its control (bytes, ms)."""
+
+    budget_bytes: int
+    reserve: float
+    limit: int                    # budget x (1 - reserve)
+    control_peak: int | None      # the control point's measured peak, else the target trace's
+    control_p50: float | None
+    measured: int                 # frontier points measured
+    fitting: int                  # of which fit
+
+    @classmethod
+    def of(cls, frontier: FrontierReport, trace: StepTrace) -> "_Bar":
+        control = next((p for p in frontier.points if p.plan == frontier.control), None)
+        peak = control.peak_bytes if control is not None and control.peak_bytes is not None else trace.peak_bytes
+        return cls(budget_bytes=frontier.budget_bytes, reserve=frontier.reserve,
+                   limit=frontier.effective_budget_bytes, control_peak=peak,
+                   control_p50=None if control is None else control.p50_ms,
+                   measured=sum(1 for p in frontier.points if p.measured),
+                   fitting=sum(1 for p in frontier.points if p.fits))
+
+    @property
+    def text(self) -> str:
+        return f"{mib(self.limit)} (budget {mib(self.budget_bytes)} less {self.reserve:.0%} reserve)"
+
+
+def _why_torch_budget(shipped: FrontierPoint, plan: Plan, bar: _Bar, verification: VerifyReport | None) -> list[str]:
+    """A shipped torch-budget point: the unplanned model compiled at the ratio that fits."""
+    assert plan.compile is not None
+    why = [f"Ship {shipped.plan}: no checkpoint boundaries; {plan.compile.describe()}, the largest ratio "
+           f"tried whose measured compiled peak ({mib(shipped.peak_bytes)}, {shipped.memory_source}) clears {bar.text} "
+           "(NOTE [budget aimed at a peak])."]
+    if verification is not None:
+        why.append(f"Verified against the compiled control (torch's default budget): "
+                   f"{'passed' if verification.passed else 'failed'}.")
+    return why
+
+
+def _why_verified(verification: VerifyReport) -> str:
+    seeds, steps = len(verification.seeds), verification.steps
+    bitwise = all(s.bitwise for s in verification.per_step)
+    negs = [n.name for n in verification.negative_controls if n.applicable and n.rejected]
+    return (f"Verified against the seeded {'compiled ' if verification.compile else ''}control: {_n(seeds, 'seed')} x "
+            f"{_n(steps, 'step')} + an eval step {'match bitwise' if bitwise else 'match within tolerance'}; "
+            "no replay hazards" + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
+
+
+def _why_plan(shipped: FrontierPoint, plan: Plan, bar: _Bar, trace: StepTrace,
+              verification: VerifyReport | None) -> list[str]:
+    """A shipped plan with boundaries: which family won, the peak it clears by, its cost, its proof."""
+    mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
+    spec = PlannerSpec.parse(shipped.planner)
+    kind = "remat's own plan" if spec.is_remats_own else "a baseline"
+    why = [f"Ship {shipped.plan}: checkpoint {mods}"
+           + (f", run compiled ({plan.compile.describe()})" if plan.compile is not None else "")
+           + f". The {spec.family} family won ({kind})."]
+    peak = shipped.peak_bytes or 0
+    if bar.control_peak is None or bar.control_peak > bar.limit:
         phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
-        if not ctrl_fits:
-            why.append(f"Without checkpointing the step peaks at {mib(control_peak)}{phase}, over the {budget_text}.")
-        why.append(f"With this plan the measured peak is {mib(peak)}: it clears by "
-                   f"{mib(limit - (peak or 0))} ({1 - (peak or 0) / budget_bytes:.0%} of the budget left free).")
-        if shipped_pt.p50_ms is not None and control_p50:
-            why.append(f"It costs {(shipped_pt.p50_ms - control_p50) / control_p50:+.0%} step time (warm p50 "
-                       f"{shipped_pt.p50_ms:.1f} ms vs {control_p50:.1f} ms), the least of the {n_fit} of "
-                       f"{n_measured} measured plans that clear.")
-        if verification is not None:
-            seeds, steps = len(verification.seeds), verification.steps
-            bitwise = all(s.bitwise for s in verification.per_step)
-            negs = [n.name for n in verification.negative_controls if n.applicable and n.rejected]
-            why.append(f"Verified against the seeded {'compiled ' if verification.compile else ''}control: {_n(seeds, 'seed')} x {_n(steps, 'step')} + an eval step "
-                       f"{'match bitwise' if bitwise else 'match within tolerance'}; no replay hazards"
-                       + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
+        why.append(f"Without checkpointing the step peaks at {mib(bar.control_peak)}{phase}, over the {bar.text}.")
+    why.append(f"With this plan the measured peak is {mib(shipped.peak_bytes)}: it clears by "
+               f"{mib(bar.limit - peak)} ({1 - peak / bar.budget_bytes:.0%} of the budget left free).")
+    if shipped.p50_ms is not None and bar.control_p50:
+        why.append(f"It costs {(shipped.p50_ms - bar.control_p50) / bar.control_p50:+.0%} step time (warm p50 "
+                   f"{shipped.p50_ms:.1f} ms vs {bar.control_p50:.1f} ms), the least of the {bar.fitting} of "
+                   f"{bar.measured} measured plans that clear.")
+    if verification is not None:
+        why.append(_why_verified(verification))
+    return why
+
+
+def _why_nothing(bar: _Bar, first_rejected: str | None, unverified: str | None, closed_loop_note: str) -> list[str]:
+    if unverified is not None:
+        first = f"Nothing ships: {first_rejected} fits but {unverified}."
+    elif closed_loop_note:
+        first = f"Nothing ships: {closed_loop_note}"
     else:
-        if unverified is not None:
-            why.append(f"Nothing ships: {rejected[0].plan} fits but {unverified}.")
-        elif closed_loop_note:
-            why.append(f"Nothing ships: {closed_loop_note}")
-        else:
-            why.append(f"Nothing ships: no measured plan's peak clears {budget_text}.")
-        why.append(f"The unmodified step peaks at {mib(control_peak)}.")
+        first = f"Nothing ships: no measured plan's peak clears {bar.text}."
+    return [first, f"The unmodified step peaks at {mib(bar.control_peak)}."]
+
+
+def _why(shipped: FrontierPoint, plan: Plan | None, bar: _Bar, trace: StepTrace,
+         verification: VerifyReport | None) -> list[str]:
+    """The sentences for a point that ships and its ``plan`` (the frontier's shipped plan)."""
+    assert plan is not None
+    if plan.boundaries:
+        return _why_plan(shipped, plan, bar, trace, verification)
+    if plan.compile is not None and plan.compile.memory_budget is not None:
+        return _why_torch_budget(shipped, plan, bar, verification)
+    return [f"Ship no checkpointing: the unmodified step's peak {mib(bar.control_peak)} already clears {bar.text}."]
+
+
+def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, verification: VerifyReport | None,
+            closed_loop_note: str) -> ReceiptDecision:
+    """The receipt's decision: the frontier's ship decision, once verified (NOTE [receipt decision]).
+
+    ``plan``: the shipped point's plan (or, when nothing ships, the closed loop's, unshipped)."""
+    bar = _Bar.of(frontier, trace)
+    shipped, rejected, unverified = _verified_ship(frontier, verification)
+    if shipped is None:
+        why = _why_nothing(bar, rejected[0].plan if rejected else None, unverified, closed_loop_note)
+    else:
+        why = _why(shipped, plan, bar, trace, verification)
+    peak = None if shipped is None else shipped.peak_bytes
     return ReceiptDecision(
-        status=ShipStatus.SHIP if ship else ShipStatus.NO_PLAN, shipped=shipped_pt.plan if shipped_pt else None,
-        boundaries=_describe(plan) if ship else [], budget_bytes=budget_bytes, reserve=reserve,
-        effective_budget_bytes=limit, control_peak_bytes=control_peak, shipped_peak_bytes=peak,
-        clears=ship and peak is not None and peak <= limit,
-        headroom_bytes=None if peak is None else limit - peak,
-        reserve_left=None if peak is None else 1.0 - peak / budget_bytes,
-        control_p50_ms=control_p50, shipped_p50_ms=shipped_pt.p50_ms if shipped_pt else None,
-        overhead_pct=shipped_pt.overhead_pct if shipped_pt else None, verified=verified,
+        status=ShipStatus.NO_PLAN if shipped is None else ShipStatus.SHIP,
+        shipped=None if shipped is None else shipped.plan,
+        boundaries=[] if shipped is None else _describe(plan), budget_bytes=bar.budget_bytes, reserve=bar.reserve,
+        effective_budget_bytes=bar.limit, control_peak_bytes=bar.control_peak, shipped_peak_bytes=peak,
+        clears=peak is not None and peak <= bar.limit,
+        headroom_bytes=None if peak is None else bar.limit - peak,
+        reserve_left=None if peak is None else 1.0 - peak / bar.budget_bytes,
+        control_p50_ms=bar.control_p50, shipped_p50_ms=None if shipped is None else shipped.p50_ms,
+        overhead_pct=None if shipped is None else shipped.overhead_pct,
+        verified=None if verification is None else verification.passed,
         rejected=rejected, why=why)
 
 
@@ -316,6 +387,77 @@ def _capacity_key(loaded: LoadedWorkload, key: str | None) -> str | None:
     return key if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Evidence:
+    """What the receipt measured on the plan it shows (steps 5 and 6 of NOTE [receipt run])."""
+
+    verification: VerifyReport | None = None
+    note: str = ""                        # why verification did not run
+    trace: StepTrace | None = None        # the step with the plan applied
+    held: int | None = None               # the control's held bytes at backward
+    savings: dict[str, int] = dataclasses.field(default_factory=dict)   # boundary -> measured saving, bytes
+
+
+def _settings_and_compile(settings: RunSettings | None, compile: CompileSpec | None
+                          ) -> tuple[RunSettings, CompileSpec | None]:
+    """One CompileSpec for the run: the argument wins and is written into the settings."""
+    settings = settings or RunSettings()
+    if compile is not None:
+        return dataclasses.replace(settings, compile=compile.to_json()), compile
+    return settings, None if settings.compile is None else CompileSpec.from_json(settings.compile)
+
+
+def _trace_unmodified(loaded: LoadedWorkload, boundary_shape: dict[str, Any] | None, settings: RunSettings,
+                      progress: ProgressFn) -> tuple[StepTrace, StepTrace | None]:
+    """Step 1: phase traces of the unmodified step at the target shape and the boundary shape."""
+    target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
+                            progress=_stage(progress, "trace"))
+    if not boundary_shape:
+        return target, None
+    return target, trace_workload(loaded.rebuild(**boundary_shape), warmup=settings.trace_warmup,
+                                  steps=settings.trace_steps, progress=_stage(progress, "trace boundary shape"))
+
+
+def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
+                 progress: ProgressFn) -> tuple[ClosedLoopResult | None, str]:
+    """Step 3: the optimal plan through the closed loop, or (None, why the measured loop missed).
+
+    InfeasibleBudget propagates: bad input, as in ``remat plan`` (exit 2 naming the floor, and no
+    receipt: no plan reaches the budget by the profile's own prediction)."""
+    try:
+        return plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
+                                progress=progress), ""
+    except InfeasibleBudget:
+        raise
+    except BudgetError as exc:
+        return None, exc.message
+
+
+def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tuple[Plan | None, str | None]:
+    """(plan, label) the receipt shows: the frontier's shipped plan, else the closed loop's, unshipped."""
+    if frontier.shipped is not None and frontier.shipped_plan is not None:
+        return Plan.from_json(frontier.shipped_plan), frontier.shipped.plan
+    if closed is None:
+        return None, None
+    return closed.plan, "optimal"
+
+
+def _gather_evidence(loaded: LoadedWorkload, plan: Plan | None, settings: RunSettings,
+                     progress: ProgressFn) -> _Evidence:
+    """Steps 5 and 6: verify the plan, trace it, measure each boundary's saving; a plan with no
+    boundaries and no torch budget is the control itself, and nothing is run."""
+    torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
+    if plan is None or not (plan.boundaries or torch_budget):
+        return _Evidence(note="not run: the shipped plan checkpoints nothing, so the step is the control itself"
+                         if plan is not None else "not run: no plan reaches the budget")
+    verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
+                               timing_steps=settings.verify_timing_steps, progress=progress)
+    trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
+                          progress=_stage(progress, "trace with the plan"))
+    held, savings = measure_savings(loaded, plan, warmup=settings.saving_warmup, progress=progress)
+    return _Evidence(verification=verification, trace=trace, held=held, savings=savings)
+
+
 def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
@@ -329,82 +471,35 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     the budget (as ``remat plan`` does). A plan predicted to fit whose *measured* peak misses is
     not an error: the receipt says nothing ships and why.
     """
-    settings = settings or RunSettings()
-    if compile is not None:
-        settings = dataclasses.replace(settings, compile=compile.to_json())
-    elif settings.compile is not None:
-        compile = CompileSpec.from_json(settings.compile)
+    settings, compile = _settings_and_compile(settings, compile)
     if not 0.0 <= reserve < 1.0:
         raise BudgetError(f"reserve must lie in [0, 1), got {reserve}")
     if not isinstance(budget, int):
         check_budget_syntax(budget)  # syntax check before minutes of measuring
-
-    # 1. traces of the unmodified step
-    target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
-                            progress=_stage(progress, "trace"))
-    boundary_trace = None
-    if boundary_shape:
-        boundary_trace = trace_workload(loaded.rebuild(**boundary_shape), warmup=settings.trace_warmup,
-                                        steps=settings.trace_steps, progress=_stage(progress, "trace boundary shape"))
-
-    # 2. profile, 3. plan (closed loop)
-    report = profile_workload(loaded, candidates=candidates, progress=progress)
+    target, boundary_trace = _trace_unmodified(loaded, boundary_shape, settings, progress)        # 1.
+    report = profile_workload(loaded, candidates=candidates, progress=progress)                    # 2.
     budget_bytes = parse_budget(budget, report.baseline_peak_bytes)
-    closed: ClosedLoopResult | None = None
-    note = ""
-    try:
-        closed = plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
-                                  progress=progress)
-    except InfeasibleBudget:
-        # bad input, as in `remat plan`: exit 2 naming the floor, and no receipt (there is nothing to
-        # publish: no plan reaches the budget by the profile's own prediction)
-        raise
-    except BudgetError as exc:
-        note = exc.message
-
-    # 4. frontier
-    frontier = run_frontier(loaded, budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans,
-                            steps=settings.frontier_steps, warmup=settings.frontier_warmup,
-                            capacity_key=_capacity_key(loaded, settings.capacity_key),
-                            capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps,
-                            compile=compile, report=report, progress=progress)
-    shipped = frontier.shipped
-    if shipped is not None and frontier.shipped_plan is not None:
-        plan: Plan | None = Plan.from_json(frontier.shipped_plan)
-        label: str | None = shipped.plan
-    else:  # nothing fits: show what the closed loop planned, unshipped
-        plan = closed.plan if closed is not None else None
-        label = "optimal" if closed is not None else None
-
-    # 5. verify what ships, 6. its trace and per-boundary savings
-    verification: VerifyReport | None = None
-    vnote = ""
-    planned_trace: StepTrace | None = None
-    savings: dict[str, int] = {}
-    held: int | None = None
-    torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
-    if plan is not None and (plan.boundaries or torch_budget):
-        verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
-                                   timing_steps=settings.verify_timing_steps, progress=progress)
-        planned_trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
-                                      progress=_stage(progress, "trace with the plan"))
-        held, savings = measure_savings(loaded, plan, warmup=settings.saving_warmup, progress=progress)
-    else:
-        vnote = ("not run: the shipped plan checkpoints nothing, so the step is the control itself"
-                 if plan is not None else "not run: no plan reaches the budget")
-    records = _boundary_records(loaded, plan, report, verification, savings, settings) if plan is not None else []
-    decision = _decide(frontier=frontier, plan=plan, trace=target, verification=verification,
-                       budget_bytes=budget_bytes, reserve=reserve, closed_loop_note=note)
+    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, progress)                   # 3.
+    frontier = run_frontier(loaded, FrontierSettings(                                              # 4.
+        budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
+        warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
+        capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
+        report=report, progress=progress)
+    plan, label = _shown_plan(frontier, closed)
+    evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
+    records = [] if plan is None else _boundary_records(loaded, plan, report, evidence.verification,
+                                                         evidence.savings, settings)
     memory_source = MemorySource.CUDA_ALLOCATOR.value if loaded.device.startswith("cuda") \
         else MemorySource.CPU_LIVE_TENSORS.value
     return Receipt(
         context=ReceiptContext.capture(loaded, boundary_shape=boundary_shape, memory_source=memory_source,
                                        command=command),
         settings=settings,
-        traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=planned_trace),
-        plan=ReceiptPlan(label=label, plan=plan, boundaries=records, control_held_bytes=held,
+        traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=evidence.trace),
+        plan=ReceiptPlan(label=label, plan=plan, boundaries=records, control_held_bytes=evidence.held,
                          closed_loop=list(closed.attempts) if closed else [],
                          closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note),
-        verification=verification, verification_note=vnote, frontier=frontier, decision=decision,
+        verification=evidence.verification, verification_note=evidence.note, frontier=frontier,
+        decision=_decide(frontier=frontier, plan=plan, trace=target, verification=evidence.verification,
+                         closed_loop_note=note),
         unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))
-
