@@ -384,3 +384,9 @@ BYTES = Int(0, MAX_BYTES_FIGURE)
 SIGNED_BYTES = Int(-MAX_BYTES_FIGURE, MAX_BYTES_FIGURE)
 MS = Num(0, MAX_MS)
 SIGNED_MS = Num(-MAX_MS, MAX_MS)
+
+
+def json_kind(data: Any) -> Any:
+    """The ``"kind"`` field of a parsed JSON object (None for anything else): what a reader that accepts
+    several document types (a plan or a pipeline plan, a receipt or a pipeline receipt) dispatches on."""
+    return data.get("kind") if isinstance(data, dict) else None

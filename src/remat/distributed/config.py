@@ -61,6 +61,11 @@ class LaunchConfig:
     WHAT: ClassVar[str]     # what the file is called in errors, e.g. "distributed config"
 
     @property
+    def batch_size(self) -> int:
+        """The global batch: the workload's ``batch_size`` shape keyword (1 for a factory that takes none)."""
+        return int(self.shape.get("batch_size", 1))
+
+    @property
     def backend(self) -> str:
         """gloo on CPU, nccl on CUDA."""
         return "nccl" if self.device.startswith("cuda") else "gloo"

@@ -386,7 +386,10 @@ def _run_description(cfg: DistributedConfig) -> DistributedRun:
         criterion=equivalence_criterion(cfg.device, cfg.dtype), notes=_notes(cfg))
 
 
-def _env_int(name: str) -> int:
+def _env_int(name: str, *, default: int | None = None) -> int:
+    """A torchrun environment variable as an int (``default`` when it is unset and a default is given)."""
+    if default is not None and name not in os.environ:
+        return default
     try:
         return int(os.environ[name])
     except (KeyError, ValueError) as exc:

@@ -123,10 +123,7 @@ class PipelineConfig(LaunchConfig):
         return self.world_size * self.stages_per_rank
 
     def json_fields(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["schedule"] = self.schedule.value
-        d["sides"] = [s.value for s in self.sides]
-        return d
+        return {**dataclasses.asdict(self), "schedule": self.schedule.value, "sides": [s.value for s in self.sides]}
 
     @classmethod
     def from_json(cls, d: Any) -> "PipelineConfig":
@@ -391,9 +388,9 @@ class StageLayout:
 def stage_layout(model: Any, split_points: list[str], stages: int, sample_inputs: Any) -> StageLayout:
     _check_pipelinable(model)
     path, bounds = parse_split_points(split_points, stages, model)
-    box: dict[str, Any] = {}
-    embed = called_modules(model, lambda: box.setdefault("h", model.pipeline_embed(sample_inputs)))
-    head = called_modules(model, lambda: model.pipeline_head(box["h"]))
+    embedded: list[Any] = []     # the embed's output, which the head's probe runs on
+    embed = called_modules(model, lambda: embedded.append(model.pipeline_embed(sample_inputs)))
+    head = called_modules(model, lambda: model.pipeline_head(embedded[0]))
     blocks_prefix = path + "."
     embed = {n for n in embed if not n.startswith(blocks_prefix) and n != path}
     head = {n for n in head if not n.startswith(blocks_prefix) and n != path}
@@ -466,14 +463,14 @@ def build_stage_modules(model: Any, layout: StageLayout, ks: list[int]) -> list[
             if own:
                 self.owned = nn.ModuleDict({n.replace(".", "__"): model.get_submodule(n)
                                             for n in sorted(layout.stage_modules(k))})
-                self.__dict__["_whole"] = model
+                object.__setattr__(self, "_whole", model)   # reached, not registered (nn.Module.__setattr__ would)
             else:
                 self.model = model
             self.first, self.last = k == 0, k == layout.stages - 1
             self.start, self.stop = layout.bounds[k], layout.bounds[k + 1]
 
         def forward(self, x: Any) -> Any:
-            whole = self.__dict__.get("_whole") or self.model
+            whole = getattr(self, "_whole", None) or self.model
             if self.first:
                 x = whole.pipeline_embed(x)
             blocks = whole.get_submodule(layout.blocks_path)

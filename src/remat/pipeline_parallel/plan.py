@@ -39,7 +39,7 @@ import enum
 from pathlib import Path
 from typing import Any
 
-from .._json import BYTES, Enum, Int, List, Num, Obj, Str, read_json_file, validate
+from .._json import BYTES, Enum, Int, List, Num, Obj, Str, json_kind, read_json_file, validate
 from ..errors import BudgetError, PlanError
 from ..profile.model import CandidateCost, PeakRow, ProfileReport
 from ..plan.model import Plan
@@ -219,7 +219,7 @@ class PipelinePlan:
 
 
 def is_pipeline_plan_json(d: Any) -> bool:
-    return isinstance(d, dict) and d.get("kind") == "pipeline"
+    return json_kind(d) == "pipeline"
 
 
 def load_any_plan(path: Path | str) -> Plan | PipelinePlan:

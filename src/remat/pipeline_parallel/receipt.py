@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _json
-from .._json import read_bounded_bytes
+from .._json import json_kind, read_bounded_bytes
 from .report import PIPELINE_REPORT, PipelineReport
 from ..errors import ReceiptError, RematError
 from .plan import PipelinePlan, Side
@@ -140,6 +140,6 @@ def load_any_receipt_with_digest(path: Path | str) -> tuple[Any, str]:
                               tip="remat receipt ... --out DIR writes DIR/receipt.json")
     parsed = parse_json_bounded(data, source=str(path))
     digest = hashlib.sha256(data).hexdigest()
-    if isinstance(parsed, dict) and parsed.get("kind") == PIPELINE_RECEIPT_KIND:
+    if json_kind(parsed) == PIPELINE_RECEIPT_KIND:
         return PipelineReceipt.from_json(parsed), digest
     return Receipt.from_json(parsed), digest

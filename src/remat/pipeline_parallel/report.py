@@ -420,7 +420,7 @@ def assemble_pipeline(cfg: Any, gathered: list[RankOutcome], *, torch_version: s
                       memory_source: str) -> PipelineReport:
     """Rank 0: the report from every rank's :class:`RankOutcome` (ordered by rank); ``cfg``: the PipelineConfig."""
     p = cfg.world_size
-    batch_size = int(cfg.shape.get("batch_size", 1))
+    batch_size = cfg.batch_size
     plans = gathered[0].plans
     budget = plans[Side.REMAT].budget_bytes if Side.REMAT in plans else None
     sides = {name: _side_report([g.results[name] for g in gathered], budget, batch_size) for name in cfg.sides}

@@ -385,9 +385,8 @@ class PipelineRank:
         budget = parse_budget(cfg.budget or "80%", max(base_peaks))
         # one plan per rank: with several stages per rank they share its device and budget
         replanner = StageReplanner(report=report, stage_blocks=[self.rank_blocks(k) for k in range(self.p)],
-                                   budget_bytes=budget, planner=cfg.planner,
-                                   plan_kw=dict(schedule=cfg.schedule, microbatches=cfg.microbatches,
-                                                base_peaks=base_peaks, reserve=cfg.reserve,
+                                   budget_bytes=budget, planner=cfg.planner, base_peaks=base_peaks,
+                                   plan_kw=dict(schedule=cfg.schedule, microbatches=cfg.microbatches, reserve=cfg.reserve,
                                                 in_flights=[self.block_in_flight(k) for k in range(self.p)])) \
             if report is not None else None
         uniform = remat = None
@@ -493,11 +492,12 @@ class StageReplanner:
     stage_blocks: list[list[str]]
     budget_bytes: int           # the per-device budget
     planner: str
-    plan_kw: dict[str, Any]     # plan_stages' schedule, microbatches, base_peaks (bytes), reserve, in_flights
+    base_peaks: list[int]       # each stage's measured unplanned peak (bytes)
+    plan_kw: dict[str, Any]     # the rest of plan_stages' keywords: schedule, microbatches, reserve, in_flights
 
     def plan(self, *, planner: str, budget_bytes: int | None, base_peaks: list[int] | None = None) -> list[Plan]:
-        kw = self.plan_kw if base_peaks is None else {**self.plan_kw, "base_peaks": base_peaks}
-        return plan_stages(self.report, self.stage_blocks, planner=planner, budget_bytes=budget_bytes, **kw)
+        return plan_stages(self.report, self.stage_blocks, planner=planner, budget_bytes=budget_bytes,
+                           base_peaks=self.base_peaks if base_peaks is None else base_peaks, **self.plan_kw)
 
     def over(self, peaks: list[int]) -> list[int]:
         """The stages whose measured peak (bytes) is over the per-device budget."""
@@ -508,7 +508,7 @@ class StageReplanner:
         missed (measured - predicted with its plan: correction_margin); the others keep their plans. BudgetError
         when no plan fits a raised stage."""
         over = self.over(peaks)
-        base = list(self.plan_kw["base_peaks"])
+        base = list(self.base_peaks)
         for k in over:
             base[k] += correction_margin(remat.stages[k].plan, peaks[k])
         fresh = self.plan(planner=self.planner, budget_bytes=self.budget_bytes, base_peaks=base)
@@ -574,7 +574,7 @@ def _stages_cost(remat: PipelinePlan) -> float:
 
 def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_world = _env_int("LOCAL_WORLD_SIZE", default=world_size)
     if world_size != cfg.world_size:
         raise DistributedError(f"rank {rank}: torchrun started {world_size} ranks but the config asks for "
                                f"{cfg.world_size}")
