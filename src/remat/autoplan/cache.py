@@ -101,7 +101,11 @@ class PlanCache:
     def load(self, key: CacheKey) -> Plan | None:
         """The cached plan; None on a miss, and for an entry that cannot be read (warned: it is replaced)."""
         path = self.path(key)
-        if not path.is_file():
+        try:
+            present = path.is_file()
+        except OSError:                # a directory that cannot be searched: a miss, and ``store`` says why
+            return None
+        if not present:
             return None
         try:
             return Plan.load(path)

@@ -10,9 +10,9 @@ the same for the same build in any process (no ``id()``, no ``hash()`` order, no
 differs when a value differs:
 
 - ``None``, bools, ints, floats, strings as they are; bytes by sha256;
-- tuples and lists element by element; dicts by items and sets by elements, sorted by their
-  JSON (a set's iteration order changes with ``PYTHONHASHSEED``);
-- an enum member by its class and name; ``torch.dtype``, ``torch.device``, ``torch.Size`` by ``str``;
+- tuples and lists by length and element by element (the first ``MAX_ITEMS``); dicts by items
+  and sets by elements, sorted by their JSON (a set's order changes with ``PYTHONHASHSEED``);
+- an enum member by its class and name; ``torch.dtype``, ``torch.device``, a layout by ``str``;
 - a tensor by shape, dtype, device and ``requires_grad``, never its values (a buffer's
   running statistics change every step; its size does not); NumPy arrays likewise, NumPy
   scalars by value;
@@ -50,10 +50,11 @@ from torch import nn
 from ..profile.fingerprint import class_source_hash
 
 MAX_DEPTH = 12
+MAX_ITEMS = 4096        # of a list or tuple, the first ones are keyed (with its length): a captured dataset stays cheap
 _MODULE_BASE = frozenset(vars(nn.Module())) - {"training"}   # torch's bookkeeping: hooks, _parameters, ...
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
 _PLAIN = (type(None), bool, int, float, str)
-_STR_TYPES = (torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)
+_STR_TYPES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
 def sha256_json(value: Any) -> str:
@@ -108,7 +109,7 @@ class StableDigest:
         return sorted(self._many(values, depth), key=_json)
 
     def _sequence(self, v: Any, depth: int) -> Any:
-        return [type(v).__name__, self._many(v, depth)]
+        return [type(v).__name__, len(v), self._many(v[:MAX_ITEMS], depth)]
 
     def _set(self, v: Any, depth: int) -> Any:
         return [type(v).__name__, self._sorted(v, depth)]
