@@ -22,6 +22,7 @@ import enum
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -251,10 +252,17 @@ def test_foreign_plan_is_a_miss_named_and_replaced(tmp_path):
 
 
 def _applied_without_cache(where: Path) -> None:
-    model, x, loss = step()
+    """The example's tiny LM under 75% of its peak (it needs checkpoints): planned, applied, not stored."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import auto_plain_loop as ex
+    cfg = ex.SIZES["tiny"]
+    torch.manual_seed(0)
+    model = ex.TinyLM(cfg["vocab"], cfg["d"], cfg["layers"])
+    t = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=torch.Generator().manual_seed(0))
     with pytest.warns(UnusableCacheDirWarning, match=str(where)):
-        h = remat.auto(model, x, loss_fn=loss, cache_dir=where, **FAST)
-    assert h.report.cache is CacheStatus.NOT_STORED and h.active and h.plan is not None
+        h = remat.auto(model, (t[:, :-1], t[:, 1:]), budget="75%", loss_fn=ex.loss_fn, cache_dir=where,
+                       measure_replays=False)
+    assert h.report.cache is CacheStatus.NOT_STORED and h.active and h.wrappers, "the plan is applied all the same"
     assert "not-stored" in h.report.summary()
     h.remove()
 
@@ -305,4 +313,14 @@ def test_the_key_is_the_same_in_two_fresh_processes():
         assert out.returncode == 0, out.stderr
         keys.append(out.stdout.strip().splitlines()[-1])
     assert keys[0] == keys[1] == kitchen_sink_key()
-    assert json.dumps(keys) and "0x" not in keys[0]
+
+
+def test_an_address_in_a_repr_is_never_keyed():
+    """A plain object by its structure; one without any (a C object whose repr is an address) by its class."""
+    from remat.autoplan.digest import StableDigest
+    plain = StableDigest().value(Opts(3))
+    assert plain == StableDigest().value(Opts(3)) != StableDigest().value(Opts(4))
+    assert not re.search(r"0x[0-9a-fA-F]{4,}", json.dumps(plain))
+    assert re.search(r"0x[0-9a-fA-F]{4,}", repr(torch.Generator()))
+    opaque = StableDigest().value(torch.Generator())
+    assert opaque[0] == "object" and len(opaque) == 2 and opaque == StableDigest().value(torch.Generator())
