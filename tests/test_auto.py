@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.autoplan import CacheStatus, VerifyStatus, default_cache_dir
+from remat.autoplan import BrokenCacheEntryWarning, CacheStatus, VerifyStatus, default_cache_dir
 from remat.errors import AutoError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -194,7 +194,8 @@ def test_auto_corrupt_cache_file_is_a_miss(tmp_path):
     h = remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)
     h.remove()
     Path(h.report.cache_path).write_text('{"schema_version": 1, "planner": ')
-    h2 = remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)
+    with pytest.warns(BrokenCacheEntryWarning, match=Path(h.report.cache_path).name):
+        h2 = remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)
     assert h2.report.cache is CacheStatus.STORED and h2.plan.boundaries
 
 

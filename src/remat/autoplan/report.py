@@ -13,6 +13,7 @@ from ..units import fmt_bytes
 class CacheStatus(enum.Enum):
     HIT = "hit"              # the plan came from the cache: nothing was profiled
     STORED = "stored"        # planned now and written to the cache
+    NOT_STORED = "not-stored"  # planned now; the cache directory could not be written (UnusableCacheDirWarning)
     DISABLED = "disabled"    # use_cache=False
 
 

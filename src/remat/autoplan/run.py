@@ -11,18 +11,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .. import __version__
 from ..wrap import apply, recover_handle
 from ..closed_loop import plan_closed_loop
-from ..errors import AutoError
+from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import fingerprint, profile_workload
 from ..types import ProgressFn, no_progress
 from ..verify import RngState, verify_plan
-from .cache import CacheKey, PlanCache, code_identity, default_cache_dir, device_identity
+from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
+from .digest import StableDigest, qualified_name, sha256_json
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
-from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, describe_batch, model_device
+from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device
 
 VERIFY_MODES = (None, "quick")
 _HOW_TO_VERIFY = ("not verified: pass verify='quick' (one seed, one step, paired control on a copy), or run "
@@ -149,30 +151,57 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     device = model_device(model)
     source = ModelSource(model, example_batch, loss, OptimizerSpec.of(model, settings.optimizer), device,
                          settings.copy_fn)
-    key = _cache_key(source, settings)
     cache = settings.plan_cache()
-    cached = cache.load(key) if cache is not None else None
-    status = CacheStatus.HIT if cached is not None else (CacheStatus.STORED if cache else CacheStatus.DISABLED)
-    plan, verified = _plan_and_verify(source, cached, settings)
-    path = None
-    if cache is not None:
-        path = str(cache.path(key))
-        if status is CacheStatus.STORED:
-            cache.store(key, plan)
+    if cache is None:
+        plan, verified = _plan_and_verify(source, None, settings)
+        status, path = CacheStatus.DISABLED, None
+    else:
+        plan, verified, status, path = _fit_cached(source, settings, cache)
     handle = apply(model, plan)
     return AutoHandle(handle, _auto_report(plan, settings, source.optimizer, status, path, verified,
                                            seconds=time.perf_counter() - t0))
 
 
+def _fit_cached(source: ModelSource, settings: AutoSettings,
+                cache: PlanCache) -> tuple[Plan, VerifyStatus, CacheStatus, str]:
+    """The plan for ``source`` through ``cache`` (NOTE [plan cache key]): a usable entry, else a new plan,
+    stored where the directory takes it. Returns the plan, its verification, the cache status, the entry's path."""
+    key = _cache_key(source, settings)
+    cached = _usable_cached_plan(source.model, cache, key)
+    plan, verified = _plan_and_verify(source, cached, settings)
+    if cached is not None:
+        status = CacheStatus.HIT
+    else:
+        status = CacheStatus.STORED if cache.store(key, plan) is not None else CacheStatus.NOT_STORED
+    return plan, verified, status, str(cache.path(key))
+
+
+def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Plan | None:
+    """The entry for ``key`` if it loads and applies to ``model`` (applied and removed at once: ``apply``
+    checks everything before it wraps anything); else None, an entry that fails warned about
+    (``BrokenCacheEntryWarning``): the caller re-plans and replaces it."""
+    plan = cache.load(key)
+    if plan is None:
+        return None
+    try:
+        apply(model, plan).remove()
+    except RematError as exc:
+        cache.reject(key, exc)
+        return None
+    return plan
+
+
 def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
     """What a cached plan is bound to (NOTE [plan cache key])."""
     model = source.model
+    digest = StableDigest()
     return CacheKey(
-        fingerprint=fingerprint(model).digest,
+        fingerprint=fingerprint(model).digest, state=sha256_json(digest.value(model)),
         trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
-        training=model.training, batch=describe_batch(source.batch), budget=str(settings.budget),
-        reserve=settings.reserve_fraction, planner=settings.planner, segments=settings.segments,
-        loss=code_identity(source.loss), optimizer=source.optimizer.key(), device=device_identity(source.device),
+        training=model.training, batch=[digest.value(leaf) for leaf in tree_leaves(source.batch)],
+        budget=str(settings.budget), reserve=settings.reserve_fraction, planner=settings.planner,
+        segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
+        optimizer=source.optimizer.key(), device=device_identity(source.device),
         torch_version=torch.__version__, remat_version=__version__)
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from ..errors import AutoError, WorkloadError
 from ..workload import LoadedWorkload, Workload
@@ -52,17 +52,6 @@ def default_loss(batch: Any) -> LossFn:
     raise AutoError(f"no loss_fn was given and the example batch is {what}: remat.auto needs the training loss",
                     tip="pass loss_fn=lambda model, batch: <scalar loss>, or a dict batch with labels for "
                         "model(**batch).loss")
-
-
-def describe_batch(batch: Any) -> list[list[Any]]:
-    """Shapes and dtypes of every tensor in ``batch``, and the repr of every other leaf (the cache key)."""
-    out: list[list[Any]] = []
-    for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor):
-            out.append([list(leaf.shape), str(leaf.dtype).replace("torch.", ""), leaf.device.type])
-        else:
-            out.append([type(leaf).__name__, repr(leaf)[:200]])
-    return out
 
 
 def clone_batch(batch: Any) -> Any:
