@@ -197,11 +197,10 @@ TAMPERS: list[tuple[str, Callable[[dict], None], FindingKind | str]] = [
     ("record-mode-selective", _set("plan.boundaries.0.mode", "selective"), FindingKind.RECORDS),
     ("plan-guarded", _set("plan.plan.boundaries.0.guarded", True), FindingKind.RECORDS),
     ("plan-predicted-saving-x3", _scale("plan.plan.boundaries.0.saved_bytes", 3), FindingKind.RECORDS),
-    ("decision-boundaries", _set("decision.boundaries", ["blocks.0:full"]), FindingKind.RECORDS),
+    ("decision-boundaries", lambda d: d["decision"]["boundaries"].append("head:full"), FindingKind.RECORDS),
     ("plan-label", _set("plan.label", "all"), FindingKind.RECORDS),
     ("plan-rng-policy-off", _set("plan.plan.preserve_rng_state", False), FindingKind.RECORDS),
-    ("frontier-point-boundaries", lambda d: _shipped_point(d).update(boundaries=["blocks.2:full"]),
-     FindingKind.RECORDS),
+    ("frontier-point-boundaries", lambda d: _shipped_point(d)["boundaries"].append("head:full"), FindingKind.RECORDS),
     ("plan-drops-its-boundary", _drop_plan_boundary, LOAD),
     # fixture sizes
     ("fixture-100-seeds-x-1000-steps", _fixture_100x1000, FindingKind.FIXTURE),
@@ -335,3 +334,15 @@ def test_the_deadline_stops_a_running_stage():
         guarded("verify", 1, 10)
     assert exc.value.exit_code == 4 and "at verify" in exc.value.message
     Deadline(None).guard(lambda *a: None)("verify", 1, 10)   # no limit: never raises
+
+
+def test_the_overhead_fails_only_when_resolved_past_the_claim_and_its_tolerance():
+    from remat.workflow.check import _time_verdict
+    control = [10.0 + 0.01 * i for i in range(8)]
+    slower = [1.3 * c for c in control]           # +30%, every round
+    fails, said = _time_verdict(control, slower, claimed=1.0, allowance=10.0)
+    assert fails and "resolved slower than the claim" in said
+    assert not _time_verdict(control, slower, claimed=29.0, allowance=10.0)[0]
+    noisy = [c * (1.0 if i % 2 else 2.0) for i, c in enumerate(control)]   # half the rounds +100%, half +0%
+    fails, said = _time_verdict(control, noisy, claimed=1.0, allowance=10.0)
+    assert not fails and "within the noise" in said

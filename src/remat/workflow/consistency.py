@@ -179,43 +179,58 @@ def _point_findings(fr: FrontierReport) -> list[CheckFinding]:
     return out
 
 
+def _figure(point: FrontierPoint | None, attr: str, claimed: float | None) -> float | None:
+    """The frontier point's figure; the claim itself when the frontier has no such point."""
+    return claimed if point is None else getattr(point, attr)
+
+
+def _overhead_arithmetic(d: ReceiptDecision) -> list[CheckFinding]:
+    """The overhead (%) is (shipped p50 - control p50) / control p50."""
+    c, s, o = d.control_p50_ms, d.shipped_p50_ms, d.overhead_pct
+    if not c or s is None or o is None or _close(o, (s - c) / c * 100.0):
+        return []
+    return [_f(FindingKind.CLAIMS, f"overhead {o:+.1f}% is not (shipped p50 - control p50) / control p50 = "
+                                   f"{(s - c) / c * 100.0:+.1f}%")]
+
+
 def _decision_vs_points(d: ReceiptDecision, control: FrontierPoint | None,
                         shipped: FrontierPoint | None) -> list[CheckFinding]:
-    out = []
-    pairs = [("control peak", d.control_peak_bytes, control.peak_bytes if control else d.control_peak_bytes),
-             ("control p50", d.control_p50_ms, control.p50_ms if control else d.control_p50_ms),
-             ("shipped peak", d.shipped_peak_bytes, shipped.peak_bytes if shipped else d.shipped_peak_bytes),
-             ("shipped p50", d.shipped_p50_ms, shipped.p50_ms if shipped else d.shipped_p50_ms),
-             ("overhead", d.overhead_pct, shipped.overhead_pct if shipped else d.overhead_pct)]
-    for name, claimed, measured in pairs:
-        if not _close(claimed, measured):
-            out.append(_f(FindingKind.CLAIMS, f"the decision's {name} {claimed} is not the frontier's {measured}"))
-    c, s, o = d.control_p50_ms, d.shipped_p50_ms, d.overhead_pct
-    if c and s is not None and o is not None and not _close(o, (s - c) / c * 100.0):
-        out.append(_f(FindingKind.CLAIMS, f"overhead {o:+.1f}% is not (shipped p50 - control p50) / control p50 = "
-                                          f"{(s - c) / c * 100.0:+.1f}%"))
-    return out
+    """The decision's peaks (bytes), p50s (ms) and overhead (%) are the frontier points'."""
+    pairs = [("control peak", d.control_peak_bytes, _figure(control, "peak_bytes", d.control_peak_bytes)),
+             ("control p50", d.control_p50_ms, _figure(control, "p50_ms", d.control_p50_ms)),
+             ("shipped peak", d.shipped_peak_bytes, _figure(shipped, "peak_bytes", d.shipped_peak_bytes)),
+             ("shipped p50", d.shipped_p50_ms, _figure(shipped, "p50_ms", d.shipped_p50_ms)),
+             ("overhead", d.overhead_pct, _figure(shipped, "overhead_pct", d.overhead_pct))]
+    return [_f(FindingKind.CLAIMS, f"the decision's {name} {claimed} is not the frontier's {measured}")
+            for name, claimed, measured in pairs if not _close(claimed, measured)] + _overhead_arithmetic(d)
 
 
-def _verdict_findings(receipt: Receipt) -> list[CheckFinding]:
+def _verified_findings(receipt: Receipt) -> list[CheckFinding]:
+    """The decision's ``verified`` is the verification report's verdict."""
+    d, v = receipt.decision, receipt.verification
+    if d.verified == (None if v is None else v.passed):
+        return []
+    return [_f(FindingKind.CLAIMS, f"verified is {d.verified}, but the verification report says "
+                                   f"{'nothing' if v is None else ('passed' if v.passed else 'failed')}")]
+
+
+def _shipped_findings(receipt: Receipt) -> list[CheckFinding]:
     """What ships must clear, be verified, and be needed (the control does not fit)."""
-    d, v, plan = receipt.decision, receipt.verification, receipt.plan.plan
-    out = []
-    if d.verified != (None if v is None else v.passed):
-        out.append(_f(FindingKind.CLAIMS, f"verified is {d.verified}, but the verification report says "
-                                          f"{'nothing' if v is None else ('passed' if v.passed else 'failed')}"))
+    d, plan = receipt.decision, receipt.plan.plan
     if d.status is not ShipStatus.SHIP or plan is None:
-        return out
-    if d.shipped_peak_bytes is not None and d.shipped_peak_bytes > d.effective_budget_bytes:
+        return []
+    out = []
+    limit = d.effective_budget_bytes
+    if d.shipped_peak_bytes is not None and d.shipped_peak_bytes > limit:
         out.append(_f(FindingKind.CLAIMS, f"the shipped peak {mib(d.shipped_peak_bytes)} does not clear the "
-                                          f"effective budget {mib(d.effective_budget_bytes)}, yet it ships"))
+                                          f"effective budget {mib(limit)}, yet it ships"))
     if plan.boundaries and d.verified is not True:
         out.append(_f(FindingKind.CLAIMS, "a plan with boundaries ships unverified"))
     control = d.control_peak_bytes
-    if plan.boundaries and control is not None and control <= d.effective_budget_bytes:
+    if plan.boundaries and control is not None and control <= limit:
         out.append(_f(FindingKind.CLAIMS, f"the unmodified step's peak {mib(control)} already clears the effective "
-                                          f"budget {mib(d.effective_budget_bytes)}, so nothing would be checkpointed; "
-                                          f"yet {len(plan.boundaries)} boundaries ship"))
+                                          f"budget {mib(limit)}, so nothing would be checkpointed; yet "
+                                          f"{len(plan.boundaries)} boundaries ship"))
     return out
 
 
@@ -225,7 +240,7 @@ def claim_findings(receipt: Receipt) -> list[CheckFinding]:
     if fr is not None:
         control = next((p for p in fr.points if p.plan == fr.control), None)
         out += _point_findings(fr) + _decision_vs_points(d, control, fr.shipped)
-    out += _verdict_findings(receipt)
+    out += _verified_findings(receipt) + _shipped_findings(receipt)
     for r in receipt.plan.boundaries:
         if r.saving_tolerance != receipt.settings.saving_tolerance:
             out.append(_f(FindingKind.CLAIMS, f"boundary {r.module}: saving tolerance {r.saving_tolerance} is not the "

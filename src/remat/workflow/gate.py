@@ -60,21 +60,33 @@ class GateSettings:
     timeout_s: float | None = None           # the whole check (s)
 
     def __post_init__(self) -> None:
-        if isinstance(self.budget, str) and self.budget.strip().endswith("%"):
-            raise BudgetError(f"the gate's budget must be bytes, got {self.budget!r}",
-                              tip="a percentage of the unmodified peak moves with the model: write e.g. 64MiB")
-        if self.budget is not None:
-            parse_budget(self.budget, 1)
+        _check_budget(self.budget)
         for name in ("reserve", "peak_tolerance", "saving_tolerance", "time_tolerance"):
             if getattr(self, name) is not None:
                 parse_reserve(getattr(self, name))
         for name in ("max_seeds", "max_steps"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 10_000):
-                raise WorkloadError(f"{name.replace('_', '-')} must be an integer from 1 to 10000, got {v!r}")
-        t = self.timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 7 * 86400):
-            raise WorkloadError(f"timeout must be a number of seconds in (0, 604800], got {t!r}")
+            _check_count(name, getattr(self, name))
+        _check_timeout(self.timeout_s)
+
+
+def _check_budget(budget: str | int | None) -> None:
+    """A gate budget is bytes, never a share of the unmodified peak (NOTE [gate thresholds])."""
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        raise BudgetError(f"the gate's budget must be bytes, got {budget!r}",
+                          tip="a percentage of the unmodified peak moves with the model: write e.g. 64MiB")
+    if budget is not None:
+        parse_budget(budget, 1)
+
+
+def _check_count(name: str, v: Any) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 10_000):
+        raise WorkloadError(f"{name.replace('_', '-')} must be an integer from 1 to 10000, got {v!r}")
+
+
+def _check_timeout(t: Any) -> None:
+    """Seconds, more than 0 and at most a week."""
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 7 * 86400):
+        raise WorkloadError(f"timeout must be a number of seconds in (0, 604800], got {t!r}")
 
 
 # the keys of [tool.remat] the gate reads, and the GateSettings field each sets
