@@ -27,6 +27,8 @@ from remat.workflow import check as check_mod
 from remat.workflow.check import Deadline
 from remat.workload import load_workload
 
+from .test_receipt import _mutate
+
 MLP = {"batch_size": 256, "width": 32, "depth": 4, "d_in": 8}
 SETTINGS = RunSettings(trace_warmup=1, trace_steps=1, verify_steps=1, verify_seeds=1, verify_timing_steps=0,
                        frontier_plans=["none", "optimal"], frontier_steps=3, frontier_warmup=1,
@@ -75,26 +77,15 @@ def _control_point(d: dict) -> dict:
 
 
 def _set(path: str, value: Any) -> Callable[[dict], None]:
-    def edit(d: dict) -> None:
-        keys = path.split(".")
-        node = d
-        for k in keys[:-1]:
-            node = node[int(k)] if isinstance(node, list) else node[k]
-        last = keys[-1]
-        if isinstance(node, list):
-            node[int(last)] = value
-        else:
-            node[last] = value
-    return edit
+    return lambda d: _mutate(d, path, value)
 
 
 def _scale(path: str, factor: float) -> Callable[[dict], None]:
     def edit(d: dict) -> None:
-        keys = path.split(".")
-        node = d
-        for k in keys[:-1]:
+        node: Any = d
+        for k in path.split("."):
             node = node[int(k)] if isinstance(node, list) else node[k]
-        node[keys[-1]] = type(node[keys[-1]])(node[keys[-1]] * factor)
+        _mutate(d, path, type(node)(node * factor))
     return edit
 
 
