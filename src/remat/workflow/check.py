@@ -90,7 +90,8 @@ MIN_TIME_STEPS = 8     # interleaved rounds the overhead is re-measured over, at
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
 __all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FindingKind", "FixturePlan",
-           "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "same_workload"]
+           "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload", "report_findings",
+           "same_workload"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -261,7 +262,7 @@ class FixturePlan:
         return None if self.step_ms is None else self.total * self.step_ms / 1000.0
 
     def describe(self) -> str:
-        when = "" if self.estimate_s is None else f", about {self.estimate_s:.0f} s at the receipt's {self.step_ms:.1f} ms a step"
+        when = "" if self.estimate_s is None else f", about {self.estimate_s:.1f} s at the receipt's {self.step_ms:.1f} ms a step"
         return (f"{self.total} fixture steps will run (equivalence {self.equivalence_steps}, peak {self.peak_steps}, "
                 f"savings {self.saving_steps}, time {self.time_steps}){when}")
 
@@ -294,14 +295,14 @@ class Deadline:
             return
         spent = time.perf_counter() - self.t0
         if spent > self.timeout_s:
-            raise CheckTimeout(f"remat check ran past its {self.timeout_s:.0f} s limit ({spent:.0f} s, at {what}): "
+            raise CheckTimeout(f"remat check ran past its {self.timeout_s:g} s limit ({spent:.0f} s, at {what}): "
                                "nothing was decided", tip=_TIMEOUT_TIP)
 
     def refuse_estimate(self, plan: FixturePlan) -> None:
         """Refuse up front a check whose fixtures, at the receipt's own step time, need more than the limit."""
         est = plan.estimate_s
         if self.timeout_s is not None and est is not None and est > self.timeout_s:
-            raise CheckTimeout(f"{plan.describe()}: more than the {self.timeout_s:.0f} s limit; nothing was run",
+            raise CheckTimeout(f"{plan.describe()}: more than the {self.timeout_s:g} s limit; nothing was run",
                                tip=_TIMEOUT_TIP)
 
     def guard(self, progress: ProgressFn) -> ProgressFn:
@@ -626,9 +627,10 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     loaded = _load(receipt, chosen.spec)
     progress("check", 1, 7)
     _check_shape(ledger, receipt, chosen.spec)
+    progress("check", 2, 7)
     if not _check_model(ledger, receipt, loaded, plan):
         return ledger.report()
-    progress("check", 2, 7)
+    progress("check", 3, 7)
     _check_equivalence(ledger, receipt, loaded, plan, progress)
     progress("check", 4, 7)
     if quick:
