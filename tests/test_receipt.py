@@ -411,10 +411,12 @@ def test_check_fails_when_the_receipt_changed_under_its_reports(work, capsys):
     assert "FAIL report: report.html names receipt sha256" in out and "FAIL report: report.md" in out
 
 
-def test_a_missing_report_is_noted_not_failed(work, capsys):
+def test_a_missing_report_fails_unless_no_reports(work, capsys):
     (work / "out" / "report.md").unlink()
-    assert main(["check", "out/receipt.json", "--quick"]) == 0
-    assert "report.md: none beside the receipt" in _text(capsys.readouterr().out)
+    assert main(["check", "out/receipt.json", "--quick"]) == 1
+    assert "FAIL report: report.md: none beside the receipt" in _text(capsys.readouterr().out)
+    assert main(["check", "out/receipt.json", "--quick", "--no-reports"]) == 0
+    assert "report.md: none beside the receipt (--no-reports)" in _text(capsys.readouterr().out)
 
 
 # -- atomic writes ---------------------------------------------------------------------------------

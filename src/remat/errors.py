@@ -4,6 +4,7 @@ Exit codes (see NOTE [exit codes] in remat.cli.main):
   2  bad input: the user asked for something that cannot be done as asked, or the user's own
      code (workload factory, batch, loss, model, optimizer) raised: :class:`UserCodeError`
   1  a check ran and failed (verification, receipt check)
+  4  ``remat check`` ran past its time limit (``--timeout``): :class:`CheckTimeout`
   3  never raised as a RematError: any other exception is a remat bug
 """
 
@@ -97,6 +98,12 @@ class CheckFailed(RematError):
     """``remat check`` re-ran a receipt's fixtures and at least one failed."""
 
     exit_code = 1
+
+
+class CheckTimeout(RematError):
+    """``remat check`` would run, or ran, past its time limit (``--timeout``): nothing was decided."""
+
+    exit_code = 4
 
 
 class AutoError(RematError):

@@ -12,43 +12,56 @@ from rich.markup import escape
 
 from ..errors import CheckFailed
 from ..pipeline_parallel.check import check_pipeline_receipt
-from ..workflow import check_receipt
+from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
+from ..workflow.check import CheckReport, Deadline
+from ..workflow.gate import limit, project_gate
 from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, bounded_int
-from .render import console, progress_bar
+from .render import console, err_console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "check", help="re-check a receipt: model revisions, equivalence, peak, savings",
+        "check", help="re-check a receipt: consistency, model revisions, equivalence, peak, savings, step time",
         description="Re-run the fixtures a receipt names on YOUR workload. The receipt is validated as plain JSON "
                     "first (a malformed or hostile file exits 2); nothing in it is executed, imported or unpickled. "
                     "The workload that runs is the one you name: --workload, else [tool.remat] workload = \"...\" "
                     "in ./pyproject.toml, else the receipt's own only when it is a built-in (gpt, cnn, mlp). The "
-                    "receipt's workload is compared with it (a mismatch fails, exit 1). report.html and report.md "
-                    "beside the receipt must name its sha256. A pipeline receipt (remat distributed --engine pipeline) "
-                    "is re-checked by launching the unplanned and the planned pipeline at its world size.")
+                    "receipt's workload is compared with it (a mismatch fails, exit 1). A receipt that contradicts "
+                    "itself fails before anything runs. Budget, reserve and tolerances come from the flags below or "
+                    "[tool.remat] (budget, reserve, peak-tolerance, saving-tolerance, time-tolerance, max-seeds, "
+                    "max-steps, timeout), never from the receipt alone. report.html and report.md must be beside the "
+                    "receipt (unless --no-reports) and name its sha256. Past --timeout: exit 4. A pipeline receipt "
+                    "(remat distributed --engine pipeline) is re-checked by launching the unplanned and the planned "
+                    "pipeline at its world size.")
     p.add_argument("receipt", type=Path, help="receipt.json written by remat receipt / remat demo / remat distributed --engine pipeline")
-    p.add_argument("--quick", action="store_true", help="revision hashes and equivalence only (fast, for every CI run)")
+    p.add_argument("--quick", action="store_true", help="consistency, revision hashes and equivalence only (fast, for every CI run)")
     p.add_argument("--workload", default=None,
                    help="your workload spec (default: [tool.remat] workload in ./pyproject.toml, or the receipt's "
                         "when it is a built-in); compared with the receipt's")
+    p.add_argument("--budget", default=None, help="the peak budget (bytes, 64MiB; default: [tool.remat] budget, else "
+                                                  "the receipt's once it is consistent)")
+    p.add_argument("--reserve", default=None, help="share of the budget kept free (default: [tool.remat] reserve, else the receipt's)")
+    p.add_argument("--peak-tolerance", default=None, help="how far the peak may exceed the claimed one (default 5%%)")
+    p.add_argument("--saving-tolerance", default=None, help="how far a boundary's saving may fall below its claim "
+                                                            "(default 10%%, or the receipt's when tighter)")
+    p.add_argument("--time-tolerance", default=None, help="how far the overhead may exceed the claimed one, as a share "
+                                                          "of the control's step (default 10%%)")
+    p.add_argument("--timeout", type=float, default=None, help="time limit for the whole check in seconds (default: "
+                                                               "[tool.remat] timeout, else 3600); past it: exit 4")
+    p.add_argument("--no-reports", action="store_true", help="do not fail when report.html / report.md are missing")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
                    help="torch intra-op threads (default: as many as the receipt was made with)")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
-    # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
-    torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
-    with progress_bar() as progress:
-        if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
-            report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload,
-                                            reports=(args.receipt.parent, digest), progress=progress)
-        else:
-            report = check_receipt(receipt, quick=args.quick, workload=args.workload,
-                                   reports=(args.receipt.parent, digest), progress=progress)
+def gate_from_args(args: argparse.Namespace) -> GateSettings:
+    return GateSettings(budget=args.budget, reserve=args.reserve, peak_tolerance=args.peak_tolerance,
+                        saving_tolerance=args.saving_tolerance, time_tolerance=args.time_tolerance,
+                        timeout_s=args.timeout)
+
+
+def render_report(report: CheckReport) -> None:
     for line in report.checked:
         console.print(f"[green]ok[/]   {escape(line)}", highlight=False)
     for line in report.skipped:
@@ -56,6 +69,24 @@ def run(args: argparse.Namespace) -> int:
     for f in report.failures:
         where = escape(f" [{f.boundary}]") if f.boundary else ""
         console.print(f"[bold red]FAIL[/] {f.kind}{where}: {escape(f.message)}", highlight=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
+    gate = gate_from_args(args)
+    # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
+    torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
+    reports = ReportStamps(folder=args.receipt.parent, digest=digest, required=not args.no_reports)
+    with progress_bar() as progress:
+        if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
+            deadline = Deadline(limit("timeout_s", gate, project_gate()))
+            report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,
+                                            progress=deadline.guard(progress))
+        else:
+            err_console.print(f"check: {escape(fixture_plan(receipt, quick=args.quick).describe())}", highlight=False)
+            report = check_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports, gate=gate,
+                                   progress=progress)
+    render_report(report)
     if not report.passed:
         raise CheckFailed(f"{len(report.failures)} check(s) failed for {args.receipt}",
                           tip="if the change is intended, re-run `remat receipt` and commit the new receipt")

@@ -8,6 +8,7 @@ NOTE [exit codes]
        forward or backward, the optimizer): a UserCodeError, shown with that code's traceback
   2    also out of memory (torch.OutOfMemoryError, or CPU "can't allocate memory"): the step does not fit
   3    a remat bug: any other exception that is not a RematError; the traceback is printed, please report it
+  4    ``remat check`` ran (or would run) past its time limit (``--timeout``): a CheckTimeout, nothing decided
   130  interrupted (Ctrl-C), at any moment, torch's import included: one line, no traceback
 How remat tells the user's code from its own: every call into the workload goes through
 ``remat.workload.contract.call_user`` (NOTE [user code errors] there), which types what the

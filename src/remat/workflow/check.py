@@ -1,16 +1,22 @@
 """``check_receipt``: re-run the fixtures a receipt names and say what no longer holds.
 
-What is checked, in order (``quick`` stops after 3):
-1. the shape: every keyword of the factory, defaults included, as the receipt recorded it;
-2. the model: each boundary's module still exists and its revision hash (class sources +
+What is checked, in order (``quick`` stops after 4):
+1. the receipt against itself (NOTE [receipt consistency] in workflow/consistency.py): a receipt
+   that contradicts itself is refused before anything runs; then the gate's thresholds are
+   chosen (NOTE [gate thresholds] in workflow/gate.py), never from the receipt alone;
+2. the shape: every keyword of the factory, defaults included, as the receipt recorded it;
+3. the model: each boundary's module still exists and its revision hash (class sources +
    parameter shapes) is unchanged; the whole-model fingerprint the plan is bound to;
-3. equivalence: the receipt's paired-step fixture (same seeds, steps, tolerance), hazards
+4. equivalence: the receipt's paired-step fixture (same seeds, steps, tolerance), hazards
    and negative controls included (``remat.verify.verify_plan``);
-4. the peak with the plan applied still clears budget x (1 - reserve);
-5. each boundary's measured saving (NOTE [measured saving] in workflow/build.py) has not fallen by
-   more than its stated tolerance.
-If the model changed (2), 3-5 are skipped: the plan is bound to the model it was made
+5. the peak with the plan applied clears the gate's budget x (1 - reserve), and exceeds the
+   receipt's claimed peak by no more than the peak tolerance;
+6. each boundary's measured saving (NOTE [measured saving] in workflow/build.py) is not below
+   its claim by more than the saving tolerance;
+7. the step time, interleaved against the control (NOTE [re-measured overhead]).
+If the model changed (3), 4-7 are skipped: the plan is bound to the model it was made
 for, and the failure list already says what to do (re-run ``remat receipt``).
+The whole check runs under a time limit (:class:`Deadline`, ``--timeout``).
 
 NOTE [workload spec policy]
 A receipt is data from a pull request: it never chooses what code runs. ``remat check``
@@ -27,18 +33,32 @@ after each is checked against the type the factory declares (NOTE [shape conform
 remat/workload/loader.py), and the schema bounds them (integers within +-2**31). Nothing
 else read from a receipt names a path, module or callable that remat opens or imports;
 the only other files check reads are ``report.html`` and ``report.md`` beside the receipt,
-which must name the receipt's sha256 (NOTE [atomic receipt folder] in receipt/write.py).
+which must exist (unless ``--no-reports``) and name the receipt's sha256 (NOTE [atomic receipt
+folder] in receipt/write.py).
+
+NOTE [re-measured overhead]
+The control and the plan are built fresh and timed in one interleaved round-robin (NOTE
+[interleaved timing] in remat/measure/run.py), ``max(frontier_steps, MIN_TIME_STEPS)`` warm
+rounds after ``frontier_warmup``. The overhead is the p50 difference over the control's p50,
+with the bootstrap confidence interval of NOTE [resolved differences] (frontier/pareto.py).
+The claim is itself a noisy figure (a few frontier rounds), so it is allowed the time tolerance
+plus its own noise: how far its interval (the frontier's shipped samples against the control's)
+reaches above it, at most one more tolerance, so that wide samples cannot buy a looser gate.
+The check fails only when the plan's steps are *resolved* slower (NOTE [resolved differences]:
+the bootstrap interval excludes zero and the per-round sign test agrees, so at least 6 rounds
+all one way) than the control's scaled by 1 + (claimed overhead + that allowance): worse than
+the claim beyond the tolerance, and outside the noise. A worse point estimate that is not
+resolved is said to be within the noise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
+import math
 import os
 import re
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +66,11 @@ from torch import nn
 
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan
-from ..wrap import boundary_module
-from ..errors import CandidateError, ReceiptError, WorkloadError
+from ..clock import percentile
+from ..frontier.pareto import CONFIDENCE, p50_difference
+from ..measure import prepare_arm, time_round_robin
+from ..wrap import PlanArm, boundary_module
+from ..errors import CandidateError, CheckTimeout, ReceiptError, WorkloadError
 from ..plan import Plan
 from ..profile import FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress
@@ -55,45 +78,20 @@ from ..units import mib
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
 from .build import measure_savings
+from .consistency import FixtureLimits, consistency_findings
+from .findings import CheckFinding, FindingKind
+from .gate import PYPROJECT, GateSettings, Thresholds, limit, project_gate, resolve_thresholds, tool_remat
 from ..receipt.model import BoundaryRecord, Receipt, ShipStatus, resolved_shape
 from ..receipt.write import HTML_FILE, MD_FILE
 
-PYPROJECT = "pyproject.toml"
-MAX_PYPROJECT_BYTES = 2 ** 20
 MAX_REPORT_BYTES = 64 * 2 ** 20
+MIN_TIME_STEPS = 8     # interleaved rounds the overhead is re-measured over, at least (a sign test
+                       # resolves nothing in fewer than 6: NOTE [resolved differences])
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
-
-
-class FindingKind(str, enum.Enum):
-    """What a failed check is about (the order ``check_receipt`` checks in)."""
-
-    WORKLOAD = "workload"         # the receipt names other code than the user's
-    REPORT = "report"             # report.html/report.md beside it show another receipt
-    SHAPE = "shape"               # a shape keyword (or its default) changed
-    MODEL = "model"               # a boundary's module changed or is gone; the fingerprint differs
-    DECISION = "decision"         # the receipt ships nothing
-    EQUIVALENCE = "equivalence"   # the paired-step fixture fails
-    PEAK = "peak"                 # the peak no longer clears budget x (1 - reserve)
-    SAVING = "saving"             # a boundary saves less than its tolerance allows
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckFinding:
-    """One thing that no longer holds. ``boundary`` names the module when it is about one."""
-
-    kind: FindingKind
-    message: str
-    boundary: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", FindingKind(self.kind))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "message": self.message, "boundary": self.boundary}
+__all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FindingKind", "FixturePlan",
+           "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload", "report_findings",
+           "same_workload"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,19 +120,11 @@ class ChosenWorkload:
 
 def project_workload(cwd: Path | None = None) -> str | None:
     """``[tool.remat] workload`` from ``pyproject.toml`` in ``cwd``; None when there is none."""
-    path = (cwd or Path.cwd()) / PYPROJECT
-    if not path.is_file():
-        return None
-    data = read_bounded_bytes(path, error=WorkloadError, what=PYPROJECT, max_bytes=MAX_PYPROJECT_BYTES)
-    try:
-        table = tomllib.loads(data.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"{path} is not valid TOML: {exc}") from None
-    spec = table.get("tool", {}).get("remat", {}).get("workload") if isinstance(table.get("tool"), dict) else None
+    spec = tool_remat(cwd).get("workload")
     if spec is None:
         return None
     if not isinstance(spec, str) or not spec.strip() or len(spec) > 4096:
-        raise WorkloadError(f"{path}: [tool.remat] workload must be a workload spec string, got {str(spec)[:60]!r}")
+        raise WorkloadError(f"{PYPROJECT} [tool.remat] workload must be a workload spec string, got {str(spec)[:60]!r}")
     return spec.strip()
 
 
@@ -178,18 +168,28 @@ def _load(receipt: Receipt, spec: str) -> LoadedWorkload:
                            tip=exc.tip or "run remat check where remat receipt ran, or pass --workload") from exc
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportStamps:
+    """The reports beside a receipt to check: its folder, the sha256 of its bytes, and whether a
+    missing report fails (``required``; ``--no-reports`` turns it off)."""
+
+    folder: Path
+    digest: str
+    required: bool = True
+
+
 class CheckLedger:
     """What a check has found, checked and skipped so far (both receipt kinds); ``report()`` is the
     :class:`CheckReport`. Starts with the reports' stamps when ``reports`` names a folder."""
 
-    def __init__(self, spec: str, quick: bool, reports: tuple[Path, str] | None) -> None:
+    def __init__(self, spec: str, quick: bool, reports: ReportStamps | None) -> None:
         self.t0 = time.perf_counter()
         self.spec, self.quick = spec, quick
         self.failures: list[CheckFinding] = []
         self.checked: list[str] = []
         self.skipped: list[str] = []
         if reports is not None:
-            f, c, sk = report_findings(*reports)
+            f, c, sk = report_findings(reports)
             self.failures += f
             self.checked += c
             self.skipped += sk
@@ -199,15 +199,33 @@ class CheckLedger:
                            checked=self.checked, skipped=self.skipped, wall_s=time.perf_counter() - self.t0)
 
 
-def report_findings(folder: Path, digest: str) -> tuple[list[CheckFinding], list[str], list[str]]:
-    """(failures, checked, skipped): each report beside the receipt must name the receipt's sha256."""
+def _stamp_finding(name: str, text: str, digest: str) -> CheckFinding | None:
+    """None when the report names exactly this receipt's sha256; else what it names instead."""
+    named = set(_STAMP.findall(text))
+    if named == {digest}:
+        return None
+    what = (f"names receipt sha256 {', '.join(sorted(d[:12] + '...' for d in named))}" if named
+            else "names no receipt sha256")
+    return CheckFinding(kind=FindingKind.REPORT, message=f"{name} {what}, but receipt.json beside it has sha256 "
+                                                         f"{digest[:12]}...: the report shows figures from another "
+                                                         "receipt (re-run remat receipt, or commit the report written "
+                                                         "with this receipt)")
+
+
+def report_findings(reports: ReportStamps) -> tuple[list[CheckFinding], list[str], list[str]]:
+    """(failures, checked, skipped): each report beside the receipt must exist (when required) and name
+    the receipt's sha256."""
     failures: list[CheckFinding] = []
     checked: list[str] = []
     skipped: list[str] = []
     for name in (HTML_FILE, MD_FILE):
-        path = folder / name
+        path = reports.folder / name
         if not path.exists() and not path.is_symlink():
-            skipped.append(f"{name}: none beside the receipt")
+            if reports.required:
+                failures.append(CheckFinding(kind=FindingKind.REPORT, message=(
+                    f"{name}: none beside the receipt (commit the reports remat receipt wrote, or pass --no-reports)")))
+            else:
+                skipped.append(f"{name}: none beside the receipt (--no-reports)")
             continue
         try:
             text = read_bounded_bytes(path, error=ReceiptError, what=name, max_bytes=MAX_REPORT_BYTES
@@ -215,17 +233,83 @@ def report_findings(folder: Path, digest: str) -> tuple[list[CheckFinding], list
         except ReceiptError as exc:
             failures.append(CheckFinding(kind=FindingKind.REPORT, message=exc.message))
             continue
-        named = set(_STAMP.findall(text))
-        if named == {digest}:
-            checked.append(f"{name} was rendered from this receipt (sha256 {digest[:12]}...)")
+        found = _stamp_finding(name, text, reports.digest)
+        if found is None:
+            checked.append(f"{name} was rendered from this receipt (sha256 {reports.digest[:12]}...)")
         else:
-            what = (f"names receipt sha256 {', '.join(sorted(d[:12] + '...' for d in named))}" if named
-                    else "names no receipt sha256")
-            failures.append(CheckFinding(
-                kind=FindingKind.REPORT, message=f"{name} {what}, but receipt.json beside it has sha256 {digest[:12]}...: "
-                                       "the report shows figures from another receipt (re-run remat receipt, or "
-                                       "commit the report written with this receipt)"))
+            failures.append(found)
     return failures, checked, skipped
+
+
+# -- the time limit and what will run --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FixturePlan:
+    """How many steps the check will run, and about how long that takes at the receipt's step time."""
+
+    equivalence_steps: int      # control + planned, every seed, train steps + the eval step
+    peak_steps: int
+    saving_steps: int
+    time_steps: int             # interleaved rounds x 2 arms
+    step_ms: float | None       # the receipt's control p50 (an estimate: the receipt says so)
+
+    @property
+    def total(self) -> int:
+        return self.equivalence_steps + self.peak_steps + self.saving_steps + self.time_steps
+
+    @property
+    def estimate_s(self) -> float | None:
+        return None if self.step_ms is None else self.total * self.step_ms / 1000.0
+
+    def describe(self) -> str:
+        when = "" if self.estimate_s is None else f", about {self.estimate_s:.1f} s at the receipt's {self.step_ms:.1f} ms a step"
+        return (f"{self.total} fixture steps will run (equivalence {self.equivalence_steps}, peak {self.peak_steps}, "
+                f"savings {self.saving_steps}, time {self.time_steps}){when}")
+
+
+def fixture_plan(receipt: Receipt, *, quick: bool = False) -> FixturePlan:
+    """What ``check_receipt`` will run for ``receipt`` (the progress line the CLI prints first)."""
+    s, plan = receipt.settings, receipt.plan.plan
+    n = len(plan.boundaries) if plan is not None else 0
+    full = not quick and plan is not None
+    return FixturePlan(equivalence_steps=2 * s.verify_seeds * (s.verify_steps + 1) if n else 0,
+                       peak_steps=s.frontier_warmup + 1 if full else 0,
+                       saving_steps=(s.saving_warmup + 1) * (n + 1) if full and n else 0,
+                       time_steps=2 * (s.frontier_warmup + max(s.frontier_steps, MIN_TIME_STEPS)) if full and n else 0,
+                       step_ms=receipt.decision.control_p50_ms)
+
+
+_TIMEOUT_TIP = "raise --timeout (or timeout in [tool.remat]), or make the receipt's fixtures smaller"
+
+
+class Deadline:
+    """The whole check's time limit (s): :meth:`check` raises :class:`CheckTimeout` once it is past,
+    and :meth:`guard` checks it at every progress report of the stages it runs."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.t0 = time.perf_counter()
+
+    def check(self, what: str) -> None:
+        if self.timeout_s is None:
+            return
+        spent = time.perf_counter() - self.t0
+        if spent > self.timeout_s:
+            raise CheckTimeout(f"remat check ran past its {self.timeout_s:g} s limit ({spent:.0f} s, at {what}): "
+                               "nothing was decided", tip=_TIMEOUT_TIP)
+
+    def refuse_estimate(self, plan: FixturePlan) -> None:
+        """Refuse up front a check whose fixtures, at the receipt's own step time, need more than the limit."""
+        est = plan.estimate_s
+        if self.timeout_s is not None and est is not None and est > self.timeout_s:
+            raise CheckTimeout(f"{plan.describe()}: more than the {self.timeout_s:g} s limit; nothing was run",
+                               tip=_TIMEOUT_TIP)
+
+    def guard(self, progress: ProgressFn) -> ProgressFn:
+        def update(what: str, done: int, total: int) -> None:
+            self.check(what)
+            progress(what, done, total)
+        return update
 
 
 # -- the checks ------------------------------------------------------------------------------------
@@ -364,75 +448,193 @@ def _check_equivalence(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWork
                           f"{'bitwise equal' if bitwise else 'within tolerance'}; negative controls rejected")
 
 
-def _check_peak(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan) -> None:
-    """4. the peak with the plan applied still clears budget x (1 - reserve) (bytes)."""
+def _check_consistency(ledger: CheckLedger, receipt: Receipt, limits: FixtureLimits) -> bool:
+    """1. the receipt against itself (NOTE [receipt consistency]); False (nothing runs) when it contradicts itself."""
+    found = consistency_findings(receipt, limits)
+    ledger.failures += found
+    if found:
+        ledger.skipped.append("nothing re-run: the receipt contradicts itself (an edited receipt; re-run remat receipt)")
+        return False
+    ledger.checked.append("the receipt agrees with itself (budget arithmetic, plan vs records, fixtures, claims)")
+    return True
+
+
+def _claimed_peak(receipt: Receipt, plan: Plan) -> int:
+    """The peak the receipt claims for the shipped plan (bytes): the control's when it ships no boundaries."""
     d = receipt.decision
-    limit = d.effective_budget_bytes
+    peak = d.shipped_peak_bytes if d.shipped_peak_bytes is not None else d.control_peak_bytes
+    return peak if peak is not None else 0
+
+
+def _check_peak(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
+                thresholds: Thresholds) -> None:
+    """5. the peak with the plan applied clears the gate's budget x (1 - reserve) and its claim (bytes)."""
+    limit_bytes = thresholds.effective_budget_bytes
+    claimed = _claimed_peak(receipt, plan)
     peak = measure_plan(loaded, plan, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
-    if peak <= limit:
-        ledger.checked.append(f"peak {mib(peak)} clears {mib(limit)} (receipt: {mib(d.shipped_peak_bytes)})")
-        return
     names = ", ".join(b.module for b in plan.boundaries) or "no boundaries"
-    ledger.failures.append(CheckFinding(
-        kind=FindingKind.PEAK, boundary=plan.boundaries[0].module if len(plan.boundaries) == 1 else None,
-        message=f"peak {mib(peak)} with the plan ({names}) no longer clears {mib(limit)} (budget "
-                f"{mib(d.budget_bytes)} less the required {d.reserve:.0%} reserve); the receipt measured "
-                f"{mib(d.shipped_peak_bytes)}"))
+    one = plan.boundaries[0].module if len(plan.boundaries) == 1 else None
+    tol = thresholds.peak_tolerance.value
+    if peak > limit_bytes:
+        ledger.failures.append(CheckFinding(
+            kind=FindingKind.PEAK, boundary=one,
+            message=f"peak {mib(peak)} with the plan ({names}) no longer clears {mib(limit_bytes)} (budget "
+                    f"{mib(int(thresholds.budget_bytes.value))} less the required {thresholds.reserve.value:.0%} "
+                    f"reserve); the receipt measured {mib(claimed)}"))
+    else:
+        ledger.checked.append(f"peak {mib(peak)} clears {mib(limit_bytes)} (receipt: {mib(claimed)})")
+    if peak > claimed * (1.0 + tol):
+        ledger.failures.append(CheckFinding(
+            kind=FindingKind.PEAK_CLAIM, boundary=one,
+            message=f"peak {mib(peak)} with the plan ({names}) is {peak - claimed} bytes over the {mib(claimed)} the "
+                    f"receipt claims (more than the {tol:.0%} tolerance)"))
+    else:
+        ledger.checked.append(f"peak {mib(peak)} within {tol:.0%} of the claimed {mib(claimed)}")
 
 
 def _check_savings(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
-                   progress: ProgressFn) -> None:
-    """5. each boundary's measured saving (bytes) has not fallen by more than its tolerance."""
+                   thresholds: Thresholds, progress: ProgressFn) -> None:
+    """6. each boundary's measured saving (bytes) is not below its claim by more than the tolerance."""
     if not plan.boundaries:
         return
     _, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
+    tol = thresholds.saving_tolerance.value
     ok = []
     for b in receipt.plan.boundaries:
         now = savings[b.module]
-        floor = b.measured_saving_bytes - b.saving_tolerance * abs(b.measured_saving_bytes)
+        floor = b.measured_saving_bytes - tol * abs(b.measured_saving_bytes)
         if now < floor:
             ledger.failures.append(CheckFinding(
                 kind=FindingKind.SAVING, boundary=b.module,
                 message=f"boundary {b.module}: saves {mib(now)}, down from {mib(b.measured_saving_bytes)} "
-                        f"(more than the {b.saving_tolerance:.0%} tolerance)"))
+                        f"(more than the {tol:.0%} tolerance)"))
         else:
             ok.append(f"{b.module} {mib(now)}")
     if ok:
-        ledger.checked.append(f"savings within tolerance: {', '.join(ok)}")
+        ledger.checked.append(f"savings within {tol:.0%} of the claims: {', '.join(ok)}")
+
+
+def _interleaved_ms(receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
+                    progress: ProgressFn) -> tuple[list[float], list[float]]:
+    """(control, plan) warm step times (ms), fresh builds timed interleaved (NOTE [re-measured overhead])."""
+    s = receipt.settings
+    arms = [prepare_arm(loaded, PlanArm("control", None)), prepare_arm(loaded, PlanArm("plan", plan))]
+    try:
+        t = time_round_robin(arms, warmup=s.frontier_warmup, steps=max(s.frontier_steps, MIN_TIME_STEPS),
+                             progress=progress, what="time vs control")
+    finally:
+        for a in arms:
+            a.close()
+    return t.step_ms["control"], t.step_ms["plan"]
+
+
+def _frontier_samples(receipt: Receipt) -> tuple[list[float], list[float]] | None:
+    """(shipped, control) warm step times (ms) the claimed overhead came from; None without them."""
+    fr = receipt.frontier
+    shipped = fr.shipped if fr is not None else None
+    control = next((p for p in fr.points if p.plan == fr.control), None) if fr is not None else None
+    if shipped is None or control is None or not shipped.step_ms or not control.step_ms:
+        return None
+    return shipped.step_ms, control.step_ms
+
+
+def _claim_noise(receipt: Receipt) -> float:
+    """How far above the claimed overhead its own interval reaches (% of the control's step; 0 without
+    samples): the frontier's samples of the shipped point against the control's (NOTE [re-measured overhead])."""
+    d, samples = receipt.decision, _frontier_samples(receipt)
+    if samples is None or not d.control_p50_ms or d.overhead_pct is None:
+        return 0.0
+    high = p50_difference(*samples).high_ms
+    return 0.0 if math.isnan(high) else max(0.0, 100.0 * high / d.control_p50_ms - d.overhead_pct)
+
+
+def _time_verdict(control: list[float], planned: list[float], claimed: float, allowance: float) -> tuple[bool, str]:
+    """(fails, what was found) for interleaved step times (ms) against the claimed overhead plus its
+    allowance, both in % of the control's step (NOTE [re-measured overhead])."""
+    base = percentile(control, 50.0) or 1e-9   # the control's p50 (ms)
+    diff = p50_difference(planned, control)
+    now, low, high = (100.0 * x / base for x in (diff.diff_ms, diff.low_ms, diff.high_ms))
+    interval = "no interval" if math.isnan(low) else f"{CONFIDENCE:.0%} CI [{low:+.1f}%, {high:+.1f}%]"
+    said = f"overhead {now:+.1f}% ({interval}, {diff.samples} interleaved rounds) vs the claimed {claimed:+.1f}%"
+    allowed = 1.0 + (claimed + allowance) / 100.0     # the slowest step the claim allows, per control step
+    excess = p50_difference(planned, [allowed * c for c in control])
+    if excess.resolved and excess.diff_ms > 0:
+        return True, f"{said}: resolved slower than the claim {allowance:+.0f} points (tolerance and the claim's noise)"
+    if now <= claimed:
+        return False, f"{said}: no worse than claimed"
+    return False, f"{said}: {'within the noise' if now > claimed + allowance else 'within tolerance'}"
+
+
+def _check_time(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
+                thresholds: Thresholds, progress: ProgressFn) -> None:
+    """7. the overhead against the control, with its interval (NOTE [re-measured overhead])."""
+    claimed = receipt.decision.overhead_pct
+    if not plan.boundaries or claimed is None:
+        return
+    control, planned = _interleaved_ms(receipt, loaded, plan, progress)
+    tol = 100.0 * thresholds.time_tolerance.value
+    fails, said = _time_verdict(control, planned, claimed, tol + min(_claim_noise(receipt), tol))
+    if fails:
+        ledger.failures.append(CheckFinding(kind=FindingKind.TIME, message=said))
+    else:
+        ledger.checked.append(said)
+
+
+def _thresholds(ledger: CheckLedger, receipt: Receipt, flags: GateSettings, project: GateSettings) -> Thresholds:
+    """The gate's thresholds (NOTE [gate thresholds]), each said with where it came from."""
+    thresholds = resolve_thresholds(receipt, flags, project)
+    ledger.checked.append("thresholds: " + "; ".join(thresholds.describe()))
+    return thresholds
+
+
+def _remeasure(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan, thresholds: Thresholds,
+               progress: ProgressFn) -> None:
+    """5-7: peak, savings and time, each against the receipt's claim."""
+    _check_peak(ledger, receipt, loaded, plan, thresholds)
+    progress("check", 5, 7)
+    _check_savings(ledger, receipt, loaded, plan, thresholds, progress)
+    progress("check", 6, 7)
+    _check_time(ledger, receipt, loaded, plan, thresholds, progress)
+    progress("check", 7, 7)
 
 
 def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
-                  reports: tuple[Path, str] | None = None, cwd: Path | None = None,
+                  reports: ReportStamps | None = None, cwd: Path | None = None, gate: GateSettings | None = None,
                   progress: ProgressFn = no_progress) -> CheckReport:
     """Re-run what ``receipt`` names on the user's workload; the report lists every failure (module docstring).
 
     ``workload`` is the user's spec (``--workload``); without it, ``pyproject.toml``'s
     ``[tool.remat] workload`` in ``cwd``, or the receipt's when it is a built-in (NOTE
-    [workload spec policy]). ``reports``: (the receipt's folder, the sha256 of its bytes), to
-    check the reports beside it. Raises :class:`ReceiptError` when no workload is named or it
-    cannot be loaded here; check failures are data (``report.passed``), for the CLI to turn
-    into exit code 1.
+    [workload spec policy]). ``reports``: the reports beside the receipt to check. ``gate``: the
+    thresholds the command line gives (NOTE [gate thresholds]), over ``[tool.remat]``'s. Raises
+    :class:`ReceiptError` when no workload is named or it cannot be loaded here, and
+    :class:`~remat.errors.CheckTimeout` when the fixtures would take, or take, longer than the
+    time limit; check failures are data (``report.passed``), for the CLI to turn into exit code 1.
     """
+    flags, project = gate or GateSettings(), project_gate(cwd)
+    deadline = Deadline(limit("timeout_s", flags, project))
+    progress = deadline.guard(progress)
     chosen = choose_workload(receipt.context.workload, workload, cwd=cwd)
     ledger = CheckLedger(chosen.spec, quick, reports)
     if not _workload_is_the_receipts(ledger, receipt, chosen, cwd):
         return ledger.report()
     plan = _shipped_plan(ledger, receipt)
-    if plan is None:
+    limits = FixtureLimits(max_seeds=limit("max_seeds", flags, project), max_steps=limit("max_steps", flags, project))
+    if plan is None or not _check_consistency(ledger, receipt, limits):
         return ledger.report()
+    deadline.refuse_estimate(fixture_plan(receipt, quick=quick))
+    thresholds = _thresholds(ledger, receipt, flags, project)
     loaded = _load(receipt, chosen.spec)
-    progress("check", 1, 5)
+    progress("check", 1, 7)
     _check_shape(ledger, receipt, chosen.spec)
+    progress("check", 2, 7)
     if not _check_model(ledger, receipt, loaded, plan):
         return ledger.report()
-    progress("check", 2, 5)
+    progress("check", 3, 7)
     _check_equivalence(ledger, receipt, loaded, plan, progress)
-    progress("check", 3, 5)
+    progress("check", 4, 7)
     if quick:
-        ledger.skipped.append("peak and per-boundary savings not re-measured (--quick)")
+        ledger.skipped.append("peak, per-boundary savings and step time not re-measured (--quick)")
         return ledger.report()
-    _check_peak(ledger, receipt, loaded, plan)
-    progress("check", 4, 5)
-    _check_savings(ledger, receipt, loaded, plan, progress)
-    progress("check", 5, 5)
+    _remeasure(ledger, receipt, loaded, plan, thresholds, progress)
     return ledger.report()

@@ -1,0 +1,46 @@
+"""What a failed check of a receipt is about: :class:`FindingKind` and :class:`CheckFinding`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class FindingKind(str, enum.Enum):
+    """What a failed check is about (the order ``check_receipt`` checks in)."""
+
+    WORKLOAD = "workload"         # the receipt names other code than the user's
+    REPORT = "report"             # report.html/report.md beside it show another receipt, or are missing
+    DECISION = "decision"         # the receipt ships nothing
+    # the receipt contradicts itself (NOTE [receipt consistency] in workflow/consistency.py)
+    BUDGET = "budget"             # effective budget, headroom, reserve left or clears disagree with budget x (1 - reserve)
+    RECORDS = "records"           # the plan's boundaries (module, mode) disagree with the boundary records or the frontier
+    FIXTURE = "fixture"           # a fixture size (seeds, steps) past the gate's limits, or unlike remat receipt's
+    CLAIMS = "claims"             # claimed figures (peaks, times, overhead, verdicts) contradict each other
+    # re-run on the user's workload
+    SHAPE = "shape"               # a shape keyword (or its default) changed
+    MODEL = "model"               # a boundary's module changed or is gone; the fingerprint differs
+    EQUIVALENCE = "equivalence"   # the paired-step fixture fails
+    PEAK = "peak"                 # the peak no longer clears budget x (1 - reserve)
+    PEAK_CLAIM = "peak-claim"     # the peak exceeds the receipt's claimed peak by more than the tolerance
+    SAVING = "saving"             # a boundary saves less than its claim, past the tolerance
+    TIME = "time"                 # the overhead exceeds the claimed one past the tolerance and the noise
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckFinding:
+    """One thing that no longer holds. ``boundary`` names the module when it is about one."""
+
+    kind: FindingKind
+    message: str
+    boundary: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FindingKind(self.kind))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "message": self.message, "boundary": self.boundary}
