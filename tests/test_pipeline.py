@@ -549,14 +549,14 @@ def _two_stages_at_950():
     from remat.pipeline_parallel.plan import StagePlan
     from remat.pipeline_parallel.worker import StageReplanner
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
-    kw = dict(schedule="1f1b", microbatches=4, base_peaks=[1000, 900], reserve=0.0)
-    plans = plan_stages(report, blocks, planner="optimal", budget_bytes=950, **kw)
+    kw = dict(schedule="1f1b", microbatches=4, reserve=0.0)
+    plans = plan_stages(report, blocks, planner="optimal", budget_bytes=950, base_peaks=[1000, 900], **kw)
     pp = PipelinePlan(schedule="1f1b", microbatches=4, budget_bytes=950, reserve=0.0, split_points=["h.2"],
                       split_source="given", stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=[2, 1][k],
                                                               base_peak_bytes=[1000, 900][k], plan=plans[k])
                                                     for k in range(2)])
     return plans, pp, StageReplanner(report=report, stage_blocks=blocks, budget_bytes=950, planner="optimal",
-                                     plan_kw=kw)
+                                     base_peaks=[1000, 900], plan_kw=kw)
 
 
 def test_closed_loop_replans_only_the_stage_that_missed():

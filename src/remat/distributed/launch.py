@@ -41,6 +41,7 @@ node's cores by ``LOCAL_WORLD_SIZE`` (= world size on one node).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import shutil
@@ -84,13 +85,31 @@ def torchrun_command(config_path: Path, out: Path, world_size: int, port: int,
 
 # -- the ranks' state, from their files --------------------------------------------------------------
 
+class RankStatus(str, enum.Enum):
+    """What a rank's files say it did (:func:`rank_state`)."""
+
+    DONE = "done"                  # wrote its done file
+    ERROR = "error"                # wrote an error file (its kind: :class:`RankErrorKind`)
+    STOPPED = "stopped"            # the launcher sent it SIGTERM (hung, or a peer failed)
+    DIED = "died"                  # started (pid file) and vanished without a word
+    NOT_STARTED = "not started"    # no file at all
+
+
+class RankErrorKind(str, enum.Enum):
+    """Whose fault a rank's error is (NOTE [rank errors]): the user's code, the user's input, or remat's."""
+
+    USER = "user"
+    INPUT = "input"
+    INTERNAL = "internal"
+
+
 @dataclasses.dataclass(frozen=True)
 class RankState:
     rank: int
-    kind: str            # "done", "error", "stopped", "died", "not started"
+    kind: RankStatus
     detail: str
     tip: str | None = None
-    error_kind: str | None = None     # for "error": "user", "input" or "internal" (NOTE [rank errors])
+    error_kind: RankErrorKind | None = None     # for ERROR (NOTE [rank errors])
     time: float | None = None         # for "error": when the rank recorded it (time.time())
     traceback: str | None = None
 
@@ -98,7 +117,7 @@ class RankState:
     def follow_on(self) -> bool:
         """An error a rank hits because a *peer* failed (a collective lost its peer, or timed out waiting)."""
         text = self.detail.lower()
-        return self.kind == "error" and any(p in text for p in _FOLLOW_ON)
+        return self.kind is RankStatus.ERROR and any(p in text for p in _FOLLOW_ON)
 
 
 # What a collective raises on the surviving ranks when a peer fails first (gloo, NCCL, the store).
@@ -128,22 +147,22 @@ def _progress_text(out: Path, rank: int) -> str:
 
 def rank_state(out: Path, rank: int) -> RankState:
     if rank_file(out, rank, "done").exists():
-        return RankState(rank, "done", "finished")
+        return RankState(rank, RankStatus.DONE, "finished")
     path = rank_file(out, rank, "error.json")
     if path.exists():
         try:
             e = read_json_file(path, error=DistributedError, what="rank error file", max_bytes=1 << 20)
             validate(e, _ERROR_FILE, error=DistributedError, what="rank error file")
         except DistributedError:
-            return RankState(rank, "error", "raised an error (unreadable error file)")
-        return RankState(rank, "error", f"raised {e['type']}: {e['message']} (during {e['what']})", e.get("tip"),
-                         error_kind=e.get("kind", "internal"), time=e.get("time"), traceback=e.get("traceback"))
+            return RankState(rank, RankStatus.ERROR, "raised an error (unreadable error file)")
+        return RankState(rank, RankStatus.ERROR, f"raised {e['type']}: {e['message']} (during {e['what']})", e.get("tip"),
+                         error_kind=RankErrorKind(e.get("kind", "internal")), time=e.get("time"), traceback=e.get("traceback"))
     if _read(rank_file(out, rank, "sigterm")):
-        return RankState(rank, "stopped", f"was stopped by the launcher {_progress_text(out, rank)}")
+        return RankState(rank, RankStatus.STOPPED, f"was stopped by the launcher {_progress_text(out, rank)}")
     if rank_file(out, rank, "pid").exists():
-        return RankState(rank, "died", f"died {_progress_text(out, rank)} without reporting an error "
+        return RankState(rank, RankStatus.DIED, f"died {_progress_text(out, rank)} without reporting an error "
                                        "(crashed, was killed, or exited)")
-    return RankState(rank, "not started", "never started")
+    return RankState(rank, RankStatus.NOT_STARTED, "never started")
 
 
 def lead_culprits(states: list[RankState]) -> list[RankState]:
@@ -151,9 +170,9 @@ def lead_culprits(states: list[RankState]) -> list[RankState]:
     (earliest first), then ranks that died without a word, then follow-on errors (earliest first)."""
     def when(s: RankState) -> float:
         return s.time if s.time is not None else float("inf")
-    causes = sorted((s for s in states if s.kind == "error" and not s.follow_on), key=when)
-    died = [s for s in states if s.kind == "died"]
-    follow = sorted((s for s in states if s.kind == "error" and s.follow_on), key=when)
+    causes = sorted((s for s in states if s.kind is RankStatus.ERROR and not s.follow_on), key=when)
+    died = [s for s in states if s.kind is RankStatus.DIED]
+    follow = sorted((s for s in states if s.kind is RankStatus.ERROR and s.follow_on), key=when)
     return causes + died + follow
 
 
@@ -180,7 +199,7 @@ def diagnose(out: Path, world_size: int, *, returncode: int | None, timed_out: f
 def _failure_tip(out: Path, states: list[RankState], log: Path) -> str:
     """Where every rank's files are, and the stopped ranks' stacks."""
     tip = f"every rank's files and torchrun's output are in {out} ({log.name})"
-    stacks = [s.rank for s in states if s.kind == "stopped"]
+    stacks = [s.rank for s in states if s.kind is RankStatus.STOPPED]
     if stacks:
         tip += "; where the stopped ranks were: " + ", ".join(rank_file(out, r, "sigterm").name for r in stacks)
     return tip
@@ -191,16 +210,16 @@ def _culprit_error(first: RankState, states: list[RankState], tip: str) -> Distr
     head = f"rank {first.rank} {first.detail}"
     rest = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s is not first)
     return DistributedError(head + (f" (then: {rest})" if rest else ""), tip=first.tip or tip,
-                            traceback_text=first.traceback if first.error_kind in ("user", "internal") else None,
-                            internal=first.error_kind == "internal")
+                            traceback_text=first.traceback if first.error_kind in (RankErrorKind.USER, RankErrorKind.INTERNAL) else None,
+                            internal=first.error_kind is RankErrorKind.INTERNAL)
 
 
 def _no_culprit_error(states: list[RankState], returncode: int | None, tip: str, log: Path) -> DistributedError:
     """No rank failed on its own: torchrun failed before any started, or rank 0 wrote no report."""
-    if all(s.kind == "not started" for s in states):
+    if all(s.kind is RankStatus.NOT_STARTED for s in states):
         return DistributedError(f"torchrun exited with code {returncode} before any rank started:\n{_log_tail(log)}",
                                 tip=tip)
-    if all(s.kind == "done" for s in states):
+    if all(s.kind is RankStatus.DONE for s in states):
         return DistributedError(f"every rank finished but rank 0 wrote no {REPORT_NAME} (torchrun exit code "
                                 f"{returncode})", tip=tip)
     others = "; ".join(f"rank {s.rank} {s.detail}" for s in states)
@@ -323,7 +342,7 @@ def _port_taken(out: Path) -> bool:
     """torchrun failed to bind its port, before rank 0 got anywhere."""
     log_text = (_read(out / "torchrun.log") or "").lower()
     port_taken = "address already in use" in log_text or "eaddrinuse" in log_text
-    return port_taken and rank_state(out, 0).kind in ("not started", "error")
+    return port_taken and rank_state(out, 0).kind in (RankStatus.NOT_STARTED, RankStatus.ERROR)
 
 
 def _launch_once(config: LaunchConfig, program: RankProgram[Any], out: Path, wall_timeout_s: float,

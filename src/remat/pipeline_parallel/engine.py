@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 
 from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, validate
 from ..distributed.config import LaunchConfig
-from ..distributed.launch import RankProgram, diagnose_launch, launch_ranks, rank_state
+from ..distributed.launch import RankProgram, RankStatus, diagnose_launch, launch_ranks, rank_state
 from ..errors import DistributedError, WorkloadError
 from .plan import SCHEDULES, SIDES, Schedule, Side
 from .report import PipelineReport
@@ -499,8 +499,8 @@ def _diagnose_pipeline(out: Path, config: LaunchConfig, returncode: int | None,
     after ``timeout_s``), the hung rank only when the launcher stops it; then it is the hung rank we name."""
     err = diagnose_launch(out, config, returncode, timed_out)
     states = [rank_state(out, r) for r in range(config.world_size)]
-    stopped = [s for s in states if s.kind == "stopped"]
-    errors = [s for s in states if s.kind == "error"]
+    stopped = [s for s in states if s.kind is RankStatus.STOPPED]
+    errors = [s for s in states if s.kind is RankStatus.ERROR]
     if timed_out is None and stopped and errors and all(s.follow_on for s in errors):
         hung = stopped[0]
         others = "; ".join(f"rank {s.rank} {s.detail}" for s in states if s is not hung)
