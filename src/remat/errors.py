@@ -4,7 +4,7 @@ Exit codes (see NOTE [exit codes] in remat.cli.main):
   2  bad input: the user asked for something that cannot be done as asked, or the user's own
      code (workload factory, batch, loss, model, optimizer) raised: :class:`UserCodeError`
   1  a check ran and failed (verification, receipt check)
-  4  ``remat check`` ran past its time limit (``--timeout``): :class:`CheckTimeout`
+  4  a command ran past its time limit (``--timeout``): :class:`CheckTimeout`
   3  never raised as a RematError: any other exception is a remat bug
 """
 
@@ -44,7 +44,8 @@ class ShapeError(WorkloadError):
 
 
 class OutputError(RematError):
-    """The output folder (``--out``) cannot take remat's files: it is a file, or not writable."""
+    """The output folder (``--out``) cannot take remat's files: it is a file, a dangling symlink,
+    not writable, read-only, or the disk is full (checked up front, and again when writing)."""
 
 
 class MemoryMeasurementError(RematError):
@@ -101,9 +102,17 @@ class CheckFailed(RematError):
 
 
 class CheckTimeout(RematError):
-    """``remat check`` would run, or ran, past its time limit (``--timeout``): nothing was decided."""
+    """A command would run, or ran, past its time limit (``--timeout``): nothing was decided.
+
+    ``remat check`` also refuses up front a check its estimate puts past the limit; every
+    command that runs a workload is stopped by the CLI's alarm (NOTE [exit codes])."""
 
     exit_code = 4
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (the CLI's handler raises it): a KeyboardInterrupt, so the same cleanup runs
+    (temp files removed, distributed ranks stopped); the CLI exits 143. Not a RematError."""
 
 
 class AutoError(RematError):

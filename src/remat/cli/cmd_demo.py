@@ -32,7 +32,7 @@ from ..receipt import RunSettings, write_receipt
 from ..workload import load_workload
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from .cmd_receipt import render_decision, stage_progress
-from .common import MAX_THREADS, bounded_int, check_out_dir
+from .common import MAX_THREADS, add_timeout_arg, bounded_int, check_out_dir
 from .render import console, err_console
 
 DEMO_WORKLOAD = "gpt"
@@ -54,6 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: plan, prove and publish a receipt for the built-in gpt")
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder (default out/demo)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1, help="torch intra-op threads (default 1, NOTE [demo sizing])")
+    add_timeout_arg(p)
     p.set_defaults(func=run)
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from ..errors import OutputError
 from ..receipt.schema import MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP
@@ -49,10 +52,41 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="", help="shape keywords for the workload factory, e.g. batch_size=8,seq_len=256")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_timeout_arg(p)
+
+
+def add_timeout_arg(p: argparse.ArgumentParser) -> None:
+    """``--timeout SECONDS``: the whole command's time limit; past it, exit 4 (NOTE [exit codes] in remat.cli.main)."""
+    p.add_argument("--timeout", type=bounded_float(0, MAX_SECONDS), default=None, metavar="SECONDS",
+                   help="time limit for the whole command in seconds, a hanging workload included; past it: exit 4")
+
+
+HEARTBEAT_S = 5.0   # a progress line every this many seconds (s) while a workload builds
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedWorkload:
-    return load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype)
+    """Build the workload the arguments name; a factory slower than HEARTBEAT_S gets progress lines on stderr."""
+    with heartbeat(f"building workload {args.workload!r}"):
+        return load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """While the block runs, print ``what (N s)`` on stderr every ``every_s`` seconds (none for a fast block)."""
+    from .render import err_console
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            err_console.print(f"{what} ({time.monotonic() - t0:.0f} s)...", highlight=False, markup=False)
+    thread = threading.Thread(target=beat, name="remat-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
@@ -63,6 +97,9 @@ def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
     a read-only file system or ``/proc`` refuses writes whatever they say).
     """
     out = Path(out)
+    if out.is_symlink() and not out.exists():
+        raise OutputError(f"--out {out} is a dangling symlink (to {os.readlink(out)})",
+                          tip="remove the link, or name a folder that exists or can be created")
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out} is an existing file, not a folder", tip="name a folder (it is created)")
     probe_dir = out
@@ -73,9 +110,7 @@ def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
     if not probe_dir.is_dir():
         raise OutputError(f"--out {out} cannot be created: {probe_dir} is a file, not a folder")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".remat-write-check.", dir=probe_dir)
-        os.close(fd)
-        os.unlink(tmp)
+        _probe_write(probe_dir)
     except OSError as exc:
         where = "in it" if probe_dir == out else f"in {probe_dir}, where it would be created"
         raise OutputError(f"--out {out} is not writable: cannot create a file {where} ({exc.strerror or exc})",
@@ -83,6 +118,17 @@ def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
     for name in files:
         if (out / name).is_dir():
             raise OutputError(f"--out {out}: {out / name} is a folder, and remat writes a file there")
+
+
+def _probe_write(folder: Path) -> None:
+    """Create, write (one byte, fsynced: a full disk refuses it) and remove a temporary file in ``folder``."""
+    fd, tmp = tempfile.mkstemp(prefix=".remat-write-check.", dir=folder)
+    try:
+        os.write(fd, b"\0")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:

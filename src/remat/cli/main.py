@@ -8,8 +8,13 @@ NOTE [exit codes]
        forward or backward, the optimizer): a UserCodeError, shown with that code's traceback
   2    also out of memory (torch.OutOfMemoryError, or CPU "can't allocate memory"): the step does not fit
   3    a remat bug: any other exception that is not a RematError; the traceback is printed, please report it
-  4    ``remat check`` ran (or would run) past its time limit (``--timeout``): a CheckTimeout, nothing decided
+  4    the command ran (or, for ``remat check``, would run) past its time limit (``--timeout``): a
+       CheckTimeout, nothing decided. ``remat check`` also checks its limit at each progress report;
+       every command with ``--timeout`` arms an alarm (SIGALRM) that raises the same CheckTimeout
+       wherever the main thread is, a hanging factory or ``batch()`` included
   130  interrupted (Ctrl-C), at any moment, torch's import included: one line, no traceback
+  143  terminated (SIGTERM), handled like Ctrl-C: the CLI's handler raises ``Terminated`` (a
+       KeyboardInterrupt), so the same cleanup runs (temp files removed, ranks stopped); one line
 How remat tells the user's code from its own: every call into the workload goes through
 ``remat.workload.contract.call_user`` (NOTE [user code errors] there), which types what the
 user's code raises and lets remat's own exceptions through. The same rule holds at any world
@@ -28,6 +33,8 @@ import signal
 import sys
 from typing import Any, Iterator, Sequence
 
+from ..errors import CheckTimeout, Terminated
+
 # One module per subcommand, each with ``add_parser(subparsers)`` that sets ``func``.
 COMMANDS = ("trace", "plan", "verify", "frontier", "distributed", "receipt", "check", "demo")
 
@@ -45,38 +52,71 @@ def build_parser() -> Any:
     return parser
 
 
-def _interrupted() -> int:
+def _interrupted(exc: BaseException | None = None) -> int:
+    """One line on stderr; 143 after SIGTERM, 130 after Ctrl-C (NOTE [exit codes])."""
+    code, word = (143, "terminated") if isinstance(exc, Terminated) else (130, "interrupted")
     try:
-        sys.stderr.write("remat: interrupted\n")
+        sys.stderr.write(f"remat: {word}\n")
         sys.stderr.flush()
     except (OSError, ValueError, KeyboardInterrupt):
         pass
-    return 130
+    return code
 
 
 @contextlib.contextmanager
-def _exit_at_once_on_interrupt() -> Iterator[None]:
-    """While torch, numpy, scipy and rich import, Ctrl-C exits at once (130, one line).
-
-    A KeyboardInterrupt raised inside those imports is not reliably ours to catch: some import
-    code swallows it (the command then ran on as if nothing happened), and one raised through
-    the interpreter's own code runner makes Python re-kill itself with SIGINT after ``main``
-    returned (exit -2); both were seen here. Nothing has been written yet, so exiting on the
-    spot loses nothing. Afterwards Python's own handler is back, and Ctrl-C is a
-    KeyboardInterrupt the commands clean up after (the distributed launcher stops its ranks).
-    """
-    def handler(signum: int, frame: Any) -> None:
-        os.write(2, b"remat: interrupted\n")
-        os._exit(130)
+def _handling(handlers: dict[int, Any]) -> Iterator[None]:
+    """Install ``handlers`` (signal number -> handler) for the block, then restore the previous ones.
+    Outside the main thread (signals cannot be set there) it leaves them alone."""
     try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:   # not the main thread: leave signals alone
+        previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+    except ValueError:   # not the main thread
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _exit_at_once_on_interrupt() -> contextlib.AbstractContextManager[None]:
+    """While torch, numpy, scipy and rich import, Ctrl-C (130) and SIGTERM (143) exit at once, one line.
+
+    A KeyboardInterrupt raised inside those imports is not reliably ours to catch: some import
+    code swallows it (the command then ran on as if nothing happened), and one raised through
+    the interpreter's own code runner makes Python re-kill itself with SIGINT after ``main``
+    returned (exit -2); both were seen here. Nothing has been written yet, so exiting on the
+    spot loses nothing. Afterwards Ctrl-C is Python's KeyboardInterrupt and SIGTERM the CLI's
+    ``Terminated``, which the commands clean up after (the distributed launcher stops its ranks).
+    """
+    def handler(signum: int, frame: Any) -> None:
+        word, code = (b"terminated", 143) if signum == signal.SIGTERM else (b"interrupted", 130)
+        os.write(2, b"remat: " + word + b"\n")
+        os._exit(code)
+    return _handling({signal.SIGINT: handler, signal.SIGTERM: handler})
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _time_limit(command: str, timeout_s: float | None) -> contextlib.AbstractContextManager[None]:
+    """Raise CheckTimeout in the main thread once ``timeout_s`` (s) have passed (None: no limit)."""
+    def expired(signum: int, frame: Any) -> None:
+        raise CheckTimeout(f"remat {command} ran past its --timeout of {timeout_s:g} s: stopped, nothing decided")
+    if timeout_s is None or not hasattr(signal, "setitimer"):
+        return contextlib.nullcontext()
+    return _armed(timeout_s, expired)
+
+
+@contextlib.contextmanager
+def _armed(timeout_s: float, expired: Any) -> Iterator[None]:
+    with _handling({signal.SIGALRM: expired}):
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,9 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             import rich.markup  # noqa: F401 - imported here, under the handler
 
             from . import render  # noqa: F401
-        return _main(parser, argv)
-    except KeyboardInterrupt:
-        return _interrupted()
+        with _handling({signal.SIGTERM: _raise_terminated}):
+            return _main(parser, argv)
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
 
 
 def _main(parser: Any, argv: Sequence[str] | None) -> int:
@@ -101,7 +142,8 @@ def _main(parser: Any, argv: Sequence[str] | None) -> int:
     except SystemExit as exc:   # usage errors (exit 2), --help and --version (0): main always returns the code
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        return int(args.func(args) or 0)
+        with _time_limit(args.command, getattr(args, "timeout", None)):
+            return int(args.func(args) or 0)
     except RematError as exc:
         # messages carry user text (paths, module names): never let rich read them as markup
         if exc.traceback_text:
@@ -110,8 +152,8 @@ def _main(parser: Any, argv: Sequence[str] | None) -> int:
         if exc.tip:
             err_console.print(f"[yellow]tip:[/] {escape(exc.tip)}", highlight=False)
         return exc.exit_code
-    except KeyboardInterrupt:
-        return _interrupted()
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
     except Exception as exc:  # a bug in remat (the user's code raises UserCodeError: NOTE [exit codes])
         from ..workload.contract import is_allocation_failure
         if is_allocation_failure(exc):   # the step does not fit this machine: not a remat bug

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .._io import stage_bytes
+from .._io import replace_into, stage_bytes
 from .model import Receipt
 from .render import render_html, render_markdown
 
@@ -54,14 +53,13 @@ def write_folder(out_dir: Path | str, data: bytes, html: Callable[[], str], mark
     stamp = f"receipt.json sha256 {digest}"
     html_text = html().replace("</body>", f'<p class="muted">{stamp}</p></body>', 1)
     md_text = markdown() + f"\n<sub>{stamp}</sub>\n"
-    out.mkdir(parents=True, exist_ok=True)
     staged: list[tuple[Path, Path]] = []
     try:
         for name, payload in ((HTML_FILE, html_text.encode("utf-8")), (MD_FILE, md_text.encode("utf-8")),
                               (RECEIPT_FILE, data)):
             staged.append((stage_bytes(out, name, payload), out / name))
         for tmp, final in staged:      # receipt.json last
-            os.replace(tmp, final)
+            replace_into(tmp, final)
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)

@@ -23,7 +23,9 @@ T = TypeVar("T")
 # Every call into the workload's own code (factory, ``batch``, ``loss`` with the model's forward,
 # ``backward``, the optimizer) goes through :func:`call_user`. An exception from it is the
 # user's to fix: it becomes a :class:`UserCodeError` (exit 2) carrying the user's traceback,
-# except
+# and so does a ``SystemExit`` (``sys.exit(0)`` included, and argparse's exit on a usage error:
+# the workload must not end remat's process, nor pass for remat's own usage error) and any other
+# ``BaseException`` but KeyboardInterrupt (Ctrl-C, and the CLI's SIGTERM ``Terminated``), except
 # - remat's own typed errors (a RematError raised by a tracker inside the forward, e.g. the
 #   frontier's PeakLimitExceeded) and out-of-memory errors, which callers measure, pass as they are;
 # - an exception raised *by remat's code* running inside the user's step (a dispatch mode, a
@@ -66,9 +68,14 @@ def call_user(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Call the workload's own code ``fn``; NOTE [user code errors] says what it raises."""
     try:
         return fn(*args, **kwargs)
-    except RematError:
+    except (RematError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except SystemExit as exc:
+        raise UserCodeError(f"{what} called sys.exit({exc.code!r}): remat's process is not the workload's to end "
+                            "(argparse exits so on a usage error, and any lines above it printed are the workload's)",
+                            traceback_text=user_traceback(exc),
+                            tip="do not exit, nor parse sys.argv, in the workload: take settings as shape keywords") from None
+    except BaseException as exc:
         if is_allocation_failure(exc) or raised_by_remat(exc):
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:300]
