@@ -66,12 +66,12 @@ HEARTBEAT_S = 5.0   # a progress line every this many seconds (s) while a worklo
 
 def load_from_args(args: argparse.Namespace) -> LoadedWorkload:
     """Build the workload the arguments name; a factory slower than HEARTBEAT_S gets progress lines on stderr."""
-    with heartbeat(f"building workload {args.workload!r}"):
+    with heartbeat(f"building workload {args.workload!r}", HEARTBEAT_S):
         return load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype)
 
 
 @contextlib.contextmanager
-def heartbeat(what: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+def heartbeat(what: str, every_s: float) -> Iterator[None]:
     """While the block runs, print ``what (N s)`` on stderr every ``every_s`` seconds (none for a fast block)."""
     from .render import err_console
     done = threading.Event()
