@@ -113,10 +113,11 @@ def test_sigterm_while_measuring_exits_143_with_one_line(user_dir):
 
 # -- output errors: exit 2, typed, nothing half-written ----------------------------------------------
 
-def test_a_dangling_symlink_out_is_refused_up_front(tmp_path, capsys):
+@pytest.mark.parametrize("below", ["", "sub/dir"])
+def test_a_dangling_symlink_out_is_refused_up_front(tmp_path, capsys, below):
     (tmp_path / "o").symlink_to(tmp_path / "nowhere")
-    rc = main(["trace", "--workload", "mlp", "--shape", SHAPE, "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err
+    rc = main(["trace", "--workload", "mlp", "--shape", SHAPE, "--out", str(tmp_path / "o" / below)])
+    err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "dangling symlink" in err and "Traceback" not in err
 
 

@@ -57,7 +57,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def add_timeout_arg(p: argparse.ArgumentParser) -> None:
     """``--timeout SECONDS``: the whole command's time limit; past it, exit 4 (NOTE [exit codes] in remat.cli.main)."""
-    p.add_argument("--timeout", type=bounded_float(0, MAX_SECONDS), default=None, metavar="SECONDS",
+    p.add_argument("--timeout", dest="command_timeout_s", type=bounded_float(0, MAX_SECONDS), default=None, metavar="SECONDS",
                    help="time limit for the whole command in seconds, a hanging workload included; past it: exit 4")
 
 
@@ -97,16 +97,9 @@ def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
     a read-only file system or ``/proc`` refuses writes whatever they say).
     """
     out = Path(out)
-    if out.is_symlink() and not out.exists():
-        raise OutputError(f"--out {out} is a dangling symlink (to {os.readlink(out)})",
-                          tip="remove the link, or name a folder that exists or can be created")
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out} is an existing file, not a folder", tip="name a folder (it is created)")
-    probe_dir = out
-    while not probe_dir.exists():
-        if probe_dir.parent == probe_dir:
-            break
-        probe_dir = probe_dir.parent
+    probe_dir = _nearest_existing(out)
     if not probe_dir.is_dir():
         raise OutputError(f"--out {out} cannot be created: {probe_dir} is a file, not a folder")
     try:
@@ -118,6 +111,19 @@ def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:
     for name in files:
         if (out / name).is_dir():
             raise OutputError(f"--out {out}: {out / name} is a folder, and remat writes a file there")
+
+
+def _nearest_existing(out: Path) -> Path:
+    """``out``, or the nearest existing folder above it; OutputError on a dangling symlink on the way."""
+    probe_dir = out
+    while not probe_dir.exists():
+        if probe_dir.is_symlink():
+            raise OutputError(f"--out {out}: {probe_dir} is a dangling symlink (to {os.readlink(probe_dir)})",
+                              tip="remove the link, or name a folder that exists or can be created")
+        if probe_dir.parent == probe_dir:
+            break
+        probe_dir = probe_dir.parent
+    return probe_dir
 
 
 def _probe_write(folder: Path) -> None:

@@ -9,9 +9,11 @@ NOTE [exit codes]
   2    also out of memory (torch.OutOfMemoryError, or CPU "can't allocate memory"): the step does not fit
   3    a remat bug: any other exception that is not a RematError; the traceback is printed, please report it
   4    the command ran (or, for ``remat check``, would run) past its time limit (``--timeout``): a
-       CheckTimeout, nothing decided. ``remat check`` also checks its limit at each progress report;
-       every command with ``--timeout`` arms an alarm (SIGALRM) that raises the same CheckTimeout
-       wherever the main thread is, a hanging factory or ``batch()`` included
+       CheckTimeout, nothing decided. Every command that runs a workload takes ``--timeout``
+       (``common.add_timeout_arg``) and arms an alarm (SIGALRM) that raises that CheckTimeout
+       wherever the main thread is, a hanging factory or ``batch()`` included. ``remat check``
+       keeps its own ``--timeout`` (default from [tool.remat]), checked up front against the
+       fixtures' estimate and at each progress report (remat.workflow.check.Deadline)
   130  interrupted (Ctrl-C), at any moment, torch's import included: one line, no traceback
   143  terminated (SIGTERM), handled like Ctrl-C: the CLI's handler raises ``Terminated`` (a
        KeyboardInterrupt), so the same cleanup runs (temp files removed, ranks stopped); one line
@@ -142,7 +144,7 @@ def _main(parser: Any, argv: Sequence[str] | None) -> int:
     except SystemExit as exc:   # usage errors (exit 2), --help and --version (0): main always returns the code
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        with _time_limit(args.command, getattr(args, "timeout", None)):
+        with _time_limit(args.command, getattr(args, "command_timeout_s", None)):
             return int(args.func(args) or 0)
     except RematError as exc:
         # messages carry user text (paths, module names): never let rich read them as markup
