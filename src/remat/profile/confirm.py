@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..host_rng import HostRng, rewound
 from ..types import HazardKind
 from ..workload.contract import TrainingStep
 from .hazards import python_state
@@ -78,6 +79,7 @@ class _Frame:
 
     rng_cpu: torch.Tensor
     rng_cuda: list[torch.Tensor] | None
+    host_rng: HostRng                 # Python's and numpy's generators (NOTE [host RNG])
     python_before: dict[str, Any]
 
 
@@ -120,7 +122,8 @@ def _rng_rewound(frame: _Frame) -> Iterator[None]:
     if frame.rng_cuda is not None:
         torch.cuda.set_rng_state_all(frame.rng_cuda)
     try:
-        yield
+        with rewound(frame.host_rng):
+            yield
     finally:
         torch.set_rng_state(rng_after)
         if cuda_after is not None:
@@ -154,7 +157,7 @@ class ReplayConfirmer:
             if self._replaying or name in self._frames:
                 return None
             cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-            self._frames[name] = _Frame(rng_cpu=torch.get_rng_state(), rng_cuda=cuda,
+            self._frames[name] = _Frame(rng_cpu=torch.get_rng_state(), rng_cuda=cuda, host_rng=HostRng.capture(),
                                         python_before=python_state(module))
             return None
         return pre

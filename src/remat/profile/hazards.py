@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..host_rng import HostRng
 from ..types import HazardKind
 from .model import HazardRecord
 
@@ -43,12 +44,14 @@ class HazardProbe:
     buffers: dict[str, int] = dataclasses.field(default_factory=dict)
     python: dict[str, Any] = dataclasses.field(default_factory=dict)
     rng: torch.Tensor | None = None
+    host: HostRng | None = None      # Python's and numpy's generators (NOTE [host RNG]): real draws even under fake mode
     found: list[HazardRecord] = dataclasses.field(default_factory=list)
 
     def before(self) -> None:
         self.buffers = buffer_versions(self.module)
         self.python = python_state(self.module)
         self.rng = torch.random.get_rng_state() if self.compare_rng_state else None
+        self.host = HostRng.capture()
 
     def after(self) -> None:
         mutated = [n for n, v in buffer_versions(self.module).items() if self.buffers.get(n) != v]
@@ -61,8 +64,16 @@ class HazardProbe:
                    if now.get(k) != self.python.get(k)]
         if changed:
             self._add(HazardKind.PYTHON_STATE, "; ".join(changed[:5]))
-        if self.rng is not None and not torch.equal(self.rng, torch.random.get_rng_state()):
-            self._add(HazardKind.RNG, "draws from the CPU RNG in forward (e.g. dropout): safe while RNG state is preserved")
+        drawn = self._generators_drawn()
+        if drawn:
+            self._add(HazardKind.RNG, f"draws from the {' and '.join(drawn)} RNG in forward (e.g. dropout, drop-path): "
+                                      "safe while RNG state is preserved (NOTE [host RNG])")
+
+    def _generators_drawn(self) -> list[str]:
+        """The global generators this forward drew from: torch's CPU one, Python's ``random``, numpy's."""
+        torch_cpu = self.rng is not None and not torch.equal(self.rng, torch.random.get_rng_state())
+        host = self.host.differences(HostRng.capture()) if self.host is not None else []
+        return (["CPU"] if torch_cpu else []) + host
 
     def _add(self, kind: HazardKind, detail: str, guardable: bool = False) -> None:
         if not any(h.kind is kind for h in self.found):

@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 from ..wrap import ApplyHandle, apply, check_plan_fingerprint, load_plan
-from ..errors import RematError, WorkloadError
+from ..errors import RematError, UserCodeError, WorkloadError
 from ..measure import CompiledFunction, CompileSpec, compile_model, random_ops_in_program_order, time_round_robin
 from ..plan.model import Plan
 from ..types import HazardKind, ProgressFn, no_progress
@@ -465,6 +465,22 @@ class _PairResult:
         return "no difference from the control"
 
 
+# NOTE [a planned step that raises]
+# The control just ran the same step of the same seed without raising, so when the planned
+# side raises, checkpointing made the difference (torch's CheckpointError: the replay saved
+# other tensors than the forward; a replay that took another branch): a finding, counted
+# like a divergence (a negative control that raises is *rejected*), never a crash of verify.
+# The workload's code raising surfaces as UserCodeError (call_user); remat's own errors
+# (RematError otherwise: a bad plan, a fingerprint) still propagate.
+
+
+def _failure_text(exc: BaseException) -> str:
+    """``Type: first line`` of what the planned step raised: the workload code's exception, not remat's wrapper."""
+    cause = exc.__cause__ if isinstance(exc, UserCodeError) and exc.__cause__ is not None else exc
+    first = str(cause).splitlines()[0] if str(cause) else ""
+    return f"{type(cause).__name__}: {first}"
+
+
 def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: int, eval_pass: bool,
               fault: Fault | None = None, tick: Callable[[], None] = lambda: None,
               compiled: _Compiled = _EAGER, role: str = "plan") -> _PairResult:
@@ -489,10 +505,13 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
             c = control.step(k, mode)
             try:
                 p = planned.step(k, mode)
+            except UserCodeError as exc:   # NOTE [a planned step that raises]
+                error = _failure_text(exc)
+                break
             except RematError:
                 raise
-            except Exception as exc:  # the planned step itself failed (e.g. a CheckpointError): a finding
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            except Exception as exc:
+                error = _failure_text(exc)
                 break
             if p.fault:
                 faults.append(p.fault)
