@@ -30,12 +30,12 @@ from torch.utils._pytree import tree_map
 from ..host_rng import HostRng, rewound
 from ..types import HazardKind
 from ..workload.contract import TrainingStep
-from .hazards import python_state
+from .hazards import TensorValue, changed_code_state, code_state, python_state, restore_code_state
 from .model import HazardRecord
 
 # The suspicions a replay can confirm or refute (RNG is handled by preserving RNG state,
 # guardable BatchNorm buffers by the guard, device moves are kept as reported).
-CONFIRMABLE = (HazardKind.INPLACE_INPUT, HazardKind.PYTHON_STATE, HazardKind.BUFFER_MUTATION)
+CONFIRMABLE = (HazardKind.INPLACE_INPUT, HazardKind.PYTHON_STATE, HazardKind.BUFFER_MUTATION, HazardKind.GLOBAL_STATE)
 
 
 def needs_confirmation(h: HazardRecord) -> bool:
@@ -90,6 +90,7 @@ class _Observed:
     out: list[torch.Tensor]
     python: dict[str, Any]
     buffers: dict[str, torch.Tensor]
+    code: dict[str, Any]               # globals and closure cells (NOTE [code state])
 
 
 def _output_verdict(first: _Observed, replay: _Observed) -> str | None:
@@ -108,9 +109,14 @@ def _buffer_verdict(first: _Observed, replay: _Observed) -> str | None:
     return f"{', '.join(changed[:3])} changed again on replay" if changed else None
 
 
+def _code_verdict(first: _Observed, replay: _Observed) -> str | None:
+    changed = changed_code_state(first.code, replay.code)
+    return f"{'; '.join(changed[:3])} (after the forward -> after a replay)" if changed else None
+
+
 # Per confirmable kind: the replay's difference from the first forward (evidence), None when it has none.
 _VERDICTS = {HazardKind.INPLACE_INPUT: _output_verdict, HazardKind.PYTHON_STATE: _python_verdict,
-             HazardKind.BUFFER_MUTATION: _buffer_verdict}
+             HazardKind.BUFFER_MUTATION: _buffer_verdict, HazardKind.GLOBAL_STATE: _code_verdict}
 
 
 @contextlib.contextmanager
@@ -179,7 +185,7 @@ class ReplayConfirmer:
                 frame: _Frame) -> dict[HazardKind, str | None]:
         """Run ``module``'s forward again as a checkpoint would and judge each suspicion of ``name``."""
         first = _Observed(out=[t.detach().clone() for t in _tensors(output)], python=python_state(module),
-                          buffers=_buffers(module))
+                          buffers=_buffers(module), code=code_state(module))
         inputs = [t for t in _tensors((args, kwargs))]
         with _rng_rewound(frame):
             replay = self._rerun(module, args, kwargs, first, inputs)
@@ -200,9 +206,11 @@ class ReplayConfirmer:
             try:
                 with torch.enable_grad():
                     out = [t.detach() for t in _tensors(module.forward(*detached[0], **detached[1]))]
-                return _Observed(out=out, python=python_state(module), buffers=_buffers(module))
+                return _Observed(out=out, python=python_state(module), buffers=_buffers(module),
+                                 code=code_state(module))
             finally:
                 self._put_back(module, first.python, first.buffers, inputs, inputs_after)
+                restore_code_state(module, first.code)
 
     @staticmethod
     def _put_back(module: nn.Module, python_after: dict[str, Any], buffers_after: dict[str, torch.Tensor],
@@ -219,8 +227,9 @@ class ReplayConfirmer:
                 continue
             owner_path, _, attr = key.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
-            if getattr(owner, attr, value) != value:
-                setattr(owner, attr, value)
+            now = getattr(owner, attr, value)
+            if (TensorValue.of(now) if isinstance(now, torch.Tensor) else now) != value:
+                setattr(owner, attr, value.tensor if isinstance(value, TensorValue) else value)
 
 
 def confirm_hazards(step: TrainingStep, modules: dict[str, nn.Module], candidates: dict[str, list[HazardRecord]],
