@@ -102,3 +102,16 @@ def test_rng_draws_are_safe_while_preserved_and_verify_passes(kind, generator):
     assert report.passed, report.failures
     rng_off = next(n for n in report.negative_controls if n.name == "rng_preservation_off")
     assert rng_off.applicable and rng_off.rejected
+
+
+@pytest.mark.parametrize("hooked,flagged", [("blocks.1", True), ("blocks.2", False)])
+def test_a_hook_on_a_segment_member_is_inside_the_segment(hooked, flagged):
+    """A member's own hooks fire again when the segment replays (NOTE [replayed hooks]); the hook
+    on a module after the segment (the twin) does not."""
+    lw = load_workload(f"{FIXTURES / 'segment_workload.py'}:build", {"kind": "chain"})
+    lw.workload.model.get_submodule(hooked).register_forward_hook(_stats_hook)
+    report = profile_workload(lw, candidates=["blocks[0:2]"], measure_replays=False, repeats=1)
+    elig = classify_candidates(report)
+    reason = next((e.reason for e in elig.excluded if e.module == "blocks[0:2]"), "")
+    assert ("_stats_hook on blocks.1" in reason) is flagged, reason
+    assert ("blocks[0:2]" in elig.allowed) is not flagged
