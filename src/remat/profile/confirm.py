@@ -222,14 +222,19 @@ class ReplayConfirmer:
             for t, v in zip(inputs, inputs_after):
                 if not torch.equal(t, v):
                     t.detach().copy_(v)
-        for key, value in python_after.items():   # simple values only (python_state's snapshot)
-            if isinstance(value, tuple):
-                continue
-            owner_path, _, attr = key.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            now = getattr(owner, attr, value)
-            if (TensorValue.of(now) if isinstance(now, torch.Tensor) else now) != value:
-                setattr(owner, attr, value.tensor if isinstance(value, TensorValue) else value)
+        _put_back_attributes(module, python_after)
+
+
+def _put_back_attributes(module: nn.Module, python_after: dict[str, Any]) -> None:
+    """Simple and tensor-valued attributes as ``python_after`` (python_state's snapshot) has them."""
+    for key, value in python_after.items():
+        if isinstance(value, tuple):   # a container's length: not restorable
+            continue
+        owner_path, _, attr = key.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        now = getattr(owner, attr, value)
+        if (TensorValue.of(now) if isinstance(now, torch.Tensor) else now) != value:
+            setattr(owner, attr, value.tensor if isinstance(value, TensorValue) else value)
 
 
 def confirm_hazards(step: TrainingStep, modules: dict[str, nn.Module], candidates: dict[str, list[HazardRecord]],

@@ -106,13 +106,17 @@ def _simple(v: Any) -> bool:
     return isinstance(v, _SIMPLE)
 
 
+def _short_and_simple(items: tuple) -> bool:
+    return len(items) <= _SHORT and all(_simple(x) for x in items)
+
+
 def _snapshot(v: Any) -> Any:
     """A comparable copy of ``v`` (NOTE [code state]), or None when it is not looked at."""
     if _simple(v):
         return ("value", v)
-    if isinstance(v, (list, tuple)) and len(v) <= _SHORT and all(_simple(x) for x in v):
+    if isinstance(v, (list, tuple)) and _short_and_simple(tuple(v)):
         return (type(v).__name__, tuple(v))
-    if isinstance(v, dict) and len(v) <= _SHORT and all(_simple(k) and _simple(x) for k, x in v.items()):
+    if isinstance(v, dict) and _short_and_simple((*v.keys(), *v.values())):
         return ("dict", tuple(v.items()))
     return None
 
@@ -214,9 +218,9 @@ def hooks_inside(module: nn.Module) -> list[str]:
     return found + (global_hooks() if subs else [])
 
 
-def hook_hazard(found: list[str]) -> HazardRecord:
-    return HazardRecord(kind=HazardKind.HOOK, detail=f"{'; '.join(found[:3])}: fires again on replay "
-                                                     "(NOTE [replayed hooks])")
+def hook_detail(found: list[str]) -> str:
+    """A HOOK hazard's detail: the first hooks found, named (NOTE [replayed hooks])."""
+    return f"{'; '.join(found[:3])}: fires again on replay (NOTE [replayed hooks])"
 
 
 def buffer_versions(module: nn.Module) -> dict[str, int]:
@@ -244,11 +248,25 @@ class HazardProbe:
         self.code = code_state(self.module)
 
     def after(self) -> None:
+        self._buffer_hazard()
+        self._state_hazards()
+        hooks = hooks_inside(self.module)
+        if hooks:
+            self._add(HazardKind.HOOK, hook_detail(hooks))
+        drawn = self._generators_drawn()
+        if drawn:
+            self._add(HazardKind.RNG, f"draws from the {' and '.join(drawn)} RNG in forward (e.g. dropout, drop-path): "
+                                      "safe while RNG state is preserved (NOTE [host RNG])")
+
+    def _buffer_hazard(self) -> None:
         mutated = [n for n, v in buffer_versions(self.module).items() if self.buffers.get(n) != v]
         if mutated:
             owners = [self.module.get_submodule(n.rpartition(".")[0]) if "." in n else self.module for n in mutated]
             guardable = all(isinstance(o, _BatchNorm) for o in owners)
             self._add(HazardKind.BUFFER_MUTATION, f"{', '.join(mutated)} mutated in forward", guardable)
+
+    def _state_hazards(self) -> None:
+        """Python attributes, module globals and closure cells this forward changed (suspicions to confirm)."""
         now = python_state(self.module)
         changed = [f"{k}: {self.python.get(k)!r} -> {now.get(k)!r}" for k in sorted(now.keys() | self.python.keys())
                    if now.get(k) != self.python.get(k)]
@@ -257,13 +275,6 @@ class HazardProbe:
         code = changed_code_state(self.code, code_state(self.module))
         if code:
             self._add(HazardKind.GLOBAL_STATE, f"{'; '.join(code[:3])} in forward (NOTE [code state])")
-        hooks = hooks_inside(self.module)
-        if hooks:
-            self.found.append(hook_hazard(hooks))
-        drawn = self._generators_drawn()
-        if drawn:
-            self._add(HazardKind.RNG, f"draws from the {' and '.join(drawn)} RNG in forward (e.g. dropout, drop-path): "
-                                      "safe while RNG state is preserved (NOTE [host RNG])")
 
     def _generators_drawn(self) -> list[str]:
         """The global generators this forward drew from: torch's CPU one, Python's ``random``, numpy's."""
