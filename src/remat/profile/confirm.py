@@ -2,18 +2,21 @@
 
 NOTE [confirmed hazards]
 The profiled step raises *suspicions*: an op wrote in place into a candidate's input, a
-Python attribute changed during its forward, a buffer that no guard restores changed.
+Python attribute (a tensor-valued one included) changed during its forward, a buffer that
+no guard restores changed, a module global or closure cell its code names changed (NOTE
+[code state] in hazards.py).
 None of them is evidence that checkpointing the candidate changes training:
 ``ReLU(inplace=True)`` writes into its input, yet replaying it gives the same output; a
 module that caches a shape in an attribute sets the same value again. What matters is
 whether the *replay* (the forward that non-reentrant checkpoint re-runs during backward,
 on the same argument objects, with the RNG state of the first forward) differs from the
 first forward. So in one more step, right after each suspect's forward returns, remat
-replays it exactly that way and compares outputs (bitwise for integer tensors, 1e-5
-relative for floating ones), simple Python attributes and buffers with what the first
-forward left. A suspicion the replay reproduces is kept, with the difference as its
+replays it exactly that way (torch's, Python's and numpy's generators rewound: NOTE [host
+RNG]) and compares outputs (bitwise for integer tensors, 1e-5 relative for floating ones),
+simple and tensor-valued Python attributes, buffers, globals and closure cells with what
+the first forward left. A suspicion the replay reproduces is kept, with the difference as its
 evidence; one the replay does not reproduce is dropped (a false alarm). Everything the
-replay touches is put back (RNG state, buffers, simple Python attributes, input values),
+replay touches is put back (RNG state, buffers, Python attributes, globals, input values),
 so the step goes on as it would have.
 """
 
