@@ -9,7 +9,9 @@ hooks are not inside: the wrapper replaces the module's ``forward`` (NOTE [insta
 forward]), so ``__call__`` fires them once around the checkpoint. A segment's members are
 inside the segment, their own hooks included. Hooks defined in ``torch`` or ``remat`` are
 not the user's: FSDP2's pre-forward hook must unshard parameters for the recompute, remat's
-probes count replays; they are neither reported nor touched. A user's hook inside a
+probes count replays; nor are transformers' output-capturing hooks (installed on every
+layer, inactive unless attentions or hidden states are asked for, and replayed the same way
+by transformers' own gradient checkpointing). They are neither reported nor touched. A user's hook inside a
 candidate is a blocking hazard named with the hook and the module it is on (remat cannot
 tell an observer from a hook whose effect must be replayed), so the planner excludes the
 candidate and a safe placement (the hook on the region itself) stays plannable.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import types
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,7 +36,10 @@ from ..types import HazardKind
 from .model import HazardRecord
 
 _SIMPLE = (int, float, str, bool, type(None))
-_OWN_HOOK_MODULES = ("torch.", "remat.")   # hooks defined here are not the user's (NOTE [replayed hooks])
+_LIBRARY_CODE = ("torch.", "remat.")   # forwards and hooks defined here are not the user's
+# NOTE [replayed hooks]: transformers installs an output-capturing hook on every layer, inactive
+# unless the caller asks for attentions / hidden states
+_NOT_USERS_HOOKS = (*_LIBRARY_CODE, "transformers.utils.output_capturing")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -125,9 +131,10 @@ def _user_forwards(module: nn.Module) -> list[types.FunctionType]:
     """The distinct user-defined ``forward`` functions of ``module`` and its submodules."""
     out: dict[int, types.FunctionType] = {}
     for sub in module.modules():
-        fn = type(sub).forward
-        if isinstance(fn, types.FunctionType) and not (fn.__module__ or "").startswith(_OWN_HOOK_MODULES):
-            out.setdefault(id(fn), fn)
+        outer = type(sub).forward
+        for fn in (outer, inspect.unwrap(outer)):   # a decorated forward: the wrapper's cells and the code's globals
+            if isinstance(fn, types.FunctionType) and not (fn.__module__ or "").startswith(_LIBRARY_CODE):
+                out.setdefault(id(fn), fn)
     return list(out.values())
 
 
@@ -194,7 +201,7 @@ def _hook_owner(fn: Any) -> str:
 def _user_hooks(hooks: dict[int, Any]) -> list[str]:
     """Qualified names of the hooks in ``hooks`` that are the user's (NOTE [replayed hooks])."""
     return [getattr(fn, "__qualname__", repr(fn)) for fn in hooks.values()
-            if not _hook_owner(fn).startswith(_OWN_HOOK_MODULES)]
+            if not _hook_owner(fn).startswith(_NOT_USERS_HOOKS)]
 
 
 def module_hooks(module: nn.Module, where: str) -> list[str]:
