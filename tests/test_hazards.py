@@ -115,3 +115,15 @@ def test_a_hook_on_a_segment_member_is_inside_the_segment(hooked, flagged):
     reason = next((e.reason for e in elig.excluded if e.module == "blocks[0:2]"), "")
     assert ("_stats_hook on blocks.1" in reason) is flagged, reason
     assert ("blocks[0:2]" in elig.allowed) is not flagged
+
+
+def test_verify_names_a_hook_inside_a_hand_planned_boundary():
+    """A plan made by hand around a hooked block: the paired runs agree (the hook only counts), yet
+    verify fails, naming the block and the hook, instead of passing with no replay hazards."""
+    lw = load_workload(ZOO, {"kind": "hook_inner"})
+    report = verify_plan(lw, hand_plan(lw.workload.model, [BLOCK]), steps=1, seeds=1, timing_steps=0)
+    assert not report.passed
+    (h,) = report.hazards
+    assert (h.module, h.kind) == (BLOCK, HazardKind.HOOK) and "count_activation on its submodule lin" in h.detail
+    twin = load_workload(ZOO, {"kind": "hook_outer"})
+    assert verify_plan(twin, hand_plan(twin.workload.model, [BLOCK]), steps=1, seeds=1, timing_steps=0).passed

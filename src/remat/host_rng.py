@@ -7,8 +7,9 @@ generator (drop-path written with ``random.random()``) would draw other numbers 
 take another branch and fail with CheckpointError, or silently compute something else. So
 remat treats these two like torch's: the wrapper captures them before a region's forward
 and rewinds them for its replay (then puts back what the step had reached), the profile's
-hazard probe reports a draw as an RNG hazard naming the generator, and the confirming
-replay rewinds them too. One definition here, used by wrap, profile and verify.
+hazard probe reports a draw as an RNG hazard naming the generator, and the profile's dry
+runs (``rewinding``) and confirming replay rewind them too. A region Dynamo traces keeps
+torch's own behaviour (NOTE [wrapper under compile]). One definition here, used by wrap, profile and verify.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 def numpy_state() -> Any | None:
@@ -68,3 +69,18 @@ def rewound(state: HostRng) -> Iterator[None]:
         yield
     finally:
         now.restore()
+
+
+def rewinding(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for one checkpoint call: its later calls (the replays) run with both generators as
+    they were when ``rewinding`` was called, right before the first (NOTE [host RNG])."""
+    state = HostRng.capture()
+    calls = [0]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*args, **kwargs)
+        with rewound(state):
+            return fn(*args, **kwargs)
+    return run
