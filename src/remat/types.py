@@ -74,6 +74,8 @@ class HazardKind(str, enum.Enum):
     PYTHON_STATE = "python_state"            # a Python attribute of the module changed in forward
     DEVICE_MOVE = "device_move"              # a tensor moved between devices inside the region
     INPLACE_INPUT = "inplace_input"          # an op wrote in place into one of the region's inputs
+    HOOK = "hook"                            # a user's forward / pre-forward hook inside the region fires on replay
+    GLOBAL_STATE = "global_state"            # a module global or closure cell the forward writes changes on replay
 
 
 # NOTE [selective policy ops]

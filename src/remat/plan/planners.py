@@ -14,12 +14,15 @@ NOTE [hazard policy]
 Per candidate, from its own hazards and those of every candidate nested in it (a
 checkpointed parent replays its children too), except a nested candidate's in-place write
 into its own input (an intermediate of the parent, recreated by the parent's replay; the
-parent's own inputs are checked in the parent's window). Hazards other than RNG reach the
+parent's own inputs are checked in the parent's window). Python attributes (tensor-valued
+ones included), buffers, in-place input writes and module globals / closure cells reach the
 planner only when a replay confirmed them (NOTE [confirmed hazards] in profile/confirm.py):
-a suspicion that a replay did not reproduce is dropped.
+a suspicion that a replay did not reproduce is dropped. Device moves and the user's hooks
+inside a region (NOTE [replayed hooks] in profile/hazards.py) are kept as found.
 - in ``report.excluded``: always excluded, with the profiler's reason;
-- RNG: not a hazard while RNG state is preserved (the replay draws the same numbers);
-  with ``preserve_rng_state=False`` it is a blocking hazard;
+- RNG (torch's, Python's ``random``, numpy's: NOTE [host RNG]): not a hazard while RNG
+  state is preserved (the replay draws the same numbers); with ``preserve_rng_state=False``
+  it is a blocking hazard;
 - BUFFER_MUTATION with ``guardable=True``: planned normally, ``Boundary.guarded=True``
   (remat.apply restores the buffers around the replay; verify proves they match);
 - any other hazard, or a non-guardable buffer mutation: excluded with the reason, unless

@@ -2,18 +2,21 @@
 
 NOTE [confirmed hazards]
 The profiled step raises *suspicions*: an op wrote in place into a candidate's input, a
-Python attribute changed during its forward, a buffer that no guard restores changed.
+Python attribute (a tensor-valued one included) changed during its forward, a buffer that
+no guard restores changed, a module global or closure cell its code names changed (NOTE
+[code state] in hazards.py).
 None of them is evidence that checkpointing the candidate changes training:
 ``ReLU(inplace=True)`` writes into its input, yet replaying it gives the same output; a
 module that caches a shape in an attribute sets the same value again. What matters is
 whether the *replay* (the forward that non-reentrant checkpoint re-runs during backward,
 on the same argument objects, with the RNG state of the first forward) differs from the
 first forward. So in one more step, right after each suspect's forward returns, remat
-replays it exactly that way and compares outputs (bitwise for integer tensors, 1e-5
-relative for floating ones), simple Python attributes and buffers with what the first
-forward left. A suspicion the replay reproduces is kept, with the difference as its
+replays it exactly that way (torch's, Python's and numpy's generators rewound: NOTE [host
+RNG]) and compares outputs (bitwise for integer tensors, 1e-5 relative for floating ones),
+simple and tensor-valued Python attributes, buffers, globals and closure cells with what
+the first forward left. A suspicion the replay reproduces is kept, with the difference as its
 evidence; one the replay does not reproduce is dropped (a false alarm). Everything the
-replay touches is put back (RNG state, buffers, simple Python attributes, input values),
+replay touches is put back (RNG state, buffers, Python attributes, globals, input values),
 so the step goes on as it would have.
 """
 
@@ -27,14 +30,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..host_rng import HostRng, rewound
 from ..types import HazardKind
 from ..workload.contract import TrainingStep
-from .hazards import python_state
+from .hazards import TensorValue, changed_code_state, code_state, python_state, restore_code_state
 from .model import HazardRecord
 
 # The suspicions a replay can confirm or refute (RNG is handled by preserving RNG state,
 # guardable BatchNorm buffers by the guard, device moves are kept as reported).
-CONFIRMABLE = (HazardKind.INPLACE_INPUT, HazardKind.PYTHON_STATE, HazardKind.BUFFER_MUTATION)
+CONFIRMABLE = (HazardKind.INPLACE_INPUT, HazardKind.PYTHON_STATE, HazardKind.BUFFER_MUTATION, HazardKind.GLOBAL_STATE)
 
 
 def needs_confirmation(h: HazardRecord) -> bool:
@@ -78,6 +82,7 @@ class _Frame:
 
     rng_cpu: torch.Tensor
     rng_cuda: list[torch.Tensor] | None
+    host_rng: HostRng                 # Python's and numpy's generators (NOTE [host RNG])
     python_before: dict[str, Any]
 
 
@@ -88,6 +93,7 @@ class _Observed:
     out: list[torch.Tensor]
     python: dict[str, Any]
     buffers: dict[str, torch.Tensor]
+    code: dict[str, Any]               # globals and closure cells (NOTE [code state])
 
 
 def _output_verdict(first: _Observed, replay: _Observed) -> str | None:
@@ -106,9 +112,14 @@ def _buffer_verdict(first: _Observed, replay: _Observed) -> str | None:
     return f"{', '.join(changed[:3])} changed again on replay" if changed else None
 
 
+def _code_verdict(first: _Observed, replay: _Observed) -> str | None:
+    changed = changed_code_state(first.code, replay.code)
+    return f"{'; '.join(changed[:3])} (after the forward -> after a replay)" if changed else None
+
+
 # Per confirmable kind: the replay's difference from the first forward (evidence), None when it has none.
 _VERDICTS = {HazardKind.INPLACE_INPUT: _output_verdict, HazardKind.PYTHON_STATE: _python_verdict,
-             HazardKind.BUFFER_MUTATION: _buffer_verdict}
+             HazardKind.BUFFER_MUTATION: _buffer_verdict, HazardKind.GLOBAL_STATE: _code_verdict}
 
 
 @contextlib.contextmanager
@@ -120,7 +131,8 @@ def _rng_rewound(frame: _Frame) -> Iterator[None]:
     if frame.rng_cuda is not None:
         torch.cuda.set_rng_state_all(frame.rng_cuda)
     try:
-        yield
+        with rewound(frame.host_rng):
+            yield
     finally:
         torch.set_rng_state(rng_after)
         if cuda_after is not None:
@@ -154,7 +166,7 @@ class ReplayConfirmer:
             if self._replaying or name in self._frames:
                 return None
             cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-            self._frames[name] = _Frame(rng_cpu=torch.get_rng_state(), rng_cuda=cuda,
+            self._frames[name] = _Frame(rng_cpu=torch.get_rng_state(), rng_cuda=cuda, host_rng=HostRng.capture(),
                                         python_before=python_state(module))
             return None
         return pre
@@ -176,7 +188,7 @@ class ReplayConfirmer:
                 frame: _Frame) -> dict[HazardKind, str | None]:
         """Run ``module``'s forward again as a checkpoint would and judge each suspicion of ``name``."""
         first = _Observed(out=[t.detach().clone() for t in _tensors(output)], python=python_state(module),
-                          buffers=_buffers(module))
+                          buffers=_buffers(module), code=code_state(module))
         inputs = [t for t in _tensors((args, kwargs))]
         with _rng_rewound(frame):
             replay = self._rerun(module, args, kwargs, first, inputs)
@@ -197,9 +209,11 @@ class ReplayConfirmer:
             try:
                 with torch.enable_grad():
                     out = [t.detach() for t in _tensors(module.forward(*detached[0], **detached[1]))]
-                return _Observed(out=out, python=python_state(module), buffers=_buffers(module))
+                return _Observed(out=out, python=python_state(module), buffers=_buffers(module),
+                                 code=code_state(module))
             finally:
                 self._put_back(module, first.python, first.buffers, inputs, inputs_after)
+                restore_code_state(module, first.code)
 
     @staticmethod
     def _put_back(module: nn.Module, python_after: dict[str, Any], buffers_after: dict[str, torch.Tensor],
@@ -211,13 +225,19 @@ class ReplayConfirmer:
             for t, v in zip(inputs, inputs_after):
                 if not torch.equal(t, v):
                     t.detach().copy_(v)
-        for key, value in python_after.items():   # simple values only (python_state's snapshot)
-            if isinstance(value, tuple):
-                continue
-            owner_path, _, attr = key.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            if getattr(owner, attr, value) != value:
-                setattr(owner, attr, value)
+        _put_back_attributes(module, python_after)
+
+
+def _put_back_attributes(module: nn.Module, python_after: dict[str, Any]) -> None:
+    """Simple and tensor-valued attributes as ``python_after`` (python_state's snapshot) has them."""
+    for key, value in python_after.items():
+        if isinstance(value, tuple):   # a container's length: not restorable
+            continue
+        owner_path, _, attr = key.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        now = getattr(owner, attr, value)
+        if (TensorValue.of(now) if isinstance(now, torch.Tensor) else now) != value:
+            setattr(owner, attr, value.tensor if isinstance(value, TensorValue) else value)
 
 
 def confirm_hazards(step: TrainingStep, modules: dict[str, nn.Module], candidates: dict[str, list[HazardRecord]],

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..host_rng import rewinding
 from ..types import OP_POLICY_MODES, CheckpointMode, is_cheap_op, sac_saves
 from ..workload.contract import TrainingStep
 from .model import CandidateCost
@@ -53,7 +54,7 @@ def _wrap(module: nn.Module, mode: CheckpointMode) -> Callable[[], None]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(lambda leaf: leaf, (args, kwargs))   # NOTE [argument containers] (apply)
         fn = functools.partial(original, **kwargs) if kwargs else original
-        return checkpoint(fn, *args, use_reentrant=False, **extra)
+        return checkpoint(rewinding(fn), *args, use_reentrant=False, **extra)   # NOTE [host RNG]
 
     module.forward = forward  # type: ignore[method-assign]
 
@@ -88,7 +89,7 @@ def _wrap_named(model: nn.Module, modules: dict[str, nn.Module], name: str, mode
         return x
 
     def head_forward(x: Any) -> Any:
-        return checkpoint(whole, x, use_reentrant=False)
+        return checkpoint(rewinding(whole), x, use_reentrant=False)
 
     def passthrough(x: Any) -> Any:
         return x

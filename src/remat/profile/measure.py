@@ -47,7 +47,7 @@ from .confirm import confirm_hazards
 from .dryrun import dry_run_modes
 from .replay import ReplayEstimate, measure_replay_costs
 from .fingerprint import fingerprint
-from .hazards import HazardProbe
+from .hazards import HazardProbe, hook_detail, module_hooks
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
 from .segments import ChainProbe, is_segment, parse_segment, run_segments
 
@@ -480,13 +480,21 @@ def _confirm_suspects(step: TrainingStep, seen: _Recorded, costs: list[Candidate
     return {n: [f"{h.kind.value}: {h.detail}" for h in hs] for n, hs in dropped.items()}
 
 
-def _segment_hazards(kids: list[str], hazards_of: Callable[[str], list[HazardRecord]]) -> list[HazardRecord]:
-    """A segment's hazards: its members', each (kind, detail) once.
+def _members_hooks(kids: list[str], modules: dict[str, nn.Module]) -> list[HazardRecord]:
+    """The HOOK hazard of a segment whose members carry user hooks: inside the segment (NOTE [replayed hooks])."""
+    found = [h for k in kids for h in module_hooks(modules[k], k)]
+    return [HazardRecord(kind=HazardKind.HOOK, detail=hook_detail(found))] if found else []
+
+
+def _segment_hazards(kids: list[str], modules: dict[str, nn.Module],
+                     hazards_of: Callable[[str], list[HazardRecord]]) -> list[HazardRecord]:
+    """A segment's hazards: its members', each (kind, detail) once, and the members' own hooks.
 
     A member's in-place write into its input writes an intermediate of the segment, which the
     segment's replay recreates: only the first member's counts (as for nested candidates)."""
     hazards = [h for i, k in enumerate(kids) for h in hazards_of(k)
                if i == 0 or h.kind is not HazardKind.INPLACE_INPUT]
+    hazards += _members_hooks(kids, modules)
     once: set[tuple[HazardKind, str]] = set()
     return [h for h in hazards if not ((h.kind, h.detail) in once or once.add((h.kind, h.detail)))]
 
@@ -515,7 +523,7 @@ def _offer_segment(seen: _Recorded, offers: _Offers, name: str, kids: list[str],
         saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
         replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
         replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
-        hazards=_segment_hazards(kids, hazards_of), members=tuple(kids)),
+        hazards=_segment_hazards(kids, seen.modules, hazards_of), members=tuple(kids)),
         (region.fwd_start, region.fwd_end, *_segment_bwd_span(kids, seen.last_window)))
 
 

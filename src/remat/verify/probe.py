@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..host_rng import numpy_equal, numpy_state
 from ..wrap import ApplyHandle, CheckpointWrapper
 from .compare import changed_attributes, python_state
 
@@ -51,7 +52,7 @@ class RngState:
     @classmethod
     def capture(cls) -> "RngState":
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(torch_cpu=torch.get_rng_state(), torch_cuda=cuda, python=random.getstate(), numpy=_numpy_state())
+        return cls(torch_cpu=torch.get_rng_state(), torch_cuda=cuda, python=random.getstate(), numpy=numpy_state())
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch_cpu)
@@ -73,22 +74,9 @@ class RngState:
             out.append("torch cuda")
         if self.python != other.python:
             out.append("python random")
-        if self.numpy is not None and other.numpy is not None and not _numpy_equal(self.numpy, other.numpy):
+        if self.numpy is not None and other.numpy is not None and not numpy_equal(self.numpy, other.numpy):
             out.append("numpy random")
         return out
-
-
-def _numpy_state() -> Any | None:
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return None
-    return np.random.get_state()
-
-
-def _numpy_equal(a: Any, b: Any) -> bool:
-    import numpy as np
-    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
 
 
 def seed_everything(seed: int) -> None:

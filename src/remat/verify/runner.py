@@ -71,9 +71,10 @@ import torch
 from torch import nn
 
 from ..wrap import ApplyHandle, apply, check_plan_fingerprint, load_plan
-from ..errors import RematError, WorkloadError
+from ..errors import RematError, UserCodeError, WorkloadError
 from ..measure import CompiledFunction, CompileSpec, compile_model, random_ops_in_program_order, time_round_robin
 from ..plan.model import Plan
+from ..profile.hazards import hook_detail, hooks_inside
 from ..types import HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
 from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors, largest_magnitude,
@@ -465,6 +466,22 @@ class _PairResult:
         return "no difference from the control"
 
 
+# NOTE [a planned step that raises]
+# The control just ran the same step of the same seed without raising, so when the planned
+# side raises, checkpointing made the difference (torch's CheckpointError: the replay saved
+# other tensors than the forward; a replay that took another branch): a finding, counted
+# like a divergence (a negative control that raises is *rejected*), never a crash of verify.
+# The workload's code raising surfaces as UserCodeError (call_user); remat's own errors
+# (RematError otherwise: a bad plan, a fingerprint) still propagate.
+
+
+def _failure_text(exc: BaseException) -> str:
+    """``Type: first line`` of what the planned step raised: the workload code's exception, not remat's wrapper."""
+    cause = exc.__cause__ if isinstance(exc, UserCodeError) and exc.__cause__ is not None else exc
+    first = str(cause).splitlines()[0] if str(cause) else ""
+    return f"{type(cause).__name__}: {first}"
+
+
 def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: int, eval_pass: bool,
               fault: Fault | None = None, tick: Callable[[], None] = lambda: None,
               compiled: _Compiled = _EAGER, role: str = "plan") -> _PairResult:
@@ -489,10 +506,13 @@ def _run_pair(loaded: LoadedWorkload, plan: Plan | None, *, seed: int, steps: in
             c = control.step(k, mode)
             try:
                 p = planned.step(k, mode)
+            except UserCodeError as exc:   # NOTE [a planned step that raises]
+                error = _failure_text(exc)
+                break
             except RematError:
                 raise
-            except Exception as exc:  # the planned step itself failed (e.g. a CheckpointError): a finding
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            except Exception as exc:
+                error = _failure_text(exc)
                 break
             if p.fault:
                 faults.append(p.fault)
@@ -727,12 +747,21 @@ def _verify_warnings(loaded: LoadedWorkload, compiled: bool, per_step: list[Step
                        for s in _first_non_finite_per_seed(per_step)]
 
 
+def _hook_hazards(model: nn.Module, plan: Plan) -> list[Hazard]:
+    """The user's hooks a boundary's replay fires again (NOTE [replayed hooks] in profile/hazards.py): a
+    double count is invisible to the paired comparison, so verify looks for the hooks themselves."""
+    named = dict(model.named_modules())
+    found = {b.module: hooks_inside(named[b.module]) for b in plan.boundaries if b.module in named}
+    return [Hazard(module=name, kind=HazardKind.HOOK, detail=hook_detail(hooks), state="hooks")
+            for name, hooks in found.items() if hooks]
+
+
 def _verify(loaded: LoadedWorkload, plan: Plan, *, steps: int, seeds: int, timing_steps: int, compiled: _Compiled,
             ticks: _Progress) -> VerifyReport:
     """verify_plan's runs and report, inside its kernel and RNG settings."""
     seed_values = list(range(seeds))
     pairs = _paired_runs(loaded, plan, seed_values, steps, ticks.tick, compiled)
-    hazards = _dedupe(pairs.hazards)
+    hazards = _dedupe(pairs.hazards + _hook_hazards(loaded.workload.model, plan))
     failures = pairs.failures + _divergence_failure(pairs.per_step)
     failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
     repeatable, not_repeated = _control_repeats(loaded, seed_values[0], steps, ticks.tick, compiled)

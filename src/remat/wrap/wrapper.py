@@ -74,6 +74,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
+from ..host_rng import HostRng, rewound
 from ..trace.recorder import instrumentation_hooks_off
 from ..types import OP_POLICY_MODES, CheckpointMode
 from .policy import OpLevelPolicy, SaveMatmulPolicy, selective_context_fn, traceable_context_fn
@@ -200,7 +201,9 @@ class CheckpointWrapper:
                 extra["context_fn"] = selective_context_fn(self.policy)
             # Keyword arguments ride in a partial: a forward keyword named like one of
             # checkpoint's own (``debug``, ``context_fn``...) must not be taken by checkpoint.
-            fn = functools.partial(self._run, **kwargs) if kwargs else self._run
+            # NOTE [host RNG]: Python's and numpy's generators as this forward finds them, for its replay
+            host = HostRng.capture() if self.preserve_rng_state else None
+            fn = functools.partial(self._run, host, **kwargs)
             with instrumentation_hooks_off():   # NOTE [saved-tensor hooks and identity] in trace/recorder.py
                 return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra)
         finally:
@@ -216,11 +219,13 @@ class CheckpointWrapper:
         fn = functools.partial(self._region_forward, **kwargs) if kwargs else self._region_forward
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra)
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, host: HostRng | None, /, *args: Any, **kwargs: Any) -> Any:
         replay = self._depth == 0 or _in_backward()  # NOTE [replay detection]
         if replay:
             self.replay_calls += 1
         with contextlib.ExitStack() as stack:
+            if replay and host is not None:
+                stack.enter_context(rewound(host))   # NOTE [host RNG]
             for obs in list(self.observers):
                 stack.enter_context(obs.region(self, replay=replay))
             if replay and self.guarded:
