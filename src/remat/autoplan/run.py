@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .. import __version__
-from ..wrap import apply, recover_handle
+from ..wrap import apply, check_applies, recover_handle
 from ..closed_loop import plan_closed_loop
 from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
@@ -177,14 +177,14 @@ def _fit_cached(source: ModelSource, settings: AutoSettings,
 
 
 def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Plan | None:
-    """The entry for ``key`` if it loads and applies to ``model`` (applied and removed at once: ``apply``
-    checks everything before it wraps anything); else None, an entry that fails warned about
-    (``BrokenCacheEntryWarning``): the caller re-plans and replaces it."""
+    """The entry for ``key`` if it loads and ``apply`` would take it on ``model`` (``check_applies``: the same
+    checks, nothing wrapped); else None, an entry that fails warned about (``BrokenCacheEntryWarning``):
+    the caller re-plans and replaces it."""
     plan = cache.load(key)
     if plan is None:
         return None
     try:
-        apply(model, plan).remove()
+        check_applies(model, plan)
     except RematError as exc:
         cache.reject(key, exc)
         return None

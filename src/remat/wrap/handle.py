@@ -184,6 +184,26 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool 
     :class:`CandidateError` for a module the model lacks, :class:`PlanError` if a planned
     module is already wrapped.
     """
+    plan, members = _members_to_wrap(model, plan, check_fingerprint=check_fingerprint, stage=stage)
+    wrappers = tuple(
+        SegmentWrapper(members[b.module], b.module, b.mode, guarded=b.guarded,
+                       preserve_rng_state=plan.preserve_rng_state) if is_segment(b.module) else
+        CheckpointWrapper(members[b.module][0][1], b.module, b.mode, guarded=b.guarded,
+                          preserve_rng_state=plan.preserve_rng_state, policy=policy)
+        for b in plan.boundaries)
+    for w in wrappers:
+        w.install()
+    return ApplyHandle(model, plan, wrappers)
+
+
+def check_applies(model: nn.Module, plan: Plan) -> None:
+    """Raise what :func:`apply` would raise for ``plan`` on ``model``, wrapping nothing."""
+    _members_to_wrap(model, plan, check_fingerprint=True, stage=None)
+
+
+def _members_to_wrap(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool,
+                     stage: int | None) -> tuple[Plan, dict[str, list[tuple[str, nn.Module]]]]:
+    """Every check :func:`apply` makes before it wraps anything: (the plan, each boundary's members)."""
     if not isinstance(model, nn.Module):
         raise PlanError(f"remat.apply needs a torch.nn.Module, got {type(model).__name__}")
     plan = load_plan(plan, stage)   # a pipeline plan: the plan of the stage this rank owns
@@ -200,13 +220,5 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool 
             seen[id(module)] = path
             if isinstance(module.__dict__.get("forward"), (CheckpointWrapper, SegmentPassthrough)):
                 raise PlanError(f"module {mpath!r} is already checkpointed by remat.apply; remove the first handle first")
-    wrappers = tuple(
-        SegmentWrapper(members[b.module], b.module, b.mode, guarded=b.guarded,
-                       preserve_rng_state=plan.preserve_rng_state) if is_segment(b.module) else
-        CheckpointWrapper(members[b.module][0][1], b.module, b.mode, guarded=b.guarded,
-                          preserve_rng_state=plan.preserve_rng_state, policy=policy)
-        for b in plan.boundaries)
-    for w in wrappers:
-        w.install()
-    return ApplyHandle(model, plan, wrappers)
+    return plan, members
 
