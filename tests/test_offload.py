@@ -204,3 +204,53 @@ def test_a_plan_with_offload_round_trips_through_json(tmp_path) -> None:
     path = plan.save(tmp_path / "plan.json")
     again = Plan.load(path)
     assert again.offload == pricing and again.boundaries == plan.boundaries
+
+
+# -- end to end on a built-in workload: closed loop, then verify -----------------------------------
+
+def test_a_mixed_plan_fits_its_budget_by_measurement_and_verifies_bitwise() -> None:
+    from remat.closed_loop import plan_closed_loop
+    from remat.profile import profile_workload
+    from remat.verify import verify_plan
+    from remat.workload import load_workload
+    shape = {"batch_size": 4, "seq_len": 64, "n_layer": 2, "d_model": 64, "n_head": 2, "vocab": 64}
+    loaded = load_workload("gpt", shape)
+    report = profile_workload(loaded, measure_replays=False, segments=False)
+    fast_link = OffloadPricing(d2h_bytes_per_ms=1e12, h2d_bytes_per_ms=1e12, overlaps_compute=False)
+    budget = int(report.baseline_peak_bytes * 0.75)
+    result = plan_closed_loop(load_workload("gpt", shape), report, "optimal", budget_bytes=budget, reserve=0.0,
+                              offload=fast_link)
+    plan = result.plan
+    assert any(b.mode is O for b in plan.boundaries)
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+    verdict = verify_plan(load_workload("gpt", shape), plan, steps=2, seeds=1, timing_steps=0)
+    assert verdict.passed, verdict.failures
+    perturbed = next(n for n in verdict.negative_controls if n.name == "perturbed_gradient")
+    assert perturbed.applicable and perturbed.rejected
+
+
+def test_link_bandwidth_is_measured_once_then_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.measure import bandwidth
+    monkeypatch.setattr(bandwidth, "_PROBE_BYTES", 2 ** 20)
+    first = bandwidth.link_bandwidth("cpu", cache_dir=tmp_path)
+    calls = []
+    monkeypatch.setattr(bandwidth, "_measure", lambda device: calls.append(device) or (1.0, 1.0))
+    second = bandwidth.link_bandwidth("cpu", cache_dir=tmp_path)
+    assert not first.cached and second.cached and not calls
+    assert second.d2h_bytes_per_ms == pytest.approx(first.d2h_bytes_per_ms)
+    (next((tmp_path / "bandwidth").iterdir())).write_text("{not json")    # a broken entry: measured again
+    third = bandwidth.link_bandwidth("cpu", cache_dir=tmp_path)
+    assert calls and not third.cached and third.d2h_bytes_per_ms == 1.0
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--host-budget", "1GiB"], "--host-budget only applies with --offload"),
+    (["--offload", "--host-budget", "50%"], "not a share"),
+    (["--offload", "--compile"], "--offload cannot be combined with --compile"),
+])
+def test_offload_usage_errors_exit_2_before_any_work(extra, needle, tmp_path, capsys) -> None:
+    from remat.cli.main import main
+    code = main(["plan", "--workload", "mlp", "--budget", "60%", "--out", str(tmp_path / "p"), *extra])
+    assert code == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
