@@ -254,3 +254,11 @@ def test_offload_usage_errors_exit_2_before_any_work(extra, needle, tmp_path, ca
     assert code == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_simulated_offload_is_priced_from_the_device_models_link() -> None:
+    from remat.plan.offload import modelled_pricing
+    h100 = modelled_pricing("h100", host_budget_bytes=2 ** 30)
+    assert h100.d2h_bytes_per_ms == pytest.approx(0.8 * 64e9 / 1e3) and h100.overlaps_compute
+    assert h100.host_budget_bytes == 2 ** 30 and h100.source == "device model h100"
+    assert not modelled_pricing("cpu").overlaps_compute
