@@ -207,20 +207,23 @@ def check_profile_timing(device: str, dtype: str, shape: dict) -> Check:
 
 # -- 4. plan, verify, frontier in bf16 -------------------------------------------------------------
 
+def _budget_for(report: Any) -> int:
+    """The budget: halfway between the predicted floor and the control's peak, plus the 5% reserve
+    (60% of the control when that is reachable: GPT-2 small in bf16 checkpoints well below it)."""
+    from remat.plan import peak_floor
+    floor = peak_floor(report)
+    return max(int(report.baseline_peak_bytes * 0.6), int((floor + (report.baseline_peak_bytes - floor) // 2) / 0.95))
+
+
 def check_pipeline(device: str, dtype: str, shape: dict, smoke: bool) -> Check:
     from remat.closed_loop import plan_closed_loop
     from remat.frontier import FrontierSettings, run_frontier
-    from remat.plan import peak_floor
     from remat.profile import profile_workload
     from remat.verify import verify_plan
     from remat.workload import load_workload
     lw = load_workload("gpt", shape, device=device, dtype=dtype)
     report = profile_workload(lw)
-    # the budget: halfway between the predicted floor and the control's peak, plus the 5% reserve
-    # (60% of the control when that is reachable: GPT-2 small in bf16 checkpoints well below it)
-    floor = peak_floor(report)
-    budget = max(int(report.baseline_peak_bytes * 0.6),
-                 int((floor + (report.baseline_peak_bytes - floor) // 2) / 0.95))
+    budget = _budget_for(report)
     closed = plan_closed_loop(lw, report, "optimal", budget_bytes=budget, reserve=0.05)
     plan = closed.plan
     v = verify_plan(lw, plan, steps=2, seeds=2, timing_steps=5)
@@ -379,7 +382,7 @@ def check_offload_plan(device: str, dtype: str, shape: dict) -> Check:
         return load_workload("gpt", shape, device=device, dtype=dtype)
     report = profile_workload(loaded())
     pricing = measured_pricing(device)
-    budget = int(report.baseline_peak_bytes * 0.6)
+    budget = _budget_for(report)
     plans = {"recompute": plan_closed_loop(loaded(), report, "optimal", budget_bytes=budget).plan,
              "mixed": plan_closed_loop(loaded(), report, "optimal", budget_bytes=budget, offload=pricing).plan}
     steps = {}
