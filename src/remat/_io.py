@@ -79,3 +79,15 @@ def atomic_write_text(path: Path | str, text: str) -> Path:
 
 def atomic_write_json(path: Path | str, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+CACHE_ENV_VAR = "REMAT_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """remat's cache folder (plans, measured bandwidths): ``$REMAT_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/remat``, else ``~/.cache/remat``."""
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "remat"

@@ -64,6 +64,7 @@ class CheckpointMode(str, enum.Enum):
     SELECTIVE = "selective"  # SAC: matmul/attention outputs saved, cheap ops recomputed
     SAVE_ATTENTION = "save-attention"            # SAC: only attention outputs saved, the rest recomputed
     RECOMPUTE_POINTWISE = "recompute-pointwise"  # SAC: only pointwise and norm ops recomputed, the rest saved
+    OFFLOAD = "offload"      # nothing recomputed: its saved activations wait in host memory (NOTE [activation offload])
 
 
 class HazardKind(str, enum.Enum):

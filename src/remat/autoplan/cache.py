@@ -32,18 +32,9 @@ from typing import Any
 
 import torch
 
+from .._io import CACHE_ENV_VAR as ENV_VAR, default_cache_dir
 from ..errors import RematError
 from ..plan import Plan
-
-ENV_VAR = "REMAT_CACHE_DIR"
-
-
-def default_cache_dir() -> Path:
-    """``$REMAT_CACHE_DIR``, else ``$XDG_CACHE_HOME/remat``, else ``~/.cache/remat``."""
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "remat"
 
 
 class PlanCacheWarning(UserWarning):

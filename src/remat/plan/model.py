@@ -15,6 +15,7 @@ from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import ModelFingerprint
 from ..types import CheckpointMode
+from .offload import OffloadPricing
 from .schema import PLAN
 
 PLAN_SCHEMA_VERSION = 1
@@ -59,6 +60,7 @@ class Plan:
     simulated: bool = False               # figures from --simulate, not a measured run
     device_model: str | None = None
     compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
+    offload: OffloadPricing | None = None  # offload priced with these bandwidths (NOTE [offload cost model])
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -82,6 +84,10 @@ class Plan:
             del d["compile"]   # eager plans read as they always did
         else:
             d["compile"] = self.compile.to_json()
+        if self.offload is None:
+            del d["offload"]   # plans without offload read as they always did
+        else:
+            d["offload"] = self.offload.to_json()
         return d
 
     @classmethod
@@ -114,6 +120,7 @@ class Plan:
             simulated=d.get("simulated", False),
             device_model=d.get("device_model"),
             compile=None if d.get("compile") is None else CompileSpec.from_json(d["compile"]),
+            offload=None if d.get("offload") is None else OffloadPricing.from_json(d["offload"]),
             schema_version=version,
         )
 

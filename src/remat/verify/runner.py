@@ -75,7 +75,7 @@ from ..errors import RematError, UserCodeError, WorkloadError
 from ..measure import CompiledFunction, CompileSpec, compile_model, random_ops_in_program_order, time_round_robin
 from ..plan.model import Plan
 from ..profile.hazards import hook_detail, hooks_inside
-from ..types import HazardKind, ProgressFn, no_progress
+from ..types import CheckpointMode, HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
 from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors, largest_magnitude,
                       owner_module, python_state, short_repr, tolerance_for)
@@ -751,7 +751,8 @@ def _hook_hazards(model: nn.Module, plan: Plan) -> list[Hazard]:
     """The user's hooks a boundary's replay fires again (NOTE [replayed hooks] in profile/hazards.py): a
     double count is invisible to the paired comparison, so verify looks for the hooks themselves."""
     named = dict(model.named_modules())
-    found = {b.module: hooks_inside(named[b.module]) for b in plan.boundaries if b.module in named}
+    found = {b.module: hooks_inside(named[b.module]) for b in plan.boundaries
+             if b.module in named and b.mode is not CheckpointMode.OFFLOAD}   # offload replays nothing
     return [Hazard(module=name, kind=HazardKind.HOOK, detail=hook_detail(hooks), state="hooks")
             for name, hooks in found.items() if hooks]
 
@@ -766,7 +767,8 @@ def _verify(loaded: LoadedWorkload, plan: Plan, *, steps: int, seeds: int, timin
     failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
     repeatable, not_repeated = _control_repeats(loaded, seed_values[0], steps, ticks.tick, compiled)
     failures += not_repeated
-    drawers = sorted(a.module for a in pairs.activity if a.draws_rng)
+    # an offloaded boundary never replays (NOTE [activation offload]): its draws need no preserved RNG
+    drawers = sorted(a.module for a in pairs.activity if a.draws_rng and a.mode is not CheckpointMode.OFFLOAD)
     tol = _model_tolerance(loaded.workload.model, compiled.table)
     negative, not_rejected = _negative_controls(loaded, plan, drawers, seed_values[0], min(steps, 2),
                                                 _perturbation_for(tol), ticks.tick, compiled)
