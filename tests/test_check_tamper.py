@@ -337,6 +337,8 @@ def test_a_hanging_factory_or_batch_stops_at_the_check_timeout(folder, capsys, m
         wl.batch = lambda step: time.sleep(600)
         return wl
     monkeypatch.setattr(mlp, "build", build)
+    from remat.verify import verify_plan
+    monkeypatch.setattr(check_mod, "verify_plan", verify_plan)   # not shared_runs' memo: batch() must run
     before = sorted(p.name for p in folder.iterdir())
     t0 = time.monotonic()
     assert main(["check", "out/receipt.json", "--quick", "--timeout", "2"]) == 4
