@@ -15,6 +15,12 @@ by transformers' own gradient checkpointing). They are neither reported nor touc
 candidate is a blocking hazard named with the hook and the module it is on (remat cannot
 tell an observer from a hook whose effect must be replayed), so the planner excludes the
 candidate and a safe placement (the hook on the region itself) stays plannable.
+Making the replay run such hooks "once, as the unplanned step does" is not exact, so it is
+not done: skipping them on replay breaks a hook that returns a new output (the replay would
+recompute other activations than the forward saved), and running them while undoing their
+side effects needs to know every side effect (a counter in a closure, a list appended to, a
+file written), which is exactly what cannot be inventoried. Excluding the candidate is the
+only choice that is right for every hook.
 """
 
 from __future__ import annotations
