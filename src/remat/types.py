@@ -77,6 +77,7 @@ class HazardKind(str, enum.Enum):
     INPLACE_INPUT = "inplace_input"          # an op wrote in place into one of the region's inputs
     HOOK = "hook"                            # a user's forward / pre-forward hook inside the region fires on replay
     GLOBAL_STATE = "global_state"            # a module global or closure cell the forward writes changes on replay
+    GLOBAL_READ = "global_read"              # one the forward only reads has another value when backward replays it
 
 
 # NOTE [selective policy ops]

@@ -16,7 +16,8 @@ from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
 from ..workflow.check import CheckReport, Deadline
 from ..workflow.gate import limit, project_gate
 from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
-from .common import MAX_THREADS, bounded_int
+from .common import MAX_THREADS, beat_until_first_step, bounded_int
+from .main import time_limit
 from .render import console, err_console, progress_bar
 
 
@@ -72,12 +73,19 @@ def render_report(report: CheckReport) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
     gate = gate_from_args(args)
+    # a hard limit (NOTE [exit codes]): the Deadline's checks cannot stop a factory or batch() that never returns
+    with time_limit("check", limit("timeout_s", gate, project_gate())):
+        return _run(args, gate)
+
+
+def _run(args: argparse.Namespace, gate: GateSettings) -> int:
+    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
     # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
     torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
     reports = ReportStamps(folder=args.receipt.parent, digest=digest, required=not args.no_reports)
     with progress_bar() as progress:
+        beat_until_first_step("check: building the workload and running its first step")
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
             deadline = Deadline(limit("timeout_s", gate, project_gate()))
             report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,

@@ -9,11 +9,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ..errors import OutputError
 from ..receipt.schema import MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP
 from ..workload import LoadedWorkload, load_workload, parse_shape
+from ..workload.contract import watch_first_step
 
 
 MAX_THREADS = 4096
@@ -61,32 +62,57 @@ def add_timeout_arg(p: argparse.ArgumentParser) -> None:
                    help="time limit for the whole command in seconds, a hanging workload included; past it: exit 4")
 
 
-HEARTBEAT_S = 5.0   # a progress line every this many seconds (s) while a workload builds
+HEARTBEAT_S = 5.0   # a progress line every this many seconds (s) while a workload builds and runs its first step
+_BEATS: list[Callable[[], None]] = []   # stops of heartbeats that outlive load_from_args (stop_heartbeats)
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedWorkload:
-    """Build the workload the arguments name; a factory slower than HEARTBEAT_S gets progress lines on stderr."""
+    """Build the workload the arguments name; a factory or a first step slower than HEARTBEAT_S gets
+    progress lines on stderr (NOTE [first step watch]) until it returns or the command ends."""
     with heartbeat(f"building workload {args.workload!r}", HEARTBEAT_S):
-        return load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype)
+        loaded = load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype)
+    beat_until_first_step("running the first step")
+    return loaded
+
+
+def beat_until_first_step(what: str) -> None:
+    """Progress lines ``what (N s)...`` until the process's next training step ends, or the command does."""
+    _BEATS.append(start_heartbeat(what, HEARTBEAT_S, until=watch_first_step()))
+
+
+def stop_heartbeats() -> None:
+    """Stop the heartbeats still running when the command ends (main calls it)."""
+    while _BEATS:
+        _BEATS.pop()()
 
 
 @contextlib.contextmanager
 def heartbeat(what: str, every_s: float) -> Iterator[None]:
     """While the block runs, print ``what (N s)`` on stderr every ``every_s`` seconds (none for a fast block)."""
-    from .render import err_console
-    done = threading.Event()
-    t0 = time.monotonic()
-
-    def beat() -> None:
-        while not done.wait(every_s):
-            err_console.print(f"{what} ({time.monotonic() - t0:.0f} s)...", highlight=False, markup=False)
-    thread = threading.Thread(target=beat, name="remat-heartbeat", daemon=True)
-    thread.start()
+    stop = start_heartbeat(what, every_s)
     try:
         yield
     finally:
-        done.set()
+        stop()
+
+
+def start_heartbeat(what: str, every_s: float, until: threading.Event | None = None) -> Callable[[], None]:
+    """Print ``what (N s)...`` on stderr every ``every_s`` seconds until ``until`` is set or the returned stop is called."""
+    from .render import err_console
+    done = until or threading.Event()
+    stopped = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not (stopped.wait(every_s) or done.is_set()):
+            err_console.print(f"{what} ({time.monotonic() - t0:.0f} s)...", highlight=False, markup=False)
+    thread = threading.Thread(target=beat, name="remat-heartbeat", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        stopped.set()
         thread.join()
+    return stop
 
 
 def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 import sysconfig
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
@@ -124,6 +125,26 @@ def _noop(_: Phase) -> None:
     return None
 
 
+# NOTE [first step watch]
+# A first step can take minutes (lazy initialisation, a slow data source, a download in
+# ``batch()``) or hang; the CLI says so with a line every few seconds until it returns
+# (remat.cli.common.load_from_args). The library prints nothing: it only sets the events
+# asked for here when a training step of this process ends, returned or raised.
+_step_watches: list[threading.Event] = []
+
+
+def watch_first_step() -> threading.Event:
+    """An event set when the next ``TrainingStep.run`` of this process ends (NOTE [first step watch])."""
+    done = threading.Event()
+    _step_watches.append(done)
+    return done
+
+
+def _step_ended() -> None:
+    while _step_watches:
+        _step_watches.pop().set()
+
+
 class TrainingStep:
     """Runs whole training steps of a workload: batch, forward, backward, optimizer.
 
@@ -137,6 +158,13 @@ class TrainingStep:
         self.optimizer = workload.make_optimizer()
 
     def run(self, step: int, marker: PhaseMarker = _noop) -> float:
+        try:
+            return self._run(step, marker)
+        finally:
+            if _step_watches:
+                _step_ended()
+
+    def _run(self, step: int, marker: PhaseMarker) -> float:
         marker(Phase.BATCH)
         batch = self.batch(step)
         marker(Phase.FORWARD)
