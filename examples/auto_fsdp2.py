@@ -27,7 +27,7 @@ import remat
 from auto_plain_loop import TinyLM, loss_fn
 
 # activations dominate at these shapes (a job plans per device: a shard of the weights, all of the activations)
-SIZES = {"tiny": dict(vocab=64, d=32, layers=4, batch=8, seq=64),
+SIZES = {"tiny": dict(vocab=64, d=32, layers=2, batch=8, seq=64),
          "small": dict(vocab=1024, d=256, layers=6, batch=8, seq=256)}
 
 

@@ -84,8 +84,26 @@ def job_ranks() -> JobRanks | None:
 def agree_profile(report: ProfileReport, ranks: JobRanks) -> ProfileReport:
     """One profile from every rank's (NOTE [one plan per job]): integers (bytes, counts) by their
     maximum, floats (ms) by their median; everything else must be equal on every rank."""
-    merged = _merge(ranks.gather(report.to_json()), "profile")
+    profiles = ranks.gather(report.to_json())
+    rows = _union_of_rows([p.pop("rows") for p in profiles])
+    merged = _merge(profiles, "profile")
+    merged["rows"] = rows
     return ProfileReport.from_json(merged)
+
+
+def _union_of_rows(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every rank's peak rows (NOTE [peak cost model]), one per signature (who is held, who replays) at
+    the largest bytes any rank saw there. The signatures are instants of a rank's own step, and a
+    rank's backward interleaves its collectives a little differently (one rank's backward of a
+    segment met the other's "2 candidates held"), so a signature one rank lacks is still a constraint
+    the plan must meet on the rank that has it: the union, never the intersection."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for rows in per_rank:
+        for row in rows:
+            key = (tuple(row["live"]), tuple(row["replaying"]))
+            if key not in best or row["base_bytes"] > best[key]["base_bytes"]:
+                best[key] = row
+    return [best[k] for k in sorted(best)]
 
 
 def _merge(values: list[Any], where: str) -> Any:
