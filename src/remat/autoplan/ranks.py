@@ -108,19 +108,24 @@ def _union_of_rows(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
 
 def _merge(values: list[Any], where: str) -> Any:
     first = values[0]
-    if isinstance(first, bool) or first is None or isinstance(first, str):
-        return _equal(values, where)
-    if isinstance(first, int) and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        return max(values)
-    if isinstance(first, (int, float)) and all(isinstance(v, (int, float)) for v in values):
-        return statistics.median(float(v) for v in values)
     if isinstance(first, dict):
         keys = _equal([sorted(v) if isinstance(v, dict) else v for v in values], f"{where} keys")
         return {k: _merge([v[k] for v in values], f"{where}.{k}") for k in keys}
     if isinstance(first, list):
         _equal([len(v) if isinstance(v, list) else v for v in values], f"{where} length")
         return [_merge([v[i] for v in values], f"{where}[{i}]") for i in range(len(first))]
-    return _equal(values, where)
+    return _merge_leaf(values, where)
+
+
+def _merge_leaf(values: list[Any], where: str) -> Any:
+    """Integers (bytes, counts) by the maximum, floats (ms) by the median, anything else equal."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not all(number(v) for v in values):
+        return _equal(values, where)
+    if all(isinstance(v, int) for v in values):
+        return max(values)
+    return statistics.median(float(v) for v in values)
 
 
 def _equal(values: list[Any], where: str) -> Any:
