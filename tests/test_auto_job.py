@@ -54,6 +54,8 @@ def test_state_snapshot_restores_values_grads_and_flags_in_place():
     opt.step()
     assert not torch.equal(model[0].weight, params[0])     # the check can fail: the step changed them
     snap.restore()
+    model(torch.randn(8, 4)).sum().backward()              # accumulates into the restored grads in place ...
+    snap.restore()                                         # ... which must not have been the snapshot's own
     assert model[0].weight is weight                       # the same Parameter object, written in place
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))

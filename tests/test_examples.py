@@ -117,6 +117,8 @@ def test_example_auto_fsdp2_ddp(tmp_path):
     assert calls[0][0]["digest"] == calls[1][0]["digest"] == ranks[0]["fsdp2"]["planned"]["plan_digest"]
     assert [c[1]["cache"] for c in calls] == ["stored", "stored"]              # rank 1 missed: both re-plan
     assert calls[0][1]["digest"] == calls[1][1]["digest"]
+    # mid-training (shards, grads, AdamW state: 27 + 27 + 81, and the RNG), planned in place: all as they were
+    assert all(c[1]["state_kept"] and c[1]["state_tensors"] == 136 for c in calls)
     for r in ranks:
         for case, runs in r["segments"].items():
             assert runs["planned"] == runs["control"], case                   # losses and shards, bitwise

@@ -70,7 +70,8 @@ class StateSnapshot:
         with torch.no_grad():
             for p, value, grad in self.params:
                 p.copy_(value)
-                p.grad = None if grad is None else grad.to(p.device)
+                # a copy: a later step accumulates into p.grad in place, and the snapshot must outlive it
+                p.grad = None if grad is None else grad.to(p.device, copy=True)
             for b, value in self.buffers:
                 b.copy_(value)
         for m, flag in self.training:
@@ -113,9 +114,8 @@ def check_job(engine: JobEngine, ranks: Any, *, quick_verify: bool, copy_fn: Any
     if engine is JobEngine.NONE:
         return
     if ranks is None:
-        raise AutoError(f"the model is wrapped by {engine.value.upper()} but no default process group with "
-                        "more than one rank is initialised: remat.auto plans a wrapped model on all of the "
-                        "job's ranks at once",
+        raise AutoError(f"the model is wrapped by {engine.value.upper()} but no default process group is "
+                        "initialised: remat.auto plans a wrapped model on all of the job's ranks at once",
                         tip="call remat.auto in the torchrun job, after init_process_group and the wrapping")
     if quick_verify:
         raise AutoError(f"verify='quick' compares a copy of the model with a planned copy, and a "

@@ -75,8 +75,8 @@ class JobRanks:
 
 
 def job_ranks() -> JobRanks | None:
-    """The job's ranks when a default process group with more than one rank is initialised; else None."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    """The job's ranks when a default process group is initialised (world size 1 too); else None."""
+    if not (dist.is_available() and dist.is_initialized()):
         return None
     return JobRanks()
 

@@ -75,7 +75,7 @@ class AutoReport:
             f"({over}); optimizer counted: {self.optimizer}",
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
-        if self.world_size > 1:
+        if self.engine != "none":
             lines.append(f"  job: {self.engine} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
                          "peaks per device, the fullest rank's")
         return "\n".join(lines)

@@ -432,8 +432,9 @@ class SegmentPassthrough:
         self.position = position
 
     def __call__(self, x: Any) -> Any:
-        if self.segment._running == self.position:   # the region runs this member (NOTE [segment members
-            return self.segment.member_forward(self.position, x)   # through their module call])
+        # NOTE [segment members through their module call]: the region's call, or the parent's
+        if self.segment._running == self.position:
+            return self.segment.member_forward(self.position, x)
         return self.segment.passed(self.position, x)
 
     def __repr__(self) -> str:
