@@ -85,3 +85,40 @@ def test_enable_replaces_hugging_face_checkpointing(tmp_path):
     h = enable(model, batch, budget=BUDGET, cache_dir=tmp_path, measure_replays=False)
     assert not [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
     assert h.plan.boundaries and h.report.measured_peak_bytes <= h.report.effective_budget_bytes
+
+
+@pytest.mark.slow
+def test_example_auto_fsdp2_ddp(tmp_path):
+    """examples/auto_fsdp2.py on 2 gloo ranks (tests/fixtures/auto_job.py), FSDP2 per block and DDP:
+    remat.auto after the wrapping, one plan on both ranks, losses bitwise equal to the unplanned job,
+    each rank's peak by torch.profiler within the budget; the plan cache hits only when it hits on
+    both ranks; hand-made segments across FSDP2 units (per block, per sub-module) train bitwise as
+    the unplanned job."""
+    import json
+    import os
+    import subprocess
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "fixtures" / "auto_job.py"), str(tmp_path), "fsdp2", "ddp", "cache", "segments"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    fraction = float(BUDGET.rstrip("%")) / 100
+    for engine in ("fsdp2", "ddp"):
+        planned = [r[engine]["planned"] for r in ranks]
+        assert planned[0]["plan_digest"] == planned[1]["plan_digest"] and planned[0]["boundaries"]
+        for r in ranks:
+            p, c = r[engine]["planned"], r[engine]["control"]
+            assert p["losses"] == c["losses"]                                  # bitwise
+            assert p["peak_bytes"] <= p["budget_bytes"] < c["peak_bytes"]      # torch.profiler's peaks
+            assert p["peak_bytes"] <= fraction * c["peak_bytes"]
+    calls = [r["cache"]["calls"] for r in ranks]
+    assert [c[0]["cache"] for c in calls] == ["hit", "hit"]                    # the fsdp2 job stored it
+    assert calls[0][0]["digest"] == calls[1][0]["digest"] == ranks[0]["fsdp2"]["planned"]["plan_digest"]
+    assert [c[1]["cache"] for c in calls] == ["stored", "stored"]              # rank 1 missed: both re-plan
+    assert calls[0][1]["digest"] == calls[1][1]["digest"]
+    # mid-training (shards, grads, AdamW state: 27 + 27 + 81, and the RNG), planned in place: all as they were
+    assert all(c[1]["state_kept"] and c[1]["state_tensors"] == 136 for c in calls)
+    for r in ranks:
+        for case, runs in r["segments"].items():
+            assert runs["planned"] == runs["control"], case                   # losses and shards, bitwise

@@ -45,6 +45,7 @@ class MemorySource(str, enum.Enum):
     SIMULATED = "simulated"
 
 
+import typing  # noqa: E402
 from typing import Callable  # noqa: E402
 
 # Progress callback for long library work: (what, done, total). Library code never prints;
@@ -54,6 +55,16 @@ ProgressFn = Callable[[str, int, int], None]
 
 def no_progress(what: str, done: int, total: int) -> None:
     return None
+
+
+class RankReduce(typing.Protocol):
+    """The ranks of a job that run every measured step together (NOTE [one plan per job] in
+    remat/autoplan/ranks.py): each measured figure is replaced by its reduction over them, so every
+    rank sees the same numbers and takes the same decisions. One process: no reducer at all (None)."""
+
+    def max_bytes(self, value: int) -> int: ...
+
+    def median_ms(self, values: list[float]) -> list[float]: ...
 
 
 class CheckpointMode(str, enum.Enum):

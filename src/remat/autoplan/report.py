@@ -27,7 +27,14 @@ class AutoReport:
     """Predicted and measured figures of the plan ``remat.auto`` applied (bytes, ms).
 
     Peaks are whole training steps (batch, forward, backward, optimizer step with its state),
-    measured on a copy by ``memory_source`` (``cuda-allocator`` or ``cpu-live-tensors``)."""
+    measured on a copy by ``memory_source`` (``cuda-allocator`` or ``cpu-live-tensors``). In a job
+    (``engine`` ddp or fsdp2, ``world_size`` > 1) they are per device, measured on the wrapped model
+    itself on every rank and reduced over the ranks (the fullest rank's; NOTE [one plan per job]),
+    and ``budget_bytes`` is the smallest rank's budget."""
+
+    plan_digest: str                     # sha256 of the applied plan's JSON: equal on every rank of a job
+    world_size: int                      # 1: one process
+    engine: str                          # none, ddp, fsdp2 (JobEngine)
 
     planner: str
     boundaries: tuple[str, ...]          # "module path (mode)"
@@ -68,6 +75,9 @@ class AutoReport:
             f"({over}); optimizer counted: {self.optimizer}",
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
+        if self.engine != "none":
+            lines.append(f"  job: {self.engine} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
+                         "peaks per device, the fullest rank's")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from ..types import ProgressFn, no_progress
 from ..verify import RngState, verify_plan
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
+from .inplace import InPlaceSource, JobEngine, check_job, job_engine
+from .ranks import JobRanks, agree_profile, job_ranks
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device
 
@@ -147,10 +149,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
 def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float) -> AutoHandle:
     """:func:`auto` once its arguments hold: the cached or a new plan, applied to ``model``
     (``t0``: when the call began, perf_counter seconds)."""
-    loss = settings.loss_fn if settings.loss_fn is not None else default_loss(example_batch)
-    device = model_device(model)
-    source = ModelSource(model, example_batch, loss, OptimizerSpec.of(model, settings.optimizer), device,
-                         settings.copy_fn)
+    source = _source(model, example_batch, settings)
     cache = settings.plan_cache()
     if cache is None:
         plan, verified = _plan_and_verify(source, None, settings)
@@ -158,8 +157,26 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     else:
         plan, verified, status, path = _fit_cached(source, settings, cache)
     handle = apply(model, plan)
-    return AutoHandle(handle, _auto_report(plan, settings, source.optimizer, status, path, verified,
+    return AutoHandle(handle, _auto_report(plan, settings, source, status, path, verified,
                                            seconds=time.perf_counter() - t0))
+
+
+def _source(model: nn.Module, example_batch: Any, settings: AutoSettings) -> ModelSource:
+    """Copies of a plain model (NOTE [no side effects]); a model wrapped by FSDP2 or DDP itself, on
+    every rank of its job (NOTE [wrapped models in place], NOTE [one plan per job])."""
+    loss = settings.loss_fn if settings.loss_fn is not None else default_loss(example_batch)
+    device = model_device(model)
+    optimizer = OptimizerSpec.of(model, settings.optimizer)
+    engine = job_engine(model)
+    if engine is JobEngine.NONE:
+        return ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn)
+    ranks = job_ranks()
+    check_job(engine, ranks, quick_verify=settings.quick_verify, copy_fn=settings.copy_fn)
+    return InPlaceSource(model, example_batch, loss, optimizer, device, engine=engine, ranks=ranks)
+
+
+def _ranks(source: ModelSource) -> JobRanks | None:
+    return source.ranks if isinstance(source, InPlaceSource) else None
 
 
 def _fit_cached(source: ModelSource, settings: AutoSettings,
@@ -168,6 +185,9 @@ def _fit_cached(source: ModelSource, settings: AutoSettings,
     stored where the directory takes it. Returns the plan, its verification, the cache status, the entry's path."""
     key = _cache_key(source, settings)
     cached = _usable_cached_plan(source.model, cache, key)
+    ranks = _ranks(source)
+    if ranks is not None and not ranks.all_true(cached is not None):
+        cached = None   # a hit on every rank, or all plan again together (NOTE [one plan per job])
     plan, verified = _plan_and_verify(source, cached, settings)
     if cached is not None:
         status = CacheStatus.HIT
@@ -194,6 +214,7 @@ def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Pl
 def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
     """What a cached plan is bound to (NOTE [plan cache key])."""
     model = source.model
+    ranks = _ranks(source)
     digest = StableDigest()
     return CacheKey(
         fingerprint=fingerprint(model).digest, state=sha256_json(digest.value(model)),
@@ -202,7 +223,9 @@ def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
         budget=str(settings.budget), reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),
-        torch_version=torch.__version__, remat_version=__version__)
+        torch_version=torch.__version__, remat_version=__version__,
+        world_size=ranks.world_size if ranks is not None else 1,
+        engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value)
 
 
 def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings) -> tuple[Plan, VerifyStatus]:
@@ -221,28 +244,42 @@ def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSet
                     verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
                     verified = VerifyStatus.PASSED
     finally:
+        source.restore()
         rng.restore()
+    ranks = _ranks(source)
+    if ranks is not None:   # the plan every rank applies (and caches) is rank 0's (NOTE [one plan per job])
+        plan = Plan.from_json(ranks.from_rank0(plan.to_json()))
     return plan, verified
 
 
 def _parked(source: ModelSource, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager[Any]:
     """On CUDA, the user's model and optimizer state parked on the CPU (:class:`Parked`); elsewhere nothing."""
-    return Parked(source.model, optimizer) if source.device.type == "cuda" else contextlib.nullcontext()
+    if source.device.type != "cuda" or source.in_place:   # in place: the model is what is measured
+        return contextlib.nullcontext()
+    return Parked(source.model, optimizer)
 
 
 def _plan(source: ModelSource, settings: AutoSettings) -> Plan:
     """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak)."""
     loaded = source.loaded()
-    profile = profile_workload(loaded.rebuild(), measure_replays=settings.measure_replays,
+    ranks = _ranks(source)
+    # in a job, a replay is timed until its timings settle: a per-rank decision (NOTE [one plan per job])
+    profile = profile_workload(loaded.rebuild(), measure_replays=settings.measure_replays and ranks is None,
                                segments=settings.segments, progress=settings.progress)
-    budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)
+    budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)   # this rank's own peak
+    if ranks is not None:
+        budget_bytes = ranks.min_bytes(budget_bytes)
+        profile = agree_profile(profile, ranks)
     return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes,
                             reserve=settings.reserve_fraction, progress=settings.progress).plan
 
 
-def _auto_report(plan: Plan, settings: AutoSettings, optimizer: OptimizerSpec, cache: CacheStatus,
+def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache: CacheStatus,
                  cache_path: str | None, verified: VerifyStatus, *, seconds: float) -> AutoReport:
+    optimizer, ranks = source.optimizer, _ranks(source)
     return AutoReport(
+        plan_digest=sha256_json(plan.to_json()), world_size=ranks.world_size if ranks is not None else 1,
+        engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value,
         planner=plan.planner, boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
         budget=str(settings.budget), budget_bytes=plan.budget_bytes or 0,
         effective_budget_bytes=plan.effective_budget_bytes or 0,

@@ -152,6 +152,15 @@ class ModelSource:
         self.device = device
         self.copy_fn = copy_fn or copy_model
 
+    @property
+    def in_place(self) -> bool:
+        """False: every build is a copy (NOTE [no side effects]); True: the user's model itself
+        (NOTE [wrapped models in place] in inplace.py)."""
+        return False
+
+    def restore(self) -> None:
+        """Put the user's model back as it was found; nothing to do when every build was a copy."""
+
     def workload(self) -> Workload:
         model = self.copy_fn(self.model)
         if not isinstance(model, nn.Module):

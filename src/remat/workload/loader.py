@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ShapeError, WorkloadError
+from ..types import RankReduce
 from .contract import Workload, call_user
 
 BUILTINS: dict[str, str] = {
@@ -36,6 +37,9 @@ class LoadedWorkload:
     device: str
     dtype: str
     workload: Workload
+    # the job's ranks when every build runs on all of them at once (remat.auto after FSDP2/DDP):
+    # measured peaks and times are reduced over them (NOTE [one plan per job]); None: one process
+    ranks: RankReduce | None = None
 
     def rebuild(self, **shape_overrides: ShapeValue) -> "LoadedWorkload":
         """Build a fresh copy (new model, same spec), optionally at another shape."""
