@@ -147,3 +147,28 @@ def test_check_fails_a_receipt_whose_context_drops_its_autocast(autocast_receipt
     monkeypatch.chdir(tmp_path)
     assert main(["check", "out/receipt.json", "--quick", "--workload", "work.py:build", "--no-reports"]) == 1
     assert "the verification ran with autocast bfloat16" in " ".join(capsys.readouterr().out.split())
+
+
+def test_auto_plans_and_verifies_under_autocast_and_keys_its_cache_on_it(tmp_path):
+    import remat
+    from remat.autoplan import CacheStatus, VerifyStatus
+    from remat.errors import AutoError
+    from .test_auto import FAST, ex, tiny
+    model, batch = tiny()
+    # bf16 activations are half the bytes: the floor is higher relative to the peak than in float32
+    kw = dict(budget="90%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)
+    h = remat.auto(model, batch, autocast="bf16", verify="quick", **kw)
+    r = h.report
+    assert (r.autocast, r.verification, r.cache) == ("bfloat16", VerifyStatus.PASSED, CacheStatus.STORED)
+    assert r.tolerances["float32"] == Tolerance(rtol=1.6e-2, atol=1e-5) and "autocast bfloat16" in r.summary()
+    h.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):        # the caller's own block: the same step, the same key
+        h = remat.auto(model, batch, **kw)
+    assert (h.report.autocast, h.report.cache) == ("bfloat16", CacheStatus.HIT)
+    h.remove()
+    h = remat.auto(model, batch, **kw)                        # the plain float32 step: another key, planned anew
+    assert (h.report.autocast, h.report.cache) == (None, CacheStatus.STORED)
+    assert h.report.tolerances["float32"] == TOLERANCES["float32"]
+    h.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(AutoError, match=r"autocast=.float16.*dtype=bfloat16"):
+        remat.auto(model, batch, autocast="fp16", **kw)

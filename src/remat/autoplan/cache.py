@@ -10,7 +10,7 @@ which parameters train (``requires_grad``: LoRA freezes most, which changes ever
 value), the budget as given (``"70%"`` means 70% of this step's own peak), the reserve and
 planner, the loss function (qualified name, bytecode, defaults, closure values; a
 ``functools.partial`` by its function, arguments and keywords), the optimizer (class, defaults,
-groups: its state is part of the peak), the device (with the CUDA device name), and the torch and
+groups: its state is part of the peak), the autocast dtype the step runs under, the device (with the CUDA device name), and the torch and
 remat versions. The key is the sha256 of all of that as JSON; the file name is the key, and the
 file is a plain ``plan.json`` read through the hardened loader. A key that differs in any part
 re-plans. The cache never stops ``remat.auto``: an entry that fails to load, or to apply to this
@@ -82,6 +82,7 @@ class CacheKey:
     device: str
     torch_version: str
     remat_version: str
+    autocast: str | None = None    # the step's autocast dtype (NOTE [autocast steps]): it changes every peak
 
     @property
     def digest(self) -> str:

@@ -20,7 +20,8 @@ from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import fingerprint, profile_workload
 from ..types import ProgressFn, no_progress
-from ..verify import RngState, verify_plan
+from ..verify import RngState, tolerance_table, verify_plan
+from ..workload import parse_autocast
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
@@ -77,6 +78,7 @@ class AutoSettings:
     measure_replays: bool
     segments: bool
     progress: ProgressFn
+    autocast: str | None = None   # as given: "bf16", "bfloat16", "fp16", "float16"
     reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
 
     def __post_init__(self) -> None:
@@ -84,6 +86,18 @@ class AutoSettings:
             raise AutoError(f"verify={self.verify!r}: expected None (default: not verified) or 'quick'")
         check_budget_syntax(self.budget)
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
+        object.__setattr__(self, "autocast", parse_autocast(self.autocast))
+
+    def step_autocast(self, device: torch.device) -> str | None:
+        """The autocast dtype the step runs under: ``autocast``, or the caller's own ``torch.autocast``
+        block around ``remat.auto`` (NOTE [autocast steps]); AutoError when the two disagree."""
+        if not torch.is_autocast_enabled(device.type):
+            return self.autocast
+        ambient = str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
+        if self.autocast is not None and self.autocast != ambient:
+            raise AutoError(f"remat.auto(autocast={self.autocast!r}) was called inside torch.autocast({device.type}, "
+                            f"dtype={ambient})", tip="pass the dtype you train with once: the keyword or the block")
+        return ambient
 
     @property
     def quick_verify(self) -> bool:
@@ -118,7 +132,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
          optimizer: torch.optim.Optimizer | None = None, verify: str | None = None,
          cache_dir: str | Path | None = None, use_cache: bool = True, reserve: str | float = 0.05,
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
-         segments: bool = True, progress: ProgressFn = no_progress) -> AutoHandle:
+         segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
@@ -131,7 +145,10 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     ``copy.deepcopy`` cannot. ``measure_replays=False`` keeps the profile's first replay-cost
     estimates instead of timing each candidate's replay alone (faster; the overhead is less exact).
     ``segments=False``: plan per-module boundaries only, no segment candidates (NOTE [segments]):
-    what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express. Nothing of
+    what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express.
+    ``autocast="bf16"`` (or ``"fp16"``): plan, measure and verify the step with its forward under
+    ``torch.autocast`` as you train it (NOTE [autocast steps]); called inside a ``torch.autocast``
+    block, remat.auto plans under that block's dtype, and ``report.autocast`` says which. Nothing of
     yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
@@ -139,7 +156,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     _check_trainable(model)
     settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
                             use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
-                            measure_replays=measure_replays, segments=segments, progress=progress)
+                            measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast)
     _check_unwrapped(model)
     return _fit(model, example_batch, settings, t0)
 
@@ -150,7 +167,7 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     loss = settings.loss_fn if settings.loss_fn is not None else default_loss(example_batch)
     device = model_device(model)
     source = ModelSource(model, example_batch, loss, OptimizerSpec.of(model, settings.optimizer), device,
-                         settings.copy_fn)
+                         settings.copy_fn, autocast=settings.step_autocast(device))
     cache = settings.plan_cache()
     if cache is None:
         plan, verified = _plan_and_verify(source, None, settings)
@@ -158,8 +175,10 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     else:
         plan, verified, status, path = _fit_cached(source, settings, cache)
     handle = apply(model, plan)
-    return AutoHandle(handle, _auto_report(plan, settings, source.optimizer, status, path, verified,
-                                           seconds=time.perf_counter() - t0))
+    report = dataclasses.replace(_auto_report(plan, settings, source.optimizer, status, path, verified,
+                                              seconds=time.perf_counter() - t0),
+                                 autocast=source.autocast, tolerances=tolerance_table(autocast=source.autocast))
+    return AutoHandle(handle, report)
 
 
 def _fit_cached(source: ModelSource, settings: AutoSettings,
@@ -202,7 +221,7 @@ def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
         budget=str(settings.budget), reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),
-        torch_version=torch.__version__, remat_version=__version__)
+        torch_version=torch.__version__, remat_version=__version__, autocast=source.autocast)
 
 
 def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings) -> tuple[Plan, VerifyStatus]:
