@@ -24,6 +24,7 @@ from ..verify import RngState, tolerance_table, verify_plan
 from ..workload import parse_autocast
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
+from .library_flags import DIFFUSERS, TRANSFORMERS_4, checkpointing_api, flagged_modules
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device
 
@@ -50,11 +51,13 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
         found.append(f"torch's {torch_wrapped[0][1]} (apply_activation_checkpointing / checkpoint_wrapper) on "
                      f"{', '.join(n for n, _ in torch_wrapped[:5])}: plan the model before wrapping it, or hand "
                      "remat's plan to apply_activation_checkpointing through remat.export_check_fn")
-    hf = [n or "<root>" for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if hf:
-        found.append(f"Hugging Face gradient checkpointing (gradient_checkpointing_enable()) on {len(hf)} module(s), "
-                     f"e.g. {', '.join(hf[:3])}: call model.gradient_checkpointing_disable() first "
-                     "(remat.integrations.transformers.enable replaces it)")
+    flagged = flagged_modules(model)
+    if flagged:
+        api = checkpointing_api(model) or TRANSFORMERS_4   # a bare flag: the call most code still makes
+        where = "diffusers" if api is DIFFUSERS else "transformers"
+        found.append(f"{'diffusers' if api is DIFFUSERS else 'Hugging Face'} gradient checkpointing ({api.enable}()) "
+                     f"on {len(flagged)} module(s), e.g. {', '.join(flagged[:3])}: call model.{api.disable}() first "
+                     f"(remat.integrations.{where}.enable replaces it)")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         found.append("torch.compile's OptimizedModule: pass the model before torch.compile (model._orig_mod) "
                      "and compile after remat.auto")
