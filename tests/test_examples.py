@@ -140,3 +140,45 @@ def test_enable_takes_activation_checkpointing_enables_keywords_or_refuses_them(
                        (dict(kwargs={"preserve_rng_state": False}), "preserve_rng_state=True")]:
         with pytest.raises(AutoError, match=match):
             CheckpointingOptions(**bad)
+
+
+def test_example_diffusion_finetune(tmp_path):
+    need("transformers", "diffusers", "peft")
+    planned, control, r = run_both("diffusion_finetune", tmp_path)
+    assert planned.trainable.keys() == control.trainable.keys() and all("lora_" in n for n in planned.trainable)
+    assert all(torch.equal(planned.trainable[n], control.trainable[n]) for n in planned.trainable)
+    assert "AdamW" in r.optimizer and not r.optimizer_assumed
+
+
+def test_diffusers_checkpointing_is_named_by_its_own_calls_and_switched_off(monkeypatch):
+    """remat.auto's refusal names diffusers' disable_gradient_checkpointing() (diffusers models have no
+    gradient_checkpointing_disable()); diffusers.enable switches it off before planning."""
+    need("transformers", "diffusers", "peft")
+    import diffusion_finetune as ex
+    import remat
+    from remat.errors import AutoError
+    from remat.integrations import baseline, diffusers
+    unet = ex.build("tiny", 0)
+    batch = ex.batches("tiny", 1, 0)[0]
+    assert not hasattr(unet, "gradient_checkpointing_disable")
+    unet.enable_gradient_checkpointing()
+    flagged = _flagged(unet)
+    assert flagged
+    with pytest.raises(AutoError) as err:
+        remat.auto(unet, batch, budget=BUDGET, loss_fn=ex.noise_prediction_loss, use_cache=False)
+    assert "disable_gradient_checkpointing() first" in str(err.value) and "enable_gradient_checkpointing()" in str(err.value)
+    assert "gradient_checkpointing_disable" not in str(err.value)
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def planning(model, *a, **k):         # what remat.auto is handed: the flags are off by then
+        seen.append(_flagged(model))
+        raise Planned
+    monkeypatch.setattr(baseline, "auto", planning)
+    with pytest.raises(Planned):
+        diffusers.enable(unet, batch, budget=BUDGET, loss_fn=ex.noise_prediction_loss)
+    assert seen == [[]]
+    with pytest.raises(AutoError, match="gradient_checkpointing_func"):
+        diffusers.enable(unet, batch, budget=BUDGET, loss_fn=ex.noise_prediction_loss, gradient_checkpointing_func=print)
