@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import AutoError
-from ..workload import Workload
+from ..workload import Workload, with_autocast
 from .source import InMemoryWorkload, ModelSource, clone_batch
 
 
@@ -81,8 +81,9 @@ class StateSnapshot:
 class InPlaceSource(ModelSource):
     """The user's wrapped model as the workload of every build (NOTE [wrapped models in place])."""
 
-    def __init__(self, model: nn.Module, batch: Any, *args: Any, engine: JobEngine, ranks: Any) -> None:
-        super().__init__(model, batch, *args)
+    def __init__(self, model: nn.Module, batch: Any, *args: Any, autocast: str | None = None, engine: JobEngine,
+                 ranks: Any) -> None:
+        super().__init__(model, batch, *args, autocast=autocast)
         self.engine, self.ranks = engine, ranks
         self.snapshot = StateSnapshot(model)
 
@@ -96,8 +97,8 @@ class InPlaceSource(ModelSource):
     def workload(self) -> Workload:
         self.snapshot.restore()
         model, batch, spec = self.model, self.batch, self.optimizer
-        return Workload(model=model, batch=lambda step: clone_batch(batch), loss=self.loss,
-                        optimizer=lambda params: spec.build(model))
+        return with_autocast(Workload(model=model, batch=lambda step: clone_batch(batch), loss=self.loss,
+                                      optimizer=lambda params: spec.build(model)), str(self.device), self.autocast)
 
     def loaded(self) -> InMemoryWorkload:
         p = next(iter(self.model.parameters()), None)
@@ -106,7 +107,7 @@ class InPlaceSource(ModelSource):
         return InMemoryWorkload(spec=f"remat.auto:{type(self.model).__qualname__}", shape={},
                                 device=str(self.device), dtype=dtype,
                                 workload=Workload(model=self.model, batch=lambda step: clone_batch(batch), loss=loss),
-                                source=self, ranks=self.ranks)
+                                autocast=self.autocast, source=self, ranks=self.ranks)
 
 
 def check_job(engine: JobEngine, ranks: Any, *, quick_verify: bool, copy_fn: Any) -> None:

@@ -55,6 +55,8 @@ class AutoReport:
     verification: VerifyStatus
     verify_note: str
     seconds: float                       # wall time of the remat.auto call
+    autocast: str | None = None          # "bfloat16"/"float16": planned (and verified) with the forward under autocast
+    tolerances: dict[str, Any] = dataclasses.field(default_factory=dict)  # dtype -> Tolerance verify compares with
 
     @property
     def overhead(self) -> float | None:
@@ -72,7 +74,8 @@ class AutoReport:
             f"  peak: {fmt_bytes(self.baseline_peak_bytes)} unplanned -> predicted {fmt_bytes(self.predicted_peak_bytes)}, "
             f"measured {measured} ({self.memory_source}); budget {self.budget} = {fmt_bytes(self.budget_bytes)}",
             f"  step: {self.baseline_step_ms:.1f} ms unplanned, {self.measured_step_ms or float('nan'):.1f} ms planned "
-            f"({over}); optimizer counted: {self.optimizer}",
+            f"({over}); optimizer counted: {self.optimizer}"
+            + (f"; forward under autocast {self.autocast}" if self.autocast else ""),
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
         if self.engine != "none":

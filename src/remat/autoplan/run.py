@@ -20,11 +20,13 @@ from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import fingerprint, profile_workload
 from ..types import ProgressFn, no_progress
-from ..verify import RngState, verify_plan
+from ..verify import RngState, tolerance_table, verify_plan
+from ..workload import parse_autocast
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
 from .inplace import InPlaceSource, JobEngine, check_job, job_engine
 from .ranks import JobRanks, agree_profile, job_ranks
+from .library_flags import DIFFUSERS, TRANSFORMERS_4, checkpointing_api, flagged_modules
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device
 
@@ -51,11 +53,13 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
         found.append(f"torch's {torch_wrapped[0][1]} (apply_activation_checkpointing / checkpoint_wrapper) on "
                      f"{', '.join(n for n, _ in torch_wrapped[:5])}: plan the model before wrapping it, or hand "
                      "remat's plan to apply_activation_checkpointing through remat.export_check_fn")
-    hf = [n or "<root>" for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if hf:
-        found.append(f"Hugging Face gradient checkpointing (gradient_checkpointing_enable()) on {len(hf)} module(s), "
-                     f"e.g. {', '.join(hf[:3])}: call model.gradient_checkpointing_disable() first "
-                     "(remat.integrations.transformers.enable replaces it)")
+    flagged = flagged_modules(model)
+    if flagged:
+        api = checkpointing_api(model) or TRANSFORMERS_4   # a bare flag: the call most code still makes
+        where = "diffusers" if api is DIFFUSERS else "transformers"
+        found.append(f"{'diffusers' if api is DIFFUSERS else 'Hugging Face'} gradient checkpointing ({api.enable}()) "
+                     f"on {len(flagged)} module(s), e.g. {', '.join(flagged[:3])}: call model.{api.disable}() first "
+                     f"(remat.integrations.{where}.enable replaces it)")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         found.append("torch.compile's OptimizedModule: pass the model before torch.compile (model._orig_mod) "
                      "and compile after remat.auto")
@@ -79,6 +83,7 @@ class AutoSettings:
     measure_replays: bool
     segments: bool
     progress: ProgressFn
+    autocast: str | None = None   # as given: "bf16", "bfloat16", "fp16", "float16"
     reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
 
     def __post_init__(self) -> None:
@@ -86,6 +91,18 @@ class AutoSettings:
             raise AutoError(f"verify={self.verify!r}: expected None (default: not verified) or 'quick'")
         check_budget_syntax(self.budget)
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
+        object.__setattr__(self, "autocast", parse_autocast(self.autocast))
+
+    def step_autocast(self, device: torch.device) -> str | None:
+        """The autocast dtype the step runs under: ``autocast``, or the caller's own ``torch.autocast``
+        block around ``remat.auto`` (NOTE [autocast steps]); AutoError when the two disagree."""
+        if not torch.is_autocast_enabled(device.type):
+            return self.autocast
+        ambient = str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
+        if self.autocast is not None and self.autocast != ambient:
+            raise AutoError(f"remat.auto(autocast={self.autocast!r}) was called inside torch.autocast({device.type}, "
+                            f"dtype={ambient})", tip="pass the dtype you train with once: the keyword or the block")
+        return ambient
 
     @property
     def quick_verify(self) -> bool:
@@ -120,7 +137,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
          optimizer: torch.optim.Optimizer | None = None, verify: str | None = None,
          cache_dir: str | Path | None = None, use_cache: bool = True, reserve: str | float = 0.05,
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
-         segments: bool = True, progress: ProgressFn = no_progress) -> AutoHandle:
+         segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
@@ -133,7 +150,10 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     ``copy.deepcopy`` cannot. ``measure_replays=False`` keeps the profile's first replay-cost
     estimates instead of timing each candidate's replay alone (faster; the overhead is less exact).
     ``segments=False``: plan per-module boundaries only, no segment candidates (NOTE [segments]):
-    what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express. Nothing of
+    what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express.
+    ``autocast="bf16"`` (or ``"fp16"``): plan, measure and verify the step with its forward under
+    ``torch.autocast`` as you train it (NOTE [autocast steps]); called inside a ``torch.autocast``
+    block, remat.auto plans under that block's dtype, and ``report.autocast`` says which. Nothing of
     yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
@@ -141,7 +161,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     _check_trainable(model)
     settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
                             use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
-                            measure_replays=measure_replays, segments=segments, progress=progress)
+                            measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast)
     _check_unwrapped(model)
     return _fit(model, example_batch, settings, t0)
 
@@ -157,8 +177,10 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     else:
         plan, verified, status, path = _fit_cached(source, settings, cache)
     handle = apply(model, plan)
-    return AutoHandle(handle, _auto_report(plan, settings, source, status, path, verified,
-                                           seconds=time.perf_counter() - t0))
+    report = dataclasses.replace(_auto_report(plan, settings, source, status, path, verified,
+                                              seconds=time.perf_counter() - t0),
+                                 autocast=source.autocast, tolerances=tolerance_table(autocast=source.autocast))
+    return AutoHandle(handle, report)
 
 
 def _source(model: nn.Module, example_batch: Any, settings: AutoSettings) -> ModelSource:
@@ -168,11 +190,12 @@ def _source(model: nn.Module, example_batch: Any, settings: AutoSettings) -> Mod
     device = model_device(model)
     optimizer = OptimizerSpec.of(model, settings.optimizer)
     engine = job_engine(model)
+    autocast = settings.step_autocast(device)
     if engine is JobEngine.NONE:
-        return ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn)
+        return ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn, autocast=autocast)
     ranks = job_ranks()
     check_job(engine, ranks, quick_verify=settings.quick_verify, copy_fn=settings.copy_fn)
-    return InPlaceSource(model, example_batch, loss, optimizer, device, engine=engine, ranks=ranks)
+    return InPlaceSource(model, example_batch, loss, optimizer, device, autocast=autocast, engine=engine, ranks=ranks)
 
 
 def _ranks(source: ModelSource) -> JobRanks | None:
@@ -225,7 +248,8 @@ def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
         optimizer=source.optimizer.key(), device=device_identity(source.device),
         torch_version=torch.__version__, remat_version=__version__,
         world_size=ranks.world_size if ranks is not None else 1,
-        engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value)
+        engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value,
+        autocast=source.autocast)
 
 
 def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings) -> tuple[Plan, VerifyStatus]:

@@ -10,7 +10,8 @@ import torch
 
 from rich.markup import escape
 
-from ..errors import CheckFailed
+from ..errors import CheckFailed, ReceiptError
+from ..workload import parse_autocast
 from ..pipeline_parallel.check import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
 from ..workflow.check import CheckReport, Deadline
@@ -50,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                           "of the control's step (default 10%%)")
     p.add_argument("--timeout", type=float, default=None, help="time limit for the whole check in seconds (default: "
                                                                "[tool.remat] timeout, else 3600); past it: exit 4")
+    p.add_argument("--autocast", default=None, choices=["bf16", "fp16", "bfloat16", "float16"],
+                   help="the autocast dtype you train with; must be the receipt's (default: the receipt's, under "
+                        "which check re-runs the step)")
     p.add_argument("--no-reports", action="store_true", help="do not fail when report.html / report.md are missing")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
                    help="torch intra-op threads (default: as many as the receipt was made with)")
@@ -72,6 +76,15 @@ def render_report(report: CheckReport) -> None:
         console.print(f"[bold red]FAIL[/] {f.kind}{where}: {escape(f.message)}", highlight=False)
 
 
+def _check_autocast(given: str | None, receipt: object) -> None:
+    """``--autocast`` names the receipt's autocast dtype, or is left out: check re-runs the receipt's step as it was made."""
+    recorded = getattr(getattr(receipt, "context", None), "autocast", None)
+    if given is not None and parse_autocast(given) != recorded:
+        raise ReceiptError(f"--autocast {given}, but the receipt was made "
+                           + (f"under autocast {recorded}" if recorded else "without autocast"),
+                           tip="re-run `remat receipt` with the autocast you train with, or drop --autocast")
+
+
 def run(args: argparse.Namespace) -> int:
     gate = gate_from_args(args)
     # a hard limit (NOTE [exit codes]): the Deadline's checks cannot stop a factory or batch() that never returns
@@ -81,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, gate: GateSettings) -> int:
     receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
+    _check_autocast(args.autocast, receipt)
     # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
     torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
     reports = ReportStamps(folder=args.receipt.parent, digest=digest, required=not args.no_reports)

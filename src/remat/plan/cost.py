@@ -53,6 +53,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Union
 
+from .._io import native_output_filtered
 from .._lazy import LazyModule
 from ..errors import CandidateError, PlanError
 from ..profile.model import CandidateCost, ProfileReport
@@ -477,8 +478,9 @@ class CostModel:
             ub[-1] = np.inf if budget_bytes is None else -((slack - budget_bytes) // scale)
             c = np.zeros(n_var)
             c[-1] = 1.0
-        res = milp(c, integrality=np.ones(n_var), bounds=Bounds(lb, ub), constraints=constraints,
-                   options={"mip_rel_gap": 0.0, "time_limit": time_limit_s, "presolve": True})
+        with native_output_filtered():   # NOTE [native solver output]: HiGHS printf's past its options
+            res = milp(c, integrality=np.ones(n_var), bounds=Bounds(lb, ub), constraints=constraints,
+                       options={"mip_rel_gap": 0.0, "time_limit": time_limit_s, "presolve": True})
         return self._read_solution(res, cols, best_effort=best_effort)
 
     def _clique_constraints(self, cols: np.ndarray, n_var: int) -> list:

@@ -10,7 +10,7 @@ Nothing in a plan names code: module paths are looked up in ``model.named_module
 from __future__ import annotations
 
 from ..types import MODULE_PATH_RE
-from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, List, Num, Obj, Opt, Str, Tuple
+from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, List, Map, Num, Obj, Opt, Str, Tuple
 
 SHORT = Str(max_len=2_000)
 TEXT = Str(max_len=20_000)
@@ -41,6 +41,15 @@ COMPILE = Obj({"backend": Enum("inductor", "aot_eager", "eager"), "memory_budget
 # remat.plan.offload.OffloadPricing.to_json (NOTE [offload cost model]); bandwidths in bytes per ms
 OFFLOAD = Obj({"d2h_bytes_per_ms": Num(1e-9, 1e15), "h2d_bytes_per_ms": Num(1e-9, 1e15),
                "overlaps_compute": Bool(), "host_budget_bytes": Opt(BYTES), "source": SHORT})
+# Shape keywords: JSON scalars; an integer shape past 2**31 is no training step, and
+# remat check validates each value against the factory's annotation before calling it.
+SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(-2 ** 31, 2 ** 31), Str(max_len=200)),
+            key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)
+DTYPE = Enum("float32", "bfloat16", "float16")
+DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
+AUTOCAST = Enum("bfloat16", "float16")   # the forward ran under torch.autocast (NOTE [autocast steps])
+# remat.plan.PlanWorkload.to_json: the workload a plan was made for (NOTE [plan workload])
+WORKLOAD = Obj({"spec": Str(max_len=4096), "shape": SHAPE, "device": DEVICE, "dtype": DTYPE, "autocast": Opt(AUTOCAST)})
 
 # Plan.to_json; the optional fields are those older plan files may lack (Plan.from_json's defaults).
 PLAN = Obj({
@@ -53,5 +62,5 @@ PLAN = Obj({
 }, {
     "preserve_rng_state": Bool(), "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(MS),
     "memory_source": MEMORY_SOURCE, "simulated": Bool(), "device_model": Opt(SHORT),
-    "compile": Opt(COMPILE), "offload": Opt(OFFLOAD),
+    "compile": Opt(COMPILE), "offload": Opt(OFFLOAD), "workload": Opt(WORKLOAD),
 })

@@ -85,6 +85,7 @@ class ReceiptContext:
     created: str                      # ISO 8601, UTC
     command: str                      # the command line that made it ("" from the library)
     memory_source: str                # cpu-live-tensors or cuda-allocator
+    autocast: str | None = None       # the forward ran under torch.autocast of this dtype (NOTE [autocast steps])
 
     @classmethod
     def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: str,
@@ -95,10 +96,13 @@ class ReceiptContext:
                    boundary_shape=dict(boundary_shape) if boundary_shape else None, dtype=loaded.dtype,
                    device=loaded.device, **host, remat_version=__version__, git_revision=rev, git_dirty=dirty,
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   command=command, memory_source=memory_source)
+                   command=command, memory_source=memory_source, autocast=loaded.autocast)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.autocast is None:
+            del d["autocast"]   # receipts made without autocast read as they always did
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptContext":

@@ -76,7 +76,7 @@ from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, par
 from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
-from ..verify import COMPILED_TOLERANCES, TOLERANCES, VerifyReport, verify_plan
+from ..verify import VerifyReport, tolerance_table, verify_plan
 from ..measure import CompileSpec
 from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
                              ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
@@ -143,7 +143,8 @@ def _fixture_passed(module: str, plan: Plan, verification: VerifyReport | None) 
 def _fixture(loaded: LoadedWorkload, module: str, params: tuple[str, ...], plan: Plan,
              verification: VerifyReport | None, settings: RunSettings) -> Fixture:
     """The paired-step fixture covering one boundary, as ``remat check`` re-runs it."""
-    table = TOLERANCES if verification is None or verification.compile is None else COMPILED_TOLERANCES
+    table = tolerance_table(compiled=verification is not None and verification.compile is not None,
+                            autocast=loaded.autocast)
     act = None if verification is None else next((a for a in verification.boundaries if a.module == module), None)
     rejected = () if verification is None else \
         tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected)
@@ -337,6 +338,20 @@ def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, ve
 
 # -- unsupported modes -----------------------------------------------------------------------------
 
+def _autocast_modes(loaded: LoadedWorkload) -> list[UnsupportedMode]:
+    """What the receipt says about mixed precision: not run, or run under one autocast dtype only."""
+    if loaded.autocast is None:
+        return [UnsupportedMode(mode="autocast / mixed precision", status=Coverage.NOT_RUN,
+                                detail=f"the step ran as the workload defines it, in {loaded.dtype}, without autocast "
+                                       "(remat receipt --autocast bf16 runs the forward under torch.autocast)")]
+    other = "float16" if loaded.autocast == "bfloat16" else "bfloat16"
+    return [UnsupportedMode(mode="without autocast", status=Coverage.NOT_RUN,
+                            detail=f"every figure is from the step with its forward under torch.autocast("
+                                   f"{loaded.autocast}); the plain {loaded.dtype} step was not measured or verified"),
+            UnsupportedMode(mode=f"autocast {other}", status=Coverage.NOT_RUN,
+                            detail=f"measured and verified under autocast {loaded.autocast} only")]
+
+
 def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None,
                       compiled: bool = False) -> list[UnsupportedMode]:
     """What this receipt's evidence does not cover: the modes a reader must not assume.
@@ -361,8 +376,7 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
         UnsupportedMode(mode="reentrant checkpointing", status=Coverage.UNSUPPORTED,
                         detail="remat applies non-reentrant torch.utils.checkpoint only (use_reentrant=False); "
                                "reentrant replay checks nothing and can give silently wrong gradients"),
-        UnsupportedMode(mode="autocast / mixed precision", status=Coverage.NOT_RUN,
-                        detail=f"the step ran as the workload defines it, in {loaded.dtype}, without autocast"),
+        *_autocast_modes(loaded),
     ]
     for dt in ("float32", "bfloat16", "float16"):
         if dt != loaded.dtype:
