@@ -180,8 +180,10 @@ def _measure(steps: LoopSteps[P], plan: P, tried: list[Tried[P]], *, fallback: b
 # -- one device ---------------------------------------------------------------------------------------
 
 def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, steps: int = 3) -> StepMeasurement:
-    """Peak and warm step times of ``plan`` applied to a fresh build of the workload (remat.measure)."""
-    return measure_arm(loaded, PlanArm("plan", plan), warmup=warmup, steps=steps)
+    """Peak and warm step times of ``plan`` applied to a fresh build of the workload (remat.measure);
+    a CPU peak at the edge of the plan's effective budget confirmed by torch.profiler (NOTE [peaks at the edge])."""
+    return measure_arm(loaded, PlanArm("plan", plan), warmup=warmup, steps=steps,
+                       confirm_under=None if plan is None else plan.effective_budget_bytes)
 
 
 def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec = "optimal", *,
@@ -326,8 +328,9 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: Compi
     m = measure_plan(loaded, plan, steps=steps)
     plan.measured_peak_bytes = m.peak_bytes
     plan.measured_step_ms = m.p50_ms
-    if compile is not None:
-        plan.memory_source = m.memory_source.value   # the compiled step's instrument
+    if compile is not None or m.tracker_peak_bytes is not None:
+        # the compiled step's instrument, or torch.profiler where it confirmed a peak at the edge
+        plan.memory_source = m.memory_source.value
 
 
 class BudgetMissed(BudgetError):
