@@ -146,7 +146,9 @@ def test_auto_report_and_real_step_under_budget(tmp_path):
     assert r.cache is CacheStatus.STORED and Path(r.cache_path).is_file()
     assert r.budget_bytes == int(r.baseline_peak_bytes * 0.75)
     assert r.measured_peak_bytes <= r.effective_budget_bytes < r.baseline_peak_bytes
-    assert len(r.boundaries) == len(h.plan.boundaries) and r.memory_source == "cpu-live-tensors"
+    # the tracker's figure, or torch.profiler's where it confirmed a peak at the edge (NOTE [peaks at the edge])
+    assert len(r.boundaries) == len(h.plan.boundaries) and r.memory_source in ("cpu-live-tensors",
+                                                                               "cpu-profiler-allocator")
     # ground truth: the user's model as planned, one warm step under the live-tensor tracker
     step = TrainingStep(Workload(model=model, batch=lambda i: batch, loss=ex.loss_fn))
     step.run(0)
