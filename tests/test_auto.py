@@ -274,7 +274,9 @@ def test_auto_plan_exports_to_torch_apply_activation_checkpointing(tmp_path):
         ActivationWrapper, CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
     model, batch = tiny()
     # segments=False: per-module boundaries only, which torch's checkpoint_wrapper can express
-    h = remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, segments=False, **FAST)
+    # 80%: at 75% per-module plans measure a few KB over once torch.profiler confirms the edge
+    # (NOTE [peaks at the edge]: each checkpoint's saved RNG state is memory the tracker misses)
+    h = remat.auto(model, batch, budget="80%", loss_fn=ex.loss_fn, cache_dir=tmp_path, segments=False, **FAST)
     plan = h.plan
     h.remove()
     assert not any("[" in b.module for b in plan.boundaries)

@@ -89,13 +89,18 @@ def test_warn_once_per_new_shape_and_never_at_smaller_or_equal():
         for shape in [(2, 12, 4), (2, 12, 4), (1, 12, 4), (2, 16, 4), (2, 12, 4)]:
             m(torch.zeros(shape), mask=torch.ones(2, 12))   # the mask (rank 2) is of no planned rank
     msgs = [str(w.message) for w in seen if issubclass(w.category, NewShapeWarning)]
-    assert len(msgs) == len(seen) == 3              # (2, 12, 4), (1, 12, 4) and (2, 16, 4): each once
-    assert "(2, 12, 4)" in msgs[0] and "(2, 8, 4)" in msgs[0] and "(1, 12, 4)" in msgs[1] and "(2, 16, 4)" in msgs[2]
+    assert len(msgs) == len(seen) == 2              # (2, 12, 4) once, (2, 16, 4) once; (1, 12, 4) is inside
+    assert "(2, 12, 4)" in msgs[0] and "(2, 8, 4)" in msgs[0] and "(2, 16, 4)" in msgs[1]
+    assert len(guard.seen_new) == 3                 # ... but was seen, and is recorded
+    with torch.no_grad(), warnings.catch_warnings(record=True) as evaluation:
+        warnings.simplefilter("always")
+        m(torch.zeros(8, 64, 4))                    # autograd off: nothing saved for backward, not checked
+    assert evaluation == []
     guard.remove()
     with warnings.catch_warnings(record=True) as after:
         warnings.simplefilter("always")
         m(torch.zeros(4, 32, 4))
-    assert after == [] and m.calls == 9
+    assert after == [] and m.calls == 10
 
 
 def test_raise_before_the_forward_runs_and_copies_pass():

@@ -405,11 +405,13 @@ class BudgetMissed(BudgetError):
             r = reserve_that_ships(in_budget)
             offer = (f"; {in_budget.planner} ({len(in_budget.boundaries)} boundaries) measured "
                      f"{format_bytes(in_budget.measured_peak_bytes or 0)}, under the budget of "
-                     f"{format_bytes(in_budget.budget_bytes or 0)} itself but inside its {in_budget.reserve:.1%} reserve")
+                     f"{format_bytes(in_budget.budget_bytes or 0)} itself but inside its "
+                     f"{in_budget.reserve:.1%} reserve")
             tip = f"pass reserve={r:g} (--reserve {r * 100:g}%) to ship that plan, or "
         super().__init__(
             f"no plan measured under the effective budget of {format_bytes(target)}: the lowest measured peak of the "
             f"{tried} plans tried is {format_bytes(best.measured_peak_bytes or 0)} ({best.planner}, "
             f"{len(best.boundaries)} boundaries), {format_bytes(gap)} over" + offer,
-            tip=tip + f"ask for a budget of at least {format_bytes(min_budget_for(best.measured_peak_bytes or 0, best.reserve))} "
+            tip=tip + "ask for a budget of at least "
+                f"{format_bytes(min_budget_for(best.measured_peak_bytes or 0, best.reserve))} "
                 "(that plan measured under it), lower the reserve, or make more candidates plannable")

@@ -12,6 +12,7 @@ from .shapes import NewShapeWarning, ShapeEnvelope, ShapeGuard, ShapePolicy
 from .source import InMemoryWorkload, ModelSource, OptimizerSpec, hf_loss, unwrap_optimizer
 
 __all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "BrokenCacheEntryWarning", "CacheKey", "CacheStatus",
-           "InMemoryWorkload", "ModelSource", "NewShapeWarning", "OptimizerSpec", "PlanCache", "PlanCacheWarning", "ShapeEnvelope", "ShapeGuard", "ShapePolicy",
+           "InMemoryWorkload", "ModelSource", "NewShapeWarning", "OptimizerSpec", "PlanCache", "PlanCacheWarning",
+           "ShapeEnvelope", "ShapeGuard", "ShapePolicy",
            "UnusableCacheDirWarning", "VerifyStatus", "auto", "default_cache_dir", "existing_checkpointing",
            "hf_loss", "unwrap_optimizer"]

@@ -12,11 +12,14 @@ scale the activations; remat cannot tell a dimension that does not without measu
 REPLAN measures). Not compared: a tensor of a rank the example batch has none of (one built
 inside ``loss_fn``), 0-d tensors and non-tensors (no size to grow). The hook walks the call's
 arguments and looks the shapes up in a set: it allocates no tensor, and a call at shapes
-judged before is not compared again.
+judged before is not compared again. A call with autograd off (``torch.no_grad``, inference
+mode: evaluation) saves nothing for backward, so it is not checked.
 
 What then happens is ``on_new_shape`` (:class:`ShapePolicy`):
 - WARN (the default): a :class:`NewShapeWarning` naming the planned and the seen shapes, once
-  per new shape; the step runs with the plan as it is (it may miss the budget there).
+  per new shape: a shape inside one warned of already (every dimension at most the largest
+  warned) does not warn again, so padded batches of many lengths warn only as the longest grows;
+  the step runs with the plan as it is (it may miss the budget there).
 - RAISE: :class:`~remat.errors.NewShapeError` at every call at a new shape, before the forward.
 - REPLAN: plan again for the envelope grown to the seen shapes (max per dimension), on the
   example batch with each tensor leaf tiled (its values repeated) along the dimensions that
@@ -154,11 +157,12 @@ class ShapeGuard:
         self._settled: set[tuple[Shape, ...]] = set()    # call shapes that need nothing (more) done
         self._busy = False                              # re-planning: remat's own calls pass unchecked
         self.seen_new: list[tuple[Shape, ...]] = []      # each new call shape met, in order
+        self._warned = envelope                         # WARN: the largest shapes warned of so far
         self._hook = model.register_forward_pre_hook(self, with_kwargs=True)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if module is not self.model or self._busy:    # a copy of the model (deepcopy keeps this guard)
-            return None
+        if module is not self.model or self._busy or not torch.is_grad_enabled():
+            return None     # a copy of the model (deepcopy keeps this guard), remat's own call, or evaluation
         shapes = tensor_shapes((args, kwargs))
         if shapes in self._settled:
             return None
@@ -178,6 +182,9 @@ class ShapeGuard:
                                 tip="pass remat.auto the largest batch the run will see (or several batches), or "
                                     "on_new_shape='replan' to plan again at the new shape, or 'warn'")
         if self.policy is ShapePolicy.WARN:
+            if not self._warned.beyond(shapes):
+                return      # inside a shape warned of already
+            self._warned = self._warned.grown(shapes)
             warnings.warn(NewShapeWarning(
                 f"{what}; the plan may miss its budget at this shape (warned once per shape): pass the largest "
                 "batch to remat.auto, or on_new_shape='replan'"), stacklevel=4)
