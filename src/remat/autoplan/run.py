@@ -126,6 +126,8 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
+    ``reserve``: the share of the budget kept free, 0.05 or ``"5%"`` (the default): the measured
+    peak must stay under ``budget x (1 - reserve)`` (NOTE [the reserve]).
     ``loss_fn(model, batch)``: the scalar training loss; default ``model(**batch).loss`` for a dict
     batch with ``labels``. ``optimizer``: yours (its class, hyperparameters and groups are rebuilt
     on each copy: its state counts in the peak); None assumes AdamW, and ``report.optimizer`` says so.
