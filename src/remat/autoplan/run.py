@@ -139,7 +139,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     ``segments=False``: plan per-module boundaries only, no segment candidates (NOTE [segments]):
     what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express.
     ``on_new_shape``: what the handle does when the model is called with a tensor larger than any
-    the example batch planned for (NOTE [shape guard]): ``"warn"`` (the default, once per shape,
+    the example batch planned for (NOTE [shape guard]): ``"warn"`` (the default, once per new shape,
     :class:`NewShapeWarning`), ``"raise"`` (:class:`~remat.errors.NewShapeError`) or ``"replan"``
     (plan again at the larger shape and apply that plan before the forward runs). Nothing of
     yours is changed but the wrapped modules' ``forward``
