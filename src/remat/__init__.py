@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ._lazy import lazy_exports
 from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch, HandleError,
-                     MemoryMeasurementError, OutputError, PlanError, ReceiptError, RematError, ShapeError, UserCodeError,
-                     VerificationFailed, WorkloadError)
+                     MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
+                     UserCodeError, VerificationFailed, WorkloadError)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
 
 __version__ = "0.1.0"
@@ -38,15 +38,19 @@ _LAZY = {
     "auto": "remat.autoplan",
     "AutoHandle": "remat.autoplan",
     "AutoReport": "remat.autoplan",
+    "ShapePolicy": "remat.autoplan",
+    "NewShapeWarning": "remat.autoplan",
 }
 
 __all__ = [
     # errors and enums (imported above)
     "AutoError", "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
-    "HandleError", "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "OutputError", "Phase", "PlanError",
+    "HandleError", "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "NewShapeError", "OutputError",
+    "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
     # loaded on first use (_LAZY): the stage functions and the results they hand back
-    "ApplyHandle", "AutoHandle", "AutoReport", "LoadedWorkload", "Plan", "PlanCheckFn", "ProfileReport", "StepTrace",
+    "ApplyHandle", "AutoHandle", "AutoReport", "LoadedWorkload", "NewShapeWarning", "Plan", "PlanCheckFn", "ProfileReport",
+    "ShapePolicy", "StepTrace",
     "TrainingStep", "VerifyReport", "Workload", "apply", "auto", "export_check_fn", "load_workload", "make_plan",
     "profile_workload", "recover_handle", "trace_workload", "verify_plan",
 ]

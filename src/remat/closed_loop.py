@@ -26,6 +26,7 @@ no fallbacks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
 from .wrap import PlanArm
@@ -181,8 +182,10 @@ def _measure(steps: LoopSteps[P], plan: P, tried: list[Tried[P]], *, fallback: b
 # -- one device ---------------------------------------------------------------------------------------
 
 def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, steps: int = 3) -> StepMeasurement:
-    """Peak and warm step times of ``plan`` applied to a fresh build of the workload (remat.measure)."""
-    return measure_arm(loaded, PlanArm("plan", plan), warmup=warmup, steps=steps)
+    """Peak and warm step times of ``plan`` applied to a fresh build of the workload (remat.measure);
+    a CPU peak at the edge of the plan's effective budget confirmed by torch.profiler (NOTE [peaks at the edge])."""
+    return measure_arm(loaded, PlanArm("plan", plan), warmup=warmup, steps=steps,
+                       confirm_under=None if plan is None else plan.effective_budget_bytes)
 
 
 def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec = "optimal", *,
@@ -200,13 +203,17 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     still misses, or the corrected target falls below the predicted floor, or the model
     said from the start that nothing fits, the model is wrong somewhere, so remat trusts
     measurements instead: the plans that the model ranks lower in peak (``all``: every
-    top-level block; ``floor``: the cheapest plan of least predicted peak) are measured in
+    top-level block; ``floor``: the cheapest plan of least predicted peak) and the baseline
+    families' fixed-K plans (``first-k:K``, ``checkpoint_sequential:K``: per family the cheapest
+    predicted to fit and its neighbours in cost, ``_FAMILY_FALLBACKS``) are measured in
     order of predicted added time, and the first whose *measured* peak fits ships (it says
     so in its ``planner``). Fallbacks predicted more than ``_MODEL_ERROR`` over the target are
     not measured (no model error seen is that large). Only when none fits is it an error: the
-    model's own InfeasibleBudget (naming the floor and why) when it said so from the start,
-    else :class:`BudgetMissed` (exit 2) with the measured gap.
-    So ``optimal`` never ships worse than ``all`` when ``all`` fits.
+    model's own InfeasibleBudget (naming the floor and why) when it said so from the start and
+    nothing measured under the budget itself, else :class:`BudgetMissed` (exit 2) with the
+    measured gap, offering the cheapest plan measured under the budget itself with the reserve
+    that would ship it (NOTE [the reserve] in remat/plan/budget.py).
+    So ``optimal`` never ships worse than ``all`` or a baseline family's plan when that fits.
 
     ``compile`` (``remat plan --compile``): every plan is measured compiled (NOTE [compiled
     arms]) and carries the spec (``plan.compile``), so its measured peak is the compiled step's.
@@ -248,10 +255,11 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
             # says what shipped and why: the model's pick missed (NOTE [planner specs])
             fb.planner = PlannerSpec.parse(fb.planner).after_miss_of(PlannerSpec.parse(planner)).format()
         return ClosedLoopResult(plan=fb, attempts=attempts)
-    if infeasible is not None:
+    in_budget = _cheapest_in_budget([t.plan for t in outcome.tried])
+    if infeasible is not None and in_budget is None:
         raise infeasible   # the model said so from the start, and no measurement disagreed
     best = min((t.plan for t in outcome.tried), key=lambda p: p.measured_peak_bytes)
-    raise BudgetMissed(best=best, tried=len(outcome.tried))
+    raise BudgetMissed(best=best, tried=len(outcome.tried), in_budget=in_budget)
 
 
 # How far the cost model's predicted peak has been seen from the measured one (a share of the
@@ -297,17 +305,67 @@ class _OneDevice:
         return make_plan(self.report, self.planner, margin_bytes=error, **self.kw)
 
     def fallbacks(self) -> list[Plan]:
-        """NOTE [closed loop fallbacks]: ``all`` and ``floor``, cheapest first, when the model could be wrong
-        about them (predicted within its error bound of the target)."""
+        """NOTE [closed loop fallbacks]: ``all``, ``floor`` and the baseline families' plans (NOTE [baseline
+        families]), cheapest first, when the model could be wrong about them (predicted within its error
+        bound of the target); at most ``_FAMILY_FALLBACKS`` of each family."""
         target = effective_budget(self.kw["budget_bytes"], self.kw["reserve"])
-        plans = [make_plan(self.report, spec, **self.kw) for spec in ("all", "floor")]
-        near = [fb for fb in plans if fb.boundaries and fb.predicted_peak_bytes <= target * (1 + _MODEL_ERROR)]
+        near = [fb for fb in [*(make_plan(self.report, spec, **self.kw) for spec in ("all", "floor")),
+                              *_family_plans(self.report, self.kw, target)]
+                if fb.boundaries and fb.predicted_peak_bytes <= target * (1 + _MODEL_ERROR)]
         return sorted(near, key=lambda p: (p.predicted_overhead_ms, p.predicted_peak_bytes))
 
     def attempts(self, tried: list[Tried[Plan]]) -> list[Attempt]:
         return [Attempt(predicted_peak_bytes=t.plan.predicted_peak_bytes, measured_peak_bytes=t.plan.measured_peak_bytes,
                         margin_bytes=0 if t.fallback else margin, fits=t.fits)
                 for t, margin in zip(tried, self.margins)]
+
+
+# Per baseline family (first-k, checkpoint_sequential), how many plans are measured as fallbacks
+# (each measurement is a fresh build): the family's cheapest plan predicted to fit, and its neighbours
+# in predicted overhead (one cheaper, predicted over the target; one dearer).
+_FAMILY_FALLBACKS = 3
+
+
+def _family_plans(report: ProfileReport, kw: dict[str, Any], target: int) -> list[Plan]:
+    """The fixed-K plans of ``first-k`` and ``checkpoint_sequential`` (NOTE [baseline families]) predicted
+    within ``_MODEL_ERROR`` of ``target``: per family ``_FAMILY_FALLBACKS`` around its cheapest predicted fit."""
+    first_k: list[Plan] = []
+    for k in range(1, len(report.candidates) + 1):
+        plan = make_plan(report, f"first-k:{k}", **kw)
+        if first_k and _key(plan) == _key(first_k[-1]):
+            break                      # past the last top-level block: every block is taken
+        first_k.append(plan)
+    sequential: list[Plan] = []
+    for k in range(2, len(first_k) + 1):
+        try:
+            sequential.append(make_plan(report, f"checkpoint_sequential:{k}", **kw))
+        except PlanError:              # no chain, or a segment the profile does not offer
+            continue
+    out: list[Plan] = []
+    for family in (first_k, sequential):
+        near = sorted((p for p in family if p.boundaries and p.predicted_peak_bytes <= target * (1 + _MODEL_ERROR)),
+                      key=_overhead_ms)
+        fit = next((i for i, p in enumerate(near) if p.predicted_peak_bytes <= target), len(near) - 1)
+        start = max(0, fit - 1)
+        out += near[start:start + _FAMILY_FALLBACKS]
+    return out
+
+
+def _cheapest_in_budget(plans: list[Plan]) -> Plan | None:
+    """Of plans that missed the effective budget, the cheapest whose measured peak is under the budget itself
+    (it eats into the reserve: NOTE [the reserve]); None when none is."""
+    inside = [p for p in plans if p.budget_bytes is not None and p.measured_peak_bytes is not None
+              and p.measured_peak_bytes <= p.budget_bytes]
+    return min(inside, key=lambda p: (p.predicted_overhead_ms, p.measured_peak_bytes), default=None)
+
+
+def reserve_that_ships(plan: Plan) -> float:
+    """The largest reserve (to 0.1%) under which ``plan``'s measured peak clears its budget (NOTE [the reserve])."""
+    assert plan.budget_bytes is not None and plan.measured_peak_bytes is not None
+    r = math.floor((1.0 - plan.measured_peak_bytes / plan.budget_bytes) * 1000) / 1000
+    while r > 0 and effective_budget(plan.budget_bytes, r) < plan.measured_peak_bytes:   # float rounding
+        r = round(r - 0.001, 3)
+    return max(r, 0.0)
 
 
 def _key(plan: Plan) -> tuple:
@@ -329,20 +387,34 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: Compi
     m = measure_plan(loaded, plan, steps=steps)
     plan.measured_peak_bytes = m.peak_bytes
     plan.measured_step_ms = m.p50_ms
-    if compile is not None:
-        plan.memory_source = m.memory_source.value   # the compiled step's instrument
+    if compile is not None or m.tracker_peak_bytes is not None:
+        # the compiled step's instrument, or torch.profiler where it confirmed a peak at the edge
+        plan.memory_source = m.memory_source.value
 
 
 class BudgetMissed(BudgetError):
-    """Every plan the closed loop measured (its own and the fallbacks) peaked over the budget."""
+    """Every plan the closed loop measured (its own and the fallbacks) peaked over the effective budget.
 
-    def __init__(self, *, best: Plan, tried: int) -> None:
+    ``in_budget``: the cheapest of them measured under the budget itself (inside the reserve), offered
+    with the reserve that would ship it (NOTE [the reserve])."""
+
+    def __init__(self, *, best: Plan, tried: int, in_budget: Plan | None = None) -> None:
         self.best = best
+        self.in_budget = in_budget
         target = best.effective_budget_bytes or 0
         gap = (best.measured_peak_bytes or 0) - target
+        offer, tip = "", ""
+        if in_budget is not None:
+            r = reserve_that_ships(in_budget)
+            offer = (f"; {in_budget.planner} ({len(in_budget.boundaries)} boundaries) measured "
+                     f"{format_bytes(in_budget.measured_peak_bytes or 0)}, under the budget of "
+                     f"{format_bytes(in_budget.budget_bytes or 0)} itself but inside its "
+                     f"{in_budget.reserve:.1%} reserve")
+            tip = f"pass reserve={r:g} (--reserve {r * 100:g}%) to ship that plan, or "
         super().__init__(
             f"no plan measured under the effective budget of {format_bytes(target)}: the lowest measured peak of the "
             f"{tried} plans tried is {format_bytes(best.measured_peak_bytes or 0)} ({best.planner}, "
-            f"{len(best.boundaries)} boundaries), {format_bytes(gap)} over",
-            tip=f"ask for a budget of at least {format_bytes(min_budget_for(best.measured_peak_bytes or 0, best.reserve))} "
+            f"{len(best.boundaries)} boundaries), {format_bytes(gap)} over" + offer,
+            tip=tip + "ask for a budget of at least "
+                f"{format_bytes(min_budget_for(best.measured_peak_bytes or 0, best.reserve))} "
                 "(that plan measured under it), lower the reserve, or make more candidates plannable")

@@ -119,3 +119,8 @@ class AutoError(RematError):
     """``remat.auto`` (or an integration built on it) cannot plan this model as it is called:
     under ``torch.no_grad``, a model already checkpointed by a wrapper (named), a batch without
     a loss, an optimizer it cannot rebuild on a copy."""
+
+
+class NewShapeError(AutoError):
+    """A model planned by ``remat.auto`` with ``on_new_shape='raise'`` was called at a shape larger
+    than any it was planned for (NOTE [shape guard] in remat/autoplan/shapes.py)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
+from .shapes import ShapeEnvelope, ShapeGuard
 
 
 class CacheStatus(enum.Enum):
@@ -90,11 +91,36 @@ class AutoReport:
 
 
 class AutoHandle(ApplyHandle):
-    """``remat.auto``'s handle: ``remat.apply``'s (``.plan``, ``.remove()``) with ``.report``."""
+    """``remat.auto``'s handle: ``remat.apply``'s (``.plan``, ``.remove()``) with ``.report``, and the
+    shape guard (NOTE [shape guard]): ``.planned_shapes``, ``.replans``; ``remove()`` takes the guard off too."""
 
     def __init__(self, handle: ApplyHandle, report: AutoReport) -> None:
         super().__init__(handle.model, handle.plan, handle.wrappers)
         self.report = report
+        self.guard: ShapeGuard | None = None   # set by remat.auto once the plan is applied
+        self.replans = 0                        # plans applied since the first (on_new_shape='replan')
+
+    @property
+    def planned_shapes(self) -> ShapeEnvelope | None:
+        """Per tensor rank, the largest size planned for in each dimension; None without a guard."""
+        return None if self.guard is None else self.guard.envelope
+
+    def unwrap(self) -> None:
+        """Remove the plan's wrappers and keep the guard: a new plan is applied next (``replace``)."""
+        ApplyHandle.remove(self)
+
+    def replace(self, handle: ApplyHandle, report: AutoReport | None = None) -> None:
+        """Take over ``handle``'s wrappers (a plan just applied to this model); ``report`` is the new plan's."""
+        self.plan, self.wrappers, self._active = handle.plan, handle.wrappers, True
+        if report is not None:
+            self.report = report
+            self.replans += 1
+
+    def remove(self, *, force: bool = False) -> None:
+        super().remove(force=force)
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
 
     def __repr__(self) -> str:
         return f"Auto{super().__repr__()}"

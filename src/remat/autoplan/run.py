@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .. import __version__
-from ..wrap import apply, check_applies, recover_handle
+from ..wrap import ApplyHandle, apply, check_applies, recover_handle
 from ..closed_loop import plan_closed_loop
 from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
@@ -28,6 +28,7 @@ from .inplace import InPlaceSource, JobEngine, check_job, job_engine
 from .ranks import JobRanks, agree_profile, job_ranks
 from .library_flags import DIFFUSERS, TRANSFORMERS_4, checkpointing_api, flagged_modules
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
+from .shapes import ShapeEnvelope, ShapeGuard, ShapePolicy, grow_batch
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device
 
 VERIFY_MODES = (None, "quick")
@@ -84,6 +85,7 @@ class AutoSettings:
     segments: bool
     progress: ProgressFn
     autocast: str | None = None   # as given: "bf16", "bfloat16", "fp16", "float16"
+    on_new_shape: ShapePolicy | str = ShapePolicy.WARN   # NOTE [shape guard]; a string is parsed
     reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
 
     def __post_init__(self) -> None:
@@ -92,6 +94,7 @@ class AutoSettings:
         check_budget_syntax(self.budget)
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
         object.__setattr__(self, "autocast", parse_autocast(self.autocast))
+        object.__setattr__(self, "on_new_shape", ShapePolicy.parse(self.on_new_shape))
 
     def step_autocast(self, device: torch.device) -> str | None:
         """The autocast dtype the step runs under: ``autocast``, or the caller's own ``torch.autocast``
@@ -137,10 +140,13 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
          optimizer: torch.optim.Optimizer | None = None, verify: str | None = None,
          cache_dir: str | Path | None = None, use_cache: bool = True, reserve: str | float = 0.05,
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
-         segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None) -> AutoHandle:
+         segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None,
+         on_new_shape: ShapePolicy | str = ShapePolicy.WARN) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
+    ``reserve``: the share of the budget kept free, 0.05 or ``"5%"`` (the default): the measured
+    peak must stay under ``budget x (1 - reserve)`` (NOTE [the reserve]).
     ``loss_fn(model, batch)``: the scalar training loss; default ``model(**batch).loss`` for a dict
     batch with ``labels``. ``optimizer``: yours (its class, hyperparameters and groups are rebuilt
     on each copy: its state counts in the peak); None assumes AdamW, and ``report.optimizer`` says so.
@@ -153,7 +159,11 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express.
     ``autocast="bf16"`` (or ``"fp16"``): plan, measure and verify the step with its forward under
     ``torch.autocast`` as you train it (NOTE [autocast steps]); called inside a ``torch.autocast``
-    block, remat.auto plans under that block's dtype, and ``report.autocast`` says which. Nothing of
+    block, remat.auto plans under that block's dtype, and ``report.autocast`` says which.
+    ``on_new_shape``: what the handle does when the model is called with a tensor larger than any
+    the example batch planned for (NOTE [shape guard]): ``"warn"`` (the default, once per new shape,
+    :class:`NewShapeWarning`), ``"raise"`` (:class:`~remat.errors.NewShapeError`) or ``"replan"``
+    (plan again at the larger shape and apply that plan before the forward runs). Nothing of
     yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
@@ -161,13 +171,26 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     _check_trainable(model)
     settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
                             use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
-                            measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast)
+                            measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast,
+                            on_new_shape=on_new_shape)
     _check_unwrapped(model)
     return _fit(model, example_batch, settings, t0)
 
 
 def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float) -> AutoHandle:
-    """:func:`auto` once its arguments hold: the cached or a new plan, applied to ``model``
+    """:func:`auto` once its arguments hold: the plan applied, and the shape guard on the handle."""
+    applied, report = _plan_and_apply(model, example_batch, settings, t0)
+    handle = AutoHandle(applied, report)
+    planned = ShapeEnvelope.of_batches([example_batch])
+    replan = _Replanner(handle, example_batch, planned, settings) if settings.on_new_shape is ShapePolicy.REPLAN \
+        else None
+    handle.guard = ShapeGuard(model, planned, settings.on_new_shape, replan)
+    return handle
+
+
+def _plan_and_apply(model: nn.Module, example_batch: Any, settings: AutoSettings,
+                    t0: float) -> tuple[ApplyHandle, AutoReport]:
+    """The cached or a new plan for ``example_batch``, applied to ``model``, and its report
     (``t0``: when the call began, perf_counter seconds)."""
     source = _source(model, example_batch, settings)
     cache = settings.plan_cache()
@@ -180,7 +203,26 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     report = dataclasses.replace(_auto_report(plan, settings, source, status, path, verified,
                                               seconds=time.perf_counter() - t0),
                                  autocast=source.autocast, tolerances=tolerance_table(autocast=source.autocast))
-    return AutoHandle(handle, report)
+    return handle, report
+
+
+class _Replanner:
+    """``on_new_shape='replan'`` (NOTE [shape guard]): plan ``handle``'s model again for a grown envelope,
+    on the example batch tiled to it, and apply that plan in place of the old one."""
+
+    def __init__(self, handle: AutoHandle, example_batch: Any, planned: ShapeEnvelope, settings: AutoSettings) -> None:
+        self.handle, self.batch, self.planned, self.settings = handle, example_batch, planned, settings
+
+    def __call__(self, grown: ShapeEnvelope) -> None:
+        batch = grow_batch(self.batch, self.planned, grown)
+        handle, old = self.handle, self.handle.plan
+        handle.unwrap()       # remat profiles an unwrapped model (its copies)
+        try:
+            applied, report = _plan_and_apply(handle.model, batch, self.settings, time.perf_counter())
+        except BaseException:
+            handle.replace(apply(handle.model, old))   # the old plan back: the error says why none is new
+            raise
+        handle.replace(applied, report)
 
 
 def _source(model: nn.Module, example_batch: Any, settings: AutoSettings) -> ModelSource:

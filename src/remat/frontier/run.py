@@ -307,7 +307,7 @@ def run_frontier(loaded: LoadedWorkload, settings: FrontierSettings, *, report: 
         arms += _compiled_twins(loaded, report, requests, points, plans, settings, progress)
     by_label = {p.plan: p for p in points}
     # 2. peaks, one plan at a time (and torch's budget aimed at the limit)
-    measured = _measure_peaks(loaded, arms, by_label, warmup=settings.warmup, progress=progress)
+    measured = _measure_peaks(loaded, arms, by_label, warmup=settings.warmup, limit=settings.limit, progress=progress)
     budget_search: list[BudgetTry] = []
     if settings.compile is not None and CONTROL in plans:
         budget_search = _add_torch_budget(loaded, settings, plans, points, by_label, measured, progress)
@@ -367,8 +367,9 @@ def _compiled_twins(loaded: LoadedWorkload, report: ProfileReport, requests: lis
 
 
 def _measure_peaks(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, FrontierPoint], *, warmup: int,
-                   progress: ProgressFn) -> list[Arm]:
-    """Each arm's peak alone on the device (NOTE [solo peaks]) into its point; the arms measured.
+                   limit: int | None, progress: ProgressFn) -> list[Arm]:
+    """Each arm's peak alone on the device (NOTE [solo peaks]) into its point; the arms measured. A CPU peak
+    at the edge of ``limit`` (bytes, the effective budget) is confirmed by torch.profiler (NOTE [peaks at the edge]).
 
     A plan whose step raises or runs out of memory is a FAILED point; the control's own error propagates."""
     measured: list[Arm] = []
@@ -376,7 +377,7 @@ def _measure_peaks(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, 
         progress("frontier: peaks", i, len(arms))
         point = by_label[arm.label]
         try:
-            peak = measure_arm(loaded, arm, warmup=warmup, steps=0)
+            peak = measure_arm(loaded, arm, warmup=warmup, steps=0, confirm_under=limit)
         except UserCodeError as exc:
             if arm.label == CONTROL:
                 raise   # the unplanned step itself fails: the workload's own error

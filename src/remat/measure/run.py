@@ -35,6 +35,7 @@ import torch
 from ..errors import RematError, WorkloadError
 from ..memory.cuda import read_cuda_stats
 from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, track_step_state
+from ..memory.reference import at_the_edge, profiler_step_peak
 from ..memory.tracker import LiveTensorTracker
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep, is_allocation_failure
@@ -189,6 +190,8 @@ class StepMeasurement:
     memory_source: MemorySource
     num_alloc_retries: int = 0
     compile_s: float | None = None   # compiled arms: first step's wall time less a warm step's (s)
+    tracker_peak_bytes: int | None = None   # CPU, confirmed at the edge: the tracker's own figure
+                                            # (NOTE [peaks at the edge]); peak_bytes is the larger
 
     @property
     def p50_ms(self) -> float:
@@ -202,9 +205,14 @@ class StepMeasurement:
                 "num_alloc_retries": self.num_alloc_retries, "compile_s": self.compile_s}
 
 
-def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int = 3) -> StepMeasurement:
+def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int = 3,
+                confirm_under: int | None = None) -> StepMeasurement:
     """Peak and warm step times of ``arm`` on a fresh build (NOTE [solo peaks]): ``warmup``
-    untimed steps, one peak step, then ``steps`` timed steps (0: the peak only)."""
+    untimed steps, one peak step, then ``steps`` timed steps (0: the peak only).
+
+    ``confirm_under`` (bytes, the budget the peak must clear): a CPU live-tensor peak under it by
+    less than the tracker's known error is confirmed by torch.profiler on the next step, and the
+    larger figure is the peak (NOTE [peaks at the edge])."""
     prepared = prepare_arm(loaded, arm)
     compile_s = None
     try:
@@ -217,16 +225,32 @@ def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int
         else:
             warm_up(prepared.step, warmup)
         peak = arm.measure_peak(prepared.step, warmup)
-        times = time_steps(prepared.step, range(warmup + 1, warmup + 1 + steps))
+        # in a job every rank must run the same steps, so no rank confirms alone (NOTE [one plan per job])
+        confirmed = None if loaded.ranks is not None else _confirmed_peak(prepared.step, warmup + 1, peak,
+                                                                          confirm_under)
+        start = warmup + (1 if confirmed is None else 2)
+        times = time_steps(prepared.step, range(start, start + steps))
     finally:
         prepared.close()
         prepared = None  # type: ignore[assignment]
         release_memory()
-    peak_bytes = peak.peak_bytes
+    peak_bytes, source, tracker = peak.peak_bytes, peak.source, None
+    if confirmed is not None:   # NOTE [peaks at the edge]: the larger figure is the peak
+        tracker = peak.peak_bytes
+        if confirmed > peak.peak_bytes:
+            peak_bytes, source = confirmed, MemorySource.CPU_PROFILER
     if loaded.ranks is not None:   # every rank ran this step: one figure for all (NOTE [one plan per job])
         peak_bytes, times = loaded.ranks.max_bytes(peak_bytes), loaded.ranks.median_ms(times)
-    return StepMeasurement(peak_bytes=peak_bytes, step_ms=times, memory_source=peak.source,
+    return StepMeasurement(peak_bytes=peak_bytes, step_ms=times, memory_source=source, tracker_peak_bytes=tracker,
                            num_alloc_retries=peak.num_alloc_retries, compile_s=compile_s)
+
+
+def _confirmed_peak(step: TrainingStep, index: int, peak: PeakMeasurement, budget: int | None) -> int | None:
+    """torch.profiler's whole-step peak of step ``index`` when the tracker's ``peak`` is at the edge of
+    ``budget`` (NOTE [peaks at the edge]); None when no confirmation is needed."""
+    if budget is None or not at_the_edge(peak.peak_bytes, budget, peak.source):
+        return None
+    return profiler_step_peak(step, index)
 
 
 def measure_arm_peak(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2) -> PeakMeasurement:

@@ -4,6 +4,27 @@ The profiler's raw ``[memory]`` events (kineto results, one per CPU allocation a
 ``nbytes`` signed) are summed in time order; the peak of that running sum is the peak of
 bytes allocated *during* profiling, so callers add what was live before (the tracker's
 starting bytes) to compare whole-step peaks.
+
+NOTE [peaks at the edge]
+The live-tensor tracker sees tensors made through the dispatcher, the profiler sees allocations:
+buffers that never become tensors (oneDNN convolution workspaces) and tensors made outside the
+dispatcher (``torch.get_rng_state()``'s 5056 bytes, which ``torch.utils.checkpoint`` keeps per
+region with ``preserve_rng_state``: the constant 5056 B gap on checkpointed gpt below) are
+invisible to the tracker, so it reads low or equal, never high in any case measured. ``benchmarks/tracker_error.py`` compares them as
+``tests/test_memory.py`` does (whole warm step, tracker / profiler - 1): gpt and mlp unplanned
+0.000% and -0.002%; gpt with every block checkpointed -0.31% (batch 4, seq 64) and -0.96% (the
+tiny test size); the default cnn -2.58% unplanned (1.1 MB of workspace), -0.16% checkpointed;
+the tiny test cnn -47% (a 0.28 MB workspace beside a 0.3 MB step); and, as reported from the
+zoo (not re-run by the script), a checkpointed diffusers UNet -0.48%. So the error is a share
+of a large step and a fixed amount on a small one: the known error is the larger of
+:data:`TRACKER_ERROR` of the budget and :data:`TRACKER_ERROR_BYTES` (about twice the largest
+workspace seen). A CPU plan whose tracked peak clears its budget by less than that
+(:func:`at_the_edge`) is not shipped on the tracker's word: the measurement runs one more step
+under torch.profiler and the larger of the two figures is the plan's measured peak
+(``remat.measure.measure_arm(confirm_under=)``; its ``memory_source`` says
+``cpu-profiler-allocator`` when the profiler read higher). The reported UNet step the tracker
+read at 21019556 B under a 21033356 B budget, which the profiler reads at 21096276 B, is then a
+miss. CUDA figures come from the allocator itself: nothing to confirm.
 """
 
 from __future__ import annotations
@@ -16,8 +37,26 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from torch.profiler import ProfilerActivity, profile
 
+from ..types import MemorySource
+
 if TYPE_CHECKING:
     from ..workload.contract import TrainingStep
+
+
+TRACKER_ERROR = 0.03               # share of the budget the CPU tracker can read low (NOTE [peaks at the edge])
+TRACKER_ERROR_BYTES = 2 * 2 ** 20  # bytes it can read low on a small step (2 MiB: twice the largest workspace seen)
+
+
+def tracker_error_bytes(budget_bytes: int) -> int:
+    """How far under the true peak the CPU tracker can read at ``budget_bytes`` (NOTE [peaks at the edge])."""
+    return max(int(budget_bytes * TRACKER_ERROR), TRACKER_ERROR_BYTES)
+
+
+def at_the_edge(peak_bytes: int, budget_bytes: int, source: MemorySource) -> bool:
+    """A CPU live-tensor ``peak_bytes`` that clears ``budget_bytes`` by less than the tracker's known error
+    (NOTE [peaks at the edge]): torch.profiler confirms it before it counts as fitting."""
+    return (source is MemorySource.CPU_LIVE_TENSORS
+            and budget_bytes - tracker_error_bytes(budget_bytes) < peak_bytes <= budget_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,8 +105,22 @@ def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:
     return nbytes
 
 
+# NOTE [the reserve]
+# The reserve (default 5%: ``--reserve``, ``remat.auto(reserve=)``) is the share of the budget a
+# plan keeps free: its predicted peak, and the closed loop's measured one, must stay under
+# budget x (1 - reserve), the *effective budget*. It holds room for what one measured step does
+# not show: the CUDA caching allocator's rounding and fragmentation (``max_memory_allocated``
+# counts tensors, not the blocks that hold them), the CUDA context and other processes, step-to-
+# step variation, and on CPU what the tracker cannot see (NOTE [peaks at the edge] in
+# remat/memory/reference.py). So "70%" with the default reserve asks for a peak under 66.5% of
+# the unplanned one. The closed loop measures the baseline families too (NOTE [closed loop
+# fallbacks]): a budget one of them meets by measurement ships. A plan measured under the budget
+# itself but inside the reserve is not shipped (it leaves less headroom than asked); the
+# BudgetMissed error names it and the reserve that would ship it (``reserve_that_ships`` in
+# remat/closed_loop.py), so such a budget is never refused without that offer.
+
 def parse_reserve(text: str | float) -> float:
-    """Fraction of the budget kept free, from ``5%`` or ``0.05``; must lie in [0, 1)."""
+    """Fraction of the budget kept free, from ``5%`` or ``0.05``; must lie in [0, 1) (NOTE [the reserve])."""
     if isinstance(text, bool):
         raise BudgetError(f"reserve must be a fraction like 0.05 or a percentage like 5%; got {text!r}")
     if isinstance(text, (int, float)):

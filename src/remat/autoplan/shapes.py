@@ -1,0 +1,207 @@
+"""The runtime shape guard on ``remat.auto``'s handle: a batch larger than any planned one is never silent.
+
+NOTE [shape guard]
+A plan holds at the shapes it was profiled and measured at; activations grow with the batch
+and the sequence (planned on seq 64, a padded batch at seq 128 peaked at 1.69x the budget).
+The handle records the *planned envelope*: for each tensor rank (ndim) among the example
+batch's tensor leaves (several example batches: all of theirs), the largest size in each
+dimension. A forward pre-hook on the root module compares the tensor arguments of every call
+with it: a tensor of rank n larger in some dimension than every planned tensor of rank n is a
+*new shape*. Every dimension is taken to move the peak (batch, sequence and image sizes all
+scale the activations; remat cannot tell a dimension that does not without measuring it, and
+REPLAN measures). Not compared: a tensor of a rank the example batch has none of (one built
+inside ``loss_fn``), 0-d tensors and non-tensors (no size to grow). The hook walks the call's
+arguments and looks the shapes up in a set: it allocates no tensor, and a call at shapes
+judged before is not compared again. A call with autograd off (``torch.no_grad``, inference
+mode: evaluation) saves nothing for backward, so it is not checked.
+
+What then happens is ``on_new_shape`` (:class:`ShapePolicy`):
+- WARN (the default): a :class:`NewShapeWarning` naming the planned and the seen shapes, once
+  per new shape: a shape inside one warned of already (every dimension at most the largest
+  warned) does not warn again, so padded batches of many lengths warn only as the longest grows;
+  the step runs with the plan as it is (it may miss the budget there).
+- RAISE: :class:`~remat.errors.NewShapeError` at every call at a new shape, before the forward.
+- REPLAN: plan again for the envelope grown to the seen shapes (max per dimension), on the
+  example batch with each tensor leaf tiled (its values repeated) along the dimensions that
+  grew (:func:`grow_batch`), exactly as ``remat.auto`` plans (profile copies, closed loop, the
+  plan cache: its key holds the batch shapes, so each envelope is its own cache bucket and a
+  later ``remat.auto`` at that envelope is a cache hit); the old wrappers are removed and the
+  new plan applied before this forward runs. Calls inside the grown envelope are covered by it
+  (a plan that fits at a larger shape fits at a smaller one), so they neither warn nor re-plan.
+  The handle keeps a reference to the example batch for this (its bytes stay allocated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..errors import AutoError, NewShapeError
+
+Shape = tuple[int, ...]
+
+
+class ShapePolicy(enum.Enum):
+    """What the handle does at a call larger than any planned shape (NOTE [shape guard])."""
+
+    WARN = "warn"
+    RAISE = "raise"
+    REPLAN = "replan"
+
+    @classmethod
+    def parse(cls, value: "ShapePolicy | str") -> "ShapePolicy":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise AutoError(f"on_new_shape={value!r}: expected one of {', '.join(p.value for p in cls)}",
+                            tip="remat.ShapePolicy.WARN (the default), RAISE or REPLAN; or the strings") from None
+
+
+class NewShapeWarning(UserWarning):
+    """The model was called at a shape larger than any ``remat.auto`` planned for: the plan may miss its budget."""
+
+
+def tensor_shapes(tree: Any) -> tuple[Shape, ...]:
+    """The shapes of the tensor leaves of ``tree`` with at least one dimension, in leaf order."""
+    return tuple(tuple(t.shape) for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeEnvelope:
+    """Per tensor rank, the largest size planned in each dimension (NOTE [shape guard])."""
+
+    dims: dict[int, Shape]     # rank -> per-dimension max, e.g. {2: (4, 64)} for (4, 64) token ids
+
+    @classmethod
+    def of(cls, shapes: Iterable[Shape]) -> "ShapeEnvelope":
+        dims: dict[int, Shape] = {}
+        for s in shapes:
+            old = dims.get(len(s))
+            dims[len(s)] = s if old is None else tuple(max(a, b) for a, b in zip(old, s))
+        return cls(dims)
+
+    @classmethod
+    def of_batches(cls, batches: Iterable[Any]) -> "ShapeEnvelope":
+        """The envelope of several example batches: max per dimension over all their tensor leaves."""
+        return cls.of(s for b in batches for s in tensor_shapes(b))
+
+    def beyond(self, shapes: Iterable[Shape]) -> list[Shape]:
+        """The shapes larger in some dimension than every planned tensor of their rank (unknown ranks: none)."""
+        out = []
+        for s in shapes:
+            planned = self.dims.get(len(s))
+            if planned is not None and any(a > b for a, b in zip(s, planned)):
+                out.append(s)
+        return out
+
+    def grown(self, shapes: Iterable[Shape]) -> "ShapeEnvelope":
+        """This envelope grown to hold ``shapes`` of the ranks it has."""
+        return ShapeEnvelope.of([*self.dims.values(), *(s for s in shapes if len(s) in self.dims)])
+
+    def describe(self) -> str:
+        return ", ".join(f"{tuple(v)}" for _, v in sorted(self.dims.items()))
+
+
+def grow_batch(batch: Any, planned: ShapeEnvelope, grown: ShapeEnvelope) -> Any:
+    """``batch`` with each tensor leaf tiled (values repeated, then cut) to the ``grown`` envelope.
+
+    A leaf of a rank that grew grows in dimension d when its size there is the planned max and the
+    grown envelope is larger there. A leaf of a rank that did not grow (the model never saw one:
+    labels ``(B,)`` beside tokens ``(B, T)``) grows in each dimension whose size is a planned size
+    that grew to exactly one new size. Where two dimensions share a size (B = T) that may tile more
+    than the model saw: the plan is then made for a larger step, never a smaller one."""
+    grew = {(n, d): (p, g) for n, ps in planned.dims.items() for d, (p, g) in enumerate(zip(ps, grown.dims[n]))
+            if g > p}
+    by_size: dict[int, set[int]] = {}
+    for p, g in grew.values():
+        by_size.setdefault(p, set()).add(g)
+    sizes = {p: next(iter(gs)) for p, gs in by_size.items() if len(gs) == 1}
+    ranks = {n for n, _ in grew}
+
+    def target(t: torch.Tensor) -> Shape:
+        n = t.dim()
+        if n in ranks:
+            return tuple(grew[(n, d)][1] if (n, d) in grew and s == grew[(n, d)][0] else s
+                         for d, s in enumerate(t.shape))
+        return tuple(sizes.get(s, s) for s in t.shape)
+
+    return tree_map(lambda t: _tile(t, target(t)) if isinstance(t, torch.Tensor) and t.dim() > 0 else t, batch)
+
+
+def _tile(t: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """``t`` repeated along each dimension to at least ``shape``, then cut to it (a new tensor)."""
+    reps = [-(-want // have) for want, have in zip(shape, t.shape)]
+    return t.detach().repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()
+
+
+Replan = Callable[[ShapeEnvelope], None]
+
+
+class ShapeGuard:
+    """The forward pre-hook on the planned root module (NOTE [shape guard]); ``remove()`` takes it off."""
+
+    def __init__(self, model: nn.Module, envelope: ShapeEnvelope, policy: ShapePolicy,
+                 replan: Replan | None = None) -> None:
+        if policy is ShapePolicy.REPLAN and replan is None:
+            raise AutoError("on_new_shape=REPLAN needs a way to re-plan (a remat.auto handle)")
+        self.model, self.envelope, self.policy, self._replan = model, envelope, policy, replan
+        self._settled: set[tuple[Shape, ...]] = set()    # call shapes that need nothing (more) done
+        self._busy = False                              # re-planning: remat's own calls pass unchecked
+        self.seen_new: list[tuple[Shape, ...]] = []      # each new call shape met, in order
+        self._warned = envelope                         # WARN: the largest shapes warned of so far
+        self._hook = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module is not self.model or self._busy or not torch.is_grad_enabled():
+            return None     # a copy of the model (deepcopy keeps this guard), remat's own call, or evaluation
+        shapes = tensor_shapes((args, kwargs))
+        if shapes in self._settled:
+            return None
+        beyond = self.envelope.beyond(shapes)
+        if beyond:
+            self._act(shapes, beyond)
+        self._settled.add(shapes)
+        return None
+
+    def _act(self, shapes: tuple[Shape, ...], beyond: list[Shape]) -> None:
+        self.seen_new.append(shapes)
+        what = (f"{type(self.model).__name__} was called with a tensor of shape "
+                f"{', '.join(str(s) for s in beyond)}, larger than any remat.auto planned for "
+                f"(planned, largest per dimension: {self.envelope.describe()})")
+        if self.policy is ShapePolicy.RAISE:
+            raise NewShapeError(f"{what}: the plan was measured at the planned shapes and may miss its budget here",
+                                tip="pass remat.auto the largest batch the run will see (or several batches), or "
+                                    "on_new_shape='replan' to plan again at the new shape, or 'warn'")
+        if self.policy is ShapePolicy.WARN:
+            if not self._warned.beyond(shapes):
+                return      # inside a shape warned of already
+            self._warned = self._warned.grown(shapes)
+            warnings.warn(NewShapeWarning(
+                f"{what}; the plan may miss its budget at this shape (warned once per shape): pass the largest "
+                "batch to remat.auto, or on_new_shape='replan'"), stacklevel=4)
+            return
+        assert self._replan is not None
+        grown = self.envelope.grown(shapes)
+        self._busy = True
+        try:
+            self._replan(grown)
+        finally:
+            self._busy = False
+        self.envelope = grown
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ShapeGuard":
+        # a copy of the planned model (remat's own profiling copies, or the user's) keeps this hook;
+        # it checks only calls of the model it guards, so the copy's calls pass through
+        return self
