@@ -24,7 +24,7 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "pipeline_by_path.py"
 MODELS = ["llama", "encoder_classifier"]
 
 
-def _backward_chain(wl, whole, stages, ids, targets):
+def _backward_chain(wl, whole, stages, ids, targets, unpack):
     outs, ins = [], []
     x = ids
     for k, st in enumerate(stages):
@@ -35,7 +35,7 @@ def _backward_chain(wl, whole, stages, ids, targets):
 
     class Fixed:
         def __call__(self, *a, **kw):
-            return outs[-1]
+            return unpack(outs[-1])   # the last stage hands torch tensors; the loss gets the model's output object
     loss = wl.loss(Fixed(), (ids, targets))
     loss.backward()
     for k in range(len(stages) - 2, -1, -1):
@@ -46,8 +46,7 @@ def _backward_chain(wl, whole, stages, ids, targets):
         for n, p in st.named_parameters():
             if p.grad is not None:
                 got[n.removeprefix("model.").replace("owned.", "").replace("__", ".")] = p.grad
-    same_out = bool(torch.equal(outs[-1].logits if hasattr(outs[-1], "logits") else outs[-1],
-                                _out(whole(ids))))
+    same_out = bool(torch.equal(_out(unpack(outs[-1])), _out(whole(ids))))
     return want, got, same_out
 
 
@@ -73,7 +72,7 @@ def _backward_chain_for(spec: str, points: list[str]):
     assert isinstance(layout.chain, PathChain)
     stages = [build_stage_module(copy.deepcopy(wl.model), layout, k) for k in range(layout.stages)]
     wl.loss(wl.model, (ids, targets)).backward()
-    return _backward_chain(wl, wl.model, stages, ids, targets)
+    return _backward_chain(wl, wl.model, stages, ids, targets, layout.chain.unpack)
 
 
 class Masked(nn.Module):

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..distributed import DistributedConfig, DistributedReport
-from ..distributed.worker import REPORT_NAME, RankFiles, rank_main, run_rank
+from ..distributed.worker import REPORT_NAME, RankFiles, run_rank
+from ..distributed.worker import main as worker_main
 
 
 def _run_and_render(cfg: DistributedConfig, out: Path, files: RankFiles) -> int:
@@ -34,11 +35,7 @@ def _run_and_render(cfg: DistributedConfig, out: Path, files: RankFiles) -> int:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    rank_main(argv, prog="python -m remat.cli.distributed_rank",
-              description="one rank of a multi-node remat distributed run (start it with torchrun on each node)",
-              config_help="distributed config JSON (remat distributed --emit-config)",
-              out_help="folder for distributed.json and the rank files",
-              load_config=DistributedConfig.load, run=_run_and_render)
+    worker_main(argv, prog="python -m remat.cli.distributed_rank", run=_run_and_render)
 
 
 if __name__ == "__main__":

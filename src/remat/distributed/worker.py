@@ -573,12 +573,14 @@ def rank_main(argv: list[str] | None, *, prog: str, description: str, config_hel
     os._exit(code)  # NOTE [teardown]
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
-    rank_main(argv, prog="python -m remat.distributed.worker",
+def main(argv: list[str] | None = None, *, prog: str = "python -m remat.distributed.worker",
+         run: Callable[[DistributedConfig, Path, RankFiles], int] = run_rank) -> NoReturn:
+    """One rank; ``prog``/``run``: another rank program on the same config (remat.cli.distributed_rank)."""
+    rank_main(argv, prog=prog,
               description="one rank of a remat distributed run (start it with torchrun)",
-              config_help="distributed config JSON (DistributedConfig)",
+              config_help="distributed config JSON (DistributedConfig; remat distributed --emit-config writes one)",
               out_help="folder for distributed.json and the rank files",
-              load_config=DistributedConfig.load, run=run_rank)
+              load_config=DistributedConfig.load, run=run)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ running the model's *own* forward for what comes before and after the blocks
   Parameters used both before and after the blocks (tied embeddings) are the tied ones whose
   gradients the first and last stage sum.
 A block's output is its hidden state or a tuple whose first element is (recorded, and re-wrapped
-the same way when swapped).
+the same way when swapped). torch's ``PipelineStage`` takes only tensors as a stage's output, so
+the last stage hands an output object (an HF ``CausalLMOutputWithPast``) over as the tuple of its
+pytree leaves, and the loss gets the object back (``pack``/``unpack``, the treespec recorded on
+the first call) before the workload's own loss reads ``.logits`` from it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,20 @@ class BlockCall:
     args: tuple[Any, ...]        # positional arguments after the hidden state
     kwargs: dict[str, Any]
     tuple_out: bool              # the block returns (hidden, ...) rather than hidden
+
+
+def called_modules(model: Any, fn: Callable[[], Any]) -> set[str]:
+    """Names of every module whose forward runs during ``fn()`` (forward pre-hooks, removed after)."""
+    import torch
+    seen: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.add(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
 
 
 def has_protocol(model: Any) -> bool:
@@ -128,7 +145,27 @@ def _detached(value: Any) -> Any:
     return value
 
 
-class ProtocolChain:
+class _Packing:
+    """NOTE [pipeline by module path]: the last stage's output as tensors for torch, as the object for the loss."""
+
+    out_spec: Any = None    # the treespec of a non-tensor output (None: the output is a tensor)
+
+    def pack(self, out: Any) -> Any:
+        import torch
+        from torch.utils import _pytree as pytree
+        if isinstance(out, torch.Tensor):
+            return out
+        leaves, self.out_spec = pytree.tree_flatten(out)
+        return tuple(leaves)
+
+    def unpack(self, output: Any) -> Any:
+        from torch.utils import _pytree as pytree
+        if self.out_spec is None:
+            return output
+        return pytree.tree_unflatten(list(output if isinstance(output, (tuple, list)) else (output,)), self.out_spec)
+
+
+class ProtocolChain(_Packing):
     """The model's own ``pipeline_embed``/``pipeline_head`` around ``blocks`` (NOTE [pipeline stages])."""
 
     def __init__(self, blocks_path: str) -> None:
@@ -145,14 +182,13 @@ class ProtocolChain:
 
     def modules_around(self, model: Any, sample_inputs: Any) -> tuple[set[str], set[str], set[str]]:
         """(called by embed, called by head, the last stage's scaffold): module names outside the blocks."""
-        from .engine import called_modules
         embedded: list[Any] = []
         embed = called_modules(model, lambda: embedded.append(self.embed(model, sample_inputs)))
         head = called_modules(model, lambda: self.head(model, embedded[0]))
         return embed, head, set()
 
 
-class PathChain:
+class PathChain(_Packing):
     """NOTE [pipeline by module path]: the model's forward, stopped at / resumed after its blocks."""
 
     def __init__(self, blocks_path: str, calls: list[BlockCall], sample_inputs: Any) -> None:

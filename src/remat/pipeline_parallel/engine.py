@@ -1,7 +1,9 @@
 """Pipeline parallelism: stages built from the workload's model, the split, the config, the launch.
 
 NOTE [pipeline stages]
-A model is pipelined when it is ``embed -> blocks -> head``: it defines
+A model is pipelined as ``embed -> blocks -> head``. Without more, remat splits it by module
+path at its repeated blocks, running the model's own forward around them (NOTE [pipeline by
+module path] in chain.py). The override: the model defines
 ``pipeline_embed(inputs) -> hidden`` and ``pipeline_head(hidden) -> outputs`` and its forward is
 ``pipeline_head(blocks[n-1](...blocks[0](pipeline_embed(inputs))))`` over one ``nn.ModuleList``
 of blocks that map hidden -> hidden (the built-in ``gpt``: ``wte + wpe + drop``, ``h``,
@@ -43,7 +45,7 @@ from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, v
 from ..distributed.config import LaunchConfig
 from ..distributed.launch import RankProgram, RankStatus, diagnose_launch, launch_ranks, rank_state
 from ..errors import DistributedError, WorkloadError
-from .chain import PathChain, Placeholder, ProtocolChain, has_protocol, make_chain
+from .chain import PathChain, Placeholder, ProtocolChain, called_modules, has_protocol, make_chain
 from .plan import SCHEDULES, SIDES, Schedule, Side
 from .report import PipelineReport
 from ..plan.schema import MODULE_PATH
@@ -329,30 +331,17 @@ class _Fixed:
         return self.output
 
 
-def make_loss_fn(workload: Any) -> Callable[[Any, Any], Any]:
-    """``loss_fn(output, target)`` for torch's schedules, from ``workload.loss(model, (inputs, targets))``."""
+def make_loss_fn(workload: Any, unpack: Callable[[Any], Any] = lambda output: output) -> Callable[[Any, Any], Any]:
+    """``loss_fn(output, target)`` for torch's schedules, from ``workload.loss(model, (inputs, targets))``;
+    ``unpack``: the last stage's tensors back to the model's output object (chain.py)."""
     from ..workload.contract import call_user
 
     def loss_fn(output: Any, target: Any) -> Any:
-        return call_user("the workload's loss", workload.loss, _Fixed(output), (None, target))
+        return call_user("the workload's loss", workload.loss, _Fixed(unpack(output)), (None, target))
     return loss_fn
 
 
 # -- stage modules -----------------------------------------------------------------------------------
-
-def called_modules(model: Any, fn: Callable[[], Any]) -> set[str]:
-    """Names of every module whose forward runs during ``fn()`` (forward pre-hooks, removed after)."""
-    import torch
-    seen: set[str] = set()
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.add(n)) for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            fn()
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
 
 @dataclasses.dataclass
 class StageLayout:
@@ -421,14 +410,14 @@ def stage_examples(model: Any, layout: StageLayout, k: int, sample_inputs: Any) 
         stage_in = sample_inputs if k == 0 else x
         for i in range(layout.bounds[k], layout.bounds[k + 1]):
             x = chain.block(model, i, x)
-        out = chain.head(model, x) if k == layout.stages - 1 else x
+        out = chain.pack(chain.head(model, x)) if k == layout.stages - 1 else x
     # the metadata says which tensors carry gradients: a received activation does (else the stage sends no
     # input gradient back and the previous stage's backward silently does nothing), and so does the output
     if k > 0:
         stage_in = stage_in.detach().requires_grad_(stage_in.is_floating_point())
-    if isinstance(out, torch.Tensor):
-        out = out.detach().requires_grad_(out.is_floating_point())
-    return stage_in, out
+    def example(t: Any) -> Any:
+        return t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+    return stage_in, tuple(example(t) for t in out) if isinstance(out, tuple) else example(out)
 
 
 def prune_to_stage(model: Any, keep: set[str]) -> None:
@@ -480,7 +469,7 @@ def build_stage_modules(model: Any, layout: StageLayout, ks: list[int]) -> list[
                 x = chain.embed(whole, x)
             for i in range(self.start, self.stop):
                 x = chain.block(whole, i, x)
-            return chain.head(whole, x) if self.last else x
+            return chain.pack(chain.head(whole, x)) if self.last else x
 
     placeholders = _placeholders(model, layout, ks)
     prune_to_stage(model, set().union(*(layout.stage_modules(k) for k in ks)))
