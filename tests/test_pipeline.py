@@ -464,7 +464,8 @@ def test_zoo_transformer_encoder_stages_compose_to_the_whole_model_bitwise():
     assert torch.equal(stages[1](stages[0](x)), expected)
 
 
-def test_a_model_without_embed_and_head_is_refused_naming_its_blocks():
+def test_a_model_without_embed_and_head_is_split_by_its_blocks_path():
+    """NOTE [pipeline by module path]: no protocol, so the modules before the blocks are the first stage's."""
     class Stack(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -476,12 +477,9 @@ def test_a_model_without_embed_and_head_is_refused_naming_its_blocks():
             for layer in self.layers:
                 x = layer(x)
             return x
-    from remat.errors import WorkloadError
-    with pytest.raises(WorkloadError) as info:
-        stage_layout(Stack(), ["layers.1"], 2, torch.zeros(2, 4))
-    msg = info.value.message
-    assert "lacks pipeline_embed and pipeline_head" in msg and "layers (3 x Linear)" in msg
-    assert "input of layers.0" in msg and "output of layers.2" in msg
+    layout = stage_layout(Stack(), ["layers.1"], 2, torch.zeros(2, 4))
+    assert (layout.embed_modules, layout.head_modules, layout.bounds) == ({"inp"}, set(), [0, 1, 3])
+    assert layout.stage_modules(0) == {"inp", "layers.0"} and layout.trained_modules(1) == {"layers.1", "layers.2"}
 
 
 def test_timeline_rows_place_each_interval_in_its_columns():

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .._io import atomic_write_json
 from ..distributed import DistributedConfig, DistributedReport, Engine, run_distributed
-from ..distributed.launch import WORKER_MODULE
+from ..distributed.launch import multinode_commands
 from ..plan.model import Plan
 from ..workload import parse_shape
 from ..errors import OutputError
@@ -54,16 +54,31 @@ def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) 
     g.add_argument("--no-ablation", action="store_true", help="skip the no-op comm hook ablation")
 
 
-def config_from_args(args: argparse.Namespace, plan: Plan | None) -> DistributedConfig:
+def _budget_bytes(args: argparse.Namespace, plan: Plan | None) -> int | None:
+    """``remat distributed --budget`` for ddp/fsdp2: bytes, or a share of the plan's own no-checkpoint peak
+    (None: the plan's budget)."""
+    if args.budget is None:
+        return None
+    from ..plan.budget import parse_budget
+    return parse_budget(args.budget, plan.baseline_peak_bytes if plan is not None else 0)
+
+
+def config_from_args(args: argparse.Namespace, plan: Plan | None, *, budget_bytes: int | None = None,
+                     wall_timeout_s: float | None = None) -> DistributedConfig:
+    """``budget_bytes``: per-device budget (None: the plan's); ``wall_timeout_s``: each rank's own limit
+    (the multi-node path; NOTE [rank wall clock] in the worker)."""
     return DistributedConfig(spec=args.workload, shape=parse_shape(args.shape), world_size=args.world_size,
                              engine=Engine(args.engine), plan=plan, device=args.device, dtype=args.dtype,
                              steps=args.dist_steps, warmup=args.dist_warmup, comm_steps=args.dist_comm_steps,
                              timeout_s=args.dist_timeout, ablation=not args.no_ablation,
-                             find_unused_parameters=args.find_unused_parameters)
+                             find_unused_parameters=args.find_unused_parameters,
+                             budget_bytes=budget_bytes, wall_timeout_s=wall_timeout_s)
 
 
-def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_dir: Path) -> DistributedReport | None:
+def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_dir: Path, *,
+                              budget_bytes: int | None = None) -> DistributedReport | None:
     """Run, write ``out_dir/distributed.json``, print the table; None when ``--world-size`` was not given.
+    ``budget_bytes``: the per-device budget every rank's planned peak is held to (None: the plan's).
 
     Rank files, torchrun's log and the config go to ``out_dir/distributed/``.
     """
@@ -74,7 +89,7 @@ def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_d
         # verify and frontier route --engine pipeline to cli/pipeline_parallel.py before they get here
         raise DistributedError("--engine pipeline takes per-stage plans, not a whole-model plan",
                                tip="remat distributed --engine pipeline --world-size 2 --schedule 1f1b --microbatches 4 ...")
-    config = config_from_args(args, plan)
+    config = config_from_args(args, plan, budget_bytes=budget_bytes)
     with progress_bar() as progress:
         report = run_distributed(config, work_dir=Path(out_dir) / "distributed", wall_timeout_s=args.dist_wall_timeout,
                                  progress=progress)
@@ -107,6 +122,7 @@ def render_report(report: DistributedReport) -> None:
             continue
         colls = ", ".join(f"{op} x{c.count} ({fmt_bytes(c.bytes)})" for op, c in side.collectives.items()) or "none"
         console.print(f"[bold]{name}[/]: {side.global_samples_per_s:.1f} samples/s, per step: {colls}")
+    render_budget(report)
     eq = report.equivalence
     if eq is not None:
         verdict = "[green]same training step[/]" if eq.ok else "[bold red]DIFFERENT[/]"
@@ -115,17 +131,50 @@ def render_report(report: DistributedReport) -> None:
                       f"collective counts {'unchanged' if eq.collective_counts_equal else 'CHANGED'} by the plan")
 
 
+def render_budget(report: DistributedReport) -> None:
+    """Each rank's planned peak against the per-device budget; a table naming the ranks over it."""
+    if report.budget_bytes is None or report.plan is None:
+        return
+    over = report.over_budget
+    if not over:
+        worst = max(r.peak_bytes for r in report.plan.per_rank)
+        console.print(f"per-device budget {fmt_bytes(report.budget_bytes)}: [green]every rank fits[/] "
+                      f"(largest planned peak {fmt_bytes(worst)})")
+        return
+    table = Table(title=f"[bold red]{len(over)} of {report.world_size} ranks over the per-device budget "
+                        f"{fmt_bytes(report.budget_bytes)}[/]")
+    for col in ("rank", "planned peak", "budget", "over by"):
+        table.add_column(col, justify="right")
+    for r in over:
+        table.add_row(str(r.rank), fmt_bytes(r.peak_bytes), fmt_bytes(report.budget_bytes),
+                      f"{fmt_bytes(r.peak_bytes - report.budget_bytes)} ({r.peak_bytes / report.budget_bytes - 1:.1%})")
+    console.print(table)
+
+
+def exit_code(report: DistributedReport) -> int:
+    """0 when the plan is the control's step and fits on every rank, else 1 (NOTE [exit codes])."""
+    return 0 if report.passed else 1
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("distributed", help="measure the control and a plan at world size N (DDP or FSDP2)")
     add_workload_args(p)
     p.add_argument("--plan", type=Path, default=None, help="plan.json to apply on every rank (default: control only)")
     p.add_argument("--out", required=True, type=Path, help="output folder (distributed.json)")
     p.add_argument("--emit-config", type=Path, default=None, metavar="PATH",
-                   help="only write the run's config to PATH and print the torchrun command for several nodes")
+                   help="only write the run's config to PATH and print the torchrun command of each node")
+    p.add_argument("--nnodes", type=bounded_int(1, 1024), default=1,
+                   help="with --emit-config: nodes the world size is split over (default 1)")
+    p.add_argument("--master-addr", default=None,
+                   help="with --emit-config: node 0's host name or address (default: this host's name)")
+    p.add_argument("--master-port", type=bounded_int(1, 65535), default=29500,
+                   help="with --emit-config: node 0's rendezvous port (default 29500)")
     add_distributed_args(p, required=True)
     p.add_argument("--budget", default=None,
-                   help="pipeline engine: per-device peak budget for the per-stage plans, bytes with a unit or a "
-                        "share of the largest unplanned stage peak (default 80%%)")
+                   help="per-device peak budget. ddp/fsdp2: every rank's planned peak is held to it (exit 1 over "
+                        "it), bytes with a unit or a share of the plan's no-checkpoint peak (default: the plan's "
+                        "budget). pipeline: the budget of the per-stage plans, bytes or a share of the largest "
+                        "unplanned stage peak (default 80%%)")
     p.add_argument("--reserve", default="5%", help="pipeline engine: share of the budget kept free (default 5%%)")
     p.add_argument("--simulate", action="store_true",
                    help="pipeline engine: launch nothing; predict each stage's peak and bubble at --world-size "
@@ -143,17 +192,27 @@ def run(args: argparse.Namespace) -> int:
         raise DistributedError("--simulate applies to --engine pipeline only", tip="remat plan --simulate for one device")
     plan = Plan.load(args.plan) if args.plan is not None else None
     if args.emit_config is not None:
-        emit = Path(args.emit_config)
-        if emit.is_dir():
-            raise OutputError(f"--emit-config {emit} is a folder; it names the config file to write")
-        check_out_dir(emit.parent if str(emit.parent) else Path("."))
-        config_from_args(args, plan).save(args.emit_config)
-        console.print(f"wrote {args.emit_config}; on each node run (world size = nnodes x nproc-per-node):")
-        console.print(f"  torchrun --nnodes NNODES --nproc-per-node NPROC --rdzv-backend c10d "
-                      f"--rdzv-endpoint HOST0:29500 --rdzv-id JOB --max-restarts 0 -m {WORKER_MODULE} "
-                      f"--config {args.emit_config} --out {args.out}", highlight=False, soft_wrap=True)
-        return 0
+        return emit_config(args, plan)
     check_out_dir(args.out, ("distributed.json",))
-    report = run_distributed_from_args(args, plan, args.out)
+    report = run_distributed_from_args(args, plan, args.out, budget_bytes=_budget_bytes(args, plan))
     assert report is not None
-    return 0 if report.equivalence is None or report.equivalence.ok else 1
+    return exit_code(report)
+
+
+def emit_config(args: argparse.Namespace, plan: Plan | None) -> int:
+    """Write the config (with each rank's own wall-clock limit) and print each node's complete torchrun command."""
+    import shlex
+    import socket
+    emit = Path(args.emit_config)
+    if emit.is_dir():
+        raise OutputError(f"--emit-config {emit} is a folder; it names the config file to write")
+    check_out_dir(emit.parent if str(emit.parent) else Path("."))
+    commands = multinode_commands(emit, args.out, world_size=args.world_size, nnodes=args.nnodes,
+                                  master_addr=args.master_addr or socket.gethostname(), master_port=args.master_port)
+    config = config_from_args(args, plan, budget_bytes=_budget_bytes(args, plan), wall_timeout_s=args.dist_wall_timeout)
+    config.save(emit)
+    console.print(f"wrote {emit}; put it on every node and run there ({args.world_size} ranks = {args.nnodes} "
+                  f"node(s) x {args.world_size // args.nnodes}):")
+    for k, cmd in enumerate(commands):
+        console.print(f"  node {k}: {shlex.join(cmd)}", highlight=False, soft_wrap=True)
+    return 0

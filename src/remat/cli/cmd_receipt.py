@@ -21,8 +21,9 @@ from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
 from ..frontier.run import DEFAULT_COMPILED_PLANS
-from .common import (MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
-                     check_out_dir, compile_from_args, load_from_args)
+from .common import (MAX_SECONDS, MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args,
+                     bounded_float,
+                     bounded_int, check_out_dir, compile_from_args, load_from_args)
 from .render import console, err_console, progress_bar
 
 
@@ -37,6 +38,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
     p.add_argument("--candidates", default=None, help="comma-separated module paths, class names or regexes")
     add_run_args(p)
+    g = p.add_argument_group("at a world size (torch.distributed, launched with torchrun)")
+    g.add_argument("--world-size", type=bounded_int(1, 1024), default=None,
+                   help="also run the shipped plan on N ranks of this host (every rank's planned peak held to the "
+                        "budget less the reserve; remat check re-runs it at N) (default: one process only)")
+    g.add_argument("--engine", choices=["ddp", "fsdp2"], default="ddp", help="with --world-size (default ddp)")
+    g.add_argument("--dist-steps", type=bounded_int(1, 100), default=2,
+                   help="timed steps per side at the world size, here and in remat check (default 2)")
+    g.add_argument("--dist-timeout", type=bounded_float(0, MAX_SECONDS), default=120.0,
+                   help="seconds any one collective may take (default 120)")
     p.add_argument("--out", required=True, type=Path, help="output folder (receipt.json, report.html, report.md)")
     p.set_defaults(func=run)
 
@@ -108,7 +118,23 @@ def run(args: argparse.Namespace) -> int:
     with stage_progress() as progress:
         receipt = make_receipt(loaded, budget=args.budget, reserve=reserve, boundary_shape=boundary,
                                settings=settings, candidates=candidates, command=command, progress=progress)
+        if args.world_size is not None:
+            from ..workflow.world_size import with_world_size
+            receipt = with_world_size(receipt, world_size=args.world_size, engine=args.engine,
+                                      check_steps=args.dist_steps, check_timeout_s=args.dist_timeout,
+                                      progress=progress)
     files = write_receipt(receipt, args.out)
     render_decision(receipt, files)
-    return 0 if receipt.shipped else 1
+    return 0 if receipt.shipped and _holds_at_world_size(receipt) else 1
+
+
+def _holds_at_world_size(receipt: Receipt) -> bool:
+    """No run at a world size, or one that holds (printed when it does not)."""
+    ws = receipt.world_size
+    if ws is None:
+        return True
+    why = ws.why_not(receipt.decision.effective_budget_bytes)
+    for line in why:
+        console.print(f"[bold red]{escape(line)}[/]", highlight=False)
+    return not why
 

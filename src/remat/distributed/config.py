@@ -25,7 +25,7 @@ CONFIG_SCHEMA = Obj({
     "device": Str(r"cpu|cuda(:[0-9]{1,3})?"), "dtype": Enum("float32", "bfloat16", "float16"),
     "steps": Int(1, 1000), "warmup": Int(2, 100), "comm_steps": Int(1, 1000), "timeout_s": Num(1e-3, 7 * 86400.0),
     "seed": Int(0, 2 ** 63 - 1), "ablation": Bool(), "find_unused_parameters": Bool(), "use_reentrant": Bool(),
-})
+}, {"budget_bytes": Int(1, 2 ** 53), "wall_timeout_s": Num(1e-3, 7 * 86400.0)})
 
 REENTRANT_FIND_UNUSED_TIP = (
     "use non-reentrant checkpointing (torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which is what "
@@ -72,7 +72,9 @@ class LaunchConfig:
 
     def to_json(self) -> dict[str, Any]:
         d = self.json_fields()
-        return {k: d[k] for k in [*(k for k in self.FORMAT.required if k != "schema_version"), "schema_version"]}
+        keys = [*(k for k in self.FORMAT.required if k != "schema_version"),
+                *(k for k in self.FORMAT.optional if d.get(k) is not None), "schema_version"]
+        return {k: d[k] for k in keys}
 
     def json_fields(self) -> dict[str, Any]:
         """Every field as JSON (enums as their values), in any order."""
@@ -100,6 +102,10 @@ class DistributedConfig(LaunchConfig):
     rebuilds its buckets after the first iteration); ``comm_steps`` more run with the
     compute timer on, for exposed communication (NOTE [exposed communication]).
     ``timeout_s`` bounds every collective (``init_process_group(timeout=...)``).
+    ``budget_bytes`` is the per-device peak budget every rank's planned peak is held to (None:
+    the plan's own ``budget_bytes``). ``wall_timeout_s`` is each rank's own wall-clock limit
+    for the whole run (NOTE [rank wall clock], worker.py): the multi-node path sets it, since no
+    launcher watches the ranks there; None leaves it to the local launcher.
     """
 
     engine: Engine = Engine.DDP
@@ -108,6 +114,8 @@ class DistributedConfig(LaunchConfig):
     ablation: bool = True                 # also time a no-op comm hook (same compute, no communication)
     find_unused_parameters: bool = False  # DDP only
     use_reentrant: bool = False           # the workload checkpoints itself with use_reentrant=True
+    budget_bytes: int | None = None       # per-device budget, bytes (None: the plan's)
+    wall_timeout_s: float | None = None   # seconds, each rank's own limit (None: the launcher's)
     schema_version: int = CONFIG_SCHEMA_VERSION
 
     FORMAT = CONFIG_SCHEMA
@@ -126,6 +134,10 @@ class DistributedConfig(LaunchConfig):
             raise DistributedError(f"steps and comm_steps must be >= 1, got steps={self.steps} comm_steps={self.comm_steps}")
         if self.timeout_s <= 0:
             raise DistributedError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise DistributedError(f"budget_bytes must be >= 1 byte, got {self.budget_bytes}")
+        if self.wall_timeout_s is not None and self.wall_timeout_s <= 0:
+            raise DistributedError(f"wall_timeout_s must be > 0 s, got {self.wall_timeout_s}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise DistributedError(f"device must be cpu or cuda, got {self.device!r}")
         if self.engine is not Engine.DDP and self.find_unused_parameters:
@@ -138,6 +150,13 @@ class DistributedConfig(LaunchConfig):
                 "backward fails with 'Expected to mark a variable ready only once'",
                 tip=REENTRANT_FIND_UNUSED_TIP,
             )
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """The per-device budget each rank's planned peak must stay within (bytes), or None (nothing to hold it to)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        return None if self.plan is None else self.plan.budget_bytes
 
     def json_fields(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -70,10 +70,12 @@ class CommRecorder:
     def __init__(self) -> None:
         self.step = -1
         self.events: list[CollectiveEvent] = []
+        self.last: _Pending | None = None   # the collective this rank started last (a timeout names it)
         self._lock = threading.Lock()
 
     def begin(self, op: str, nbytes: int) -> _Pending:
-        return _Pending(op, nbytes, time.perf_counter_ns(), self.step)
+        self.last = _Pending(op, nbytes, time.perf_counter_ns(), self.step)
+        return self.last
 
     def end(self, pending: _Pending) -> None:
         ev = CollectiveEvent(pending.op, pending.nbytes, pending.start_ns, time.perf_counter_ns(), pending.step)

@@ -25,17 +25,20 @@ Locally (what :func:`launch_ranks` runs; the port is a free loopback port picked
         --master-port PORT --max-restarts 0 --monitor-interval 0.1 --shutdown-timeout 5 \
         -m remat.distributed.worker --config DIR/config.json --out DIR
 
-Several nodes: write the config once (``DistributedConfig(...).save("run.json")``, or
-``remat distributed ... --emit-config run.json``) with ``world_size`` = nodes x ranks per
-node, put it on every node, and start the same rank program with torchrun's usual arguments
-on each node::
+Several nodes: ``remat distributed ... --emit-config run.json --nnodes 2 --master-addr HOST0``
+writes the config once (``world_size`` = nodes x ranks per node; its ``wall_timeout_s`` is each
+rank's own limit, NOTE [rank wall clock] in worker.py) and prints, from
+:func:`multinode_commands`, the complete command for each node (nothing left to fill in)::
 
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
-        --rdzv-id JOB --max-restarts 0 -m remat.distributed.worker --config run.json --out DIR
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank K --master-addr HOST0 --master-port 29500 \
+        --max-restarts 0 -m remat.cli.distributed_rank --config run.json --out DIR
 
-Rank 0's node then has ``DIR/distributed.json`` (read it with ``DistributedReport.from_json``);
-every node has its ranks' files (NOTE [rank files]). ``torch.set_num_threads`` divides the
-node's cores by ``LOCAL_WORLD_SIZE`` (= world size on one node).
+``remat.cli.distributed_rank`` is this package's rank program plus what the local command
+does after the run: every node's local rank 0 writes ``DIR/distributed.json`` and prints the
+table (NOTE [rank report] in worker.py), and every rank exits with the verdict (NOTE
+[teardown]), so each node's torchrun exits non-zero when the plan is not the control's step or
+a rank is over the budget. ``torch.set_num_threads`` divides the node's cores by
+``LOCAL_WORLD_SIZE`` (= world size on one node).
 """
 
 from __future__ import annotations
@@ -81,6 +84,22 @@ def torchrun_command(config_path: Path, out: Path, world_size: int, port: int,
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
             "--monitor-interval", "0.1", "--shutdown-timeout", str(int(_GRACE_S)),
             "-m", module, "--config", str(config_path), "--out", str(out)]
+
+
+MULTINODE_MODULE = "remat.cli.distributed_rank"   # the rank program that also renders (NOTE [launcher])
+
+
+def multinode_commands(config_path: Path | str, out: Path | str, *, world_size: int, nnodes: int,
+                       master_addr: str, master_port: int = 29500, module: str = MULTINODE_MODULE) -> list[list[str]]:
+    """The torchrun command of each node (index = node rank) for a job of ``world_size`` ranks on ``nnodes``
+    nodes, rendezvous at ``master_addr:master_port`` (node 0's host): NOTE [launcher]."""
+    if nnodes < 1 or world_size % nnodes:
+        raise DistributedError(f"world size {world_size} does not split evenly over {nnodes} node(s)",
+                               tip="give --nnodes a divisor of --world-size (ranks per node = world size / nnodes)")
+    return [["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(world_size // nnodes),
+             "--node-rank", str(k), "--master-addr", master_addr, "--master-port", str(master_port),
+             "--max-restarts", "0", "-m", module, "--config", str(config_path), "--out", str(out)]
+            for k in range(nnodes)]
 
 
 # -- the ranks' state, from their files --------------------------------------------------------------
@@ -317,7 +336,9 @@ def launch_ranks(config: LaunchConfig, program: RankProgram[R], *, what: str, wo
     for attempt in range(2):
         returncode, timed_out = _launch_once(config, program, out, limit, progress, what)
         report_path = out / program.report_name
-        if returncode == 0 and timed_out is None and report_path.is_file():
+        # a failed check exits non-zero on every rank after a full run (NOTE [teardown] in worker.py)
+        finished = returncode == 0 or all(rank_state(out, r).kind is RankStatus.DONE for r in range(config.world_size))
+        if finished and timed_out is None and report_path.is_file():
             report = program.read_report(read_json_file(report_path, error=DistributedError,
                                                         what=f"{program.name} report"))
             if temporary:

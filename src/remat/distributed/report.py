@@ -166,10 +166,23 @@ class DistributedReport:
     plan: SideReport | None
     equivalence: Equivalence | None
     notes: list[str] = dataclasses.field(default_factory=list)
+    budget_bytes: int | None = None      # per-device budget the planned peaks are held to (None: none given)
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def side(self, name: str) -> SideReport | None:
         return self.control if name == "control" else self.plan
+
+    @property
+    def over_budget(self) -> list[RankFigures]:
+        """The ranks whose planned peak is above the per-device budget (none without a plan or a budget)."""
+        if self.plan is None or self.budget_bytes is None:
+            return []
+        return [r for r in self.plan.per_rank if r.peak_bytes > self.budget_bytes]
+
+    @property
+    def passed(self) -> bool:
+        """The plan is the control's training step (when there is a plan) and fits the budget on every rank."""
+        return (self.equivalence is None or self.equivalence.ok) and not self.over_budget
 
     def to_json(self) -> dict[str, Any]:
         def by_side(get: Any) -> dict[str, Any]:
@@ -199,6 +212,9 @@ class DistributedReport:
             "comm_ms": by_side(lambda s: s.comm_ms),
             "ablation_step_ms": by_side(lambda s: s.ablation_step_ms),
             "equivalence": None if self.equivalence is None else self.equivalence.to_json(),
+            "budget_bytes": self.budget_bytes,
+            "over_budget_ranks": [r.rank for r in self.over_budget],
+            "passed": self.passed,
             "notes": self.notes,
         }
 
@@ -233,7 +249,8 @@ class DistributedReport:
                        torch_version=str(d["torch_version"] if "torch_version" in d else d["torch"]), plan_boundaries=list(d["plan_boundaries"]),
                        control=control, plan=sides["plan"],
                        equivalence=None if d["equivalence"] is None else Equivalence.from_json(d["equivalence"]),
-                       notes=list(d.get("notes", [])), schema_version=int(d["schema_version"]))
+                       notes=list(d.get("notes", [])), schema_version=int(d["schema_version"]),
+                       budget_bytes=None if d.get("budget_bytes") is None else int(d["budget_bytes"]))
         except (KeyError, TypeError, ValueError, AssertionError) as exc:
             raise DistributedError(f"malformed distributed.json: {type(exc).__name__}: {exc}") from exc
 
@@ -320,6 +337,7 @@ class DistributedRun:
     plan_boundaries: list[str]  # the plan's modules ([] with no plan)
     criterion: str              # "bitwise" or "allclose(...)" (worker.equivalence_criterion)
     notes: list[str] = dataclasses.field(default_factory=list)
+    budget_bytes: int | None = None   # per-device budget (DistributedConfig.device_budget_bytes)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", Engine(self.engine))
@@ -343,4 +361,4 @@ def assemble(results: list[RankResult], run: DistributedRun) -> DistributedRepor
         samples_per_step=[r.samples_per_step for r in results], memory_source=results[0].memory_source,
         comm_source=run.comm_source, torch_version=run.torch_version, plan_boundaries=run.plan_boundaries,
         control=control, plan=plan, equivalence=_equivalence(results, run.criterion) if has_plan else None,
-        notes=run.notes)
+        notes=run.notes, budget_bytes=run.budget_bytes)

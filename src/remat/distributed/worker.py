@@ -28,10 +28,35 @@ collective (gloo: "Connection closed by peer"); the launcher leads with the earl
 that is not such a follow-on (launch.diagnose), and exits as that rank's kind says.
 
 NOTE [teardown]
-Success: ``barrier()``, ``destroy_process_group()``, ``os._exit(0)``. Failure: the error file,
-then ``os._exit(1)`` at once (no barrier, no destroy: both can block on a dead peer). Exiting
-through ``os._exit`` skips interpreter shutdown, where a gloo thread join once hung holding
-the GIL. The launcher waits with a timeout in any case and kills stragglers by PID.
+Success: ``barrier()``, ``destroy_process_group()``, ``os._exit(code)``, where ``code`` is the
+verdict every rank reads from the same report (0: the plan is the control's step and fits the
+per-device budget on every rank; 1: it is not, or it does not), so that on several nodes each
+torchrun exits non-zero on a failed check as ``remat distributed`` does locally. Failure: the
+error file, then ``os._exit`` at once with the error's exit code (NOTE [exit codes] in
+remat.cli.main: 2 for a typed error, 3 for a remat bug), no barrier, no destroy: both can block
+on a dead peer. Exiting through ``os._exit`` skips interpreter shutdown, where a gloo thread
+join once hung holding the GIL. The launcher waits with a timeout in any case and kills
+stragglers by PID.
+
+NOTE [rank report]
+Rank 0 gathers every rank's :class:`RankResult`, assembles the report and broadcasts its JSON
+back, so every rank decides the same verdict from the same figures and every node's local
+rank 0 writes ``DIR/distributed.json``: on several nodes each node has the report and the
+table, not only rank 0's.
+
+NOTE [rank wall clock]
+On several nodes no remat launcher watches the ranks (each node's torchrun is started by
+hand), so ``DistributedConfig.wall_timeout_s`` arms a timer in every rank: past it the rank
+records a DistributedError naming what it was doing, with its main thread's stack, and exits
+2, the code the local launcher's wall-clock limit gives. torchrun then stops the rank's peers.
+Locally the launcher's own limit applies (the config leaves it None).
+
+NOTE [collective timeouts]
+A collective that waits longer than ``timeout_s`` for a peer raises a bare RuntimeError from
+gloo ("Timed out waiting 20000ms for recv operation") or NCCL, often inside the backward that
+remat runs as the user's code. The rank turns it into a DistributedError naming itself, the
+collective (the last one the engine's hooks saw start, or remat's own gather/broadcast/barrier)
+and the limit, never "your code failed": a peer stalled or died, or the limit is too short.
 """
 
 from __future__ import annotations
@@ -44,6 +69,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -68,7 +94,8 @@ from .config import REENTRANT_FIND_UNUSED_TIP, DistributedConfig, Engine
 from .engines import EngineContext, make_context, unwrap, wrap
 from .instrument import CollectiveEvent, CommRecorder, ComputeTimer, ShardAwareTracker
 from .intervals import exposed_ns, total_ns
-from .report import CollectiveCount, DistributedRun, GradComparison, RankResult, RankSide, assemble
+from .report import (CollectiveCount, DistributedReport, DistributedRun, GradComparison, RankResult, RankSide,
+                     assemble)
 
 REPORT_NAME = "distributed.json"
 # Test-only fault injection (read from the environment, which torchrun passes on to every rank):
@@ -240,6 +267,8 @@ class RankRunner:
         self.world_size = dist.get_world_size()
         self.cuda = ctx.device.type == "cuda"
         self.clock = StepClock(ctx.device)   # NOTE [device-correct timing]
+        self.recorder: CommRecorder | None = None
+        self.finished = False   # every step ran (what follows is remat's own gather/broadcast/barrier)
         self.done = 0
         per_side = config.warmup + config.steps + 1 + config.comm_steps
         per_side += (config.warmup + config.steps) if config.ablation else 0
@@ -253,7 +282,16 @@ class RankRunner:
         recorder = CommRecorder() if timed else None
         wrapped = wrap(model, self.ctx, recorder)
         step = TrainingStep(dataclasses.replace(loaded.workload, model=wrapped))
+        if recorder is not None:
+            self.recorder = recorder   # NOTE [collective timeouts]: the last collective started is named
         return _Built(step, recorder, handle)
+
+    def last_collective(self) -> str | None:
+        """The collective the engine's hooks saw start last, e.g. ``all_reduce of 1.2 MiB (step 3)``."""
+        last = self.recorder.last if self.recorder is not None else None
+        if last is None:
+            return None
+        return f"{last.op} of {last.nbytes} bytes"
 
     def data_step(self, i: int) -> int:
         """Rank r's i-th step reads the workload's batch(i * world_size + r): disjoint data per rank."""
@@ -349,6 +387,7 @@ class RankRunner:
         if self.cfg.plan is not None:
             plan_side, snap_p, _, _ = self.side("plan", self.cfg.plan)
             grads = compare_grads(snap_c.grads or [], snap_p.grads or [])
+        self.finished = True
         return RankResult(rank=self.rank, host=socket.gethostname(), samples_per_step=samples, memory_source=source,
                           control=control, plan=plan_side, grads=grads)
 
@@ -378,6 +417,7 @@ def _run_description(cfg: DistributedConfig) -> DistributedRun:
     return DistributedRun(
         world_size=cfg.world_size, engine=cfg.engine, backend=cfg.backend, device=cfg.device, dtype=cfg.dtype,
         spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup, comm_steps=cfg.comm_steps,
+        budget_bytes=cfg.device_budget_bytes,
         comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
                      if cfg.engine is Engine.DDP else
                      "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
@@ -397,7 +437,79 @@ def _env_int(name: str, *, default: int | None = None) -> int:
                                "to be started by torchrun (python -m torch.distributed.run)") from exc
 
 
-def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
+class RankWallClock:
+    """NOTE [rank wall clock]: past ``limit_s`` seconds, record a DistributedError and exit 2."""
+
+    def __init__(self, limit_s: float | None, files: RankFiles) -> None:
+        self.limit_s, self.files = limit_s, files
+        self._main = threading.main_thread().ident
+
+    def start(self) -> None:
+        if self.limit_s is not None:
+            timer = threading.Timer(self.limit_s, self._fire)
+            timer.daemon = True
+            timer.start()
+
+    def _fire(self) -> None:
+        frame = sys._current_frames().get(self._main or -1)
+        exc = DistributedError(
+            f"rank {self.files.rank}: the distributed run did not finish within {self.limit_s:g} s (the wall-clock "
+            f"limit) and was stopped during {self.files.what}",
+            tip="raise --dist-wall-timeout, or look at the ranks' files for the one that stalled")
+        exc.traceback_text = "".join(traceback.format_stack(frame)) if frame is not None else None
+        try:
+            self.files.error(exc)
+        finally:
+            os._exit(exc.exit_code)
+
+
+# What gloo, NCCL's watchdog and the c10d store say when a wait runs past the process group's timeout.
+_TIMEOUT_TEXT = ("timed out waiting", "collective operation timeout", "socket timeout", "wait timeout",
+                 "timed out after", "timeout waiting")
+
+
+def _typed_failure(exc: BaseException, rank: int, cfg: DistributedConfig, files: RankFiles,
+                   runner: RankRunner | None) -> DistributedError | None:
+    """The DistributedError a torch/gloo failure stands for (NOTE [collective timeouts]), or None to re-raise."""
+    text = f"{exc} {exc.__cause__}"
+    if "Expected to mark a variable ready only once" in text:
+        # DDP raises it in the backward, which remat runs as the user's code (NOTE [user code errors])
+        return DistributedError(
+            f"rank {rank}: DDP marked a parameter ready twice in one backward ('Expected to mark a variable "
+            "ready only once'): reentrant activation checkpointing with find_unused_parameters=True",
+            tip=REENTRANT_FIND_UNUSED_TIP)
+    if not any(t in text.lower() for t in _TIMEOUT_TEXT):
+        return None
+    during = files.what
+    # during the steps, the engine's hooks know the collective; after them, files.what names remat's own
+    collective = runner.last_collective() if runner is not None and not runner.finished else None
+    what = f"{collective} (the last collective it started, during {during})" if collective else during
+    return DistributedError(
+        f"rank {rank}: a collective timed out after {cfg.timeout_s:g} s waiting for a peer: {what}; "
+        f"torch said: {str(exc.__cause__ or exc).strip()[:300]}",
+        tip="a peer rank stalled or died first (see the other ranks' states); if a step is legitimately slower, "
+            "raise --dist-timeout (seconds any one collective may take)")
+
+
+def _share_report(result: RankResult, cfg: DistributedConfig, out: Path, files: RankFiles) -> DistributedReport:
+    """NOTE [rank report]: gather on rank 0, assemble, broadcast the report back; every node writes it."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    files.what = "gathering results (gather_object to rank 0)"
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    box: list[Any] = [None]
+    if rank == 0:
+        assert gathered is not None
+        box[0] = assemble(gathered, _run_description(cfg)).to_json()
+    files.what = "sharing the report (broadcast_object_list from rank 0)"
+    dist.broadcast_object_list(box, src=0)
+    if _env_int("LOCAL_RANK", default=0) == 0:
+        atomic_write_json(out / REPORT_NAME, box[0])
+    return DistributedReport.from_json(box[0])
+
+
+def _init(cfg: DistributedConfig, files: RankFiles) -> tuple[int, torch.device]:
+    """Check the torchrun environment, set threads and device, join the process group; (rank, device)."""
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -411,35 +523,35 @@ def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    files.what = "init_process_group"
+    files.what = "init_process_group (rendezvous of every rank)"
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
-    files.what = "building the engine"
-    ctx = make_context(cfg, device)
+    return rank, device
+
+
+def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> int:
+    """One rank's whole run; the verdict's exit code (NOTE [teardown])."""
+    RankWallClock(cfg.wall_timeout_s, files).start()
+    rank, runner = _env_int("RANK"), None
     try:
-        result = RankRunner(cfg, ctx, files).run()
+        rank, device = _init(cfg, files)
+        files.what = "building the engine"
+        runner = RankRunner(cfg, make_context(cfg, device), files)
+        report = _share_report(runner.run(), cfg, out, files)
+        files.what = "teardown (barrier)"
+        dist.barrier()
     except (RuntimeError, UserCodeError) as exc:
-        # DDP raises it in the backward, which remat runs as the user's code (NOTE [user code errors])
-        if "Expected to mark a variable ready only once" in f"{exc} {exc.__cause__}":
-            raise DistributedError(
-                f"rank {rank}: DDP marked a parameter ready twice in one backward ('Expected to mark a variable "
-                "ready only once'): reentrant activation checkpointing with find_unused_parameters=True",
-                tip=REENTRANT_FIND_UNUSED_TIP) from exc
-        raise
-    files.what = "gathering results"
-    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(result, gathered, dst=0)
-    if rank == 0:
-        assert gathered is not None
-        report = assemble(gathered, _run_description(cfg))
-        atomic_write_json(out / REPORT_NAME, report.to_json())
-    files.what = "teardown"
-    dist.barrier()
+        typed = _typed_failure(exc, rank, cfg, files, runner)
+        if typed is None:
+            raise
+        raise typed from exc
     dist.destroy_process_group()
+    return 0 if report.passed else 1
 
 
 def rank_main(argv: list[str] | None, *, prog: str, description: str, config_help: str, out_help: str,
-              load_config: Callable[[Path], Any], run: Callable[[Any, Path, RankFiles], None]) -> NoReturn:
-    """One rank's process, started by torchrun: parse, run, report any failure to the rank files, exit."""
+              load_config: Callable[[Path], Any], run: Callable[[Any, Path, RankFiles], int | None]) -> NoReturn:
+    """One rank's process, started by torchrun: parse, run, report any failure to the rank files, exit with
+    what ``run`` returned (None: 0) or the failure's exit code (NOTE [teardown])."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", required=True, type=Path, help=config_help)
     parser.add_argument("--out", required=True, type=Path, help=out_help)
@@ -448,25 +560,27 @@ def rank_main(argv: list[str] | None, *, prog: str, description: str, config_hel
     code = 0
     try:
         files.start()
-        run(load_config(args.config), args.out, files)
+        code = run(load_config(args.config), args.out, files) or 0
         files.done()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the error file
         try:
             files.error(exc)
         except BaseException:  # noqa: BLE001
             traceback.print_exc()
-        code = 1
+        code = exc.exit_code if isinstance(exc, RematError) else 3
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # NOTE [teardown]
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
-    rank_main(argv, prog="python -m remat.distributed.worker",
+def main(argv: list[str] | None = None, *, prog: str = "python -m remat.distributed.worker",
+         run: Callable[[DistributedConfig, Path, RankFiles], int] = run_rank) -> NoReturn:
+    """One rank; ``prog``/``run``: another rank program on the same config (remat.cli.distributed_rank)."""
+    rank_main(argv, prog=prog,
               description="one rank of a remat distributed run (start it with torchrun)",
-              config_help="distributed config JSON (DistributedConfig)",
+              config_help="distributed config JSON (DistributedConfig; remat distributed --emit-config writes one)",
               out_help="folder for distributed.json and the rank files",
-              load_config=DistributedConfig.load, run=run_rank)
+              load_config=DistributedConfig.load, run=run)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Pipeline parallelism: stages built from the workload's model, the split, the config, the launch.
 
 NOTE [pipeline stages]
-A model is pipelined when it is ``embed -> blocks -> head``: it defines
+A model is pipelined as ``embed -> blocks -> head``. Without more, remat splits it by module
+path at its repeated blocks, running the model's own forward around them (NOTE [pipeline by
+module path] in chain.py). The override: the model defines
 ``pipeline_embed(inputs) -> hidden`` and ``pipeline_head(hidden) -> outputs`` and its forward is
 ``pipeline_head(blocks[n-1](...blocks[0](pipeline_embed(inputs))))`` over one ``nn.ModuleList``
 of blocks that map hidden -> hidden (the built-in ``gpt``: ``wte + wpe + drop``, ``h``,
@@ -43,6 +45,7 @@ from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, v
 from ..distributed.config import LaunchConfig
 from ..distributed.launch import RankProgram, RankStatus, diagnose_launch, launch_ranks, rank_state
 from ..errors import DistributedError, WorkloadError
+from .chain import PathChain, Placeholder, ProtocolChain, called_modules, has_protocol, make_chain
 from .plan import SCHEDULES, SIDES, Schedule, Side
 from .report import PipelineReport
 from ..plan.schema import MODULE_PATH
@@ -154,28 +157,21 @@ def check_stages_per_rank(schedule: Schedule | str, v: int, world_size: int, mic
 # -- the split ---------------------------------------------------------------------------------------
 
 def _check_pipelinable(model: Any) -> None:
-    """NOTE [pipeline stages]: the model must say where its blocks start and end (a model's forward may do
-    anything around its blocks: masks, position ids, a final norm; remat does not guess which part of it is
-    the embedding and which the head). The refusal names the blocks remat found and what to write."""
+    """NOTE [pipeline stages], NOTE [pipeline by module path] (chain.py): an ``nn.Module`` that defines
+    ``pipeline_embed``/``pipeline_head``, or has one ``nn.ModuleList`` of repeated blocks to split at."""
     import torch.nn as nn
-    missing = [m for m in ("pipeline_embed", "pipeline_head") if not callable(getattr(model, m, None))]
-    if missing or not isinstance(model, nn.Module):
-        where = ""
-        if isinstance(model, nn.Module):
-            try:
-                path = find_blocks(model)
-                blocks = model.get_submodule(path)
-                where = (f"; its repeated blocks are {path} ({len(blocks)} x {type(blocks[0]).__name__}), so "
-                         f"pipeline_embed(inputs) must return the input of {path}.0 and pipeline_head(hidden) the "
-                         f"outputs from the output of {path}.{len(blocks) - 1}")
-            except WorkloadError:
-                where = "; no nn.ModuleList of repeated blocks was found to split either"
-        raise WorkloadError(f"the model ({type(model).__name__}) cannot be split into pipeline stages: it lacks "
-                            f"{' and '.join(missing) or 'nn.Module'}{where}",
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"the model ({type(model).__name__}) cannot be split into pipeline stages: it is not an "
+                            "nn.Module")
+    if has_protocol(model):
+        return
+    try:
+        find_blocks(model)
+    except WorkloadError as exc:
+        raise WorkloadError(f"the model ({type(model).__name__}) cannot be split into pipeline stages: {exc.message}",
                             tip="define pipeline_embed(inputs) -> hidden and pipeline_head(hidden) -> outputs so that "
                                 "forward = head(blocks(embed(inputs))) (NOTE [pipeline stages] in "
-                                "remat/pipeline_parallel/engine.py; the built-in gpt and the zoo's "
-                                "benchmarks/zoo/torch_transformer_encoder.py:build_pipeline do)")
+                                "remat/pipeline_parallel/engine.py)") from None
 
 
 def find_blocks(model: Any) -> str:
@@ -277,6 +273,7 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
     path = find_blocks(model)
     blocks = model.get_submodule(path)
     inputs, targets = split_batch(wl.batch(0))
+    chain = make_chain(model, path, inputs)
 
     clock = StepClock(next(model.parameters()).device)
 
@@ -286,12 +283,12 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
         # every piece's input, once; then 5 rounds over all pieces, each piece's least time kept: round-robin,
         # so a burst of load from other processes on the host lands on one round of every piece, not on all
         # the timings of a few consecutive blocks (which then looked 10x slower and skewed the split)
-        hs = [model.pipeline_embed(inputs)]
-        for b in blocks:
-            hs.append(b(hs[-1]))
-        pieces: list[Callable[[], Any]] = [lambda: model.pipeline_embed(inputs)]
-        pieces += [lambda b=b, h=h: b(h) for b, h in zip(blocks, hs)]
-        pieces.append(lambda: wl.loss(_Fixed(model.pipeline_head(hs[-1])), (inputs, targets)))
+        hs = [chain.embed(model, inputs)]
+        for i in range(len(blocks)):
+            hs.append(chain.block(model, i, hs[-1]))
+        pieces: list[Callable[[], Any]] = [lambda: chain.embed(model, inputs)]
+        pieces += [lambda i=i, h=h: chain.block(model, i, h) for i, h in enumerate(hs[:-1])]
+        pieces.append(lambda: wl.loss(_Fixed(chain.head(model, hs[-1])), (inputs, targets)))
         best = [float("inf")] * len(pieces)
         for _ in range(5):
             for i, fn in enumerate(pieces):
@@ -312,9 +309,9 @@ def check_split(spec: str, shape: Mapping[str, Any], points: list[str], stages: 
     from ..workload.loader import load_workload
     wl = load_workload(spec, microbatch_shape(shape, microbatches), dtype=dtype).workload
     _check_pipelinable(wl.model)
-    split_batch(wl.batch(0))
-    if points:
-        parse_split_points(points, stages, wl.model)
+    inputs, _ = split_batch(wl.batch(0))
+    path = parse_split_points(points, stages, wl.model)[0] if points else find_blocks(wl.model)
+    make_chain(wl.model, path, inputs)   # split by module path: its context checks, before any launch
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -334,30 +331,17 @@ class _Fixed:
         return self.output
 
 
-def make_loss_fn(workload: Any) -> Callable[[Any, Any], Any]:
-    """``loss_fn(output, target)`` for torch's schedules, from ``workload.loss(model, (inputs, targets))``."""
+def make_loss_fn(workload: Any, unpack: Callable[[Any], Any] = lambda output: output) -> Callable[[Any, Any], Any]:
+    """``loss_fn(output, target)`` for torch's schedules, from ``workload.loss(model, (inputs, targets))``;
+    ``unpack``: the last stage's tensors back to the model's output object (chain.py)."""
     from ..workload.contract import call_user
 
     def loss_fn(output: Any, target: Any) -> Any:
-        return call_user("the workload's loss", workload.loss, _Fixed(output), (None, target))
+        return call_user("the workload's loss", workload.loss, _Fixed(unpack(output)), (None, target))
     return loss_fn
 
 
 # -- stage modules -----------------------------------------------------------------------------------
-
-def called_modules(model: Any, fn: Callable[[], Any]) -> set[str]:
-    """Names of every module whose forward runs during ``fn()`` (forward pre-hooks, removed after)."""
-    import torch
-    seen: set[str] = set()
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.add(n)) for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            fn()
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
 
 @dataclasses.dataclass
 class StageLayout:
@@ -368,6 +352,8 @@ class StageLayout:
     embed_modules: set[str]
     head_modules: set[str]
     tied: list[str]        # names of parameters used by both embed and head (gradients summed across stages)
+    chain: ProtocolChain | PathChain    # how embed, a block and head run (chain.py)
+    scaffold: set[str] = dataclasses.field(default_factory=set)   # the last stage's too (NOTE [pipeline by module path])
 
     @property
     def stages(self) -> int:
@@ -381,19 +367,25 @@ class StageLayout:
         if k == 0:
             keep |= self.embed_modules
         if k == self.stages - 1:
-            keep |= self.head_modules
+            keep |= self.head_modules | self.scaffold
         return keep
+
+    def trained_modules(self, k: int) -> set[str]:
+        """What stage ``k`` trains: its modules less the last stage's scaffold (run, never given a gradient)."""
+        return self.stage_modules(k) - (self.scaffold - self.head_modules)
 
 
 def stage_layout(model: Any, split_points: list[str], stages: int, sample_inputs: Any) -> StageLayout:
     _check_pipelinable(model)
     path, bounds = parse_split_points(split_points, stages, model)
-    embedded: list[Any] = []     # the embed's output, which the head's probe runs on
-    embed = called_modules(model, lambda: embedded.append(model.pipeline_embed(sample_inputs)))
-    head = called_modules(model, lambda: model.pipeline_head(embedded[0]))
+    chain = make_chain(model, path, sample_inputs)
+    embed, head, scaffold = chain.modules_around(model, sample_inputs)
     blocks_prefix = path + "."
-    embed = {n for n in embed if not n.startswith(blocks_prefix) and n != path}
-    head = {n for n in head if not n.startswith(blocks_prefix) and n != path}
+
+    def outside(names: set[str]) -> set[str]:
+        """Neither a block nor an ancestor of the blocks (the model, ``model.model`` of an HF LM)."""
+        return {n for n in names if not n.startswith(blocks_prefix) and n != path and not path.startswith(n + ".")}
+    embed, head, scaffold = outside(embed), outside(head), outside(scaffold)
 
     def params_of(names: set[str]) -> dict[int, str]:
         out = {}
@@ -403,28 +395,29 @@ def stage_layout(model: Any, split_points: list[str], stages: int, sample_inputs
         return out
     pe, ph = params_of(embed), params_of(head)
     tied = sorted(pe[i] for i in pe.keys() & ph.keys())
-    return StageLayout(path, bounds, embed, head, tied)
+    return StageLayout(path, bounds, embed, head, tied, chain, scaffold)
 
 
 def stage_examples(model: Any, layout: StageLayout, k: int, sample_inputs: Any) -> tuple[Any, Any]:
     """(input, output) of stage ``k`` on one microbatch, on the whole model, without autograd or RNG side
     effects: the example tensors torch's ``PipelineStage`` takes for static shapes."""
     import torch
-    blocks = model.get_submodule(layout.blocks_path)
+    chain = layout.chain
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        x = model.pipeline_embed(sample_inputs)
+        x = chain.embed(model, sample_inputs)
         for i in range(layout.bounds[k]):
-            x = blocks[i](x)
+            x = chain.block(model, i, x)
         stage_in = sample_inputs if k == 0 else x
         for i in range(layout.bounds[k], layout.bounds[k + 1]):
-            x = blocks[i](x)
-        out = model.pipeline_head(x) if k == layout.stages - 1 else x
+            x = chain.block(model, i, x)
+        out = chain.pack(chain.head(model, x)) if k == layout.stages - 1 else x
     # the metadata says which tensors carry gradients: a received activation does (else the stage sends no
     # input gradient back and the previous stage's backward silently does nothing), and so does the output
     if k > 0:
         stage_in = stage_in.detach().requires_grad_(stage_in.is_floating_point())
-    out = out.detach().requires_grad_(out.is_floating_point())
-    return stage_in, out
+    def example(t: Any) -> Any:
+        return t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+    return stage_in, tuple(example(t) for t in out) if isinstance(out, tuple) else example(out)
 
 
 def prune_to_stage(model: Any, keep: set[str]) -> None:
@@ -462,7 +455,7 @@ def build_stage_modules(model: Any, layout: StageLayout, ks: list[int]) -> list[
             super().__init__()
             if own:
                 self.owned = nn.ModuleDict({n.replace(".", "__"): model.get_submodule(n)
-                                            for n in sorted(layout.stage_modules(k))})
+                                            for n in sorted(layout.trained_modules(k))})
                 object.__setattr__(self, "_whole", model)   # reached, not registered (nn.Module.__setattr__ would)
             else:
                 self.model = model
@@ -471,15 +464,31 @@ def build_stage_modules(model: Any, layout: StageLayout, ks: list[int]) -> list[
 
         def forward(self, x: Any) -> Any:
             whole = getattr(self, "_whole", None) or self.model
+            chain = layout.chain
             if self.first:
-                x = whole.pipeline_embed(x)
-            blocks = whole.get_submodule(layout.blocks_path)
+                x = chain.embed(whole, x)
             for i in range(self.start, self.stop):
-                x = blocks[i](x)
-            return whole.pipeline_head(x) if self.last else x
+                x = chain.block(whole, i, x)
+            return chain.pack(chain.head(whole, x)) if self.last else x
 
+    placeholders = _placeholders(model, layout, ks)
     prune_to_stage(model, set().union(*(layout.stage_modules(k) for k in ks)))
-    return [PipelineStageModule(k, own=len(ks) > 1) for k in ks]
+    blocks = model.get_submodule(layout.blocks_path)
+    for i, ph in placeholders.items():
+        blocks[i] = ph
+    # a scaffold is reached, not registered: its parameters are not the stage's to train, scale or compare
+    return [PipelineStageModule(k, own=len(ks) > 1 or bool(layout.scaffold - layout.head_modules)
+                                and k == layout.stages - 1) for k in ks]
+
+
+def _placeholders(model: Any, layout: StageLayout, ks: list[int]) -> dict[int, Any]:
+    """NOTE [pipeline by module path]: on a rank holding the last stage of a split by module path, the head runs
+    the model's whole forward, so every block of another stage needs a parameter-free stand-in in its slot."""
+    if not isinstance(layout.chain, PathChain) or layout.stages - 1 not in ks:
+        return {}
+    mine = {i for k in ks for i in range(layout.bounds[k], layout.bounds[k + 1])}
+    blocks = model.get_submodule(layout.blocks_path)
+    return {i: Placeholder.of(blocks[i]) for i in range(len(blocks)) if i not in mine}
 
 
 # -- the launch --------------------------------------------------------------------------------------

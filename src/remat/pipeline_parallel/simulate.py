@@ -209,14 +209,14 @@ def _microbatch_pass(sim: Any, layout: Any, k: int, stage_in: Any, targets: Any)
     from ..workload.contract import call_user
     wl = sim.loaded.workload
     model = wl.model
-    blocks = model.get_submodule(layout.blocks_path)
+    chain = layout.chain
     first, last = k == 0, k == layout.stages - 1
     with LiveTensorTracker(keep_timeline=False) as tracker:
         with OpCostRecorder(model) as fcost:
-            h = model.pipeline_embed(stage_in) if first else stage_in
+            h = chain.embed(model, stage_in) if first else stage_in
             for i in range(layout.bounds[k], layout.bounds[k + 1]):
-                h = blocks[i](h)
-            out = call_user("the workload's loss", wl.loss, _Out(model.pipeline_head(h)), (None, targets)) \
+                h = chain.block(model, i, h)
+            out = call_user("the workload's loss", wl.loss, _Out(chain.head(model, h)), (None, targets)) \
                 if last else h
         held = tracker.live_bytes
         with OpCostRecorder(model) as bcost:

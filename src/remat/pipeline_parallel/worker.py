@@ -230,10 +230,11 @@ class PipelineRank:
         # every rank gets the loss_fn: torch's schedule decides from it whether there is a backward at all
         # (with None the first stage posts no gradient receives and its backward silently does nothing)
         if cfg.schedule.multi:
-            schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=make_loss_fn(wl), scale_grads=True)
+            schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=make_loss_fn(wl, layout.chain.unpack),
+                                               scale_grads=True)
         else:
             cls = Schedule1F1B if cfg.schedule.value == "1f1b" else ScheduleGPipe
-            schedule = cls(stages[0], cfg.microbatches, loss_fn=make_loss_fn(wl), scale_grads=True)
+            schedule = cls(stages[0], cfg.microbatches, loss_fn=make_loss_fn(wl, layout.chain.unpack), scale_grads=True)
         _instrument(stages, schedule, rec)
         stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         optimizer = call_user("the workload's optimizer", wl.optimizer, list(stage_module.parameters())) \

@@ -28,6 +28,7 @@ from ..plan.model import Plan
 from ..trace.model import HostContext, StepTrace
 from ..verify.model import Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
+from .world_size import WorldSizeEvidence
 from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
 
 ShapeDict = dict[str, Any]
@@ -385,6 +386,7 @@ class Receipt:
     frontier: FrontierReport | None
     decision: ReceiptDecision
     unsupported: list[UnsupportedMode]
+    world_size: WorldSizeEvidence | None = None   # NOTE [receipt at a world size] (receipt/world_size.py)
     schema_version: int = RECEIPT_SCHEMA_VERSION
 
     @property
@@ -404,6 +406,7 @@ class Receipt:
             "frontier": None if self.frontier is None else self.frontier.to_json(),
             "decision": self.decision.to_json(),
             "unsupported": [u.to_json() for u in self.unsupported],
+            **({} if self.world_size is None else {"world_size": self.world_size.to_json()}),
         }
 
     @classmethod
@@ -423,6 +426,7 @@ class Receipt:
                 frontier=None if data["frontier"] is None else FrontierReport.from_json(data["frontier"]),
                 decision=ReceiptDecision.from_json(data["decision"]),
                 unsupported=[UnsupportedMode.from_json(u) for u in data["unsupported"]],
+                world_size=None if data.get("world_size") is None else WorldSizeEvidence.from_json(data["world_size"]),
             )
         except ReceiptError:
             raise
@@ -444,6 +448,10 @@ class Receipt:
             raise ReceiptError("malformed receipt: the decision ships a plan but the receipt holds none")
         if self.context.workload != self.traces.target.context.workload:
             raise ReceiptError("malformed receipt: the context and the target trace name different workloads")
+        ws = self.world_size
+        if ws is not None and (ws.report.spec != self.context.workload or ws.report.plan_boundaries != planned):
+            raise ReceiptError("malformed receipt: the run at world size "
+                               f"{ws.world_size} names another workload or other boundaries than the receipt")
 
     @classmethod
     def loads(cls, text: str | bytes) -> "Receipt":

@@ -400,6 +400,38 @@ def _html_hazards(r: Receipt) -> str:
     return out
 
 
+def _world_size_rows(r: Receipt) -> list[list[str]]:
+    """Per rank at the receipt's world size: control and planned peak, against the per-device budget."""
+    ws = r.world_size
+    if ws is None or ws.report.plan is None:
+        return []
+    limit = r.decision.effective_budget_bytes
+    return [[str(c.rank), fmt_bytes(c.peak_bytes), fmt_bytes(p.peak_bytes), "yes" if p.peak_bytes <= limit else "NO",
+             _ms(p.p50_ms)] for c, p in zip(ws.report.control.per_rank, ws.report.plan.per_rank)]
+
+
+WORLD_SIZE_HEADERS = ["rank", "control peak", "planned peak", "within budget", "planned p50 ms"]
+
+
+def _world_size_caption(r: Receipt) -> str:
+    ws = r.world_size
+    assert ws is not None
+    rep, eq = ws.report, ws.report.equivalence
+    same = "no planned side" if eq is None else ("the control's training step" if eq.ok else "NOT the control's step")
+    samples = "" if rep.plan is None else f"{rep.plan.global_samples_per_s:.1f} samples/s planned vs "
+    return (f"{rep.engine} on {rep.world_size} ranks ({rep.backend}, {rep.memory_source}): {same} "
+            f"({'-' if eq is None else eq.criterion}); {samples}{rep.control.global_samples_per_s:.1f} control, "
+            f"global; per-device budget {fmt_bytes(r.decision.effective_budget_bytes)} (budget less reserve)")
+
+
+def _html_world_size(r: Receipt) -> str:
+    """At a world size (NOTE [receipt at a world size] in remat/receipt/world_size.py)."""
+    if r.world_size is None:
+        return ""
+    return (f"<h2>At world size {r.world_size.world_size}</h2><p>{e(_world_size_caption(r))}</p>"
+            + _html_table(WORLD_SIZE_HEADERS, _world_size_rows(r)))
+
+
 def _html_unsupported(r: Receipt) -> str:
     """7. the modes this receipt does not cover."""
     return ("<h2>Not covered by this receipt</h2>"
@@ -414,7 +446,7 @@ def _html_context(r: Receipt) -> str:
 
 
 _HTML_SECTIONS = (_html_head, _html_decision, _html_frontier, _html_timeline, _html_boundaries, _html_equivalence,
-                  _html_hazards, _html_unsupported, _html_context)
+                  _html_hazards, _html_world_size, _html_unsupported, _html_context)
 
 
 def render_html(receipt: Receipt | dict[str, Any]) -> str:
@@ -486,6 +518,13 @@ def _md_hazards(r: Receipt) -> list[str]:
             *([f"- {md(h)}" for h in _hazard_lines(r)] or ["No replay hazard was observed in the checkpointed regions."])]
 
 
+def _md_world_size(r: Receipt) -> list[str]:
+    if r.world_size is None:
+        return []
+    return ["", f"### At world size {r.world_size.world_size}", "", md(_world_size_caption(r)), "",
+            *_md_table(WORLD_SIZE_HEADERS, _world_size_rows(r))]
+
+
 def _md_unsupported(r: Receipt) -> list[str]:
     return ["", "### Not covered", "", *[f"- **{md(u.mode)}** ({md(u.status)}): {md(u.detail)}" for u in r.unsupported]]
 
@@ -497,7 +536,8 @@ def _md_footer(r: Receipt) -> list[str]:
                 f"Re-check: remat check receipt.json. Full report: report.html.</sub>", ""]
 
 
-_MD_SECTIONS = (_md_decision, _md_boundaries, _md_frontier, _md_equivalence, _md_hazards, _md_unsupported, _md_footer)
+_MD_SECTIONS = (_md_decision, _md_boundaries, _md_frontier, _md_equivalence, _md_hazards, _md_world_size,
+                _md_unsupported, _md_footer)
 
 
 def render_markdown(receipt: Receipt | dict[str, Any]) -> str:

@@ -186,7 +186,7 @@ RECEIPT_SCHEMA = Obj({
     "frontier": Opt(FRONTIER),
     "decision": DECISION,
     "unsupported": List(UNSUPPORTED, max_len=100),
-})
+}, {"world_size": Opt(JsonValue())})   # field by field in receipt/world_size.py (WORLD_SIZE_EVIDENCE)
 
 
 def validate(data: Any, spec: Spec = RECEIPT_SCHEMA, *, root: str = "$") -> None:

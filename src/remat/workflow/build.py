@@ -352,6 +352,9 @@ def _autocast_modes(loaded: LoadedWorkload) -> list[UnsupportedMode]:
                             detail=f"measured and verified under autocast {loaded.autocast} only")]
 
 
+WORLD_SIZE_MODE = "world size > 1 (DDP, FSDP2)"   # replaced by the sizes not run (NOTE [receipt at a world size])
+
+
 def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None,
                       compiled: bool = False) -> list[UnsupportedMode]:
     """What this receipt's evidence does not cover: the modes a reader must not assume.
@@ -389,7 +392,7 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
         out.append(UnsupportedMode(mode="device cuda", status=Coverage.NOT_RUN,
                                    detail="peaks are from the CPU live-tensor tracker; the CUDA caching allocator "
                                           "(fragmentation, workspaces, alloc retries) was not measured"))
-    out.append(UnsupportedMode(mode="world size > 1 (DDP, FSDP2)", status=Coverage.NOT_RUN,
+    out.append(UnsupportedMode(mode=WORLD_SIZE_MODE, status=Coverage.NOT_RUN,
                                detail="one process only; `remat distributed` measures per-rank peaks and exposed "
                                       "communication at world size N"))
     def text(shape: dict) -> str:

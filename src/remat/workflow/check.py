@@ -633,8 +633,24 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     progress("check", 3, 7)
     _check_equivalence(ledger, receipt, loaded, plan, progress)
     progress("check", 4, 7)
+    _check_world_size(ledger, receipt, plan, thresholds, None if quick else chosen.spec, progress)
     if quick:
         ledger.skipped.append("peak, per-boundary savings and step time not re-measured (--quick)")
         return ledger.report()
     _remeasure(ledger, receipt, loaded, plan, thresholds, progress)
     return ledger.report()
+
+
+def _check_world_size(ledger: CheckLedger, receipt: Receipt, plan: Plan, thresholds: Thresholds, spec: str | None,
+                      progress: ProgressFn) -> None:
+    """The run at the receipt's world size, recorded and (``spec`` given: not --quick) re-run on the user's
+    workload (NOTE [receipt at a world size] in remat/receipt/world_size.py)."""
+    if receipt.world_size is None:
+        return
+    from .world_size import check_recorded, check_rerun
+    for failures, held in [check_recorded(receipt, thresholds)] + (
+            [check_rerun(receipt, plan, thresholds, spec=spec, progress=progress)] if spec is not None else []):
+        ledger.failures += failures
+        ledger.checked += held
+    if spec is None:
+        ledger.skipped.append(f"the plan was not re-run at world size {receipt.world_size.world_size} (--quick)")
