@@ -16,6 +16,10 @@ whose backward has not started (their saved activations would be gone if checkpo
 its activations there, plus its forward transients). ``saved_bytes[KEEP] = 0`` and
 ``replay_extra_bytes[KEEP] = 0``. Added time is ``sum of replay_ms[mode_j]``.
 A parent and its child candidate are never both checkpointed (``parent`` links them).
+A candidate called N > 1 times per step (``calls``) is listed in ``live`` once per call whose
+activations are held at that instant, and each listing frees ``saved_bytes / N`` (NOTE [shared
+modules] in profile/measure.py): at the end of a siamese forward both calls count, during the
+second call's backward only the first.
 """
 
 from __future__ import annotations
