@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Union
 
@@ -130,17 +131,18 @@ def _check_unique_names(cands: list[CandidateCost]) -> None:
         raise CandidateError(f"candidate names must be unique; repeated: {dup}")
 
 
-_Signature = tuple[frozenset[str], frozenset[str]]   # (live, replaying) plannable candidates of a row
+_Signature = tuple[tuple[str, ...], frozenset[str]]   # (live, sorted, a shared one per held call; replaying)
 
 
 def _merged_rows(report: ProfileReport, plannable: set[str]) -> dict[_Signature, int]:
     """Row signature restricted to ``plannable`` -> its largest base (bytes); the baseline peak without rows."""
     merged: dict[_Signature, int] = {}
     for r in report.rows:
-        sig = (frozenset(n for n in r.live if n in plannable), frozenset(n for n in r.replaying if n in plannable))
+        # a shared module is listed once per call whose activations are held (NOTE [peak cost model])
+        sig = (tuple(sorted(n for n in r.live if n in plannable)), frozenset(n for n in r.replaying if n in plannable))
         merged[sig] = max(merged.get(sig, r.base_bytes), r.base_bytes)
     if not merged:
-        merged[(frozenset(), frozenset())] = int(report.baseline_peak_bytes)
+        merged[((), frozenset())] = int(report.baseline_peak_bytes)
     return merged
 
 
@@ -280,9 +282,10 @@ class CostModel:
         self.base = np.array([merged[s] for s in sigs], dtype=np.int64)                 # (R,) bytes
         self.delta = np.zeros((len(sigs), len(self.options)), dtype=np.int64)           # (R, O) bytes
         for r, (live, replaying) in enumerate(sigs):
-            for name in live:
+            for name, held in Counter(live).items():        # held: calls of it held here (NOTE [peak cost model])
+                calls = self.candidates[self.index[name]].calls
                 for k in self.options_of[self.index[name]]:
-                    self.delta[r, k] -= self.options[k].saved_bytes
+                    self.delta[r, k] -= self.options[k].saved_bytes * min(held, calls) // calls
             for name in replaying:
                 for k in self.options_of[self.index[name]]:
                     self.delta[r, k] += self.options[k].extra_bytes

@@ -86,6 +86,19 @@ them when remat's own plan is not better, and says which family won:
 Each of these plans lies in the search space of ``optimal`` (segments and blocks are its
 candidates too), so ``optimal``'s predicted overhead is never above theirs at a budget.
 
+NOTE [small boundaries]
+A boundary that saves little next to the block around it (a single RMSNorm, a bare
+Dropout, one ``Linear`` of an MLP) is cheap to replay, so a least-overhead search happily
+takes it, often together with its siblings, where the block itself would do at least as
+well: the plan then carries many boundaries, each a replay to launch and a place to go
+wrong. After ``optimal`` and ``greedy`` choose, every chosen boundary that saves less than
+``SMALL_BOUNDARY_SHARE`` (10%) of what an enclosing candidate saves in FULL mode is tried
+against that candidate, innermost first: the block replaces it and every other chosen
+boundary inside the block, and is kept when the plan still fits the effective budget at no
+more predicted overhead (ms). So the rule never trades time or the budget for fewer
+boundaries: under the MILP it only breaks ties towards whole blocks; under greedy it can
+also save time.
+
 NOTE [closed-loop margin]
 The closed loop (apply, measure, re-plan) corrects the model with one knob,
 ``margin_bytes``: the internal target becomes ``int(budget * (1 - reserve)) - margin``.
@@ -111,6 +124,8 @@ from .cost import CostModel, ancestor_chains, checkpoint_modes
 from .model import Boundary, Exclusion, Plan
 from .offload import OffloadPricing, with_offload
 from .spec import PLANNER_SPECS, PlannerKind, PlannerSpec
+
+SMALL_BOUNDARY_SHARE = 0.10   # NOTE [small boundaries]: a boundary saving under 10% of its block's bytes
 
 np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
 
@@ -409,6 +424,42 @@ class FloorPlanner(Planner):
         return ctx.model.choice(x if x is not None else ctx.model.lowest_peak_x())
 
 
+def _swap_for_block(ctx: PlanningContext, choice: dict[str, CheckpointMode], block: str,
+                    chains: dict[str, tuple[str, ...]]) -> dict[str, CheckpointMode] | None:
+    """``choice`` with ``block`` (FULL) instead of the chosen boundaries inside it, when that fits the
+    budget at no more predicted overhead (NOTE [small boundaries]); None otherwise."""
+    trial = {n: m for n, m in choice.items() if n != block and block not in chains.get(n, ())}
+    trial[block] = CheckpointMode.FULL
+    model = ctx.model
+    try:
+        x, xt = model.vector(choice), model.vector(trial)
+    except PlanError:          # the block overlaps a chosen segment
+        return None
+    assert ctx.budget_bytes is not None
+    if model.peak(xt) <= ctx.budget_bytes and model.overhead_ms(xt) <= model.overhead_ms(x):
+        return trial
+    return None
+
+
+def prefer_blocks(ctx: PlanningContext, choice: dict[str, CheckpointMode]) -> dict[str, CheckpointMode]:
+    """NOTE [small boundaries]: swap small chosen boundaries for their enclosing block where that costs nothing."""
+    by_name = {c.name: c for c in ctx.model.candidates}
+    chains = ancestor_chains(ctx.model.candidates)
+    for name in sorted(choice, key=lambda n: (by_name[n].order, n)):
+        if name not in choice:
+            continue               # replaced by a block already
+        saved = by_name[name].saved_bytes[choice[name]]
+        for block in chains.get(name, ()):
+            if not ctx.eligible(block, CheckpointMode.FULL) or \
+                    saved >= SMALL_BOUNDARY_SHARE * by_name[block].saved_bytes[CheckpointMode.FULL]:
+                continue
+            swapped = _swap_for_block(ctx, choice, block, chains)
+            if swapped is not None:
+                choice = swapped
+                break
+    return choice
+
+
 def _chain(ctx: PlanningContext) -> list[CandidateCost]:
     """The main chain of blocks (NOTE [baseline families]): the top-level candidates that are children
     of the container holding the most of them, in forward order."""
@@ -615,6 +666,8 @@ def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, 
                           requested_budget_bytes=None if budget_bytes is None else int(budget_bytes),
                           reserve=float(reserve), margin_bytes=int(margin_bytes))
     choice = p.choose(ctx)
+    if isinstance(p, (OptimalPlanner, GreedyPlanner)):
+        choice = prefer_blocks(ctx, choice)
     x = model.vector(choice)
 
     by_name = {c.name: c for c in report.candidates}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import Counter
 
@@ -16,28 +17,45 @@ def auto_candidates(model: nn.Module) -> list[str]:
 
     NOTE [natural blocks]
     Architectures name their blocks in many ways: ``nn.ModuleList`` of layers (GPT), a
-    ``Sequential`` of residual blocks (ResNet), or distinct classes side by side (a U-Net's
-    ``Down``/``Up`` stages, a T5 layer's self-attention and feed-forward halves). So:
-    - *blocks*: children that share their class with a sibling: any child of a
-      ``ModuleList``/``Sequential`` container, a non-leaf child of any other module (but
-      not a generic ``Sequential``: a stem and a body both being ``Sequential`` says nothing);
-    - the direct children of blocks (attention vs MLP, a single norm), as before;
+    ``Sequential`` of residual blocks (ResNet), distinct classes side by side (a U-Net's
+    ``Down``/``Up`` stages), a ModuleList of distinct stages (a diffusers UNet's
+    ``down_blocks``). The *blocks* are children that their siblings mark as such (``_Kind``):
+    - STACK: one of several same-class children of a ``ModuleList``/``Sequential`` (GPT's
+      ``h.N``, ResNet's ``layer1.N``, a UNet stage's ``resnets.N``);
+    - LISTED: a non-leaf child of a ``ModuleList``, the only one of its class there (the
+      ``CrossAttnDownBlock2D`` beside a ``DownBlock2D``, the one ``BasicTransformerBlock`` of
+      ``transformer_blocks``): a ModuleList holds layers by construction;
+    - TWIN: non-leaf siblings of the same class in any other module (``attn1``/``attn2``,
+      ``ff``/``ff_context``, BART's ``self_attn``/``encoder_attn``, ``down1``..``down4``), but
+      not generic ``Sequential`` ones: a stem and a body both being ``Sequential`` says nothing.
+    A *leaf* (``Linear``, ``GELU``, ``Conv2d``, ``BatchNorm2d``) is a block only in a model
+    with no non-leaf block at all (a plain ``Sequential`` stack of layers). Elsewhere the
+    leaves of a Sequential MLP or of a U-Net stage's ``Sequential(Conv2d, BatchNorm2d, ReLU,
+    ...)`` are not blocks: that Sequential is the unit, and one layer alone frees 0-512 B.
+    The candidates are then:
+    - the blocks; the direct children of STACK and TWIN blocks (attention vs MLP, a norm);
     - every other non-leaf module (it has a forward with a subtree that saves tensors),
-      except the root and the *ancestors* of blocks: an ancestor of the blocks wraps the
-      whole chain (HF's ``transformer``, ResNet's ``layer1``), so its checkpoint would
-      replay everything at once and keep nothing it frees;
+      except the root and the *wrappers* of stacks: an ancestor of a STACK block that is not
+      a block itself (HF's ``transformer``, ResNet's ``layer1``) wraps the whole chain, so its
+      checkpoint would replay everything at once and keep nothing it frees. A block is never
+      demoted by the blocks inside it, and twins demote nothing: an SD3
+      ``JointTransformerBlock``, a BART decoder layer and a UNet stage stay candidates next
+      to their parts, and the planner chooses between them (nested candidates exclude each
+      other: NOTE [valid choice] in plan/cost.py; NOTE [small boundaries] in plan/planners.py);
     - never a module without a forward of its own (``ModuleList``/``ModuleDict``).
-    Shared modules appear once, under their first path. Whether a candidate frees anything
-    is for the profile to measure (one that frees nothing is excluded there, with its bytes).
+    Shared modules appear once, under their first path (a module called several times per
+    step is costed over all its calls: NOTE [shared modules] in profile/measure.py). Whether
+    a candidate frees anything is for the profile to measure (one that frees nothing is
+    excluded there, with its bytes).
     """
     modules = dict(model.named_modules())        # deduplicated: shared modules under their first path
     path_of = {id(m): p for p, m in modules.items()}
-    blocks, ancestors = _blocks(model)
+    blocks, wrappers = _blocks(model)
     chosen = set(blocks)
-    for b in blocks:
+    for b in _blocks(model, listed=False)[0]:
         chosen.update(path_of[id(c)] for c in modules[b].children() if id(c) in path_of)
-    chosen.update(p for p, m in modules.items() if p and not _leaf(m) and p not in ancestors)
-    return [p for p in modules if p in chosen and p not in ancestors and not _no_forward(modules[p])]
+    chosen.update(p for p, m in modules.items() if p and not _leaf(m) and p not in wrappers)
+    return [p for p in modules if p in chosen and p not in wrappers and not _no_forward(modules[p])]
 
 
 def _no_forward(m: nn.Module) -> bool:   # ModuleList/ModuleDict, unless a subclass gives one (DenseNet's blocks)
@@ -48,37 +66,64 @@ def _leaf(m: nn.Module) -> bool:
     return next(m.children(), None) is None
 
 
-def _blocks(model: nn.Module) -> tuple[list[str], set[str]]:
-    """(the natural blocks, their ancestors with the root ``""``): NOTE [natural blocks]."""
-    modules = dict(model.named_modules())
+class _Kind(enum.Enum):
+    """How a child became a natural block (NOTE [natural blocks])."""
+
+    STACK = "stack"       # one of several same-class children of a ModuleList/Sequential
+    LISTED = "listed"     # the only one of its class in a ModuleList (a diffusers UNet's stages)
+    TWIN = "twin"         # same-class non-leaf siblings in any other module (attn1/attn2, Down x4)
+
+
+def _kind(mod: nn.Module, child: nn.Module, count: int) -> _Kind | None:
+    """Whether ``child`` of ``mod`` (``count`` children of its class there) is a block, and how."""
+    if _no_forward(child):
+        return None
+    if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        if count >= 2:
+            return _Kind.STACK
+        return _Kind.LISTED if isinstance(mod, nn.ModuleList) and not _leaf(child) else None
+    generic = type(child) in (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # two Sequentials are not two blocks
+    return _Kind.TWIN if count >= 2 and not (_leaf(child) or generic) else None
+
+
+def _found_blocks(modules: dict[str, nn.Module]) -> list[tuple[str, _Kind, bool]]:
+    """(path, kind, is a leaf) of every child that is a block by its siblings, in module order."""
     path_of = {id(m): p for p, m in modules.items()}
-    no_forward, leaf = _no_forward, _leaf
-    blocks: list[str] = []
+    out = []
     for mod in modules.values():
-        container = isinstance(mod, (nn.ModuleList, nn.Sequential))
         counts = Counter(type(c) for c in mod.children())
         for child in mod.children():
-            path = path_of.get(id(child), "")
-            generic = type(child) in (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # two Sequentials are not two blocks
-            if path and counts[type(child)] >= 2 and (container or not (leaf(child) or generic)) \
-                    and not no_forward(child):
-                blocks.append(path)
-    ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
-    ancestors.add("")
-    return blocks, ancestors
+            path, kind = path_of.get(id(child), ""), _kind(mod, child, counts[type(child)])
+            if path and kind is not None:
+                out.append((path, kind, _leaf(child)))
+    return out
+
+
+def _blocks(model: nn.Module, *, listed: bool = True) -> tuple[list[str], set[str]]:
+    """(the natural blocks, the wrappers of stacks with the root ``""``): NOTE [natural blocks].
+    ``listed=False`` leaves out the blocks that are the only one of their class in a ModuleList."""
+    found = _found_blocks(dict(model.named_modules()))
+    if any(not leaf for _, _, leaf in found):
+        found = [f for f in found if not f[2]]        # leaves are blocks only in a plain stack of layers
+    blocks = [p for p, kind, _ in found if listed or kind is not _Kind.LISTED]
+    kept = set(blocks)
+    wrappers = {a for p, kind, _ in found if kind is _Kind.STACK
+                for a in (".".join(p.split(".")[:i]) for i in range(1, p.count(".") + 1)) if a not in kept}
+    wrappers.add("")
+    return blocks, wrappers
 
 
 def segment_search(model: nn.Module) -> tuple[list[str], set[str]]:
     """Where to look for segments (NOTE [segment count] in segments.py): (containers, children that end a run).
 
-    Containers: the parents of the natural blocks, and the root. A run ends at a block ancestor
-    (a stage: checkpointing it with its neighbours replays everything at once) and at a
-    module without a forward of its own.
+    Containers: the parents of the natural blocks, and the root. A run ends at a wrapper of
+    blocks (a stage such as ResNet's ``layer1``: checkpointing it with its neighbours replays
+    everything at once) and at a module without a forward of its own.
     """
-    blocks, ancestors = _blocks(model)
+    blocks, wrappers = _blocks(model)
     parents = {b.rpartition(".")[0] for b in blocks}
     containers = [p for p, _ in model.named_modules() if p in parents or p == ""]
-    ends = {p for p, m in model.named_modules() if p and (p in ancestors or _no_forward(m))}
+    ends = {p for p, m in model.named_modules() if p and (p in wrappers or _no_forward(m))}
     return containers, ends
 
 

@@ -160,14 +160,17 @@ def _bwd_window(name: str, windows: dict[str, ModuleWindow]) -> tuple[int | None
     return first, last
 
 
-def _rows(rec: StepRecorder, spans: dict[str, tuple[int, int, int | None, int | None]], start_event: int) -> list[PeakRow]:
-    """Group the baseline's instants by (live, replaying) signature; keep each group's max."""
+def _rows(rec: StepRecorder, spans: dict[str, list[_Span]], start_event: int) -> list[PeakRow]:
+    """Group the baseline's instants by (live, replaying) signature; keep each group's max.
+
+    ``spans``: one span per forward call; a shared module is live once per call held (NOTE [shared modules])."""
     best: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
     live_after = rec.tracker.live_after
-    items = sorted(spans.items(), key=lambda kv: kv[1][0])
+    items = [(n, s) for n, calls in sorted(spans.items(), key=lambda kv: kv[1][0][0]) for s in calls]
     for ev in range(start_event, rec.tracker.events):
         live = tuple(n for n, (fs, fe, bs, be) in items if bs is not None and fe <= ev < bs)
-        repl = tuple(n for n, (fs, fe, bs, be) in items if bs is not None and be is not None and bs <= ev <= be)
+        repl = tuple(dict.fromkeys(n for n, (fs, fe, bs, be) in items
+                                   if bs is not None and be is not None and bs <= ev <= be))
         key = (live, repl)
         b = live_after[ev]
         if b > best.get(key, -1):
@@ -335,6 +338,7 @@ class _Recorded:
     probes: dict[str, HazardProbe]
     calls: dict[str, int]                    # forward calls per module in the step (replays not counted)
     last_window: dict[str, ModuleWindow]     # each module's last forward call
+    windows: dict[str, list[ModuleWindow]]   # each module's forward calls, in order
     evidence: _StepEvidence
 
     @classmethod
@@ -348,6 +352,7 @@ class _Recorded:
         return cls(modules=modules, cand_set=cand_set, fwd_ms=fwd_ms, predicted=predicted, probes=probes,
                    calls={n: len(ws) for n, ws in windows_by_name.items()},
                    last_window={n: ws[-1] for n, ws in windows_by_name.items()},
+                   windows=dict(windows_by_name),
                    evidence=_StepEvidence(rec, oplog))
 
     def forward_ms(self, name: str) -> float:
@@ -364,13 +369,13 @@ class _Offers:
     """What profile_step has decided so far: candidates offered (with their spans) and names excluded."""
 
     costs: list[CandidateCost] = dataclasses.field(default_factory=list)
-    spans: dict[str, _Span] = dataclasses.field(default_factory=dict)
+    spans: dict[str, list[_Span]] = dataclasses.field(default_factory=dict)   # one per forward call
     excluded: dict[str, str] = dataclasses.field(default_factory=dict)   # name -> reason
     idle: list[str] = dataclasses.field(default_factory=list)           # excluded because they free nothing
 
-    def offer(self, cost: CandidateCost, span: _Span) -> None:
+    def offer(self, cost: CandidateCost, *spans: _Span) -> None:
         self.costs.append(cost)
-        self.spans[cost.name] = span
+        self.spans[cost.name] = list(spans)
 
     def exclude(self, name: str, reason: str, *, idle: bool = False) -> None:
         self.excluded[name] = reason
@@ -384,8 +389,6 @@ def _module_exclusion(name: str, calls: int) -> str | None:
         return "its name cannot be written in a plan (NOTE [module names]: word characters and - + : @ # ~ = only)"
     if calls == 0:
         return "not called during the step"
-    if calls != 1:
-        return f"called {calls} times per step (shared module): a wrapper would checkpoint every call"
     return None
 
 
@@ -414,6 +417,9 @@ def _offer_module(seen: _Recorded, offers: _Offers, name: str) -> None:
     if reason is not None:
         offers.exclude(name, reason)
         return
+    if seen.calls[name] > 1:
+        _offer_shared(seen, offers, name)
+        return
     w = seen.last_window[name]
     full_saved, unsaved_inputs = seen.evidence.full_saved_bytes(w)
     if full_saved <= 0:
@@ -432,6 +438,58 @@ def _offer_module(seen: _Recorded, offers: _Offers, name: str) -> None:
                          hazards=seen.hazards(name))
     _op_policy_costs(seen, name, w, full_saved, t_fwd, extra, cost)
     offers.offer(cost, (w.fwd_start, w.fwd_end, *_bwd_window(name, seen.last_window)))
+
+
+def _call_bwd_window(name: str, call: ModuleWindow, windows: dict[str, list[ModuleWindow]]) -> tuple[int | None, int | None]:
+    """(first, last) backward unpack event of one forward ``call`` of ``name``, its nested calls included."""
+    inside = [w for n, ws in windows.items() if n == name or n.startswith(name + ".") for w in ws
+              if call.fwd_start <= w.fwd_start and w.fwd_end <= call.fwd_end and w.bwd_first_unpack is not None]
+    if not inside:
+        return None, None
+    return min(w.bwd_first_unpack for w in inside), max(w.bwd_last_unpack for w in inside)  # type: ignore[type-var]
+
+
+def _offer_shared(seen: _Recorded, offers: _Offers, name: str) -> None:
+    """Offer module ``name``, called N > 1 times per step, costed over all N calls (NOTE [shared modules]).
+
+    NOTE [shared modules]
+    A wrapper checkpoints every call of the module it wraps (a block reused N times, a
+    siamese encoder run on both inputs, a model called twice per step), so the candidate is
+    its N calls together, in FULL mode only (the op-level figures are per call window):
+    - each call frees what a one-call checkpoint of its window frees (its own saved tensors,
+      less its inputs nobody saved); the candidate's ``saved_bytes`` is N x the *least* of
+      them, so that any share of it is never more than the calls it stands for free;
+    - each call is held from its forward's end to its own backward (the recorder ties each
+      unpack to the call that packed it), so a row lists the candidate once per call held
+      there and the cost model subtracts that share of ``saved_bytes`` (NOTE [peak cost
+      model] in profile/model.py): at the end of a siamese forward both calls are held,
+      during the second tower's backward only the first;
+    - replay: N x one call's forward time (``CandidateCost.calls``; a measured replay of one
+      call is multiplied the same way), and the largest transient of one call's replay
+      (calls replay one at a time, each in its own backward).
+    """
+    ws = seen.windows[name]
+    figures = [seen.evidence.full_saved_bytes(w) for w in ws]
+    per_call = min(f for f, _ in figures)
+    unsaved_inputs = sum(u for _, u in figures)
+    if per_call <= 0:
+        offers.exclude(name, f"frees nothing until backward in one of its {len(ws)} calls per step: a checkpoint "
+                             f"would keep {unsaved_inputs} bytes of inputs", idle=True)
+        return
+    extra = max(max(0, seen.evidence.forward_rise(w) - f) for w, (f, _) in zip(ws, figures))
+    t_call = (seen.predicted.replay_ms(name, CheckpointMode.FULL) if seen.predicted is not None else
+              seen.fwd_ms.get(name, sum(w.fwd_end_ns - w.fwd_start_ns for w in ws) / 1e6 / len(ws)))
+    t_fwd = t_call * len(ws)
+    once: set[tuple[HazardKind, str]] = set()
+    hazards = [h for w in ws for h in seen.evidence.hazards(w, seen.probes[name].found)
+               if not ((h.kind, h.detail) in once or once.add((h.kind, h.detail)))]
+    cost = CandidateCost(name=name, class_name=type(seen.modules[name]).__name__, order=ws[0].fwd_start,
+                         parent=parent_of(name, seen.cand_set), fwd_ms=t_fwd, input_bytes=unsaved_inputs,
+                         saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: per_call * len(ws)},
+                         replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
+                         replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
+                         hazards=hazards, calls=len(ws))
+    offers.offer(cost, *[(w.fwd_start, w.fwd_end, *_call_bwd_window(name, w, seen.windows)) for w in ws])
 
 
 def _segment_members(chain: ChainProbe, asked_segments: list[str], *, search: bool, seen: _Recorded,
@@ -645,8 +703,8 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
     for c in report.candidates:
         for mode, est in measured.get(c.name, {}).items():
             if mode in c.replay_ms:
-                c.replay_ms[mode] = est.ms
-                c.replay_spread_ms[mode] = est.spread_ms
+                c.replay_ms[mode] = est.ms * c.calls      # one call's replay, each call (NOTE [shared modules])
+                c.replay_spread_ms[mode] = est.spread_ms * c.calls
             if est.extra_bytes is not None and mode in c.replay_extra_bytes:
                 c.replay_extra_bytes[mode] = est.extra_bytes     # NOTE [measured replay bytes]
     report.replay_unmeasured = dict(unmeasured)

@@ -16,6 +16,10 @@ whose backward has not started (their saved activations would be gone if checkpo
 its activations there, plus its forward transients). ``saved_bytes[KEEP] = 0`` and
 ``replay_extra_bytes[KEEP] = 0``. Added time is ``sum of replay_ms[mode_j]``.
 A parent and its child candidate are never both checkpointed (``parent`` links them).
+A candidate called N > 1 times per step (``calls``) is listed in ``live`` once per call whose
+activations are held at that instant, and each listing frees ``saved_bytes / N`` (NOTE [shared
+modules] in profile/measure.py): at the end of a siamese forward both calls count, during the
+second call's backward only the first.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class CandidateCost:
     # a segment (NOTE [segments] in profile/segments.py) lists its member module paths, in order;
     # a module candidate lists none
     members: tuple[str, ...] = ()
+    # forward calls per step: a shared module's costs cover every call (NOTE [shared modules] in
+    # profile/measure.py); replay_ms and fwd_ms are for all of them
+    calls: int = 1
 
     @property
     def covers(self) -> tuple[str, ...]:
@@ -73,6 +80,7 @@ class CandidateCost:
             "hazards": [{"kind": h.kind.value, "detail": h.detail, "guardable": h.guardable} for h in self.hazards],
             "replay_spread_ms": {m.value: v for m, v in self.replay_spread_ms.items()},
             "members": list(self.members),
+            **({"calls": self.calls} if self.calls != 1 else {}),
         }
 
     @classmethod
@@ -87,6 +95,7 @@ class CandidateCost:
                      for h in d.get("hazards", [])],
             replay_spread_ms={CheckpointMode(k): float(v) for k, v in d.get("replay_spread_ms", {}).items()},
             members=tuple(str(m) for m in d.get("members", ())),
+            calls=int(d.get("calls", 1)),
         )
 
 

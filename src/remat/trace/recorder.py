@@ -141,14 +141,17 @@ class StepRecorder:
             module = self.tracker.module
             self.saved.append(SavedTensor(rec.key, rec.nbytes, module, rec.key in self.param_keys,
                                           self.tracker.events, rec))
-            return (module, t)
-        return ("", t)
+            return (module, self._stack[-1][1] if self._stack else None, t)
+        return ("", None, t)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        module, t = packed
+        module, window, t = packed
         if module:
             ev = self.tracker.events
-            for win in self._open.get(module, ()):
+            # the forward call that packed it (a module called twice per step has two windows,
+            # each with its own backward); a replay's pack falls back to every call of the module
+            own = [window] if window is not None and not window.in_backward else self._open.get(module, ())
+            for win in own:
                 if win.bwd_first_unpack is None:
                     win.bwd_first_unpack = ev
                 win.bwd_last_unpack = ev
