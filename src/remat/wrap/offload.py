@@ -21,10 +21,12 @@ running statistics or a Python RNG draw runs exactly once, as in the unplanned s
   event and hands the tensor over (``record_stream`` on the compute stream). A tensor
   unpacked before its prefetch started (a region whose output needs no gradient) is copied
   there and then.
-- CPU: the device *is* host memory, so the mechanism is simulated exactly: the host copy is a
-  clone made with every dispatch mode popped (``_disable_current_modes``), so the live-tensor
-  tracker never counts it as device memory; the :class:`HostPool` counts it instead (bytes
-  held and their peak). ``unpack`` clones it back under the tracker, so the device bytes of
+- CPU: the device *is* host memory, so the mechanism is simulated exactly: the host copy is the
+  tensor's bytes in a numpy array (a uint8 view copied out with every dispatch mode popped), an
+  allocation neither the live-tensor tracker nor torch.profiler's allocator events see, so no
+  instrument counts it as device memory (the profiler confirms CPU peaks at the edge of a
+  budget: NOTE [peaks at the edge]); the :class:`HostPool` counts it instead (bytes held and
+  their peak). ``unpack`` clones it back into a tensor under the tracker, so the device bytes of
   the backward are counted where the real device would hold them. Values are copied, never
   recomputed: the planned step is bitwise the unplanned one, which ``verify`` proves.
 - Retained graphs: a packed tensor may be unpacked more than once (``retain_graph=True``);
@@ -59,12 +61,12 @@ class HostPool:
         self.copies_out = 0   # device -> host copies made (count)
         self.copies_in = 0    # host -> device copies made (count)
 
-    def hold(self, host: torch.Tensor) -> None:
-        nbytes = host.untyped_storage().nbytes()
+    def hold(self, host: Any, nbytes: int) -> None:
+        """Count ``host`` (a pinned tensor's storage, or a numpy array) until it is collected."""
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self.copies_out += 1
-        weakref.finalize(host.untyped_storage(), self._release, nbytes)
+        weakref.finalize(host, self._release, nbytes)
 
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
@@ -76,10 +78,11 @@ class HostPool:
 class _Packed:
     """One saved tensor in host memory: the host copy, where it came from, and a prefetched device copy."""
 
-    __slots__ = ("host", "device", "ready", "fetched", "fetch_ready", "__weakref__")
+    __slots__ = ("host", "device", "ready", "fetched", "fetch_ready", "dtype", "shape", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, ready: Any) -> None:
-        self.host = host
+    def __init__(self, host: Any, device: torch.device, ready: Any, dtype: torch.dtype, shape: torch.Size) -> None:
+        self.host = host              # CUDA: a pinned tensor; CPU: a numpy uint8 array of the bytes
+        self.dtype, self.shape = dtype, shape
         self.device = device
         self.ready = ready            # CUDA event: the device -> host copy is done (None on CPU)
         self.fetched: torch.Tensor | None = None   # a prefetched device copy, not yet handed over
@@ -128,10 +131,11 @@ class _RegionOffload:
                     ready = torch.cuda.Event()
                     ready.record(stream)
                 t.record_stream(stream)
-            else:
-                host, ready = t.detach().clone(), None
-        self.pool.hold(host)
-        packed = _Packed(host, t.device, ready)
+                self.pool.hold(host.untyped_storage(), host.untyped_storage().nbytes())
+            else:   # the bytes, outside torch's allocator (CPU: NOTE above)
+                host, ready = t.detach().contiguous().view(-1).view(torch.uint8).numpy().copy(), None
+                self.pool.hold(host, host.nbytes)
+        packed = _Packed(host, t.device, ready, t.dtype, t.shape)
         self.packed.append(weakref.ref(packed))
         return packed
 
@@ -148,7 +152,8 @@ class _RegionOffload:
         if packed.device.type == "cuda":
             torch.cuda.current_stream(packed.device).wait_event(packed.ready)
             return packed.host.to(packed.device, non_blocking=True)
-        return packed.host.clone()   # under the tracker: device bytes again (CPU: NOTE above)
+        # under the tracker: device bytes again (CPU: NOTE above)
+        return torch.from_numpy(packed.host).view(packed.dtype).view(packed.shape).clone()
 
     def prefetch(self) -> None:
         """Start every host -> device copy of this region on the side stream (CUDA only)."""
