@@ -277,8 +277,9 @@ def test_torch_profiler_agrees_that_the_host_copies_left_the_device() -> None:
     planned = _model()
     apply(planned, _plan(planned, ALL_OFFLOADED))
     offloaded = peak(planned)
-    _, fwd0, _ = _step(_model())
+    _, _, peak0 = _step(_model())
     planned2 = _model()
     apply(planned2, _plan(planned2, ALL_OFFLOADED))
-    _, fwd1, _ = _step(planned2)
-    assert control - offloaded >= 0.9 * (fwd0 - fwd1)     # the tracker's saving, seen by the profiler too
+    _, _, peak1 = _step(planned2)
+    # the tracker's peak saving, seen by the profiler too (the host copies would add 18.9 MB back)
+    assert control - offloaded == pytest.approx(peak0 - peak1, rel=0.05)
