@@ -649,6 +649,10 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
                 c.replay_spread_ms[mode] = est.spread_ms
             if est.extra_bytes is not None and mode in c.replay_extra_bytes:
                 c.replay_extra_bytes[mode] = est.extra_bytes     # NOTE [measured replay bytes]
+            if est.below_resolution:
+                report.replay_below_resolution.setdefault(c.name, []).append(mode.value)
+            if est.shared_from is not None:
+                report.replay_shared[c.name] = est.shared_from
     report.replay_unmeasured = dict(unmeasured)
 
 
