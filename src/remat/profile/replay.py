@@ -36,11 +36,13 @@ about 2x on CPU, so it is measured here, like every other mode:
    measurements] in profile/shared.py): the first of each group is timed, the others take
    its figures, so a transformer's N identical blocks cost one block's rounds.
 
-Profiling time: per round, about (1 + modes) forward + backward passes of each candidate,
-so with nested candidates (blocks and their attention/MLP children) roughly 2 x (1 + modes)
-whole-model forward + backward per round; with the defaults (5 rounds plus one warm-up for
-large regions, up to 15 for small ones, at most about 1.5 s per candidate past the 5th)
-about 20-40 steps' worth on a transformer.
+Profiling time: per round, about (1 + modes) forward + backward passes of each *timed*
+region; with N identical blocks shared, that is one block and its children, not N. The
+defaults (3 rounds plus one warm-up for large regions, up to 9 for small ones, at most about
+1 s per region past the 3rd) are few on purpose: what a plan's overhead finally is, and
+whether two plans differ at all, is the frontier's interleaved measurement and its
+resolved-difference rule (NOTE [resolved differences] in remat/frontier/pareto.py), not more
+samples here; the spread recorded per mode says how sure each figure is.
 """
 
 from __future__ import annotations
@@ -273,8 +275,8 @@ def _measure_leaders(model: nn.Module, modules: dict[str, nn.Module], todo: list
 
 
 def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
-                         min_rounds: int = 5, max_rounds: int = 15, max_rel_spread: float = 0.1,
-                         spread_floor_ms: float = 0.05, trim: float = 0.5, time_budget_ms: float = 1500.0,
+                         min_rounds: int = 3, max_rounds: int = 9, max_rel_spread: float = 0.1,
+                         spread_floor_ms: float = 0.05, trim: float = 0.5, time_budget_ms: float = 1000.0,
                          progress: Callable[[int, int], None] = lambda done, total: None,
                          ) -> tuple[dict[str, dict[CheckpointMode, ReplayEstimate]], dict[str, str]]:
     """Measure every offered (candidate, mode), once per group of identical regions
