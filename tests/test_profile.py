@@ -418,6 +418,31 @@ def test_regions_of_other_shapes_or_classes_never_share():
     assert leaders == {"p": "p", "q": "p", "r": "r", "s": "s"}
 
 
+def test_identical_candidates_share_dry_run_passes_and_a_different_one_does_not():
+    """NOTE [shared dry runs]: four identical blocks try three modes in one pass (one mode per
+    block), instead of one pass per mode; a fifth block of another width tries its three modes
+    itself, one per pass. Ground truth: the count of forward + backward passes."""
+    import torch
+    from torch import nn
+
+    from remat.profile.dryrun import dry_run_modes
+    from remat.profile.model import CandidateCost
+    from remat.workload import Workload
+
+    widths = [8, 8, 8, 8, 16]
+    model = nn.Sequential(nn.Linear(8, 8), *(nn.Sequential(nn.Linear(8, w), nn.ReLU())
+                                             for w in widths))
+    wl = Workload(model=model, batch=lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),
+                  loss=lambda m, x: m(x).sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    modes = (M.FULL, M.SELECTIVE, M.RECOMPUTE_POINTWISE)
+    cands = [CandidateCost(name=str(i + 1), class_name="Sequential", order=i, parent=None, fwd_ms=1.0, input_bytes=0,
+                           saved_bytes={M.KEEP: 0, **{m: 64 for m in modes}}, replay_ms={M.KEEP: 0.0, **{m: 1.0 for m in modes}},
+                           replay_extra_bytes={M.KEEP: 0, **{m: 0 for m in modes}}) for i in range(5)]
+    stats: dict = {}
+    assert dry_run_modes(TrainingStep(wl), cands[:4], 0, stats=stats) == {} and stats["passes"] == 1
+    assert dry_run_modes(TrainingStep(wl), cands, 0, stats=stats) == {} and stats["passes"] == 3
+
+
 def test_a_replay_cost_below_the_clock_resolution_is_priced_at_it_not_zero():
     from remat.clock import StepClock
     from remat.profile.replay import price_at_resolution

@@ -633,9 +633,10 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
     progress("profile: dry runs of each mode", 1, 1)
     if measure_replays:
+        offered = [c for c in report.candidates if c.name not in report.excluded]
+        label = f"profile: replay costs ({len(offered)} candidates, identical regions timed once)"
         apply_replay_measurements(report, *measure_replay_costs(
-            step, [c for c in report.candidates if c.name not in report.excluded], warmup + repeats + 4,
-            progress=lambda done, total: progress("profile: replay costs", done, total)))
+            step, offered, warmup + repeats + 4, progress=lambda done, total: progress(label, done, total)))
     return report
 
 

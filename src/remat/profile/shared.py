@@ -33,7 +33,7 @@ tracked replay's extra bytes; each follower records which candidate measured it
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
@@ -107,3 +107,24 @@ def group_by_signature(signatures: dict[str, Hashable], fwd_ms: dict[str, float]
             leaders.append(name)
         out[name] = lead or name
     return out
+
+
+def dry_run_leaders(model: nn.Module, modules: dict[str, nn.Module], level: list[CandidateCost],
+                    region_of: Callable[[nn.Module, dict[str, nn.Module], str], nn.Module]) -> dict[str, str]:
+    """Candidate name -> the candidate of ``level`` that stands for it in the dry runs.
+
+    NOTE [shared dry runs]
+    The dry runs (NOTE [mode dry runs] in profile/dryrun.py) ask whether a mode *runs* on a
+    candidate: forward and backward of the whole step with it wrapped. Before this, one pass per
+    (level, mode) wrapped every candidate of the level, so a transformer's blocks took one pass
+    per mode. Identical candidates of one level (the signature of NOTE [shared replay
+    measurements] less the captured inputs, which the dry runs have not seen yet: structure,
+    modes, per-instance bytes, and forward times that agree) now try their modes on different
+    members in one pass: block 0 in ``full``, block 1 in ``selective``, ... A failing pass is
+    retried one (candidate, mode) at a time, as before, and the failure found on one member is
+    recorded for every member it stands for. Groups never cross levels, so no two wrapped
+    candidates nest.
+    """
+    signatures = {c.name: (_structure(region_of(model, modules, c.name)),
+                           tuple(m.value for m in c.saved_bytes), _measured_bytes(c)) for c in level}
+    return group_by_signature(signatures, {c.name: c.fwd_ms for c in level})
