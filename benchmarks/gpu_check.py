@@ -15,8 +15,15 @@ Checks, each written to ``benchmarks/results/gpu/<name>.json`` and summarised in
 4. ``pipeline_bf16``: ``gpt`` in bfloat16: profile, the closed-loop optimal plan at 60% of the
    control's peak (or halfway to the predicted floor where 60% is out of reach), ``verify_plan`` (bf16 tolerances) and a frontier of none/all/sqrt/optimal.
 5. ``simulate``: ``--simulate`` predictions (peak bytes, step time) against measured ones.
-6. ``offload``: ``save_on_cpu(pin_memory=True)`` around every block against torch's checkpoint
-   around every block and no plan: peak and p50 step ms, interleaved (issue 14's offload mode).
+6. ``offload``: per block, remat's overlapped offload (``OffloadWrapper``: side stream, pinned
+   host memory, prefetch on the gradient; NOTE [activation offload]) against synchronous
+   ``save_on_cpu(pin_memory=True)``, torch's checkpoint and no plan: peak and p50 step ms,
+   interleaved.
+6b. ``offload_plan``: the planner's mixed keep/recompute/offload plan (``--offload``, priced from the
+   measured link bandwidth) against its best recompute-only plan at the same budget: measured peaks,
+   interleaved step times (goal: the mixed plan faster), and ``verify_plan`` of the mixed plan.
+6c. ``lora``: ``benchmarks/lora_gpt2.py --size small`` (remat.auto against
+   ``gradient_checkpointing_enable()`` on a LoRA GPT-2 step), as a subprocess with a time limit.
 7. ``compile_budget``: ``torch.compile`` with ``activation_memory_budget`` 1.0 / 0.5 / 0.2: the
    measured peak and step time against eager, and the compile time (issue 16: a ratio, not a peak).
 
@@ -200,20 +207,23 @@ def check_profile_timing(device: str, dtype: str, shape: dict) -> Check:
 
 # -- 4. plan, verify, frontier in bf16 -------------------------------------------------------------
 
+def _budget_for(report: Any) -> int:
+    """The budget: halfway between the predicted floor and the control's peak, plus the 5% reserve
+    (60% of the control when that is reachable: GPT-2 small in bf16 checkpoints well below it)."""
+    from remat.plan import peak_floor
+    floor = peak_floor(report)
+    return max(int(report.baseline_peak_bytes * 0.6), int((floor + (report.baseline_peak_bytes - floor) // 2) / 0.95))
+
+
 def check_pipeline(device: str, dtype: str, shape: dict, smoke: bool) -> Check:
     from remat.closed_loop import plan_closed_loop
     from remat.frontier import FrontierSettings, run_frontier
-    from remat.plan import peak_floor
     from remat.profile import profile_workload
     from remat.verify import verify_plan
     from remat.workload import load_workload
     lw = load_workload("gpt", shape, device=device, dtype=dtype)
     report = profile_workload(lw)
-    # the budget: halfway between the predicted floor and the control's peak, plus the 5% reserve
-    # (60% of the control when that is reachable: GPT-2 small in bf16 checkpoints well below it)
-    floor = peak_floor(report)
-    budget = max(int(report.baseline_peak_bytes * 0.6),
-                 int((floor + (report.baseline_peak_bytes - floor) // 2) / 0.95))
+    budget = _budget_for(report)
     closed = plan_closed_loop(lw, report, "optimal", budget_bytes=budget, reserve=0.05)
     plan = closed.plan
     v = verify_plan(lw, plan, steps=2, seeds=2, timing_steps=5)
@@ -259,13 +269,31 @@ def check_simulate(device: str, dtype: str, shapes: list[dict]) -> Check:
 
 # -- 6. offload: save_on_cpu per block, against checkpoint per block (issue 14's CUDA-only mode) -----
 
+def _blocks(model: torch.nn.Module) -> list[str]:
+    return [name for name, _ in model.named_modules() if name.count(".") == 1 and name.startswith("h.")]
+
+
 def _block_wrapped(model: torch.nn.Module, how: str) -> list[tuple[torch.nn.Module, Any]]:
-    """Wrap every ``h.<i>`` block's forward: ``checkpoint`` (torch's, non-reentrant) or ``offload``
-    (``save_on_cpu(pin_memory=True)``); returns what to restore."""
+    """Wrap every ``h.<i>`` block's forward: ``checkpoint`` (torch's, non-reentrant), ``offload``
+    (``save_on_cpu(pin_memory=True)``), or ``remat-offload`` (remat.apply of an all-OFFLOAD plan);
+    returns what to restore."""
     from torch.utils.checkpoint import checkpoint
+    if how == "remat-offload":
+        from remat.plan.model import Boundary, Plan
+        from remat.profile.fingerprint import fingerprint
+        from remat.types import CheckpointMode
+        from remat.wrap import apply
+        plan = Plan(planner="gpu-check", budget_bytes=None, reserve=0.0,
+                    boundaries=[Boundary(module=b, mode=CheckpointMode.OFFLOAD, saved_bytes=0, replay_ms=0.0)
+                                for b in _blocks(model)],
+                    excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
+                    baseline_step_ms=0.0, fingerprint=fingerprint(model))
+        apply(model, plan)
+        return []
     undo = []
+    blocks = set(_blocks(model))
     for name, mod in model.named_modules():
-        if not (name.count(".") == 1 and name.startswith("h.")):
+        if name not in blocks:
             continue
         orig = mod.forward
         if how == "checkpoint":
@@ -323,7 +351,7 @@ def check_offload(device: str, dtype: str, shape: dict) -> Check:
         if how != "none":
             _block_wrapped(step.workload.model, how)
         return step
-    arms = ("none", "checkpoint", "offload")
+    arms = ("none", "checkpoint", "offload", "remat-offload")
     peaks = {}
     for how in arms:     # peaks one arm resident at a time: the allocator counts every resident model
         peaks[how] = _solo_peak(build(how), device)
@@ -339,6 +367,55 @@ def check_offload(device: str, dtype: str, shape: dict) -> Check:
                         f"({r['overhead']:+.0%})" for k, r in res.items())
     return Check("offload", True, "per block; peaks solo, times interleaved: " + summary,
                  {"arms": res, "shape": shape})
+
+
+def check_offload_plan(device: str, dtype: str, shape: dict) -> Check:
+    """The mixed plan (keep / recompute / offload) against the best recompute-only plan at one budget."""
+    from remat.closed_loop import plan_closed_loop
+    from remat.plan.offload import measured_pricing
+    from remat.profile import profile_workload
+    from remat.verify import verify_plan
+    from remat.workload import TrainingStep, load_workload
+    from remat.wrap import apply
+
+    def loaded() -> Any:
+        return load_workload("gpt", shape, device=device, dtype=dtype)
+    report = profile_workload(loaded())
+    pricing = measured_pricing(device)
+    budget = _budget_for(report)
+    plans = {"recompute": plan_closed_loop(loaded(), report, "optimal", budget_bytes=budget).plan,
+             "mixed": plan_closed_loop(loaded(), report, "optimal", budget_bytes=budget, offload=pricing).plan}
+    steps = {}
+    for label, plan in plans.items():
+        step = TrainingStep(loaded().workload)
+        apply(step.workload.model, plan)
+        steps[label] = step
+    res = _timed([_StepRunner(k, v) for k, v in steps.items()], steps=3 if device == "cpu" else 8)
+    verdict = verify_plan(loaded(), plans["mixed"], steps=2, seeds=1, timing_steps=0)
+    rows = {k: {"p50_ms": res[k]["p50_ms"], "measured_peak_bytes": p.measured_peak_bytes,
+                "modes": {b.module: b.mode.value for b in p.boundaries}} for k, p in plans.items()}
+    speedup = res["recompute"]["p50_ms"] / res["mixed"]["p50_ms"]
+    fits = all((p.measured_peak_bytes or 0) <= budget for p in plans.values())
+    n_off = sum(1 for b in plans["mixed"].boundaries if b.mode.value == "offload")
+    summary = (f"budget {fmt_bytes(budget)}; link d2h {pricing.d2h_bytes_per_ms / 1e6:.1f} GB/s; mixed "
+               f"({n_off} offloaded of {len(plans['mixed'].boundaries)}) p50 {res['mixed']['p50_ms']:.1f} ms vs "
+               f"recompute-only {res['recompute']['p50_ms']:.1f} ms ({speedup:.2f}x); both fit: {fits}; "
+               f"mixed verify {'passed' if verdict.passed else 'FAILED'}")
+    return Check("offload_plan", fits and verdict.passed, summary,
+                 {"rows": rows, "budget_bytes": budget, "pricing": pricing.to_json(), "speedup": speedup,
+                  "verify_failures": verdict.failures, "shape": shape})
+
+
+def check_lora(device: str, smoke: bool) -> Check:
+    """benchmarks/lora_gpt2.py as a subprocess (its own arms, interleaved; its JSON beside the others)."""
+    import subprocess
+    out = RESULTS_DIR / "lora_gpt2.json" if not smoke else Path(tempfile.mkdtemp()) / "lora_gpt2.json"
+    cmd = [sys.executable, str(ROOT / "lora_gpt2.py"), "--size", "tiny" if smoke else "small", "--device", device,
+           "--rounds", "3" if smoke else "10", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    return Check("lora", proc.returncode == 0, " / ".join(tail)[:400], {"returncode": proc.returncode,
+                                                                      "command": " ".join(cmd)})
 
 
 # -- 7. torch.compile: what activation_memory_budget does to the peak ---------------------------------
@@ -450,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         ("pipeline_bf16", lambda: check_pipeline(dev, dt, shapes["pipeline"], args.smoke)),
         ("simulate", lambda: check_simulate(dev, dt, shapes["simulate"])),
         ("offload", lambda: check_offload(dev, dt, shapes["pipeline"])),
+        ("offload_plan", lambda: check_offload_plan(dev, dt, shapes["pipeline"])),
+        ("lora", lambda: check_lora(dev, args.smoke)),
         ("compile_budget", lambda: check_compile_budget(dev, dt, shapes["pipeline"], (1.0, 0.5, 0.2),
                                                         cap_s=60.0 if args.smoke else 150.0)),
     ]

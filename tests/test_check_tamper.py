@@ -311,11 +311,40 @@ def test_a_missing_report_fails_unless_no_reports(folder, capsys, report):
     assert main(["check", "out/receipt.json", "--quick", "--no-reports"]) == 0
 
 
-def test_check_says_how_many_fixture_steps_run_and_keeps_its_time_limit(folder, capsys):
-    assert main(["check", "out/receipt.json", "--quick", "--timeout", "0.001"]) == 4
+def test_check_says_how_many_fixture_steps_run_and_keeps_its_time_limit(folder, capsys, monkeypatch):
+    # fixtures estimated at an hour: refused up front, well before the hard limit (5 s) could fire
+    monkeypatch.setattr(check_mod.FixturePlan, "estimate_s", property(lambda self: 3600.0))
+    assert main(["check", "out/receipt.json", "--quick", "--timeout", "5"]) == 4
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(r"check: \d+ fixture steps will run \(equivalence \d+", err)
     assert "limit" in err and "nothing was run" in err
+
+
+@pytest.mark.parametrize("hang", ["factory", "batch"])
+def test_a_hanging_factory_or_batch_stops_at_the_check_timeout(folder, capsys, monkeypatch, hang):
+    """--timeout is a hard limit (the alarm every workload command arms): the Deadline's own checks
+    run only between stages, and a factory or batch() that sleeps forever never reaches one."""
+    import time
+
+    from remat.workload.builtins import mlp
+
+    real = mlp.build
+
+    def build(*args, **kw):
+        if hang == "factory":
+            time.sleep(600)
+        wl = real(*args, **kw)
+        wl.batch = lambda step: time.sleep(600)
+        return wl
+    monkeypatch.setattr(mlp, "build", build)
+    from remat.verify import verify_plan
+    monkeypatch.setattr(check_mod, "verify_plan", verify_plan)   # not shared_runs' memo: batch() must run
+    before = sorted(p.name for p in folder.iterdir())
+    t0 = time.monotonic()
+    assert main(["check", "out/receipt.json", "--quick", "--timeout", "2"]) == 4
+    err = " ".join(capsys.readouterr().err.split())
+    assert time.monotonic() - t0 < 30 and "remat check ran past its --timeout of 2 s" in err, err
+    assert "Traceback" not in err and sorted(p.name for p in folder.iterdir()) == before
 
 
 def test_the_deadline_stops_a_running_stage():

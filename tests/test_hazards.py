@@ -52,6 +52,9 @@ CLASSES = {
     "tensor-valued attribute": ("ema", "tensor_const", ["python_state", "ema: tensor"], True),
     "module global counter": ("global_counter", "global_const", ["global_state", "global _CALLS", "hazard_zoo.py"],
                               True),
+    "module global read, changed before the replay": ("global_reader", "const_reader",
+                                                      ["global_read", "global _TICKS", "replays it", "read at replay"],
+                                                      True),
     "closure cell counter": ("closure_counter", "closure_reader", ["global_state", "closure cell", ".calls"], True),
     "forward hook inside": ("hook_inner", "hook_outer", ["hook", "count_activation", "submodule lin"], True),
     "pre-forward hook inside": ("prehook_inner", "prehook_outer", ["hook", "count_input", "pre-hook"], True),
@@ -127,3 +130,35 @@ def test_verify_names_a_hook_inside_a_hand_planned_boundary():
     assert (h.module, h.kind) == (BLOCK, HazardKind.HOOK) and "count_activation on its submodule lin" in h.detail
     twin = load_workload(ZOO, {"kind": "hook_outer"})
     assert verify_plan(twin, hand_plan(twin.workload.model, [BLOCK]), steps=1, seeds=1, timing_steps=0).passed
+
+
+def _losses(kind: str, boundaries: list[str], steps: int) -> list[float]:
+    """Per-step losses of ``steps`` seeded SGD steps, with ``boundaries`` checkpointed by hand (no guard)."""
+    import torch
+
+    from remat.wrap import apply
+
+    torch.manual_seed(0)
+    lw = load_workload(ZOO, {"kind": kind})
+    model = lw.workload.model
+    if boundaries:
+        apply(model, hand_plan(model, boundaries))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for s in range(steps):
+        loss = lw.workload.loss(model, lw.workload.batch(s))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def test_a_global_read_that_changes_before_the_replay_diverges_unmitigated():
+    """What the GLOBAL_READ exclusion prevents (NOTE [read at replay]): checkpointing blocks.0 by
+    hand, training matches the control bitwise for 8 steps, then diverges (the replay at step 7
+    reads the count past warm-up); the safe twin matches for every step."""
+    control, planned = _losses("global_reader", [], 10), _losses("global_reader", [BLOCK], 10)
+    assert planned[:8] == control[:8]
+    assert all(abs(p - c) > 1e-6 * abs(c) for p, c in zip(planned[8:], control[8:])), (planned, control)
+    assert _losses("const_reader", [BLOCK], 10) == _losses("const_reader", [], 10)

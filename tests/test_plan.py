@@ -7,6 +7,7 @@ exhaustive search that re-implements NOTE [peak cost model] in plain Python.
 from __future__ import annotations
 
 import itertools
+import os
 import json
 import random
 import time
@@ -653,3 +654,37 @@ def test_sort_hazards_follows_the_hazard_policy():
     blocking, guardable = _sort_hazards(found, preserve_rng_state=False)
     assert [h.detail for h, _ in blocking] == ["dropout; RNG state is not preserved", "cache"]
     assert guardable == [(bn, "b.0")]
+
+
+# -- solver output (NOTE [native solver output]) ---------------------------------------------------
+
+HIGHS_LINE = b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n"
+
+
+def _c_printf(text: bytes) -> None:
+    """Print through C stdio, as HiGHS does (buffered: a file or pipe sees it only when flushed)."""
+    import ctypes
+    ctypes.CDLL(None).printf(b"%s", text)
+
+
+def test_planning_keeps_the_solvers_printf_off_fd_1(capfd, monkeypatch):
+    import scipy.optimize
+    from remat._io import _flush_c_stdio
+    real, calls = scipy.optimize.milp, []
+
+    def noisy_milp(*args, **kwargs):   # what HiGHS does on a solution it must re-solve, plus a user's line
+        calls.append(1)
+        _c_printf(HIGHS_LINE)
+        os.write(1, b"another thread's line\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scipy.optimize, "milp", noisy_milp)
+    rep = chain_report(4, 2)
+    plan = make_plan(rep, "optimal", budget_bytes=int(rep.baseline_peak_bytes * 0.6), reserve=0.0)
+    _flush_c_stdio()
+    out = capfd.readouterr().out
+    assert calls and plan.boundaries                      # the solver ran, through the patched milp
+    assert "tmpSolver" not in out and out.count("another thread's line") == len(calls)
+    _c_printf(HIGHS_LINE)                                 # the safe twin: the capture does see a printf outside
+    _flush_c_stdio()
+    assert "tmpSolver" in capfd.readouterr().out

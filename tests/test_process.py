@@ -52,6 +52,21 @@ def hanging_batch(batch_size: int = 8):
     wl.batch = batch
     return wl
 
+def slow_first_batch(batch_size: int = 8):
+    wl = mlp(batch_size=batch_size, width=32, depth=4, d_in=8)
+    inner, calls = wl.batch, []
+    def batch(step):
+        calls.append(step)
+        if len(calls) == 1:
+            time.sleep(1.2)
+        elif len(calls) == 2:   # the first step has returned
+            time.sleep(0.1)
+            print("SECOND STEP", file=sys.stderr, flush=True)
+            time.sleep(3.0)
+        return inner(step)
+    wl.batch = batch
+    return wl
+
 def terminated_while_measuring(batch_size: int = 8):
     wl = mlp(batch_size=batch_size, width=32, depth=4, d_in=8)
     inner = wl.batch
@@ -107,7 +122,8 @@ def test_sigterm_in_the_write_window_exits_143_and_leaves_no_tmp(user_dir):
 
 def test_sigterm_while_measuring_exits_143_with_one_line(user_dir):
     proc = _remat(user_dir, "trace", "--workload", "u.py:terminated_while_measuring", "--out", "o")
-    assert proc.returncode == 143 and proc.stderr.strip() == "remat: terminated", proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "running the first step" not in line]
+    assert proc.returncode == 143 and lines == ["remat: terminated"], proc.stderr
     assert _leftovers(user_dir) == []
 
 
@@ -180,3 +196,21 @@ def test_a_slow_build_prints_progress_lines(user_dir):
                   code="import sys, remat.cli.common as c; c.HEARTBEAT_S = 1.0\n"
                        "from remat.cli.main import main; sys.exit(main(sys.argv[1:]))")
     assert proc.returncode == 4 and "building workload 'u.py:hangs' (1 s)" in proc.stderr, proc.stderr
+
+
+_BEAT_1S = "import sys, remat.cli.common as c; c.HEARTBEAT_S = 1.0\nfrom remat.cli.main import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_a_hanging_first_step_prints_progress_lines(user_dir):
+    proc = _remat(user_dir, "trace", "--workload", "u.py:hanging_batch", "--out", "o", "--timeout", "3", code=_BEAT_1S)
+    assert proc.returncode == 4 and "running the first step (1 s)..." in proc.stderr, proc.stderr
+    assert "building workload" not in proc.stderr   # the build was fast: no line for it
+
+
+def test_the_first_step_lines_stop_when_it_returns(user_dir):
+    """The first batch takes 1.2 s (at least one line), the second 3 s: no line once the first step returned."""
+    proc = _remat(user_dir, "trace", "--workload", "u.py:slow_first_batch", "--out", "o", "--steps", "1",
+                  "--warmup", "1", code=_BEAT_1S)
+    assert proc.returncode == 0, proc.stderr
+    before, _, after = proc.stderr.partition("SECOND STEP")
+    assert "running the first step (1 s)..." in before and "running the first step" not in after, proc.stderr

@@ -7,11 +7,13 @@ and the temp file is removed whatever stopped the write (Ctrl-C and SIGTERM incl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import OutputError
 
@@ -79,3 +81,68 @@ def atomic_write_text(path: Path | str, text: str) -> Path:
 
 def atomic_write_json(path: Path | str, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+CACHE_ENV_VAR = "REMAT_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """remat's cache folder (plans, measured bandwidths): ``$REMAT_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/remat``, else ``~/.cache/remat``."""
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "remat"
+# NOTE [native solver output]
+# HiGHS (inside scipy.optimize.milp) prints some diagnostics with C printf whatever its options
+# say (``disp`` is off by default): e.g. "HighsMipSolverData::transformNewIntegerFeasibleSolution
+# tmpSolver.run();" when a solution it found violates a row after un-presolving. That text goes
+# to fd 1 through C stdio's buffer, so it surfaced later, in the middle of `remat receipt`'s
+# output. Planning is library code and must not print, so :func:`native_output_filtered` points
+# fd 1 at a temporary file while the solver runs, flushes C stdio (``fflush(NULL)``) before
+# pointing it back, and then writes back every line but the solver's own (``drop`` prefixes):
+# another thread's output in that window arrives late but whole.
+_LIBC: Any = None
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: C stdio's buffered output (a printf into a pipe or file waits there) goes to its fd now."""
+    global _LIBC
+    try:
+        if _LIBC is None:
+            import ctypes
+            _LIBC = ctypes.CDLL(None)
+        _LIBC.fflush(None)
+    except (OSError, AttributeError):   # no C library to flush (a non-glibc build): nothing buffered to lose
+        pass
+
+
+HIGHS_PREFIXES = ("Highs", "HighsMipSolverData")
+
+
+@contextlib.contextmanager
+def native_output_filtered(drop: tuple[str, ...] = HIGHS_PREFIXES, fd: int = 1) -> Iterator[None]:
+    """Hold what native code writes to ``fd`` while the block runs, then pass on every line not starting
+    with ``drop`` (NOTE [native solver output]). Python's own ``sys.stdout`` is flushed first."""
+    try:
+        sys.stdout.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+    _flush_c_stdio()
+    try:
+        saved = os.dup(fd)
+    except OSError:   # no such fd (a daemon without stdout): nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), fd)
+        try:
+            yield
+        finally:
+            _flush_c_stdio()
+            os.dup2(saved, fd)
+            os.close(saved)
+            held.seek(0)
+            kept = b"".join(line for line in held if not line.decode("utf-8", "replace").startswith(drop))
+            while kept:
+                kept = kept[os.write(fd, kept):]

@@ -33,6 +33,7 @@ from .errors import BudgetError, PlanError
 from .measure import CompileSpec, StepMeasurement, measure_arm
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
+from .plan.offload import OffloadPricing
 from .profile.model import ProfileReport
 from .types import ProgressFn, no_progress
 from .workload.loader import LoadedWorkload
@@ -187,9 +188,11 @@ def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, 
 def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec = "optimal", *,
                      budget_bytes: int | None, reserve: float = 0.05, allow_hazards: bool = False,
                      preserve_rng_state: bool = True, max_tries: int = 3, steps: int = 3,
-                     compile: CompileSpec | None = None,
+                     compile: CompileSpec | None = None, offload: OffloadPricing | None = None,
                      progress: ProgressFn = no_progress) -> ClosedLoopResult:
     """Plan, apply to a fresh build, measure; correct and fall back until a plan measures in budget.
+
+    ``offload``: price an OFFLOAD mode beside recompute (NOTE [offload cost model]).
 
     NOTE [closed loop fallbacks]
     A budget-driven plan (``optimal``, ``greedy``) that measures over its effective budget is
@@ -226,7 +229,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     budget_driven = PlannerSpec.parse(planner).needs_budget
     device = _OneDevice(loaded, report, planner, compile=compile, steps=steps,
                         kw=dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
-                                preserve_rng_state=preserve_rng_state))
+                                preserve_rng_state=preserve_rng_state, offload=offload))
     try:
         first: Plan | None = make_plan(report, planner, **device.kw)
     except InfeasibleBudget as exc:

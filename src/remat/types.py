@@ -45,6 +45,7 @@ class MemorySource(str, enum.Enum):
     SIMULATED = "simulated"
 
 
+import typing  # noqa: E402
 from typing import Callable  # noqa: E402
 
 # Progress callback for long library work: (what, done, total). Library code never prints;
@@ -56,6 +57,16 @@ def no_progress(what: str, done: int, total: int) -> None:
     return None
 
 
+class RankReduce(typing.Protocol):
+    """The ranks of a job that run every measured step together (NOTE [one plan per job] in
+    remat/autoplan/ranks.py): each measured figure is replaced by its reduction over them, so every
+    rank sees the same numbers and takes the same decisions. One process: no reducer at all (None)."""
+
+    def max_bytes(self, value: int) -> int: ...
+
+    def median_ms(self, values: list[float]) -> list[float]: ...
+
+
 class CheckpointMode(str, enum.Enum):
     """What a plan does with one candidate module."""
 
@@ -64,6 +75,7 @@ class CheckpointMode(str, enum.Enum):
     SELECTIVE = "selective"  # SAC: matmul/attention outputs saved, cheap ops recomputed
     SAVE_ATTENTION = "save-attention"            # SAC: only attention outputs saved, the rest recomputed
     RECOMPUTE_POINTWISE = "recompute-pointwise"  # SAC: only pointwise and norm ops recomputed, the rest saved
+    OFFLOAD = "offload"      # nothing recomputed: its saved activations wait in host memory (NOTE [activation offload])
 
 
 class HazardKind(str, enum.Enum):
@@ -76,6 +88,7 @@ class HazardKind(str, enum.Enum):
     INPLACE_INPUT = "inplace_input"          # an op wrote in place into one of the region's inputs
     HOOK = "hook"                            # a user's forward / pre-forward hook inside the region fires on replay
     GLOBAL_STATE = "global_state"            # a module global or closure cell the forward writes changes on replay
+    GLOBAL_READ = "global_read"              # one the forward only reads has another value when backward replays it
 
 
 # NOTE [selective policy ops]

@@ -10,8 +10,9 @@ which parameters train (``requires_grad``: LoRA freezes most, which changes ever
 value), the budget as given (``"70%"`` means 70% of this step's own peak), the reserve and
 planner, the loss function (qualified name, bytecode, defaults, closure values; a
 ``functools.partial`` by its function, arguments and keywords), the optimizer (class, defaults,
-groups: its state is part of the peak), the device (with the CUDA device name), and the torch and
-remat versions. The key is the sha256 of all of that as JSON; the file name is the key, and the
+groups: its state is part of the peak), the autocast dtype the step runs under, the device (with the CUDA
+device name), the torch and remat versions, and for a wrapped model the job's world size and engine
+(DDP, FSDP2). The key is the sha256 of all of that as JSON; the file name is the key, and the
 file is a plain ``plan.json`` read through the hardened loader. A key that differs in any part
 re-plans. The cache never stops ``remat.auto``: an entry that fails to load, or to apply to this
 model (a foreign plan, ``FingerprintMismatch``, ``CandidateError``), is a miss with a
@@ -32,18 +33,9 @@ from typing import Any
 
 import torch
 
+from .._io import CACHE_ENV_VAR as ENV_VAR, default_cache_dir
 from ..errors import RematError
 from ..plan import Plan
-
-ENV_VAR = "REMAT_CACHE_DIR"
-
-
-def default_cache_dir() -> Path:
-    """``$REMAT_CACHE_DIR``, else ``$XDG_CACHE_HOME/remat``, else ``~/.cache/remat``."""
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "remat"
 
 
 class PlanCacheWarning(UserWarning):
@@ -82,6 +74,9 @@ class CacheKey:
     device: str
     torch_version: str
     remat_version: str
+    world_size: int = 1            # a job's plan is the job's (NOTE [one plan per job])
+    engine: str = "none"           # JobEngine: how the model is wrapped (none, ddp, fsdp2)
+    autocast: str | None = None    # the step's autocast dtype (NOTE [autocast steps]): it changes every peak
 
     @property
     def digest(self) -> str:

@@ -18,7 +18,8 @@ differs when a value differs:
   scalars by value;
 - a module by its class (its source hash) and, for it and each submodule, its non-tensor
   attributes (everything in ``__dict__`` a bare ``nn.Module`` does not have: hooks are not
-  keyed), its parameters' and buffers' shapes and dtypes;
+  keyed), its parameters' and buffers' shapes and dtypes; a hook's ``RemovableHandle`` (FSDP2
+  keeps its own in module state) by its class alone: its id is a process-wide counter;
 - an object with ``to_dict`` (a Hugging Face ``PretrainedConfig``) by ``to_dict()`` plus its
   ``_attn_implementation``, which ``to_dict`` leaves out;
 - a function by its qualified name, its bytecode (nested code objects too), its defaults,
@@ -45,6 +46,7 @@ import types
 from typing import Any, Callable
 
 import torch
+import torch.utils.hooks
 from torch import nn
 
 from ..profile.fingerprint import class_source_hash
@@ -125,6 +127,9 @@ class StableDigest:
 
     def _str_like(self, v: Any, depth: int) -> Any:
         return [type(v).__name__, str(v)]
+
+    def _hook_handle(self, v: Any, depth: int) -> Any:
+        return ["hook handle"]
 
     def _tensor(self, t: torch.Tensor, depth: int) -> Any:
         return ["tensor", list(t.shape), str(t.dtype), t.device.type, t.requires_grad]
@@ -234,6 +239,7 @@ _Rule = Callable[[StableDigest, Any, int], Any]
 # First match wins: enums before the ints and strings they may be, modules and tensors before objects.
 _RULES: tuple[tuple[type | tuple[type, ...], _Rule], ...] = (
     (enum.Enum, StableDigest._enum),
+    (torch.utils.hooks.RemovableHandle, StableDigest._hook_handle),
     ((tuple, list), StableDigest._sequence),
     ((set, frozenset), StableDigest._set),
     (dict, StableDigest._dict),

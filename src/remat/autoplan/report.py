@@ -27,7 +27,14 @@ class AutoReport:
     """Predicted and measured figures of the plan ``remat.auto`` applied (bytes, ms).
 
     Peaks are whole training steps (batch, forward, backward, optimizer step with its state),
-    measured on a copy by ``memory_source`` (``cuda-allocator`` or ``cpu-live-tensors``)."""
+    measured on a copy by ``memory_source`` (``cuda-allocator`` or ``cpu-live-tensors``). In a job
+    (``engine`` ddp or fsdp2, ``world_size`` > 1) they are per device, measured on the wrapped model
+    itself on every rank and reduced over the ranks (the fullest rank's; NOTE [one plan per job]),
+    and ``budget_bytes`` is the smallest rank's budget."""
+
+    plan_digest: str                     # sha256 of the applied plan's JSON: equal on every rank of a job
+    world_size: int                      # 1: one process
+    engine: str                          # none, ddp, fsdp2 (JobEngine)
 
     planner: str
     boundaries: tuple[str, ...]          # "module path (mode)"
@@ -48,6 +55,8 @@ class AutoReport:
     verification: VerifyStatus
     verify_note: str
     seconds: float                       # wall time of the remat.auto call
+    autocast: str | None = None          # "bfloat16"/"float16": planned (and verified) with the forward under autocast
+    tolerances: dict[str, Any] = dataclasses.field(default_factory=dict)  # dtype -> Tolerance verify compares with
 
     @property
     def predicted_overhead(self) -> float:
@@ -76,9 +85,13 @@ class AutoReport:
             f"  peak: {fmt_bytes(self.baseline_peak_bytes)} unplanned -> predicted {fmt_bytes(self.predicted_peak_bytes)}, "
             f"measured {measured} ({self.memory_source}); budget {self.budget} = {fmt_bytes(self.budget_bytes)}",
             f"  step: {self.baseline_step_ms:.1f} ms unplanned, overhead {self.predicted_overhead * 100:+.1f}% predicted "
-            f"(+{self.predicted_overhead_ms:.2f} ms of replays){planned}; optimizer counted: {self.optimizer}",
+            f"(+{self.predicted_overhead_ms:.2f} ms of replays){planned}; optimizer counted: {self.optimizer}"
+            + (f"; forward under autocast {self.autocast}" if self.autocast else ""),
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
+        if self.engine != "none":
+            lines.append(f"  job: {self.engine} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
+                         "peaks per device, the fullest rank's")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

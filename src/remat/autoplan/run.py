@@ -20,9 +20,13 @@ from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import fingerprint, profile_workload
 from ..types import ProgressFn, no_progress
-from ..verify import RngState, verify_plan
+from ..verify import RngState, tolerance_table, verify_plan
+from ..workload import parse_autocast
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
+from .inplace import InPlaceSource, JobEngine, check_job, job_engine
+from .ranks import JobRanks, agree_profile, job_ranks
+from .library_flags import DIFFUSERS, TRANSFORMERS_4, checkpointing_api, flagged_modules
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device
 
@@ -49,11 +53,13 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
         found.append(f"torch's {torch_wrapped[0][1]} (apply_activation_checkpointing / checkpoint_wrapper) on "
                      f"{', '.join(n for n, _ in torch_wrapped[:5])}: plan the model before wrapping it, or hand "
                      "remat's plan to apply_activation_checkpointing through remat.export_check_fn")
-    hf = [n or "<root>" for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if hf:
-        found.append(f"Hugging Face gradient checkpointing (gradient_checkpointing_enable()) on {len(hf)} module(s), "
-                     f"e.g. {', '.join(hf[:3])}: call model.gradient_checkpointing_disable() first "
-                     "(remat.integrations.transformers.enable replaces it)")
+    flagged = flagged_modules(model)
+    if flagged:
+        api = checkpointing_api(model) or TRANSFORMERS_4   # a bare flag: the call most code still makes
+        where = "diffusers" if api is DIFFUSERS else "transformers"
+        found.append(f"{'diffusers' if api is DIFFUSERS else 'Hugging Face'} gradient checkpointing ({api.enable}()) "
+                     f"on {len(flagged)} module(s), e.g. {', '.join(flagged[:3])}: call model.{api.disable}() first "
+                     f"(remat.integrations.{where}.enable replaces it)")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         found.append("torch.compile's OptimizedModule: pass the model before torch.compile (model._orig_mod) "
                      "and compile after remat.auto")
@@ -77,6 +83,7 @@ class AutoSettings:
     measure_replays: bool
     segments: bool
     progress: ProgressFn
+    autocast: str | None = None   # as given: "bf16", "bfloat16", "fp16", "float16"
     reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
 
     def __post_init__(self) -> None:
@@ -84,6 +91,18 @@ class AutoSettings:
             raise AutoError(f"verify={self.verify!r}: expected None (default: not verified) or 'quick'")
         check_budget_syntax(self.budget)
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
+        object.__setattr__(self, "autocast", parse_autocast(self.autocast))
+
+    def step_autocast(self, device: torch.device) -> str | None:
+        """The autocast dtype the step runs under: ``autocast``, or the caller's own ``torch.autocast``
+        block around ``remat.auto`` (NOTE [autocast steps]); AutoError when the two disagree."""
+        if not torch.is_autocast_enabled(device.type):
+            return self.autocast
+        ambient = str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
+        if self.autocast is not None and self.autocast != ambient:
+            raise AutoError(f"remat.auto(autocast={self.autocast!r}) was called inside torch.autocast({device.type}, "
+                            f"dtype={ambient})", tip="pass the dtype you train with once: the keyword or the block")
+        return ambient
 
     @property
     def quick_verify(self) -> bool:
@@ -118,7 +137,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
          optimizer: torch.optim.Optimizer | None = None, verify: str | None = None,
          cache_dir: str | Path | None = None, use_cache: bool = True, reserve: str | float = 0.05,
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
-         segments: bool = True, progress: ProgressFn = no_progress) -> AutoHandle:
+         segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
@@ -131,7 +150,10 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     ``copy.deepcopy`` cannot. ``measure_replays=False`` keeps the profile's first replay-cost
     estimates instead of timing each candidate's replay alone (faster; the overhead is less exact).
     ``segments=False``: plan per-module boundaries only, no segment candidates (NOTE [segments]):
-    what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express. Nothing of
+    what ``export_check_fn`` and torch's per-module ``checkpoint_wrapper`` can express.
+    ``autocast="bf16"`` (or ``"fp16"``): plan, measure and verify the step with its forward under
+    ``torch.autocast`` as you train it (NOTE [autocast steps]); called inside a ``torch.autocast``
+    block, remat.auto plans under that block's dtype, and ``report.autocast`` says which. Nothing of
     yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
@@ -139,7 +161,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     _check_trainable(model)
     settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
                             use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
-                            measure_replays=measure_replays, segments=segments, progress=progress)
+                            measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast)
     _check_unwrapped(model)
     return _fit(model, example_batch, settings, t0)
 
@@ -147,10 +169,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
 def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float) -> AutoHandle:
     """:func:`auto` once its arguments hold: the cached or a new plan, applied to ``model``
     (``t0``: when the call began, perf_counter seconds)."""
-    loss = settings.loss_fn if settings.loss_fn is not None else default_loss(example_batch)
-    device = model_device(model)
-    source = ModelSource(model, example_batch, loss, OptimizerSpec.of(model, settings.optimizer), device,
-                         settings.copy_fn)
+    source = _source(model, example_batch, settings)
     cache = settings.plan_cache()
     if cache is None:
         plan, verified = _plan_and_verify(source, None, settings)
@@ -158,8 +177,29 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     else:
         plan, verified, status, path = _fit_cached(source, settings, cache)
     handle = apply(model, plan)
-    return AutoHandle(handle, _auto_report(plan, settings, source.optimizer, status, path, verified,
-                                           seconds=time.perf_counter() - t0))
+    report = dataclasses.replace(_auto_report(plan, settings, source, status, path, verified,
+                                              seconds=time.perf_counter() - t0),
+                                 autocast=source.autocast, tolerances=tolerance_table(autocast=source.autocast))
+    return AutoHandle(handle, report)
+
+
+def _source(model: nn.Module, example_batch: Any, settings: AutoSettings) -> ModelSource:
+    """Copies of a plain model (NOTE [no side effects]); a model wrapped by FSDP2 or DDP itself, on
+    every rank of its job (NOTE [wrapped models in place], NOTE [one plan per job])."""
+    loss = settings.loss_fn if settings.loss_fn is not None else default_loss(example_batch)
+    device = model_device(model)
+    optimizer = OptimizerSpec.of(model, settings.optimizer)
+    engine = job_engine(model)
+    autocast = settings.step_autocast(device)
+    if engine is JobEngine.NONE:
+        return ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn, autocast=autocast)
+    ranks = job_ranks()
+    check_job(engine, ranks, quick_verify=settings.quick_verify, copy_fn=settings.copy_fn)
+    return InPlaceSource(model, example_batch, loss, optimizer, device, autocast=autocast, engine=engine, ranks=ranks)
+
+
+def _ranks(source: ModelSource) -> JobRanks | None:
+    return source.ranks if isinstance(source, InPlaceSource) else None
 
 
 def _fit_cached(source: ModelSource, settings: AutoSettings,
@@ -168,6 +208,9 @@ def _fit_cached(source: ModelSource, settings: AutoSettings,
     stored where the directory takes it. Returns the plan, its verification, the cache status, the entry's path."""
     key = _cache_key(source, settings)
     cached = _usable_cached_plan(source.model, cache, key)
+    ranks = _ranks(source)
+    if ranks is not None and not ranks.all_true(cached is not None):
+        cached = None   # a hit on every rank, or all plan again together (NOTE [one plan per job])
     plan, verified = _plan_and_verify(source, cached, settings)
     if cached is not None:
         status = CacheStatus.HIT
@@ -194,6 +237,7 @@ def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Pl
 def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
     """What a cached plan is bound to (NOTE [plan cache key])."""
     model = source.model
+    ranks = _ranks(source)
     digest = StableDigest()
     return CacheKey(
         fingerprint=fingerprint(model).digest, state=sha256_json(digest.value(model)),
@@ -202,7 +246,10 @@ def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
         budget=str(settings.budget), reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),
-        torch_version=torch.__version__, remat_version=__version__)
+        torch_version=torch.__version__, remat_version=__version__,
+        world_size=ranks.world_size if ranks is not None else 1,
+        engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value,
+        autocast=source.autocast)
 
 
 def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings) -> tuple[Plan, VerifyStatus]:
@@ -221,28 +268,42 @@ def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSet
                     verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
                     verified = VerifyStatus.PASSED
     finally:
+        source.restore()
         rng.restore()
+    ranks = _ranks(source)
+    if ranks is not None:   # the plan every rank applies (and caches) is rank 0's (NOTE [one plan per job])
+        plan = Plan.from_json(ranks.from_rank0(plan.to_json()))
     return plan, verified
 
 
 def _parked(source: ModelSource, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager[Any]:
     """On CUDA, the user's model and optimizer state parked on the CPU (:class:`Parked`); elsewhere nothing."""
-    return Parked(source.model, optimizer) if source.device.type == "cuda" else contextlib.nullcontext()
+    if source.device.type != "cuda" or source.in_place:   # in place: the model is what is measured
+        return contextlib.nullcontext()
+    return Parked(source.model, optimizer)
 
 
 def _plan(source: ModelSource, settings: AutoSettings) -> Plan:
     """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak)."""
     loaded = source.loaded()
-    profile = profile_workload(loaded.rebuild(), measure_replays=settings.measure_replays,
+    ranks = _ranks(source)
+    # in a job, a replay is timed until its timings settle: a per-rank decision (NOTE [one plan per job])
+    profile = profile_workload(loaded.rebuild(), measure_replays=settings.measure_replays and ranks is None,
                                segments=settings.segments, progress=settings.progress)
-    budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)
+    budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)   # this rank's own peak
+    if ranks is not None:
+        budget_bytes = ranks.min_bytes(budget_bytes)
+        profile = agree_profile(profile, ranks)
     return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes,
                             reserve=settings.reserve_fraction, progress=settings.progress).plan
 
 
-def _auto_report(plan: Plan, settings: AutoSettings, optimizer: OptimizerSpec, cache: CacheStatus,
+def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache: CacheStatus,
                  cache_path: str | None, verified: VerifyStatus, *, seconds: float) -> AutoReport:
+    optimizer, ranks = source.optimizer, _ranks(source)
     return AutoReport(
+        plan_digest=sha256_json(plan.to_json()), world_size=ranks.world_size if ranks is not None else 1,
+        engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value,
         planner=plan.planner, boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
         budget=str(settings.budget), budget_bytes=plan.budget_bytes or 0,
         effective_budget_bytes=plan.effective_budget_bytes or 0,

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import AutoError, WorkloadError
-from ..workload import LoadedWorkload, Workload
+from ..workload import LoadedWorkload, Workload, with_autocast
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 CopyFn = Callable[[nn.Module], nn.Module]
@@ -147,10 +147,20 @@ class ModelSource:
     """Builds fresh copies of the user's training step (NOTE [no side effects])."""
 
     def __init__(self, model: nn.Module, batch: Any, loss: LossFn, optimizer: OptimizerSpec,
-                 device: torch.device, copy_fn: CopyFn | None = None) -> None:
+                 device: torch.device, copy_fn: CopyFn | None = None, autocast: str | None = None) -> None:
         self.model, self.batch, self.loss, self.optimizer = model, batch, loss, optimizer
         self.device = device
         self.copy_fn = copy_fn or copy_model
+        self.autocast = autocast   # "bfloat16"/"float16": the loss runs under torch.autocast (NOTE [autocast steps])
+
+    @property
+    def in_place(self) -> bool:
+        """False: every build is a copy (NOTE [no side effects]); True: the user's model itself
+        (NOTE [wrapped models in place] in inplace.py)."""
+        return False
+
+    def restore(self) -> None:
+        """Put the user's model back as it was found; nothing to do when every build was a copy."""
 
     def workload(self) -> Workload:
         model = self.copy_fn(self.model)
@@ -159,8 +169,8 @@ class ModelSource:
         if self.device.type != "cpu":
             model.to(self.device)    # the user's model is parked on the CPU meanwhile (Parked)
         batch, spec = self.batch, self.optimizer
-        return Workload(model=model, batch=lambda step: clone_batch(batch), loss=self.loss,
-                        optimizer=lambda params: spec.build(model))
+        return with_autocast(Workload(model=model, batch=lambda step: clone_batch(batch), loss=self.loss,
+                                      optimizer=lambda params: spec.build(model)), str(self.device), self.autocast)
 
     def loaded(self) -> "InMemoryWorkload":
         """The workload every stage rebuilds from. Its own model is a copy on the ``meta`` device:
@@ -174,7 +184,7 @@ class ModelSource:
         return InMemoryWorkload(spec=f"remat.auto:{type(self.model).__qualname__}", shape={},
                                 device=str(self.device), dtype=dtype,
                                 workload=Workload(model=meta, batch=lambda step: clone_batch(batch), loss=loss),
-                                source=self)
+                                autocast=self.autocast, source=self)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -10,13 +10,15 @@ import torch
 
 from rich.markup import escape
 
-from ..errors import CheckFailed
+from ..errors import CheckFailed, ReceiptError
+from ..workload import parse_autocast
 from ..pipeline_parallel.check import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
 from ..workflow.check import CheckReport, Deadline
 from ..workflow.gate import limit, project_gate
 from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
-from .common import MAX_THREADS, bounded_int
+from .common import MAX_THREADS, beat_until_first_step, bounded_int
+from .main import time_limit
 from .render import console, err_console, progress_bar
 
 
@@ -49,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                           "of the control's step (default 10%%)")
     p.add_argument("--timeout", type=float, default=None, help="time limit for the whole check in seconds (default: "
                                                                "[tool.remat] timeout, else 3600); past it: exit 4")
+    p.add_argument("--autocast", default=None, choices=["bf16", "fp16", "bfloat16", "float16"],
+                   help="the autocast dtype you train with; must be the receipt's (default: the receipt's, under "
+                        "which check re-runs the step)")
     p.add_argument("--no-reports", action="store_true", help="do not fail when report.html / report.md are missing")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
                    help="torch intra-op threads (default: as many as the receipt was made with)")
@@ -71,13 +76,30 @@ def render_report(report: CheckReport) -> None:
         console.print(f"[bold red]FAIL[/] {f.kind}{where}: {escape(f.message)}", highlight=False)
 
 
+def _check_autocast(given: str | None, receipt: object) -> None:
+    """``--autocast`` names the receipt's autocast dtype, or is left out: check re-runs the receipt's step as it was made."""
+    recorded = getattr(getattr(receipt, "context", None), "autocast", None)
+    if given is not None and parse_autocast(given) != recorded:
+        raise ReceiptError(f"--autocast {given}, but the receipt was made "
+                           + (f"under autocast {recorded}" if recorded else "without autocast"),
+                           tip="re-run `remat receipt` with the autocast you train with, or drop --autocast")
+
+
 def run(args: argparse.Namespace) -> int:
-    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
     gate = gate_from_args(args)
+    # a hard limit (NOTE [exit codes]): the Deadline's checks cannot stop a factory or batch() that never returns
+    with time_limit("check", limit("timeout_s", gate, project_gate())):
+        return _run(args, gate)
+
+
+def _run(args: argparse.Namespace, gate: GateSettings) -> int:
+    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
+    _check_autocast(args.autocast, receipt)
     # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
     torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
     reports = ReportStamps(folder=args.receipt.parent, digest=digest, required=not args.no_reports)
     with progress_bar() as progress:
+        beat_until_first_step("check: building the workload and running its first step")
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
             deadline = Deadline(limit("timeout_s", gate, project_gate()))
             report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,

@@ -16,14 +16,15 @@ from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
 from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import (MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir,
-                     compile_from_args, load_from_args)
+from .common import (MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
+                     check_out_dir, compile_from_args, load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("frontier", help="measure peak vs step time for several plans, capacity, and which to ship")
     add_workload_args(p)
+    add_autocast_arg(p)
     p.add_argument("--budget", required=True,
                    help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
                         "no-checkpoint peak (60%%)")
@@ -123,7 +124,10 @@ def render_frontier(report: FrontierReport) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":   # the pipeline's points: no plan, uniform, per-stage plans at --budget
         from .pipeline_parallel import run_pipeline_frontier
+        refuse_autocast_with(args, "--engine pipeline", "the pipeline engine runs the workload's step as it is")
         return run_pipeline_frontier(args)
+    if getattr(args, "world_size", None):
+        refuse_autocast_with(args, "--world-size", "the distributed run does not run the step under autocast")
     # cheap checks first: a typo should not cost minutes of profiling
     reserve = parse_reserve(args.reserve)
     check_budget_syntax(args.budget)

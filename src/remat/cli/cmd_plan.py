@@ -10,17 +10,20 @@ from rich.table import Table
 from .._io import atomic_write_json
 from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..plan import PLANNER_SPECS, Plan, check_budget_syntax, parse_budget, parse_reserve
+from ..plan.offload import measured_pricing, modelled_pricing
 from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated, profile_workload
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import add_compile_args, add_workload_args, check_out_dir, compile_from_args, load_from_args
+from .common import (add_autocast_arg, add_compile_args, add_workload_args, check_out_dir, compile_from_args, load_from_args,
+                     recorded_workload, refuse_autocast_with)
 from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="choose the cheapest checkpoint boundaries whose step peak fits a budget")
     add_workload_args(p)
+    add_autocast_arg(p)
     add_plan_args(p)
     p.add_argument("--out", required=True, type=Path, help="output folder (plan.json, profile.json)")
     add_compile_args(p)
@@ -38,6 +41,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-hazards", action="store_true",
                    help="plan hazardous candidates unguarded (to show verification catching them)")
     p.add_argument("--no-measure", action="store_true", help="skip the apply-and-measure closed loop")
+    p.add_argument("--offload", action="store_true",
+                   help="also offer activation offload per boundary (saved activations wait in host memory), "
+                        "priced from this machine's measured copy bandwidth; the planner picks keep, recompute "
+                        "or offload per boundary")
+    p.add_argument("--host-budget", default=None,
+                   help="with --offload: host memory the offloaded activations may hold (e.g. 16GiB; default: no bound)")
     p.add_argument("--simulate", action="store_true",
                    help="profile under FakeTensorMode (any shape, nothing allocated) with times from a device "
                         "model; the plan records that its figures are simulated (no closed loop)")
@@ -57,24 +66,57 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
     if compile is not None and getattr(args, "simulate", False):
         raise WorkloadError("--compile cannot be simulated: a compiled step's peak is measured, not modelled",
                             tip="drop --simulate, or --compile")
+    host_budget = _host_budget_from_args(args, compile)
     if getattr(args, "simulate", False):
         from ..simulate import get_device_model
+        from ..plan import PlanWorkload
+        refuse_autocast_with(args, "--simulate", "the simulated step models the workload's own dtype only")
         target = args.target_device or ("h100" if args.device.startswith("cuda") else "cpu")
         get_device_model(target)  # a typed error for an unknown device, before profiling
         report = profile_simulated(args.workload, parse_shape(args.shape), dtype=args.dtype, target_device=target,
                                    candidates=candidates, progress=progress)
         budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
-        return report, make_plan(report, args.planner, budget_bytes=budget, reserve=reserve,
-                                 allow_hazards=args.allow_hazards)
+        offload = modelled_pricing(target, host_budget_bytes=host_budget) if getattr(args, "offload", False) else None
+        plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve, allow_hazards=args.allow_hazards,
+                         offload=offload)
+        plan.workload = PlanWorkload(spec=args.workload, shape=parse_shape(args.shape), device=args.device,
+                                     dtype=args.dtype)
+        return report, plan
+    offload = measured_pricing(args.device, host_budget_bytes=host_budget) if getattr(args, "offload", False) else None
     loaded = load_from_args(args)
     report = profile_workload(loaded, candidates=candidates, progress=progress)
     budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
     if args.no_measure:
-        plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve, allow_hazards=args.allow_hazards)
+        plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve, allow_hazards=args.allow_hazards,
+                         offload=offload)
         plan.compile = compile   # run compiled wherever it is applied by remat; not measured here
+        plan.workload = recorded_workload(loaded)
         return report, plan
-    return report, plan_closed_loop(loaded, report, args.planner, budget_bytes=budget, reserve=reserve,
-                                    allow_hazards=args.allow_hazards, compile=compile, progress=progress)
+    result = plan_closed_loop(loaded, report, args.planner, budget_bytes=budget, reserve=reserve,
+                              allow_hazards=args.allow_hazards, compile=compile, offload=offload, progress=progress)
+    result.plan.workload = recorded_workload(loaded)   # NOTE [plan workload]
+    return report, result
+
+
+def _host_budget_from_args(args: argparse.Namespace, compile) -> int | None:  # noqa: ANN001
+    """``--offload`` / ``--host-budget``: usage errors before any work, and the host budget (bytes) or None."""
+    offload = getattr(args, "offload", False)
+    host_budget = getattr(args, "host_budget", None)
+    if host_budget is not None and not offload:
+        raise WorkloadError("--host-budget only applies with --offload", tip="add --offload")
+    if not offload:
+        return None
+    if compile is not None:
+        raise WorkloadError("--offload cannot be combined with --compile: offload boundaries run eagerly "
+                            "(NOTE [activation offload])", tip="drop --offload or --compile")
+    host_bytes = None
+    if host_budget is not None:
+        check_budget_syntax(host_budget)
+        if str(host_budget).strip().endswith("%"):
+            raise WorkloadError(f"--host-budget {host_budget}: give bytes with a unit (16GiB), not a share",
+                                tip="e.g. --host-budget 16GiB")
+        host_bytes = parse_budget(host_budget, 1)
+    return host_bytes
 
 
 def render_plan(plan: Plan) -> None:
@@ -95,6 +137,8 @@ def render_plan(plan: Plan) -> None:
                      if plan.measured_peak_bytes is not None else ""))
     if plan.compile is not None:
         console.print(f"compiled: {plan.compile.describe()}; measured warm after compiling")
+    if plan.workload is not None and plan.workload.autocast is not None:
+        console.print(f"autocast: the forward ran under torch.autocast({plan.workload.autocast}); every figure is of that step")
     if plan.simulated:
         console.print(f"[yellow]simulated[/]: bytes from FakeTensorMode, times from the {plan.device_model} device model "
                       "(no step was run; nothing was measured)")

@@ -21,14 +21,15 @@ from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
 from ..frontier.run import DEFAULT_COMPILED_PLANS
-from .common import (MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_compile_args, add_workload_args, bounded_int, check_out_dir,
-                     compile_from_args, load_from_args)
+from .common import (MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
+                     check_out_dir, compile_from_args, load_from_args)
 from .render import console, err_console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("receipt", help="run every stage end to end and publish a receipt CI can re-check")
     add_workload_args(p)
+    add_autocast_arg(p)
     p.add_argument("--boundary-shape", default="", help="a second shape to trace, e.g. the first one that does not fit")
     p.add_argument("--budget", required=True,
                    help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "

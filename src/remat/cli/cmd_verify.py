@@ -11,14 +11,15 @@ from .._io import atomic_write_json
 from ..wrap import load_plan
 from ..verify import VerifyReport, verify_plan
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import (MAX_SEEDS, MAX_STEPS, add_compile_args, add_workload_args, bounded_int, check_out_dir,
-                     compile_from_args, load_from_args)
+from .common import (MAX_SEEDS, MAX_STEPS, WORKLOAD_DEFAULTS, add_autocast_arg, add_compile_args, add_workload_args,
+                     bounded_int, check_out_dir, compile_from_args, fill_from_plan, load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="prove the planned step trains exactly like the unmodified one")
-    add_workload_args(p)
+    add_workload_args(p, from_plan=True)
+    add_autocast_arg(p, from_plan=True)
     p.add_argument("--plan", required=True, type=Path,
                    help="plan.json from `remat plan` (with --engine pipeline: from `remat distributed --engine pipeline`)")
     p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=3, help="training steps per paired run (default 3)")
@@ -92,6 +93,11 @@ def _print_verdict(report: VerifyReport) -> None:
     if report.compile is not None:
         console.print("compiled: control = the compiled unplanned step; tolerances "
                       + ", ".join(f"{k} rtol {v.rtol:g}" for k, v in report.tolerances.items()), highlight=False)
+    if report.autocast is not None:
+        tol = report.tolerances.get(report.dtype)
+        console.print(f"autocast: both sides' forward under torch.autocast({report.autocast}); {report.dtype} tensors "
+                      f"compared at rtol {tol.rtol:g}, atol {tol.atol:g}, the autocast dtype's"
+                      if tol else f"autocast: both sides' forward under torch.autocast({report.autocast})", highlight=False)
     console.print("[bold green]PASSED[/]: the planned step is the same training procedure as the control")
 
 
@@ -107,8 +113,14 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":   # per-stage plans: the planned pipeline vs the unplanned one, bitwise
         from .pipeline_parallel import run_pipeline_verify
+        refuse_autocast_with(args, "--engine pipeline", "the pipeline engine runs the workload's step as it is")
+        for name, value in WORKLOAD_DEFAULTS.items():
+            setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
         return run_pipeline_verify(args)
     plan = load_plan(args.plan)  # bad plan -> PlanError, exit 2, before building anything
+    fill_from_plan(args, plan.workload)   # NOTE [plan workload]: what the plan was made for, unless given
+    if args.world_size:
+        refuse_autocast_with(args, "--world-size", "the distributed run does not run the step under autocast")
     check_out_dir(args.out, ("verify.json", "distributed.json"))
     loaded = load_from_args(args)
     with progress_bar() as progress:

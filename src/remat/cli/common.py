@@ -9,11 +9,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from ..errors import OutputError
+from ..errors import OutputError, WorkloadError
 from ..receipt.schema import MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP
 from ..workload import LoadedWorkload, load_workload, parse_shape
+from ..workload.contract import watch_first_step
 
 
 MAX_THREADS = 4096
@@ -46,13 +47,52 @@ def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
     return parse
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="gpt",
-                   help="built-in name (gpt, cnn, mlp), path/to/file.py:fn or package.module:fn (default: gpt)")
-    p.add_argument("--shape", default="", help="shape keywords for the workload factory, e.g. batch_size=8,seq_len=256")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+WORKLOAD_DEFAULTS = {"workload": "gpt", "shape": "", "device": "cpu", "dtype": "float32"}
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, from_plan: bool = False) -> None:
+    """``--workload --shape --device --dtype --timeout``. ``from_plan``: each defaults to what the
+    ``--plan`` file records (NOTE [plan workload]; :func:`fill_from_plan`), else to WORKLOAD_DEFAULTS."""
+    d = dict.fromkeys(WORKLOAD_DEFAULTS) if from_plan else WORKLOAD_DEFAULTS
+    recorded = " (default: the one the --plan file records, when it is a built-in)" if from_plan else " (default: gpt)"
+    p.add_argument("--workload", default=d["workload"],
+                   help="built-in name (gpt, cnn, mlp), path/to/file.py:fn or package.module:fn" + recorded)
+    p.add_argument("--shape", default=d["shape"], help="shape keywords for the workload factory, e.g. batch_size=8,seq_len=256"
+                   + (" (default: the plan's)" if from_plan else ""))
+    p.add_argument("--device", default=d["device"], help="cpu or cuda (default: " + ("the plan's, else " if from_plan else "") + "cpu)")
+    p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16", "float16"])
     add_timeout_arg(p)
+
+
+def add_autocast_arg(p: argparse.ArgumentParser, *, from_plan: bool = False) -> None:
+    """``--autocast bf16|fp16``: the forward phase under torch.autocast (NOTE [autocast steps])."""
+    p.add_argument("--autocast", default=None, choices=["bf16", "fp16", "bfloat16", "float16"],
+                   help="run the step's forward (model call and loss) under torch.autocast in this dtype, as a "
+                        "mixed-precision training loop does; verify then compares at that dtype's tolerance "
+                        "(stated in the report)" + (" (default: as the --plan file records)" if from_plan else ""))
+
+
+def fill_from_plan(args: argparse.Namespace, recorded: Any) -> None:
+    """Fill the workload flags not given from ``recorded`` (a PlanWorkload or None; NOTE [plan workload]).
+    A recorded spec is used only when it is a built-in; otherwise WorkloadError names it."""
+    from ..workload import BUILTINS
+    if args.workload is None:
+        if recorded is None:
+            raise WorkloadError("--workload not given, and the plan file does not record the workload it was made "
+                                "for (made by an older remat, or not by `remat plan`)",
+                                tip="name it: --workload gpt|cnn|mlp|path/to/file.py:fn, with the --shape it was planned at")
+        if recorded.spec not in BUILTINS:
+            raise WorkloadError(f"the plan file was made for workload {recorded.spec!r}; remat never imports code a "
+                                "plan file names", tip=f"name it yourself: --workload {recorded.spec}")
+        args.workload = recorded.spec
+    same = recorded is not None and recorded.spec == args.workload
+    for name in ("shape", "device", "dtype"):
+        if getattr(args, name) is None:
+            value = getattr(recorded, name) if same else None
+            setattr(args, name, (",".join(f"{k}={v}" for k, v in value.items()) if name == "shape" else value)
+                    if value is not None else WORKLOAD_DEFAULTS[name])
+    if getattr(args, "autocast", None) is None and same:
+        args.autocast = recorded.autocast
 
 
 def add_timeout_arg(p: argparse.ArgumentParser) -> None:
@@ -61,32 +101,71 @@ def add_timeout_arg(p: argparse.ArgumentParser) -> None:
                    help="time limit for the whole command in seconds, a hanging workload included; past it: exit 4")
 
 
-HEARTBEAT_S = 5.0   # a progress line every this many seconds (s) while a workload builds
+HEARTBEAT_S = 5.0   # a progress line every this many seconds (s) while a workload builds and runs its first step
+_BEATS: list[Callable[[], None]] = []   # stops of heartbeats that outlive load_from_args (stop_heartbeats)
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedWorkload:
-    """Build the workload the arguments name; a factory slower than HEARTBEAT_S gets progress lines on stderr."""
+    """Build the workload the arguments name; a factory or a first step slower than HEARTBEAT_S gets
+    progress lines on stderr (NOTE [first step watch]) until it returns or the command ends."""
     with heartbeat(f"building workload {args.workload!r}", HEARTBEAT_S):
-        return load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype)
+        loaded = load_workload(args.workload, parse_shape(args.shape), device=args.device, dtype=args.dtype,
+                               autocast=getattr(args, "autocast", None))
+    beat_until_first_step("running the first step")
+    return loaded
+
+
+def beat_until_first_step(what: str) -> None:
+    """Progress lines ``what (N s)...`` until the process's next training step ends, or the command does."""
+    _BEATS.append(start_heartbeat(what, HEARTBEAT_S, until=watch_first_step()))
+
+
+def stop_heartbeats() -> None:
+    """Stop the heartbeats still running when the command ends (main calls it)."""
+    while _BEATS:
+        _BEATS.pop()()
+
+
+def recorded_workload(loaded: LoadedWorkload) -> Any:
+    """The PlanWorkload a plan made on ``loaded`` records (NOTE [plan workload])."""
+    from ..plan import PlanWorkload
+    return PlanWorkload(spec=loaded.spec, shape=dict(loaded.shape), device=loaded.device, dtype=loaded.dtype,
+                        autocast=loaded.autocast)
+
+
+def refuse_autocast_with(args: argparse.Namespace, flag: str, why: str) -> None:
+    """``--autocast`` where ``flag`` is on and does not run autocast: a typed error, never ignored."""
+    if getattr(args, "autocast", None):
+        raise WorkloadError(f"--autocast with {flag}: {why}", tip=f"drop --autocast, or {flag}")
 
 
 @contextlib.contextmanager
 def heartbeat(what: str, every_s: float) -> Iterator[None]:
     """While the block runs, print ``what (N s)`` on stderr every ``every_s`` seconds (none for a fast block)."""
-    from .render import err_console
-    done = threading.Event()
-    t0 = time.monotonic()
-
-    def beat() -> None:
-        while not done.wait(every_s):
-            err_console.print(f"{what} ({time.monotonic() - t0:.0f} s)...", highlight=False, markup=False)
-    thread = threading.Thread(target=beat, name="remat-heartbeat", daemon=True)
-    thread.start()
+    stop = start_heartbeat(what, every_s)
     try:
         yield
     finally:
-        done.set()
+        stop()
+
+
+def start_heartbeat(what: str, every_s: float, until: threading.Event | None = None) -> Callable[[], None]:
+    """Print ``what (N s)...`` on stderr every ``every_s`` seconds until ``until`` is set or the returned stop is called."""
+    from .render import err_console
+    done = until or threading.Event()
+    stopped = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not (stopped.wait(every_s) or done.is_set()):
+            err_console.print(f"{what} ({time.monotonic() - t0:.0f} s)...", highlight=False, markup=False)
+    thread = threading.Thread(target=beat, name="remat-heartbeat", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        stopped.set()
         thread.join()
+    return stop
 
 
 def check_out_dir(out: Path, files: Iterable[str] = ()) -> None:

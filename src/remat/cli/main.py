@@ -12,8 +12,9 @@ NOTE [exit codes]
        CheckTimeout, nothing decided. Every command that runs a workload takes ``--timeout``
        (``common.add_timeout_arg``) and arms an alarm (SIGALRM) that raises that CheckTimeout
        wherever the main thread is, a hanging factory or ``batch()`` included. ``remat check``
-       keeps its own ``--timeout`` (default from [tool.remat]), checked up front against the
-       fixtures' estimate and at each progress report (remat.workflow.check.Deadline)
+       keeps its own ``--timeout`` (default from [tool.remat], else 3600 s), checked up front
+       against the fixtures' estimate and at each progress report (remat.workflow.check.Deadline),
+       and arms the same alarm (``time_limit``) for a factory or ``batch()`` that never returns
   130  interrupted (Ctrl-C), at any moment, torch's import included: one line, no traceback
   143  terminated (SIGTERM), handled like Ctrl-C: the CLI's handler raises ``Terminated`` (a
        KeyboardInterrupt), so the same cleanup runs (temp files removed, ranks stopped); one line
@@ -102,7 +103,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def _time_limit(command: str, timeout_s: float | None) -> contextlib.AbstractContextManager[None]:
+def time_limit(command: str, timeout_s: float | None) -> contextlib.AbstractContextManager[None]:
     """Raise CheckTimeout in the main thread once ``timeout_s`` (s) have passed (None: no limit)."""
     def expired(signum: int, frame: Any) -> None:
         raise CheckTimeout(f"remat {command} ran past its --timeout of {timeout_s:g} s: stopped, nothing decided")
@@ -144,8 +145,12 @@ def _main(parser: Any, argv: Sequence[str] | None) -> int:
     except SystemExit as exc:   # usage errors (exit 2), --help and --version (0): main always returns the code
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        with _time_limit(args.command, getattr(args, "command_timeout_s", None)):
-            return int(args.func(args) or 0)
+        with time_limit(args.command, getattr(args, "command_timeout_s", None)):
+            try:
+                return int(args.func(args) or 0)
+            finally:
+                from .common import stop_heartbeats
+                stop_heartbeats()
     except RematError as exc:
         # messages carry user text (paths, module names): never let rich read them as markup
         if exc.traceback_text:

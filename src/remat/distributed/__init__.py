@@ -1,6 +1,7 @@
 """remat.distributed: the plan at world size N, on torch.distributed (DDP and FSDP2).
 
-The only package that touches ``torch.distributed``. :func:`run_distributed` starts the
+The package that runs plans on ``torch.distributed`` (``remat.auto``'s ranks agreeing on one
+plan are ``remat.autoplan.ranks``, below it). :func:`run_distributed` starts the
 ranks with torchrun (NOTE [launcher] in launch.py), each rank rebuilds the workload, runs
 the control and the plan under the same engine configuration, and rank 0 writes
 ``distributed.json`` (:class:`DistributedReport`): per-rank step time and peak, collectives,

@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` (and PEFT): ``enable`` and a ``TrainerCallback``.
 
-``enable(model, example_batch, budget="8GiB")`` replaces ``model.gradient_checkpointing_enable()``:
+``enable(model, example_batch, budget="8GiB")`` replaces ``model.activation_checkpointing_enable()``
+(transformers 5; ``gradient_checkpointing_enable()`` before it):
 instead of checkpointing every layer it checkpoints the cheapest set of modules whose whole
 training step (activations, gradients, optimizer state) fits the budget, measured on copies
 (``remat.auto``). ``RematTrainerCallback(budget=...)`` does the same inside ``Trainer.train()``:
@@ -15,7 +16,9 @@ from typing import Any
 from torch import nn
 
 from ..autoplan import AutoHandle, auto
+from ..autoplan.library_flags import TRANSFORMERS_5, checkpointing_api
 from ..errors import AutoError
+from .baseline import EnableHandle, LibraryCheckpointing, replace_library_checkpointing
 
 try:   # an optional extra: without transformers, enable() still works on any HF-style model
     from transformers import TrainerCallback as _CallbackBase
@@ -23,23 +26,87 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     _CallbackBase = object  # type: ignore[assignment,misc]
 
 
+# what torch.utils.checkpoint's keywords mean to remat, which checkpoints non-reentrant and
+# replays with the forward's RNG state (the values a plan honours as they are; others refused)
+_CHECKPOINT_KWARGS = {"use_reentrant": False, "preserve_rng_state": True, "determinism_check": "default",
+                      "debug": False}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointingOptions:
+    """``activation_checkpointing_enable``'s options (transformers 5.x) as remat reads them.
+
+    ``kwargs``: torch.utils.checkpoint's keywords; remat honours use_reentrant=False,
+    preserve_rng_state=True, determinism_check="default" and debug=False (its own settings) and
+    refuses any other value rather than ignore it. ``every_n_layers``: the Hugging Face
+    configuration remat's plan is measured against (NOTE [library checkpointing baseline]), not
+    a constraint on the plan. ``offload=True`` (activations in pinned host memory) is refused:
+    remat.auto plans recomputation only; offload is planned by `remat plan --offload`."""
+
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    every_n_layers: int | None = None
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kwargs, dict):
+            raise AutoError(f"activation_checkpointing_kwargs must be a dict, got {type(self.kwargs).__name__}")
+        for key, value in self.kwargs.items():
+            if key not in _CHECKPOINT_KWARGS:
+                raise AutoError(f"activation_checkpointing_kwargs {key!r}: remat chooses how each boundary is "
+                                "checkpointed (non-reentrant torch.utils.checkpoint, or a selective policy)",
+                                tip=f"drop {key!r}; remat honours {', '.join(_CHECKPOINT_KWARGS)} at their defaults")
+            if value != _CHECKPOINT_KWARGS[key]:
+                raise AutoError(f"activation_checkpointing_kwargs {key}={value!r}: remat always runs "
+                                f"{key}={_CHECKPOINT_KWARGS[key]!r}"
+                                + (" (reentrant replay checks nothing and can give silently wrong gradients)"
+                                   if key == "use_reentrant" else ""),
+                                tip=f"drop {key}, or pass {key}={_CHECKPOINT_KWARGS[key]!r}")
+        n = self.every_n_layers
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise AutoError(f"every_n_layers must be a positive integer, got {n!r}")
+        if self.offload:
+            raise AutoError("offload=True: remat.auto does not plan activation offload yet (remat plan --offload "
+                            "does: NOTE [activation offload]); here it plans which modules to recompute",
+                            tip="drop offload=True to let remat plan recomputation under the budget, or plan offload "
+                                "with `remat plan --offload` and apply that plan with remat.apply")
+
+    def hf_call(self) -> dict[str, Any]:
+        """The keywords of the equivalent ``activation_checkpointing_enable`` call (the baseline's)."""
+        return {"activation_checkpointing_kwargs": dict(self.kwargs) or None, "every_n_layers": self.every_n_layers or 1}
+
+
 def enable(model: nn.Module, example_batch: Any, *, budget: str | int, optimizer: Any | None = None,
-           **auto_kwargs: Any) -> AutoHandle:
+           activation_checkpointing_kwargs: dict[str, Any] | None = None,
+           gradient_checkpointing_kwargs: dict[str, Any] | None = None, every_n_layers: int | None = None,
+           offload: bool = False, baseline: bool | None = None, **auto_kwargs: Any) -> EnableHandle:
     """``remat.auto`` for a Hugging Face (or PEFT-wrapped) model: ``model(**batch).loss`` is the loss.
 
-    The drop-in for ``model.gradient_checkpointing_enable()``: if that was called before, it is
-    switched off first (``gradient_checkpointing_disable()``) so the two never stack; remat then
-    checkpoints what the budget needs, no more. Pass the optimizer you will train with (its state
-    counts in the peak); without one, AdamW over the trainable parameters is assumed and
-    ``handle.report.optimizer`` says so."""
-    # transformers 5 renames it activation checkpointing (the old names warn, and go in v6)
-    for flag, off in (("is_activation_checkpointing", "activation_checkpointing_disable"),
-                      ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
-        if hasattr(type(model), flag) or hasattr(model, off):
-            if getattr(model, flag, False) and hasattr(model, off):
-                getattr(model, off)()
-            break
-    return auto(model, example_batch, budget=budget, optimizer=optimizer, **auto_kwargs)
+    The drop-in for ``model.activation_checkpointing_enable()`` (transformers 5) and the deprecated
+    ``model.gradient_checkpointing_enable()``: their keywords are taken (:class:`CheckpointingOptions`
+    says what each means to remat; ``gradient_checkpointing_kwargs`` is the old name of
+    ``activation_checkpointing_kwargs``). If either was called before, that checkpointing is
+    recorded, switched off so the two never stack, and measured against remat's plan on copies;
+    so is ``activation_checkpointing_enable(every_n_layers=N)`` when ``every_n_layers`` is given
+    (``baseline=True``: N=1 when not given; ``baseline=False``: nothing measured).
+    ``handle.baseline`` holds the figures (NOTE [library checkpointing baseline]). Pass the optimizer
+    you will train with (its state counts in the peak); without one, AdamW over the trainable
+    parameters is assumed and ``handle.report.optimizer`` says so."""
+    if activation_checkpointing_kwargs is not None and gradient_checkpointing_kwargs is not None:
+        raise AutoError("both activation_checkpointing_kwargs and gradient_checkpointing_kwargs were given",
+                        tip="pass one: gradient_checkpointing_kwargs is transformers 4's name for the same keywords")
+    options = CheckpointingOptions(kwargs=dict(activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {}),
+                                   every_n_layers=every_n_layers, offload=offload)
+    api = checkpointing_api(model)
+    requested = None
+    if api is not None and (every_n_layers is not None or baseline):
+        call = options.hf_call() if api is TRANSFORMERS_5 else {"gradient_checkpointing_kwargs": dict(options.kwargs) or None}
+        if api is not TRANSFORMERS_5 and (every_n_layers or 1) != 1:
+            raise AutoError(f"every_n_layers={every_n_layers}: this model's transformers has no every_n_layers "
+                            f"({api.enable}() checkpoints every layer)", tip="leave every_n_layers out")
+        requested = LibraryCheckpointing(api=api, enable_kwargs=call, describe=f"{api.enable}("
+                                         + ", ".join(f"{k}={v!r}" for k, v in call.items() if v is not None) + ")")
+    return replace_library_checkpointing(model, example_batch, budget=budget, optimizer=optimizer, requested=requested,
+                                         baseline=baseline, auto_kwargs=auto_kwargs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

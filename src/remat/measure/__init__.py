@@ -20,10 +20,11 @@ _LAZY = {   # name -> the module that defines it
                      "warm_up"], "remat.measure.run"),
     **dict.fromkeys(["CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled",
                      "random_ops_in_program_order"], "remat.measure.compiled"),
+    **dict.fromkeys(["LinkBandwidth", "link_bandwidth"], "remat.measure.bandwidth"),
     **dict.fromkeys(["RegionTimer", "StepClock", "p50", "p50_along", "p95", "percentile"], "remat.clock"),
 }
 
-__all__ = ["BACKENDS", "CompileSpec", "CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled", "random_ops_in_program_order", "Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
+__all__ = ["BACKENDS", "CompileSpec", "LinkBandwidth", "link_bandwidth", "CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled", "random_ops_in_program_order", "Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
            "StepMeasurement", "Timings", "Undo", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak",
            "measure_step_peak_within", "p50", "p50_along", "p95", "percentile", "prepare_arm", "probe_capacity", "release_memory",
            "shape_value", "time_round_robin", "time_steps", "warm_up"]

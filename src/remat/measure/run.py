@@ -222,7 +222,10 @@ def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int
         prepared.close()
         prepared = None  # type: ignore[assignment]
         release_memory()
-    return StepMeasurement(peak_bytes=peak.peak_bytes, step_ms=times, memory_source=peak.source,
+    peak_bytes = peak.peak_bytes
+    if loaded.ranks is not None:   # every rank ran this step: one figure for all (NOTE [one plan per job])
+        peak_bytes, times = loaded.ranks.max_bytes(peak_bytes), loaded.ranks.median_ms(times)
+    return StepMeasurement(peak_bytes=peak_bytes, step_ms=times, memory_source=peak.source,
                            num_alloc_retries=peak.num_alloc_retries, compile_s=compile_s)
 
 

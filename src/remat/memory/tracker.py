@@ -121,6 +121,9 @@ class LiveTensorTracker(TorchDispatchMode):
         return out
 
     def _see(self, t: torch.Tensor, op: str) -> StorageRecord | None:
+        local = getattr(t, "_local_tensor", None)   # a DTensor: this rank's shard (NOTE [FSDP2 peaks on CPU])
+        if isinstance(local, torch.Tensor):
+            t = local
         if t.is_meta:
             return None
         try:

@@ -53,10 +53,12 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Union
 
+from .._io import native_output_filtered
 from .._lazy import LazyModule
 from ..errors import CandidateError, PlanError
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
+from .offload import offload_bytes
 
 np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
 
@@ -173,6 +175,15 @@ def _overhead_constraint(ms: np.ndarray, n_var: int, max_overhead_ms: float):
     return LinearConstraint(csr_array(row), -np.inf, max_overhead_ms)
 
 
+def _host_constraint(host: np.ndarray, n_var: int, host_budget_bytes: int):
+    """sum(host bytes of the offloaded options) <= host budget; scaled like the byte rows (NOTE [exact integer check])."""
+    from scipy.optimize import LinearConstraint
+    scale = _byte_scale(host.reshape(1, -1), np.zeros(1, dtype=np.int64), host_budget_bytes)
+    row = np.zeros(n_var)
+    row[:len(host)] = host / scale
+    return LinearConstraint(row.reshape(1, -1), -np.inf, (host_budget_bytes + 0.5) / scale)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Option:
     """One (candidate, non-KEEP mode) pair a plan may pick: one binary MILP variable."""
@@ -183,6 +194,7 @@ class Option:
     saved_bytes: int          # freed from fwd end of the candidate to its backward (bytes)
     extra_bytes: int          # extra live while it replays (bytes)
     replay_ms: float          # added backward time (ms)
+    host_bytes: int = 0       # held in host memory until its backward (OFFLOAD only; bytes)
 
 
 class CostModel:
@@ -194,10 +206,11 @@ class CostModel:
     A report without rows predicts its baseline peak for every choice.
     """
 
-    def __init__(self, report: ProfileReport, allowed: Allowed = None) -> None:
+    def __init__(self, report: ProfileReport, allowed: Allowed = None, *, host_budget_bytes: int | None = None) -> None:
         cands = sorted(report.candidates, key=lambda c: (c.order, c.name))
         _check_unique_names(cands)
         self.candidates = cands
+        self.host_budget_bytes = host_budget_bytes   # bound on offloaded bytes (NOTE [offload cost model]), or None
         self.index = {c.name: i for i, c in enumerate(cands)}
         self._build_relations()
         self._build_options(self._allowed_modes(allowed))
@@ -227,10 +240,12 @@ class CostModel:
                 self.options_of[j].append(len(self.options))
                 self.options.append(Option(candidate=c.name, index=j, mode=m, saved_bytes=int(c.saved_bytes[m]),
                                            extra_bytes=int(c.replay_extra_bytes.get(m, 0)),
-                                           replay_ms=float(c.replay_ms[m])))
+                                           replay_ms=float(c.replay_ms[m]),
+                                           host_bytes=offload_bytes(c) if m is CheckpointMode.OFFLOAD else 0))
         self.option_index = {(o.candidate, o.mode): k for k, o in enumerate(self.options)}
         self.replay_ms = np.array([o.replay_ms for o in self.options], dtype=np.float64)   # (O,) ms
         self.saved = np.array([o.saved_bytes for o in self.options], dtype=np.int64)      # (O,) bytes
+        self.host = np.array([o.host_bytes for o in self.options], dtype=np.int64)        # (O,) bytes
 
     def _allowed_modes(self, allowed: Allowed) -> dict[str, list[CheckpointMode]]:
         by_name = {c.name: c for c in self.candidates}
@@ -310,6 +325,13 @@ class CostModel:
                                 "checkpoints are not planned (NOTE [valid choice])")
         if any(len(self.options_of[j]) and int(x[self.options_of[j]].sum()) > 1 for j in on):
             raise PlanError("a candidate was given more than one mode")
+        if not self.host_fits(x):
+            raise PlanError(f"the offloaded boundaries hold {int(self.host @ x)} bytes in host memory, over the "
+                            f"host budget of {self.host_budget_bytes} bytes (NOTE [offload cost model])")
+
+    def host_fits(self, x: np.ndarray) -> bool:
+        """The offloaded bytes of ``x`` stay within the host budget (always, without one)."""
+        return self.host_budget_bytes is None or int(self.host @ np.asarray(x, dtype=np.int64)) <= self.host_budget_bytes
 
     def is_valid(self, x: np.ndarray) -> bool:
         try:
@@ -447,6 +469,8 @@ class CostModel:
         ms = self.replay_ms[cols]
         if max_overhead_ms is not None:
             constraints.append(_overhead_constraint(ms, n_var, max_overhead_ms))
+        if self.host_budget_bytes is not None and self.host[cols].any():
+            constraints.append(_host_constraint(self.host[cols], n_var, self.host_budget_bytes))
         lb, ub, c = np.zeros(n_var), np.ones(n_var), ms.astype(np.float64)
         if minimise_peak:
             # t: an integer count of ``scale`` bytes (NOTE [MILP reductions]); t >= ceil(peak / scale).
@@ -454,8 +478,9 @@ class CostModel:
             ub[-1] = np.inf if budget_bytes is None else -((slack - budget_bytes) // scale)
             c = np.zeros(n_var)
             c[-1] = 1.0
-        res = milp(c, integrality=np.ones(n_var), bounds=Bounds(lb, ub), constraints=constraints,
-                   options={"mip_rel_gap": 0.0, "time_limit": time_limit_s, "presolve": True})
+        with native_output_filtered():   # NOTE [native solver output]: HiGHS printf's past its options
+            res = milp(c, integrality=np.ones(n_var), bounds=Bounds(lb, ub), constraints=constraints,
+                       options={"mip_rel_gap": 0.0, "time_limit": time_limit_s, "presolve": True})
         return self._read_solution(res, cols, best_effort=best_effort)
 
     def _clique_constraints(self, cols: np.ndarray, n_var: int) -> list:

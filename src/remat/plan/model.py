@@ -15,6 +15,7 @@ from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import ModelFingerprint
 from ..types import CheckpointMode
+from .offload import OffloadPricing
 from .schema import PLAN
 
 PLAN_SCHEMA_VERSION = 1
@@ -40,6 +41,39 @@ class Exclusion:
     reason: str
 
 
+# NOTE [plan workload]
+# ``remat plan`` records in plan.json the workload it profiled (spec, shape keywords, device,
+# dtype, autocast), so ``remat verify --plan plan.json`` checks the plan on the step it was made
+# for without being told again. A plan file is data like a receipt (NOTE [workload spec policy]
+# in remat/workflow/check.py): its spec is used only when it is a built-in (gpt, cnn, mlp); for a
+# file or module spec the user names it (``--workload``), and without either verify refuses
+# rather than fall back to a default workload the plan was not made for. Every flag given on the
+# command line wins over the recorded value.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanWorkload:
+    """The workload a plan was made for, as ``remat plan`` loaded it (NOTE [plan workload])."""
+
+    spec: str                    # built-in name, path/to/file.py:fn or package.module:fn, as given
+    shape: dict[str, Any]        # the shape keywords given
+    device: str
+    dtype: str
+    autocast: str | None = None  # "bfloat16"/"float16": the forward ran under torch.autocast
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec": self.spec, "shape": dict(self.shape), "device": self.device, "dtype": self.dtype,
+                "autocast": self.autocast}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PlanWorkload":
+        return cls(spec=d["spec"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
+                   autocast=d["autocast"])
+
+    def describe(self) -> str:
+        shape = ",".join(f"{k}={v}" for k, v in self.shape.items())
+        return (f"{self.spec}" + (f" --shape {shape}" if shape else "") + f" on {self.device} in {self.dtype}"
+                + (f" under autocast {self.autocast}" if self.autocast else ""))
+
+
 @dataclasses.dataclass(kw_only=True)
 class Plan:
     planner: str                          # "optimal", "greedy", "sqrt", "uniform:2", "all", "none", ...
@@ -59,6 +93,8 @@ class Plan:
     simulated: bool = False               # figures from --simulate, not a measured run
     device_model: str | None = None
     compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
+    offload: OffloadPricing | None = None  # offload priced with these bandwidths (NOTE [offload cost model])
+    workload: PlanWorkload | None = None  # what `remat plan` profiled (NOTE [plan workload]); None: not recorded
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -82,6 +118,14 @@ class Plan:
             del d["compile"]   # eager plans read as they always did
         else:
             d["compile"] = self.compile.to_json()
+        if self.offload is None:
+            del d["offload"]   # plans without offload read as they always did
+        else:
+            d["offload"] = self.offload.to_json()
+        if self.workload is None:
+            del d["workload"]   # as compile: plans from remat.auto and older files read as they always did
+        else:
+            d["workload"] = self.workload.to_json()
         return d
 
     @classmethod
@@ -114,6 +158,8 @@ class Plan:
             simulated=d.get("simulated", False),
             device_model=d.get("device_model"),
             compile=None if d.get("compile") is None else CompileSpec.from_json(d["compile"]),
+            offload=None if d.get("offload") is None else OffloadPricing.from_json(d["offload"]),
+            workload=None if d.get("workload") is None else PlanWorkload.from_json(d["workload"]),
             schema_version=version,
         )
 

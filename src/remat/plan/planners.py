@@ -30,6 +30,9 @@ inside a region (NOTE [replayed hooks] in profile/hazards.py) are kept as found.
   (``guarded=False``, guardable BatchNorm included) so that verification can be shown
   catching it;
 - no measured checkpoint mode: excluded (nothing to plan).
+- OFFLOAD (NOTE [activation offload] in remat/wrap/offload.py) replays nothing, so no replay
+  hazard applies to it: a candidate excluded for its hazards keeps OFFLOAD as its one mode
+  when the plan prices offload, and its exclusion says so.
 Baseline planners obey the same exclusions.
 
 NOTE [top-level blocks]
@@ -106,6 +109,7 @@ from ..types import CheckpointMode, HazardKind
 from .budget import InfeasibleBudget, effective_budget, format_bytes
 from .cost import CostModel, ancestor_chains, checkpoint_modes
 from .model import Boundary, Exclusion, Plan
+from .offload import OffloadPricing, with_offload
 from .spec import PLANNER_SPECS, PlannerKind, PlannerSpec
 
 np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
@@ -174,9 +178,11 @@ def _unplannable(c: CandidateCost, report: ProfileReport) -> Exclusion | None:
     return None
 
 
-def _hazard_exclusion(name: str, blocking: list[_Found]) -> Exclusion:
+def _hazard_exclusion(name: str, blocking: list[_Found], *, offloadable: bool = False) -> Exclusion:
     reasons = "; ".join(_hazard_text(h, w) for h, w in blocking)
-    return Exclusion(module=name, reason=f"replay hazard: {reasons} (allow_hazards / --allow-hazards plans it unguarded)")
+    then = ("; recompute modes excluded, offload still planned (nothing replays)" if offloadable else
+            " (allow_hazards / --allow-hazards plans it unguarded)")
+    return Exclusion(module=name, reason=f"replay hazard: {reasons}{then}")
 
 
 def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
@@ -194,7 +200,10 @@ def classify_candidates(report: ProfileReport, *, allow_hazards: bool = False,
             continue
         blocking, guardable = _sort_hazards(_region_hazards(c, nested[c.name]), preserve_rng_state=preserve_rng_state)
         if blocking and not allow_hazards:
-            excluded.append(_hazard_exclusion(c.name, blocking))
+            offloadable = CheckpointMode.OFFLOAD in checkpoint_modes(c)
+            excluded.append(_hazard_exclusion(c.name, blocking, offloadable=offloadable))
+            if offloadable:
+                allowed[c.name] = [CheckpointMode.OFFLOAD]   # nothing replays: NOTE [hazard policy]
             continue
         allowed[c.name] = checkpoint_modes(c)
         excluded += [Exclusion(module=c.name, reason=r) for r in report.mode_excluded.get(c.name, {}).values()]
@@ -302,7 +311,8 @@ class GreedyPlanner(Planner):
         if x is None and any(c.members for c in model.candidates):
             # a greedy pick of a long segment can block every finer plan: retry on modules alone
             model = CostModel(ctx.report, {n: m for n, m in ctx.eligibility.allowed.items()
-                                           if n not in {c.name for c in model.candidates if c.members}})
+                                           if n not in {c.name for c in model.candidates if c.members}},
+                              host_budget_bytes=model.host_budget_bytes)
             x = self.search(model, budget)
             if x is None:
                 model = ctx.model
@@ -344,7 +354,7 @@ class GreedyPlanner(Planner):
                 if prev is not None and opts[k].saved_bytes <= opts[prev].saved_bytes:
                     continue
                 trial = rows + model.delta[:, k] - (model.delta[:, prev] if prev is not None else 0)
-                if excess(trial) < excess(rows):
+                if excess(trial) < excess(rows) and _host_fits_with(model, x, k, prev):
                     rows, taken[j] = trial, k
                     x[k] = 1
                     if prev is not None:
@@ -357,6 +367,17 @@ class GreedyPlanner(Planner):
             if int(trial.max()) <= budget:
                 rows, x[k] = trial, 0
         return x
+
+
+def _host_fits_with(model: CostModel, x: np.ndarray, k: int, prev: int | None) -> bool:
+    """``x`` with option ``k`` taken (and ``prev`` dropped) stays within the host budget."""
+    if model.host_budget_bytes is None:
+        return True
+    trial = x.copy()
+    trial[k] = 1
+    if prev is not None:
+        trial[prev] = 0
+    return model.host_fits(trial)
 
 
 class OptimalPlanner(Planner):
@@ -565,14 +586,15 @@ def _top_level(report: ProfileReport) -> list[CandidateCost]:
 
 def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, budget_bytes: int | None = None,
               reserve: float = 0.05, allow_hazards: bool = False, preserve_rng_state: bool = True,
-              margin_bytes: int = 0) -> Plan:
+              margin_bytes: int = 0, offload: OffloadPricing | None = None) -> Plan:
     """Plan checkpoint boundaries for ``report`` with the planner named by ``planner``.
 
     ``budget_bytes``: whole-step peak budget (bytes; required by optimal/greedy). The
     predicted peak must stay under ``int(budget * (1 - reserve)) - margin_bytes``
     (NOTE [closed-loop margin]). Raises PlanError (unknown planner), BudgetError (missing or
     bad budget; ``InfeasibleBudget``, naming the floor, when no plan reaches it),
-    CandidateError (malformed candidates).
+    CandidateError (malformed candidates). ``offload``: also price an OFFLOAD mode per module
+    candidate from these bandwidths (NOTE [offload cost model]), under its host budget.
     """
     p = planner_from_spec(planner)
     if isinstance(reserve, bool) or not (isinstance(reserve, (int, float)) and 0.0 <= reserve < 1.0):
@@ -584,8 +606,10 @@ def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, 
         raise BudgetError(f"planner {p.spec!r} needs a budget", tip="pass --budget, e.g. --budget 60% or 1.5GiB")
     target = None if budget_bytes is None else effective_budget(int(budget_bytes), float(reserve), margin_bytes)
 
+    if offload is not None:
+        report = with_offload(report, offload)
     elig = classify_candidates(report, allow_hazards=allow_hazards, preserve_rng_state=preserve_rng_state)
-    model = CostModel(report, elig.allowed)
+    model = CostModel(report, elig.allowed, host_budget_bytes=None if offload is None else offload.host_budget_bytes)
     ctx = PlanningContext(report=report, model=model, eligibility=elig, budget_bytes=target,
                           top_level=_top_level(report),
                           requested_budget_bytes=None if budget_bytes is None else int(budget_bytes),
@@ -615,6 +639,7 @@ def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, 
         memory_source=report.memory_source.value,
         simulated=report.simulated,
         device_model=report.device_model,
+        offload=offload,
     )
 
 
@@ -636,5 +661,5 @@ def replan_with_correction(report: ProfileReport, previous: Plan, measured_peak_
     margin = correction_margin(previous, measured_peak_bytes, margin_bytes)
     plan = make_plan(report, previous.planner, budget_bytes=previous.budget_bytes, reserve=previous.reserve,
                      allow_hazards=allow_hazards, preserve_rng_state=previous.preserve_rng_state,
-                     margin_bytes=margin)
+                     margin_bytes=margin, offload=previous.offload)
     return plan, margin

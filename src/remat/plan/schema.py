@@ -10,7 +10,7 @@ Nothing in a plan names code: module paths are looked up in ``model.named_module
 from __future__ import annotations
 
 from ..types import MODULE_PATH_RE
-from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, List, Num, Obj, Opt, Str, Tuple
+from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, List, Map, Num, Obj, Opt, Str, Tuple
 
 SHORT = Str(max_len=2_000)
 TEXT = Str(max_len=20_000)
@@ -19,7 +19,7 @@ HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
 # (NOTE [module names] in remat/types.py: any name torch accepts but ".", "[", "]" and controls)
 MODULE_PATH = Str(f"{MODULE_PATH_RE}(\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\])?|\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\]",
                   max_len=500, what="a module path (names joined by '.') or a segment (container[start:stop])")
-MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
+MODE = Enum("full", "selective", "save-attention", "recompute-pointwise", "offload")   # CheckpointMode less keep
 MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
 MAX_MODULES = 100_000
 
@@ -38,6 +38,19 @@ BOUNDARY = Obj({"module": MODULE_PATH, "mode": MODE, "saved_bytes": SIGNED_BYTES
 # remat.measure.CompileSpec.to_json: how a plan runs compiled (NOTE [compiled arms])
 COMPILE = Obj({"backend": Enum("inductor", "aot_eager", "eager"), "memory_budget": Opt(Num(0, 1))})
 
+# remat.plan.offload.OffloadPricing.to_json (NOTE [offload cost model]); bandwidths in bytes per ms
+OFFLOAD = Obj({"d2h_bytes_per_ms": Num(1e-9, 1e15), "h2d_bytes_per_ms": Num(1e-9, 1e15),
+               "overlaps_compute": Bool(), "host_budget_bytes": Opt(BYTES), "source": SHORT})
+# Shape keywords: JSON scalars; an integer shape past 2**31 is no training step, and
+# remat check validates each value against the factory's annotation before calling it.
+SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(-2 ** 31, 2 ** 31), Str(max_len=200)),
+            key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)
+DTYPE = Enum("float32", "bfloat16", "float16")
+DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
+AUTOCAST = Enum("bfloat16", "float16")   # the forward ran under torch.autocast (NOTE [autocast steps])
+# remat.plan.PlanWorkload.to_json: the workload a plan was made for (NOTE [plan workload])
+WORKLOAD = Obj({"spec": Str(max_len=4096), "shape": SHAPE, "device": DEVICE, "dtype": DTYPE, "autocast": Opt(AUTOCAST)})
+
 # Plan.to_json; the optional fields are those older plan files may lack (Plan.from_json's defaults).
 PLAN = Obj({
     "schema_version": Enum(1),
@@ -49,5 +62,5 @@ PLAN = Obj({
 }, {
     "preserve_rng_state": Bool(), "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(MS),
     "memory_source": MEMORY_SOURCE, "simulated": Bool(), "device_model": Opt(SHORT),
-    "compile": Opt(COMPILE),
+    "compile": Opt(COMPILE), "offload": Opt(OFFLOAD), "workload": Opt(WORKLOAD),
 })

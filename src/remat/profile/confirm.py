@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from ..host_rng import HostRng, rewound
 from ..types import HazardKind
 from ..workload.contract import TrainingStep
-from .hazards import TensorValue, changed_code_state, code_state, python_state, restore_code_state
+from .hazards import TensorValue, tensors_in, changed_code_state, code_state, python_state, restore_code_state
 from .model import HazardRecord
 
 # The suspicions a replay can confirm or refute (RNG is handled by preserving RNG state,
@@ -43,18 +43,6 @@ CONFIRMABLE = (HazardKind.INPLACE_INPUT, HazardKind.PYTHON_STATE, HazardKind.BUF
 
 def needs_confirmation(h: HazardRecord) -> bool:
     return h.kind in CONFIRMABLE and not (h.kind is HazardKind.BUFFER_MUTATION and h.guardable)
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) output: tuples, lists, dicts, dataclass-like mappings."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> str | None:
@@ -187,9 +175,9 @@ class ReplayConfirmer:
     def _replay(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any,
                 frame: _Frame) -> dict[HazardKind, str | None]:
         """Run ``module``'s forward again as a checkpoint would and judge each suspicion of ``name``."""
-        first = _Observed(out=[t.detach().clone() for t in _tensors(output)], python=python_state(module),
+        first = _Observed(out=[t.detach().clone() for t in tensors_in(output)], python=python_state(module),
                           buffers=_buffers(module), code=code_state(module))
-        inputs = [t for t in _tensors((args, kwargs))]
+        inputs = [t for t in tensors_in((args, kwargs))]
         with _rng_rewound(frame):
             replay = self._rerun(module, args, kwargs, first, inputs)
         return {h.kind: _VERDICTS[h.kind](first, replay) for h in self.suspects[name] if h.kind in _VERDICTS}
@@ -208,7 +196,7 @@ class ReplayConfirmer:
                 versions.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
             try:
                 with torch.enable_grad():
-                    out = [t.detach() for t in _tensors(module.forward(*detached[0], **detached[1]))]
+                    out = [t.detach() for t in tensors_in(module.forward(*detached[0], **detached[1]))]
                 return _Observed(out=out, python=python_state(module), buffers=_buffers(module),
                                  code=code_state(module))
             finally:

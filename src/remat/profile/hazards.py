@@ -15,6 +15,12 @@ by transformers' own gradient checkpointing). They are neither reported nor touc
 candidate is a blocking hazard named with the hook and the module it is on (remat cannot
 tell an observer from a hook whose effect must be replayed), so the planner excludes the
 candidate and a safe placement (the hook on the region itself) stays plannable.
+Making the replay run such hooks "once, as the unplanned step does" is not exact, so it is
+not done: skipping them on replay breaks a hook that returns a new output (the replay would
+recompute other activations than the forward saved), and running them while undoing their
+side effects needs to know every side effect (a counter in a closure, a list appended to, a
+file written), which is exactly what cannot be inventoried. Excluding the candidate is the
+only choice that is right for every hook.
 """
 
 from __future__ import annotations
@@ -127,6 +133,18 @@ def _snapshot(v: Any) -> Any:
     return None
 
 
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) output: tuples, lists, dicts, dataclass-like mappings."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+
+
 def _user_forwards(module: nn.Module) -> list[types.FunctionType]:
     """The distinct user-defined ``forward`` functions of ``module`` and its submodules."""
     out: dict[int, types.FunctionType] = {}
@@ -189,6 +207,50 @@ def changed_code_state(before: dict[str, Any], after: dict[str, Any]) -> list[st
     """``key: old -> new`` for each global / closure cell that differs between two snapshots."""
     return [f"{k}: {before.get(k, (None, None))[1]!r} -> {after.get(k, (None, None))[1]!r}"
             for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
+
+
+# NOTE [read at replay]
+# A forward that only *reads* a module global or closure cell (``if _CALLS[0] > 100:``) is
+# safe to replay only if the value is the same when backward replays it. Something else in
+# the step may change it in between: a later module's forward, the loss, a hook, a tensor
+# hook in backward. Then the replay takes the other branch (or scales by another number)
+# and, with the same tensor shapes, non-reentrant checkpoint's checks pass while the
+# gradients are silently wrong, and only at the step where the value crosses the
+# threshold: a few paired steps in ``verify`` can miss it. So the hazard probe snapshots
+# the forward's globals and closure cells (NOTE [code state]) when the forward returns,
+# and again when backward reaches the region: a pre-hook on the autograd nodes of the
+# region's outputs, which run just before checkpoint would unpack the region's saved
+# tensors and replay it. A value that differs between the two snapshots is the hazard,
+# observed, not suspected (there is nothing to confirm by replaying: the replay would read
+# exactly the changed value). Compared with the forward's *end*, not its start, so a
+# forward that sets a cache and reads it back is not flagged here; one that writes is
+# judged by the confirming replay (NOTE [confirmed hazards]). A value that never changes
+# (a config constant) is never flagged.
+class ReplayTimeReads:
+    """Compares a forward's globals and closure cells with their values when backward reaches it."""
+
+    def __init__(self, module: nn.Module, on_change: Callable[[list[str]], None]) -> None:
+        self.module = module
+        self.on_change = on_change
+        self.fired = False
+
+    def watch(self, output: Any) -> None:
+        """Hook the autograd nodes of ``output``'s tensors (NOTE [read at replay]); no grad: no replay."""
+        self.at_forward = code_state(self.module)
+        if not self.at_forward:
+            return
+        nodes = {id(t.grad_fn): t.grad_fn for t in tensors_in(output) if t.grad_fn is not None}
+        for node in nodes.values():
+            node.register_prehook(self._at_replay)   # freed with the graph after backward
+
+    def _at_replay(self, grad_outputs: Any) -> None:
+        if self.fired:   # the first of the output nodes is when the replay would run
+            return None
+        self.fired = True
+        changed = changed_code_state(self.at_forward, code_state(self.module))
+        if changed:
+            self.on_change(changed)
+        return None
 
 
 def _hook_owner(fn: Any) -> str:
@@ -254,7 +316,9 @@ class HazardProbe:
         self.host = HostRng.capture()
         self.code = code_state(self.module)
 
-    def after(self) -> None:
+    def after(self, output: Any = None) -> None:
+        """The forward returned ``output``: compare snapshots, and watch its reads until backward."""
+        ReplayTimeReads(self.module, self._read_hazard).watch(output)
         self._buffer_hazard()
         self._state_hazards()
         hooks = hooks_inside(self.module)
@@ -282,6 +346,10 @@ class HazardProbe:
         code = changed_code_state(self.code, code_state(self.module))
         if code:
             self._add(HazardKind.GLOBAL_STATE, f"{'; '.join(code[:3])} in forward (NOTE [code state])")
+
+    def _read_hazard(self, changed: list[str]) -> None:
+        self._add(HazardKind.GLOBAL_READ, f"{'; '.join(changed[:3])} (when the forward returned -> when backward "
+                                          "replays it): the replay reads another value (NOTE [read at replay])")
 
     def _generators_drawn(self) -> list[str]:
         """The global generators this forward drew from: torch's CPU one, Python's ``random``, numpy's."""

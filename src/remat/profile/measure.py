@@ -305,7 +305,7 @@ def _record_step(step: TrainingStep, names: dict[int, str], probes: dict[str, Ha
 
     Returns (recorder, op log, first tracker event of the recorded step); every hook is removed."""
     pre_h = register_module_forward_pre_hook(lambda m, a: probes[names[id(m)]].before() if names.get(id(m)) in probes else None)
-    post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after() if names.get(id(m)) in probes else None)
+    post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after(o) if names.get(id(m)) in probes else None)
     try:
         with StepRecorder(step, names=names) as rec:
             oplog = _OpLog(rec)

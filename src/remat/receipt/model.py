@@ -85,6 +85,7 @@ class ReceiptContext:
     created: str                      # ISO 8601, UTC
     command: str                      # the command line that made it ("" from the library)
     memory_source: str                # cpu-live-tensors or cuda-allocator
+    autocast: str | None = None       # the forward ran under torch.autocast of this dtype (NOTE [autocast steps])
 
     @classmethod
     def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: str,
@@ -95,10 +96,13 @@ class ReceiptContext:
                    boundary_shape=dict(boundary_shape) if boundary_shape else None, dtype=loaded.dtype,
                    device=loaded.device, **host, remat_version=__version__, git_revision=rev, git_dirty=dirty,
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   command=command, memory_source=memory_source)
+                   command=command, memory_source=memory_source, autocast=loaded.autocast)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.autocast is None:
+            del d["autocast"]   # receipts made without autocast read as they always did
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptContext":
@@ -237,19 +241,23 @@ class ReceiptPlan:
     closed_loop: list[Attempt]        # the optimal planner's apply-measure-replan tries
     closed_loop_boundaries: list[str]  # what that closed loop planned ("h.1:full")
     note: str = ""
+    # candidates excluded after verification found them hazardous, module -> why (NOTE [re-plan after verify])
+    excluded_after_verify: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "plan": None if self.plan is None else self.plan.to_json(),
                 "boundaries": [b.to_json() for b in self.boundaries], "control_held_bytes": self.control_held_bytes,
                 "closed_loop": [a.to_json() for a in self.closed_loop],
-                "closed_loop_boundaries": list(self.closed_loop_boundaries), "note": self.note}
+                "closed_loop_boundaries": list(self.closed_loop_boundaries), "note": self.note,
+                **({"excluded_after_verify": dict(self.excluded_after_verify)} if self.excluded_after_verify else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptPlan":
         return cls(label=d["label"], plan=None if d["plan"] is None else Plan.from_json(d["plan"]),
                    boundaries=[BoundaryRecord.from_json(b) for b in d["boundaries"]],
                    control_held_bytes=d["control_held_bytes"], closed_loop=[Attempt.from_json(a) for a in d["closed_loop"]],
-                   closed_loop_boundaries=list(d["closed_loop_boundaries"]), note=d["note"])
+                   closed_loop_boundaries=list(d["closed_loop_boundaries"]), note=d["note"],
+                   excluded_after_verify=dict(d.get("excluded_after_verify", {})))
 
 
 class _Value(str, enum.Enum):

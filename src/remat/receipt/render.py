@@ -164,7 +164,9 @@ def _boundary_rows(r: Receipt) -> list[list[str]]:
         rows.append([b.module, b.class_name, b.mode + (" (guarded)" if b.guarded else ""), b.revision,
                      fmt_bytes(b.measured_saving_bytes), fmt_bytes(b.predicted_saving_bytes),
                      f"{b.replay_ms:.1f}", f"{f.name}: {seeds}{calls}" + ("; draws RNG" if f.draws_rng else ""),
-                     f"rtol {f.tolerance.rtol:g}, atol {f.tolerance.atol:g} ({f.dtype}); saving -{b.saving_tolerance:.0%}",
+                     f"rtol {f.tolerance.rtol:g}, atol {f.tolerance.atol:g} ({f.dtype}"
+                     + (f" under autocast {r.context.autocast}" if r.context.autocast else "")
+                     + f"); saving -{b.saving_tolerance:.0%}",
                      {True: "pass", False: "FAIL", None: "not run"}[f.passed]])
     return rows
 
@@ -223,7 +225,8 @@ def _context_rows(r: Receipt) -> list[tuple[str, str]]:
         ("workload", c.workload), ("shape", _shape(c.shape)),
         ("resolved shape", _shape(c.resolved_shape)),
         ("boundary shape", _shape(c.boundary_shape) if c.boundary_shape else "-"),
-        ("dtype / device", f"{c.dtype} / {c.device}"), ("memory source", c.memory_source),
+        ("dtype / device", f"{c.dtype} / {c.device}" + (f", forward under autocast {c.autocast}" if c.autocast else "")),
+        ("memory source", c.memory_source),
         ("torch / python", f"{c.torch_version} / {c.python_version}"),
         ("host", f"{c.hostname} ({c.platform}, {c.cpu_count} CPUs, {c.threads} torch threads)"),
         ("remat", c.remat_version),
@@ -363,7 +366,8 @@ def _html_verification(v: VerifyReport) -> str:
     verdict = '<span class="pass">PASSED</span>' if v.passed else '<span class="fail">FAILED</span>'
     out = (f"<p>{verdict}: {e(_n(len(v.seeds), 'seed'))} x {e(_n(v.steps, 'step'))} + an eval step per seed; "
            f"tolerance per tensor max|planned - control| &lt;= atol + rtol x max|control| "
-           f"({e(', '.join(f'{k}: rtol {t.rtol:g}' for k, t in v.tolerances.items() if k == v.dtype))}); "
+           f"({e(', '.join(f'{k}: rtol {t.rtol:g}, atol {t.atol:g}' for k, t in v.tolerances.items() if k == v.dtype))}"
+           f"{e(f', widened to autocast {v.autocast}: its rounding' if v.autocast else '')}); "
            f"control repeatable: {e('yes' if v.repeatable else 'NO')}.</p>")
     out += _html_table(VERIFY_HEADERS, _verify_rows(v))
     out += _html_table(["negative control", "result", "detail"],

@@ -19,7 +19,7 @@ from .. import _json
 from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
                      Spec, Str, Tuple, show)
 from ..errors import ReceiptError
-from ..plan.schema import COMPILE, MODULE_PATH, PLAN
+from ..plan.schema import AUTOCAST, COMPILE, DEVICE, DTYPE, MODULE_PATH, PLAN, SHAPE
 from ..types import HazardKind
 
 MAX_BYTES = _json.MAX_BYTES
@@ -48,19 +48,13 @@ def read_json_file(path: Path | str) -> Any:
 
 FRACTION = Num(0, 1)
 HEX16 = Str(r"[0-9a-f]{16}", what="a string of 16 hex digits")
-# Shape keywords: JSON scalars; an integer shape past 2**31 is no training step, and
-# remat check validates each value against the factory's annotation before calling it.
-SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(-2 ** 31, 2 ** 31), Str(max_len=200)),
-            key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)
-DTYPE = Enum("float32", "bfloat16", "float16")
-DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
 PHASE = Enum("batch", "forward", "backward", "optimizer")
 RUN_MODE = Enum("train", "eval")   # verify.model.RunMode
 # verify.model.Site: where a divergence showed first
 SITE = Enum("forward call order", "forward output", "gradient", "buffer", "python attribute",
             "parameter after optimizer step", "generator state", "loss or outputs")
 MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
-MODE = Enum("full", "selective", "save-attention", "recompute-pointwise")   # CheckpointMode less keep
+MODE = Enum("full", "selective", "save-attention", "recompute-pointwise", "offload")   # CheckpointMode less keep
 TEXT = Str(max_len=20_000)
 SHORT = Str(max_len=2_000)
 TOLERANCE = Obj({"rtol": Num(0), "atol": Num(0)})
@@ -123,7 +117,7 @@ VERIFICATION = Obj({
                             "forward_calls": Map(COUNT, max_len=4), "replay_calls": Map(COUNT, max_len=4),
                             "draws_rng": Bool(), "replay_mutations": List(TEXT), "device_moves": List(TEXT)})),
     "repeatable": Bool(), "failures": List(TEXT), "warnings": List(TEXT),
-}, {"compile": Opt(COMPILE)})
+}, {"compile": Opt(COMPILE), "autocast": Opt(AUTOCAST)})
 
 FRONTIER_POINT = Obj({
     "plan": SHORT, "planner": SHORT, "decision": Enum("ship", "reject", "infeasible", "failed"), "reason": TEXT,
@@ -166,7 +160,7 @@ CONTEXT = Obj({
     "hostname": SHORT, "cpu_count": Opt(Int(0, 1 << 20)), "threads": Int(0, 4096), "remat_version": SHORT,
     "git_revision": Opt(Str(r"[0-9a-f]{7,64}")), "git_dirty": Opt(Bool()), "created": SHORT, "command": TEXT,
     "memory_source": MEMORY_SOURCE,
-})
+}, {"autocast": Opt(AUTOCAST)})
 SETTINGS = Obj({
     "trace_warmup": Int(1, MAX_WARMUP), "trace_steps": Int(1, MAX_STEPS), "verify_steps": Int(1, MAX_STEPS),
     "verify_seeds": Int(1, MAX_SEEDS), "verify_timing_steps": Int(0, MAX_STEPS),
@@ -185,7 +179,8 @@ RECEIPT_SCHEMA = Obj({
     "traces": Obj({"target": STEP_TRACE, "boundary": Opt(STEP_TRACE), "planned": Opt(STEP_TRACE)}),
     "plan": Obj({"label": Opt(SHORT), "plan": Opt(PLAN), "boundaries": List(BOUNDARY, max_len=10_000),
                  "control_held_bytes": Opt(BYTES), "closed_loop": List(ATTEMPT, max_len=100),
-                 "closed_loop_boundaries": List(SHORT), "note": TEXT}),
+                 "closed_loop_boundaries": List(SHORT), "note": TEXT},
+                {"excluded_after_verify": Map(TEXT, max_len=100)}),
     "verification": Opt(VERIFICATION),
     "verification_note": TEXT,
     "frontier": Opt(FRONTIER),

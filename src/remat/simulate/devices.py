@@ -18,6 +18,11 @@ from one measured step.
 - cpu: *measured*, not published: one thread of this project's CI machine (AMD EPYC, torch 2.13,
   1024^3 matmul and a 64 MiB copy) gave 55 GFLOP/s fp32, 137 GFLOP/s bf16, 13 GB/s copy, ~8 us per
   eager op; the model uses rounded-down (conservative) figures. Fit a calibration for your CPU.
+- ``host_link``: device <-> host copy bandwidth per direction, for offload (NOTE [offload cost
+  model] in remat/plan/offload.py): the datasheets' PCIe figures are bidirectional (H100/H200
+  SXM "PCIe Gen5: 128 GB/s", A100 "PCIe Gen4: 64 GB/s"), so half each way, derated to 80% (what
+  pinned copies reach in practice is below the link's nominal rate; measure with
+  ``remat.measure.link_bandwidth`` on the machine itself); cpu: the 64 MiB copy above.
 
 Which peak an op gets: FLOPs come only from matmul/convolution/attention ops (the
 ``FlopCounterMode`` registry). On CUDA, fp32 matmuls run at the FP32 peak unless TF32 matmul is
@@ -54,6 +59,7 @@ class DeviceModel:
     memory_bytes: int                          # device memory capacity (bytes)
     tf32_matmul: bool = False                  # fp32 matmuls at the TF32 peak (CUDA default: no)
     tf32_conv: bool = True                     # fp32 convolutions at the TF32 peak (cuDNN default: yes)
+    host_link: float = 10 * _GB                # bytes/s each way between device and host (NOTE above)
     calibration: float = 1.0                   # multiplies every predicted time (fit_calibration)
     source: str = ""                           # where the figures come from
 
@@ -90,19 +96,19 @@ class DeviceModel:
 
 DEVICE_MODELS: dict[str, DeviceModel] = {
     "h100": DeviceModel(
-        name="h100", description="NVIDIA H100 SXM5 80 GB (HBM3)", semantics=KernelSemantics.CUDA,
+        name="h100", host_link=0.8 * 64 * _GB, description="NVIDIA H100 SXM5 80 GB (HBM3)", semantics=KernelSemantics.CUDA,
         peak_flops={"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12, "float16": 989.5e12,
                     "float64": 67e12},
         bandwidth=3.35e12, launch_overhead_s=5e-6, memory_bytes=81_559 * _MiB,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5), dense = sparse / 2"),
     "a100": DeviceModel(
-        name="a100", description="NVIDIA A100 SXM4 80 GB (HBM2e)", semantics=KernelSemantics.CUDA,
+        name="a100", host_link=0.8 * 32 * _GB, description="NVIDIA A100 SXM4 80 GB (HBM2e)", semantics=KernelSemantics.CUDA,
         peak_flops={"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12,
                     "float64": 19.5e12},
         bandwidth=2.039e12, launch_overhead_s=5e-6, memory_bytes=81_920 * _MiB,
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM), dense figures"),
     "h200": DeviceModel(
-        name="h200", description="NVIDIA H200 SXM 141 GB (HBM3e)", semantics=KernelSemantics.CUDA,
+        name="h200", host_link=0.8 * 64 * _GB, description="NVIDIA H200 SXM 141 GB (HBM3e)", semantics=KernelSemantics.CUDA,
         peak_flops={"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12, "float16": 989.5e12,
                     "float64": 67e12},
         bandwidth=4.8e12, launch_overhead_s=5e-6, memory_bytes=143_771 * _MiB,

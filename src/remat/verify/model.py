@@ -115,6 +115,30 @@ COMPILED_TOLERANCES: dict[str, Tolerance] = {
     "bfloat16": Tolerance(rtol=3e-2, atol=1e-4),
     "float16": Tolerance(rtol=5e-3, atol=1e-6),
 }
+# NOTE [autocast tolerances]
+# Under autocast (NOTE [autocast steps] in remat/workload/contract.py) parameters and gradients
+# stay float32, but every matmul and convolution that produced them ran in bfloat16 or float16,
+# so their rounding is the autocast dtype's. A float tensor wider than the autocast dtype is
+# therefore compared at the autocast dtype's tolerance (float32 under bf16: rtol 1.6e-2), never
+# tighter than its own; the perturbed-gradient control grows with it (4 x rtol: 6.4e-2 under
+# bf16) so it still lies outside. On CPU a correct plan is still *bitwise* equal (a replay runs
+# the same bf16 kernels under the recorded autocast state), and each comparison records whether
+# it was; the wider tolerance is for devices whose reduced-precision kernels are not
+# reproducible run to run. The table used is in every report (``tolerances``, ``autocast``).
+_WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def tolerance_table(*, compiled: bool = False, autocast: str | None = None) -> dict[str, Tolerance]:
+    """The per-dtype tolerances of one verification: eager or compiled (NOTE [compiled tolerances]),
+    widened under ``autocast`` (``"bfloat16"``/``"float16"``: NOTE [autocast tolerances])."""
+    base = COMPILED_TOLERANCES if compiled else TOLERANCES
+    if autocast is None:
+        return dict(base)
+    low = base[autocast]
+    return {k: (Tolerance(rtol=max(v.rtol, low.rtol), atol=max(v.atol, low.atol))
+                if _WIDTH.get(k, 0) > _WIDTH[autocast] else v) for k, v in base.items()}
+
+
 PERTURBATION = 1e-3  # relative size of the perturbed-gradient negative control (one part in a thousand)
 
 
@@ -339,6 +363,7 @@ class VerifyReport:
     failures: list[str]                 # why it failed, one line each
     warnings: list[str] = dataclasses.field(default_factory=list)  # e.g. non-finite control gradients
     compile: dict[str, Any] | None = None   # CompileSpec JSON: both sides ran compiled (NOTE [compiled tolerances])
+    autocast: str | None = None         # both sides' forward ran under torch.autocast of this dtype (NOTE [autocast tolerances])
     schema_version: int = VERIFY_SCHEMA_VERSION
 
     @property
@@ -373,6 +398,7 @@ class VerifyReport:
             "failures": list(self.failures),
             "warnings": list(self.warnings),
             **({} if self.compile is None else {"compile": self.compile}),
+            **({} if self.autocast is None else {"autocast": self.autocast}),
         }
 
     @classmethod
@@ -396,7 +422,7 @@ class VerifyReport:
             negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
             boundaries=[BoundaryActivity.from_json(b) for b in d["boundaries"]],
             repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
-            compile=d.get("compile"), schema_version=d["schema_version"])
+            compile=d.get("compile"), autocast=d.get("autocast"), schema_version=d["schema_version"])
 
     def raise_if_failed(self) -> None:
         """Raise :class:`VerificationFailed` (exit code 1) carrying the failures."""

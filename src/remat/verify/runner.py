@@ -75,12 +75,12 @@ from ..errors import RematError, UserCodeError, WorkloadError
 from ..measure import CompiledFunction, CompileSpec, compile_model, random_ops_in_program_order, time_round_robin
 from ..plan.model import Plan
 from ..profile.hazards import hook_detail, hooks_inside
-from ..types import HazardKind, ProgressFn, no_progress
+from ..types import CheckpointMode, HazardKind, ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep
 from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors, diff_tensor, diff_tensors, largest_magnitude,
                       owner_module, python_state, short_repr, tolerance_for)
-from .model import (COMPILED_TOLERANCES, PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
-                    RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport)
+from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
+                    RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport, tolerance_table)
 from .probe import RegionProbe, RngState, StepRecorder, seed_everything
 
 __all__ = ["GradientPerturbation", "measure_rng_overhead", "verify_plan"]
@@ -201,13 +201,11 @@ def _param_tolerances(table: dict[str, Tolerance], optimizer: torch.optim.Optimi
 class _Compiled:
     """The compiled functions of one verification, one per role (NOTE [verify under compile]); None: eager."""
 
-    def __init__(self, spec: CompileSpec | None) -> None:
+    def __init__(self, spec: CompileSpec | None, autocast: str | None = None) -> None:
         self.spec = spec
         self.functions: dict[str, CompiledFunction] = {}
-
-    @property
-    def table(self) -> dict[str, Tolerance]:
-        return TOLERANCES if self.spec is None else COMPILED_TOLERANCES
+        # the tolerances of this verification (NOTE [compiled tolerances], NOTE [autocast tolerances])
+        self.table = tolerance_table(compiled=spec is not None, autocast=autocast)
 
     def role(self, name: str) -> CompiledFunction | None:
         """The control compiles at torch's default activation_memory_budget; the plan's roles at
@@ -751,7 +749,8 @@ def _hook_hazards(model: nn.Module, plan: Plan) -> list[Hazard]:
     """The user's hooks a boundary's replay fires again (NOTE [replayed hooks] in profile/hazards.py): a
     double count is invisible to the paired comparison, so verify looks for the hooks themselves."""
     named = dict(model.named_modules())
-    found = {b.module: hooks_inside(named[b.module]) for b in plan.boundaries if b.module in named}
+    found = {b.module: hooks_inside(named[b.module]) for b in plan.boundaries
+             if b.module in named and b.mode is not CheckpointMode.OFFLOAD}   # offload replays nothing
     return [Hazard(module=name, kind=HazardKind.HOOK, detail=hook_detail(hooks), state="hooks")
             for name, hooks in found.items() if hooks]
 
@@ -766,7 +765,8 @@ def _verify(loaded: LoadedWorkload, plan: Plan, *, steps: int, seeds: int, timin
     failures += [f"hazard in {h.module} ({h.kind.value}, {h.mode}): {h.detail}" for h in hazards]
     repeatable, not_repeated = _control_repeats(loaded, seed_values[0], steps, ticks.tick, compiled)
     failures += not_repeated
-    drawers = sorted(a.module for a in pairs.activity if a.draws_rng)
+    # an offloaded boundary never replays (NOTE [activation offload]): its draws need no preserved RNG
+    drawers = sorted(a.module for a in pairs.activity if a.draws_rng and a.mode is not CheckpointMode.OFFLOAD)
     tol = _model_tolerance(loaded.workload.model, compiled.table)
     negative, not_rejected = _negative_controls(loaded, plan, drawers, seed_values[0], min(steps, 2),
                                                 _perturbation_for(tol), ticks.tick, compiled)
@@ -783,7 +783,7 @@ def _verify(loaded: LoadedWorkload, plan: Plan, *, steps: int, seeds: int, timin
         rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards, negative_controls=negative,
         boundaries=pairs.activity, repeatable=repeatable, failures=failures,
         warnings=_verify_warnings(loaded, compiled.spec is not None, pairs.per_step),
-        compile=None if compiled.spec is None else compiled.spec.to_json())
+        compile=None if compiled.spec is None else compiled.spec.to_json(), autocast=loaded.autocast)
 
 
 def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int = 3, seeds: int = 3,
@@ -802,7 +802,7 @@ def verify_plan(loaded: LoadedWorkload, plan: Plan | str | Path, *, steps: int =
     plan = load_plan(plan)
     if compile is None:
         compile = plan.compile
-    compiled = _Compiled(compile)
+    compiled = _Compiled(compile, loaded.autocast)
     if steps < 1 or seeds < 1 or timing_steps < 0:
         raise RematError(f"steps and seeds must be >= 1 and timing_steps >= 0 (got {steps}, {seeds}, {timing_steps})")
     check_plan_fingerprint(loaded.workload.model, plan)

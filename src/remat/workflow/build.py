@@ -45,6 +45,20 @@ the VerifyReport: a shipped plan that was verified (boundaries, or a torch budge
 ships nothing and is listed first as UNVERIFIED with the failure. The control ships when it
 fits (nothing to checkpoint). ``clears`` compares the shipped plan's measured peak with
 budget x (1 - reserve).
+
+NOTE [re-plan after verify]
+Verification can find a boundary hazardous that the profile let through (a replay side
+effect its inventory does not snapshot). Shipping that plan UNVERIFIED leaves the user with
+nothing; so the receipt excludes every boundary the failure implicates (a hazard in its
+replay, a divergence under it), and every candidate that contains one (a parent, a segment
+with it as a member), and runs steps 3-5 again on the same profile. At most
+``MAX_VERIFY_ROUNDS`` (3) rounds: each re-runs the closed loop, the frontier and verification
+(minutes on a real model), and a hazard found in block after block is a pattern the blocks
+share (a hook, a global), which another round would only find again; past the bound, or
+when verification fails without implicating a boundary, the last plan is listed UNVERIFIED
+as before. The exclusions and their reasons are recorded (``plan.excluded_after_verify``)
+and stated in the decision; when no plan reaches the budget without them, nothing ships
+and the decision says so.
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, par
 from ..profile import ProfileReport, module_revision, profile_workload
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
-from ..verify import COMPILED_TOLERANCES, TOLERANCES, VerifyReport, verify_plan
+from ..verify import VerifyReport, tolerance_table, verify_plan
 from ..measure import CompileSpec
 from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
                              ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
@@ -129,7 +143,8 @@ def _fixture_passed(module: str, plan: Plan, verification: VerifyReport | None) 
 def _fixture(loaded: LoadedWorkload, module: str, params: tuple[str, ...], plan: Plan,
              verification: VerifyReport | None, settings: RunSettings) -> Fixture:
     """The paired-step fixture covering one boundary, as ``remat check`` re-runs it."""
-    table = TOLERANCES if verification is None or verification.compile is None else COMPILED_TOLERANCES
+    table = tolerance_table(compiled=verification is not None and verification.compile is not None,
+                            autocast=loaded.autocast)
     act = None if verification is None else next((a for a in verification.boundaries if a.module == module), None)
     rejected = () if verification is None else \
         tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected)
@@ -282,17 +297,30 @@ def _why(shipped: FrontierPoint, plan: Plan | None, bar: _Bar, trace: StepTrace,
     return [f"Ship no checkpointing: the unmodified step's peak {mib(bar.control_peak)} already clears {bar.text}."]
 
 
+def _why_replanned(excluded: dict[str, str], replan_note: str) -> list[str]:
+    """What the rounds of NOTE [re-plan after verify] excluded, and why."""
+    if not excluded:
+        return []
+    names = ", ".join(excluded)
+    first = next(iter(excluded.values()))
+    return [f"Re-planned without {names}, which verification found hazardous ({first})"
+            + (f"; {replan_note}." if replan_note else ".")]
+
+
 def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, verification: VerifyReport | None,
-            closed_loop_note: str) -> ReceiptDecision:
+            closed_loop_note: str, excluded_after_verify: dict[str, str] | None = None,
+            replan_note: str = "") -> ReceiptDecision:
     """The receipt's decision: the frontier's ship decision, once verified (NOTE [receipt decision]).
 
-    ``plan``: the shipped point's plan (or, when nothing ships, the closed loop's, unshipped)."""
+    ``plan``: the shipped point's plan (or, when nothing ships, the closed loop's, unshipped).
+    ``excluded_after_verify``, ``replan_note``: what NOTE [re-plan after verify] excluded."""
     bar = _Bar.of(frontier, trace)
     shipped, rejected, unverified = _verified_ship(frontier, verification)
     if shipped is None:
         why = _why_nothing(bar, rejected[0].plan if rejected else None, unverified, closed_loop_note)
     else:
         why = _why(shipped, plan, bar, trace, verification)
+    why += _why_replanned(excluded_after_verify or {}, replan_note)
     peak = None if shipped is None else shipped.peak_bytes
     return ReceiptDecision(
         status=ShipStatus.NO_PLAN if shipped is None else ShipStatus.SHIP,
@@ -309,6 +337,20 @@ def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, ve
 
 
 # -- unsupported modes -----------------------------------------------------------------------------
+
+def _autocast_modes(loaded: LoadedWorkload) -> list[UnsupportedMode]:
+    """What the receipt says about mixed precision: not run, or run under one autocast dtype only."""
+    if loaded.autocast is None:
+        return [UnsupportedMode(mode="autocast / mixed precision", status=Coverage.NOT_RUN,
+                                detail=f"the step ran as the workload defines it, in {loaded.dtype}, without autocast "
+                                       "(remat receipt --autocast bf16 runs the forward under torch.autocast)")]
+    other = "float16" if loaded.autocast == "bfloat16" else "bfloat16"
+    return [UnsupportedMode(mode="without autocast", status=Coverage.NOT_RUN,
+                            detail=f"every figure is from the step with its forward under torch.autocast("
+                                   f"{loaded.autocast}); the plain {loaded.dtype} step was not measured or verified"),
+            UnsupportedMode(mode=f"autocast {other}", status=Coverage.NOT_RUN,
+                            detail=f"measured and verified under autocast {loaded.autocast} only")]
+
 
 def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None,
                       compiled: bool = False) -> list[UnsupportedMode]:
@@ -334,8 +376,7 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
         UnsupportedMode(mode="reentrant checkpointing", status=Coverage.UNSUPPORTED,
                         detail="remat applies non-reentrant torch.utils.checkpoint only (use_reentrant=False); "
                                "reentrant replay checks nothing and can give silently wrong gradients"),
-        UnsupportedMode(mode="autocast / mixed precision", status=Coverage.NOT_RUN,
-                        detail=f"the step ran as the workload defines it, in {loaded.dtype}, without autocast"),
+        *_autocast_modes(loaded),
     ]
     for dt in ("float32", "bfloat16", "float16"):
         if dt != loaded.dtype:
@@ -458,6 +499,85 @@ def _gather_evidence(loaded: LoadedWorkload, plan: Plan | None, settings: RunSet
     return _Evidence(verification=verification, trace=trace, held=held, savings=savings)
 
 
+MAX_VERIFY_ROUNDS = 3   # NOTE [re-plan after verify]
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Round:
+    """Steps 3-6 of NOTE [receipt run] on one profile: the plan, its frontier and its evidence."""
+
+    closed: ClosedLoopResult | None
+    note: str                             # why the closed loop missed
+    frontier: FrontierReport
+    plan: Plan | None
+    label: str | None
+    evidence: _Evidence
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Proved:
+    """The last round, what the earlier ones excluded (module -> why), and why re-planning stopped."""
+
+    last: _Round
+    excluded: dict[str, str]
+    note: str = ""
+
+
+def _hazardous(plan: Plan | None, verification: VerifyReport | None) -> dict[str, str]:
+    """The boundaries of ``plan`` a failed verification implicates, each with its cause."""
+    if plan is None or verification is None or verification.passed:
+        return {}
+    out: dict[str, str] = {}
+    for b in plan.boundaries:
+        if verification.implicates(b.module):
+            h = next((h for h in verification.hazards if b.module in h.modules), None)
+            out[b.module] = f"{h.kind.value}: {h.detail}" if h is not None else verification.failures[0]
+    return out
+
+
+def _without(report: ProfileReport, hazardous: dict[str, str]) -> ProfileReport:
+    """``report`` with each hazardous module, and every candidate containing one, excluded."""
+    def contains(c_paths: tuple[str, ...], m: str) -> bool:
+        return any(m == p or m.startswith(p + ".") for p in c_paths)
+    more = {c.name: f"verification found {m} hazardous: {why}" for m, why in hazardous.items()
+            for c in report.candidates if contains(c.covers, m)}
+    return dataclasses.replace(report, excluded={**report.excluded, **more})
+
+
+def _one_round(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float, settings: RunSettings,
+               compile: CompileSpec | None, progress: ProgressFn) -> _Round:
+    """Steps 3-6: closed loop, frontier, the plan shown, and its evidence."""
+    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, progress)                   # 3.
+    frontier = run_frontier(loaded, FrontierSettings(                                              # 4.
+        budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
+        warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
+        capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
+        report=report, progress=progress)
+    plan, label = _shown_plan(frontier, closed)
+    evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
+    return _Round(closed=closed, note=note, frontier=frontier, plan=plan, label=label, evidence=evidence)
+
+
+def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
+                    settings: RunSettings, compile: CompileSpec | None, progress: ProgressFn) -> _Proved:
+    """Rounds of steps 3-6, re-planning without the boundaries verification implicates (NOTE [re-plan after verify])."""
+    last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, progress)
+    excluded: dict[str, str] = {}
+    for _ in range(MAX_VERIFY_ROUNDS - 1):
+        hazardous = _hazardous(last.plan, last.evidence.verification)
+        if not hazardous:
+            return _Proved(last=last, excluded=excluded)
+        excluded.update(hazardous)
+        report = _without(report, hazardous)
+        try:
+            last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, progress)
+        except InfeasibleBudget as exc:   # the last plan stays UNVERIFIED; nothing else reaches the budget
+            return _Proved(last=last, excluded=excluded, note=f"without them no plan reaches the budget ({exc.message})")
+    stop = "" if not _hazardous(last.plan, last.evidence.verification) else \
+        f"verification still fails after {MAX_VERIFY_ROUNDS} rounds"
+    return _Proved(last=last, excluded=excluded, note=stop)
+
+
 def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
@@ -479,14 +599,10 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     target, boundary_trace = _trace_unmodified(loaded, boundary_shape, settings, progress)        # 1.
     report = profile_workload(loaded, candidates=candidates, progress=progress)                    # 2.
     budget_bytes = parse_budget(budget, report.baseline_peak_bytes)
-    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, progress)                   # 3.
-    frontier = run_frontier(loaded, FrontierSettings(                                              # 4.
-        budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
-        warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
-        capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
-        report=report, progress=progress)
-    plan, label = _shown_plan(frontier, closed)
-    evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
+    proved = _plan_and_prove(loaded, report, budget_bytes, reserve, settings, compile, progress)  # 3.-6.
+    last = proved.last
+    closed, note, frontier, plan, label, evidence = (last.closed, last.note, last.frontier, last.plan, last.label,
+                                                     last.evidence)
     records = [] if plan is None else _boundary_records(loaded, plan, report, evidence.verification,
                                                          evidence.savings, settings)
     memory_source = MemorySource.CUDA_ALLOCATOR.value if loaded.device.startswith("cuda") \
@@ -498,8 +614,9 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
         traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=evidence.trace),
         plan=ReceiptPlan(label=label, plan=plan, boundaries=records, control_held_bytes=evidence.held,
                          closed_loop=list(closed.attempts) if closed else [],
-                         closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note),
+                         closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note,
+                         excluded_after_verify=proved.excluded),
         verification=evidence.verification, verification_note=evidence.note, frontier=frontier,
         decision=_decide(frontier=frontier, plan=plan, trace=target, verification=evidence.verification,
-                         closed_loop_note=note),
+                         closed_loop_note=note, excluded_after_verify=proved.excluded, replan_note=proved.note),
         unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))

@@ -160,7 +160,7 @@ def same_workload(a: str, b: str, *, cwd: Path | None = None) -> bool:
 def _load(receipt: Receipt, spec: str) -> LoadedWorkload:
     ctx = receipt.context
     try:
-        return load_workload(spec, dict(ctx.shape), device=ctx.device, dtype=ctx.dtype)
+        return load_workload(spec, dict(ctx.shape), device=ctx.device, dtype=ctx.dtype, autocast=ctx.autocast)
     except WorkloadError as exc:
         if exc.traceback_text:          # the user's own code raised: theirs to see, as in every command
             raise

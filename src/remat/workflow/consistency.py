@@ -12,7 +12,8 @@ receipt before running anything, one finding per contradiction:
   the boundary records', the decision's and the shipped frontier point's; the frontier's
   shipped plan is the plan; the labels agree;
 - fixture (``FIXTURE``): every fixture is the one ``remat receipt`` writes from the settings
-  (seeds 0..n-1, the settings' steps, the receipt's dtype) and no count (seeds, steps, warm-up,
+  (seeds 0..n-1, the settings' steps, the receipt's dtype, the tolerance the verification used
+  for it, the verification run under the context's autocast) and no count (seeds, steps, warm-up,
   timing steps) exceeds the gate's limits (NOTE [gate thresholds] in workflow/gate.py);
 - claims (``CLAIMS``): the decision's peaks, p50s and overhead are the frontier points',
   each p50 is the median of its samples, each point ``fits`` exactly when its peak clears,
@@ -139,6 +140,24 @@ def _over(name: str, value: int, most: int) -> CheckFinding:
                                    "max-steps in [tool.remat] if that is meant)")
 
 
+def _tolerance_findings(receipt: Receipt) -> list[CheckFinding]:
+    """The verification ran under the context's autocast, and every fixture states the tolerance it used."""
+    v, ctx = receipt.verification, receipt.context
+    if v is None:
+        return []
+    out = []
+    if v.autocast != ctx.autocast:
+        out.append(_f(FindingKind.FIXTURE, f"the verification ran with autocast {v.autocast}, the receipt's context "
+                                           f"says {ctx.autocast}"))
+    used = v.tolerances.get(ctx.dtype)
+    for r in receipt.plan.boundaries:
+        if used is not None and r.fixture.tolerance != used:
+            out.append(_f(FindingKind.FIXTURE, f"boundary {r.module}: fixture tolerance rtol {r.fixture.tolerance.rtol:g} "
+                                               f"atol {r.fixture.tolerance.atol:g} is not the verification's for "
+                                               f"{ctx.dtype} (rtol {used.rtol:g}, atol {used.atol:g})", r.module))
+    return out
+
+
 def fixture_findings(receipt: Receipt, limits: FixtureLimits) -> list[CheckFinding]:
     s, ctx = receipt.settings, receipt.context
     out = []
@@ -156,6 +175,7 @@ def fixture_findings(receipt: Receipt, limits: FixtureLimits) -> list[CheckFindi
                                                f"{FIXTURE_NAME} seeds {list(written[1])} x {s.verify_steps} steps "
                                                f"in {ctx.dtype} from these settings", r.module))
     v = receipt.verification
+    out += _tolerance_findings(receipt)
     if v is not None and (v.steps, list(v.seeds)) != (s.verify_steps, list(range(s.verify_seeds))):
         out.append(_f(FindingKind.FIXTURE, f"the verification ran seeds {list(v.seeds)} x {v.steps} steps, the "
                                            f"settings say {s.verify_seeds} x {s.verify_steps}"))

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 import sysconfig
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
@@ -120,8 +121,73 @@ class Workload:
         return opt
 
 
+# NOTE [autocast steps]
+# Mixed precision is a property of the step, not of the model: ``--autocast bf16`` (or
+# ``remat.auto(..., autocast="bf16")``) runs the workload's forward phase (its ``loss``: the
+# model call and the loss) under ``torch.autocast(device_type, dtype)``, as a mixed-precision
+# training loop does, and the backward and optimizer step outside it. The wrapping is done once,
+# on the Workload (:class:`AutocastLoss`), so every stage that runs the step (profile, replays,
+# closed loop, frontier, verify, check) runs the same autocast step. Non-reentrant checkpointing
+# records the autocast state at the forward and replays under it, so a replay recomputes in the
+# same precision. Parameters, gradients and optimizer state stay in the workload's dtype; verify
+# compares them with the autocast dtype's tolerance (NOTE [autocast tolerances] in
+# remat/verify/model.py), and every report made so says so.
+AUTOCAST_DTYPES: dict[str, str] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
+def parse_autocast(name: str | None) -> str | None:
+    """``"bf16"``/``"bfloat16"`` -> ``"bfloat16"``, ``"fp16"``/``"float16"`` -> ``"float16"``; None stays None."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or name.lower() not in AUTOCAST_DTYPES:
+        raise WorkloadError(f"autocast {str(name)[:40]!r} is not an autocast dtype",
+                            tip="use bf16 or fp16 (torch.autocast's bfloat16 or float16), or leave it out")
+    return AUTOCAST_DTYPES[name.lower()]
+
+
+class AutocastLoss:
+    """The workload's loss run under ``torch.autocast(device_type, dtype)`` (NOTE [autocast steps])."""
+
+    def __init__(self, loss: Callable[[nn.Module, Any], torch.Tensor], device_type: str, dtype: str) -> None:
+        self.loss, self.device_type, self.dtype = loss, device_type, dtype
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=getattr(torch, self.dtype)):
+            return self.loss(model, batch)
+
+    def __repr__(self) -> str:
+        return f"AutocastLoss({self.loss!r}, {self.device_type}, {self.dtype})"
+
+
+def with_autocast(workload: Workload, device: str, autocast: str | None) -> Workload:
+    """``workload`` whose forward runs under autocast ``autocast`` (a parse_autocast name; None: as it is)."""
+    if autocast is None:
+        return workload
+    return dataclasses.replace(workload, loss=AutocastLoss(workload.loss, torch.device(device).type, autocast))
+
+
 def _noop(_: Phase) -> None:
     return None
+
+
+# NOTE [first step watch]
+# A first step can take minutes (lazy initialisation, a slow data source, a download in
+# ``batch()``) or hang; the CLI says so with a line every few seconds until it returns
+# (remat.cli.common.load_from_args). The library prints nothing: it only sets the events
+# asked for here when a training step of this process ends, returned or raised.
+_step_watches: list[threading.Event] = []
+
+
+def watch_first_step() -> threading.Event:
+    """An event set when the next ``TrainingStep.run`` of this process ends (NOTE [first step watch])."""
+    done = threading.Event()
+    _step_watches.append(done)
+    return done
+
+
+def _step_ended() -> None:
+    while _step_watches:
+        _step_watches.pop().set()
 
 
 class TrainingStep:
@@ -137,6 +203,13 @@ class TrainingStep:
         self.optimizer = workload.make_optimizer()
 
     def run(self, step: int, marker: PhaseMarker = _noop) -> float:
+        try:
+            return self._run(step, marker)
+        finally:
+            if _step_watches:
+                _step_ended()
+
+    def _run(self, step: int, marker: PhaseMarker) -> float:
         marker(Phase.BATCH)
         batch = self.batch(step)
         marker(Phase.FORWARD)

@@ -16,7 +16,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ShapeError, WorkloadError
+from ..types import RankReduce
 from .contract import Workload, call_user
+from .contract import Workload, call_user, parse_autocast, with_autocast
 
 BUILTINS: dict[str, str] = {
     "gpt": "remat.workload.builtins.gpt:build",
@@ -36,10 +38,15 @@ class LoadedWorkload:
     device: str
     dtype: str
     workload: Workload
+    # the job's ranks when every build runs on all of them at once (remat.auto after FSDP2/DDP):
+    # measured peaks and times are reduced over them (NOTE [one plan per job]); None: one process
+    ranks: RankReduce | None = None
+    autocast: str | None = None   # "bfloat16"/"float16": the forward runs under torch.autocast (NOTE [autocast steps])
 
     def rebuild(self, **shape_overrides: ShapeValue) -> "LoadedWorkload":
         """Build a fresh copy (new model, same spec), optionally at another shape."""
-        return load_workload(self.spec, {**self.shape, **shape_overrides}, device=self.device, dtype=self.dtype)
+        return load_workload(self.spec, {**self.shape, **shape_overrides}, device=self.device, dtype=self.dtype,
+                             autocast=self.autocast)
 
 
 def parse_shape(text: str | None) -> dict[str, ShapeValue]:
@@ -231,9 +238,12 @@ def load_workload(
     *,
     device: str = "cpu",
     dtype: str = "float32",
+    autocast: str | None = None,
 ) -> LoadedWorkload:
-    """Build the workload ``spec`` at ``shape``; typed :class:`WorkloadError` on any misuse."""
+    """Build the workload ``spec`` at ``shape``; typed :class:`WorkloadError` on any misuse. ``autocast``
+    (``"bf16"``, ``"fp16"``): its forward runs under ``torch.autocast`` (NOTE [autocast steps])."""
     shape = dict(shape or {})
+    autocast = parse_autocast(autocast)
     _check_device(device)
     factory = _resolve_factory(spec)
     names, var_kw = factory_keywords(factory)
@@ -252,4 +262,5 @@ def load_workload(
     built = call_user(f"workload factory {spec!r}", factory, **kwargs)
     if not isinstance(built, Workload):
         raise WorkloadError(f"workload factory {spec!r} returned {type(built).__name__}, not remat.Workload")
-    return LoadedWorkload(spec=spec, shape=shape, device=device, dtype=dtype, workload=built)
+    return LoadedWorkload(spec=spec, shape=shape, device=device, dtype=dtype,
+                          workload=with_autocast(built, device, autocast), autocast=autocast)

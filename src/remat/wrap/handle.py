@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Iterator
 from torch import nn
 
 from ..errors import CandidateError, FingerprintMismatch, HandleError, PlanError
-from ..plan.model import Plan
+from ..plan.model import Boundary, Plan
+from ..types import CheckpointMode
 from ..profile.fingerprint import fingerprint
 from .policy import SaveMatmulPolicy
 from ..profile.segments import is_segment, segment_members
+from .offload import HostPool, OffloadWrapper
 from .wrapper import CheckpointWrapper, SegmentPassthrough, SegmentWrapper
 
 if TYPE_CHECKING:
@@ -99,10 +101,14 @@ class ApplyHandle:
     from a copy of a planned model (:func:`recover_handle`).
     """
 
-    def __init__(self, model: nn.Module, plan: Plan | None, wrappers: tuple[CheckpointWrapper, ...]) -> None:
+    def __init__(self, model: nn.Module, plan: Plan | None, wrappers: tuple[CheckpointWrapper, ...], *,
+                 host_pool: HostPool | None = None) -> None:
         self.model = model
         self.plan = plan
         self.wrappers = wrappers
+        # host bytes held by the offload boundaries (NOTE [activation offload]); a recovered handle's
+        # wrappers keep their own pools
+        self.host_pool = host_pool if host_pool is not None else HostPool()
         self._active = True
 
     @property
@@ -185,15 +191,22 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool 
     module is already wrapped.
     """
     plan, members = _members_to_wrap(model, plan, check_fingerprint=check_fingerprint, stage=stage)
-    wrappers = tuple(
-        SegmentWrapper(members[b.module], b.module, b.mode, guarded=b.guarded,
-                       preserve_rng_state=plan.preserve_rng_state) if is_segment(b.module) else
-        CheckpointWrapper(members[b.module][0][1], b.module, b.mode, guarded=b.guarded,
-                          preserve_rng_state=plan.preserve_rng_state, policy=policy)
-        for b in plan.boundaries)
+    pool = HostPool()   # host bytes of every offload boundary (NOTE [activation offload])
+    wrappers = tuple(_wrapper(plan, b, members[b.module], policy, pool) for b in plan.boundaries)
     for w in wrappers:
         w.install()
-    return ApplyHandle(model, plan, wrappers)
+    return ApplyHandle(model, plan, wrappers, host_pool=pool)
+
+
+def _wrapper(plan: Plan, b: Boundary, members: list[tuple[str, nn.Module]], policy: SaveMatmulPolicy | None,
+             pool: HostPool) -> CheckpointWrapper:
+    """The one wrapper a boundary gets: a segment, an offload region, or a checkpointed module."""
+    if is_segment(b.module):
+        return SegmentWrapper(members, b.module, b.mode, guarded=b.guarded, preserve_rng_state=plan.preserve_rng_state)
+    if b.mode is CheckpointMode.OFFLOAD:
+        return OffloadWrapper(members[0][1], b.module, pool)
+    return CheckpointWrapper(members[0][1], b.module, b.mode, guarded=b.guarded,
+                             preserve_rng_state=plan.preserve_rng_state, policy=policy)
 
 
 def check_applies(model: nn.Module, plan: Plan) -> None:
@@ -209,6 +222,9 @@ def _members_to_wrap(model: nn.Module, plan: Plan | str | Path, *, check_fingerp
     plan = load_plan(plan, stage)   # a pipeline plan: the plan of the stage this rank owns
     if check_fingerprint:
         check_plan_fingerprint(model, plan)
+    if plan.compile is not None and any(b.mode is CheckpointMode.OFFLOAD for b in plan.boundaries):
+        raise PlanError("this plan offloads activations and runs compiled: offload boundaries run eagerly only "
+                        "(NOTE [activation offload])", tip="plan the compiled run without offload")
     paths = [b.module for b in plan.boundaries]
     members = {p: boundary_members(model, p) for p in paths}   # CandidateError for a missing module/segment
     _check_not_nested(paths, {p: [q for q, _ in ms] for p, ms in members.items() if is_segment(p)})

@@ -269,7 +269,24 @@ class SegmentWrapper(CheckpointWrapper):
     be the very tensor the segment returned, and the members must be called in order;
     otherwise it raises :class:`~remat.errors.PlanError` (the parent does something between
     the members, so the segment is not a chain here). ``path`` is the segment's name
-    (``blocks[2:5]``); the members' hooks run once per call of the parent, as before.
+    (``blocks[2:5]``).
+
+    NOTE [segment members through their module call]
+    Inside the region every later member runs through its *module call* (``member(x)``), never
+    its bare ``forward``: its own hooks run where its forward runs, with its real input and
+    output, as without the segment. FSDP2's pre-forward hook is one of them: it all-gathers the
+    member's parameters (and its post-forward hook reshards them), so a member that is an FSDP2
+    unit computes with plain tensors; run as a bare ``forward`` it met sharded DTensor
+    parameters ("aten.native_layer_norm got mixed torch.Tensor and DTensor"). The passthrough
+    tells the two calls apart: while the region runs member ``k`` (``_running == k``) it is the
+    member's forward, otherwise it is the parent's call. Those hooks must not run a second time
+    on the parent's call (FSDP2 would all-gather again and wrap the argument in a new tensor), so
+    once the region has run, each later member's own hook tables are set aside (*muted*) until
+    the parent calls it: ``nn.Module.__call__`` finds them empty and calls the passthrough alone,
+    which puts them back. A parent that raises before calling them all leaves some muted; the
+    segment's next call, and ``uninstall``, put them back. Global module hooks
+    (``register_module_forward_hook``) fire on both calls. Under Dynamo the region calls the bare
+    forwards as before (NOTE [wrapper under compile]).
     """
 
     def __init__(self, members: list[tuple[str, nn.Module]], name: str, mode: CheckpointMode, *,
@@ -286,6 +303,8 @@ class SegmentWrapper(CheckpointWrapper):
         self._last: Any = None            # weakref to the tensor the segment last returned
         self._traced_last: Any = None     # the same, while Dynamo traces (NOTE [wrapper under compile])
         self._next = 0                    # position of the member the parent should call next
+        self._running = 0                 # position of the member the region is running now (0: none)
+        self._muted: dict[int, tuple[dict, ...]] = {}   # position -> that member's own hook tables, set aside
 
     def install(self) -> None:
         super().install()
@@ -301,6 +320,7 @@ class SegmentWrapper(CheckpointWrapper):
         if not self.installed:
             from ..errors import HandleError
             raise HandleError(f"{self.path}: a member's forward was replaced after remat.apply; cannot restore it exactly")
+        self._unmute_all()
         super().uninstall()
         for m, had, f in zip(self.members[1:], self.rest_had_instance, self.rest_forwards):
             if had:
@@ -309,25 +329,67 @@ class SegmentWrapper(CheckpointWrapper):
                 del m.__dict__["forward"]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._unmute_all()   # a parent that raised last time left some muted
         out = super().__call__(*args, **kwargs)
         if _tracing():   # Dynamo cannot trace a weakref; a strong one, dropped by the last member
             self._traced_last = out
         else:
             self._last = weakref.ref(out) if isinstance(out, torch.Tensor) else None
+            for k in range(1, len(self.members)):
+                self._mute(k)
         self._next = 1
         return out
 
     def _region_forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.original_forward(*args, **kwargs)
-        for f in self.rest_forwards:
-            x = f(x)
+        if _tracing():
+            for f in self.rest_forwards:
+                x = f(x)
+            return x
+        for k, member in enumerate(self.members[1:], start=1):
+            x = self._run_member(k, member, x)
         return x
+
+    def _run_member(self, position: int, member: nn.Module, x: Any) -> Any:
+        """``member(x)``, its hooks included (NOTE [segment members through their module call])."""
+        outer, self._running = self._running, position
+        try:
+            return member(x)
+        finally:
+            self._running = outer
+
+    _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+    def _mute(self, position: int) -> None:
+        member = self.members[position]
+        if position not in self._muted:
+            self._muted[position] = tuple(getattr(member, t) for t in self._HOOK_TABLES)
+            for t in self._HOOK_TABLES:
+                setattr(member, t, type(getattr(member, t))())
+
+    def _unmute(self, position: int) -> None:
+        tables = self._muted.pop(position, None)
+        if tables is None:
+            return
+        member = self.members[position]
+        for t, saved in zip(self._HOOK_TABLES, tables):
+            saved.update(getattr(member, t))   # a hook registered meanwhile is kept
+            setattr(member, t, saved)
+
+    def _unmute_all(self) -> None:
+        for k in list(self._muted):
+            self._unmute(k)
+
+    def member_forward(self, position: int, x: Any) -> Any:
+        """Member ``position``'s own forward (the region is running it)."""
+        return self.rest_forwards[position - 1](x)
 
     def guarded_modules(self) -> list[nn.Module]:
         return list(self.members)
 
     def passed(self, position: int, x: Any) -> Any:
         """A later member was called by the parent with ``x`` (NOTE [segment wrapper])."""
+        self._unmute(position)
         tracing = _tracing()
         if tracing:
             last = self._traced_last
@@ -354,7 +416,7 @@ class SegmentWrapper(CheckpointWrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_last=None, _traced_last=None, _next=0)
+        state.update(_last=None, _traced_last=None, _next=0, _running=0, _muted={})
         return state
 
     def __repr__(self) -> str:
@@ -370,6 +432,9 @@ class SegmentPassthrough:
         self.position = position
 
     def __call__(self, x: Any) -> Any:
+        # NOTE [segment members through their module call]: the region's call, or the parent's
+        if self.segment._running == self.position:
+            return self.segment.member_forward(self.position, x)
         return self.segment.passed(self.position, x)
 
     def __repr__(self) -> str:

@@ -1,0 +1,113 @@
+"""Pricing activation offload (NOTE [offload cost model]): what an OFFLOAD boundary saves and costs.
+
+Pure (no torch): the bandwidths come from ``remat.measure.bandwidth`` (measured once per
+machine and cached) or from a device model (``remat.simulate``).
+
+NOTE [offload cost model]
+An OFFLOAD boundary (NOTE [activation offload] in remat/wrap/offload.py) is priced from the
+profiled FULL checkpoint of the same module, because both free the same activations between
+the region's forward and its backward:
+- device bytes saved: ``saved_bytes[FULL]`` (the activations; the region's input, which a
+  checkpoint keeps, is also packed by offload but usually still referenced by the module
+  before, so it is not counted as freed: an under-estimate the closed loop corrects);
+- extra bytes while its backward runs: 0 (the activations are back, as in the unplanned
+  step; no forward transients, nothing is recomputed);
+- bytes copied each way, and held in host memory: ``saved_bytes[FULL] + input_bytes``;
+- added time: ``copy_ms = bytes / d2h + bytes / h2d`` (ms, from the measured bandwidths, in
+  bytes per ms), less what overlaps compute. On CUDA the device-to-host copy runs on a side
+  stream while the forward goes on, so up to the region's own forward time (``fwd_ms``, from
+  the profile) of it is hidden; the host-to-device copy starts when backward reaches the
+  region, so it is priced in full (exposed). On CPU nothing overlaps (the copy is a clone on
+  the same cores): the whole ``copy_ms`` is added.
+A host budget (bytes) bounds the sum of host bytes over the offloaded boundaries; the
+planner chooses keep / recompute / offload per boundary under the peak budget, and the
+closed loop measures the result as for any plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..errors import PlanError
+from ..profile.model import CandidateCost, ProfileReport
+from ..types import CheckpointMode
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadPricing:
+    """Link bandwidths and overlap, as measured on (or modelled for) one machine."""
+
+    d2h_bytes_per_ms: float        # device -> host copy bandwidth (bytes per ms)
+    h2d_bytes_per_ms: float        # host -> device (bytes per ms)
+    overlaps_compute: bool         # copies run beside compute (CUDA side stream); False on CPU
+    host_budget_bytes: int | None = None   # host memory the offloaded activations may hold (None: no bound)
+    source: str = "measured"       # "measured" (remat.measure.bandwidth), "cached", or a device model's name
+
+    def __post_init__(self) -> None:
+        if not (self.d2h_bytes_per_ms > 0 and self.h2d_bytes_per_ms > 0):
+            raise PlanError(f"offload bandwidths must be positive, got d2h {self.d2h_bytes_per_ms} and "
+                            f"h2d {self.h2d_bytes_per_ms} bytes/ms")
+        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
+            raise PlanError(f"host budget must be >= 0 bytes, got {self.host_budget_bytes}")
+
+    def added_ms(self, copied_bytes: int, fwd_ms: float) -> float:
+        """Added step time of offloading ``copied_bytes`` around a region of forward time ``fwd_ms`` (ms)."""
+        d2h = copied_bytes / self.d2h_bytes_per_ms
+        h2d = copied_bytes / self.h2d_bytes_per_ms
+        hidden = min(d2h, max(0.0, fwd_ms)) if self.overlaps_compute else 0.0
+        return d2h - hidden + h2d
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "OffloadPricing":
+        return cls(d2h_bytes_per_ms=float(d["d2h_bytes_per_ms"]), h2d_bytes_per_ms=float(d["h2d_bytes_per_ms"]),
+                   overlaps_compute=bool(d["overlaps_compute"]),
+                   host_budget_bytes=None if d.get("host_budget_bytes") is None else int(d["host_budget_bytes"]),
+                   source=str(d.get("source", "measured")))
+
+
+def offload_bytes(c: CandidateCost) -> int:
+    """Bytes an OFFLOAD boundary copies each way and holds in host memory (NOTE [offload cost model])."""
+    return int(c.saved_bytes[CheckpointMode.FULL]) + int(c.input_bytes)
+
+
+def can_offload(c: CandidateCost) -> bool:
+    """A module candidate with a measured FULL checkpoint; segments are recomputed only."""
+    return not c.members and CheckpointMode.FULL in c.saved_bytes and c.saved_bytes[CheckpointMode.FULL] > 0
+
+
+def with_offload(report: ProfileReport, pricing: OffloadPricing) -> ProfileReport:
+    """``report`` with an OFFLOAD mode priced on every candidate that can be offloaded."""
+    def priced(c: CandidateCost) -> CandidateCost:
+        if not can_offload(c):
+            return c
+        moved = offload_bytes(c)
+        return dataclasses.replace(
+            c, saved_bytes={**c.saved_bytes, CheckpointMode.OFFLOAD: int(c.saved_bytes[CheckpointMode.FULL])},
+            replay_ms={**c.replay_ms, CheckpointMode.OFFLOAD: pricing.added_ms(moved, c.fwd_ms)},
+            replay_extra_bytes={**c.replay_extra_bytes, CheckpointMode.OFFLOAD: 0})
+    return dataclasses.replace(report, candidates=[priced(c) for c in report.candidates])
+
+
+def measured_pricing(device: str, *, host_budget_bytes: int | None = None,
+                     cache_dir: str | None = None) -> OffloadPricing:
+    """Offload priced from this machine's measured link bandwidth for ``device`` (NOTE [link bandwidth]
+    in remat/measure/bandwidth.py; measured once, then cached). Loads torch on first use."""
+    from ..measure.bandwidth import link_bandwidth
+    bw = link_bandwidth(device, cache_dir=cache_dir)
+    return OffloadPricing(d2h_bytes_per_ms=bw.d2h_bytes_per_ms, h2d_bytes_per_ms=bw.h2d_bytes_per_ms,
+                          overlaps_compute=bw.device.startswith("cuda"), host_budget_bytes=host_budget_bytes,
+                          source="cached" if bw.cached else "measured")
+
+
+def modelled_pricing(target_device: str, *, host_budget_bytes: int | None = None) -> OffloadPricing:
+    """Offload priced from a named device model's host link (``--simulate --target-device``)."""
+    from ..simulate import get_device_model
+    model = get_device_model(target_device)
+    per_ms = model.host_link / 1e3   # bytes/s -> bytes per ms
+    return OffloadPricing(d2h_bytes_per_ms=per_ms, h2d_bytes_per_ms=per_ms,
+                          overlaps_compute=model.name != "cpu", host_budget_bytes=host_budget_bytes,
+                          source=f"device model {model.name}")
