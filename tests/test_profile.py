@@ -333,6 +333,130 @@ def test_replay_cost_is_measured_per_mode_against_a_known_sleep():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def _delay_net(delays_ms, widths):
+    """A stem, then blocks that sleep ``delays_ms[i]`` in forward on a ``widths[i]``-wide linear."""
+    import time
+
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int, delay_ms: float) -> None:
+            super().__init__()
+            self.lin = nn.Linear(width, width)
+            self.delay = delay_ms / 1e3
+
+        def forward(self, x):
+            time.sleep(self.delay)
+            return self.lin(x).relu()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(widths[0], widths[0])   # so every block's input requires grad
+            self.blocks = nn.ModuleList(Block(w, d) for w, d in zip(widths, delays_ms))
+
+        def forward(self, x):
+            x = self.stem(x)
+            for b in self.blocks:
+                x = b(x)
+            return x.sum()
+
+    return Net()
+
+
+def _cost(name, fwd_ms, saved=64):
+    from remat.profile.model import CandidateCost
+    return CandidateCost(name=name, class_name="Block", order=0, parent=None, fwd_ms=fwd_ms, input_bytes=0,
+                         saved_bytes={M.KEEP: 0, M.FULL: saved}, replay_ms={M.KEEP: 0.0, M.FULL: 999.0},
+                         replay_extra_bytes={M.KEEP: 0, M.FULL: 0})
+
+
+def test_identical_regions_share_one_replay_measurement_and_different_ones_do_not():
+    """Ground truth: each block sleeps a known time in forward, so FULL adds about that time.
+    blocks.0/1: same class, shapes and work (20 ms): one measurement, shared. blocks.2: same class
+    and shapes but 60 ms of work, which the profile's forward time shows: measured alone (the wrong
+    reuse it would be is 20 ms). blocks.3: the same as blocks.0 but the profile measured other saved
+    bytes for it: measured alone."""
+    import torch
+
+    from remat.profile.replay import measure_replay_costs
+    from remat.workload import Workload
+
+    model = _delay_net([20, 20, 60, 20], [8, 8, 8, 8])
+    wl = Workload(model=model, batch=lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),
+                  loss=lambda m, x: m(x), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    cands = [_cost("blocks.0", 20.0), _cost("blocks.1", 21.0), _cost("blocks.2", 60.0), _cost("blocks.3", 20.0, 128)]
+    timed = []
+    measured, unmeasured = measure_replay_costs(TrainingStep(wl), cands, 0, min_rounds=3, max_rounds=3,
+                                                progress=lambda done, total: timed.append(total))
+    assert unmeasured == {} and timed[-1] == 3                       # three regions timed for four candidates
+    assert measured["blocks.1"][M.FULL].shared_from == "blocks.0"
+    assert measured["blocks.1"][M.FULL].ms == measured["blocks.0"][M.FULL].ms
+    assert all(measured[n][M.FULL].shared_from is None for n in ("blocks.0", "blocks.2", "blocks.3"))
+    assert 12.0 <= measured["blocks.0"][M.FULL].ms <= 60.0
+    assert 45.0 <= measured["blocks.2"][M.FULL].ms <= 150.0          # its own work, not blocks.0's
+
+
+def test_regions_of_other_shapes_or_classes_never_share():
+    """The signature itself (NOTE [shared replay measurements]): another width, other inputs, another class."""
+    import torch
+    from torch import nn
+
+    from remat.profile.shared import group_by_signature, region_signature
+
+    a, b, wide = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+    x = ((torch.randn(4, 8),), {})
+    sig = lambda m, inp, c=_cost("m", 1.0): region_signature(m, c, inp, [M.FULL])  # noqa: E731
+    assert sig(a, x) == sig(b, x)
+    assert sig(a, x) != sig(wide, x)                                  # parameter shapes
+    assert sig(a, x) != sig(a, ((torch.randn(2, 8),), {}))           # input shape
+    assert sig(a, x) != sig(a, ((torch.randn(4, 8, dtype=torch.float64),), {}))   # input dtype
+    assert sig(a, x) != sig(nn.Sequential(nn.Linear(8, 8)), x)        # structure
+    assert sig(a, x) != sig(a, x, _cost("m", 1.0, saved=8))           # per-instance bytes
+    assert sig(a, ((torch.randn(4, 8), 3), {})) != sig(a, ((torch.randn(4, 8), 4), {}))   # a plain argument
+    leaders = group_by_signature({"p": 1, "q": 1, "r": 2, "s": 1}, {"p": 1.0, "q": 1.2, "r": 1.0, "s": 5.0})
+    assert leaders == {"p": "p", "q": "p", "r": "r", "s": "s"}
+
+
+def test_identical_candidates_share_dry_run_passes_and_a_different_one_does_not():
+    """NOTE [shared dry runs]: four identical blocks try three modes in one pass (one mode per
+    block), instead of one pass per mode; a fifth block of another width tries its three modes
+    itself, one per pass. Ground truth: the count of forward + backward passes."""
+    import torch
+    from torch import nn
+
+    from remat.profile.dryrun import dry_run_modes
+    from remat.profile.model import CandidateCost
+    from remat.workload import Workload
+
+    widths = [8, 8, 8, 8, 16]
+    model = nn.Sequential(nn.Linear(8, 8), *(nn.Sequential(nn.Linear(8, w), nn.ReLU())
+                                             for w in widths))
+    wl = Workload(model=model, batch=lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),
+                  loss=lambda m, x: m(x).sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    modes = (M.FULL, M.SELECTIVE, M.RECOMPUTE_POINTWISE)
+    cands = [CandidateCost(name=str(i + 1), class_name="Sequential", order=i, parent=None, fwd_ms=1.0, input_bytes=0,
+                           saved_bytes={M.KEEP: 0, **{m: 64 for m in modes}}, replay_ms={M.KEEP: 0.0, **{m: 1.0 for m in modes}},
+                           replay_extra_bytes={M.KEEP: 0, **{m: 0 for m in modes}}) for i in range(5)]
+    stats: dict = {}
+    assert dry_run_modes(TrainingStep(wl), cands[:4], 0, stats=stats) == {} and stats["passes"] == 1
+    assert dry_run_modes(TrainingStep(wl), cands, 0, stats=stats) == {} and stats["passes"] == 3
+
+
+def test_a_replay_cost_below_the_clock_resolution_is_priced_at_it_not_zero():
+    from remat.clock import StepClock
+    from remat.profile.replay import price_at_resolution
+
+    assert price_at_resolution(-0.3, 0.001) == (0.001, True)
+    assert price_at_resolution(0.0, 0.001) == (0.001, True)
+    assert price_at_resolution(0.0005, 0.001) == (0.001, True)
+    assert price_at_resolution(0.002, 0.001) == (0.002, False)
+    with pytest.raises(ValueError):
+        price_at_resolution(1.0, 0.0)
+    assert 0.0 < StepClock("cpu").resolution_ms() < 1.0
+
+
 def test_profile_records_measured_replay_spreads():
     report = profile_workload(load_workload("mlp", TINY["mlp"]))
     measured = [c for c in report.candidates if c.replay_spread_ms]

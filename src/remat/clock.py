@@ -84,6 +84,18 @@ class StepClock:
         self.sync()
         return out, (time.perf_counter_ns() - t0) / 1e6
 
+    def resolution_ms(self, reads: int = 21) -> float:
+        """The smallest duration this clock resolves (ms): the median of ``reads`` timings of an
+        empty call (the reads' own cost, and on CUDA the synchronisations), never below the host
+        clock's tick. A measured difference below it is not resolved (NOTE [measured replay costs]
+        in remat/profile/replay.py)."""
+        tick_ms = time.get_clock_info("perf_counter").resolution * 1e3
+        return max(tick_ms, percentile((self.time(_nothing)[1] for _ in range(reads)), 50.0))
+
+
+def _nothing() -> None:
+    return None
+
 
 class RegionTimer:
     """Times regions that start and end inside a step (module forwards, from hooks), in ms.

@@ -33,6 +33,7 @@ from ..types import OP_POLICY_MODES, CheckpointMode, is_cheap_op, sac_saves
 from ..workload.contract import TrainingStep
 from .model import CandidateCost
 from .segments import is_segment, parse_segment, segment_members
+from .shared import dry_run_leaders
 
 
 def _sac_policy(mode: CheckpointMode, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -130,12 +131,14 @@ class _DryRunner:
         self.model = step.workload.model
         self.modules = dict(self.model.named_modules())
         self.step_index = step_index
+        self.passes = 0   # forward + backward passes run (units: passes)
 
-    def attempt(self, names: list[str], mode: CheckpointMode) -> str | None:
-        """Forward + backward with ``names`` wrapped in ``mode``; None when it ran, else the error."""
+    def attempt(self, assignment: dict[str, CheckpointMode]) -> str | None:
+        """Forward + backward with each named candidate wrapped in its mode; None when it ran, else the error."""
+        self.passes += 1
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         grads = [(p, p.grad) for p in self.model.parameters()]
-        removers = [_wrap_named(self.model, self.modules, n, mode) for n in names]
+        removers = [_wrap_named(self.model, self.modules, n, mode) for n, mode in assignment.items()]
         try:
             batch = self.step.batch(self.step_index)
             loss = self.step.workload.loss(self.model, batch)
@@ -150,28 +153,56 @@ class _DryRunner:
             put_back(grads, buffers)
 
 
-def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int) -> dict[str, dict[CheckpointMode, str]]:
-    """Run every measured (candidate, mode) once (NOTE [mode dry runs]); name -> mode -> error."""
-    runner = _DryRunner(step, step_index)
+def _levels(candidates: list[CandidateCost]) -> dict[tuple, list[CandidateCost]]:
+    """Candidates by level: module candidates by nesting depth; segments by (container, length), whose
+    tilings are disjoint (NOTE [segment count]). Candidates of one level never nest."""
     names = {c.name for c in candidates}
-    # levels never overlap: module candidates by nesting depth; segments by (container, length),
-    # whose tilings are disjoint (NOTE [segment count])
-    depth: dict[str, tuple] = {
-        c.name: ((1, parse_segment(c.name).container, len(c.members)) if c.members else
-                 (0, sum(1 for i in range(1, c.name.count(".") + 1) if ".".join(c.name.split(".")[:i]) in names)))
-        for c in candidates}
+    levels: dict[tuple, list[CandidateCost]] = defaultdict(list)
+    for c in candidates:
+        key = ((1, parse_segment(c.name).container, len(c.members)) if c.members else
+               (0, sum(1 for i in range(1, c.name.count(".") + 1) if ".".join(c.name.split(".")[:i]) in names)))
+        levels[key].append(c)
+    return levels
+
+
+def _modes(c: CandidateCost) -> list[CheckpointMode]:
+    return [m for m in CheckpointMode if m is not CheckpointMode.KEEP and m in c.saved_bytes]
+
+
+def _passes(level: list[CandidateCost], leader: dict[str, str]) -> list[dict[str, CheckpointMode]]:
+    """One level's dry-run passes (NOTE [shared dry runs] in profile/shared.py): each group of identical
+    candidates tries its modes on different members in the same pass, so a level of N identical
+    blocks and M modes takes ceil(M / N) passes, not M."""
+    groups: dict[str, list[CandidateCost]] = defaultdict(list)
+    for c in level:
+        groups[leader[c.name]].append(c)
+    passes: list[dict[str, CheckpointMode]] = []
+    for members in groups.values():
+        for i, mode in enumerate(_modes(members[0])):
+            k, member = divmod(i, len(members))
+            while len(passes) <= k:
+                passes.append({})
+            passes[k][members[member].name] = mode
+    return passes
+
+
+def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
+                  stats: dict[str, int] | None = None) -> dict[str, dict[CheckpointMode, str]]:
+    """Run every measured (candidate, mode) once (NOTE [mode dry runs]), identical candidates once per mode
+    (NOTE [shared dry runs] in profile/shared.py); name -> mode -> error. ``stats["passes"]``: passes run."""
+    runner = _DryRunner(step, step_index)
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
-    for mode in (m for m in CheckpointMode if m is not CheckpointMode.KEEP):
-        levels: dict[tuple, list[str]] = defaultdict(list)
-        for c in candidates:
-            if mode in c.saved_bytes:
-                levels[depth[c.name]].append(c.name)
-        for level in sorted(levels):
-            group = levels[level]
-            if runner.attempt(group, mode) is None:
+    for key, level in sorted(_levels(candidates).items()):
+        leader = dry_run_leaders(runner.model, runner.modules, level, region_module)
+        for assignment in _passes(level, leader):
+            if runner.attempt(assignment) is None:
                 continue
-            for name in group:
-                error = runner.attempt([name], mode)
-                if error is not None:
-                    failures[name][mode] = error
+            for name, mode in assignment.items():
+                error = runner.attempt({name: mode})
+                if error is not None:   # the same failure for every candidate it stands for
+                    for c in level:
+                        if leader[c.name] == leader[name] and mode in c.saved_bytes:
+                            failures[c.name][mode] = error
+    if stats is not None:
+        stats["passes"] = runner.passes
     return dict(failures)

@@ -691,9 +691,10 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
     progress("profile: dry runs of each mode", 1, 1)
     if measure_replays:
+        offered = [c for c in report.candidates if c.name not in report.excluded]
+        label = f"profile: replay costs ({len(offered)} candidates, identical regions timed once)"
         apply_replay_measurements(report, *measure_replay_costs(
-            step, [c for c in report.candidates if c.name not in report.excluded], warmup + repeats + 4,
-            progress=lambda done, total: progress("profile: replay costs", done, total)))
+            step, offered, warmup + repeats + 4, progress=lambda done, total: progress(label, done, total)))
     return report
 
 
@@ -707,6 +708,10 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
                 c.replay_spread_ms[mode] = est.spread_ms * c.calls
             if est.extra_bytes is not None and mode in c.replay_extra_bytes:
                 c.replay_extra_bytes[mode] = est.extra_bytes     # NOTE [measured replay bytes]
+            if est.below_resolution:
+                report.replay_below_resolution.setdefault(c.name, []).append(mode.value)
+            if est.shared_from is not None:
+                report.replay_shared[c.name] = est.shared_from
     report.replay_unmeasured = dict(unmeasured)
 
 

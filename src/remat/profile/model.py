@@ -221,6 +221,12 @@ class ProfileReport:
     idle: list[str] = dataclasses.field(default_factory=list)
     # candidates whose replay could not be measured alone (name -> why): they keep first estimates
     replay_unmeasured: dict[str, str] = dataclasses.field(default_factory=dict)
+    # candidates that took another's replay measurement (name -> the one measured; NOTE [shared
+    # replay measurements] in profile/shared.py)
+    replay_shared: dict[str, str] = dataclasses.field(default_factory=dict)
+    # (candidate, mode values) whose measured replay cost was below the clock's resolution: priced
+    # at that resolution, not zero (NOTE [measured replay costs] in profile/replay.py)
+    replay_below_resolution: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
@@ -230,7 +236,8 @@ class ProfileReport:
                 "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards),
                 "mode_excluded": {k: dict(v) for k, v in self.mode_excluded.items()},
                 "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle),
-                "replay_unmeasured": dict(self.replay_unmeasured)}
+                "replay_unmeasured": dict(self.replay_unmeasured), "replay_shared": dict(self.replay_shared),
+                "replay_below_resolution": {k: list(v) for k, v in self.replay_below_resolution.items()}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -244,4 +251,7 @@ class ProfileReport:
                                   for k, v in d.get("mode_excluded", {}).items()},
                    phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()},
                    idle=[str(n) for n in d.get("idle", [])],
-                   replay_unmeasured={str(k): str(v) for k, v in d.get("replay_unmeasured", {}).items()})
+                   replay_unmeasured={str(k): str(v) for k, v in d.get("replay_unmeasured", {}).items()},
+                   replay_shared={str(k): str(v) for k, v in d.get("replay_shared", {}).items()},
+                   replay_below_resolution={str(k): [str(m) for m in v]
+                                            for k, v in d.get("replay_below_resolution", {}).items()})

@@ -28,13 +28,21 @@ about 2x on CPU, so it is measured here, like every other mode:
    ``max_rel_spread`` of its cost (or ``spread_floor_ms``), up to ``max_rounds`` or until
    the candidate's measuring time passes ``time_budget_ms`` (past ``min_rounds``): the
    spread is recorded either way, so a plan can say how sure it is.
-4. A cost below zero (a region too small to resolve) is recorded as 0.0 ms.
+4. A cost below the clock's resolution (``StepClock.resolution_ms``: what timing an empty
+   call reads, so a region too small to resolve, or a negative difference) is recorded as
+   such (``ReplayEstimate.below_resolution``) and priced at that resolution, never at 0.0 ms:
+   a boundary priced at zero looks free to every planner, which it is not.
+5. Candidates that are the same region share one measurement (NOTE [shared replay
+   measurements] in profile/shared.py): the first of each group is timed, the others take
+   its figures, so a transformer's N identical blocks cost one block's rounds.
 
-Profiling time: per round, about (1 + modes) forward + backward passes of each candidate,
-so with nested candidates (blocks and their attention/MLP children) roughly 2 x (1 + modes)
-whole-model forward + backward per round; with the defaults (5 rounds plus one warm-up for
-large regions, up to 15 for small ones, at most about 1.5 s per candidate past the 5th)
-about 20-40 steps' worth on a transformer.
+Profiling time: per round, about (1 + modes) forward + backward passes of each *timed*
+region; with N identical blocks shared, that is one block and its children, not N. The
+defaults (3 rounds plus one warm-up for large regions, up to 9 for small ones, at most about
+1 s per region past the 3rd) are few on purpose: what a plan's overhead finally is, and
+whether two plans differ at all, is the frontier's interleaved measurement and its
+resolved-difference rule (NOTE [resolved differences] in remat/frontier/pareto.py), not more
+samples here; the spread recorded per mode says how sure each figure is.
 """
 
 from __future__ import annotations
@@ -55,15 +63,18 @@ from ..workload.contract import TrainingStep
 from .dryrun import _first_line, _wrap, put_back, region_module
 from .segments import is_segment, segment_members
 from .model import CandidateCost
+from .shared import group_by_signature, region_signature
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayEstimate:
     """One (candidate, mode)'s measured added time (NOTE [measured replay costs]), in ms."""
 
-    ms: float          # time(mode) - time(KEEP), each the median of its fastest samples, clamped at 0
+    ms: float          # time(mode) - time(KEEP), each the median of its fastest samples; at least the resolution
     spread_ms: float   # the wider of the two arms' kept ranges (max - min)
     rounds: int        # timed rounds it took
+    below_resolution: bool = False   # the difference was below the clock's resolution: ``ms`` is that resolution
+    shared_from: str | None = None   # the candidate whose measurement this is (NOTE [shared replay measurements])
     # peak live bytes of the region's forward + backward under the mode, less the same without
     # checkpointing, clamped at 0 (NOTE [measured replay bytes]); None when it could not be measured
     extra_bytes: int | None = None
@@ -150,7 +161,7 @@ class _RegionArm:
 
 def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[tuple, dict], clock: StepClock, *,
                  min_rounds: int, max_rounds: int, max_rel_spread: float, spread_floor_ms: float,
-                 trim: float, time_budget_ms: float) -> dict[CheckpointMode, ReplayEstimate]:
+                 trim: float, time_budget_ms: float, resolution_ms: float) -> dict[CheckpointMode, ReplayEstimate]:
     arms = [_RegionArm(module, CheckpointMode.KEEP, inputs)] + [_RegionArm(module, m, inputs) for m in modes]
     for arm in arms:          # warm-up round, untimed
         arm.run()
@@ -173,8 +184,17 @@ def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[t
         c, s = robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim)
         extra = None if peaks[m] is None or peaks[CheckpointMode.KEEP] is None else \
             max(0, peaks[m] - peaks[CheckpointMode.KEEP])   # type: ignore[operator]
-        out[m] = ReplayEstimate(ms=max(0.0, c), spread_ms=s, rounds=rounds, extra_bytes=extra)
+        ms, below = price_at_resolution(c, resolution_ms)
+        out[m] = ReplayEstimate(ms=ms, spread_ms=s, rounds=rounds, extra_bytes=extra, below_resolution=below)
     return out
+
+
+def price_at_resolution(cost_ms: float, resolution_ms: float) -> tuple[float, bool]:
+    """(price, below resolution) of a measured difference: below the clock's resolution (negative
+    included) it is priced at the resolution, never at zero (NOTE [measured replay costs])."""
+    if resolution_ms <= 0.0:
+        raise ValueError(f"a clock resolution must be positive, got {resolution_ms} ms")
+    return (resolution_ms, True) if cost_ms < resolution_ms else (cost_ms, False)
 
 
 def _peak_bytes(arm: "_RegionArm") -> int | None:
@@ -201,16 +221,71 @@ def _peak_bytes(arm: "_RegionArm") -> int | None:
         return None
 
 
+def _offered_modes(c: CandidateCost) -> list[CheckpointMode]:
+    return [m for m in CheckpointMode if m is not CheckpointMode.KEEP and m in c.replay_ms]
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Rounds:
+    """How the timing rounds of one candidate run and stop (NOTE [measured replay costs])."""
+
+    min_rounds: int
+    max_rounds: int
+    max_rel_spread: float
+    spread_floor_ms: float
+    trim: float
+    time_budget_ms: float
+    resolution_ms: float
+
+
+def _leaders(model: nn.Module, modules: dict[str, nn.Module], todo: list[CandidateCost],
+             inputs: dict[str, tuple[tuple, dict]]) -> dict[str, str]:
+    """Candidate name -> the candidate whose measurement it takes (itself when measured), for those
+    with captured inputs (NOTE [shared replay measurements])."""
+    signatures = {c.name: region_signature(region_module(model, modules, c.name), c, inputs[c.name],
+                                           _offered_modes(c))
+                  for c in todo if c.name in inputs}
+    return group_by_signature(signatures, {c.name: c.fwd_ms for c in todo})
+
+
+def _measure_leaders(model: nn.Module, modules: dict[str, nn.Module], todo: list[CandidateCost],
+                     inputs: dict[str, tuple[tuple, dict]], clock: StepClock, rounds: _Rounds,
+                     progress: Callable[[int, int], None],
+                     ) -> tuple[dict[str, dict[CheckpointMode, ReplayEstimate]], dict[str, str]]:
+    """Time each group's first candidate alone; the others take its estimates (``shared_from``)."""
+    leader = _leaders(model, modules, todo, inputs)
+    timed = [c for c in todo if leader.get(c.name) == c.name]
+    results: dict[str, dict[CheckpointMode, ReplayEstimate]] = {}
+    unmeasured = {c.name: "not called in the captured forward" for c in todo if c.name not in inputs}
+    for i, c in enumerate(timed):
+        progress(i, len(timed))
+        try:
+            results[c.name] = _measure_one(region_module(model, modules, c.name), _offered_modes(c), inputs[c.name],
+                                           clock, **dataclasses.asdict(rounds))
+        except Exception as exc:  # noqa: BLE001  the region alone may not run; keep the model's figure
+            unmeasured[c.name] = f"could not run alone: {_first_line(exc)}"
+    progress(len(timed), len(timed))
+    for name, first in leader.items():
+        if first != name:
+            if first in results:
+                results[name] = {m: dataclasses.replace(e, shared_from=first) for m, e in results[first].items()}
+            else:
+                unmeasured[name] = f"the same region as {first}, which was not measured: {unmeasured[first]}"
+    return results, unmeasured
+
+
 def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
-                         min_rounds: int = 5, max_rounds: int = 15, max_rel_spread: float = 0.1,
-                         spread_floor_ms: float = 0.05, trim: float = 0.5, time_budget_ms: float = 1500.0,
+                         min_rounds: int = 3, max_rounds: int = 9, max_rel_spread: float = 0.1,
+                         spread_floor_ms: float = 0.05, trim: float = 0.5, time_budget_ms: float = 1000.0,
                          progress: Callable[[int, int], None] = lambda done, total: None,
                          ) -> tuple[dict[str, dict[CheckpointMode, ReplayEstimate]], dict[str, str]]:
-    """Measure every offered (candidate, mode) (NOTE [measured replay costs]).
+    """Measure every offered (candidate, mode), once per group of identical regions
+    (NOTE [measured replay costs], NOTE [shared replay measurements] in profile/shared.py).
 
     Returns (name -> mode -> estimate, name -> why it could not be measured). A candidate
     whose region cannot run alone (it reads state its parent sets up) keeps its modelled
-    figures; the second map says why. Gradients and buffers are restored afterwards.
+    figures; the second map says why. ``progress(done, total)`` counts the regions timed.
+    Gradients and buffers are restored afterwards.
     """
     model = step.workload.model
     modules = dict(model.named_modules())
@@ -221,30 +296,17 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     clock = StepClock(model_device(step))
     gc_was_on = gc.isenabled()
-    results: dict[str, dict[CheckpointMode, ReplayEstimate]] = {}
-    unmeasured: dict[str, str] = {}
     try:
         inputs = _capture_inputs(step, modules, (wanted - set(first_member)) | set(first_member.values()), step_index)
         inputs.update({n: inputs[f] for n, f in first_member.items() if f in inputs})
+        rounds = _Rounds(min_rounds=min_rounds, max_rounds=max_rounds, max_rel_spread=max_rel_spread,
+                         spread_floor_ms=spread_floor_ms, trim=trim, time_budget_ms=time_budget_ms,
+                         resolution_ms=clock.resolution_ms())
         gc.collect()
         gc.disable()   # a collection inside a timed run is noise, not replay cost
-        todo = [c for c in candidates if c.name in wanted]
-        for i, c in enumerate(todo):
-            progress(i, len(todo))
-            if c.name not in inputs:
-                unmeasured[c.name] = "not called in the captured forward"
-                continue
-            modes = [m for m in CheckpointMode if m is not CheckpointMode.KEEP and m in c.replay_ms]
-            try:
-                results[c.name] = _measure_one(region_module(model, modules, c.name), modes, inputs[c.name], clock,
-                                               min_rounds=min_rounds, max_rounds=max_rounds,
-                                               max_rel_spread=max_rel_spread, spread_floor_ms=spread_floor_ms,
-                                               trim=trim, time_budget_ms=time_budget_ms)
-            except Exception as exc:  # noqa: BLE001  the region alone may not run; keep the model's figure
-                unmeasured[c.name] = f"could not run alone: {_first_line(exc)}"
-        progress(len(todo), len(todo))
+        return _measure_leaders(model, modules, [c for c in candidates if c.name in wanted], inputs, clock, rounds,
+                                progress)
     finally:
         if gc_was_on:
             gc.enable()
         put_back(grads, buffers)
-    return results, unmeasured
