@@ -30,10 +30,12 @@ from typing import Any, Callable, Generic, Hashable, TypeVar
 
 from .wrap import PlanArm
 from .errors import BudgetError, PlanError
-from .measure import CompileSpec, StepMeasurement, measure_arm
+from .measure import CompileSpec, StepMeasurement, measure_arm, measure_arm_peak
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .profile.model import ProfileReport
+from .profile.sample import SampleRecord, StepSample
+from .profile.sampling import sample_workloads
 from .types import ProgressFn, no_progress
 from .workload.loader import LoadedWorkload
 
@@ -187,7 +189,8 @@ def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 2, 
 def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec = "optimal", *,
                      budget_bytes: int | None, reserve: float = 0.05, allow_hazards: bool = False,
                      preserve_rng_state: bool = True, max_tries: int = 3, steps: int = 3,
-                     compile: CompileSpec | None = None,
+                     compile: CompileSpec | None = None, sample: StepSample | None = None,
+                     variants: list[LoadedWorkload] | None = None,
                      progress: ProgressFn = no_progress) -> ClosedLoopResult:
     """Plan, apply to a fresh build, measure; correct and fall back until a plan measures in budget.
 
@@ -208,6 +211,10 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     ``compile`` (``remat plan --compile``): every plan is measured compiled (NOTE [compiled
     arms]) and carries the spec (``plan.compile``), so its measured peak is the compiled step's.
 
+    ``sample`` (NOTE [step sample]): every plan is measured at each point of the sample (one
+    peak step each after the first point's full measurement) and its measured peak is the max;
+    ``variants`` are the builds at the boundary shapes, when the caller has them (remat.auto).
+
     NOTE [compiled closed loop]
     The cost model is built from the eager step, and a compiled step peaks elsewhere: inductor
     frees and fuses differently, and a checkpoint region changes how AOTAutograd partitions the
@@ -224,7 +231,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     a few percent and one more measured build is not worth it there.
     """
     budget_driven = PlannerSpec.parse(planner).needs_budget
-    device = _OneDevice(loaded, report, planner, compile=compile, steps=steps,
+    device = _OneDevice(loaded, report, planner, compile=compile, steps=steps, sample=sample, variants=variants,
                         kw=dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
                                 preserve_rng_state=preserve_rng_state))
     try:
@@ -260,8 +267,11 @@ class _OneDevice:
     """NOTE [closed loop] on one device: plans from the profile, each measured on a fresh build of the workload."""
 
     def __init__(self, loaded: LoadedWorkload, report: ProfileReport, planner: str, *, compile: CompileSpec | None,
-                 steps: int, kw: dict[str, Any]) -> None:
+                 steps: int, kw: dict[str, Any], sample: StepSample | None = None,
+                 variants: list[LoadedWorkload] | None = None) -> None:
         self.loaded, self.report, self.planner, self.compile, self.n_steps = loaded, report, planner, compile, steps
+        self.sample = sample
+        self.points = sample_workloads(loaded, sample, variants=variants) if sample is not None else [loaded]
         self.kw = kw                    # make_plan's budget, reserve, hazards and RNG policy
         self.margin = 0                 # bytes: the planner's margin for the plan being made (NOTE [closed-loop margin])
         self.margins: list[int] = []    # the margin of each plan measured, in order
@@ -275,7 +285,9 @@ class _OneDevice:
                          fallbacks=self.fallbacks if budget_driven and budget_given else None)
 
     def measure(self, plan: Plan) -> None:
-        _measure_into(self.loaded, plan, self.n_steps, self.compile)
+        _measure_into(self.points[0], plan, self.n_steps, self.compile)
+        if self.sample is not None:
+            measure_sample_peaks(self.points, plan, self.sample)
         self.margins.append(self.margin)
 
     def correct(self, plan: Plan) -> Plan:
@@ -328,6 +340,17 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: Compi
     plan.measured_step_ms = m.p50_ms
     if compile is not None:
         plan.memory_source = m.memory_source.value   # the compiled step's instrument
+
+
+def measure_sample_peaks(points: list[LoadedWorkload], plan: Plan, sample: StepSample) -> None:
+    """The peak of ``plan`` at every point after the first (measured already), each on a fresh build
+    after 1 warm-up step; ``plan.measured_peak_bytes`` becomes the max over the sample (NOTE [step sample])."""
+    assert plan.measured_peak_bytes is not None
+    peaks = [plan.measured_peak_bytes]
+    arm = PlanArm("plan", plan)   # compiled when the plan is (plan.compile)
+    peaks += [measure_arm_peak(w, arm, warmup=1).peak_bytes for w in points[1:]]
+    plan.sample = SampleRecord(sample=sample, point_peaks=peaks)
+    plan.measured_peak_bytes = max(peaks)
 
 
 class BudgetMissed(BudgetError):

@@ -14,6 +14,7 @@ from .._json import read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import ModelFingerprint
+from ..profile.sample import SampleRecord
 from ..types import CheckpointMode
 from .schema import PLAN
 
@@ -59,6 +60,7 @@ class Plan:
     simulated: bool = False               # figures from --simulate, not a measured run
     device_model: str | None = None
     compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
+    sample: SampleRecord | None = None    # the steps it was made and measured on (NOTE [step sample]); None: one step
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -82,6 +84,10 @@ class Plan:
             del d["compile"]   # eager plans read as they always did
         else:
             d["compile"] = self.compile.to_json()
+        if self.sample is None:
+            del d["sample"]    # single-step plans read as they always did
+        else:
+            d["sample"] = self.sample.to_json()
         return d
 
     @classmethod
@@ -114,6 +120,7 @@ class Plan:
             simulated=d.get("simulated", False),
             device_model=d.get("device_model"),
             compile=None if d.get("compile") is None else CompileSpec.from_json(d["compile"]),
+            sample=None if d.get("sample") is None else SampleRecord.from_json(d["sample"]),
             schema_version=version,
         )
 

@@ -10,7 +10,7 @@ Nothing in a plan names code: module paths are looked up in ``model.named_module
 from __future__ import annotations
 
 from ..types import MODULE_PATH_RE
-from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, List, Num, Obj, Opt, Str, Tuple
+from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, List, Map, Num, Obj, Opt, Str, Tuple
 
 SHORT = Str(max_len=2_000)
 TEXT = Str(max_len=20_000)
@@ -38,6 +38,16 @@ BOUNDARY = Obj({"module": MODULE_PATH, "mode": MODE, "saved_bytes": SIGNED_BYTES
 # remat.measure.CompileSpec.to_json: how a plan runs compiled (NOTE [compiled arms])
 COMPILE = Obj({"backend": Enum("inductor", "aot_eager", "eager"), "memory_budget": Opt(Num(0, 1))})
 
+# remat.profile.sample.SampleRecord.to_json: the steps a plan was made and measured on (NOTE [step sample])
+SHAPE = Map(AnyOf(Bool(), Int(-2 ** 53, 2 ** 53), Num(-1e300, 1e300), Str(max_len=500)), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}",
+            max_len=100)
+SAMPLE = Obj({
+    "steps": Int(1, 64), "boundary_shapes": List(SHAPE, max_len=16),
+    "points": List(Obj({"shape": SHAPE, "offset": Int(0, 2 ** 40), "seed": Opt(Int(0, 2 ** 40))}), max_len=64 * 17),
+    "point_peaks": List(BYTES, max_len=64 * 17),
+    "peak_spread": Opt(Obj({"min": BYTES, "median": BYTES, "max": BYTES})),
+})
+
 # Plan.to_json; the optional fields are those older plan files may lack (Plan.from_json's defaults).
 PLAN = Obj({
     "schema_version": Enum(1),
@@ -49,5 +59,5 @@ PLAN = Obj({
 }, {
     "preserve_rng_state": Bool(), "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(MS),
     "memory_source": MEMORY_SOURCE, "simulated": Bool(), "device_model": Opt(SHORT),
-    "compile": Opt(COMPILE),
+    "compile": Opt(COMPILE), "sample": Opt(SAMPLE),
 })
