@@ -38,6 +38,8 @@ _LAZY = {
     "auto": "remat.autoplan",
     "AutoHandle": "remat.autoplan",
     "AutoReport": "remat.autoplan",
+    "ExampleBatches": "remat.autoplan",
+    "StepSample": "remat.profile",
 }
 
 __all__ = [
@@ -46,9 +48,9 @@ __all__ = [
     "HandleError", "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "OutputError", "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
     # loaded on first use (_LAZY): the stage functions and the results they hand back
-    "ApplyHandle", "AutoHandle", "AutoReport", "LoadedWorkload", "Plan", "PlanCheckFn", "ProfileReport", "StepTrace",
+    "ApplyHandle", "AutoHandle", "AutoReport", "ExampleBatches", "LoadedWorkload", "Plan", "PlanCheckFn", "ProfileReport", "StepTrace",
     "TrainingStep", "VerifyReport", "Workload", "apply", "auto", "export_check_fn", "load_workload", "make_plan",
-    "profile_workload", "recover_handle", "trace_workload", "verify_plan",
+    "StepSample", "profile_workload", "recover_handle", "trace_workload", "verify_plan",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)   # dir(remat) lists the lazy names too

@@ -343,14 +343,19 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: Compi
 
 
 def measure_sample_peaks(points: list[LoadedWorkload], plan: Plan, sample: StepSample) -> None:
-    """The peak of ``plan`` at every point after the first (measured already), each on a fresh build
-    after 1 warm-up step; ``plan.measured_peak_bytes`` becomes the max over the sample (NOTE [step sample])."""
+    """Measure ``plan`` at every point after the first (``plan.measured_peak_bytes`` is the first's);
+    record the peaks in ``plan.sample``; ``plan.measured_peak_bytes`` becomes their max (NOTE [step sample])."""
     assert plan.measured_peak_bytes is not None
-    peaks = [plan.measured_peak_bytes]
-    arm = PlanArm("plan", plan)   # compiled when the plan is (plan.compile)
-    peaks += [measure_arm_peak(w, arm, warmup=1).peak_bytes for w in points[1:]]
+    peaks = sample_peaks(points, plan, plan.measured_peak_bytes)
     plan.sample = SampleRecord(sample=sample, point_peaks=peaks)
     plan.measured_peak_bytes = max(peaks)
+
+
+def sample_peaks(points: list[LoadedWorkload], plan: Plan, first_peak: int) -> list[int]:
+    """``first_peak`` (bytes, measured at ``points[0]``) and ``plan``'s peak at every later point, each on
+    a fresh build after 1 warm-up step (compiled when the plan is)."""
+    arm = PlanArm("plan", plan)
+    return [first_peak, *(measure_arm_peak(w, arm, warmup=1).peak_bytes for w in points[1:])]
 
 
 class BudgetMissed(BudgetError):

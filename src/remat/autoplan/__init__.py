@@ -4,13 +4,14 @@ A stage above ``verify`` and ``closed_loop`` (it profiles, plans in a closed loo
 verifies, and applies); the integrations (``remat.integrations``) sit above it.
 """
 
+from .batches import ExampleBatches
 from .cache import (ENV_VAR, BrokenCacheEntryWarning, CacheKey, PlanCache, PlanCacheWarning, UnusableCacheDirWarning,
                     default_cache_dir)
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .run import auto, existing_checkpointing
 from .source import InMemoryWorkload, ModelSource, OptimizerSpec, hf_loss, unwrap_optimizer
 
-__all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "BrokenCacheEntryWarning", "CacheKey", "CacheStatus",
+__all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "BrokenCacheEntryWarning", "CacheKey", "CacheStatus", "ExampleBatches",
            "InMemoryWorkload", "ModelSource", "OptimizerSpec", "PlanCache", "PlanCacheWarning",
            "UnusableCacheDirWarning", "VerifyStatus", "auto", "default_cache_dir", "existing_checkpointing",
            "hf_loss", "unwrap_optimizer"]

@@ -18,9 +18,12 @@ from ..wrap import apply, check_applies, recover_handle
 from ..closed_loop import plan_closed_loop
 from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
-from ..profile import fingerprint, profile_workload
+from ..profile import fingerprint
+from ..profile.sample import StepSample
+from ..profile.sampling import profile_sample
 from ..types import ProgressFn, no_progress
 from ..verify import RngState, verify_plan
+from .batches import ExampleBatches
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
@@ -122,6 +125,9 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
+    ``example_batch``: one batch, or ``remat.ExampleBatches(b1, b2, ...)`` (e.g. seq 64 and seq 128):
+    each is a sampled step (NOTE [step sample]), so the plan holds on the largest; ``"70%"`` is then
+    of the largest unplanned peak, and ``report`` / the plan record each batch's measured peak.
     ``loss_fn(model, batch)``: the scalar training loss; default ``model(**batch).loss`` for a dict
     batch with ``labels``. ``optimizer``: yours (its class, hyperparameters and groups are rebuilt
     on each copy: its state counts in the peak); None assumes AdamW, and ``report.optimizer`` says so.
@@ -147,28 +153,29 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
 def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float) -> AutoHandle:
     """:func:`auto` once its arguments hold: the cached or a new plan, applied to ``model``
     (``t0``: when the call began, perf_counter seconds)."""
-    loss = settings.loss_fn if settings.loss_fn is not None else default_loss(example_batch)
+    batches = example_batch.batches if isinstance(example_batch, ExampleBatches) else (example_batch,)
+    loss = settings.loss_fn if settings.loss_fn is not None else default_loss(batches[0])
     device = model_device(model)
-    source = ModelSource(model, example_batch, loss, OptimizerSpec.of(model, settings.optimizer), device,
-                         settings.copy_fn)
+    optimizer = OptimizerSpec.of(model, settings.optimizer)
+    source, *others = [ModelSource(model, b, loss, optimizer, device, settings.copy_fn) for b in batches]
     cache = settings.plan_cache()
     if cache is None:
-        plan, verified = _plan_and_verify(source, None, settings)
+        plan, verified = _plan_and_verify(source, None, settings, others)
         status, path = CacheStatus.DISABLED, None
     else:
-        plan, verified, status, path = _fit_cached(source, settings, cache)
+        plan, verified, status, path = _fit_cached(source, settings, cache, others)
     handle = apply(model, plan)
     return AutoHandle(handle, _auto_report(plan, settings, source.optimizer, status, path, verified,
                                            seconds=time.perf_counter() - t0))
 
 
-def _fit_cached(source: ModelSource, settings: AutoSettings,
-                cache: PlanCache) -> tuple[Plan, VerifyStatus, CacheStatus, str]:
+def _fit_cached(source: ModelSource, settings: AutoSettings, cache: PlanCache,
+                others: list[ModelSource]) -> tuple[Plan, VerifyStatus, CacheStatus, str]:
     """The plan for ``source`` through ``cache`` (NOTE [plan cache key]): a usable entry, else a new plan,
     stored where the directory takes it. Returns the plan, its verification, the cache status, the entry's path."""
-    key = _cache_key(source, settings)
+    key = _cache_key(source, settings, others)
     cached = _usable_cached_plan(source.model, cache, key)
-    plan, verified = _plan_and_verify(source, cached, settings)
+    plan, verified = _plan_and_verify(source, cached, settings, others)
     if cached is not None:
         status = CacheStatus.HIT
     else:
@@ -191,21 +198,23 @@ def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Pl
     return plan
 
 
-def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
-    """What a cached plan is bound to (NOTE [plan cache key])."""
+def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSource]) -> CacheKey:
+    """What a cached plan is bound to (NOTE [plan cache key]); every example batch's leaves."""
     model = source.model
     digest = StableDigest()
     return CacheKey(
         fingerprint=fingerprint(model).digest, state=sha256_json(digest.value(model)),
         trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
-        training=model.training, batch=[digest.value(leaf) for leaf in tree_leaves(source.batch)],
+        training=model.training,
+        batch=[digest.value(leaf) for s in (source, *others) for leaf in tree_leaves(s.batch)],
         budget=str(settings.budget), reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),
         torch_version=torch.__version__, remat_version=__version__)
 
 
-def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings) -> tuple[Plan, VerifyStatus]:
+def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings,
+                     others: list[ModelSource]) -> tuple[Plan, VerifyStatus]:
     """``cached``, or a new plan; verified (quick) when asked. On CUDA the user's tensors are parked on
     the CPU meanwhile, and the RNG state is restored after (NOTE [no side effects])."""
     plan = cached
@@ -215,7 +224,7 @@ def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSet
         if plan is None or settings.quick_verify:
             with _parked(source, settings.optimizer):
                 if plan is None:
-                    plan = _plan(source, settings)
+                    plan = _plan(source, settings, others)
                 if settings.quick_verify:
                     settings.progress("auto: verify (quick)", 0, 1)
                     verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
@@ -230,14 +239,20 @@ def _parked(source: ModelSource, optimizer: torch.optim.Optimizer | None) -> con
     return Parked(source.model, optimizer) if source.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _plan(source: ModelSource, settings: AutoSettings) -> Plan:
-    """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak)."""
+def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]) -> Plan:
+    """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak);
+    with ``others`` (further example batches), over the sample of one step per batch (NOTE [step sample])."""
     loaded = source.loaded()
-    profile = profile_workload(loaded.rebuild(), measure_replays=settings.measure_replays,
-                               segments=settings.segments, progress=settings.progress)
+    # each further batch is a "boundary shape", recorded as its position among the example batches
+    sample = StepSample.of(1, [{"example_batch": i + 1} for i in range(len(others))])
+    variants = [s.loaded() for s in others]
+    profile = profile_sample(loaded.rebuild(), sample, measure_replays=settings.measure_replays,
+                             segments=settings.segments, variants=[v.rebuild() for v in variants],
+                             progress=settings.progress)
     budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)
     return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes,
-                            reserve=settings.reserve_fraction, progress=settings.progress).plan
+                            reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
+                            variants=variants, progress=settings.progress).plan
 
 
 def _auto_report(plan: Plan, settings: AutoSettings, optimizer: OptimizerSpec, cache: CacheStatus,

@@ -5,12 +5,15 @@ assembles their results into remat.receipt's model, which only holds, validates 
 
 NOTE [receipt run]
 1. Trace the unmodified step at the target shape and, when given, the boundary shape.
-2. Profile the candidates once; every later stage reuses this profile.
+2. Profile the candidates once, over the step sample (``settings.sample_steps`` steps per shape,
+   the boundary shape's steps joining: NOTE [step sample]); every later stage reuses this profile.
 3. Plan with the optimal planner through the closed loop (apply, measure, re-plan), so
-   the receipt records predicted *and* measured peaks of the plan most likely to ship.
+   the receipt records predicted *and* measured peaks of the plan most likely to ship; its
+   measured peak is the max over the sample.
 4. Frontier: every plan in ``settings.frontier_plans`` (the control always) measured
    solo for its peak and interleaved for time; the frontier's ship decision picks the
-   fastest plan whose measured peak clears budget x (1 - reserve).
+   fastest plan whose measured peak clears budget x (1 - reserve). The shipped plan is then
+   measured over the sample too; if its max misses, nothing ships, and the receipt says why.
 5. Verify the plan the frontier ships (paired seeded runs, hazards, negative controls).
    Verification runs after the frontier so that the plan proved is the plan shipped,
    whichever planner made it.
@@ -54,12 +57,14 @@ from typing import Any
 
 
 from ..wrap import PlanArm, boundary_members, boundary_module
-from ..closed_loop import ClosedLoopResult, plan_closed_loop
+from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
 from ..measure import held_bytes_at_phase, prepare_arm
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
-from ..profile import ProfileReport, module_revision, profile_workload
+from ..profile import ProfileReport, module_revision
+from ..profile.sample import StepSample
+from ..profile.sampling import profile_sample, sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import COMPILED_TOLERANCES, TOLERANCES, VerifyReport, verify_plan
@@ -283,12 +288,15 @@ def _why(shipped: FrontierPoint, plan: Plan | None, bar: _Bar, trace: StepTrace,
 
 
 def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, verification: VerifyReport | None,
-            closed_loop_note: str) -> ReceiptDecision:
+            closed_loop_note: str, sample_miss: str = "") -> ReceiptDecision:
     """The receipt's decision: the frontier's ship decision, once verified (NOTE [receipt decision]).
 
-    ``plan``: the shipped point's plan (or, when nothing ships, the closed loop's, unshipped)."""
+    ``plan``: the shipped point's plan (or, when nothing ships, the closed loop's, unshipped).
+    ``sample_miss``: why the shipped plan misses over the step sample (NOTE [step sample]): nothing ships."""
     bar = _Bar.of(frontier, trace)
     shipped, rejected, unverified = _verified_ship(frontier, verification)
+    if sample_miss:
+        shipped, closed_loop_note = None, sample_miss
     if shipped is None:
         why = _why_nothing(bar, rejected[0].plan if rejected else None, unverified, closed_loop_note)
     else:
@@ -419,18 +427,38 @@ def _trace_unmodified(loaded: LoadedWorkload, boundary_shape: dict[str, Any] | N
 
 
 def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
-                 progress: ProgressFn) -> tuple[ClosedLoopResult | None, str]:
+                 sample: StepSample, progress: ProgressFn) -> tuple[ClosedLoopResult | None, str]:
     """Step 3: the optimal plan through the closed loop, or (None, why the measured loop missed).
 
     InfeasibleBudget propagates: bad input, as in ``remat plan`` (exit 2 naming the floor, and no
     receipt: no plan reaches the budget by the profile's own prediction)."""
     try:
         return plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
-                                progress=progress), ""
+                                sample=None if sample.is_single else sample, progress=progress), ""
     except InfeasibleBudget:
         raise
     except BudgetError as exc:
         return None, exc.message
+
+
+def _sample_miss(loaded: LoadedWorkload, plan: Plan | None, sample: StepSample, frontier: FrontierReport) -> str:
+    """Measure the shown plan over the step sample (unless the closed loop did); why its max misses, or ""."""
+    if plan is None or sample.is_single or frontier.shipped is None:
+        return ""
+    if plan.sample is None:
+        point = next((p for p in frontier.points if p.plan == frontier.shipped), None)
+        plan.measured_peak_bytes = plan.measured_peak_bytes or (point.peak_bytes if point is not None else None)
+        if plan.measured_peak_bytes is None:
+            return ""
+        measure_sample_peaks(sample_workloads(loaded, sample), plan, sample)
+    assert plan.sample is not None
+    worst = max(plan.sample.point_peaks)
+    limit = frontier.effective_budget_bytes
+    if worst <= limit:
+        return ""
+    where = sample.points()[plan.sample.point_peaks.index(worst)].label()
+    return (f"the plan's measured peak over the step sample reaches {mib(worst)} (at {where}), over the "
+            f"{mib(limit)} limit, though the frontier's one step cleared it (NOTE [step sample])")
 
 
 def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tuple[Plan | None, str | None]:
@@ -461,7 +489,8 @@ def _gather_evidence(loaded: LoadedWorkload, plan: Plan | None, settings: RunSet
 def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
-                 compile: CompileSpec | None = None, progress: ProgressFn = no_progress) -> Receipt:
+                 compile: CompileSpec | None = None, boundary_in_sample: bool = False,
+                 progress: ProgressFn = no_progress) -> Receipt:
     """Run every stage on ``loaded`` and return the receipt (NOTE [receipt run]).
 
     ``budget``: whole-step peak budget as ``remat plan`` takes it (bytes, ``800MiB``, ``60%``
@@ -470,6 +499,9 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     :class:`~remat.plan.InfeasibleBudget` naming the floor when no plan's predicted peak reaches
     the budget (as ``remat plan`` does). A plan predicted to fit whose *measured* peak misses is
     not an error: the receipt says nothing ships and why.
+
+    ``boundary_in_sample`` (``remat receipt --boundary-shape``): the boundary shape's steps join the
+    step sample (NOTE [step sample]), so the plan must hold there too; else it is only traced.
     """
     settings, compile = _settings_and_compile(settings, compile)
     if not 0.0 <= reserve < 1.0:
@@ -477,15 +509,17 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     if not isinstance(budget, int):
         check_budget_syntax(budget)  # syntax check before minutes of measuring
     target, boundary_trace = _trace_unmodified(loaded, boundary_shape, settings, progress)        # 1.
-    report = profile_workload(loaded, candidates=candidates, progress=progress)                    # 2.
+    sample = StepSample.of(settings.sample_steps, [boundary_shape] if boundary_shape and boundary_in_sample else [])
+    report = profile_sample(loaded, sample, candidates=candidates, progress=progress)              # 2.
     budget_bytes = parse_budget(budget, report.baseline_peak_bytes)
-    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, progress)                   # 3.
+    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, sample, progress)           # 3.
     frontier = run_frontier(loaded, FrontierSettings(                                              # 4.
         budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
         warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
         capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
         report=report, progress=progress)
     plan, label = _shown_plan(frontier, closed)
+    sample_miss = _sample_miss(loaded, plan, sample, frontier)
     evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
     records = [] if plan is None else _boundary_records(loaded, plan, report, evidence.verification,
                                                          evidence.savings, settings)
@@ -501,5 +535,5 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
                          closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note),
         verification=evidence.verification, verification_note=evidence.note, frontier=frontier,
         decision=_decide(frontier=frontier, plan=plan, trace=target, verification=evidence.verification,
-                         closed_loop_note=note),
+                         closed_loop_note=note, sample_miss=sample_miss),
         unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))

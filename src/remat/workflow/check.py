@@ -65,7 +65,8 @@ from typing import Any
 from torch import nn
 
 from .._json import read_bounded_bytes
-from ..closed_loop import measure_plan
+from ..closed_loop import measure_plan, sample_peaks
+from ..profile.sampling import sample_workloads
 from ..clock import percentile
 from ..frontier.pareto import CONFIDENCE, p50_difference
 from ..measure import prepare_arm, time_round_robin
@@ -460,10 +461,21 @@ def _check_consistency(ledger: CheckLedger, receipt: Receipt, limits: FixtureLim
 
 
 def _claimed_peak(receipt: Receipt, plan: Plan) -> int:
-    """The peak the receipt claims for the shipped plan (bytes): the control's when it ships no boundaries."""
+    """The peak the receipt claims for the shipped plan (bytes): the control's when it ships no boundaries;
+    the max over the step sample when it was measured over one (NOTE [step sample])."""
+    if plan.sample is not None and plan.sample.point_peaks:
+        return max(plan.sample.point_peaks)
     d = receipt.decision
     peak = d.shipped_peak_bytes if d.shipped_peak_bytes is not None else d.control_peak_bytes
     return peak if peak is not None else 0
+
+
+def _remeasured_peak(loaded: LoadedWorkload, plan: Plan, warmup: int) -> int:
+    """The plan's peak (bytes) re-measured; over the same step sample as the receipt's, its max (NOTE [step sample])."""
+    peak = measure_plan(loaded, plan, warmup=warmup, steps=0).peak_bytes
+    if plan.sample is None or plan.sample.sample.is_single:
+        return peak
+    return max(sample_peaks(sample_workloads(loaded, plan.sample.sample), plan, peak))
 
 
 def _check_peak(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
@@ -471,7 +483,7 @@ def _check_peak(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, p
     """5. the peak with the plan applied clears the gate's budget x (1 - reserve) and its claim (bytes)."""
     limit_bytes = thresholds.effective_budget_bytes
     claimed = _claimed_peak(receipt, plan)
-    peak = measure_plan(loaded, plan, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
+    peak = _remeasured_peak(loaded, plan, receipt.settings.frontier_warmup)
     names = ", ".join(b.module for b in plan.boundaries) or "no boundaries"
     one = plan.boundaries[0].module if len(plan.boundaries) == 1 else None
     tol = thresholds.peak_tolerance.value
