@@ -25,8 +25,9 @@ test models) and one more peak step per measured plan. Merging (``merge_profiles
   stays a candidate); excluded at a point for any reason but "not called", it stays excluded;
   a segment (NOTE [segments]) is offered only when every point offered it and no point skipped a
   child of its container: its wrapper runs every member, so a skipped member would run anyway;
-- bytes per candidate (saved, replay extra, inputs) are the max over the points that ran it,
-  times (forward, replay) the median;
+- bytes per candidate (saved, inputs) are the max over the points that ran it, times (forward,
+  replay) the median; a replay's time and extra bytes come from the points that measured that
+  replay alone (NOTE [measured replay costs]) where any did, not from first estimates;
 - the peak rows are the union of every point's rows, so the predicted peak is the max over the
   sampled steps; and each point's rows come again with the dynamic candidates it skipped added
   (their FULL saved bytes and inputs) where they would be held, by forward order: after their
@@ -175,7 +176,7 @@ def _merge_cost(costs: list[CandidateCost]) -> CandidateCost:
         costs[0], fwd_ms=med([c.fwd_ms for c in costs]), input_bytes=max(c.input_bytes for c in costs),
         saved_bytes={m: max(c.saved_bytes[m] for c in costs) for m in modes},
         replay_ms={m: med([c.replay_ms[m] for c in (measured(m) or costs)]) for m in modes},
-        replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in costs) for m in modes},
+        replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in (measured(m) or costs)) for m in modes},
         replay_spread_ms={m: med([c.replay_spread_ms[m] for c in costs if m in c.replay_spread_ms]) for m in spread_modes},
         hazards=list(hazards.values()))
 
