@@ -4,9 +4,10 @@ It sits below ``apply`` and the measurement stage (it plans, applies and measure
 either: wrapping modules is not re-planning, and measuring never imports ``plan``.
 
 NOTE [closed loop]
-The cost model (profile/model.py) is built from one baseline step; real checkpointing
-can differ a little (the replay's early stop, allocation order). So a budget-driven plan
-is applied to a fresh build of the workload and its whole-step peak measured; if the
+The cost model (profile/model.py) is built from one baseline step (or a step sample, NOTE
+[step sample]); real checkpointing can differ a little (the replay's early stop, allocation
+order). So a budget-driven plan is applied to a fresh build of the workload and its whole-step
+peak measured (at every point of the sample, the max); if the
 measured peak misses the effective budget, the planner's margin grows by the observed
 error (plan.replan_with_correction) and it plans again, at most ``max_tries`` times; then
 it falls back to measured plans (NOTE [closed loop fallbacks]). The plan returned records

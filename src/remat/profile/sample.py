@@ -157,28 +157,36 @@ def merge_orders(orders: list[list[str]]) -> list[str]:
     return out
 
 
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _hazards(costs: list[CandidateCost]) -> list[HazardRecord]:
+    """Every hazard any point found, each (kind, detail) once."""
+    out: dict[tuple, HazardRecord] = {}
+    for h in (h for c in costs for h in c.hazards):
+        out.setdefault((h.kind, h.detail), h)
+    return list(out.values())
+
+
+def _common_modes(costs: list[CandidateCost]) -> list[CheckpointMode]:
+    """The modes every point measured (saved bytes and replay time)."""
+    return [m for m in costs[0].saved_bytes if all(m in c.saved_bytes and m in c.replay_ms for c in costs)]
+
+
 def _merge_cost(costs: list[CandidateCost]) -> CandidateCost:
     """One candidate from its costs at the points that ran it: bytes max, times median, modes every point has."""
-    modes = [m for m in costs[0].saved_bytes if all(m in c.saved_bytes and m in c.replay_ms for c in costs)]
-    hazards: dict[tuple, HazardRecord] = {}
-    for c in costs:
-        for h in c.hazards:
-            hazards.setdefault((h.kind, h.detail), h)
-
-    def med(values: list[float]) -> float:
-        return float(statistics.median(values))
-
-    def measured(m: CheckpointMode) -> list[CandidateCost]:   # the points that measured its replay (not estimated)
-        return [c for c in costs if m in c.replay_spread_ms]
-
-    spread_modes = [m for m in modes if measured(m)]
+    modes = _common_modes(costs)
+    # per mode, the points that measured its replay alone (NOTE [measured replay costs]), else all
+    replays = {m: [c for c in costs if m in c.replay_spread_ms] for m in modes}
+    timed = {m: replays[m] or costs for m in modes}
     return dataclasses.replace(
-        costs[0], fwd_ms=med([c.fwd_ms for c in costs]), input_bytes=max(c.input_bytes for c in costs),
+        costs[0], fwd_ms=_median([c.fwd_ms for c in costs]), input_bytes=max(c.input_bytes for c in costs),
         saved_bytes={m: max(c.saved_bytes[m] for c in costs) for m in modes},
-        replay_ms={m: med([c.replay_ms[m] for c in (measured(m) or costs)]) for m in modes},
-        replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in (measured(m) or costs)) for m in modes},
-        replay_spread_ms={m: med([c.replay_spread_ms[m] for c in costs if m in c.replay_spread_ms]) for m in spread_modes},
-        hazards=list(hazards.values()))
+        replay_ms={m: _median([c.replay_ms[m] for c in timed[m]]) for m in modes},
+        replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in timed[m]) for m in modes},
+        replay_spread_ms={m: _median([c.replay_spread_ms[m] for c in cs]) for m, cs in replays.items() if cs},
+        hazards=_hazards(costs))
 
 
 def _parent_of(name: str, names: set[str]) -> str | None:
@@ -247,65 +255,88 @@ def _with_absent(report: ProfileReport, absent: list[CandidateCost], order: dict
     return [*report.rows, *grown]
 
 
-def merge_profiles(reports: list[ProfileReport]) -> ProfileReport:
-    """One profile from the profiles of a sample's points (NOTE [step sample])."""
-    if not reports:
-        raise WorkloadError("no sampled step to merge")
-    if len(reports) == 1:
-        return reports[0]
+def _check_same_model(reports: list[ProfileReport]) -> None:
     # a shape keyword may size a parameter (gpt's seq_len sizes wpe): the plan applies by module
     # path there (NOTE [plans at other shapes]), so only the module tree must agree
     if len({r.fingerprint.modules for r in reports}) > 1:
         raise ShapeError("the sampled steps profiled different module trees: a boundary shape changes the model's "
                          "modules", tip="give --boundary-shape only keywords that change the data (seq_len, "
                                         "batch_size), not the model's structure")
-    dynamic = _dynamic(reports)
-    kept_segments = _kept_segments(reports, dynamic)
-    excluded = _excluded(reports, kept_segments)
+
+
+def _merged_candidates(reports: list[ProfileReport], excluded: dict[str, str], order: list[str]) -> list[CandidateCost]:
+    """The candidates not ``excluded``, each merged over the points that offered it, in ``order``, renumbered
+    and re-parented among themselves."""
     by_name: dict[str, list[CandidateCost]] = {}
-    for r in reports:
-        for c in r.candidates:
-            if c.name not in excluded:
-                by_name.setdefault(c.name, []).append(c)
-    order = merge_orders([[c.name for c in sorted(r.candidates, key=lambda c: c.order)] for r in reports])
+    for c in (c for r in reports for c in r.candidates if c.name not in excluded):
+        by_name.setdefault(c.name, []).append(c)
     merged = [_merge_cost(by_name[n]) for n in order if n in by_name]
     modules = {c.name for c in merged if not c.members}
     for i, c in enumerate(merged):
         c.order = i
         c.parent = _parent_of(c.covers[0], modules - {c.name})
+    return merged
+
+
+def _merged_rows(reports: list[ProfileReport], merged: list[CandidateCost], dynamic: set[str],
+                 order: list[str]) -> list[PeakRow]:
+    """Every point's rows, and again with the dynamic candidates it skipped; only merged names kept."""
     final = {c.name: c for c in merged}
     order_of = {n: i for i, n in enumerate(order)}
-    rows = [row for r in reports for row in _with_absent(r, [final[n] for n in sorted(dynamic & final.keys())
-                                                             if n not in {c.name for c in r.candidates}], order_of)]
-    kept = set(final)
-    rows = [dataclasses.replace(row, live=tuple(n for n in row.live if n in kept),
-                                replaying=tuple(n for n in row.replaying if n in kept)) for row in rows]
-    return _merged_report(reports, merged, rows, excluded)
+    rows = []
+    for r in reports:
+        ran = {c.name for c in r.candidates}
+        rows += _with_absent(r, [final[n] for n in sorted(dynamic & final.keys()) if n not in ran], order_of)
+    return [dataclasses.replace(row, live=tuple(n for n in row.live if n in final),
+                                replaying=tuple(n for n in row.replaying if n in final)) for row in rows]
+
+
+def merge_profiles(reports: list[ProfileReport]) -> ProfileReport:
+    """One profile from the profiles of a sample's points (NOTE [step sample])."""
+    if not reports:
+        raise WorkloadError("no sampled step to merge")
+    if len(reports) == 1:
+        return reports[0]
+    _check_same_model(reports)
+    dynamic = _dynamic(reports)
+    excluded = _excluded(reports, _kept_segments(reports, dynamic))
+    order = merge_orders([[c.name for c in sorted(r.candidates, key=lambda c: c.order)] for r in reports])
+    merged = _merged_candidates(reports, excluded, order)
+    return _merged_report(reports, merged, _merged_rows(reports, merged, dynamic, order), excluded)
+
+
+def _refuted(reports: list[ProfileReport], merged: list[CandidateCost]) -> dict[str, list[str]]:
+    """Suspicions some point refuted and no point confirmed (NOTE [confirmed hazards])."""
+    kept = {(c.name, f"{h.kind.value}: {h.detail}") for c in merged for h in c.hazards}
+    out: dict[str, list[str]] = {}
+    for n, h in ((n, h) for r in reports for n, hs in r.refuted_hazards.items() for h in hs):
+        if (n, h) not in kept and h not in out.get(n, []):
+            out.setdefault(n, []).append(h)
+    return out
+
+
+def _phase_peaks(reports: list[ProfileReport]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p, b in ((p, b) for r in reports for p, b in r.phase_peak_bytes.items()):
+        out[p] = max(out.get(p, 0), b)
+    return out
+
+
+def _unmeasured(reports: list[ProfileReport], merged: list[CandidateCost]) -> dict[str, str]:
+    """Candidates whose replay no point measured alone, with a point's reason."""
+    todo = {c.name for c in merged if not c.replay_spread_ms}
+    return {n: why for r in reports for n, why in r.replay_unmeasured.items() if n in todo}
 
 
 def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], rows: list[PeakRow],
                    excluded: dict[str, str]) -> ProfileReport:
     first = reports[0]
-    names = {c.name for c in merged}
-    kept_hazards = {(c.name, f"{h.kind.value}: {h.detail}") for c in merged for h in c.hazards}
-    refuted: dict[str, list[str]] = {}
-    for r in reports:
-        for n, hs in r.refuted_hazards.items():
-            for h in hs:
-                if (n, h) not in kept_hazards and h not in refuted.setdefault(n, []):
-                    refuted[n].append(h)
-    phases: dict[str, int] = {}
-    for r in reports:
-        for p, b in r.phase_peak_bytes.items():
-            phases[p] = max(phases.get(p, 0), b)
-    measured_somewhere = {c.name for c in merged if c.replay_spread_ms}
     return ProfileReport(
         candidates=merged, rows=rows, excluded=excluded,
         baseline_peak_bytes=max(r.baseline_peak_bytes for r in reports),
-        baseline_step_ms=float(statistics.median(r.baseline_step_ms for r in reports)),
+        baseline_step_ms=_median([r.baseline_step_ms for r in reports]),
         memory_source=first.memory_source, fingerprint=first.fingerprint, simulated=first.simulated,
-        device_model=first.device_model, refuted_hazards={n: hs for n, hs in refuted.items() if hs},
+        device_model=first.device_model, refuted_hazards=_refuted(reports, merged),
         mode_excluded={n: m for r in reports for n, m in r.mode_excluded.items()},
-        phase_peak_bytes=phases, idle=sorted({n for r in reports for n in r.idle if n in excluded}),
-        replay_unmeasured={n: why for r in reports for n, why in r.replay_unmeasured.items()
-                           if n in names and n not in measured_somewhere})
+        phase_peak_bytes=_phase_peaks(reports), idle=sorted({n for r in reports for n in r.idle if n in excluded}),
+        replay_unmeasured=_unmeasured(reports, merged))

@@ -451,6 +451,7 @@ def _sample_miss(loaded: LoadedWorkload, plan: Plan | None, sample: StepSample, 
         if plan.measured_peak_bytes is None:
             return ""
         measure_sample_peaks(sample_workloads(loaded, sample), plan, sample)
+        frontier.shipped_plan = plan.to_json()   # the receipt's plan is the frontier's, with its sample
     assert plan.sample is not None
     worst = max(plan.sample.point_peaks)
     limit = frontier.effective_budget_bytes
