@@ -87,6 +87,8 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
             reports.append(profile_workload(point_loaded, candidates=candidates, measure_replays=measure_replays,
                                             segments=segments, progress=tick))
             continue
+        if isinstance(point_loaded, PointWorkload):
+            point_loaded = point_loaded.rebuild()   # a fresh build: not the model an earlier point trained
         report = profile_workload(point_loaded, candidates=candidates, measure_replays=False, segments=segments,
                                   warmup=1, repeats=1, progress=tick)
         if measure_replays:

@@ -268,13 +268,18 @@ class FixturePlan:
                 f"savings {self.saving_steps}, time {self.time_steps}){when}")
 
 
+def _later_points(plan: Plan | None) -> int:
+    """Sampled steps after the first that the peak is re-measured at (2 steps each: NOTE [step sample])."""
+    return 0 if plan is None or plan.sample is None else len(plan.sample.sample.points()) - 1
+
+
 def fixture_plan(receipt: Receipt, *, quick: bool = False) -> FixturePlan:
     """What ``check_receipt`` will run for ``receipt`` (the progress line the CLI prints first)."""
     s, plan = receipt.settings, receipt.plan.plan
     n = len(plan.boundaries) if plan is not None else 0
     full = not quick and plan is not None
     return FixturePlan(equivalence_steps=2 * s.verify_seeds * (s.verify_steps + 1) if n else 0,
-                       peak_steps=s.frontier_warmup + 1 if full else 0,
+                       peak_steps=s.frontier_warmup + 1 + 2 * _later_points(plan) if full else 0,
                        saving_steps=(s.saving_warmup + 1) * (n + 1) if full and n else 0,
                        time_steps=2 * (s.frontier_warmup + max(s.frontier_steps, MIN_TIME_STEPS)) if full and n else 0,
                        step_ms=receipt.decision.control_p50_ms)
