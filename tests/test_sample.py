@@ -20,7 +20,7 @@ from remat.memory.reference import profiler_step_peak
 from remat.plan import Plan, parse_budget
 from remat.profile import CandidateCost, PeakRow, ProfileReport, fingerprint
 from remat.profile.sample import NOT_CALLED, SampleRecord, StepSample, merge_orders, merge_profiles
-from remat.profile.sampling import at_point, profile_sample, sample_workloads
+from remat.profile.sampling import at_point, profile_sample
 from remat.types import CheckpointMode, MemorySource
 from remat.workload import load_workload
 from remat.workload.contract import TrainingStep, Workload
