@@ -166,7 +166,7 @@ def test_auto_cache_hit_applies_in_under_a_second(tmp_path, monkeypatch):
 
     def no_profiling(*a, **k):
         raise AssertionError("profiled on a cache hit")
-    monkeypatch.setattr(run, "profile_workload", no_profiling)
+    monkeypatch.setattr(run, "profile_sample", no_profiling)
     again, batch2 = tiny()              # another instance, same class, same init: the same key
     t0 = time.perf_counter()
     h = remat.auto(again, batch2, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)

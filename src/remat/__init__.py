@@ -40,6 +40,8 @@ _LAZY = {
     "AutoReport": "remat.autoplan",
     "ShapePolicy": "remat.autoplan",
     "NewShapeWarning": "remat.autoplan",
+    "ExampleBatches": "remat.autoplan",
+    "StepSample": "remat.profile",
 }
 
 __all__ = [
@@ -49,10 +51,10 @@ __all__ = [
     "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
     # loaded on first use (_LAZY): the stage functions and the results they hand back
-    "ApplyHandle", "AutoHandle", "AutoReport", "LoadedWorkload", "NewShapeWarning", "Plan", "PlanCheckFn", "ProfileReport",
-    "ShapePolicy", "StepTrace",
+    "ApplyHandle", "AutoHandle", "AutoReport", "ExampleBatches", "LoadedWorkload", "NewShapeWarning", "Plan", "PlanCheckFn",
+    "ProfileReport", "ShapePolicy", "StepTrace",
     "TrainingStep", "VerifyReport", "Workload", "apply", "auto", "export_check_fn", "load_workload", "make_plan",
-    "profile_workload", "recover_handle", "trace_workload", "verify_plan",
+    "StepSample", "profile_workload", "recover_handle", "trace_workload", "verify_plan",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)   # dir(remat) lists the lazy names too

@@ -4,9 +4,10 @@ It sits below ``apply`` and the measurement stage (it plans, applies and measure
 either: wrapping modules is not re-planning, and measuring never imports ``plan``.
 
 NOTE [closed loop]
-The cost model (profile/model.py) is built from one baseline step; real checkpointing
-can differ a little (the replay's early stop, allocation order). So a budget-driven plan
-is applied to a fresh build of the workload and its whole-step peak measured; if the
+The cost model (profile/model.py) is built from one baseline step (or a step sample, NOTE
+[step sample]); real checkpointing can differ a little (the replay's early stop, allocation
+order). So a budget-driven plan is applied to a fresh build of the workload and its whole-step
+peak measured (at every point of the sample, the max); if the
 measured peak misses the effective budget, the planner's margin grows by the observed
 error (plan.replan_with_correction) and it plans again, at most ``max_tries`` times; then
 it falls back to measured plans (NOTE [closed loop fallbacks]). The plan returned records
@@ -31,11 +32,13 @@ from typing import Any, Callable, Generic, Hashable, TypeVar
 
 from .wrap import PlanArm
 from .errors import BudgetError, PlanError
-from .measure import CompileSpec, StepMeasurement, measure_arm
+from .measure import CompileSpec, StepMeasurement, measure_arm, measure_arm_peak
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .plan.offload import OffloadPricing
 from .profile.model import ProfileReport
+from .profile.sample import SampleRecord, StepSample
+from .profile.sampling import sample_workloads
 from .types import ProgressFn, no_progress
 from .workload.loader import LoadedWorkload
 
@@ -192,6 +195,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
                      budget_bytes: int | None, reserve: float = 0.05, allow_hazards: bool = False,
                      preserve_rng_state: bool = True, max_tries: int = 3, steps: int = 3,
                      compile: CompileSpec | None = None, offload: OffloadPricing | None = None,
+                     sample: StepSample | None = None, variants: list[LoadedWorkload] | None = None,
                      progress: ProgressFn = no_progress) -> ClosedLoopResult:
     """Plan, apply to a fresh build, measure; correct and fall back until a plan measures in budget.
 
@@ -218,6 +222,10 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     ``compile`` (``remat plan --compile``): every plan is measured compiled (NOTE [compiled
     arms]) and carries the spec (``plan.compile``), so its measured peak is the compiled step's.
 
+    ``sample`` (NOTE [step sample]): every plan is measured at each point of the sample (one
+    peak step each after the first point's full measurement) and its measured peak is the max;
+    ``variants`` are the builds at the boundary shapes, when the caller has them (remat.auto).
+
     NOTE [compiled closed loop]
     The cost model is built from the eager step, and a compiled step peaks elsewhere: inductor
     frees and fuses differently, and a checkpoint region changes how AOTAutograd partitions the
@@ -234,7 +242,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     a few percent and one more measured build is not worth it there.
     """
     budget_driven = PlannerSpec.parse(planner).needs_budget
-    device = _OneDevice(loaded, report, planner, compile=compile, steps=steps,
+    device = _OneDevice(loaded, report, planner, compile=compile, steps=steps, sample=sample, variants=variants,
                         kw=dict(budget_bytes=budget_bytes, reserve=reserve, allow_hazards=allow_hazards,
                                 preserve_rng_state=preserve_rng_state, offload=offload))
     try:
@@ -271,8 +279,11 @@ class _OneDevice:
     """NOTE [closed loop] on one device: plans from the profile, each measured on a fresh build of the workload."""
 
     def __init__(self, loaded: LoadedWorkload, report: ProfileReport, planner: str, *, compile: CompileSpec | None,
-                 steps: int, kw: dict[str, Any]) -> None:
+                 steps: int, kw: dict[str, Any], sample: StepSample | None = None,
+                 variants: list[LoadedWorkload] | None = None) -> None:
         self.loaded, self.report, self.planner, self.compile, self.n_steps = loaded, report, planner, compile, steps
+        self.sample = sample
+        self.points = sample_workloads(loaded, sample, variants=variants) if sample is not None else [loaded]
         self.kw = kw                    # make_plan's budget, reserve, hazards and RNG policy
         self.margin = 0                 # bytes: the planner's margin for the plan being made (NOTE [closed-loop margin])
         self.margins: list[int] = []    # the margin of each plan measured, in order
@@ -286,7 +297,9 @@ class _OneDevice:
                          fallbacks=self.fallbacks if budget_driven and budget_given else None)
 
     def measure(self, plan: Plan) -> None:
-        _measure_into(self.loaded, plan, self.n_steps, self.compile)
+        _measure_into(self.points[0], plan, self.n_steps, self.compile)
+        if self.sample is not None:
+            measure_sample_peaks(self.points, plan, self.sample)
         self.margins.append(self.margin)
 
     def correct(self, plan: Plan) -> Plan:
@@ -390,6 +403,22 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: Compi
     if compile is not None or m.tracker_peak_bytes is not None:
         # the compiled step's instrument, or torch.profiler where it confirmed a peak at the edge
         plan.memory_source = m.memory_source.value
+
+
+def measure_sample_peaks(points: list[LoadedWorkload], plan: Plan, sample: StepSample) -> None:
+    """Measure ``plan`` at every point after the first (``plan.measured_peak_bytes`` is the first's);
+    record the peaks in ``plan.sample``; ``plan.measured_peak_bytes`` becomes their max (NOTE [step sample])."""
+    assert plan.measured_peak_bytes is not None
+    peaks = sample_peaks(points, plan, plan.measured_peak_bytes)
+    plan.sample = SampleRecord(sample=sample, point_peaks=peaks)
+    plan.measured_peak_bytes = max(peaks)
+
+
+def sample_peaks(points: list[LoadedWorkload], plan: Plan, first_peak: int) -> list[int]:
+    """``first_peak`` (bytes, measured at ``points[0]``) and ``plan``'s peak at every later point, each on
+    a fresh build after 1 warm-up step (compiled when the plan is)."""
+    arm = PlanArm("plan", plan)
+    return [first_peak, *(measure_arm_peak(w, arm, warmup=1).peak_bytes for w in points[1:])]
 
 
 class BudgetMissed(BudgetError):

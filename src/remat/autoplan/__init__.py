@@ -4,6 +4,7 @@ A stage above ``verify`` and ``closed_loop`` (it profiles, plans in a closed loo
 verifies, and applies); the integrations (``remat.integrations``) sit above it.
 """
 
+from .batches import ExampleBatches
 from .cache import (ENV_VAR, BrokenCacheEntryWarning, CacheKey, PlanCache, PlanCacheWarning, UnusableCacheDirWarning,
                     default_cache_dir)
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
@@ -11,7 +12,7 @@ from .run import auto, existing_checkpointing
 from .shapes import NewShapeWarning, ShapeEnvelope, ShapeGuard, ShapePolicy
 from .source import InMemoryWorkload, ModelSource, OptimizerSpec, hf_loss, unwrap_optimizer
 
-__all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "BrokenCacheEntryWarning", "CacheKey", "CacheStatus",
+__all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "BrokenCacheEntryWarning", "CacheKey", "CacheStatus", "ExampleBatches",
            "InMemoryWorkload", "ModelSource", "NewShapeWarning", "OptimizerSpec", "PlanCache", "PlanCacheWarning",
            "ShapeEnvelope", "ShapeGuard", "ShapePolicy",
            "UnusableCacheDirWarning", "VerifyStatus", "auto", "default_cache_dir", "existing_checkpointing",

@@ -18,10 +18,13 @@ from ..wrap import ApplyHandle, apply, check_applies, recover_handle
 from ..closed_loop import plan_closed_loop
 from ..errors import AutoError, RematError
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
-from ..profile import fingerprint, profile_workload
+from ..profile import fingerprint
+from ..profile.sample import StepSample
+from ..profile.sampling import profile_sample
 from ..types import ProgressFn, no_progress
 from ..verify import RngState, tolerance_table, verify_plan
 from ..workload import parse_autocast
+from .batches import ExampleBatches
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
 from .inplace import InPlaceSource, JobEngine, check_job, job_engine
@@ -147,6 +150,9 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
     ``reserve``: the share of the budget kept free, 0.05 or ``"5%"`` (the default): the measured
     peak must stay under ``budget x (1 - reserve)`` (NOTE [the reserve]).
+    ``example_batch``: one batch, or ``remat.ExampleBatches(b1, b2, ...)`` (e.g. seq 64 and seq 128):
+    each is a sampled step (NOTE [step sample]), so the plan holds on the largest; ``"70%"`` is then
+    of the largest unplanned peak, and ``report`` / the plan record each batch's measured peak.
     ``loss_fn(model, batch)``: the scalar training loss; default ``model(**batch).loss`` for a dict
     batch with ``labels``. ``optimizer``: yours (its class, hyperparameters and groups are rebuilt
     on each copy: its state counts in the peak); None assumes AdamW, and ``report.optimizer`` says so.
@@ -181,8 +187,11 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     """:func:`auto` once its arguments hold: the plan applied, and the shape guard on the handle."""
     applied, report = _plan_and_apply(model, example_batch, settings, t0)
     handle = AutoHandle(applied, report)
-    planned = ShapeEnvelope.of_batches([example_batch])
-    replan = _Replanner(handle, example_batch, planned, settings) if settings.on_new_shape is ShapePolicy.REPLAN \
+    batches = list(example_batch.batches) if isinstance(example_batch, ExampleBatches) else [example_batch]
+    planned = ShapeEnvelope.of_batches(batches)
+    # REPLAN tiles the largest example batch (most elements) to the grown shape
+    largest = max(batches, key=lambda b: sum(t.numel() for t in tree_leaves(b) if isinstance(t, torch.Tensor)))
+    replan = _Replanner(handle, largest, planned, settings) if settings.on_new_shape is ShapePolicy.REPLAN \
         else None
     handle.guard = ShapeGuard(model, planned, settings.on_new_shape, replan)
     return handle
@@ -192,13 +201,14 @@ def _plan_and_apply(model: nn.Module, example_batch: Any, settings: AutoSettings
                     t0: float) -> tuple[ApplyHandle, AutoReport]:
     """The cached or a new plan for ``example_batch``, applied to ``model``, and its report
     (``t0``: when the call began, perf_counter seconds)."""
-    source = _source(model, example_batch, settings)
+    batches = example_batch.batches if isinstance(example_batch, ExampleBatches) else (example_batch,)
+    source, *others = [_source(model, b, settings) for b in batches]
     cache = settings.plan_cache()
     if cache is None:
-        plan, verified = _plan_and_verify(source, None, settings)
+        plan, verified = _plan_and_verify(source, None, settings, others)
         status, path = CacheStatus.DISABLED, None
     else:
-        plan, verified, status, path = _fit_cached(source, settings, cache)
+        plan, verified, status, path = _fit_cached(source, settings, cache, others)
     handle = apply(model, plan)
     report = dataclasses.replace(_auto_report(plan, settings, source, status, path, verified,
                                               seconds=time.perf_counter() - t0),
@@ -244,16 +254,16 @@ def _ranks(source: ModelSource) -> JobRanks | None:
     return source.ranks if isinstance(source, InPlaceSource) else None
 
 
-def _fit_cached(source: ModelSource, settings: AutoSettings,
-                cache: PlanCache) -> tuple[Plan, VerifyStatus, CacheStatus, str]:
+def _fit_cached(source: ModelSource, settings: AutoSettings, cache: PlanCache,
+                others: list[ModelSource]) -> tuple[Plan, VerifyStatus, CacheStatus, str]:
     """The plan for ``source`` through ``cache`` (NOTE [plan cache key]): a usable entry, else a new plan,
     stored where the directory takes it. Returns the plan, its verification, the cache status, the entry's path."""
-    key = _cache_key(source, settings)
+    key = _cache_key(source, settings, others)
     cached = _usable_cached_plan(source.model, cache, key)
     ranks = _ranks(source)
     if ranks is not None and not ranks.all_true(cached is not None):
         cached = None   # a hit on every rank, or all plan again together (NOTE [one plan per job])
-    plan, verified = _plan_and_verify(source, cached, settings)
+    plan, verified = _plan_and_verify(source, cached, settings, others)
     if cached is not None:
         status = CacheStatus.HIT
     else:
@@ -276,15 +286,16 @@ def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Pl
     return plan
 
 
-def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
-    """What a cached plan is bound to (NOTE [plan cache key])."""
+def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSource]) -> CacheKey:
+    """What a cached plan is bound to (NOTE [plan cache key]); every example batch's leaves."""
     model = source.model
     ranks = _ranks(source)
     digest = StableDigest()
     return CacheKey(
         fingerprint=fingerprint(model).digest, state=sha256_json(digest.value(model)),
         trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
-        training=model.training, batch=[digest.value(leaf) for leaf in tree_leaves(source.batch)],
+        training=model.training,
+        batch=[digest.value(leaf) for s in (source, *others) for leaf in tree_leaves(s.batch)],
         budget=str(settings.budget), reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),
@@ -294,7 +305,8 @@ def _cache_key(source: ModelSource, settings: AutoSettings) -> CacheKey:
         autocast=source.autocast)
 
 
-def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings) -> tuple[Plan, VerifyStatus]:
+def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings,
+                     others: list[ModelSource]) -> tuple[Plan, VerifyStatus]:
     """``cached``, or a new plan; verified (quick) when asked. On CUDA the user's tensors are parked on
     the CPU meanwhile, and the RNG state is restored after (NOTE [no side effects])."""
     plan = cached
@@ -304,7 +316,7 @@ def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSet
         if plan is None or settings.quick_verify:
             with _parked(source, settings.optimizer):
                 if plan is None:
-                    plan = _plan(source, settings)
+                    plan = _plan(source, settings, others)
                 if settings.quick_verify:
                     settings.progress("auto: verify (quick)", 0, 1)
                     verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
@@ -325,19 +337,25 @@ def _parked(source: ModelSource, optimizer: torch.optim.Optimizer | None) -> con
     return Parked(source.model, optimizer)
 
 
-def _plan(source: ModelSource, settings: AutoSettings) -> Plan:
-    """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak)."""
+def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]) -> Plan:
+    """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak);
+    with ``others`` (further example batches), over the sample of one step per batch (NOTE [step sample])."""
     loaded = source.loaded()
     ranks = _ranks(source)
+    # each further batch is a "boundary shape", recorded as its position among the example batches
+    sample = StepSample.of(1, [{"example_batch": i + 1} for i in range(len(others))])
+    variants = [s.loaded() for s in others]
     # in a job, a replay is timed until its timings settle: a per-rank decision (NOTE [one plan per job])
-    profile = profile_workload(loaded.rebuild(), measure_replays=settings.measure_replays and ranks is None,
-                               segments=settings.segments, progress=settings.progress)
+    profile = profile_sample(loaded.rebuild(), sample, measure_replays=settings.measure_replays and ranks is None,
+                             segments=settings.segments, variants=[v.rebuild() for v in variants],
+                             progress=settings.progress)
     budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)   # this rank's own peak
     if ranks is not None:
         budget_bytes = ranks.min_bytes(budget_bytes)
         profile = agree_profile(profile, ranks)
     return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes,
-                            reserve=settings.reserve_fraction, progress=settings.progress).plan
+                            reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
+                            variants=variants, progress=settings.progress).plan
 
 
 def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache: CacheStatus,

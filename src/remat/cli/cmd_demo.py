@@ -44,10 +44,12 @@ DEMO_SETTINGS = RunSettings(
     trace_warmup=1, trace_steps=1, verify_steps=2, verify_seeds=3, verify_timing_steps=3,
     frontier_plans=["none", "all", "uniform:2", "selective", "optimal", "optimal@50%"],
     frontier_steps=10, frontier_warmup=1, capacity_key="batch_size", capacity_tries=3, capacity_steps=2,
+    sample_steps=1,
     note="remat demo: fewer repetitions than `remat receipt` runs by default, to finish in under 3 minutes on 2 "
          "CPU cores: 1 warm-up + 1 traced step per shape (default 2 + 3), 3 seeds x 2 steps of verification "
          "(default 3 x 3), 3 timed steps of RNG-preservation overhead (default 10), 6 frontier plans with 1 "
-         "warm-up round (default 8 plans, 2 rounds), 3 capacity probes per plan (default 6)")
+         "warm-up round (default 8 plans, 2 rounds), 3 capacity probes per plan (default 6), 1 sampled step "
+         "(default 3; the built-in gpt has no dynamic control flow)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -12,11 +12,13 @@ from ..closed_loop import ClosedLoopResult, plan_closed_loop
 from ..plan import PLANNER_SPECS, Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..plan.offload import measured_pricing, modelled_pricing
 from ..errors import WorkloadError
-from ..profile import ProfileReport, profile_simulated, profile_workload
+from ..profile import ProfileReport, profile_simulated
+from ..profile.sample import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, SampleRecord, StepSample
+from ..profile.sampling import profile_sample
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import (add_autocast_arg, add_compile_args, add_workload_args, check_out_dir, compile_from_args, load_from_args,
-                     recorded_workload, refuse_autocast_with)
+from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, compile_from_args,
+                     load_from_args, recorded_workload, refuse_autocast_with)
 from .render import console, progress_bar
 
 
@@ -51,6 +53,23 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="profile under FakeTensorMode (any shape, nothing allocated) with times from a device "
                         "model; the plan records that its figures are simulated (no closed loop)")
     p.add_argument("--target-device", default=None, help="with --simulate: h100, a100, h200 or cpu")
+    add_sample_args(p)
+
+
+def add_sample_args(p: argparse.ArgumentParser, *, boundary_shape: bool = True) -> None:
+    """``--sample-steps`` (and ``--boundary-shape``): the steps profiled and measured (NOTE [step sample])."""
+    p.add_argument("--sample-steps", type=bounded_int(1, MAX_SAMPLE_STEPS), default=DEFAULT_SAMPLE_STEPS,
+                   help=f"steps profiled and measured per shape, each with its own batch and seed; the plan holds "
+                        f"on all of them (default {DEFAULT_SAMPLE_STEPS}; 1: one step, as before)")
+    if boundary_shape:
+        p.add_argument("--boundary-shape", default="",
+                       help="shape keywords of a second build whose steps join the sample, e.g. seq_len=128 "
+                            "(the longest batch of the run): the plan holds at both shapes")
+
+
+def sample_from_args(args: argparse.Namespace) -> StepSample:
+    boundary = parse_shape(getattr(args, "boundary_shape", "") or "")
+    return StepSample.of(args.sample_steps, [boundary] if boundary else [])
 
 
 def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, ClosedLoopResult | Plan]:  # noqa: ANN001
@@ -68,6 +87,10 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
                             tip="drop --simulate, or --compile")
     host_budget = _host_budget_from_args(args, compile)
     if getattr(args, "simulate", False):
+        if getattr(args, "boundary_shape", ""):
+            raise WorkloadError("--boundary-shape is measured, not simulated: it joins the steps of a second build "
+                                "to the sample (NOTE [step sample])", tip="drop --simulate, or plan --simulate at "
+                                                                          "the longer shape with --shape")
         from ..simulate import get_device_model
         from ..plan import PlanWorkload
         refuse_autocast_with(args, "--simulate", "the simulated step models the workload's own dtype only")
@@ -84,16 +107,19 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
         return report, plan
     offload = measured_pricing(args.device, host_budget_bytes=host_budget) if getattr(args, "offload", False) else None
     loaded = load_from_args(args)
-    report = profile_workload(loaded, candidates=candidates, progress=progress)
+    sample = sample_from_args(args)
+    report = profile_sample(loaded, sample, candidates=candidates, progress=progress)
     budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
     if args.no_measure:
         plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve, allow_hazards=args.allow_hazards,
                          offload=offload)
         plan.compile = compile   # run compiled wherever it is applied by remat; not measured here
         plan.workload = recorded_workload(loaded)
+        plan.sample = None if sample.is_single else SampleRecord(sample=sample)   # profiled on it, not measured
         return report, plan
     result = plan_closed_loop(loaded, report, args.planner, budget_bytes=budget, reserve=reserve,
-                              allow_hazards=args.allow_hazards, compile=compile, offload=offload, progress=progress)
+                              allow_hazards=args.allow_hazards, compile=compile, offload=offload,
+                              sample=None if sample.is_single else sample, progress=progress)
     result.plan.workload = recorded_workload(loaded)   # NOTE [plan workload]
     return report, result
 
@@ -135,6 +161,10 @@ def render_plan(plan: Plan) -> None:
     console.print(f"peak: baseline {fmt_bytes(plan.baseline_peak_bytes)}, predicted {fmt_bytes(plan.predicted_peak_bytes)}"
                   + (f", measured {fmt_bytes(plan.measured_peak_bytes)} ({plan.memory_source})"
                      if plan.measured_peak_bytes is not None else ""))
+    spread = plan.sample.spread() if plan.sample is not None else None
+    if spread is not None:
+        console.print(f"sample: {len(plan.sample.point_peaks)} steps; measured peak min {fmt_bytes(spread['min'])}, "
+                      f"median {fmt_bytes(spread['median'])}, max {fmt_bytes(spread['max'])} (NOTE [step sample])")
     if plan.compile is not None:
         console.print(f"compiled: {plan.compile.describe()}; measured warm after compiling")
     if plan.workload is not None and plan.workload.autocast is not None:

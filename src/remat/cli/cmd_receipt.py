@@ -22,8 +22,8 @@ from ..types import ProgressFn
 from ..workload import parse_shape
 from ..frontier.run import DEFAULT_COMPILED_PLANS
 from .common import (MAX_SECONDS, MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args,
-                     bounded_float,
-                     bounded_int, check_out_dir, compile_from_args, load_from_args)
+                     bounded_float, bounded_int, check_out_dir, compile_from_args, load_from_args)
+from .cmd_plan import add_sample_args
 from .render import console, err_console, progress_bar
 
 
@@ -31,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("receipt", help="run every stage end to end and publish a receipt CI can re-check")
     add_workload_args(p)
     add_autocast_arg(p)
-    p.add_argument("--boundary-shape", default="", help="a second shape to trace, e.g. the first one that does not fit")
+    p.add_argument("--boundary-shape", default="",
+                   help="a second shape, e.g. seq_len=128 (the longest batch of the run): traced, and its steps join "
+                        "the step sample, so the plan holds at both shapes")
     p.add_argument("--budget", required=True,
                    help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
                         "no-checkpoint peak (60%%)")
@@ -64,6 +66,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help=f"timed warm steps per plan (default {d.frontier_steps})")
     p.add_argument("--no-capacity", action="store_true", help="skip the batch capacity search")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None, help="torch intra-op threads (default: torch's own)")
+    add_sample_args(p, boundary_shape=False)
     p.add_argument("--saving-tolerance", default="10%",
                    help="how far a boundary's measured saving may fall before remat check fails (default 10%%)")
 
@@ -74,7 +77,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
                                        else list(DEFAULT_COMPILED_PLANS) if getattr(args, "compile", False)
                                        else RunSettings().frontier_plans),
                        frontier_steps=args.frontier_steps, capacity_key=None if args.no_capacity else "batch_size",
-                       saving_tolerance=parse_reserve(args.saving_tolerance),
+                       saving_tolerance=parse_reserve(args.saving_tolerance), sample_steps=args.sample_steps,
                        compile=None if not getattr(args, "compile", False) else compile_from_args(args).to_json())
 
 
@@ -117,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
     with stage_progress() as progress:
         receipt = make_receipt(loaded, budget=args.budget, reserve=reserve, boundary_shape=boundary,
-                               settings=settings, candidates=candidates, command=command, progress=progress)
+                               settings=settings, candidates=candidates, command=command, boundary_in_sample=True,
+                               progress=progress)
         if args.world_size is not None:
             from ..workflow.world_size import with_world_size
             receipt = with_world_size(receipt, world_size=args.world_size, engine=args.engine,

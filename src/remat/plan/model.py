@@ -14,6 +14,7 @@ from .._json import read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import ModelFingerprint
+from ..profile.sample import SampleRecord
 from ..types import CheckpointMode
 from .offload import OffloadPricing
 from .schema import PLAN
@@ -95,6 +96,7 @@ class Plan:
     compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
     offload: OffloadPricing | None = None  # offload priced with these bandwidths (NOTE [offload cost model])
     workload: PlanWorkload | None = None  # what `remat plan` profiled (NOTE [plan workload]); None: not recorded
+    sample: SampleRecord | None = None    # the steps it was made and measured on (NOTE [step sample]); None: one step
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -126,6 +128,10 @@ class Plan:
             del d["workload"]   # as compile: plans from remat.auto and older files read as they always did
         else:
             d["workload"] = self.workload.to_json()
+        if self.sample is None:
+            del d["sample"]    # single-step plans read as they always did
+        else:
+            d["sample"] = self.sample.to_json()
         return d
 
     @classmethod
@@ -160,6 +166,7 @@ class Plan:
             compile=None if d.get("compile") is None else CompileSpec.from_json(d["compile"]),
             offload=None if d.get("offload") is None else OffloadPricing.from_json(d["offload"]),
             workload=None if d.get("workload") is None else PlanWorkload.from_json(d["workload"]),
+            sample=None if d.get("sample") is None else SampleRecord.from_json(d["sample"]),
             schema_version=version,
         )
 

@@ -50,6 +50,13 @@ DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
 AUTOCAST = Enum("bfloat16", "float16")   # the forward ran under torch.autocast (NOTE [autocast steps])
 # remat.plan.PlanWorkload.to_json: the workload a plan was made for (NOTE [plan workload])
 WORKLOAD = Obj({"spec": Str(max_len=4096), "shape": SHAPE, "device": DEVICE, "dtype": DTYPE, "autocast": Opt(AUTOCAST)})
+# remat.profile.sample.SampleRecord.to_json: the steps a plan was made and measured on (NOTE [step sample])
+SAMPLE = Obj({
+    "steps": Int(1, 64), "boundary_shapes": List(SHAPE, max_len=16),
+    "points": List(Obj({"shape": SHAPE, "offset": Int(0, 2 ** 40), "seed": Opt(Int(0, 2 ** 40))}), max_len=64 * 17),
+    "point_peaks": List(BYTES, max_len=64 * 17),
+    "peak_spread": Opt(Obj({"min": BYTES, "median": BYTES, "max": BYTES})),
+})
 
 # Plan.to_json; the optional fields are those older plan files may lack (Plan.from_json's defaults).
 PLAN = Obj({
@@ -62,5 +69,5 @@ PLAN = Obj({
 }, {
     "preserve_rng_state": Bool(), "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(MS),
     "memory_source": MEMORY_SOURCE, "simulated": Bool(), "device_model": Opt(SHORT),
-    "compile": Opt(COMPILE), "offload": Opt(OFFLOAD), "workload": Opt(WORKLOAD),
+    "compile": Opt(COMPILE), "offload": Opt(OFFLOAD), "workload": Opt(WORKLOAD), "sample": Opt(SAMPLE),
 })

@@ -7,6 +7,7 @@ profile without it; the measuring functions load torch on first use (NOTE [impor
 from .._lazy import lazy_exports
 from .fingerprint import class_source_hash, fingerprint, module_revision   # eager: ``fingerprint`` is also a submodule's name
 from .model import CandidateCost, FingerprintDiff, HazardRecord, ModelFingerprint, ParamSignature, PeakRow, ProfileReport
+from .sample import SampleRecord, StepSample
 
 _LAZY = {
     "auto_candidates": "remat.profile.candidates",
@@ -14,10 +15,11 @@ _LAZY = {
     "profile_simulated": "remat.profile.measure",
     "profile_step": "remat.profile.measure",
     "profile_workload": "remat.profile.measure",
+    "profile_sample": "remat.profile.sampling",
 }
 
 __all__ = ["CandidateCost", "FingerprintDiff", "HazardRecord", "ModelFingerprint", "ParamSignature", "PeakRow", "ProfileReport",
-           "auto_candidates", "class_source_hash", "fingerprint", "module_revision", "profile_simulated", "profile_step",
+           "SampleRecord", "StepSample", "auto_candidates", "class_source_hash", "fingerprint", "module_revision", "profile_sample", "profile_simulated", "profile_step",
            "profile_workload", "resolve_candidates"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

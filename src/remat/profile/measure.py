@@ -46,6 +46,7 @@ from .candidates import parent_of, resolve_candidates, segment_search
 from .confirm import confirm_hazards
 from .dryrun import dry_run_modes
 from .replay import ReplayEstimate, measure_replay_costs
+from .sample import NOT_CALLED
 from .fingerprint import fingerprint
 from .hazards import HazardProbe, hook_detail, module_hooks
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
@@ -388,7 +389,7 @@ def _module_exclusion(name: str, calls: int) -> str | None:
     if not re.fullmatch(MODULE_PATH_RE, name):
         return "its name cannot be written in a plan (NOTE [module names]: word characters and - + : @ # ~ = only)"
     if calls == 0:
-        return "not called during the step"
+        return NOT_CALLED   # dynamic control flow across a step sample (NOTE [step sample])
     return None
 
 

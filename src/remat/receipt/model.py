@@ -25,6 +25,7 @@ from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport
 from ..plan.model import Plan
+from ..profile.sample import DEFAULT_SAMPLE_STEPS
 from ..trace.model import HostContext, StepTrace
 from ..verify.model import Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
@@ -129,12 +130,13 @@ class RunSettings:
     capacity_steps: int = 3
     saving_tolerance: float = 0.10    # a boundary's re-measured saving may fall this much (relative)
     saving_warmup: int = 1
+    sample_steps: int = DEFAULT_SAMPLE_STEPS   # steps profiled and measured per shape (NOTE [step sample])
     note: str = ""
     compile: dict[str, Any] | None = None   # CompileSpec JSON: made with --compile (NOTE [compiled receipts])
 
     def __post_init__(self) -> None:
         for name in ("trace_warmup", "trace_steps", "verify_steps", "verify_seeds", "frontier_steps",
-                     "frontier_warmup", "capacity_tries", "capacity_steps", "saving_warmup"):
+                     "frontier_warmup", "capacity_tries", "capacity_steps", "saving_warmup", "sample_steps"):
             if getattr(self, name) < 1:
                 raise RematError(f"receipt setting {name} must be at least 1, got {getattr(self, name)}")
         if self.verify_timing_steps < 0:
@@ -150,7 +152,8 @@ class RunSettings:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RunSettings":
-        return cls(**{**d, "frontier_plans": list(d["frontier_plans"])})
+        # a receipt from before the step sample profiled and measured one step
+        return cls(**{**d, "frontier_plans": list(d["frontier_plans"]), "sample_steps": d.get("sample_steps", 1)})
 
 
 # -- per boundary ----------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ SETTINGS = Obj({
     "frontier_warmup": Int(1, MAX_WARMUP), "capacity_key": Opt(SHORT), "capacity_tries": Int(1, MAX_TRIES),
     "capacity_steps": Int(1, MAX_STEPS), "saving_tolerance": FRACTION, "saving_warmup": Int(1, MAX_WARMUP),
     "note": TEXT,
-}, {"compile": Opt(COMPILE)})
+}, {"compile": Opt(COMPILE), "sample_steps": Int(1, 64)})
 UNSUPPORTED = Obj({"mode": SHORT, "status": Enum("not run", "unsupported"), "detail": TEXT})
 
 RECEIPT_SCHEMA = Obj({

@@ -5,12 +5,15 @@ assembles their results into remat.receipt's model, which only holds, validates 
 
 NOTE [receipt run]
 1. Trace the unmodified step at the target shape and, when given, the boundary shape.
-2. Profile the candidates once; every later stage reuses this profile.
+2. Profile the candidates once, over the step sample (``settings.sample_steps`` steps per shape,
+   the boundary shape's steps joining: NOTE [step sample]); every later stage reuses this profile.
 3. Plan with the optimal planner through the closed loop (apply, measure, re-plan), so
-   the receipt records predicted *and* measured peaks of the plan most likely to ship.
+   the receipt records predicted *and* measured peaks of the plan most likely to ship; its
+   measured peak is the max over the sample.
 4. Frontier: every plan in ``settings.frontier_plans`` (the control always) measured
    solo for its peak and interleaved for time; the frontier's ship decision picks the
-   fastest plan whose measured peak clears budget x (1 - reserve).
+   fastest plan whose measured peak clears budget x (1 - reserve). The shipped plan is then
+   measured over the sample too; if its max misses, nothing ships, and the receipt says why.
 5. Verify the plan the frontier ships (paired seeded runs, hazards, negative controls).
    Verification runs after the frontier so that the plan proved is the plan shipped,
    whichever planner made it.
@@ -68,12 +71,14 @@ from typing import Any
 
 
 from ..wrap import PlanArm, boundary_members, boundary_module
-from ..closed_loop import ClosedLoopResult, plan_closed_loop
+from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
 from ..measure import held_bytes_at_phase, prepare_arm
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
-from ..profile import ProfileReport, module_revision, profile_workload
+from ..profile import ProfileReport, module_revision
+from ..profile.sample import StepSample
+from ..profile.sampling import profile_sample, sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import VerifyReport, tolerance_table, verify_plan
@@ -309,13 +314,16 @@ def _why_replanned(excluded: dict[str, str], replan_note: str) -> list[str]:
 
 def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, verification: VerifyReport | None,
             closed_loop_note: str, excluded_after_verify: dict[str, str] | None = None,
-            replan_note: str = "") -> ReceiptDecision:
+            replan_note: str = "", sample_miss: str = "") -> ReceiptDecision:
     """The receipt's decision: the frontier's ship decision, once verified (NOTE [receipt decision]).
 
     ``plan``: the shipped point's plan (or, when nothing ships, the closed loop's, unshipped).
-    ``excluded_after_verify``, ``replan_note``: what NOTE [re-plan after verify] excluded."""
+    ``excluded_after_verify``, ``replan_note``: what NOTE [re-plan after verify] excluded.
+    ``sample_miss``: why the shipped plan misses over the step sample (NOTE [step sample]): nothing ships."""
     bar = _Bar.of(frontier, trace)
     shipped, rejected, unverified = _verified_ship(frontier, verification)
+    if sample_miss:
+        shipped, closed_loop_note = None, sample_miss
     if shipped is None:
         why = _why_nothing(bar, rejected[0].plan if rejected else None, unverified, closed_loop_note)
     else:
@@ -463,18 +471,39 @@ def _trace_unmodified(loaded: LoadedWorkload, boundary_shape: dict[str, Any] | N
 
 
 def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
-                 progress: ProgressFn) -> tuple[ClosedLoopResult | None, str]:
+                 sample: StepSample, progress: ProgressFn) -> tuple[ClosedLoopResult | None, str]:
     """Step 3: the optimal plan through the closed loop, or (None, why the measured loop missed).
 
     InfeasibleBudget propagates: bad input, as in ``remat plan`` (exit 2 naming the floor, and no
     receipt: no plan reaches the budget by the profile's own prediction)."""
     try:
         return plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
-                                progress=progress), ""
+                                sample=None if sample.is_single else sample, progress=progress), ""
     except InfeasibleBudget:
         raise
     except BudgetError as exc:
         return None, exc.message
+
+
+def _sample_miss(loaded: LoadedWorkload, plan: Plan | None, sample: StepSample, frontier: FrontierReport) -> str:
+    """Measure the shown plan over the step sample (unless the closed loop did); why its max misses, or ""."""
+    if plan is None or sample.is_single or frontier.shipped is None:
+        return ""
+    if plan.sample is None:
+        point = next((p for p in frontier.points if p.plan == frontier.shipped), None)
+        plan.measured_peak_bytes = plan.measured_peak_bytes or (point.peak_bytes if point is not None else None)
+        if plan.measured_peak_bytes is None:
+            return ""
+        measure_sample_peaks(sample_workloads(loaded, sample), plan, sample)
+        frontier.shipped_plan = plan.to_json()   # the receipt's plan is the frontier's, with its sample
+    assert plan.sample is not None
+    worst = max(plan.sample.point_peaks)
+    limit = frontier.effective_budget_bytes
+    if worst <= limit:
+        return ""
+    where = sample.points()[plan.sample.point_peaks.index(worst)].label()
+    return (f"the plan's measured peak over the step sample reaches {mib(worst)} (at {where}), over the "
+            f"{mib(limit)} limit, though the frontier's one step cleared it (NOTE [step sample])")
 
 
 def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tuple[Plan | None, str | None]:
@@ -515,6 +544,7 @@ class _Round:
     plan: Plan | None
     label: str | None
     evidence: _Evidence
+    sample_miss: str = ""                 # why the shown plan misses over the step sample (NOTE [step sample])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -548,23 +578,26 @@ def _without(report: ProfileReport, hazardous: dict[str, str]) -> ProfileReport:
 
 
 def _one_round(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float, settings: RunSettings,
-               compile: CompileSpec | None, progress: ProgressFn) -> _Round:
-    """Steps 3-6: closed loop, frontier, the plan shown, and its evidence."""
-    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, progress)                   # 3.
+               compile: CompileSpec | None, sample: StepSample, progress: ProgressFn) -> _Round:
+    """Steps 3-6: closed loop, frontier, the plan shown (measured over the step sample), and its evidence."""
+    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, sample, progress)           # 3.
     frontier = run_frontier(loaded, FrontierSettings(                                              # 4.
         budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
         warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
         capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
         report=report, progress=progress)
     plan, label = _shown_plan(frontier, closed)
+    sample_miss = _sample_miss(loaded, plan, sample, frontier)
     evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
-    return _Round(closed=closed, note=note, frontier=frontier, plan=plan, label=label, evidence=evidence)
+    return _Round(closed=closed, note=note, frontier=frontier, plan=plan, label=label, evidence=evidence,
+                  sample_miss=sample_miss)
 
 
 def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
-                    settings: RunSettings, compile: CompileSpec | None, progress: ProgressFn) -> _Proved:
+                    settings: RunSettings, compile: CompileSpec | None, sample: StepSample,
+                    progress: ProgressFn) -> _Proved:
     """Rounds of steps 3-6, re-planning without the boundaries verification implicates (NOTE [re-plan after verify])."""
-    last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, progress)
+    last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, sample, progress)
     excluded: dict[str, str] = {}
     for _ in range(MAX_VERIFY_ROUNDS - 1):
         hazardous = _hazardous(last.plan, last.evidence.verification)
@@ -573,7 +606,7 @@ def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes:
         excluded.update(hazardous)
         report = _without(report, hazardous)
         try:
-            last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, progress)
+            last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, sample, progress)
         except InfeasibleBudget as exc:   # the last plan stays UNVERIFIED; nothing else reaches the budget
             return _Proved(last=last, excluded=excluded, note=f"without them no plan reaches the budget ({exc.message})")
     stop = "" if not _hazardous(last.plan, last.evidence.verification) else \
@@ -584,7 +617,8 @@ def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes:
 def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
-                 compile: CompileSpec | None = None, progress: ProgressFn = no_progress) -> Receipt:
+                 compile: CompileSpec | None = None, boundary_in_sample: bool = False,
+                 progress: ProgressFn = no_progress) -> Receipt:
     """Run every stage on ``loaded`` and return the receipt (NOTE [receipt run]).
 
     ``budget``: whole-step peak budget as ``remat plan`` takes it (bytes, ``800MiB``, ``60%``
@@ -593,6 +627,9 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     :class:`~remat.plan.InfeasibleBudget` naming the floor when no plan's predicted peak reaches
     the budget (as ``remat plan`` does). A plan predicted to fit whose *measured* peak misses is
     not an error: the receipt says nothing ships and why.
+
+    ``boundary_in_sample`` (``remat receipt --boundary-shape``): the boundary shape's steps join the
+    step sample (NOTE [step sample]), so the plan must hold there too; else it is only traced.
     """
     settings, compile = _settings_and_compile(settings, compile)
     if not 0.0 <= reserve < 1.0:
@@ -600,9 +637,10 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     if not isinstance(budget, int):
         check_budget_syntax(budget)  # syntax check before minutes of measuring
     target, boundary_trace = _trace_unmodified(loaded, boundary_shape, settings, progress)        # 1.
-    report = profile_workload(loaded, candidates=candidates, progress=progress)                    # 2.
+    sample = StepSample.of(settings.sample_steps, [boundary_shape] if boundary_shape and boundary_in_sample else [])
+    report = profile_sample(loaded, sample, candidates=candidates, progress=progress)              # 2.
     budget_bytes = parse_budget(budget, report.baseline_peak_bytes)
-    proved = _plan_and_prove(loaded, report, budget_bytes, reserve, settings, compile, progress)  # 3.-6.
+    proved = _plan_and_prove(loaded, report, budget_bytes, reserve, settings, compile, sample, progress)  # 3.-6.
     last = proved.last
     closed, note, frontier, plan, label, evidence = (last.closed, last.note, last.frontier, last.plan, last.label,
                                                      last.evidence)
@@ -621,5 +659,6 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
                          excluded_after_verify=proved.excluded),
         verification=evidence.verification, verification_note=evidence.note, frontier=frontier,
         decision=_decide(frontier=frontier, plan=plan, trace=target, verification=evidence.verification,
-                         closed_loop_note=note, excluded_after_verify=proved.excluded, replan_note=proved.note),
+                         closed_loop_note=note, excluded_after_verify=proved.excluded, replan_note=proved.note,
+                         sample_miss=last.sample_miss),
         unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))

@@ -1,0 +1,345 @@
+"""A sample of training steps to profile and measure over, and one profile merged from a sample.
+
+NOTE [step sample]
+A training run is thousands of steps, and many models change from step to step: layerdrop
+and stochastic depth skip blocks when ``torch.rand`` says so, MoE routing changes what each
+expert holds, padded batches change the sequence length. One profiled step says nothing about
+the others (a Wav2Vec2 encoder profiled on a step that skipped a layer planned a 3-layer step
+and measured 28% over budget on later ones). So remat profiles and measures a *sample*:
+``StepSample.steps`` steps at the workload's shape and as many at each boundary shape
+(``--boundary-shape``, or every further example batch of ``remat.auto``).
+
+Point k of a shape runs the workload's ``batch(1000 * k + i)`` at its step i and, for k >= 1,
+seeds torch and Python's ``random`` with ``1_000_003 * k + i`` before it (so each point draws
+its own dropout and layerdrop masks, the same ones every time it is run: ``remat check``
+re-measures the same steps). Point 0 is the unseeded single step remat always ran, so
+``--sample-steps 1`` is exactly the single-step behaviour.
+
+The default is 3 steps (``DEFAULT_SAMPLE_STEPS``): with a layer skipped with probability p
+independently, a block absent from all 3 profiled steps has probability p**3 (0.1% at
+Wav2Vec2's default p = 0.1, 2.7% at p = 0.3). The cost is small because the points after the
+first profile with 1 warm-up and 1 timed step and measure replays only of candidates no earlier
+point offered: 3 steps took 1.08x (tiny gpt) and 1.29x (the 6-block test model with layerdrop)
+one step's profiling CPU time (medians of 3 interleaved runs). The closed loop adds a fresh
+build, 1 warm-up and 1 peak step per further point for each plan it measures. Merging
+(``merge_profiles``):
+
+- a candidate offered at any point is offered (one absent from some points is *dynamic*, and
+  stays a candidate); excluded at a point for any reason but "not called", it stays excluded;
+  a segment (NOTE [segments]) is offered only when every point offered it and no point skipped a
+  child of its container: its wrapper runs every member, so a skipped member would run anyway;
+- bytes per candidate (saved, inputs) are the max over the points that ran it, times (forward,
+  replay) the median; a replay's time and extra bytes come from the points that measured that
+  replay alone (NOTE [measured replay costs]) where any did, not from first estimates;
+- the peak rows are the union of every point's rows, so the predicted peak is the max over the
+  sampled steps; and each point's rows come again with the dynamic candidates it skipped added
+  (their FULL saved bytes and inputs) where they would be held, by forward order: after their
+  forward, before their backward. So the model also covers the step in which every sampled
+  dynamic block runs, which no sampled step need have shown;
+- the closed loop measures each plan at every point and takes the max (NOTE [closed loop]).
+
+What the sample cannot see it cannot plan for: a block that ran in none of the sampled steps
+is not a candidate, and a shape beyond the boundary shapes is not covered. The max saved bytes
+of a candidate come from its largest shape; the rows of a smaller shape then under-predict
+their own step, which the measured max over the sample catches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from ..errors import ShapeError, WorkloadError
+from ..types import CheckpointMode
+from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
+
+DEFAULT_SAMPLE_STEPS = 3        # NOTE [step sample]
+MAX_SAMPLE_STEPS = 64
+POINT_STRIDE = 1000             # point k runs batch(POINT_STRIDE * k + i)
+SEED_STRIDE = 1_000_003         # point k >= 1 seeds SEED_STRIDE * k + i before step i
+NOT_CALLED = "not called during the step"   # profile_step's reason for a module no sampled step ran
+
+ShapeValue = int | float | str | bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplePoint:
+    """One sampled step stream: shape overrides, batch index offset, seed (None: unseeded)."""
+
+    shape: tuple[tuple[str, ShapeValue], ...] = ()
+    offset: int = 0
+    seed: int | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """The single step remat always ran (no offset, no seed) at the workload's own shape."""
+        return not self.shape and self.offset == 0 and self.seed is None
+
+    def label(self) -> str:
+        shape = ",".join(f"{k}={v}" for k, v in self.shape)
+        return (f"{shape} " if shape else "") + f"batch({self.offset}+i)" + (f" seed {self.seed}" if self.seed is not None else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": dict(self.shape), "offset": self.offset, "seed": self.seed}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSample:
+    """Which steps to profile and measure over (NOTE [step sample]).
+
+    ``steps``: steps per shape (1: the single seeded step of before). ``boundary_shapes``: shape
+    overrides the workload is built at a second (third, ...) time; its steps join the sample."""
+
+    steps: int = DEFAULT_SAMPLE_STEPS
+    boundary_shapes: tuple[tuple[tuple[str, ShapeValue], ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.steps) is not int or not 1 <= self.steps <= MAX_SAMPLE_STEPS:
+            raise WorkloadError(f"the step sample needs 1 to {MAX_SAMPLE_STEPS} steps, got {self.steps!r}",
+                            tip="--sample-steps 1 profiles one step, as before; 3 is the default (NOTE [step sample])")
+        for shape in self.boundary_shapes:
+            if not shape:
+                raise ShapeError("a boundary shape needs at least one KEY=VAL", tip="e.g. --boundary-shape seq_len=128")
+
+    @classmethod
+    def of(cls, steps: int = DEFAULT_SAMPLE_STEPS, boundary_shapes: list[dict[str, ShapeValue]] | None = None) -> "StepSample":
+        return cls(steps=steps, boundary_shapes=tuple(tuple(sorted(d.items())) for d in boundary_shapes or []))
+
+    @property
+    def is_single(self) -> bool:
+        return self.steps == 1 and not self.boundary_shapes
+
+    def points(self) -> list[SamplePoint]:
+        """Every point, the workload's own shape first, then each boundary shape in order."""
+        return [SamplePoint(shape=shape, offset=POINT_STRIDE * k, seed=None if k == 0 else k)
+                for shape in ((), *self.boundary_shapes) for k in range(self.steps)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "boundary_shapes": [dict(s) for s in self.boundary_shapes]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StepSample":
+        return cls(steps=int(d["steps"]), boundary_shapes=tuple(tuple(sorted(s.items())) for s in d["boundary_shapes"]))
+
+
+@dataclasses.dataclass(kw_only=True)
+class SampleRecord:
+    """The sample a plan was made and measured on, and its measured peak at each point (bytes)."""
+
+    sample: StepSample
+    point_peaks: list[int] = dataclasses.field(default_factory=list)   # measured, in ``sample.points()`` order
+
+    def spread(self) -> dict[str, int] | None:
+        """min / median / max of the measured peaks (bytes), or None before any was measured."""
+        if not self.point_peaks:
+            return None
+        return {"min": min(self.point_peaks), "median": int(statistics.median(self.point_peaks)),
+                "max": max(self.point_peaks)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.sample.to_json(), "points": [p.to_json() for p in self.sample.points()],
+                "point_peaks": list(self.point_peaks), "peak_spread": self.spread()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SampleRecord":
+        return cls(sample=StepSample.from_json(d), point_peaks=[int(b) for b in d.get("point_peaks", [])])
+
+
+# -- merging the points' profiles ------------------------------------------------------------------
+
+def merge_orders(orders: list[list[str]]) -> list[str]:
+    """One forward order from several: the first list, then each later name after its predecessor."""
+    out: list[str] = []
+    for names in orders:
+        for i, n in enumerate(names):
+            if n in out:
+                continue
+            before = next((names[j] for j in range(i - 1, -1, -1) if names[j] in out), None)
+            out.insert(0 if before is None else out.index(before) + 1, n)
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _hazards(costs: list[CandidateCost]) -> list[HazardRecord]:
+    """Every hazard any point found, each (kind, detail) once."""
+    out: dict[tuple, HazardRecord] = {}
+    for h in (h for c in costs for h in c.hazards):
+        out.setdefault((h.kind, h.detail), h)
+    return list(out.values())
+
+
+def _common_modes(costs: list[CandidateCost]) -> list[CheckpointMode]:
+    """The modes every point measured (saved bytes and replay time)."""
+    return [m for m in costs[0].saved_bytes if all(m in c.saved_bytes and m in c.replay_ms for c in costs)]
+
+
+def _merge_cost(costs: list[CandidateCost]) -> CandidateCost:
+    """One candidate from its costs at the points that ran it: bytes max, times median, modes every point has."""
+    modes = _common_modes(costs)
+    # per mode, the points that measured its replay alone (NOTE [measured replay costs]), else all
+    replays = {m: [c for c in costs if m in c.replay_spread_ms] for m in modes}
+    timed = {m: replays[m] or costs for m in modes}
+    return dataclasses.replace(
+        costs[0], fwd_ms=_median([c.fwd_ms for c in costs]), input_bytes=max(c.input_bytes for c in costs),
+        saved_bytes={m: max(c.saved_bytes[m] for c in costs) for m in modes},
+        replay_ms={m: _median([c.replay_ms[m] for c in timed[m]]) for m in modes},
+        replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in timed[m]) for m in modes},
+        replay_spread_ms={m: _median([c.replay_spread_ms[m] for c in cs]) for m, cs in replays.items() if cs},
+        hazards=_hazards(costs))
+
+
+def _parent_of(name: str, names: set[str]) -> str | None:
+    parts = name.split(".")
+    return next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in names), None)
+
+
+def _container_of(name: str) -> str:
+    """The container of a module path (``blocks.2`` -> ``blocks``) or of a segment (``blocks[1:3]``)."""
+    return name.split("[", 1)[0] if "[" in name else name.rpartition(".")[0]
+
+
+def _dynamic(reports: list[ProfileReport]) -> set[str]:
+    """Module candidates offered at some points and not called at others."""
+    offered = {c.name for r in reports for c in r.candidates if not c.members}
+    return {n for n in offered if any(r.excluded.get(n) == NOT_CALLED for r in reports)}
+
+
+def _excluded(reports: list[ProfileReport], kept_segments: set[str]) -> dict[str, str]:
+    """Every name excluded at some point for a reason other than NOT_CALLED (the first reason), the
+    names no point called, and the segments not kept, each with why."""
+    out: dict[str, str] = {}
+    for r in reports:
+        for n, why in r.excluded.items():
+            if why != NOT_CALLED:
+                out.setdefault(n, why)
+    offered = {c.name for r in reports for c in r.candidates}
+    for n in sorted({n for r in reports for n, why in r.excluded.items() if why == NOT_CALLED} - offered):
+        out.setdefault(n, "not called during any sampled step (NOTE [step sample])")
+    for r in reports:
+        for c in r.candidates:
+            if c.members and c.name not in kept_segments:
+                out.setdefault(c.name, "not a chain in every sampled step, or a member runs in some steps only "
+                                       "(NOTE [step sample]): its wrapper would run a skipped member")
+    return out
+
+
+def _kept_segments(reports: list[ProfileReport], dynamic: set[str]) -> set[str]:
+    """The segments every point offered, in containers none of whose children some point skipped."""
+    offered = [{c.name for c in r.candidates if c.members} for r in reports]
+    every = set.intersection(*offered) if offered else set()
+    skipped = {n for r in reports for n, why in r.excluded.items() if why == NOT_CALLED}
+    shaky = {_container_of(n) for n in dynamic | skipped}
+    return {s for s in every if _container_of(s) not in shaky}
+
+
+def _held_at(row: PeakRow, absent: CandidateCost, order: dict[str, int]) -> bool:
+    """Whether ``absent`` would hold its activations at ``row``'s instants, had it run too: its forward
+    has ended (it runs before a held one) and its backward has not begun (it runs before every one replaying)."""
+    o = order[absent.name]
+    if row.replaying:
+        return o < min(order.get(n, -1) for n in row.replaying)
+    return bool(row.live) and o < max(order.get(n, -1) for n in row.live)
+
+
+def _with_absent(report: ProfileReport, absent: list[CandidateCost], order: dict[str, int]) -> list[PeakRow]:
+    """``report``'s rows, and each again with the dynamic candidates it lacks held where they would be
+    (NOTE [step sample]): the same step with those blocks running too."""
+    grown = []
+    for r in report.rows:
+        held = [c for c in absent if _held_at(r, c, order)]
+        if held:
+            extra = sum(c.saved_bytes[CheckpointMode.FULL] + c.input_bytes for c in held)   # bytes each KEEP holds
+            grown.append(PeakRow(base_bytes=r.base_bytes + extra, live=(*r.live, *(c.name for c in held)),
+                                 replaying=r.replaying, label=f"{r.label}, if {', '.join(c.name for c in held)} ran too"))
+    return [*report.rows, *grown]
+
+
+def _check_same_model(reports: list[ProfileReport]) -> None:
+    # a shape keyword may size a parameter (gpt's seq_len sizes wpe): the plan applies by module
+    # path there (NOTE [plans at other shapes]), so only the module tree must agree
+    if len({r.fingerprint.modules for r in reports}) > 1:
+        raise ShapeError("the sampled steps profiled different module trees: a boundary shape changes the model's "
+                         "modules", tip="give --boundary-shape only keywords that change the data (seq_len, "
+                                        "batch_size), not the model's structure")
+
+
+def _merged_candidates(reports: list[ProfileReport], excluded: dict[str, str], order: list[str]) -> list[CandidateCost]:
+    """The candidates not ``excluded``, each merged over the points that offered it, in ``order``, renumbered
+    and re-parented among themselves."""
+    by_name: dict[str, list[CandidateCost]] = {}
+    for c in (c for r in reports for c in r.candidates if c.name not in excluded):
+        by_name.setdefault(c.name, []).append(c)
+    merged = [_merge_cost(by_name[n]) for n in order if n in by_name]
+    modules = {c.name for c in merged if not c.members}
+    for i, c in enumerate(merged):
+        c.order = i
+        c.parent = _parent_of(c.covers[0], modules - {c.name})
+    return merged
+
+
+def _merged_rows(reports: list[ProfileReport], merged: list[CandidateCost], dynamic: set[str],
+                 order: list[str]) -> list[PeakRow]:
+    """Every point's rows, and again with the dynamic candidates it skipped; only merged names kept."""
+    final = {c.name: c for c in merged}
+    order_of = {n: i for i, n in enumerate(order)}
+    rows = []
+    for r in reports:
+        ran = {c.name for c in r.candidates}
+        rows += _with_absent(r, [final[n] for n in sorted(dynamic & final.keys()) if n not in ran], order_of)
+    return [dataclasses.replace(row, live=tuple(n for n in row.live if n in final),
+                                replaying=tuple(n for n in row.replaying if n in final)) for row in rows]
+
+
+def merge_profiles(reports: list[ProfileReport]) -> ProfileReport:
+    """One profile from the profiles of a sample's points (NOTE [step sample])."""
+    if not reports:
+        raise WorkloadError("no sampled step to merge")
+    if len(reports) == 1:
+        return reports[0]
+    _check_same_model(reports)
+    dynamic = _dynamic(reports)
+    excluded = _excluded(reports, _kept_segments(reports, dynamic))
+    order = merge_orders([[c.name for c in sorted(r.candidates, key=lambda c: c.order)] for r in reports])
+    merged = _merged_candidates(reports, excluded, order)
+    return _merged_report(reports, merged, _merged_rows(reports, merged, dynamic, order), excluded)
+
+
+def _refuted(reports: list[ProfileReport], merged: list[CandidateCost]) -> dict[str, list[str]]:
+    """Suspicions some point refuted and no point confirmed (NOTE [confirmed hazards])."""
+    kept = {(c.name, f"{h.kind.value}: {h.detail}") for c in merged for h in c.hazards}
+    out: dict[str, list[str]] = {}
+    for n, h in ((n, h) for r in reports for n, hs in r.refuted_hazards.items() for h in hs):
+        if (n, h) not in kept and h not in out.get(n, []):
+            out.setdefault(n, []).append(h)
+    return out
+
+
+def _phase_peaks(reports: list[ProfileReport]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p, b in ((p, b) for r in reports for p, b in r.phase_peak_bytes.items()):
+        out[p] = max(out.get(p, 0), b)
+    return out
+
+
+def _unmeasured(reports: list[ProfileReport], merged: list[CandidateCost]) -> dict[str, str]:
+    """Candidates whose replay no point measured alone, with a point's reason."""
+    todo = {c.name for c in merged if not c.replay_spread_ms}
+    return {n: why for r in reports for n, why in r.replay_unmeasured.items() if n in todo}
+
+
+def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], rows: list[PeakRow],
+                   excluded: dict[str, str]) -> ProfileReport:
+    first = reports[0]
+    return ProfileReport(
+        candidates=merged, rows=rows, excluded=excluded,
+        baseline_peak_bytes=max(r.baseline_peak_bytes for r in reports),
+        baseline_step_ms=_median([r.baseline_step_ms for r in reports]),
+        memory_source=first.memory_source, fingerprint=first.fingerprint, simulated=first.simulated,
+        device_model=first.device_model, refuted_hazards=_refuted(reports, merged),
+        mode_excluded={n: m for r in reports for n, m in r.mode_excluded.items()},
+        phase_peak_bytes=_phase_peaks(reports), idle=sorted({n for r in reports for n in r.idle if n in excluded}),
+        replay_unmeasured=_unmeasured(reports, merged))
