@@ -334,6 +334,7 @@ def _unmeasured(reports: list[ProfileReport], merged: list[CandidateCost]) -> di
 def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], rows: list[PeakRow],
                    excluded: dict[str, str]) -> ProfileReport:
     first = reports[0]
+    names = {c.name for c in merged}
     return ProfileReport(
         candidates=merged, rows=rows, excluded=excluded,
         baseline_peak_bytes=max(r.baseline_peak_bytes for r in reports),
@@ -342,4 +343,8 @@ def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], ro
         device_model=first.device_model, refuted_hazards=_refuted(reports, merged),
         mode_excluded={n: m for r in reports for n, m in r.mode_excluded.items()},
         phase_peak_bytes=_phase_peaks(reports), idle=sorted({n for r in reports for n in r.idle if n in excluded}),
-        replay_unmeasured=_unmeasured(reports, merged))
+        replay_unmeasured=_unmeasured(reports, merged),
+        # who shared whose replay measurement, and the costs below the clock's resolution, at any point
+        replay_shared={n: src for r in reports for n, src in r.replay_shared.items() if n in names},
+        replay_below_resolution={n: sorted({m for r in reports for m in r.replay_below_resolution.get(n, [])})
+                                 for n in sorted({n for r in reports for n in r.replay_below_resolution}) if n in names})
