@@ -21,19 +21,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-
-def percentile(xs: Iterable[float], q: float) -> float:
-    """The ``q``-th percentile (q in [0, 100]) by linear interpolation between closest ranks
-    (numpy's default): remat's one definition of p50 and p95. ValueError for no samples."""
-    s = sorted(xs)
-    if not s:
-        raise ValueError("percentile of no samples")
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must lie in [0, 100], got {q}")
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+from .percentile import p50, p95, percentile  # noqa: F401  the one definition (NOTE [device-correct timing])
 
 
 def p50_along(a: "np.ndarray", axis: int = -1) -> "np.ndarray":
@@ -48,12 +36,6 @@ def p50_along(a: "np.ndarray", axis: int = -1) -> "np.ndarray":
     return np.take(s, lo, axis=axis) + (np.take(s, hi, axis=axis) - np.take(s, lo, axis=axis)) * (pos - lo)
 
 
-def p50(xs: Iterable[float]) -> float:
-    return percentile(xs, 50.0)
-
-
-def p95(xs: Iterable[float]) -> float:
-    return percentile(xs, 95.0)
 
 
 class StepClock:

@@ -28,11 +28,11 @@ profile's JSON is kilobytes).
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch.distributed as dist
 
+from ..percentile import p50
 from ..errors import AutoError
 from ..profile.model import ProfileReport
 
@@ -62,7 +62,7 @@ class JobRanks:
         if len({len(v) for v in lists}) != 1:
             raise AutoError(f"the ranks timed different numbers of steps ({[len(v) for v in lists]}): "
                             "they did not run the same measurement")
-        return [statistics.median(col) for col in zip(*lists)]
+        return [p50(col) for col in zip(*lists)]
 
     def all_true(self, flag: bool) -> bool:
         return all(self.gather(bool(flag)))
@@ -125,7 +125,7 @@ def _merge_leaf(values: list[Any], where: str) -> Any:
         return _equal(values, where)
     if all(isinstance(v, int) for v in values):
         return max(values)
-    return statistics.median(float(v) for v in values)
+    return p50(float(v) for v in values)
 
 
 def _equal(values: list[Any], where: str) -> Any:

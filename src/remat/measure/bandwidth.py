@@ -17,13 +17,12 @@ import dataclasses
 import hashlib
 import json
 import platform
-import statistics
 from pathlib import Path
 
 import torch
 
 from .._io import atomic_write_json, default_cache_dir
-from ..clock import StepClock
+from ..clock import StepClock, p50
 
 _PROBE_BYTES = 64 * 2 ** 20   # bytes per timed copy
 _ROUNDS = 5
@@ -54,7 +53,7 @@ def _time_copies(copy, clock: StepClock) -> float:  # noqa: ANN001
     """Median ms of ``copy()`` over ``_ROUNDS`` timed calls after one warm-up."""
     copy()
     times = [clock.time(copy)[1] for _ in range(_ROUNDS)]
-    return max(statistics.median(times), 1e-6)
+    return max(p50(times), 1e-6)
 
 
 def _measure(device: torch.device) -> tuple[float, float]:

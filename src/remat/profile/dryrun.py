@@ -19,9 +19,10 @@ buffers restored afterwards: the dry run leaves the model as it found it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -140,9 +141,10 @@ class _DryRunner:
         grads = [(p, p.grad) for p in self.model.parameters()]
         removers = [_wrap_named(self.model, self.modules, n, mode) for n, mode in assignment.items()]
         try:
-            batch = self.step.batch(self.step_index)
-            loss = self.step.workload.loss(self.model, batch)
-            loss.backward()
+            with _no_gradient_sync(self.model):
+                batch = self.step.batch(self.step_index)
+                loss = self.step.workload.loss(self.model, batch)
+                loss.backward()
             return None
         except Exception as exc:  # noqa: BLE001  any failure is the mode's: the plain step ran
             cause = exc.__cause__ if exc.__cause__ is not None and type(exc).__name__ == "UserCodeError" else exc
@@ -184,6 +186,20 @@ def _passes(level: list[CandidateCost], leader: dict[str, str]) -> list[dict[str
                 passes.append({})
             passes[k][members[member].name] = mode
     return passes
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """A dry run under DDP without its gradient all-reduce: a mode that fails in backward would
+    otherwise leave DDP's reducer waiting for a reduction, and the job's next step (remat.auto
+    profiles a wrapped model in place: NOTE [wrapped models in place]) fails with "Expected to have
+    finished reduction in the prior iteration". The dry run checks that a mode runs, never its
+    synchronized gradients (they are put back after it anyway)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield
 
 
 def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,

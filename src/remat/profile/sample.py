@@ -47,9 +47,9 @@ their own step, which the measured max over the sample catches.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
+from ..percentile import p50
 from ..errors import ShapeError, WorkloadError
 from ..types import CheckpointMode
 from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
@@ -134,7 +134,7 @@ class SampleRecord:
         """min / median / max of the measured peaks (bytes), or None before any was measured."""
         if not self.point_peaks:
             return None
-        return {"min": min(self.point_peaks), "median": int(statistics.median(self.point_peaks)),
+        return {"min": min(self.point_peaks), "median": int(p50(self.point_peaks)),
                 "max": max(self.point_peaks)}
 
     def to_json(self) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def merge_orders(orders: list[list[str]]) -> list[str]:
 
 
 def _median(values: list[float]) -> float:
-    return float(statistics.median(values))
+    return float(p50(values))
 
 
 def _hazards(costs: list[CandidateCost]) -> list[HazardRecord]:
