@@ -101,7 +101,7 @@ def autocast_receipt(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.chdir(root)
     try:
-        rc = main(["receipt", "--workload", "work.py:build", "--autocast", "bf16", "--budget", "85%", "--out", "out",
+        rc = main(["receipt", "--workload", "work.py:build", "--autocast", "bf16", "--budget", "92%", "--out", "out",
                    "--verify-steps", "1", "--verify-seeds", "1", "--plans", "none,all", "--frontier-steps", "2",
                    "--no-capacity"])
     finally:
