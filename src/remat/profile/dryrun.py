@@ -147,6 +147,7 @@ class _DryRunner:
                 loss.backward()
             return None
         except Exception as exc:  # noqa: BLE001  any failure is the mode's: the plain step ran
+            _reshard(self.model)
             cause = exc.__cause__ if exc.__cause__ is not None and type(exc).__name__ == "UserCodeError" else exc
             return _first_line(cause)
         finally:
@@ -200,6 +201,19 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def _reshard(model: nn.Module) -> None:
+    """After a failed dry run under FSDP2: every unit back to its sharded parameters. A backward that
+    raised never ran FSDP2's post-backward reshard, and ``model.parameters()`` would then hand out the
+    unsharded parameters instead of the shards the job (and its optimizer) holds."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # a torch without distributed: no FSDP2 units to reshard
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,

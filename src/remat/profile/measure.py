@@ -688,6 +688,8 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     names = resolve_candidates(loaded.workload.model, candidates)
     report = profile_step(step, names, warmup=warmup, repeats=repeats, segments=segments and not candidates,
                           progress=progress)
+    if loaded.ranks is not None:
+        _full_only(report)
     progress("profile: dry runs of each mode", 0, 1)
     exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
     progress("profile: dry runs of each mode", 1, 1)
@@ -714,6 +716,19 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
             if est.shared_from is not None:
                 report.replay_shared[c.name] = est.shared_from
     report.replay_unmeasured = dict(unmeasured)
+
+
+def _full_only(report: ProfileReport) -> None:
+    """In a torchrun job (remat.auto on a model wrapped by DDP/FSDP2, profiled in place: NOTE [wrapped
+    models in place]) only FULL is offered. An op-level (SAC) mode that fails does so in backward, and a
+    backward that raises on the job's own model leaves DDP's reducer waiting and FSDP2's reduce-scatters
+    half issued, so the ranks' next collectives no longer match (measured: a gloo size mismatch)."""
+    why = "not offered in a torchrun job: an op-level mode failing its dry run mid-backward desynchronises the ranks"
+    for c in report.candidates:
+        for mode in [m for m in c.saved_bytes if m is not CheckpointMode.KEEP and m is not CheckpointMode.FULL]:
+            for table in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
+                table.pop(mode, None)
+            report.mode_excluded.setdefault(c.name, {})[mode.value] = why
 
 
 def exclude_failing_modes(report: ProfileReport, failures: dict[str, dict[CheckpointMode, str]]) -> None:
