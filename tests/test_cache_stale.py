@@ -300,7 +300,7 @@ def kitchen_sink_key() -> str:
                             use_cache=True, reserve=0.05, planner="optimal", copy_fn=None, measure_replays=False,
                             segments=True, progress=no_progress)
     source = ModelSource(model, x, loss, OptimizerSpec.of(model, None), torch.device("cpu"))
-    return _cache_key(source, settings).digest
+    return _cache_key(source, settings, []).digest
 
 
 def test_the_key_is_the_same_in_two_fresh_processes():

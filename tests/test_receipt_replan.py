@@ -10,6 +10,7 @@ import torch
 
 from remat.plan.planners import classify_candidates
 from remat.profile import profile_workload
+from remat.profile.sample import StepSample
 from remat.receipt import Receipt, RunSettings, load_receipt, write_receipt
 from remat.workflow import build, make_receipt
 from remat.workload import load_workload
@@ -61,13 +62,13 @@ def test_replanning_stops_after_max_rounds(monkeypatch, report):
                             evidence=build._Evidence())
     monkeypatch.setattr(build, "_one_round", one_round)
     monkeypatch.setattr(build, "_hazardous", lambda plan, v: {f"b{plan[-1]}": "hook: fires again"})
-    proved = build._plan_and_prove(None, report, 1, 0.0, SETTINGS, None, lambda *a: None)
+    proved = build._plan_and_prove(None, report, 1, 0.0, SETTINGS, None, StepSample.of(1, []), lambda *a: None)
     assert len(rounds) == build.MAX_VERIFY_ROUNDS == 3
     assert proved.excluded == {"b1": "hook: fires again", "b2": "hook: fires again"}
     assert "still fails after 3 rounds" in proved.note
     rounds.clear()
     monkeypatch.setattr(build, "_hazardous", lambda plan, v: {})
-    assert build._plan_and_prove(None, report, 1, 0.0, SETTINGS, None, lambda *a: None).excluded == {}
+    assert build._plan_and_prove(None, report, 1, 0.0, SETTINGS, None, StepSample.of(1, []), lambda *a: None).excluded == {}
     assert len(rounds) == 1
 
 
