@@ -16,7 +16,7 @@ needs neither. Every figure is milliseconds.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 import torch

@@ -726,9 +726,14 @@ def _full_only(report: ProfileReport) -> None:
     why = "not offered in a torchrun job: an op-level mode failing its dry run mid-backward desynchronises the ranks"
     for c in report.candidates:
         for mode in [m for m in c.saved_bytes if m is not CheckpointMode.KEEP and m is not CheckpointMode.FULL]:
-            for table in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
-                table.pop(mode, None)
-            report.mode_excluded.setdefault(c.name, {})[mode.value] = why
+            _drop_mode(report, c, mode, why)
+
+
+def _drop_mode(report: ProfileReport, c: CandidateCost, mode: CheckpointMode, why: str) -> None:
+    """Take ``mode`` out of candidate ``c`` (its bytes and times), recording why in ``report.mode_excluded``."""
+    for table in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
+        table.pop(mode, None)
+    report.mode_excluded.setdefault(c.name, {})[mode.value] = why
 
 
 def exclude_failing_modes(report: ProfileReport, failures: dict[str, dict[CheckpointMode, str]]) -> None:
@@ -739,6 +744,4 @@ def exclude_failing_modes(report: ProfileReport, failures: dict[str, dict[Checkp
             report.excluded[c.name] = f"checkpointing it fails in a dry run: {failed[CheckpointMode.FULL]}"
         else:
             for mode, error in failed.items():
-                for table in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
-                    table.pop(mode, None)
-                report.mode_excluded.setdefault(c.name, {})[mode.value] = f"{mode.value} mode fails in a dry run: {error}"
+                _drop_mode(report, c, mode, f"{mode.value} mode fails in a dry run: {error}")
