@@ -45,6 +45,7 @@ ZOO = Path(__file__).resolve().parent
 REMAT = [sys.executable, "-m", "remat.cli.main"] if not (ROOT / ".venv/bin/remat").exists() \
     else [str(ROOT / ".venv/bin/remat")]
 MIB = 1 << 20
+PROFILER_STEPS = 5   # later steps torch.profiler measures the shipped plan on (issue 28's column)
 
 # (name, workload spec, shape text): zoo files first, then the built-ins at their defaults
 MODELS: list[tuple[str, str, str]] = [
@@ -163,6 +164,20 @@ def run_check(spec: str, rdir: Path, timeout: float, log: Path) -> dict[str, Any
     return run_cli(["check", str(rdir / "receipt.json"), "--quick", "--workload", spec], timeout, log)
 
 
+def profiler_peak(spec: str, shape: str, rdir: Path, timeout: float, log: Path) -> dict[str, Any] | None:
+    """torch.profiler's max peak of the shipped plan over later steps (``profiler_peak.py``); None: no figure."""
+    out = rdir / "profiler_peak.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(ZOO / "profiler_peak.py"), str(rdir / "receipt.json"), "--workload", spec,
+           "--steps", str(PROFILER_STEPS), "--json", str(out), *(["--shape", shape] if shape else [])]
+    try:
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), timeout=timeout, check=False,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    return read_json(out) or {"error": f"no result; see {_shown(log)}"}
+
+
 def hazard_candidates(probe_dir: Path) -> dict[str, str]:
     """One candidate per reported hazard kind other than RNG (kind -> module), from the probe's profile.
 
@@ -238,6 +253,7 @@ def run_model(name: str, spec: str, shape: str, out_root: Path, timeout: float, 
         row["runner_error"] = f"reading receipt.json: {type(exc).__name__}: {exc}"
     if receipt is not None:
         row["check"] = run_check(spec, rdir, timeout, out_root / name / "check.log")
+        row["profiler"] = profiler_peak(spec, shape, rdir, timeout, out_root / name / "profiler_peak.log")
     row["hazard_checks"] = confirm_hazards(base, probe_dir, out_root / name, timeout)
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     row["verdict"] = verdict(row)
@@ -266,6 +282,9 @@ def verdict(row: dict[str, Any]) -> str:
         return "shipped but not verified"
     if res["under_budget"] is False:
         return "shipped over budget"
+    prof = row.get("profiler") or {}
+    if prof.get("within_budget") is False:
+        return "profiler peak over budget"
     if row.get("check") and row["check"]["exit_code"] != 0:
         return f"check --quick: exit {row['check']['exit_code']}"
     alarms = [h["kind"] for h in row.get("hazard_checks", []) if h["false_alarm"]]
@@ -305,6 +324,15 @@ def _shown(p: Path) -> str:
         return str(p)
 
 
+def profiler_cell(prof: dict[str, Any] | None) -> str:
+    if not prof:
+        return "–"
+    if "error" in prof:
+        return "error"
+    mark = {True: "yes", False: "**NO**", None: "?"}[prof.get("within_budget")]
+    return f"{mib(prof['max_peak_bytes'])} ({mark})"
+
+
 def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started: str, total_s: float,
                    results: Path = ZOO / "results.json") -> None:
     n_pass = sum(r["verdict"] == "pass" for r in rows)
@@ -322,11 +350,15 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         "",
         f"**{n_pass} / {len(rows)} pass** (shipped under budget and verified, or a typed refusal); "
         f"{crashes} crashed or timed out; {alarms} false alarms ({confirmed} reported hazards confirmed by a "
-        "failing unguarded verify).",
+        f"failing unguarded verify); torch.profiler's peak of the shipped plan over {PROFILER_STEPS} later steps "
+        f"(after 2 warm-up steps, on a fresh build: `benchmarks/zoo/profiler_peak.py`) is within the budget on "
+        f"{sum((r.get('profiler') or {}).get('within_budget') is True for r in rows)} of "
+        f"{sum(bool(r.get('profiler')) for r in rows)} shipped plans.",
         "",
         "| model | verdict | exit (plan/receipt/check) | control peak | blocking phase | candidates | floor | budget "
-        "| shipped peak | boundaries shipped (mode) | overhead | verify | hazards | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shipped peak | profiler peak, later steps (≤ budget) | boundaries shipped (mode) | overhead | verify "
+        "| hazards | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         res = r.get("result") or {}
@@ -356,7 +388,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
             f"| {r['model']} | {r['verdict']} | {exits} | {mib(res.get('control_peak_bytes') or r.get('control_peak_bytes'))} "
             f"| {res.get('blocking_phase') or '–'} | {r.get('candidates') if r.get('candidates') is not None else '–'} "
             f"| {mib(r.get('floor_bytes'))} | {mib(res.get('budget_bytes'))} | {mib(res.get('shipped_peak_bytes'))} "
-            f"| {bounds or '–'} | {ov} | {ver} | {haz} | {r['wall_s']:.0f} |")
+            f"| {profiler_cell(r.get('profiler'))} | {bounds or '–'} | {ov} | {ver} | {haz} | {r['wall_s']:.0f} |")
     lines += ["", "## Failures", ""]
     for r in rows:
         if r["verdict"] == "pass":
