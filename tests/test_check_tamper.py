@@ -21,6 +21,8 @@ import torch
 from remat.cli.main import main
 from remat.clock import percentile
 from remat.errors import CheckTimeout, ReceiptError
+from remat.frontier import FrontierPoint
+from remat.frontier.pareto import overhead_interval
 from remat.receipt import Receipt, RunSettings, write_receipt
 from remat.workflow import FindingKind, GateSettings, check_receipt, make_receipt
 from remat.workflow import check as check_mod
@@ -137,6 +139,10 @@ def _overhead_minus_90_everywhere(d: dict) -> None:
     ship["p50_ms"] = percentile(ship["step_ms"], 50.0)
     dec["shipped_p50_ms"] = ship["p50_ms"]
     dec["overhead_pct"] = ship["overhead_pct"] = (ship["p50_ms"] - dec["control_p50_ms"]) / dec["control_p50_ms"] * 100
+    # the interval too, as remat would compute it from the edited samples (NOTE [overhead intervals])
+    control = FrontierPoint.from_json(_control_point(d))
+    oi = overhead_interval(FrontierPoint.from_json(ship), control).to_json()
+    dec["overhead_interval"] = ship["overhead_interval"] = oi
 
 
 def _saving_x3(d: dict) -> None:
@@ -170,6 +176,18 @@ def _workload_gpt(d: dict) -> None:
 
 def _drop_plan_boundary(d: dict) -> None:
     d["plan"]["plan"]["boundaries"] = []
+
+
+def _interval_resolved_in_the_decision(d: dict) -> None:
+    """A noisy overhead claimed resolved (or the reverse) in the decision only."""
+    oi = d["decision"]["overhead_interval"]
+    oi["resolved"] = not oi["resolved"]
+
+
+def _interval_narrowed_everywhere(d: dict) -> None:
+    """The decision and the shipped point agree on an interval the samples do not give."""
+    for oi in (d["decision"]["overhead_interval"], _shipped_point(d)["overhead_interval"]):
+        oi.update(low_pct=oi["pct"] - 0.01, high_pct=oi["pct"] + 0.01, resolved=True)
 
 
 # (id, edit, the finding kind that must fail it, or LOAD)
@@ -206,6 +224,8 @@ TAMPERS: list[tuple[str, Callable[[dict], None], FindingKind | str]] = [
     ("control-peak-lowered", _scale("decision.control_peak_bytes", 0.5), FindingKind.CLAIMS),
     ("overhead-to-1pct", _set("decision.overhead_pct", 1.0), FindingKind.CLAIMS),
     ("shipped-p50-lowered", _scale("decision.shipped_p50_ms", 0.5), FindingKind.CLAIMS),
+    ("overhead-interval-flipped-in-the-decision", _interval_resolved_in_the_decision, FindingKind.CLAIMS),
+    ("overhead-interval-narrowed-everywhere", _interval_narrowed_everywhere, FindingKind.CLAIMS),
     ("point-p50-not-its-samples", lambda d: _shipped_point(d).update(p50_ms=_shipped_point(d)["p50_ms"] * 0.5),
      FindingKind.CLAIMS),
     ("control-point-fits", lambda d: _control_point(d).update(fits=True), FindingKind.CLAIMS),

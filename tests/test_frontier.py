@@ -459,3 +459,31 @@ def test_a_plan_whose_step_raises_is_a_data_point_and_the_control_is_not(monkeyp
     with pytest.raises(UserCodeError):
         run_frontier(loaded, FrontierSettings(budget_bytes=10 ** 12, plans="none,all", steps=2, warmup=1,
                                               capacity_key=None))
+
+
+def test_every_overhead_carries_its_interval_and_noise_is_said_to_be():
+    """NOTE [overhead intervals]: a plan 30% slower in every interleaved round has a resolved overhead
+    whose CI holds the medians' own ratio; a plan from the control's distribution whose median happens
+    to read faster is "within noise" (never a speed-up); two rounds give no interval, and say so."""
+    rng = random.Random(11)
+    drift = [rng.gauss(0.0, 0.02) for _ in range(12)]
+    ctrl = _noisy("none", 100, 50.0, 0, rng, drift=drift)
+    slow = _noisy("all", 40, 65.0, 12, rng, drift=drift, noise=0.01)
+    # the control's own samples, shuffled and 1% lower: a "gain" that is only noise
+    shuffled = [t * 0.99 for t in random.Random(3).sample(ctrl.step_ms, len(ctrl.step_ms))]
+    same = FrontierPoint(plan="k1", planner="k1", peak_bytes=60 * MIB, step_ms=shuffled,
+                         p50_ms=statistics.median(shuffled), p95_ms=max(shuffled), boundaries=["h.0:full"])
+    few = FrontierPoint(plan="few", planner="few", peak_bytes=50 * MIB, step_ms=[60.0, 61.0], p50_ms=60.5,
+                        p95_ms=61.0, boundaries=["h.0:full"])
+    decide([ctrl, slow, same, few], budget_bytes=90 * MIB, reserve=0.0)
+    truth = (statistics.median(slow.step_ms) - ctrl.p50_ms) / ctrl.p50_ms * 100.0
+    oi = slow.overhead_interval
+    assert oi.resolved and oi.pct == pytest.approx(truth) and oi.low_pct <= truth <= oi.high_pct
+    assert 20.0 < oi.low_pct and "noise" not in oi.describe() and "95% CI" in oi.describe()
+    assert same.p50_ms < ctrl.p50_ms                   # it reads faster than the control ...
+    assert not same.overhead_interval.resolved and same.overhead_interval.low_pct <= 0 <= same.overhead_interval.high_pct
+    assert "within noise" in same.overhead_interval.describe() and same.overhead_interval.short().endswith("(noise)")
+    assert few.overhead_interval.low_pct is None and "too few" in few.overhead_interval.describe()
+    assert ctrl.overhead_interval is None                # the control has no overhead against itself
+    back = FrontierPoint.from_json(json.loads(json.dumps(slow.to_json())))
+    assert back.overhead_interval == slow.overhead_interval

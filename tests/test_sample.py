@@ -199,3 +199,30 @@ def test_plan_cli_records_the_sample(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "remat", "plan", "--workload", SPEC, "--budget", "80%",
                           "--sample-steps", "0", "--out", str(tmp_path / "q")], capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_later_points_dry_run_only_what_no_earlier_point_settled(monkeypatch):
+    """A later sampled step dry-runs only candidates no earlier point offered (a block point 0 skipped,
+    a new segment), and the merged profile offers exactly the modes dry-running everything at every
+    point gives (the control: the settled set forced empty)."""
+    import remat.profile.measure as measure
+    import remat.profile.sampling as sampling
+    calls: list[list[str]] = []
+    real = measure.dry_run_modes
+
+    def recording(step, cands, index, **kw):
+        calls.append(sorted(c.name for c in cands))
+        return real(step, cands, index, **kw)
+
+    monkeypatch.setattr(measure, "dry_run_modes", recording)
+    loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.3})
+    fast = profile_sample(loaded, StepSample())
+    first, later = calls[0], [n for c in calls[1:] for n in c]
+    assert later and not set(later) & set(first)          # nothing dry-run twice
+    assert "blocks.3" in later and "blocks.3" not in first  # point 0 skipped it: dry-run where it first ran
+    calls.clear()
+    monkeypatch.setattr(sampling, "_dry_run_settled", lambda reports: frozenset())
+    control = profile_sample(load_workload(SPEC, {"kind": "layerdrop", "p": 0.3}), StepSample())
+    assert sum(map(len, calls)) > len(first) + len(later)   # the control did dry-run again
+    modes = lambda r: {c.name: sorted(m.value for m in c.saved_bytes) for c in r.candidates}   # noqa: E731
+    assert modes(fast) == modes(control) and fast.excluded == control.excluded

@@ -3,8 +3,8 @@ each training step skips each encoder layer with probability ``layerdrop`` (``to
 steps differ in which layers run (dynamic control flow, NOTE [step sample]). CTC loss on random
 label sequences, AdamW.
 
-Not in the zoo's model list (benchmarks/zoo/run.py): ``benchmarks/step_sample.py`` runs it, single
-step against the step sample.
+In the zoo (``make zoo``), and ``benchmarks/step_sample.py`` runs it single step against the step
+sample.
 """
 
 from __future__ import annotations

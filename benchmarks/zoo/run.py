@@ -47,10 +47,11 @@ REMAT = [sys.executable, "-m", "remat.cli.main"] if not (ROOT / ".venv/bin/remat
 MIB = 1 << 20
 PROFILER_STEPS = 5   # later steps torch.profiler measures the shipped plan on (issue 28's column)
 
+TOOLS = {"run.py", "profiler_peak.py"}   # the runner's own scripts, not models
 # (name, workload spec, shape text): zoo files first, then the built-ins at their defaults
 MODELS: list[tuple[str, str, str]] = [
     *[(p.stem, f"benchmarks/zoo/{p.name}:build", "") for p in sorted(ZOO.glob("*.py"))
-      if not p.name.startswith("_") and p.name != "run.py"],
+      if not p.name.startswith("_") and p.name not in TOOLS],
     ("builtin_gpt", "gpt", ""), ("builtin_cnn", "cnn", ""), ("builtin_mlp", "mlp", ""),
 ]
 

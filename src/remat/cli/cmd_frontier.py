@@ -10,7 +10,7 @@ from rich.table import Table
 
 from .._io import atomic_write_bytes, atomic_write_json
 from ..errors import RematError
-from ..frontier import (DEFAULT_PLANS, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
+from ..frontier import (DEFAULT_PLANS, short_overhead, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
                         render_frontier_png, run_frontier)
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
@@ -62,7 +62,7 @@ def _point_row(p: FrontierPoint) -> tuple[str, ...]:
     style = _STYLE.get(p.decision, "")
     return (p.plan, "-" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:.2f}",
             "-" if p.p50_ms is None else f"{p.p50_ms:.1f}/{p.p95_ms:.1f}",
-            "-" if p.overhead_pct is None else f"{p.overhead_pct:+.0f}%", cap,
+            short_overhead(p.overhead_pct, p.overhead_interval), cap,
             "-" if p.samples_per_s is None else f"{p.samples_per_s:.1f}",
             f"[{style}]{decision}[/]" if style else decision)
 

@@ -23,6 +23,65 @@ class Decision(str, enum.Enum):
     FAILED = "failed"          # could not be measured at the base shape (e.g. CUDA out of memory)
 
 
+# NOTE [overhead intervals]
+# A step-time overhead a report prints is a difference of two noisy medians. The frontier's
+# points are timed in interleaved rounds, so each plan's overhead against the control carries
+# the 95% bootstrap interval of its p50 difference (the same test as NOTE [resolved
+# differences] in pareto.py), as a share of the control's p50. "resolved" means the interval
+# excludes zero and the paired rounds agree in sign; an unresolved overhead is printed as
+# "within noise", whatever its sign, so a -19% from three noisy rounds never reads as a speed-up.
+# Fewer than 3 rounds give no interval, and the report says so.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OverheadInterval:
+    """A plan's overhead against the control, from interleaved rounds (NOTE [overhead intervals])."""
+
+    pct: float                  # (p50 - control p50) / control p50 * 100
+    low_pct: float | None       # 95% CI of that difference, % of the control p50 (None: too few rounds)
+    high_pct: float | None
+    resolved: bool              # the interval excludes zero (and the rounds agree in sign)
+    samples: int                # interleaved rounds behind it
+
+    def describe(self) -> str:
+        """``+12.0% (95% CI +8.1% to +15.2%, 9 interleaved steps)``; unresolved: ``..., within noise``."""
+        if self.low_pct is None or self.high_pct is None:
+            return f"{self.pct:+.1f}% ({self.samples} interleaved steps: too few for an interval)"
+        noise = ", within noise" if not self.resolved else ""
+        return (f"{self.pct:+.1f}%{noise} (95% CI {self.low_pct:+.1f}% to {self.high_pct:+.1f}%, "
+                f"{self.samples} interleaved steps)")
+
+    def short(self) -> str:
+        """For a table cell: ``+12% [+8, +15]``, ``+2% (noise)``, ``+2% (n=2)``."""
+        if self.low_pct is None or self.high_pct is None:
+            return f"{self.pct:+.0f}% (n={self.samples})"
+        if not self.resolved:
+            return f"{self.pct:+.0f}% (noise)"
+        return f"{self.pct:+.0f}% [{self.low_pct:+.0f}, {self.high_pct:+.0f}]"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "OverheadInterval":
+        return cls(pct=float(d["pct"]), low_pct=None if d.get("low_pct") is None else float(d["low_pct"]),
+                   high_pct=None if d.get("high_pct") is None else float(d["high_pct"]),
+                   resolved=bool(d["resolved"]), samples=int(d["samples"]))
+
+
+def describe_overhead(pct: float | None, interval: "OverheadInterval | None") -> str:
+    """A report's overhead: with its interval when known, else the bare figure marked as one without."""
+    if interval is not None:
+        return interval.describe()
+    return "-" if pct is None else f"{pct:+.1f}% (no interval recorded)"
+
+
+def short_overhead(pct: float | None, interval: "OverheadInterval | None") -> str:
+    if interval is not None:
+        return interval.short()
+    return "-" if pct is None else f"{pct:+.0f}%"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CapacityTry:
     """One probe of the capacity search: the shape value tried and what happened."""
@@ -85,6 +144,7 @@ class FrontierPoint:
     p95_ms: float | None = None
     step_ms: list[float] = dataclasses.field(default_factory=list)   # the warm samples, in round order
     overhead_pct: float | None = None          # (p50 - control p50) / control p50 * 100
+    overhead_interval: OverheadInterval | None = None  # its CI from the interleaved rounds (NOTE [overhead intervals])
     capacity: int | None = None                # largest capacity-key value that fits (None: not searched)
     capacity_search: CapacityResult | None = None
     capacity_p50_ms: float | None = None       # warm step median at the capacity shape
@@ -119,6 +179,8 @@ class FrontierPoint:
         kw = {k: v for k, v in d.items() if k in fields}
         kw["decision"] = Decision(d["decision"])
         kw["capacity_search"] = None if d.get("capacity_search") is None else CapacityResult.from_json(d["capacity_search"])
+        kw["overhead_interval"] = None if d.get("overhead_interval") is None else \
+            OverheadInterval.from_json(d["overhead_interval"])
         return cls(**kw)
 
 

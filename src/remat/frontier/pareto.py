@@ -48,7 +48,7 @@ import numpy as np
 
 from ..measure import p50_along, percentile
 from ..units import mib
-from .model import Decision, FrontierPoint
+from .model import Decision, FrontierPoint, OverheadInterval, describe_overhead
 
 MIN_SAMPLES = 3          # fewer never resolve a difference (NOTE [resolved differences])
 CONFIDENCE = 0.95
@@ -101,8 +101,21 @@ def p50_difference(a: Sequence[float], b: Sequence[float], *, confidence: float 
         # alone does with probability 2^(1 - n) (1 in 8 at n = 4)
         d = xa - xb
         wins, n_signed = int((d > 0).sum()), int((d != 0).sum())
-        resolved = n_signed > 0 and stats.binomtest(wins, n_signed, 0.5).pvalue < 1.0 - confidence
+        resolved = bool(n_signed > 0 and stats.binomtest(wins, n_signed, 0.5).pvalue < 1.0 - confidence)
     return P50Difference(diff_ms=diff, low_ms=lo, high_ms=hi, resolved=resolved, samples=n)
+
+def overhead_interval(p: FrontierPoint, ctrl: FrontierPoint) -> OverheadInterval | None:
+    """``p``'s overhead against ``ctrl`` with the CI of their p50 difference (NOTE [overhead intervals]);
+    None when either has no timed samples."""
+    if not p.step_ms or not ctrl.step_ms or not ctrl.p50_ms:
+        return None
+    d = p50_difference(p.step_ms, ctrl.step_ms)
+    scale = 100.0 / ctrl.p50_ms
+    known = not math.isnan(d.low_ms)
+    return OverheadInterval(pct=(p.p50_ms - ctrl.p50_ms) * scale if p.p50_ms is not None else d.diff_ms * scale,
+                            low_pct=d.low_ms * scale if known else None, high_pct=d.high_ms * scale if known else None,
+                            resolved=d.resolved, samples=d.samples)
+
 
 def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """``a`` = (peak, p50) dominates ``b``: no worse in both, strictly better in one."""
@@ -148,6 +161,7 @@ def _mark(points: list[FrontierPoint], measured: list[FrontierPoint], ctrl: Fron
         p.pareto = False
         if ctrl is not None and p.p50_ms is not None and ctrl.p50_ms:
             p.overhead_pct = (p.p50_ms - ctrl.p50_ms) / ctrl.p50_ms * 100.0
+            p.overhead_interval = None if p is ctrl else overhead_interval(p, ctrl)
     xy = [(float(p.peak_bytes), float(p.p50_ms)) for p in measured]  # type: ignore[arg-type]
     for p, flag in zip(measured, pareto_flags(xy)):
         p.pareto = flag
@@ -166,7 +180,8 @@ def _dominator(p: FrontierPoint, measured: list[FrontierPoint], shipped: Frontie
 
 def _ship_reason(p: FrontierPoint, beaten: list[tuple[FrontierPoint, P50Difference]], *, vs_control: bool,
                  clears: str) -> str:
-    vs = f", {p.overhead_pct:+.1f}% vs control" if p.overhead_pct is not None and vs_control else ""
+    vs = f", {describe_overhead(p.overhead_pct, p.overhead_interval)} vs control" \
+        if p.overhead_pct is not None and vs_control else ""
     if not beaten:
         return f"lowest p50 ({p.p50_ms:.2f} ms{vs}) among plans whose measured peak clears {clears}"
     fastest, d = beaten[0]

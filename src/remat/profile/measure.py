@@ -675,6 +675,7 @@ def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, 
 
 def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = None, warmup: int = 2,
                      repeats: int = 5, measure_replays: bool = True, segments: bool = True,
+                     dry_run_settled: frozenset[str] = frozenset(),
                      progress: ProgressFn = no_progress) -> ProfileReport:
     """Profile every candidate of ``loaded`` (auto-discovered unless named) on its real step.
 
@@ -683,6 +684,9 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
 
     ``measure_replays``: measure each (candidate, mode)'s replay cost alone (NOTE [measured
     replay costs]); False keeps the first estimates (faster, less exact).
+
+    ``dry_run_settled``: candidates an earlier sampled step's dry runs already settled (NOTE [step
+    sample]); only the others are dry-run here.
     """
     step = TrainingStep(loaded.workload)
     names = resolve_candidates(loaded.workload.model, candidates)
@@ -691,7 +695,8 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     if loaded.ranks is not None:
         _full_only(report)
     progress("profile: dry runs of each mode", 0, 1)
-    exclude_failing_modes(report, dry_run_modes(step, report.candidates, warmup + repeats + 3))
+    unsettled = [c for c in report.candidates if c.name not in dry_run_settled]
+    exclude_failing_modes(report, dry_run_modes(step, unsettled, warmup + repeats + 3) if unsettled else {})
     progress("profile: dry runs of each mode", 1, 1)
     if measure_replays:
         offered = [c for c in report.candidates if c.name not in report.excluded]
@@ -736,12 +741,15 @@ def _drop_mode(report: ProfileReport, c: CandidateCost, mode: CheckpointMode, wh
     report.mode_excluded.setdefault(c.name, {})[mode.value] = why
 
 
+DRY_RUN_FAILED = "checkpointing it fails in a dry run"   # the exclusion's reason, then the error
+
+
 def exclude_failing_modes(report: ProfileReport, failures: dict[str, dict[CheckpointMode, str]]) -> None:
     """Take the modes that failed a dry run out of ``report`` (NOTE [mode dry runs]), with reasons."""
     for c in report.candidates:
         failed = failures.get(c.name, {})
         if CheckpointMode.FULL in failed:
-            report.excluded[c.name] = f"checkpointing it fails in a dry run: {failed[CheckpointMode.FULL]}"
+            report.excluded[c.name] = f"{DRY_RUN_FAILED}: {failed[CheckpointMode.FULL]}"
         else:
             for mode, error in failed.items():
                 _drop_mode(report, c, mode, f"{mode.value} mode fails in a dry run: {error}")

@@ -12,7 +12,7 @@ import torch
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..workload.contract import TrainingStep, Workload
-from .measure import apply_replay_measurements, profile_workload
+from .measure import DRY_RUN_FAILED, apply_replay_measurements, profile_workload
 from .replay import measure_replay_costs
 from .model import ProfileReport
 from .sample import SEED_STRIDE, SamplePoint, StepSample, merge_profiles
@@ -90,11 +90,21 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
         if isinstance(point_loaded, PointWorkload):
             point_loaded = point_loaded.rebuild()   # a fresh build: not the model an earlier point trained
         report = profile_workload(point_loaded, candidates=candidates, measure_replays=False, segments=segments,
-                                  warmup=1, repeats=1, progress=tick)
+                                  warmup=1, repeats=1, dry_run_settled=_dry_run_settled(reports), progress=tick)
         if measure_replays:
             _measure_new_replays(point_loaded, report, {c.name for r in reports for c in r.candidates}, tick)
         reports.append(report)
     return merge_profiles(reports)
+
+
+def _dry_run_settled(reports: list[ProfileReport]) -> frozenset[str]:
+    """Candidates whose modes an earlier point's dry runs settled: every one it offered, and every one
+    it excluded for a failing dry run. One that no earlier point called is dry-run where it first runs
+    (dynamic control flow); a mode that failed on one point's batch only still fails loudly where the
+    closed loop measures the plan at that point."""
+    out = {c.name for r in reports for c in r.candidates if c.name not in r.excluded}
+    out |= {n for r in reports for n, why in r.excluded.items() if why.startswith(DRY_RUN_FAILED)}
+    return frozenset(out)
 
 
 def _measure_new_replays(point_loaded: LoadedWorkload, report: ProfileReport, seen: set[str],

@@ -23,7 +23,7 @@ from .. import __version__
 from .._json import read_bounded_bytes
 from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
-from ..frontier.model import FrontierReport
+from ..frontier.model import FrontierReport, OverheadInterval
 from ..plan.model import Plan
 from ..profile.sample import DEFAULT_SAMPLE_STEPS
 from ..trace.model import HostContext, StepTrace
@@ -339,6 +339,9 @@ class ReceiptDecision:
     verified: bool | None             # None: nothing to verify (no boundaries)
     rejected: list[RejectedPlan]
     why: list[str]                    # the decision in a few sentences, first line first
+    # the shipped plan's overhead with its interval (NOTE [overhead intervals] in frontier/model.py);
+    # informative only: `remat check` re-measures the overhead and never reads this
+    overhead_interval: OverheadInterval | None = None
 
     def __post_init__(self) -> None:
         self.status = ShipStatus(self.status)
@@ -347,11 +350,15 @@ class ReceiptDecision:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
         d["rejected"] = [r.to_json() for r in self.rejected]
+        if self.overhead_interval is None:
+            d.pop("overhead_interval")
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptDecision":
+        oi = d.get("overhead_interval")
         return cls(**{**d, "status": _enum(ShipStatus, d["status"], "decision.status"),
+                      "overhead_interval": None if oi is None else OverheadInterval.from_json(oi),
                       "rejected": [RejectedPlan.from_json(r) for r in d["rejected"]],
                       "boundaries": list(d["boundaries"]), "why": list(d["why"])})
 

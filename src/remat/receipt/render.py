@@ -20,6 +20,7 @@ import io
 import math
 from typing import Any, Iterable, Sequence
 
+from ..frontier.model import describe_overhead, short_overhead
 from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
 from ..units import MIB, fmt_bytes
@@ -35,10 +36,6 @@ def _as_receipt(receipt: Receipt | dict[str, Any]) -> Receipt:
 
 def _ms(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f} ms"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.1f}%"
 
 
 def _err(x: float | None) -> str:
@@ -141,7 +138,7 @@ def _summary_rows(r: Receipt) -> list[tuple[str, str, str]]:
         ("blocking phase (trace)", tc.peak_phase.value if tc.peak_phase else "-",
          tp.peak_phase.value if tp is not None and tp.peak_phase else "-"),
         ("warm step time p50", _ms(d.control_p50_ms), _ms(d.shipped_p50_ms)),
-        ("step time vs control", "", _pct(d.overhead_pct)),
+        ("step time vs control", "", describe_overhead(d.overhead_pct, d.overhead_interval)),
         ("held at start of backward", fmt_bytes(r.plan.control_held_bytes),
          fmt_bytes(None if r.plan.control_held_bytes is None or tp is None else
                    next((ph.start_bytes for ph in tp.phases if ph.name.value == "backward"), None))),
@@ -188,7 +185,8 @@ def _frontier_rows(r: Receipt) -> list[list[str]]:
             "" if p.capacity_search is None or p.capacity_search.resolved else "+")
         bnd = ", ".join(p.boundaries) if len(p.boundaries) <= 4 else f"{', '.join(p.boundaries[:3])} +{len(p.boundaries) - 3}"
         rows.append([p.plan, bnd or "(none)", fmt_bytes(p.peak_bytes),
-                     "-" if p.p50_ms is None else f"{p.p50_ms:.1f} / {p.p95_ms:.1f} ms", _pct(p.overhead_pct), cap,
+                     "-" if p.p50_ms is None else f"{p.p50_ms:.1f} / {p.p95_ms:.1f} ms",
+                     short_overhead(p.overhead_pct, p.overhead_interval), cap,
                      "-" if p.samples_per_s is None else f"{p.samples_per_s:.1f}",
                      p.decision.value + (" (Pareto)" if p.pareto else ""), p.reason])
     return rows

@@ -119,6 +119,8 @@ VERIFICATION = Obj({
     "repeatable": Bool(), "failures": List(TEXT), "warnings": List(TEXT),
 }, {"compile": Opt(COMPILE), "autocast": Opt(AUTOCAST)})
 
+OVERHEAD_INTERVAL = Obj({"pct": Num(), "low_pct": Opt(Num()), "high_pct": Opt(Num()), "resolved": Bool(),
+                         "samples": COUNT})
 FRONTIER_POINT = Obj({
     "plan": SHORT, "planner": SHORT, "decision": Enum("ship", "reject", "infeasible", "failed"), "reason": TEXT,
     "peak_bytes": Opt(BYTES), "p50_ms": Opt(MS), "p95_ms": Opt(MS), "boundaries": List(SHORT),
@@ -128,6 +130,7 @@ FRONTIER_POINT = Obj({
     "plan_budget_bytes": Opt(SIGNED_BYTES), "predicted_peak_bytes": Opt(SIGNED_BYTES), "memory_source": Opt(SHORT),
     "predicted_overhead_ms": Opt(SIGNED_MS), "predicted_step_ms": Opt(SIGNED_MS),
     "num_alloc_retries": Opt(COUNT), "capacity_p50_ms": Opt(MS), "compile": Opt(COMPILE), "compile_s": Opt(Num(0, 1e7)),
+    "overhead_interval": Opt(OVERHEAD_INTERVAL),
     "capacity_search": Opt(Obj({
         "key": SHORT, "capacity": COUNT, "resolved": Bool(), "capped": Bool(), "limit_bytes": SIGNED_BYTES,
         "tries": List(Obj({"value": Int(-2 ** 31, 2 ** 31), "peak_bytes": Opt(BYTES), "oom": Bool(), "error": Opt(TEXT)}),
@@ -152,7 +155,7 @@ DECISION = Obj({
     "headroom_bytes": Opt(SIGNED_BYTES),
     "reserve_left": Opt(Num()), "control_p50_ms": Opt(MS), "shipped_p50_ms": Opt(MS), "overhead_pct": Opt(Num()),
     "verified": Opt(Bool()), "rejected": List(REJECTED, max_len=200), "why": List(TEXT, max_len=50),
-})
+}, {"overhead_interval": Opt(OVERHEAD_INTERVAL)})
 
 CONTEXT = Obj({
     "workload": Str(max_len=4096), "shape": SHAPE, "resolved_shape": SHAPE, "boundary_shape": Opt(SHAPE),

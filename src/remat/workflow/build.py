@@ -340,6 +340,7 @@ def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, ve
         reserve_left=None if peak is None else 1.0 - peak / bar.budget_bytes,
         control_p50_ms=bar.control_p50, shipped_p50_ms=None if shipped is None else shipped.p50_ms,
         overhead_pct=None if shipped is None else shipped.overhead_pct,
+        overhead_interval=None if shipped is None else shipped.overhead_interval,
         verified=None if verification is None else verification.passed,
         rejected=rejected, why=why)
 

@@ -28,7 +28,8 @@ import dataclasses
 import math
 
 from ..clock import percentile
-from ..frontier.model import FrontierPoint, FrontierReport
+from ..frontier.model import FrontierPoint, FrontierReport, OverheadInterval
+from ..frontier.pareto import overhead_interval
 from ..receipt.model import Receipt, ReceiptDecision, ShipStatus
 from ..units import mib
 from .build import FIXTURE_NAME
@@ -225,6 +226,34 @@ def _decision_vs_points(d: ReceiptDecision, control: FrontierPoint | None,
             for name, claimed, measured in pairs if not _close(claimed, measured)] + _overhead_arithmetic(d)
 
 
+def _same_interval(a: OverheadInterval | None, b: OverheadInterval | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (a.resolved == b.resolved and a.samples == b.samples and _close(a.pct, b.pct, SAMPLE_REL)
+            and _close(a.low_pct, b.low_pct, SAMPLE_REL) and _close(a.high_pct, b.high_pct, SAMPLE_REL))
+
+
+def _interval_findings(d: ReceiptDecision, fr: FrontierReport, control: FrontierPoint | None) -> list[CheckFinding]:
+    """Every overhead interval is the one its points' own samples give (the bootstrap is seeded, so a
+    recomputation is exact), and the decision's is the shipped point's (NOTE [overhead intervals]):
+    an edited receipt cannot call a noisy overhead resolved."""
+    out = []
+    for p in fr.points:
+        if p.overhead_interval is None or p is control:
+            continue
+        again = None if control is None else overhead_interval(p, control)
+        if not _same_interval(p.overhead_interval, again):
+            out.append(_f(FindingKind.CLAIMS, f"frontier point {p.plan}: overhead {p.overhead_interval.describe()} "
+                                              "is not what its interleaved samples give"
+                                              + ("" if again is None else f" ({again.describe()})")))
+    shipped = fr.shipped
+    if d.overhead_interval is not None and (shipped is None or not _same_interval(d.overhead_interval,
+                                                                                 shipped.overhead_interval)):
+        out.append(_f(FindingKind.CLAIMS, f"the decision's overhead {d.overhead_interval.describe()} is not the "
+                                          "shipped frontier point's"))
+    return out
+
+
 def _verified_findings(receipt: Receipt) -> list[CheckFinding]:
     """The decision's ``verified`` is the verification report's verdict."""
     d, v = receipt.decision, receipt.verification
@@ -259,7 +288,7 @@ def claim_findings(receipt: Receipt) -> list[CheckFinding]:
     out = []
     if fr is not None:
         control = next((p for p in fr.points if p.plan == fr.control), None)
-        out += _point_findings(fr) + _decision_vs_points(d, control, fr.shipped)
+        out += _point_findings(fr) + _decision_vs_points(d, control, fr.shipped) + _interval_findings(d, fr, control)
     out += _verified_findings(receipt) + _shipped_findings(receipt)
     for r in receipt.plan.boundaries:
         if r.saving_tolerance != receipt.settings.saving_tolerance:
