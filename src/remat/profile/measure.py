@@ -285,6 +285,12 @@ def _chain_probe(model: nn.Module, asked_segments: list[str], *, search: bool) -
     return ChainProbe(model, containers, ends)
 
 
+# timed steps of the profile (forward ms per module, the baseline step's p50): a median of 3 (issue 24:
+# each is a step of planning time; replays are timed alone after, and what decides between measured
+# plans is the frontier's interleaved rounds, NOTE [resolved differences])
+PROFILE_REPEATS = 3
+
+
 def _forward_times(step: TrainingStep, names: dict[int, str], wanted: set[str], candidate_names: list[str], *,
                    warmup: int, repeats: int, predicted: RuntimePrediction | None) -> tuple[dict[str, float], list[float]]:
     """(forward ms per module, step times in ms): measured, or the device model's ``predicted`` times."""
@@ -597,7 +603,7 @@ def _renumber(costs: list[CandidateCost]) -> None:
             c.parent = parent_of(c.parent, kept - {n for n in kept if is_segment(n)})
 
 
-def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int = 2, repeats: int = 5,
+def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int = 2, repeats: int = PROFILE_REPEATS,
                  runtime: Callable[[int], RuntimePrediction] | None = None, segments: bool = False,
                  progress: ProgressFn = no_progress) -> ProfileReport:
     """Profile ``candidate_names`` on ``step`` (NOTE [what one profiled step gives]).
@@ -674,7 +680,7 @@ def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, 
 
 
 def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = None, warmup: int = 2,
-                     repeats: int = 5, measure_replays: bool = True, segments: bool = True,
+                     repeats: int = PROFILE_REPEATS, measure_replays: bool = True, segments: bool = True,
                      dry_run_settled: frozenset[str] = frozenset(),
                      progress: ProgressFn = no_progress) -> ProfileReport:
     """Profile every candidate of ``loaded`` (auto-discovered unless named) on its real step.
