@@ -7,6 +7,7 @@ validated against the tracker in tests/test_memory.py) on training steps the sam
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -215,14 +216,20 @@ def test_later_points_dry_run_only_what_no_earlier_point_settled(monkeypatch):
         return real(step, cands, index, **kw)
 
     monkeypatch.setattr(measure, "dry_run_modes", recording)
-    loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.3})
-    fast = profile_sample(loaded, StepSample())
+    def sampled():   # point 0 is unseeded: seed here so that it skips a block in every run of the suite
+        loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.3})
+        torch.manual_seed(0)
+        random.seed(0)
+        return profile_sample(loaded, StepSample())
+
+    fast = sampled()
     first, later = calls[0], [n for c in calls[1:] for n in c]
     assert later and not set(later) & set(first)          # nothing dry-run twice
-    assert "blocks.3" in later and "blocks.3" not in first  # point 0 skipped it: dry-run where it first ran
+    skipped = [n for n in later if n.startswith("blocks.")]
+    assert skipped and not set(skipped) & set(first)      # point 0 skipped it: dry-run where it first ran
     calls.clear()
     monkeypatch.setattr(sampling, "_dry_run_settled", lambda reports: frozenset())
-    control = profile_sample(load_workload(SPEC, {"kind": "layerdrop", "p": 0.3}), StepSample())
+    control = sampled()
     assert sum(map(len, calls)) > len(first) + len(later)   # the control did dry-run again
     modes = lambda r: {c.name: sorted(m.value for m in c.saved_bytes) for c in r.candidates}   # noqa: E731
     assert modes(fast) == modes(control) and fast.excluded == control.excluded

@@ -354,7 +354,7 @@ def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]
         budget_bytes = ranks.min_bytes(budget_bytes)
         profile = agree_profile(profile, ranks)
     # one timed step per measured plan: auto's report shows it as a single run, never as an overhead
-    # (NOTE [auto overhead]); each further step would be a step of the user's planning time (issue 24)
+    # (NOTE [auto overhead]); each further step would be a step of the user's planning time
     return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes, steps=1,
                             reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
                             variants=variants, progress=settings.progress).plan

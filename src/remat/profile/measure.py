@@ -285,9 +285,9 @@ def _chain_probe(model: nn.Module, asked_segments: list[str], *, search: bool) -
     return ChainProbe(model, containers, ends)
 
 
-# timed steps of the profile (forward ms per module, the baseline step's p50): a median of 3 (issue 24:
-# each is a step of planning time; replays are timed alone after, and what decides between measured
-# plans is the frontier's interleaved rounds, NOTE [resolved differences])
+# timed steps of the profile (forward ms per module, the baseline step's p50): a median of 3. Each is a
+# step of the user's planning time; replays are timed alone after, and what decides between measured
+# plans is the frontier's interleaved rounds (NOTE [resolved differences])
 PROFILE_REPEATS = 3
 
 
