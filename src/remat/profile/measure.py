@@ -622,17 +622,17 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     cand_set = set(candidate_names)
     chain = _chain_probe(model, asked_segments, search=segments) if runtime is None else None
     chain_children = _chain_children(chain)
-    warm_up(step, warmup, progress=progress, what="profile: warm-up")
+    warm_up(step, warmup, progress=progress, what=f"profile: warm-up ({warmup} steps)")
     base = measure_step_peak(step, warmup)
     predicted = runtime(warmup + 1) if runtime is not None else None
     fwd_ms, step_ms = _forward_times(step, names, cand_set | chain_children, candidate_names,
                                      warmup=warmup, repeats=repeats, predicted=predicted)
-    progress("profile: timing", 1, 1)
+    progress(f"profile: timing (1 tracked + {repeats} timed steps)", 1, 1)
 
     probes = _hazard_probes(modules, [*candidate_names, *sorted(chain_children - cand_set)],
                             compare_rng_state=runtime is None)
     rec, oplog, start_event = _record_step(step, names, probes, chain, warmup + 1 + repeats)
-    progress("profile: saved tensors", 1, 1)
+    progress("profile: saved tensors (1 recorded step)", 1, 1)
 
     seen = _Recorded.of(rec, oplog, modules=modules, cand_set=cand_set, fwd_ms=fwd_ms, predicted=predicted,
                         probes=probes)
@@ -700,10 +700,11 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
                           progress=progress)
     if loaded.ranks is not None:
         _full_only(report)
-    progress("profile: dry runs of each mode", 0, 1)
     unsettled = [c for c in report.candidates if c.name not in dry_run_settled]
+    label = f"profile: dry runs of each mode ({len(unsettled)} candidates, identical ones in one step)"
+    progress(label, 0, 1)
     exclude_failing_modes(report, dry_run_modes(step, unsettled, warmup + repeats + 3) if unsettled else {})
-    progress("profile: dry runs of each mode", 1, 1)
+    progress(label, 1, 1)
     if measure_replays:
         offered = [c for c in report.candidates if c.name not in report.excluded]
         label = f"profile: replay costs ({len(offered)} candidates, identical regions timed once)"
