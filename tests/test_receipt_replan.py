@@ -77,3 +77,29 @@ def test_a_candidate_containing_the_hazardous_block_is_excluded_too(report, memb
     out = build._without(report, {member: "hook: fires again"})
     assert set(out.excluded) - set(report.excluded) == excluded
     assert "blocks.1" not in out.excluded
+
+
+def test_a_shipped_plan_that_misses_over_the_sample_gives_way_to_one_that_holds():
+    """NOTE [ship over the sample]: the first sampled step is short and the others long, and the budget
+    lies between the unmodified step's two peaks. The frontier, measuring at the first step, would ship
+    the control; over the sample the control misses, so its point takes its max, and a plan that holds
+    at every sampled step ships instead (before: nothing shipped)."""
+    torch.set_num_threads(1)
+    spec = f"{FIXTURES / 'dynamic_workload.py'}:build"
+    shape = {"p": 0.0, "long_from": 1000}
+    short = profile_workload(load_workload(spec, shape), measure_replays=False, repeats=1).baseline_peak_bytes
+    long_ = profile_workload(load_workload(spec, {**shape, "long_from": 1}), measure_replays=False,
+                             repeats=1).baseline_peak_bytes
+    assert long_ > 1.3 * short                     # the premise: later steps peak far higher
+    budget = (short + long_) // 2
+    settings = RunSettings(trace_warmup=1, trace_steps=1, verify_steps=1, verify_seeds=1, verify_timing_steps=0,
+                           frontier_plans=["none", "all", "optimal"], frontier_steps=3, frontier_warmup=1,
+                           capacity_key=None, capacity_tries=1, capacity_steps=1, note="sample")
+    receipt = make_receipt(load_workload(spec, shape), budget=budget, reserve=0.0, settings=settings)
+    d = receipt.decision
+    assert d.status == "ship" and d.shipped != "none" and d.boundaries, d.why
+    plan = receipt.plan.plan
+    assert plan.sample is not None and max(plan.sample.point_peaks) <= d.effective_budget_bytes
+    assert d.shipped_peak_bytes == max(plan.sample.point_peaks)
+    control = receipt.frontier.point("none")
+    assert not control.fits and control.peak_bytes > budget and "max over the step sample" in control.reason

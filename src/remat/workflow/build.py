@@ -73,7 +73,7 @@ from typing import Any
 from ..wrap import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
-from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
+from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, decide, run_frontier, shape_value
 from ..measure import held_bytes_at_phase, prepare_arm
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision
@@ -487,24 +487,52 @@ def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: in
 
 
 def _sample_miss(loaded: LoadedWorkload, plan: Plan | None, sample: StepSample, frontier: FrontierReport) -> str:
-    """Measure the shown plan over the step sample (unless the closed loop did); why its max misses, or ""."""
+    """Measure the frontier's shipped plan over the step sample (unless the closed loop did); while its max
+    misses, that point's peak becomes its max, and the frontier decides again (NOTE [ship over the sample]).
+    Why nothing ships in the end, or ""."""
     if plan is None or sample.is_single or frontier.shipped is None:
         return ""
-    if plan.sample is None:
-        point = next((p for p in frontier.points if p.plan == frontier.shipped), None)
-        plan.measured_peak_bytes = plan.measured_peak_bytes or (point.peak_bytes if point is not None else None)
-        if plan.measured_peak_bytes is None:
-            return ""
-        measure_sample_peaks(sample_workloads(loaded, sample), plan, sample)
-        frontier.shipped_plan = plan.to_json()   # the receipt's plan is the frontier's, with its sample
-    assert plan.sample is not None
-    worst = max(plan.sample.point_peaks)
     limit = frontier.effective_budget_bytes
-    if worst <= limit:
+    sampled: dict[str, str] = {}   # frontier label -> its max over the sample, and where
+    missed: list[str] = []
+    while frontier.shipped is not None:
+        point = frontier.shipped
+        plan = Plan.from_json(frontier.shipped_plan) if frontier.shipped_plan is not None else plan
+        if plan.sample is None:
+            plan.measured_peak_bytes = plan.measured_peak_bytes or point.peak_bytes
+            if plan.measured_peak_bytes is None:
+                return ""
+            measure_sample_peaks(sample_workloads(loaded, sample), plan, sample)
+        assert plan.sample is not None
+        worst = max(plan.sample.point_peaks)
+        sampled[point.plan] = f"{mib(worst)} at {sample.points()[plan.sample.point_peaks.index(worst)].label()}"
+        # its peak is what it measured over the sample: where that misses it no longer fits, and the
+        # frontier decides again; where it holds, the same point ships (fits, p50s, boundaries unchanged)
+        point.peak_bytes = worst
+        shipped = decide(frontier.points, budget_bytes=frontier.budget_bytes, reserve=frontier.reserve,
+                         control=frontier.control)
+        if worst <= limit and shipped is point:
+            frontier.shipped_plan = plan.to_json()   # the receipt's plan is the frontier's, with its sample
+            break
+        if worst > limit:
+            missed.append(point.plan)
+        frontier.shipped_plan = None if shipped is None else frontier.plans[shipped.plan].to_json()
+    for p in frontier.points:
+        if p.plan in sampled:
+            p.reason += f" (peak: its max over the step sample, {sampled[p.plan]}; NOTE [step sample])"
+    if frontier.shipped is not None or not missed:
         return ""
-    where = sample.points()[plan.sample.point_peaks.index(worst)].label()
-    return (f"the plan's measured peak over the step sample reaches {mib(worst)} (at {where}), over the "
-            f"{mib(limit)} limit, though the frontier's one step cleared it (NOTE [step sample])")
+    return (f"every plan the frontier would ship misses over the step sample ({'; '.join(f'{k}: {sampled[k]}' for k in missed)}), "
+            f"over the {mib(limit)} limit, though the frontier's one step cleared it (NOTE [step sample])")
+
+
+# NOTE [ship over the sample]
+# The frontier measures and times every plan at the step sample's first point; what it ships is
+# then measured at every point (the closed loop's plan already was). A shipped plan whose max
+# over the sample misses the limit does not make the receipt ship nothing while another measured
+# plan might hold: its point takes that max as its peak (so it no longer fits, and says why), the
+# frontier decides again, and the next plan is measured over the sample, until one holds or none
+# fits. The points never shipped keep their first-point peaks, as the frontier table says.
 
 
 def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tuple[Plan | None, str | None]:
@@ -587,8 +615,9 @@ def _one_round(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int,
         warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
         capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
         report=report, progress=progress)
-    plan, label = _shown_plan(frontier, closed)
+    plan, _ = _shown_plan(frontier, closed)
     sample_miss = _sample_miss(loaded, plan, sample, frontier)
+    plan, label = _shown_plan(frontier, closed)   # the plan that holds over the sample (NOTE [ship over the sample])
     evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
     return _Round(closed=closed, note=note, frontier=frontier, plan=plan, label=label, evidence=evidence,
                   sample_miss=sample_miss)
