@@ -340,7 +340,7 @@ class ReceiptDecision:
     rejected: list[RejectedPlan]
     why: list[str]                    # the decision in a few sentences, first line first
     # the shipped plan's overhead with its interval (NOTE [overhead intervals] in frontier/model.py);
-    # informative only: `remat check` re-measures the overhead and never reads this
+    # `remat check` re-measures the overhead itself and only checks this against the receipt's own samples
     overhead_interval: OverheadInterval | None = None
 
     def __post_init__(self) -> None:
