@@ -10,8 +10,8 @@ from rich.table import Table
 
 from .._io import atomic_write_bytes, atomic_write_json
 from ..errors import RematError
-from ..frontier import (DEFAULT_PLANS, short_overhead, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
-                        render_frontier_png, run_frontier)
+from ..frontier import (DEFAULT_PLANS, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
+                        render_frontier_png, run_frontier, short_overhead)
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import profile_workload
 from ..units import fmt_bytes

@@ -486,7 +486,7 @@ def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: in
         return None, exc.message
 
 
-def _sample_miss(loaded: LoadedWorkload, plan: Plan | None, sample: StepSample, frontier: FrontierReport) -> str:
+def _ship_over_sample(loaded: LoadedWorkload, plan: Plan | None, sample: StepSample, frontier: FrontierReport) -> str:
     """Measure the frontier's shipped plan over the step sample (unless the closed loop did); while its max
     misses, that point's peak becomes its max, and the frontier decides again (NOTE [ship over the sample]).
     Why nothing ships in the end, or ""."""
@@ -616,7 +616,7 @@ def _one_round(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int,
         capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
         report=report, progress=progress)
     plan, _ = _shown_plan(frontier, closed)
-    sample_miss = _sample_miss(loaded, plan, sample, frontier)
+    sample_miss = _ship_over_sample(loaded, plan, sample, frontier)
     plan, label = _shown_plan(frontier, closed)   # the plan that holds over the sample (NOTE [ship over the sample])
     evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
     return _Round(closed=closed, note=note, frontier=frontier, plan=plan, label=label, evidence=evidence,
