@@ -235,3 +235,55 @@ def test_p50_along_is_percentile_50_row_by_row():
         a = rng.uniform(0, 100, size=(7, n))
         got = p50_along(a, axis=-1)
         assert got.tolist() == pytest.approx([percentile(row.tolist(), 50.0) for row in a], rel=1e-12)
+
+
+def _layers_run_per_step(prepared) -> list[list[int]]:
+    """Forward hooks on the layerdrop encoder's blocks: which blocks each step ran (replays, which
+    run in backward, not counted)."""
+    steps: list[list[int]] = []
+    model = prepared.loaded.workload.model
+    original = prepared.step.run
+
+    def run(index):
+        steps.append([])
+        return original(index)
+    prepared.step.run = run
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(
+            lambda m, a, o, i=i: None if torch._C._current_graph_task_id() != -1 else steps[-1].append(i))
+    return steps
+
+
+def test_round_robin_gives_every_arm_the_same_random_draws_and_restores_the_callers():
+    """Layerdrop draws with torch.rand: every arm's step r must skip the same blocks, or the
+    interleaved difference is a difference in work (NOTE [interleaved timing])."""
+    import pathlib
+    from remat.measure import prepare_arm
+    from remat.wrap import PlanArm
+    spec = f"{pathlib.Path(__file__).parent / 'fixtures' / 'dynamic_workload.py'}:build"
+    lw = load_workload(spec, {"depth": 6, "p": 0.5, "seq_len": 8})
+    paths = [f"blocks.{i}" for i in range(6)]
+
+    def arms():
+        return [prepare_arm(lw, Arm("control")), prepare_arm(lw, PlanArm("all", hand_plan(lw.workload.model, paths)))]
+
+    prepared = arms()
+    ran = [_layers_run_per_step(p) for p in prepared]
+    torch.manual_seed(11)
+    random.seed(11)
+    before = (torch.rand(1).item(), random.random())
+    torch.manual_seed(11)
+    random.seed(11)
+    time_round_robin(prepared, warmup=1, steps=7)
+    assert ran[0] == ran[1] and len(ran[0]) == 8
+    assert len({tuple(s) for s in ran[0]}) > 1          # the masks do change from round to round
+    assert (torch.rand(1).item(), random.random()) == before   # the caller's generators as they were
+
+    # the wrong case the seeding removes: the same two arms stepping unseeded, one after the
+    # other, draw from one shared stream and skip other blocks (this check can fail)
+    prepared = arms()
+    ran = [_layers_run_per_step(p) for p in prepared]
+    for r in range(8):
+        for p in prepared:
+            p.run(r)
+    assert ran[0] != ran[1]

@@ -100,3 +100,21 @@ def test_plan_simulate_records_device_model(tmp_path):
 def test_simulate_flag_errors(argv, needle, tmp_path, capsys):
     rc = main(["plan", "--workload", "mlp", "--shape", _shape("mlp"), "--budget", "90%", "--out", str(tmp_path), *argv])
     assert rc == 2 and needle in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_plan_rendering_prints_library_text_as_text_not_rich_markup():
+    """A reason or note naming a NOTE ("[step sample]") is printed whole: rich would take the
+    brackets for a style tag and print "(NOTE )" (as `remat plan` once did)."""
+    from remat.cli.cmd_plan import render_plan
+    from remat.cli.render import console
+    from remat.plan.model import Exclusion
+    from remat.profile.sample import SampleRecord, StepSample
+    from .conftest import hand_plan
+    plan = hand_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["0"])
+    plan.excluded = [Exclusion(module="1", reason="not called during any sampled step (NOTE [step sample])")]
+    plan.sample = SampleRecord(sample=StepSample(), point_peaks=[10, 20, 30])
+    with console.capture() as cap:
+        render_plan(plan)
+    text = " ".join(cap.get().split())
+    assert "1 (not called during any sampled step (NOTE [step sample]))" in text
+    assert "max 30 B (NOTE [step sample])" in text

@@ -1,4 +1,4 @@
-"""The host's global generators besides torch's: Python's ``random`` and numpy's.
+"""The process's global generators: Python's ``random`` and numpy's (the host's), and torch's with them.
 
 NOTE [host RNG]
 torch's checkpoint preserves torch's CPU and CUDA generator states for the replay
@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import random
 from typing import Any, Callable, Iterator
+
+import torch
 
 
 def numpy_state() -> Any | None:
@@ -84,3 +86,54 @@ def rewinding(fn: Callable[..., Any]) -> Callable[..., Any]:
         with rewound(state):
             return fn(*args, **kwargs)
     return run
+
+
+# -- every generator: torch's and the host's --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class RngState:
+    """Every global generator a training step may draw from."""
+
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor] | None
+    python: Any
+    numpy: Any | None
+
+    @classmethod
+    def capture(cls) -> "RngState":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(torch_cpu=torch.get_rng_state(), torch_cuda=cuda, python=random.getstate(), numpy=numpy_state())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_cpu)
+        if self.torch_cuda is not None:
+            torch.cuda.set_rng_state_all(self.torch_cuda)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            import numpy as np
+            np.random.set_state(self.numpy)
+
+    def differences(self, other: "RngState") -> list[str]:
+        """Which generators are in a different state (``["torch cpu", "python random"]``)."""
+        out = []
+        if not torch.equal(self.torch_cpu, other.torch_cpu):
+            out.append("torch cpu")
+        if (self.torch_cuda is None) != (other.torch_cuda is None) or (
+                self.torch_cuda is not None and other.torch_cuda is not None
+                and any(not torch.equal(a, b) for a, b in zip(self.torch_cuda, other.torch_cuda))):
+            out.append("torch cuda")
+        if self.python != other.python:
+            out.append("python random")
+        if self.numpy is not None and other.numpy is not None and not numpy_equal(self.numpy, other.numpy):
+            out.append("numpy random")
+        return out
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass

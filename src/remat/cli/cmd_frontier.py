@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_bytes, atomic_write_json
@@ -99,10 +100,10 @@ def _print_decisions(report: FrontierReport) -> None:
     """Every point not shipped with its reason, then the shipped one (or that nothing ships)."""
     for p in report.points:
         if p.decision is not Decision.SHIP:
-            console.print(f"  {p.plan}: {p.decision.value}: {p.reason}", highlight=False)
+            console.print(escape(f"  {p.plan}: {p.decision.value}: {p.reason}"), highlight=False)
     shipped = report.shipped
     if shipped is not None:
-        console.print(f"[bold green]ship {shipped.plan}[/]: {shipped.reason}", highlight=False)
+        console.print(f"[bold green]ship {escape(shipped.plan)}[/]: {escape(shipped.reason)}", highlight=False)
     else:
         console.print("[bold red]no measured plan clears the budget with the reserve[/]")
 

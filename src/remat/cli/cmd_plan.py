@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_json
@@ -153,7 +154,8 @@ def render_plan(plan: Plan) -> None:
         table.add_row(b.module, b.mode.value, fmt_bytes(b.saved_bytes), f"{b.replay_ms:.2f}", "yes" if b.guarded else "")
     console.print(table)
     if plan.excluded:
-        console.print("excluded: " + "; ".join(f"{e.module} ({e.reason})" for e in plan.excluded[:6])
+        # reasons are library text that names NOTEs ("[step sample]"): not rich markup
+        console.print("excluded: " + escape("; ".join(f"{e.module} ({e.reason})" for e in plan.excluded[:6]))
                       + (" ..." if len(plan.excluded) > 6 else ""))
     budget = f"{fmt_bytes(plan.budget_bytes)} less {plan.reserve:.0%} reserve = {fmt_bytes(plan.effective_budget_bytes)}" \
         if plan.budget_bytes else "none"
@@ -164,7 +166,7 @@ def render_plan(plan: Plan) -> None:
     spread = plan.sample.spread() if plan.sample is not None else None
     if spread is not None:
         console.print(f"sample: {len(plan.sample.point_peaks)} steps; measured peak min {fmt_bytes(spread['min'])}, "
-                      f"median {fmt_bytes(spread['median'])}, max {fmt_bytes(spread['max'])} (NOTE [step sample])")
+                      f"median {fmt_bytes(spread['median'])}, max {fmt_bytes(spread['max'])} (NOTE \\[step sample])")
     if plan.compile is not None:
         console.print(f"compiled: {plan.compile.describe()}; measured warm after compiling")
     if plan.workload is not None and plan.workload.autocast is not None:

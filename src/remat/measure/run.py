@@ -12,7 +12,13 @@ arm A for ten steps and then arm B for ten would charge the drift to whichever a
 during it. ``time_round_robin`` takes every runner built first, then runs rounds; each
 round runs one step of every runner, in an order rotated by one each round (so no runner
 always runs first, right after the Python loop's bookkeeping). Warm-up rounds are not
-timed. Every runner runs the same step indices, hence the same batches. Clocks are read
+timed. Every runner runs the same step indices, hence the same batches, and the same random
+draws: before each runner's step of round r (outside its clock) torch's, Python's and numpy's
+global generators are seeded with ``TIMING_SEED + r``, so a layerdrop or stochastic-depth model
+skips the same blocks in every arm's step r. Unseeded, each arm drew masks from wherever the
+shared generators stood, and a timed difference was partly a difference in work: a Wav2Vec2
+plan once read -63% against its control. The caller's generators are put back afterwards, so
+``remat.auto`` inside a training script leaves the script's RNG where it was. Clocks are read
 device-correctly (NOTE [device-correct timing] in remat/clock.py). A time is the *whole* step:
 batch, forward, backward, optimizer step and ``zero_grad``.
 
@@ -33,6 +39,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..errors import RematError, WorkloadError
+from ..host_rng import RngState, seed_everything
 from ..memory.cuda import read_cuda_stats
 from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, track_step_state
 from ..memory.reference import at_the_edge, profiler_step_peak
@@ -404,6 +411,8 @@ def probe_capacity(loaded: LoadedWorkload, arm: Arm, key: str, value: int, limit
 
 # -- interleaved time ----------------------------------------------------------------------
 
+TIMING_SEED = 7_000_001   # round r of interleaved timing seeds TIMING_SEED + r (NOTE [interleaved timing])
+
 @dataclasses.dataclass
 class Timings:
     """Warm whole-step times (ms) per runner label, in round order, and CUDA alloc retries in them."""
@@ -431,16 +440,21 @@ def time_round_robin(runners: Sequence[Runner], *, warmup: int = 2, steps: int =
     retries = {lab: 0 for lab in labels}
     clocks = [StepClock(r.device) for r in runners]
     total = warmup + steps
-    for r in range(total):
-        progress(what, r, total)
-        for k in range(n):
-            runner, clock = runners[(r + k) % n], clocks[(r + k) % n]
-            before = read_cuda_stats(clock.device).num_alloc_retries if clock.cuda else 0
-            _, ms = clock.time(runner.run, r)
-            if r >= warmup:
-                out[runner.label].append(ms)
-                if clock.cuda:
-                    retries[runner.label] += read_cuda_stats(clock.device).num_alloc_retries - before
+    callers = RngState.capture()
+    try:
+        for r in range(total):
+            progress(what, r, total)
+            for k in range(n):
+                runner, clock = runners[(r + k) % n], clocks[(r + k) % n]
+                seed_everything(TIMING_SEED + r)   # the same draws for every arm's step r
+                before = read_cuda_stats(clock.device).num_alloc_retries if clock.cuda else 0
+                _, ms = clock.time(runner.run, r)
+                if r >= warmup:
+                    out[runner.label].append(ms)
+                    if clock.cuda:
+                        retries[runner.label] += read_cuda_stats(clock.device).num_alloc_retries - before
+    finally:
+        callers.restore()
     progress(what, total, total)
     return Timings(step_ms=out, num_alloc_retries=retries)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 from collections import defaultdict
 from typing import Any, Iterator
 
@@ -27,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..host_rng import numpy_equal, numpy_state
+from ..host_rng import RngState, seed_everything
 from ..wrap import ApplyHandle, CheckpointWrapper
 from .compare import changed_attributes, python_state
 
@@ -36,57 +35,6 @@ aten = torch.ops.aten
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-# -- RNG states --------------------------------------------------------------------------------
-
-@dataclasses.dataclass(kw_only=True)
-class RngState:
-    """Every global generator a training step may draw from."""
-
-    torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor] | None
-    python: Any
-    numpy: Any | None
-
-    @classmethod
-    def capture(cls) -> "RngState":
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(torch_cpu=torch.get_rng_state(), torch_cuda=cuda, python=random.getstate(), numpy=numpy_state())
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch_cpu)
-        if self.torch_cuda is not None:
-            torch.cuda.set_rng_state_all(self.torch_cuda)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            import numpy as np
-            np.random.set_state(self.numpy)
-
-    def differences(self, other: "RngState") -> list[str]:
-        """Which generators are in a different state (``["torch cpu", "python random"]``)."""
-        out = []
-        if not torch.equal(self.torch_cpu, other.torch_cpu):
-            out.append("torch cpu")
-        if (self.torch_cuda is None) != (other.torch_cuda is None) or (
-                self.torch_cuda is not None and other.torch_cuda is not None
-                and any(not torch.equal(a, b) for a, b in zip(self.torch_cuda, other.torch_cuda))):
-            out.append("torch cuda")
-        if self.python != other.python:
-            out.append("python random")
-        if self.numpy is not None and other.numpy is not None and not numpy_equal(self.numpy, other.numpy):
-            out.append("numpy random")
-        return out
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
 
 
 # -- device moves inside a region -----------------------------------------------------------------
