@@ -398,6 +398,33 @@ def test_identical_regions_share_one_replay_measurement_and_different_ones_do_no
     assert 45.0 <= measured["blocks.2"][M.FULL].ms <= 150.0          # its own work, not blocks.0's
 
 
+def test_a_segment_of_measured_members_is_priced_as_their_sum_and_one_with_another_member_is_timed():
+    """NOTE [composed segment replays]. Ground truth: blocks sleep 20, 60 and 20 ms in forward, so
+    FULL on a segment adds the sum of its members' sleeps. ``blocks[0:2]``: both members are
+    candidates, so it is not timed (3 regions timed for 5 candidates) and its cost is exactly its
+    members' sum, about 80 ms. Its twin ``blocks[1:3]`` has a member (blocks.2) that is no candidate
+    here: it is timed alone, and reads about 80 ms too."""
+    import torch
+
+    from remat.profile.replay import measure_replay_costs
+    from remat.workload import Workload
+
+    model = _delay_net([20, 60, 20], [8, 8, 8])
+    wl = Workload(model=model, batch=lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),
+                  loss=lambda m, x: m(x), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    cands = [_cost("blocks.0", 20.0), _cost("blocks.1", 60.0), _cost("blocks[0:2]", 80.0), _cost("blocks[1:3]", 80.0)]
+    timed = []
+    measured, unmeasured = measure_replay_costs(TrainingStep(wl), cands, 0, min_rounds=3, max_rounds=3,
+                                                progress=lambda done, total: timed.append(total))
+    assert unmeasured == {} and timed[-1] == 3          # blocks.0, blocks.1 and blocks[1:3]; not blocks[0:2]
+    seg, members = measured["blocks[0:2]"][M.FULL], [measured[n][M.FULL] for n in ("blocks.0", "blocks.1")]
+    assert seg.composed_from == ("blocks.0", "blocks.1")
+    assert seg.ms == sum(e.ms for e in members) and seg.spread_ms == sum(e.spread_ms for e in members)
+    assert 60.0 <= seg.ms <= 200.0
+    alone = measured["blocks[1:3]"][M.FULL]
+    assert alone.composed_from == () and 60.0 <= alone.ms <= 200.0
+
+
 def test_regions_of_other_shapes_or_classes_never_share():
     """The signature itself (NOTE [shared replay measurements]): another width, other inputs, another class."""
     import torch
@@ -541,3 +568,20 @@ def test_module_exclusion_reasons():
     assert "cannot be written in a plan" in _module_exclusion("blocks 0", 1)
     assert _module_exclusion("blocks.0", 0) == "not called during the step"
     assert _module_exclusion("shared", 3) is None
+
+
+def test_the_profile_names_its_composed_segments_and_keeps_them_in_its_json():
+    """On the built-in gpt at 4 layers the segments h[0:2], h[2:4] and h[0:4] are chains of
+    candidate blocks: each is priced as its members' sum (NOTE [composed segment replays]), the
+    report says so, and the figure is the members' FULL costs added up."""
+    from remat.workload import load_workload
+    from .conftest import TINY
+    rep = profile_workload(load_workload("gpt", {**TINY["gpt"], "n_layer": 4}))
+    costs = {c.name: c for c in rep.candidates}
+    segments = [n for n in costs if n.startswith("h[")]
+    assert segments and set(segments) <= set(rep.replay_composed)
+    for name in segments:
+        members = rep.replay_composed[name]
+        assert members == [f"h.{i}" for i in range(int(name[2]), int(name.split(":")[1][:-1]))]
+        assert costs[name].replay_ms[M.FULL] == pytest.approx(sum(costs[m].replay_ms[M.FULL] for m in members))
+    assert ProfileReport.from_json(rep.to_json()).replay_composed == rep.replay_composed

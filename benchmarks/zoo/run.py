@@ -254,7 +254,9 @@ def run_model(name: str, spec: str, shape: str, out_root: Path, timeout: float, 
         row["runner_error"] = f"reading receipt.json: {type(exc).__name__}: {exc}"
     if receipt is not None:
         row["check"] = run_check(spec, rdir, timeout, out_root / name / "check.log")
-        row["profiler"] = profiler_peak(spec, shape, rdir, timeout, out_root / name / "profiler_peak.log")
+        shipped = (row["result"] or {}).get("status") == "ship"   # nothing shipped: no plan to re-measure
+        row["profiler"] = profiler_peak(spec, shape, rdir, timeout, out_root / name / "profiler_peak.log") \
+            if shipped else None
     row["hazard_checks"] = confirm_hazards(base, probe_dir, out_root / name, timeout)
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     row["verdict"] = verdict(row)
@@ -342,7 +344,7 @@ def _commits(rows: list[dict[str, Any]]) -> str:
     if len(by) == 1:
         return next(iter(by))
     first, *rest = sorted(by, key=lambda c: -len(by[c]))
-    return first + "".join(f"; {', '.join(by[c])} re-run at {c}" for c in rest)
+    return first + "".join(f"; {', '.join(by[c])} at {c}" for c in rest)
 
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started: str, total_s: float,
@@ -351,6 +353,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
     alarms = sum(h["false_alarm"] for r in rows for h in r.get("hazard_checks", []))
     confirmed = sum(h["confirmed"] for r in rows for h in r.get("hazard_checks", []))
     crashes = sum("crash" in r["verdict"] or "timed out" in r["verdict"] for r in rows)
+    refused = sum(r["verdict"] in ("nothing ships (exit 1)", "refused (exit 2)") for r in rows)
     lines = [
         "# The zoo: remat receipt on models it was not written against (issue 11)",
         "",
@@ -360,7 +363,8 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         "`remat plan --planner all`, or the predicted floor where `all` did not lower the peak) and the control peak.",
         f"Every figure and the full stderr tail of each failure are in `{_shown(results)}`.",
         "",
-        f"**{n_pass} / {len(rows)} pass** (shipped under budget and verified, or a typed refusal); "
+        f"**{n_pass} / {len(rows)} pass** (shipped under budget and verified); "
+        f"{refused} refused with a typed reason (nothing ships, exit 1, or refused, exit 2: see Failures); "
         f"{crashes} crashed or timed out; {alarms} false alarms ({confirmed} reported hazards confirmed by a "
         f"failing unguarded verify); torch.profiler's peak of the shipped plan over {PROFILER_STEPS} later steps "
         f"(after 2 warm-up steps, on a fresh build: `benchmarks/zoo/profiler_peak.py`) is within the budget on "

@@ -727,6 +727,8 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
                 report.replay_below_resolution.setdefault(c.name, []).append(mode.value)
             if est.shared_from is not None:
                 report.replay_shared[c.name] = est.shared_from
+            if est.composed_from:
+                report.replay_composed[c.name] = list(est.composed_from)
     report.replay_unmeasured = dict(unmeasured)
 
 

@@ -224,6 +224,9 @@ class ProfileReport:
     # candidates that took another's replay measurement (name -> the one measured; NOTE [shared
     # replay measurements] in profile/shared.py)
     replay_shared: dict[str, str] = dataclasses.field(default_factory=dict)
+    # segments whose FULL replay is their members' measured sum (name -> members; NOTE [composed
+    # segment replays] in profile/replay.py)
+    replay_composed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # (candidate, mode values) whose measured replay cost was below the clock's resolution: priced
     # at that resolution, not zero (NOTE [measured replay costs] in profile/replay.py)
     replay_below_resolution: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -237,6 +240,7 @@ class ProfileReport:
                 "mode_excluded": {k: dict(v) for k, v in self.mode_excluded.items()},
                 "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle),
                 "replay_unmeasured": dict(self.replay_unmeasured), "replay_shared": dict(self.replay_shared),
+                "replay_composed": {k: list(v) for k, v in self.replay_composed.items()},
                 "replay_below_resolution": {k: list(v) for k, v in self.replay_below_resolution.items()}}
 
     @classmethod
@@ -253,5 +257,6 @@ class ProfileReport:
                    idle=[str(n) for n in d.get("idle", [])],
                    replay_unmeasured={str(k): str(v) for k, v in d.get("replay_unmeasured", {}).items()},
                    replay_shared={str(k): str(v) for k, v in d.get("replay_shared", {}).items()},
+                   replay_composed={str(k): [str(m) for m in v] for k, v in d.get("replay_composed", {}).items()},
                    replay_below_resolution={str(k): [str(m) for m in v]
                                             for k, v in d.get("replay_below_resolution", {}).items()})
