@@ -585,3 +585,16 @@ def test_the_profile_names_its_composed_segments_and_keeps_them_in_its_json():
         assert members == [f"h.{i}" for i in range(int(name[2]), int(name.split(":")[1][:-1]))]
         assert costs[name].replay_ms[M.FULL] == pytest.approx(sum(costs[m].replay_ms[M.FULL] for m in members))
     assert ProfileReport.from_json(rep.to_json()).replay_composed == rep.replay_composed
+
+
+def test_one_warm_up_step_profiles_what_two_did():
+    """PROFILE_WARMUP = 1: the figures the planner reads are those of a profile after 2 warm-up steps."""
+    from remat.plan import make_plan
+    from remat.profile.measure import PROFILE_WARMUP
+    from remat.workload import load_workload
+    from .conftest import TINY
+    assert PROFILE_WARMUP == 1
+    one, two = (profile_workload(load_workload("gpt", TINY["gpt"]), warmup=w, measure_replays=False) for w in (1, 2))
+    assert one.baseline_peak_bytes == two.baseline_peak_bytes and one.excluded == two.excluded
+    assert {c.name: c.saved_bytes for c in one.candidates} == {c.name: c.saved_bytes for c in two.candidates}
+    assert make_plan(one, "all").predicted_peak_bytes == make_plan(two, "all").predicted_peak_bytes

@@ -17,7 +17,12 @@ about 2x on CPU, so it is measured here, like every other mode:
    gradients are cleared before each run, so every arm does the same bookkeeping.
 3. Rounds: every arm once per round, in an order rotated by one each round (NOTE
    [interleaved timing] in remat.measure), clocks read device-correctly (StepClock), the
-   Python garbage collector paused. One untimed warm-up round. Noise on a shared machine is
+   Python garbage collector paused. No untimed warm-up round: the region already ran in the
+   captured forward, and a slow first run is one more slow sample that the trim below drops
+   (with 3 rounds it keeps the 2 fastest, so a first run slower than both later ones leaves
+   exactly the samples a warm-up round would have; on the zoo's 8-layer Llama, 3 interleaved
+   profiles under load spent 6.3 / 7.2 / 8.3 s in this stage with the round and 6.8 / 5.3 /
+   7.0 s without it; a warm step takes 0.9 s). Noise on a shared machine is
    one-sided: a preempted run (or, with several intra-op threads, a run waiting for a
    descheduled thread) only ever takes *longer*, by 10-100 ms against regions of 0.1-2 ms
    (seen on this project's 2-core machines under load: more than half the samples of some
@@ -58,7 +63,7 @@ not be measured is timed alone as before.
 
 Profiling time: per round, about (1 + modes) forward + backward passes of each *timed*
 region; with N identical blocks shared, that is one block and its children, not N. The
-defaults (3 rounds plus one warm-up for large regions, up to 9 for small ones, at most about
+defaults (3 rounds for large regions, up to 9 for small ones, at most about
 1 s per region past the 3rd) are few on purpose: what a plan's overhead finally is, and
 whether two plans differ at all, is the frontier's interleaved measurement and its
 resolved-difference rule (NOTE [resolved differences] in remat/frontier/pareto.py), not more
@@ -184,8 +189,6 @@ def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[t
                  min_rounds: int, max_rounds: int, max_rel_spread: float, spread_floor_ms: float,
                  trim: float, time_budget_ms: float, resolution_ms: float) -> dict[CheckpointMode, ReplayEstimate]:
     arms = [_RegionArm(module, CheckpointMode.KEEP, inputs)] + [_RegionArm(module, m, inputs) for m in modes]
-    for arm in arms:          # warm-up round, untimed
-        arm.run()
     samples: dict[CheckpointMode, list[float]] = {arm.mode: [] for arm in arms}
     rounds, spent = 0, 0.0
     while rounds < max_rounds:
