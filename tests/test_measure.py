@@ -254,7 +254,7 @@ def _layers_run_per_step(prepared) -> list[list[int]]:
     return steps
 
 
-def test_round_robin_gives_every_arm_the_same_random_draws_and_restores_the_callers():
+def test_every_arm_runs_the_same_random_draws_and_the_callers_generators_are_put_back():
     """Layerdrop draws with torch.rand: every arm's step r must skip the same blocks, or the
     interleaved difference is a difference in work (NOTE [interleaved timing])."""
     import pathlib
@@ -279,11 +279,30 @@ def test_round_robin_gives_every_arm_the_same_random_draws_and_restores_the_call
     assert len({tuple(s) for s in ran[0]}) > 1          # the masks do change from round to round
     assert (torch.rand(1).item(), random.random()) == before   # the caller's generators as they were
 
+    # solo measurements (NOTE [solo peaks]): each arm's build alone, one after the other, runs
+    # the same draws at each step index
+    prepared = arms()
+    ran = [_layers_run_per_step(p) for p in prepared]
+    for p in prepared:
+        for r in range(8):
+            p.run(r)
+    assert ran[0] == ran[1] and len({tuple(s) for s in ran[0]}) > 1
+
+    for p in prepared:
+        p.close()
+    from remat.measure import measure_arm_peak
+    torch.manual_seed(5)
+    expect = torch.rand(1)
+    torch.manual_seed(5)
+    measure_arm_peak(lw, Arm("control"), warmup=1)   # its build seeds torch (the factory), its steps too
+    assert torch.equal(torch.rand(1), expect)       # and the caller's generator is where it was
+
     # the wrong case the seeding removes: the same two arms stepping unseeded, one after the
     # other, draw from one shared stream and skip other blocks (this check can fail)
     prepared = arms()
     ran = [_layers_run_per_step(p) for p in prepared]
     for r in range(8):
         for p in prepared:
+            p.step.seed = None
             p.run(r)
     assert ran[0] != ran[1]

@@ -14,7 +14,7 @@ round runs one step of every runner, in an order rotated by one each round (so n
 always runs first, right after the Python loop's bookkeeping). Warm-up rounds are not
 timed. Every runner runs the same step indices, hence the same batches, and the same random
 draws: before each runner's step of round r (outside its clock) torch's, Python's and numpy's
-global generators are seeded with ``TIMING_SEED + r``, so a layerdrop or stochastic-depth model
+global generators are seeded with ``STEP_SEED + r``, so a layerdrop or stochastic-depth model
 skips the same blocks in every arm's step r. Unseeded, each arm drew masks from wherever the
 shared generators stood, and a timed difference was partly a difference in work: a Wav2Vec2
 plan once read -63% against its control. The caller's generators are put back afterwards, so
@@ -28,6 +28,14 @@ warm-up, one measured step), not inside the round-robin: on CUDA the allocator's
 process-wide, so other arms' resident parameters and optimizer state would inflate it;
 on CPU the live-tensor tracker counts only what it is shown, so it would not matter, but
 one code path for both devices keeps the figures comparable with ``remat plan``'s.
+Every arm's build runs the same random draws: ``prepare_arm`` sets its step to seed every
+global generator with ``STEP_SEED + i`` before step i (``TrainingStep.seed``), as the
+round-robin does, and the caller's generators are put back after each measurement. Unseeded,
+each arm's steps drew from wherever earlier arms had left the shared generators, so on a
+layerdrop model (the zoo's Wav2Vec2) ``none`` peaked at 29.41 MiB on a step that ran 2 of 4
+layers and ``uniform:2`` at 39.91 MiB on one that ran 3: two peaks of different work, compared
+as if of the same step. A workload's own seeded steps (a step sample's later points seed in
+``batch``, after this) keep their draws.
 """
 
 from __future__ import annotations
@@ -105,6 +113,9 @@ class Runner(Protocol):
     def run(self, index: int) -> Any: ...
 
 
+STEP_SEED = 7_000_001   # step i of every measured arm seeds STEP_SEED + i (NOTE [interleaved timing], [solo peaks])
+
+
 @dataclasses.dataclass
 class Prepared:
     """An arm's fresh build, prepared, with its own optimizer: ready to run steps (a :class:`Runner`)."""
@@ -113,6 +124,7 @@ class Prepared:
     loaded: LoadedWorkload
     step: TrainingStep
     undo: Undo | None
+    callers_rng: RngState | None = None   # the generators before the build: put back by close()
 
     @property
     def label(self) -> str:
@@ -129,15 +141,21 @@ class Prepared:
         if self.undo is not None:
             self.undo()
             self.undo = None
+        if self.callers_rng is not None:
+            self.callers_rng.restore()
+            self.callers_rng = None
 
 
 def prepare_arm(loaded: LoadedWorkload, arm: Arm, **shape: ShapeValue) -> Prepared:
     """Fresh build of ``loaded`` (at ``shape`` overrides), prepared by ``arm``, with a new optimizer."""
+    callers = RngState.capture()
     fresh = loaded.rebuild(**shape)
     undo = arm.prepare(fresh)
     if arm.compile is not None:
         undo = _Undos([compile_model(fresh.workload.model, arm.compiled_function()), undo])
-    return Prepared(arm=arm, loaded=fresh, step=TrainingStep(fresh.workload), undo=undo)
+    step = TrainingStep(fresh.workload)
+    step.seed = STEP_SEED    # every arm's step i draws alike (NOTE [solo peaks])
+    return Prepared(arm=arm, loaded=fresh, step=step, undo=undo, callers_rng=callers)
 
 
 class _Undos:
@@ -411,8 +429,6 @@ def probe_capacity(loaded: LoadedWorkload, arm: Arm, key: str, value: int, limit
 
 # -- interleaved time ----------------------------------------------------------------------
 
-TIMING_SEED = 7_000_001   # round r of interleaved timing seeds TIMING_SEED + r (NOTE [interleaved timing])
-
 @dataclasses.dataclass
 class Timings:
     """Warm whole-step times (ms) per runner label, in round order, and CUDA alloc retries in them."""
@@ -446,7 +462,7 @@ def time_round_robin(runners: Sequence[Runner], *, warmup: int = 2, steps: int =
             progress(what, r, total)
             for k in range(n):
                 runner, clock = runners[(r + k) % n], clocks[(r + k) % n]
-                seed_everything(TIMING_SEED + r)   # the same draws for every arm's step r
+                seed_everything(STEP_SEED + r)   # the same draws for every arm's step r
                 before = read_cuda_stats(clock.device).num_alloc_retries if clock.cuda else 0
                 _, ms = clock.time(runner.run, r)
                 if r >= warmup:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..errors import RematError, UserCodeError, WorkloadError
+from ..host_rng import seed_everything
 from ..types import Phase
 
 T = TypeVar("T")
@@ -201,8 +202,13 @@ class TrainingStep:
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.optimizer = workload.make_optimizer()
+        # when set, step i first seeds every global generator with seed + i, so two builds run
+        # the same random draws at each step (NOTE [solo peaks] in remat/measure/run.py)
+        self.seed: int | None = None
 
     def run(self, step: int, marker: PhaseMarker = _noop) -> float:
+        if self.seed is not None:
+            seed_everything(self.seed + step)
         try:
             return self._run(step, marker)
         finally:
