@@ -51,9 +51,9 @@ members' measured FULL costs (and spreads), recorded as ``ReplayEstimate.compose
 (the report's ``replay_composed``). Its extra bytes are still measured, from one tracked
 run of the segment with and without checkpointing (no timing rounds): with first estimates,
 ``checkpoint_sequential:2`` on the chain of tests/test_segments.py was predicted 8.6% over its
-measured peak (205988 B against 189604 B). The sum
-over-prices by that bookkeeping (tens of microseconds per region against replays of
-milliseconds), so a planner errs towards members, never towards a budget miss. Timed alone,
+measured peak (205988 B against 189604 B). The sum counts b - a - 1 regions' bookkeeping
+too many, so in principle it errs high (towards members), and a time figure never moves a
+peak, so no error here can miss a budget. Timed alone,
 segments took most of the replay stage: on the built-in gpt at n_layer 8, 11.4 s of 18.7 s
 (``h[0:2]`` and ``h[0:4]``, 3 rounds each of 2 and 4 blocks' forward and backward), and the
 two figures measured 105 and 221 ms against the members' sums of 97 and 193 ms in the same
