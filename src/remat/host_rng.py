@@ -88,7 +88,7 @@ def rewinding(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-# -- every generator: torch's and the host's --------------------------------------------------------------------------------
+# -- every generator: torch's and the host's ---------------------------------------------
 
 @dataclasses.dataclass(kw_only=True)
 class RngState:

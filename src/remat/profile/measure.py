@@ -292,7 +292,7 @@ PROFILE_REPEATS = 3
 # untimed steps before the profile's tracked step: 1, as every measured plan (measure_plan) and every
 # later sampled point has: the first step creates the optimizer state and every lazy buffer, so the
 # tracked step 1 holds what step 2,000 holds; the profile and the plans it predicts are then measured
-# at the same step index. A second warm-up step cost 1.0 step-equivalent of a first remat.auto
+# at the same step index. A second warm-up step cost about 1 step-equivalent of a first remat.auto
 # (benchmarks/plan_speed.py) and changed no figure the planner reads: on the built-in gpt, cnn and
 # mlp, the zoo's hf_llama and timm_convnext and the layerdrop fixture at p = 0, the baseline peak,
 # every saved-byte count, the exclusions and `all`'s predicted peak were identical at 1 and 2.
