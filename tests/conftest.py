@@ -23,6 +23,19 @@ def _deterministic_threads():
     yield
 
 
+@pytest.fixture
+def cpu_tracker(monkeypatch):
+    """CPU peaks from the live-tensor tracker, not the allocator counter (NOTE [CPU allocator counter]):
+    for tests whose subject is the tracker itself."""
+    from remat.memory.allocator import ENV_VAR
+    monkeypatch.setenv(ENV_VAR, "tracker")
+
+
+def counter_available() -> bool:
+    from remat.memory.allocator import counter_status
+    return counter_status().available
+
+
 def hand_plan(model, paths, *, mode=None, guarded: bool = False, preserve_rng_state: bool = True):
     """A Plan written by hand (no profiler, no planner): for tests of apply and verify."""
     from remat.plan import Boundary, Plan

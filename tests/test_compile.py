@@ -50,7 +50,7 @@ def test_compiled_arms_keep_their_own_graphs_and_budget():
                        steps=2)
     eager = measure_arm(loaded, Arm("eager"), warmup=2, steps=0)
     assert default.memory_source is MemorySource.CPU_PROFILER and half.memory_source is MemorySource.CPU_PROFILER
-    assert eager.memory_source is MemorySource.CPU_LIVE_TENSORS
+    assert eager.memory_source in (MemorySource.CPU_ALLOCATOR, MemorySource.CPU_LIVE_TENSORS)
     # ground truth for the default arm: torch's default budget (1.0) saves what eager saves, so the
     # compiled peak is the eager peak the tracker measured, within 1% (inductor frees a few temporaries earlier)
     assert abs(default.peak_bytes - eager.peak_bytes) <= 0.01 * eager.peak_bytes

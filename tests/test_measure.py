@@ -210,7 +210,10 @@ def test_gpu_check_script_runs_its_code_paths_on_cpu(tmp_path):
     assert set(out) == {"allocator", "simulate"}
     assert rc == 0, {k: v["summary"] for k, v in out.items()}
     a = out["allocator"]["data"]
-    assert a["memory_source"] == "cpu-live-tensors" and a["remat_peak_bytes"] == a["tracker_peak_bytes"] > 0
+    # remat's CPU figure: the allocator counter (equal to the tracker's or above it: it also sees what
+    # never becomes a tensor) or, where it cannot be built, the tracker itself
+    assert a["memory_source"] in ("cpu-allocator", "cpu-live-tensors")
+    assert a["tracker_peak_bytes"] > 0 and a["tracker_peak_bytes"] <= a["remat_peak_bytes"] <= 1.05 * a["tracker_peak_bytes"]
     assert out["simulate"]["data"]["rows"][0]["peak_ratio"] == pytest.approx(1.0)   # CPU bytes simulate exactly
 
 

@@ -575,7 +575,7 @@ def test_floor_planner_reaches_the_floor_cheapest(chain9):
     assert plan.predicted_overhead_ms <= opt.predicted_overhead_ms + 1e-9
 
 
-def test_nothing_fits_names_the_phase_that_sets_the_floor():
+def test_nothing_fits_names_the_phase_that_sets_the_floor(cpu_tracker):
     """NOTE [nothing fits]: an optimizer-bound floor says so; an activation-bound one lists exclusions."""
     from remat.profile import profile_workload
     from remat.workload import load_workload

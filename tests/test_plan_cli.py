@@ -70,7 +70,7 @@ def test_bad_plan_inputs_exit_2(argv, needle, tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_simulated_profile_bytes_equal_real_on_cpu():
+def test_simulated_profile_bytes_equal_real_on_cpu(cpu_tracker):
     """--simulate on the cpu device model: the same saved bytes and rows as the real profile (before the
     real one replaces its first estimates by measured replay costs and bytes: nothing runs under
     --simulate, so those stay estimates there; NOTE [measured replay bytes])."""

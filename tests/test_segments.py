@@ -229,7 +229,7 @@ def test_baseline_families_as_planners():
     assert np.isfinite(make_plan(report, "floor").predicted_peak_bytes)
 
 
-def test_floor_is_at_or_below_every_baseline_measured_and_peaks_are_predicted():
+def test_floor_is_at_or_below_every_baseline_measured_and_peaks_are_predicted(cpu_tracker):
     """With segments and measured replay bytes (NOTE [measured replay bytes]), remat's floor plan
     measures at or below every baseline plan's measured peak, and each prediction is within 2% of
     the measured peak (the CPU live-tensor tracker, one arm alone: the independent figure)."""

@@ -41,6 +41,7 @@ class MemorySource(str, enum.Enum):
 
     CUDA_ALLOCATOR = "cuda-allocator"
     CPU_LIVE_TENSORS = "cpu-live-tensors"
+    CPU_ALLOCATOR = "cpu-allocator"           # remat's counter inside the CPU allocator (NOTE [CPU allocator counter])
     CPU_PROFILER = "cpu-profiler-allocator"   # torch.profiler's CPU allocator events: compiled steps on CPU
     SIMULATED = "simulated"
 

@@ -103,12 +103,8 @@ def profiler_step_peak(step: "TrainingStep", step_index: int) -> int:
     """Whole-step peak (bytes) of ``step.run(step_index)`` by torch.profiler: the live state
     at its start (parameters, gradients, optimizer state, counted as the tracker counts them)
     plus the peak of the profiler's running sum over the step."""
-    from .measure import track_step_state
-    from .tracker import LiveTensorTracker
+    from .measure import step_state_bytes
     # registration only: the tracker's dispatch mode is never entered, so this also works on
     # a torch.compile'd model (Dynamo runs frames eagerly under a Python dispatch mode)
-    state = LiveTensorTracker(keep_timeline=False)
-    track_step_state(state, step)
-    start = state.live_bytes
-    state.close()
+    start = step_state_bytes(step)
     return start + profiler_memory_peak(lambda: step.run(step_index)).peak_delta_bytes

@@ -20,7 +20,7 @@ HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
 MODULE_PATH = Str(f"{MODULE_PATH_RE}(\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\])?|\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\]",
                   max_len=500, what="a module path (names joined by '.') or a segment (container[start:stop])")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise", "offload")   # CheckpointMode less keep
-MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
+MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-allocator", "cpu-profiler-allocator", "simulated")
 MAX_MODULES = 100_000
 
 # remat.profile.ModelFingerprint.to_json

@@ -216,23 +216,82 @@ def _reshard(model: nn.Module) -> None:
             m.reshard()
 
 
+def _overlap(paths: set[str], used: set[str]) -> bool:
+    """Whether a region of module ``paths`` shares a module with, or nests in or around, the regions of ``used``."""
+    for p in paths:
+        parts = p.split(".")
+        if any(".".join(parts[:i]) in used for i in range(1, len(parts) + 1)):
+            return True      # the same module, or one that encloses it
+        if any(q.startswith(p + ".") for q in used):
+            return True      # it encloses one
+    return False
+
+
+def _pack_segments(model: nn.Module, passes: list[dict[str, CheckpointMode]],
+                   stands_for: dict[str, list[CandidateCost]]) -> list[dict[str, CheckpointMode]]:
+    """The segment levels' passes packed into as few passes as fit (NOTE [packed segment dry runs]).
+
+    Each (segment, mode) of ``passes`` stands for its group (``stands_for``); any member of the group
+    may run it, so first-fit over the longest segments first places a member that overlaps nothing
+    already wrapped in a pass, or opens a new pass."""
+    entries = sorted(((name, mode) for p in passes for name, mode in p.items()),
+                     key=lambda e: -len(stands_for[e[0]][0].members or ()))
+    packed: list[tuple[dict[str, CheckpointMode], set[str]]] = []
+    for name, mode in entries:
+        members = [name, *(c.name for c in stands_for[name] if c.name != name and mode in c.saved_bytes)]
+        placed = False
+        for assignment, used in packed:
+            for cand in members:
+                paths = {p for p, _ in segment_members(model, cand)}
+                if not _overlap(paths, used):
+                    assignment[cand] = mode
+                    used |= paths
+                    placed = True
+                    break
+            if placed:
+                break
+        if not placed:
+            packed.append(({name: mode}, {p for p, _ in segment_members(model, name)}))
+    return [a for a, _ in packed]
+
+
 def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
                   stats: dict[str, int] | None = None) -> dict[str, dict[CheckpointMode, str]]:
     """Run every measured (candidate, mode) once (NOTE [mode dry runs]), identical candidates once per mode
-    (NOTE [shared dry runs] in profile/shared.py); name -> mode -> error. ``stats["passes"]``: passes run."""
+    (NOTE [shared dry runs] in profile/shared.py), the segment levels packed together (NOTE [packed
+    segment dry runs]); name -> mode -> error. ``stats["passes"]``: passes run.
+
+    NOTE [packed segment dry runs]
+    Segment levels are (container, length) (``_levels``), so a chain of 32 blocks has 8 of them
+    (NOTE [segment count]), one FULL pass each, and on the built-in gpt at n_layer 32 the dry runs
+    were the largest stage of ``remat plan``. A segment's verdict stands for every identical segment
+    of its level (NOTE [shared dry runs]), so any one of them can run it, and segments of different
+    lengths that share no module can run in the same pass: the longest first, each placed where it
+    overlaps nothing wrapped yet. A failing packed pass is retried one (segment, mode) at a time, as
+    any pass is, so a failure still names its segment and is recorded for every segment it stands for.
+    """
     runner = _DryRunner(step, step_index)
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
+    stands_for: dict[str, list[CandidateCost]] = {}      # name -> the identical candidates its verdict covers
+    module_passes: list[dict[str, CheckpointMode]] = []
+    segment_passes: list[dict[str, CheckpointMode]] = []
     for key, level in sorted(_levels(candidates).items()):
         leader = dry_run_leaders(runner.model, runner.modules, level, region_module)
-        for assignment in _passes(level, leader):
-            if runner.attempt(assignment) is None:
-                continue
-            for name, mode in assignment.items():
-                error = runner.attempt({name: mode})
-                if error is not None:   # the same failure for every candidate it stands for
-                    for c in level:
-                        if leader[c.name] == leader[name] and mode in c.saved_bytes:
-                            failures[c.name][mode] = error
+        groups: dict[str, list[CandidateCost]] = defaultdict(list)
+        for c in level:
+            groups[leader[c.name]].append(c)
+        for c in level:
+            stands_for[c.name] = groups[leader[c.name]]
+        (segment_passes if key[0] == 1 else module_passes).extend(_passes(level, leader))
+    for assignment in [*module_passes, *_pack_segments(runner.model, segment_passes, stands_for)]:
+        if runner.attempt(assignment) is None:
+            continue
+        for name, mode in assignment.items():
+            error = runner.attempt({name: mode})
+            if error is not None:   # the same failure for every candidate it stands for
+                for c in stands_for[name]:
+                    if mode in c.saved_bytes:
+                        failures[c.name][mode] = error
     if stats is not None:
         stats["passes"] = runner.passes
     return dict(failures)

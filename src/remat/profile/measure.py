@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..measure import RegionTimer, percentile, time_steps, warm_up
-from ..memory.measure import measure_step_peak, model_device
+from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, peak_costs_nothing
 from ..memory.tracker import StorageRecord
 from ..trace.recorder import ModuleWindow, StepRecorder
 from ..types import (MODULE_PATH_RE, OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, ProgressFn, is_cheap_op,
@@ -110,12 +110,15 @@ class _OpLog:
             self.inplace.append((ev, mod, args[0].untyped_storage()._cdata))
 
 
-def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int) -> tuple[dict[str, float], list[float]]:
+def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int,
+                   peak: list[PeakMeasurement] | None = None) -> tuple[dict[str, float], list[float]]:
     """Warm median forward ms per candidate (hooks only, no dispatch mode) and step times (ms).
 
     Device-correct (NOTE [device-correct timing] in remat.clock): on CUDA the hooks
     record events and each step's figures are read after it synchronises, so replay_ms is
     kernel time, not launch time; the step itself is timed by remat.measure's one loop.
+    ``peak``: the first timed step also measures the whole-step peak, appended here (only
+    where that instrument costs the step nothing measurable: NOTE [peak in a timed step]).
     """
     regions = RegionTimer(model_device(step))
 
@@ -128,7 +131,10 @@ def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], 
             regions.stop(id(m))
 
     def run(i: int) -> None:
-        step.run(i)
+        if peak is not None and i == start:
+            peak.append(measure_step_peak(step, i))
+        else:
+            step.run(i)
         regions.collect()
 
     h1, h2 = register_module_forward_pre_hook(pre), register_module_forward_hook(post)
@@ -300,11 +306,29 @@ PROFILE_WARMUP = 1
 
 
 def _forward_times(step: TrainingStep, names: dict[int, str], wanted: set[str], candidate_names: list[str], *,
-                   warmup: int, repeats: int, predicted: RuntimePrediction | None) -> tuple[dict[str, float], list[float]]:
-    """(forward ms per module, step times in ms): measured, or the device model's ``predicted`` times."""
-    if predicted is None:
-        return _time_forwards(step, names, wanted, repeats, warmup + 1)
-    return {n: predicted.replay_ms(n, CheckpointMode.FULL) for n in candidate_names}, [predicted.step_ms]
+                   warmup: int, repeats: int,
+                   predicted: RuntimePrediction | None) -> tuple[dict[str, float], list[float], PeakMeasurement, int]:
+    """(forward ms per module, step times in ms, the baseline's whole-step peak, steps run): measured, or
+    the device model's ``predicted`` times.
+
+    NOTE [peak in a timed step]
+    The baseline peak is one warm step (index ``warmup``). Where the peak's instrument costs the step
+    nothing measurable (the CUDA allocator's counters, or the CPU allocator counter: NOTE [CPU allocator
+    counter], +1-4% of a step against the tracker's +10-60%) that step is also the first timed one,
+    and the profile runs one step fewer; under the live-tensor tracker the peak is a step of its own,
+    as the tracker's dispatch mode would slow the timed step. The timed steps are then ``warmup`` ..
+    ``warmup + repeats - 1``, else ``warmup + 1`` .. ``warmup + repeats``; either way the recorded step
+    is ``warmup + 1 + repeats``.
+    """
+    if predicted is not None:
+        return ({n: predicted.replay_ms(n, CheckpointMode.FULL) for n in candidate_names}, [predicted.step_ms],
+                measure_step_peak(step, warmup), 1)
+    if repeats >= 1 and peak_costs_nothing(step):
+        peak: list[PeakMeasurement] = []
+        fwd_ms, step_ms = _time_forwards(step, names, wanted, repeats, warmup, peak=peak)
+        return fwd_ms, step_ms, peak[0], repeats
+    base = measure_step_peak(step, warmup)
+    return (*_time_forwards(step, names, wanted, repeats, warmup + 1), base, repeats + 1)
 
 
 def _chain_children(chain: ChainProbe | None) -> set[str]:
@@ -632,11 +656,10 @@ def profile_step(step: TrainingStep, candidate_names: list[str], *, warmup: int 
     chain = _chain_probe(model, asked_segments, search=segments) if runtime is None else None
     chain_children = _chain_children(chain)
     warm_up(step, warmup, progress=progress, what=f"profile: warm-up ({warmup} steps)")
-    base = measure_step_peak(step, warmup)
     predicted = runtime(warmup + 1) if runtime is not None else None
-    fwd_ms, step_ms = _forward_times(step, names, cand_set | chain_children, candidate_names,
-                                     warmup=warmup, repeats=repeats, predicted=predicted)
-    progress(f"profile: timing (1 tracked + {repeats} timed steps)", 1, 1)
+    fwd_ms, step_ms, base, steps_run = _forward_times(step, names, cand_set | chain_children, candidate_names,
+                                                      warmup=warmup, repeats=repeats, predicted=predicted)
+    progress(f"profile: peak and timing ({steps_run} steps)", 1, 1)
 
     probes = _hazard_probes(modules, [*candidate_names, *sorted(chain_children - cand_set)],
                             compare_rng_state=runtime is None)

@@ -53,7 +53,7 @@ RUN_MODE = Enum("train", "eval")   # verify.model.RunMode
 # verify.model.Site: where a divergence showed first
 SITE = Enum("forward call order", "forward output", "gradient", "buffer", "python attribute",
             "parameter after optimizer step", "generator state", "loss or outputs")
-MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-profiler-allocator", "simulated")
+MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-allocator", "cpu-profiler-allocator", "simulated")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise", "offload")   # CheckpointMode less keep
 TEXT = Str(max_len=20_000)
 SHORT = Str(max_len=2_000)
