@@ -13,10 +13,10 @@ from remat.memory import LiveTensorTracker, measure_step_peak, track_step_state
 from remat.plan.planners import classify_candidates
 from remat.profile import ProfileReport, auto_candidates, profile_workload, resolve_candidates
 from remat.types import CheckpointMode as M
-from remat.types import HazardKind, Phase
+from remat.types import HazardKind, MemorySource, Phase
 from remat.workload import TrainingStep, load_workload
 
-from .conftest import FIXTURES, TINY
+from .conftest import FIXTURES, TINY, counter_available
 
 HAZ = f"{FIXTURES / 'hazard_workload.py'}:build"
 
@@ -600,3 +600,97 @@ def test_one_warm_up_step_profiles_what_two_did():
     assert one.baseline_peak_bytes == two.baseline_peak_bytes and one.excluded == two.excluded
     assert {c.name: c.saved_bytes for c in one.candidates} == {c.name: c.saved_bytes for c in two.candidates}
     assert make_plan(one, "all").predicted_peak_bytes == make_plan(two, "all").predicted_peak_bytes
+
+
+def test_segment_levels_share_packed_dry_run_passes_and_a_failure_is_still_attributed(monkeypatch):
+    """NOTE [packed segment dry runs]: on a chain of 8 identical blocks, the length-4 and length-2
+    segment levels (one FULL pass each before) run in one pass, a length-4 segment beside a disjoint
+    length-2 one. Ground truth: the count of forward + backward passes, and the wrapped segments of
+    each pass never overlap. The wrong case: wrapping any length-4 segment fails; the packed pass
+    fails, and the failure is recorded for both length-4 segments and for no length-2 one."""
+    import torch
+    from torch import nn
+
+    from remat.profile import dryrun
+    from remat.profile.dryrun import dry_run_modes
+    from remat.profile.model import CandidateCost
+    from remat.workload import Workload
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(8)))
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    wl = Workload(model=Chain(), batch=lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),
+                  loss=lambda m, x: m(x).sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    segments = [(a, a + 2) for a in range(0, 8, 2)] + [(0, 4), (4, 8)]
+    cands = [CandidateCost(name=f"blocks[{a}:{b}]", class_name="Segment", order=i, parent=None, fwd_ms=1.0,
+                           input_bytes=0, saved_bytes={M.KEEP: 0, M.FULL: 64}, replay_ms={M.KEEP: 0.0, M.FULL: 1.0},
+                           replay_extra_bytes={M.KEEP: 0, M.FULL: 0},
+                           members=[f"blocks.{k}" for k in range(a, b)]) for i, (a, b) in enumerate(segments)]
+    wrapped: list[list[str]] = []
+    real_attempt = dryrun._DryRunner.attempt
+
+    def attempt(self, assignment):
+        wrapped.append(sorted(assignment))
+        return real_attempt(self, assignment)
+
+    monkeypatch.setattr(dryrun._DryRunner, "attempt", attempt)
+    stats: dict = {}
+    assert dry_run_modes(TrainingStep(wl), cands, 0, stats=stats) == {} and stats["passes"] == 1
+    members = [set(next(c for c in cands if c.name == n).members) for n in wrapped[0]]
+    assert sorted(map(len, members)) == [2, 4] and not members[0] & members[1]
+
+    real_wrap = dryrun._wrap_named
+
+    def failing_wrap(model, modules, name, mode):
+        remove = real_wrap(model, modules, name, mode)
+        if name in ("blocks[0:4]", "blocks[4:8]"):   # the wrapped segment fails when the step runs it
+
+            def boom(*args, **kwargs):
+                raise RuntimeError(f"cannot checkpoint {name}")
+            modules[name.replace("[", ".").split(":")[0]].forward = boom   # its head, blocks.0 / blocks.4
+        return remove
+
+    monkeypatch.setattr(dryrun, "_wrap_named", failing_wrap)
+    failures = dry_run_modes(TrainingStep(wl), cands, 0, stats=stats)
+    assert set(failures) == {"blocks[0:4]", "blocks[4:8]"}
+    assert all(set(f) == {M.FULL} for f in failures.values())
+
+
+@pytest.mark.skipif(not counter_available(), reason="the C++ allocator counter cannot be built here")
+def test_the_baseline_peak_rides_on_the_first_timed_step_where_it_costs_nothing(monkeypatch):
+    """NOTE [peak in a timed step]: with the CPU allocator counter the profile runs one step fewer than
+    under the tracker, which measures the peak in a step of its own; ground truth for the peak:
+    torch.profiler's allocator events on a warm step of another build of the same shape."""
+    from remat.memory import profiler_step_peak
+    from remat.profile.measure import PROFILE_REPEATS, profile_step, resolve_candidates
+    shape = {**TINY["mlp"], "depth": 3}
+    real_run = TrainingStep.run
+    seen = {}
+    for instrument in ("allocator", "tracker"):
+        if instrument == "tracker":
+            monkeypatch.setenv("REMAT_CPU_PEAK", "tracker")
+        calls, labels = [], []
+
+        def counting(self, i, *args, **kwargs):
+            calls.append(i)
+            return real_run(self, i, *args, **kwargs)
+        monkeypatch.setattr(TrainingStep, "run", counting)
+        wl = load_workload("mlp", shape).workload
+        report = profile_step(TrainingStep(wl), resolve_candidates(wl.model, None),
+                              progress=lambda what, done, total: labels.append(what))
+        monkeypatch.setattr(TrainingStep, "run", real_run)
+        seen[instrument] = (len(calls), report, labels)
+    (n_alloc, alloc, alloc_labels), (n_track, track, track_labels) = seen["allocator"], seen["tracker"]
+    assert n_alloc == n_track - 1
+    assert f"profile: peak and timing ({PROFILE_REPEATS} steps)" in alloc_labels
+    assert f"profile: peak and timing ({PROFILE_REPEATS + 1} steps)" in track_labels
+    assert alloc.memory_source is MemorySource.CPU_ALLOCATOR and track.memory_source is MemorySource.CPU_LIVE_TENSORS
+    step = TrainingStep(load_workload("mlp", shape).workload)
+    step.run(0)
+    assert alloc.baseline_peak_bytes == pytest.approx(profiler_step_peak(step, 1), rel=1e-3)
+    assert track.baseline_peak_bytes <= alloc.baseline_peak_bytes
