@@ -10,10 +10,11 @@
 near the floor; CPU time of this process (HiGHS single-threaded), median of 3.
 
 ``auto`` / ``plan-gpt``: wall time of a first ``remat.auto`` on the zoo's HF Llama (cache off,
-budget 60%) or of ``remat plan --workload gpt --budget 60%`` (a subprocess), divided by the warm
-unplanned step of the same model measured in this process just before (median of 5 warm steps
-after 2 untimed): *step-equivalents*. ``auto`` also prints each progress stage's wall time in
-steps (a stage runs until the next one reports).
+budget 60%) or of ``remat plan --workload gpt --budget 60%`` (its library call, ``plan_from_args``,
+in this process: imports and process start not counted), divided by the warm unplanned step of
+the same model measured in this process just before (median of 5 warm steps after 2 untimed):
+*step-equivalents*. Both also print each progress stage's wall time in steps (a stage runs
+until the next one reports).
 
 ``cache-hit``: a fresh process that has imported torch and built the model (the user's) times
 ``import remat`` plus a ``remat.auto`` that hits the plan cache (the entry stored by a first
@@ -106,18 +107,29 @@ def auto(n_layers: list[int], budget: str) -> None:
 
 
 def plan_gpt(n_layers: list[int], budget: str) -> None:
+    """``remat plan`` as its CLI runs it (``plan_from_args``, the library call ``remat plan`` makes), in this
+    process, with each progress stage's wall time; imports and the CLI's process start are not counted."""
+    import argparse as _argparse
+    from remat.cli.cmd_plan import add_parser, plan_from_args
     from remat.workload import load_workload
-    print("| gpt n_layer | warm step s | `remat plan` s | step-equivalents |")
-    print("|---|---|---|---|")
+    print("| gpt n_layer | warm step s | `remat plan` s | step-equivalents | boundaries |")
+    print("|---|---|---|---|---|")
     for n in n_layers:
         step_s = warm_step_s(load_workload("gpt", {"n_layer": n}).workload)
         with tempfile.TemporaryDirectory() as out:
+            ap = _argparse.ArgumentParser()
+            add_parser(ap.add_subparsers())
+            args = ap.parse_args(["plan", "--workload", "gpt", "--shape", f"n_layer={n}", "--budget", budget,
+                                  "--out", str(Path(out) / "plan.json")])
+            clock = StageClock()
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "remat", "plan", "--workload", "gpt", "--shape", f"n_layer={n}",
-                            "--budget", budget, "--out", str(Path(out) / "plan.json")], check=True,
-                           stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            _, result = plan_from_args(args, clock)
             wall = time.perf_counter() - t0
-        print(f"| {n} | {step_s:.3f} | {wall:.1f} | {wall / step_s:.1f} |", flush=True)
+            clock(None)
+        plan = getattr(result, "plan", result)
+        print(f"| {n} | {step_s:.3f} | {wall:.1f} | {wall / step_s:.1f} | {len(plan.boundaries)} |", flush=True)
+        for label, s in clock.seconds.items():
+            print(f"|   {label} | | {s:.1f} | {s / step_s:.1f} | |", flush=True)
 
 
 _HIT = """

@@ -694,3 +694,40 @@ def test_the_baseline_peak_rides_on_the_first_timed_step_where_it_costs_nothing(
     step.run(0)
     assert alloc.baseline_peak_bytes == pytest.approx(profiler_step_peak(step, 1), rel=1e-3)
     assert track.baseline_peak_bytes <= alloc.baseline_peak_bytes
+
+
+def test_a_failed_dry_run_pass_retries_its_suspect_first_and_a_wrong_hint_changes_no_verdict(monkeypatch):
+    """NOTE [suspect first]: on the tiny gpt, recompute-pointwise fails (an in-place op on a tensor SAC
+    cached). Ground truth: every (candidate, mode) dry-run alone, one pass each. The suspect-first
+    retries find the same failures in fewer passes; with every hint pointing at an innocent region
+    (the wrong case) the verdicts are still the ground truth's: a hint orders the retries, it never
+    excludes anything."""
+    from remat.profile import dryrun
+    from remat.profile.dryrun import _DryRunner, dry_run_modes
+    from remat.profile.measure import profile_step
+
+    lw = load_workload("gpt", {**TINY["gpt"], "n_layer": 4})
+    step = TrainingStep(lw.workload)
+    report = profile_step(step, resolve_candidates(lw.workload.model, None), segments=False)
+    cands = [c for c in report.candidates if not c.members]
+    runner = _DryRunner(step, 10)
+    truth = {(c.name, m): runner.attempt({c.name: m}) is not None for c in cands for m in dryrun._modes(c)}
+    assert any(truth.values()) and not all(truth.values())
+
+    def verdicts(failures):
+        return {(c.name, m): m in failures.get(c.name, {}) for c in cands for m in dryrun._modes(c)}
+
+    stats: dict = {}
+    assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
+    hinted = stats["passes"]
+    real_tagging = dryrun._tagging
+    innocent = next(c.name for c in cands if not any(truth[(c.name, m)] for m in dryrun._modes(c)))
+    monkeypatch.setattr(dryrun, "_tagging", lambda fn, name: real_tagging(fn, innocent))
+    assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
+    assert hinted <= stats["passes"]
+    # the retries before the hint: every entry of a failed pass alone
+    monkeypatch.setattr(dryrun, "_tagging", real_tagging)
+    monkeypatch.setattr(dryrun, "_isolate", lambda runner, assignment: [
+        (n, m, e) for n, m in assignment.items() if (e := runner.attempt({n: m})) is not None])
+    assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
+    assert hinted < stats["passes"]

@@ -66,11 +66,14 @@ not be measured is timed alone as before.
 
 Profiling time: per round, about (1 + modes) forward + backward passes of each *timed*
 region; with N identical blocks shared, that is one block and its children, not N. The
-defaults (3 rounds for large regions, up to 9 for small ones, at most about
-1 s per region past the 3rd) are few on purpose: what a plan's overhead finally is, and
+defaults (3 rounds for large regions, up to 6 for small ones, at most about
+0.5 s per region past the 3rd) are few on purpose: what a plan's overhead finally is, and
 whether two plans differ at all, is the frontier's interleaved measurement and its
 resolved-difference rule (NOTE [resolved differences] in remat/frontier/pareto.py), not more
-samples here; the spread recorded per mode says how sure each figure is.
+samples here; the spread recorded per mode says how sure each figure is. (Up to 9 rounds and
+1 s per region before: on the zoo's 8-layer Llama its attention ran all 9 rounds, 1.07 s of a
+3.3 s stage, without its spread coming within 10% of its cost; the round cap is where a stage
+that cannot resolve a figure stops, so it sets the stage's time, not the figure's quality.)
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ class _RegionArm:
         self.mode = mode
         self.inputs = inputs
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.on_cpu = all(t.device.type == "cpu" for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor))
 
     def run(self) -> None:
         args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.inputs)
@@ -237,10 +241,18 @@ def _peak_bytes(arm: "_RegionArm") -> int | None:
     once more per arm under the live-tensor tracker: without checkpointing its peak is at the
     end of forward (inputs, saved tensors, output, output gradient); checkpointed it is in
     the replay (the same, plus what the replay holds beyond them), so the difference of the
-    two peaks is the replay's extra, measured.
+    two peaks is the replay's extra, measured. Both arms are measured by one instrument: the
+    live-tensor tracker, or where the CPU allocator counter measures whole steps (NOTE [CPU
+    allocator counter]) that counter, which costs the run nothing and also counts the RNG state a
+    checkpoint keeps (5056 bytes on CPU) in the replay's extra.
     """
+    from ..memory.allocator import CpuAllocatorWindow, counter_status
     from ..memory.tracker import LiveTensorTracker
     try:
+        if arm.on_cpu and counter_status().available:
+            with CpuAllocatorWindow() as w:
+                arm.run()
+            return w.peak_bytes
         with LiveTensorTracker(keep_timeline=False) as t:
             arm.run()
         return int(t.peak_bytes)
@@ -349,8 +361,8 @@ def _extra_bytes(module: nn.Module, mode: CheckpointMode, inputs: tuple[tuple, d
 
 
 def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
-                         min_rounds: int = 3, max_rounds: int = 9, max_rel_spread: float = 0.1,
-                         spread_floor_ms: float = 0.05, trim: float = 0.5, time_budget_ms: float = 1000.0,
+                         min_rounds: int = 3, max_rounds: int = 6, max_rel_spread: float = 0.1,
+                         spread_floor_ms: float = 0.05, trim: float = 0.5, time_budget_ms: float = 500.0,
                          progress: Callable[[int, int], None] = lambda done, total: None,
                          ) -> tuple[dict[str, dict[CheckpointMode, ReplayEstimate]], dict[str, str]]:
     """Measure every offered (candidate, mode), once per group of identical regions
@@ -376,8 +388,8 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
         rounds = _Rounds(min_rounds=min_rounds, max_rounds=max_rounds, max_rel_spread=max_rel_spread,
                          spread_floor_ms=spread_floor_ms, trim=trim, time_budget_ms=time_budget_ms,
                          resolution_ms=clock.resolution_ms())
-        gc.collect()
-        gc.disable()   # a collection inside a timed run is noise, not replay cost
+        gc.collect(1)   # the young generations: a full collection takes 0.2 s with torch loaded
+        gc.disable()    # a collection inside a timed run is noise, not replay cost
         return _measure_leaders(model, modules, [c for c in candidates if c.name in wanted], inputs, clock, rounds,
                                 progress)
     finally:
