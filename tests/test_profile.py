@@ -727,7 +727,7 @@ def test_a_failed_dry_run_pass_retries_its_suspect_first_and_a_wrong_hint_change
     assert hinted <= stats["passes"]
     # the retries before the hint: every entry of a failed pass alone
     monkeypatch.setattr(dryrun, "_tagging", real_tagging)
-    monkeypatch.setattr(dryrun, "_isolate", lambda runner, assignment: [
+    monkeypatch.setattr(dryrun, "_isolate", lambda runner, assignment, error: [
         (n, m, e) for n, m in assignment.items() if (e := runner.attempt({n: m})) is not None])
     assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
     assert hinted < stats["passes"]

@@ -49,7 +49,7 @@ import torch
 from ..errors import RematError, WorkloadError
 from ..host_rng import RngState, seed_everything
 from ..memory.cuda import read_cuda_stats
-from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, track_step_state
+from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, peak_costs_nothing, track_step_state
 from ..memory.reference import at_the_edge, profiler_step_peak
 from ..memory.tracker import LiveTensorTracker
 from ..types import MemorySource, Phase, ProgressFn, no_progress
@@ -233,7 +233,9 @@ class StepMeasurement:
 def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int = 3,
                 confirm_under: int | None = None) -> StepMeasurement:
     """Peak and warm step times of ``arm`` on a fresh build (NOTE [solo peaks]): ``warmup``
-    untimed steps, one peak step, then ``steps`` timed steps (0: the peak only).
+    untimed steps, one peak step, then ``steps`` timed steps (0: the peak only). Where measuring
+    the peak costs the step nothing (NOTE [peak in a timed step]) the peak step is also the first
+    timed one, and ``steps`` steps run after the warm-up, not ``steps + 1``.
 
     ``confirm_under`` (bytes, the budget the peak must clear): a CPU live-tensor peak under it by
     less than the tracker's known error is confirmed by torch.profiler on the next step, and the
@@ -249,12 +251,18 @@ def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int
             warmup += 1
         else:
             warm_up(prepared.step, warmup)
-        peak = arm.measure_peak(prepared.step, warmup)
-        # in a job every rank must run the same steps, so no rank confirms alone (NOTE [one plan per job])
-        confirmed = None if loaded.ranks is not None else _confirmed_peak(prepared.step, warmup + 1, peak,
-                                                                          confirm_under)
-        start = warmup + (1 if confirmed is None else 2)
-        times = time_steps(prepared.step, range(start, start + steps))
+        if steps >= 1 and arm.compile is None and peak_costs_nothing(prepared.step):
+            held: list[PeakMeasurement] = []    # NOTE [peak in a timed step]: no confirmation either
+            times = time_steps(prepared.step, [warmup], run=lambda i: held.append(arm.measure_peak(prepared.step, i)))
+            peak, confirmed = held[0], None
+            times += time_steps(prepared.step, range(warmup + 1, warmup + steps))
+        else:
+            peak = arm.measure_peak(prepared.step, warmup)
+            # in a job every rank must run the same steps, so no rank confirms alone (NOTE [one plan per job])
+            confirmed = None if loaded.ranks is not None else _confirmed_peak(prepared.step, warmup + 1, peak,
+                                                                              confirm_under)
+            start = warmup + (1 if confirmed is None else 2)
+            times = time_steps(prepared.step, range(start, start + steps))
     finally:
         prepared.close()
         prepared = None  # type: ignore[assignment]

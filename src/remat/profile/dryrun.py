@@ -281,8 +281,10 @@ def _pack_segments(model: nn.Module, passes: list[dict[str, CheckpointMode]],
     return [a for a, _ in packed]
 
 
-def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode]) -> list[tuple[str, CheckpointMode, str]]:
-    """The (candidate, mode, error) entries of a failed pass that fail alone.
+def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode],
+             error: str) -> list[tuple[str, CheckpointMode, str]]:
+    """The (candidate, mode, error) entries of a failed pass (its ``error``) that fail alone; a pass of one
+    entry is its own evidence.
 
     NOTE [suspect first]
     Every entry of a failed pass used to be retried alone, so a pass of 5 with one failing mode cost
@@ -294,6 +296,9 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode]) -> list[
     runs alone is cleared; without a hint, or a hint that ran alone, the entries are retried in
     order, as before, with the rest retried together after each confirmed failure.
     """
+    if len(assignment) == 1:
+        (name, mode), = assignment.items()
+        return [(name, mode, error)]
     remaining = dict(assignment)
     suspect = runner.suspect
     failed: list[tuple[str, CheckpointMode, str]] = []
@@ -340,9 +345,10 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
             stands_for[c.name] = groups[leader[c.name]]
         (segment_passes if key[0] == 1 else module_passes).extend(_passes(level, leader))
     for assignment in [*module_passes, *_pack_segments(runner.model, segment_passes, stands_for)]:
-        if runner.attempt(assignment) is None:
+        error = runner.attempt(assignment)
+        if error is None:
             continue
-        for name, mode, error in _isolate(runner, assignment):
+        for name, mode, error in _isolate(runner, assignment, error):
             for c in stands_for[name]:   # the same failure for every candidate it stands for
                 if mode in c.saved_bytes:
                     failures[c.name][mode] = error

@@ -313,7 +313,7 @@ def _forward_times(step: TrainingStep, names: dict[int, str], wanted: set[str], 
 
     NOTE [peak in a timed step]
     The baseline peak is one warm step (index ``warmup``). Where the peak's instrument costs the step
-    nothing measurable (the CUDA allocator's counters, or the CPU allocator counter: NOTE [CPU allocator
+    nothing measurable (here, and in every arm ``remat.measure.measure_arm`` measures) (the CUDA allocator's counters, or the CPU allocator counter: NOTE [CPU allocator
     counter], +1-4% of a step against the tracker's +10-60%) that step is also the first timed one,
     and the profile runs one step fewer; under the live-tensor tracker the peak is a step of its own,
     as the tracker's dispatch mode would slow the timed step. The timed steps are then ``warmup`` ..
