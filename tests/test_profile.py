@@ -603,7 +603,7 @@ def test_one_warm_up_step_profiles_what_two_did():
 
 
 def test_segment_levels_share_packed_dry_run_passes_and_a_failure_is_still_attributed(monkeypatch):
-    """NOTE [packed segment dry runs]: on a chain of 8 identical blocks, the length-4 and length-2
+    """NOTE [packed dry runs]: on a chain of 8 identical blocks, the length-4 and length-2
     segment levels (one FULL pass each before) run in one pass, a length-4 segment beside a disjoint
     length-2 one. Ground truth: the count of forward + backward passes, and the wrapped segments of
     each pass never overlap. The wrong case: wrapping any length-4 segment fails; the packed pass

@@ -10,11 +10,12 @@ expensive work; found here, it is an exclusion with its reason, never offered to
 So after profiling, each mode runs once (forward + backward, no optimizer step) on the
 profiled model with the candidates wrapped in torch's own non-reentrant checkpoint
 (``remat.apply`` sits below this stage, so the wrapping is the few lines below, the same
-call and the same SAC op set). Candidates are wrapped a *level* at a time (those with the
-same number of enclosing candidates, which never nest), so a model that runs clean costs
-one pass per level and mode; a level that fails is retried one candidate at a time, so
-each exclusion names the candidate that fails and its error. Gradients are reset and
-buffers restored afterwards: the dry run leaves the model as it found it.
+call and the same SAC op set). Identical candidates share their verdicts (NOTE [shared dry
+runs]) and candidates that share no module run in the same pass (NOTE [packed dry runs]), so
+a model that runs clean costs a pass or two; a pass that fails is narrowed down until each
+failure is a (candidate, mode) that fails alone (NOTE [suspect first]), so each exclusion
+names the candidate that fails and its error. Gradients are reset and buffers restored
+afterwards: the dry run leaves the model as it found it.
 """
 
 from __future__ import annotations
@@ -253,22 +254,29 @@ def _overlap(paths: set[str], used: set[str]) -> bool:
     return False
 
 
-def _pack_segments(model: nn.Module, passes: list[dict[str, CheckpointMode]],
-                   stands_for: dict[str, list[CandidateCost]]) -> list[dict[str, CheckpointMode]]:
-    """The segment levels' passes packed into as few passes as fit (NOTE [packed segment dry runs]).
+def _region_paths(model: nn.Module, name: str) -> set[str]:
+    """The module paths a candidate wraps: a segment's members, else the module itself."""
+    return {p for p, _ in segment_members(model, name)} if is_segment(name) else {name}
 
-    Each (segment, mode) of ``passes`` stands for its group (``stands_for``); any member of the group
-    may run it, so first-fit over the longest segments first places a member that overlaps nothing
-    already wrapped in a pass, or opens a new pass."""
-    entries = sorted(((name, mode) for p in passes for name, mode in p.items()),
-                     key=lambda e: -len(stands_for[e[0]][0].members or ()))
+
+def _pack(model: nn.Module, entries: list[tuple[str, CheckpointMode]],
+          stands_for: dict[str, list[CandidateCost]]) -> list[dict[str, CheckpointMode]]:
+    """Every level's (candidate, mode) entries packed into as few passes as fit (NOTE [packed dry runs]).
+
+    Each entry stands for its group (``stands_for``) and any member of the group offered the mode may
+    run it, so first-fit over the largest regions first places a member that overlaps nothing already
+    wrapped in a pass (the same module, or one enclosing or enclosed by it), or opens a new pass."""
+    def size(entry: tuple[str, CheckpointMode]) -> int:
+        return len(_region_paths(model, entry[0])) if is_segment(entry[0]) else 1
     packed: list[tuple[dict[str, CheckpointMode], set[str]]] = []
-    for name, mode in entries:
+    for name, mode in sorted(entries, key=size, reverse=True):   # stable: level order among equals
         members = [name, *(c.name for c in stands_for[name] if c.name != name and mode in c.saved_bytes)]
         placed = False
         for assignment, used in packed:
             for cand in members:
-                paths = {p for p, _ in segment_members(model, cand)}
+                if cand in assignment:
+                    continue
+                paths = _region_paths(model, cand)
                 if not _overlap(paths, used):
                     assignment[cand] = mode
                     used |= paths
@@ -277,7 +285,7 @@ def _pack_segments(model: nn.Module, passes: list[dict[str, CheckpointMode]],
             if placed:
                 break
         if not placed:
-            packed.append(({name: mode}, {p for p, _ in segment_members(model, name)}))
+            packed.append(({name: mode}, _region_paths(model, name)))
     return [a for a, _ in packed]
 
 
@@ -319,32 +327,34 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode],
 def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
                   stats: dict[str, int] | None = None) -> dict[str, dict[CheckpointMode, str]]:
     """Run every measured (candidate, mode) once (NOTE [mode dry runs]), identical candidates once per mode
-    (NOTE [shared dry runs] in profile/shared.py), the segment levels packed together (NOTE [packed
-    segment dry runs]); name -> mode -> error. ``stats["passes"]``: passes run.
+    (NOTE [shared dry runs] in profile/shared.py), packed into shared passes (NOTE [packed dry runs]);
+    name -> mode -> error. ``stats["passes"]``: passes run.
 
-    NOTE [packed segment dry runs]
-    Segment levels are (container, length) (``_levels``), so a chain of 32 blocks has 8 of them
-    (NOTE [segment count]), one FULL pass each, and on the built-in gpt at n_layer 32 the dry runs
-    were the largest stage of ``remat plan``. A segment's verdict stands for every identical segment
-    of its level (NOTE [shared dry runs]), so any one of them can run it, and segments of different
-    lengths that share no module can run in the same pass: the longest first, each placed where it
-    overlaps nothing wrapped yet. A failing packed pass is retried one (segment, mode) at a time, as
-    any pass is, so a failure still names its segment and is recorded for every segment it stands for.
+    NOTE [packed dry runs]
+    Levels (``_levels``: module candidates by nesting depth, segments by (container, length)) used to
+    take their passes one level at a time: a transformer's blocks, then their children, then each
+    segment length (8 on a chain of 32 blocks, NOTE [segment count]), and on the built-in gpt at
+    n_layer 32 the dry runs were the largest stage of ``remat plan``. A (candidate, mode)'s verdict
+    stands for every identical candidate of its level (NOTE [shared dry runs]), so any one of them
+    can run it, and candidates that share no module (none is, encloses or is enclosed by another)
+    can run in the same pass whatever their level: a block's mode on block 0, its attention's on
+    block 5, a segment over blocks 16 to 31. Largest regions first, each placed where it overlaps
+    nothing wrapped yet. A failing pass is narrowed down as any is (NOTE [suspect first]), so a
+    failure still names its candidate and is recorded for every candidate it stands for.
     """
     runner = _DryRunner(step, step_index)
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
     stands_for: dict[str, list[CandidateCost]] = {}      # name -> the identical candidates its verdict covers
-    module_passes: list[dict[str, CheckpointMode]] = []
-    segment_passes: list[dict[str, CheckpointMode]] = []
-    for key, level in sorted(_levels(candidates).items()):
+    entries: list[tuple[str, CheckpointMode]] = []
+    for _, level in sorted(_levels(candidates).items()):
         leader = dry_run_leaders(runner.model, runner.modules, level, region_module)
         groups: dict[str, list[CandidateCost]] = defaultdict(list)
         for c in level:
             groups[leader[c.name]].append(c)
         for c in level:
             stands_for[c.name] = groups[leader[c.name]]
-        (segment_passes if key[0] == 1 else module_passes).extend(_passes(level, leader))
-    for assignment in [*module_passes, *_pack_segments(runner.model, segment_passes, stands_for)]:
+        entries += [e for p in _passes(level, leader) for e in p.items()]
+    for assignment in _pack(runner.model, entries, stands_for):
         error = runner.attempt(assignment)
         if error is None:
             continue

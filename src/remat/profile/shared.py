@@ -121,9 +121,10 @@ def dry_run_leaders(model: nn.Module, modules: dict[str, nn.Module], level: list
     measurements] less the captured inputs, which the dry runs have not seen yet: structure,
     modes, per-instance bytes, and forward times that agree) now try their modes on different
     members in one pass: block 0 in ``full``, block 1 in ``selective``, ... A failing pass is
-    retried one (candidate, mode) at a time, as before, and the failure found on one member is
-    recorded for every member it stands for. Groups never cross levels, so no two wrapped
-    candidates nest.
+    narrowed down to the (candidate, mode) entries that fail alone (NOTE [suspect first] in
+    profile/dryrun.py), and the failure found on one member is recorded for every member it
+    stands for. Groups never cross levels; passes may (NOTE [packed dry runs]), and no two
+    candidates wrapped in one pass overlap.
     """
     signatures = {c.name: (_structure(region_of(model, modules, c.name)),
                            tuple(m.value for m in c.saved_bytes), _measured_bytes(c)) for c in level}
