@@ -24,7 +24,8 @@ backward, optimizer) of:
                   profiled peak; default 70% and 55%), planned with no reserve through the
                   closed loop
 
-Peaks: each arm alone, one warm step, CPU live-tensor tracker; the compiled arm's peak
+Peaks: each arm alone, one warm step, remat's CPU peak (the allocator counter, or the live-tensor
+tracker where it cannot be built: ``measure_step_peak``); the compiled arm's peak
 comes from torch.profiler's allocator events instead (see CompileArm: the tracker cannot
 see compiled graphs). Capacity: the largest batch_size whose peak fits each budget
 (remat.frontier.search_capacity, probes memoised across budgets).
@@ -422,7 +423,8 @@ def render_markdown(data: dict) -> str:
              "rotated order), so drift hit them alike. Figures are medians (p50) and p95 of "
              f"{data['steps']} warm whole steps per arm (batch, forward, backward, AdamW/SGD step) after "
              f"{data['warmup']} warm-up rounds; peaks are one warm step with the arm alone "
-             "(CPU live-tensor tracker; the compiled arm: torch.profiler allocator events, see below).",
+             "(on CPU remat's allocator counter, or the live-tensor tracker where it cannot be built: "
+             "measure_step_peak; the compiled arm: torch.profiler allocator events, see below).",
              "",
              "Budgets are shares of the control's profiled peak (70% and 55% by default, not 50%: at these "
              "shapes remat's predicted floor is 47-50% of the control, so at 50% only `all`-like plans fit and "

@@ -230,6 +230,10 @@ class ProfileReport:
     # (candidate, mode values) whose measured replay cost was below the clock's resolution: priced
     # at that resolution, not zero (NOTE [measured replay costs] in profile/replay.py)
     replay_below_resolution: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # bytes the whole-step instrument saw at the peak beyond the tensors the rows count (kernel
+    # workspaces, a checkpoint's RNG state), already added to every row's base (NOTE [untracked bytes]
+    # in profile/measure.py); 0 when the rows' instrument measured the baseline too
+    untracked_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
@@ -241,7 +245,8 @@ class ProfileReport:
                 "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle),
                 "replay_unmeasured": dict(self.replay_unmeasured), "replay_shared": dict(self.replay_shared),
                 "replay_composed": {k: list(v) for k, v in self.replay_composed.items()},
-                "replay_below_resolution": {k: list(v) for k, v in self.replay_below_resolution.items()}}
+                "replay_below_resolution": {k: list(v) for k, v in self.replay_below_resolution.items()},
+                "untracked_bytes": self.untracked_bytes}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -259,4 +264,5 @@ class ProfileReport:
                    replay_shared={str(k): str(v) for k, v in d.get("replay_shared", {}).items()},
                    replay_composed={str(k): [str(m) for m in v] for k, v in d.get("replay_composed", {}).items()},
                    replay_below_resolution={str(k): [str(m) for m in v]
-                                            for k, v in d.get("replay_below_resolution", {}).items()})
+                                            for k, v in d.get("replay_below_resolution", {}).items()},
+                   untracked_bytes=int(d.get("untracked_bytes", 0)))
