@@ -9,12 +9,12 @@ profiler column is a whole-step peak from torch.profiler's allocator events inst
 (``profiler_step_peak``: C++ op and memory records, no Python per op), events read included.
 The counter columns are the allocator counter (NOTE [CPU allocator counter], what
 ``measure_step_peak`` uses on CPU when it can be built). Once installed it stays in the process
-and every CPU allocation passes through it, measured or not, so it is timed in a second phase,
-after the first phase's plain steps: "counter overhead" is median(counted) / median(plain of the
-first phase, counter not installed) - 1, so it includes what the installed counter costs every
-step; "installed" is median(plain, counter installed) / that same plain - 1. The two phases are
-not interleaved with each other (the counter cannot be taken out again), so drift between them
-shows in both columns alike.
+(every CPU allocation passes through it, counted only inside a window), so it is timed in a second
+phase, after the first phase's plain steps, each workload in a process of its own: "counter
+overhead" is median(counted) / median(plain steps of phase 2, counter installed, interleaved with
+the counted ones) - 1; "installed" is median(plain of phase 2) / median(plain of phase 1,
+counter not installed) - 1. The two phases are not interleaved with each other (the counter
+cannot be taken out again), so the "installed" column carries the drift between them.
 ``--zoo``: the zoo's factory files (benchmarks/zoo/NAME.py) at their default shapes instead of
 the built-ins.
 """
@@ -86,7 +86,7 @@ def measure_one(spec: str, shape: dict, steps: int) -> str:
         cpeak = measure_step_peak(step, 10 + i).peak_bytes
         counted.append((time.perf_counter() - t0) * 1e3)
     c, p2 = statistics.median(counted), statistics.median(plain2)
-    return row + (f"| {100 * (c / p - 1):+.1f}% | {100 * (p2 / p - 1):+.1f}% | {cpeak} | {peak} | {ref} "
+    return row + (f"| {100 * (c / p2 - 1):+.1f}% | {100 * (p2 / p - 1):+.1f}% | {cpeak} | {peak} | {ref} "
                   f"| {peak / cpeak:.4f} |")
 
 

@@ -24,8 +24,9 @@ window's: their frees are not subtracted (a pre-existing tensor freed mid-step r
 never low), and the state live when the step starts (parameters, buffers, gradients,
 optimizer state) is registered and added as the tracker registers it. The counter is
 process-wide (any thread's CPU allocations in the window count), and it is installed once per
-process, at the first CPU measurement: from then on every CPU allocation pays that one map
-update, counted or not.
+process, at the first CPU measurement; from then on an allocation outside a window is the
+wrapped allocator's own after one atomic load (the installed counter costs unmeasured steps
+nothing), and only one inside a window pays the map update.
 
 It is a small C++ extension, built with ``torch.utils.cpp_extension`` on first use (about 10 s
 on 2 cores; cached under torch's extension directory, ``$TORCH_EXTENSIONS_DIR`` or

@@ -2,8 +2,9 @@
 //
 // Wraps the process's CPU allocator (c10::GetCPUAllocator(), the one at::empty uses) and counts
 // the bytes of every allocation made while a *window* is open, less those of the same window's
-// allocations freed before it closes. One mutex-guarded map insert and erase per allocation,
-// in C++: no Python runs per op, so a measured step costs what the step costs.
+// allocations freed before it closes. Inside a window: one mutex-guarded map insert and erase per
+// allocation, in C++ (no Python runs per op, so a measured step costs what the step costs).
+// Outside a window an allocation is the wrapped allocator's own, untouched, after one atomic load.
 //
 // Kept deliberately small: the DataPtr's context stays equal to its data pointer (as the
 // default CPU allocator's is), so raw_allocate / raw_deallocate keep working, and the wrapped
@@ -12,6 +13,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
@@ -21,7 +23,7 @@ namespace {
 struct Counter {
   std::mutex mu;
   std::unordered_map<void*, std::pair<size_t, uint64_t>> sizes;  // data -> (bytes, window)
-  uint64_t window = 0;     // the open window's number; 0: closed
+  std::atomic<uint64_t> window{0};  // the open window's number; 0: closed (read without the mutex)
   uint64_t last_window = 0;
   int64_t live = 0;        // bytes allocated in the open window and not yet freed
   int64_t peak = 0;        // max of live since the window opened or the peak was last reset
@@ -43,7 +45,8 @@ void counting_delete(void* ptr) {
     std::lock_guard<std::mutex> guard(c.mu);
     auto it = c.sizes.find(ptr);
     if (it != c.sizes.end()) {
-      if (c.window != 0 && it->second.second == c.window) {
+      uint64_t open = c.window.load();
+      if (open != 0 && it->second.second == open) {
         c.live -= static_cast<int64_t>(it->second.first);
       }
       c.sizes.erase(it);
@@ -54,6 +57,9 @@ void counting_delete(void* ptr) {
 
 struct CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
+    if (counter().window.load(std::memory_order_relaxed) == 0) {
+      return g_inner->allocate(nbytes);  // no window open: the wrapped allocator's own allocation
+    }
     c10::DataPtr dp = g_inner->allocate(nbytes);
     void* data = dp.get();
     if (data == nullptr || dp.get_context() != data || dp.get_deleter() != g_inner_delete) {
@@ -62,13 +68,15 @@ struct CountingAllocator final : public c10::Allocator {
     {
       Counter& c = counter();
       std::lock_guard<std::mutex> guard(c.mu);
-      c.sizes[data] = {nbytes, c.window};
-      if (c.window != 0) {
-        c.live += static_cast<int64_t>(nbytes);
-        c.allocations += 1;
-        c.allocated += static_cast<int64_t>(nbytes);
-        if (c.live > c.peak) c.peak = c.live;
+      uint64_t open = c.window.load();
+      if (open == 0) {
+        return dp;  // the window closed meanwhile: not counted, not tracked
       }
+      c.sizes[data] = {nbytes, open};
+      c.live += static_cast<int64_t>(nbytes);
+      c.allocations += 1;
+      c.allocated += static_cast<int64_t>(nbytes);
+      if (c.live > c.peak) c.peak = c.live;
     }
     dp.release_context();
     return c10::DataPtr(data, data, &counting_delete, dp.device());
@@ -101,13 +109,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("open_window", []() {
     Counter& c = counter();
     std::lock_guard<std::mutex> guard(c.mu);
-    c.window = ++c.last_window;
+    c.window.store(++c.last_window);
     c.live = c.peak = c.allocations = c.allocated = 0;
   });
   m.def("close_window", []() {
     Counter& c = counter();
     std::lock_guard<std::mutex> guard(c.mu);
-    c.window = 0;
+    c.window.store(0);
   });
   m.def("live", []() { Counter& c = counter(); std::lock_guard<std::mutex> g(c.mu); return c.live; });
   m.def("peak", []() { Counter& c = counter(); std::lock_guard<std::mutex> g(c.mu); return c.peak; });
