@@ -64,10 +64,14 @@ class CounterStatus:
 
 
 def _module_name() -> str:
-    """The extension's name: a digest of its source and torch's version, so an edit or a torch
-    upgrade builds anew instead of loading a stale library."""
+    """The extension's name: a digest of its source, torch's version and the interpreter's, so an edit,
+    a torch upgrade or another Python builds anew instead of loading a library built for something else."""
+    import platform
+    import sys
+
     import torch
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    built_for = f"{torch.__version__} {sys.implementation.cache_tag} {platform.machine()}".encode()
+    digest = hashlib.sha256(SOURCE.read_bytes() + built_for).hexdigest()[:12]
     return f"remat_cpu_alloc_counter_{digest}"
 
 
