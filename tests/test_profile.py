@@ -759,3 +759,23 @@ def test_untracked_bytes_carry_the_allocator_gap_into_every_row():
         assert abs(plan.predicted_peak_bytes - measured) < abs(wrong.predicted_peak_bytes - measured), spec
         assert plan.predicted_peak_bytes == pytest.approx(measured, rel=0.1), spec
     assert ProfileReport.from_json(report.to_json()).untracked_bytes == report.untracked_bytes
+
+
+def test_a_gap_larger_than_the_trackers_known_error_is_another_step_not_untracked_bytes():
+    """NOTE [untracked bytes]: the baseline's peak step and the recorded step are two steps. A gap within
+    the tracker's known error (3% of the peak, at least 2 MiB) is the instrument's and is added to
+    every row; a larger one (a layerdrop step that ran a layer the recorded step skipped) is not;
+    nor is any gap under the tracker itself."""
+    from remat.memory import PeakMeasurement
+    from remat.memory.reference import tracker_error_bytes
+    from remat.profile.measure import _with_untracked
+    from remat.profile.model import PeakRow
+
+    rows = [PeakRow(base_bytes=100 * 2**20, live=(), replaying=()), PeakRow(base_bytes=60 * 2**20, live=("a",), replaying=())]
+    top = 100 * 2**20
+    small = PeakMeasurement(top + 2**20, MemorySource.CPU_ALLOCATOR, Phase.BACKWARD)
+    shifted, untracked = _with_untracked(rows, small)
+    assert untracked == 2**20 and [r.base_bytes for r in shifted] == [r.base_bytes + 2**20 for r in rows]
+    big = PeakMeasurement(top + tracker_error_bytes(top + 10 * 2**20) + 1, MemorySource.CPU_ALLOCATOR, Phase.BACKWARD)
+    assert _with_untracked(rows, big) == (rows, 0)
+    assert _with_untracked(rows, PeakMeasurement(top + 2**20, MemorySource.CPU_LIVE_TENSORS, Phase.BACKWARD)) == (rows, 0)
