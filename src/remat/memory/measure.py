@@ -85,13 +85,14 @@ def _counted_step_peak(step: TrainingStep, step_index: int) -> PeakMeasurement:
     its start plus the peak of what the step allocates; the phase is the one whose window peaked highest."""
     start = step_state_bytes(step)
     phase_peaks: list[tuple[int, Phase | None]] = []
-    current: list[Phase | None] = [None]
+    current: Phase | None = None
     with CpuAllocatorWindow() as window:
         def mark(phase: Phase) -> None:   # the peak of the phase that ends here, then a new one
-            phase_peaks.append((window.peak_bytes, current[0]))
+            nonlocal current
+            phase_peaks.append((window.peak_bytes, current))
             window.reset_peak()
-            current[0] = phase
+            current = phase
         loss = step.run(step_index, marker=mark)
-        phase_peaks.append((window.peak_bytes, current[0]))
+        phase_peaks.append((window.peak_bytes, current))
     peak, phase = max(phase_peaks, key=lambda p: p[0])   # the first phase of the highest peak
     return PeakMeasurement(start + peak, MemorySource.CPU_ALLOCATOR, phase, 0, loss)

@@ -9,7 +9,7 @@ Nothing in a plan names code: module paths are looked up in ``model.named_module
 
 from __future__ import annotations
 
-from ..types import MODULE_PATH_RE
+from ..types import MODULE_PATH_RE, MemorySource
 from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, List, Map, Num, Obj, Opt, Str, Tuple
 
 SHORT = Str(max_len=2_000)
@@ -20,7 +20,7 @@ HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
 MODULE_PATH = Str(f"{MODULE_PATH_RE}(\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\])?|\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\]",
                   max_len=500, what="a module path (names joined by '.') or a segment (container[start:stop])")
 MODE = Enum("full", "selective", "save-attention", "recompute-pointwise", "offload")   # CheckpointMode less keep
-MEMORY_SOURCE = Enum("cuda-allocator", "cpu-live-tensors", "cpu-allocator", "cpu-profiler-allocator", "simulated")
+MEMORY_SOURCE = Enum(*(s.value for s in MemorySource))   # one list: remat.types.MemorySource
 MAX_MODULES = 100_000
 
 # remat.profile.ModelFingerprint.to_json
