@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Generic, Hashable, TypeVar
+from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
 from .wrap import PlanArm
 from .errors import BudgetError, PlanError
-from .measure import CompileSpec, StepMeasurement, measure_arm, measure_arm_peak
+from .measure import CompileSpec, StepMeasurement, Stream, measure_arm, measure_stream_peaks
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .plan.offload import OffloadPricing
 from .profile.model import ProfileReport
 from .profile.sample import SampleRecord, StepSample
-from .profile.sampling import sample_workloads
+from .profile.sampling import sample_workloads, shape_streams
 from .types import ProgressFn, no_progress
 from .workload.loader import LoadedWorkload
 
@@ -184,14 +184,16 @@ def _measure(steps: LoopSteps[P], plan: P, tried: list[Tried[P]], *, fallback: b
 
 # -- one device ---------------------------------------------------------------------------------------
 
-def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 1, steps: int = 3) -> StepMeasurement:
+def measure_plan(loaded: LoadedWorkload, plan: Plan | None, *, warmup: int = 1, steps: int = 3,
+                 then: Sequence[Stream] = ()) -> StepMeasurement:
     """Peak and warm step times of ``plan`` applied to a fresh build of the workload (remat.measure);
     a CPU peak at the edge of the plan's effective budget confirmed by torch.profiler (NOTE [peaks at the edge]).
 
     One warm-up step: the optimizer state exists from the first step on, so the second is the steady
-    step (the later sampled points' peaks are measured the same way, ``sample_peaks``)."""
+    step. ``then``: the later sampled points of the same shape, one peak step each on the same build
+    afterwards (``then_peak_bytes``; NOTE [one build per shape])."""
     return measure_arm(loaded, PlanArm("plan", plan), warmup=warmup, steps=steps,
-                       confirm_under=None if plan is None else plan.effective_budget_bytes)
+                       confirm_under=None if plan is None else plan.effective_budget_bytes, then=then)
 
 
 def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec = "optimal", *,
@@ -305,9 +307,12 @@ class _OneDevice:
                          fallbacks=self.fallbacks if budget_driven and budget_given else None)
 
     def measure(self, plan: Plan) -> None:
-        _measure_into(self.points[0], plan, self.n_steps, self.compile)
-        if self.sample is not None:
-            measure_sample_peaks(self.points, plan, self.sample)
+        if self.sample is None:
+            _measure_into(self.points[0], plan, self.n_steps, self.compile)
+        else:   # the first shape's later points on the first point's build (NOTE [one build per shape])
+            groups = shape_streams(self.points, self.sample)
+            m = _measure_into(self.points[0], plan, self.n_steps, self.compile, then=groups[0][1][1:])
+            _record_sample(plan, self.sample, [m.peak_bytes, *m.then_peak_bytes, *_shape_peaks(groups[1:], plan)])
         self.margins.append(self.margin)
 
     def correct(self, plan: Plan) -> Plan:
@@ -402,31 +407,46 @@ def _fits(plan: Plan) -> bool:
     return target is None or (plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= target)
 
 
-def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: CompileSpec | None = None) -> None:
+def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: CompileSpec | None = None,
+                  then: Sequence[Stream] = ()) -> StepMeasurement:
     if compile is not None:
         plan.compile = compile
-    m = measure_plan(loaded, plan, steps=steps)
+    m = measure_plan(loaded, plan, steps=steps, then=then)
     plan.measured_peak_bytes = m.peak_bytes
     plan.measured_step_ms = m.p50_ms
     if compile is not None or m.tracker_peak_bytes is not None:
         # the compiled step's instrument, or torch.profiler where it confirmed a peak at the edge
         plan.memory_source = m.memory_source.value
+    return m
 
 
-def measure_sample_peaks(points: list[LoadedWorkload], plan: Plan, sample: StepSample) -> None:
-    """Measure ``plan`` at every point after the first (``plan.measured_peak_bytes`` is the first's);
-    record the peaks in ``plan.sample``; ``plan.measured_peak_bytes`` becomes their max (NOTE [step sample])."""
-    assert plan.measured_peak_bytes is not None
-    peaks = sample_peaks(points, plan, plan.measured_peak_bytes)
+def _record_sample(plan: Plan, sample: StepSample, peaks: list[int]) -> None:
+    """Record ``plan``'s peak at every point (bytes, in ``sample.points()`` order) in ``plan.sample``;
+    ``plan.measured_peak_bytes`` becomes their max (NOTE [step sample])."""
     plan.sample = SampleRecord(sample=sample, point_peaks=peaks)
     plan.measured_peak_bytes = max(peaks)
 
 
-def sample_peaks(points: list[LoadedWorkload], plan: Plan, first_peak: int) -> list[int]:
-    """``first_peak`` (bytes, measured at ``points[0]``) and ``plan``'s peak at every later point, each on
-    a fresh build after 1 warm-up step (compiled when the plan is)."""
+def measure_sample_peaks(points: list[LoadedWorkload], plan: Plan, sample: StepSample) -> None:
+    """Measure ``plan`` at every point after the first (``plan.measured_peak_bytes`` is the first's) and
+    record them (``_record_sample``)."""
+    assert plan.measured_peak_bytes is not None
+    _record_sample(plan, sample, sample_peaks(points, sample, plan, plan.measured_peak_bytes))
+
+
+def sample_peaks(points: list[LoadedWorkload], sample: StepSample, plan: Plan, first_peak: int) -> list[int]:
+    """``first_peak`` (bytes, measured at ``points[0]``) and ``plan``'s peak at every later point: the
+    first shape's later points on one fresh build, each boundary shape's points on one of their own,
+    after 1 warm-up step (compiled when the plan is; NOTE [one build per shape])."""
+    groups = shape_streams(points, sample)
+    first, streams = groups[0]
+    return [first_peak, *measure_stream_peaks(first, PlanArm("plan", plan), streams[1:]), *_shape_peaks(groups[1:], plan)]
+
+
+def _shape_peaks(groups: list[tuple[LoadedWorkload, list[Stream]]], plan: Plan) -> list[int]:
+    """``plan``'s peak at every point of each shape of ``groups``, one fresh build per shape."""
     arm = PlanArm("plan", plan)
-    return [first_peak, *(measure_arm_peak(w, arm, warmup=1).peak_bytes for w in points[1:])]
+    return [peak for loaded, streams in groups for peak in measure_stream_peaks(loaded, arm, streams)]
 
 
 class BudgetMissed(BudgetError):

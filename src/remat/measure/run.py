@@ -53,7 +53,7 @@ from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, p
 from ..memory.reference import at_the_edge, profiler_step_peak
 from ..memory.tracker import LiveTensorTracker
 from ..types import MemorySource, Phase, ProgressFn, no_progress
-from ..workload.contract import TrainingStep, is_allocation_failure
+from ..workload.contract import TrainingStep, Workload, is_allocation_failure
 from ..workload.loader import LoadedWorkload, ShapeValue, factory_defaults
 from ..clock import StepClock, percentile
 from .compile_spec import CompileSpec
@@ -217,6 +217,7 @@ class StepMeasurement:
     compile_s: float | None = None   # compiled arms: first step's wall time less a warm step's (s)
     tracker_peak_bytes: int | None = None   # CPU, confirmed at the edge: the tracker's own figure
                                             # (NOTE [peaks at the edge]); peak_bytes is the larger
+    then_peak_bytes: tuple[int, ...] = ()   # one step's peak per stream ``measure_arm`` ran after (``then``)
 
     @property
     def p50_ms(self) -> float:
@@ -230,8 +231,13 @@ class StepMeasurement:
                 "num_alloc_retries": self.num_alloc_retries, "compile_s": self.compile_s}
 
 
+# Another stream of steps on the same build: the workload running other batches (and random draws) on
+# the same model, loss and optimizer factory (NOTE [one build per shape] in remat/profile/sampling.py).
+Stream = Callable[[Workload], Workload]
+
+
 def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int = 3,
-                confirm_under: int | None = None) -> StepMeasurement:
+                confirm_under: int | None = None, then: Sequence[Stream] = ()) -> StepMeasurement:
     """Peak and warm step times of ``arm`` on a fresh build (NOTE [solo peaks]): ``warmup``
     untimed steps, one peak step, then ``steps`` timed steps (0: the peak only). Where measuring
     the peak costs the step nothing (NOTE [peak in a timed step]) the peak step is also the first
@@ -239,7 +245,10 @@ def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int
 
     ``confirm_under`` (bytes, the budget the peak must clear): a CPU live-tensor peak under it by
     less than the tracker's known error is confirmed by torch.profiler on the next step, and the
-    larger figure is the peak (NOTE [peaks at the edge])."""
+    larger figure is the peak (NOTE [peaks at the edge]).
+
+    ``then``: after the timed steps, one step of each stream on the same build, its peak measured
+    (``then_peak_bytes``, in order): step ``warmup`` of that stream, as every stream's first peak step."""
     prepared = prepare_arm(loaded, arm)
     compile_s = None
     try:
@@ -263,6 +272,7 @@ def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int
                                                                               confirm_under)
             start = warmup + (1 if confirmed is None else 2)
             times = time_steps(prepared.step, range(start, start + steps))
+        then_peaks = _stream_peaks(prepared, arm, then, warmup)
     finally:
         prepared.close()
         prepared = None  # type: ignore[assignment]
@@ -274,8 +284,19 @@ def measure_arm(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2, steps: int
             peak_bytes, source = confirmed, MemorySource.CPU_PROFILER
     if loaded.ranks is not None:   # every rank ran this step: one figure for all (NOTE [one plan per job])
         peak_bytes, times = loaded.ranks.max_bytes(peak_bytes), loaded.ranks.median_ms(times)
+        then_peaks = [loaded.ranks.max_bytes(p) for p in then_peaks]
     return StepMeasurement(peak_bytes=peak_bytes, step_ms=times, memory_source=source, tracker_peak_bytes=tracker,
-                           num_alloc_retries=peak.num_alloc_retries, compile_s=compile_s)
+                           num_alloc_retries=peak.num_alloc_retries, compile_s=compile_s,
+                           then_peak_bytes=tuple(then_peaks))
+
+
+def _stream_peaks(prepared: Prepared, arm: Arm, streams: Sequence[Stream], index: int) -> list[int]:
+    """Step ``index`` of each stream on ``prepared``'s build, in order, and its peak (bytes)."""
+    peaks = []
+    for stream in streams:
+        prepared.step.workload = stream(prepared.step.workload)   # same model and optimizer, other batches
+        peaks.append(arm.measure_peak(prepared.step, index).peak_bytes)
+    return peaks
 
 
 def _confirmed_peak(step: TrainingStep, index: int, peak: PeakMeasurement, budget: int | None) -> int | None:
@@ -292,6 +313,24 @@ def measure_arm_peak(loaded: LoadedWorkload, arm: Arm, *, warmup: int = 2) -> Pe
     try:
         warm_up(prepared.step, warmup)
         return arm.measure_peak(prepared.step, warmup)
+    finally:
+        prepared.close()
+        prepared = None  # type: ignore[assignment]
+        release_memory()
+
+
+def measure_stream_peaks(loaded: LoadedWorkload, arm: Arm, streams: Sequence[Stream], *,
+                         warmup: int = 1) -> list[int]:
+    """On one fresh build of ``loaded`` prepared by ``arm``: ``warmup`` steps of the first stream, then
+    step ``warmup`` of each stream in turn, its peak (bytes; NOTE [one build per shape])."""
+    if not streams:
+        return []
+    prepared = prepare_arm(loaded, arm)
+    try:
+        prepared.step.workload = streams[0](prepared.step.workload)
+        warm_up(prepared.step, warmup)
+        peaks = _stream_peaks(prepared, arm, streams, warmup)
+        return [loaded.ranks.max_bytes(p) for p in peaks] if loaded.ranks is not None else peaks
     finally:
         prepared.close()
         prepared = None  # type: ignore[assignment]

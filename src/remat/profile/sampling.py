@@ -4,11 +4,13 @@ the profile of every point merged into one."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Any, Callable
 
 import torch
 
+from ..measure import Stream
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..workload.contract import TrainingStep, Workload
@@ -70,29 +72,72 @@ def sample_workloads(loaded: LoadedWorkload, sample: StepSample, *,
     return [at_point(builds[i // per_shape], p) for i, p in enumerate(points)]
 
 
+def on_point(workload: Workload, point: SamplePoint) -> Workload:
+    """``point``'s steps on ``workload``'s model, loss and optimizer factory, whichever point's steps it
+    ran before (NOTE [one build per shape])."""
+    batch = workload.batch.batch if isinstance(workload.batch, _PointBatch) else workload.batch
+    return dataclasses.replace(workload, batch=_PointBatch(batch, point))
+
+
+def shape_streams(workloads: list[LoadedWorkload], sample: StepSample) -> list[tuple[LoadedWorkload, list[Stream]]]:
+    """The sample by shape (``workloads`` from :func:`sample_workloads`): per shape, the workload of its
+    first point (whose fresh build the shape's points run on) and one stream per point of that shape,
+    in ``sample.points()`` order (NOTE [one build per shape])."""
+    streams: list[Stream] = [functools.partial(on_point, point=p) for p in sample.points()]
+    n = sample.steps
+    return [(workloads[i], streams[i:i + n]) for i in range(0, len(workloads), n)]
+
+
 def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: list[str] | None = None,
                    measure_replays: bool = True, segments: bool = True, variants: list[LoadedWorkload] | None = None,
                    progress: ProgressFn = no_progress) -> ProfileReport:
     """Profile every point of ``sample`` and merge them (NOTE [step sample]).
 
-    The first point profiles as ``profile_workload`` always did; the others with 1 warm-up and 1
-    timed step, measuring replays only of the candidates no earlier point offered (the merged
-    replay time is the median of the measured ones)."""
+    The first point profiles as ``profile_workload`` always did. The first point of each boundary
+    shape profiles on its own build with 1 warm-up and 1 timed step; every later point of a shape
+    continues on the step (model and optimizer) of the point before it with no warm-up and 1 timed
+    step (NOTE [one build per shape]). Later points measure replays only of the candidates no earlier
+    point offered (the merged replay time is the median of the measured ones).
+
+    NOTE [one build per shape]
+    A later point needs its own batches and random draws, not its own model: what a step holds at its
+    peak is the model's state (parameters, gradients, the optimizer's moments) plus that step's
+    activations, and the state exists from the first optimizer step on. So the points of one shape
+    run one after another on one build and one optimizer: a point's step is the same batch and seed
+    (NOTE [step sample]) on a model some steps further trained, as every step of a real run is. Each
+    point used to rebuild and run a warm-up step first: on gpt at n_layer 32 a build and a warm-up
+    step per later point and per measured plan, 6 of the 36 step-equivalents of a ``remat plan``.
+    The closed loop and ``remat check`` measure a plan's later points the same way, on one fresh
+    build per shape (``sample_peaks`` in remat/closed_loop.py). The weights a step sees then depend
+    on the steps before it, which matters to a step whose control flow reads its weights (MoE
+    routing); the steps are the same every time the sample is run, so ``remat check`` re-measures
+    what the closed loop measured.
+    """
     reports: list[ProfileReport] = []
     workloads = sample_workloads(loaded, sample, variants=variants)
-    for i, point_loaded in enumerate(workloads):
+    points = sample.points()
+    step: TrainingStep | None = None
+    for i, (point_loaded, point) in enumerate(zip(workloads, points)):
         def tick(what: str, done: int, total: int, i: int = i) -> None:
             progress(what if len(workloads) == 1 else f"{what} (sampled step {i + 1}/{len(workloads)})", done, total)
         if i == 0:
+            step = TrainingStep(point_loaded.workload)
             reports.append(profile_workload(point_loaded, candidates=candidates, measure_replays=measure_replays,
-                                            segments=segments, progress=tick))
+                                            segments=segments, step=step, progress=tick))
             continue
-        if isinstance(point_loaded, PointWorkload):
-            point_loaded = point_loaded.rebuild()   # a fresh build: not the model an earlier point trained
+        first_of_shape = i % sample.steps == 0
+        if first_of_shape:      # a boundary shape's own build (NOTE [step sample])
+            step = TrainingStep(point_loaded.workload)
+        else:                   # the shape's build as the point before left it (NOTE [one build per shape])
+            assert step is not None
+            step.workload = on_point(step.workload, point)
+        warmup = 1 if first_of_shape else 0
         report = profile_workload(point_loaded, candidates=candidates, measure_replays=False, segments=segments,
-                                  warmup=1, repeats=1, dry_run_settled=_dry_run_settled(reports), progress=tick)
+                                  warmup=warmup, repeats=1, dry_run_settled=_dry_run_settled(reports), step=step,
+                                  progress=tick)
         if measure_replays:
-            _measure_new_replays(point_loaded, report, {c.name for r in reports for c in r.candidates}, tick)
+            _measure_new_replays(step, report, {c.name for r in reports for c in r.candidates},
+                                 warmup + 1 + 4, tick)
         reports.append(report)
     return merge_profiles(reports)
 
@@ -107,16 +152,12 @@ def _dry_run_settled(reports: list[ProfileReport]) -> frozenset[str]:
     return frozenset(out)
 
 
-def _measure_new_replays(point_loaded: LoadedWorkload, report: ProfileReport, seen: set[str],
+def _measure_new_replays(step: TrainingStep, report: ProfileReport, seen: set[str], index: int,
                          progress: Callable[[str, int, int], None]) -> None:
-    """Measure the replays of ``report``'s candidates that no earlier point offered (dynamic ones)."""
+    """Measure the replays of ``report``'s candidates that no earlier point offered (dynamic ones), on
+    step ``index`` (the one after ``profile_workload``'s last: warm-up + timed + 4)."""
     new = [c for c in report.candidates if c.name not in seen and c.name not in report.excluded]
     if not new:
         return
-    step = TrainingStep(point_loaded.workload)
     apply_replay_measurements(report, *measure_replay_costs(
-        step, new, _REPLAY_STEP_INDEX, progress=lambda done, total: progress("profile: replay costs", done, total)))
-
-
-# the index profile_workload's replays use with 1 warm-up and 1 timed step (warmup + repeats + 4)
-_REPLAY_STEP_INDEX = 6
+        step, new, index, progress=lambda done, total: progress("profile: replay costs", done, total)))
