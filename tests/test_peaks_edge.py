@@ -92,7 +92,7 @@ class _Scripted:
     def __init__(self, peak_of):
         self.peak_of, self.calls = peak_of, []
 
-    def __call__(self, loaded, plan, *, warmup=2, steps=3):
+    def __call__(self, loaded, plan, *, warmup=2, steps=3, then=()):
         from remat.closed_loop import StepMeasurement
         self.calls.append(plan.planner)
         return StepMeasurement(peak_bytes=int(self.peak_of(plan)), step_ms=[1.0],

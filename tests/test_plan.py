@@ -454,7 +454,7 @@ class _ScriptedMeasure:
         self.peak_of = peak_of
         self.calls: list[tuple[str, ...]] = []
 
-    def __call__(self, loaded, plan, *, warmup=2, steps=3):
+    def __call__(self, loaded, plan, *, warmup=2, steps=3, then=()):
         from remat.closed_loop import StepMeasurement as PlanMeasurement
         self.calls.append(tuple((b.module, b.mode.value) for b in plan.boundaries))
         return PlanMeasurement(peak_bytes=int(self.peak_of(plan)), step_ms=[1.0], memory_source=MemorySource.CPU_LIVE_TENSORS)

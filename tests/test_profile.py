@@ -779,3 +779,69 @@ def test_a_gap_larger_than_the_trackers_known_error_is_another_step_not_untracke
     big = PeakMeasurement(top + tracker_error_bytes(top + 10 * 2**20) + 1, MemorySource.CPU_ALLOCATOR, Phase.BACKWARD)
     assert _with_untracked(rows, big) == (rows, 0)
     assert _with_untracked(rows, PeakMeasurement(top + 2**20, MemorySource.CPU_LIVE_TENSORS, Phase.BACKWARD)) == (rows, 0)
+
+
+def test_event_index_takes_exactly_a_windows_range():
+    """The op log's index by event (the recorded step's analysis reads a window's ops by bisection) against
+    a scan of the whole log, on random logs with repeated events (ops that allocate nothing share one)."""
+    import random as _random
+    from remat.profile.measure import _EventIndex
+    rng = _random.Random(0)
+    for _ in range(200):
+        ops = [(rng.randrange(40), i) for i in range(rng.randrange(60))]
+        ops.sort(key=lambda op: op[0])
+        index = _EventIndex(ops, lambda op: op[0])
+        lo = rng.randrange(-2, 42)
+        hi = lo + rng.randrange(-3, 20)
+        assert index.between(lo, hi) == [op for op in ops if lo <= op[0] <= hi]
+
+
+def _recorded_extra_runs(monkeypatch, fake=None) -> list[int]:
+    """Every tracked extra-bytes run of a segment from now on, by its number of members; ``fake(n)``
+    replaces the measured figure (an instrument that reads differently at each length)."""
+    import remat.profile.replay as replay
+    runs: list[int] = []
+    real = replay._extra_bytes
+
+    def recording(module, mode, inputs):
+        n = len(list(module.children()))
+        runs.append(n)
+        return fake(n) if fake is not None else real(module, mode, inputs)
+
+    monkeypatch.setattr(replay, "_extra_bytes", recording)
+    return runs
+
+
+def test_segment_extra_bytes_between_equal_ends_match_a_run_of_every_length(monkeypatch):
+    """NOTE [extra bytes between equal ends]. On the built-in gpt at 12 layers the segments are 2, 3, 4
+    and 6 blocks long: only the 2- and 6-block segments run, and every length between takes their
+    figure, which equals what a run of each length measures (the control: the rule switched off)."""
+    import remat.profile.replay as replay
+    from remat.workload import load_workload
+    from .conftest import TINY
+    loaded = load_workload("gpt", {**TINY["gpt"], "n_layer": 12})
+    runs = _recorded_extra_runs(monkeypatch)
+    rep = profile_workload(loaded)
+    assert sorted(runs) == [2, 6]
+    between = rep.replay_extra_between
+    lengths = {n: len(rep.replay_composed[n]) for n in between}
+    assert between and set(lengths.values()) == {3, 4} and all(v == ["h[0:2]", "h[0:6]"] for v in between.values())
+    assert ProfileReport.from_json(rep.to_json()).replay_extra_between == between
+    runs.clear()
+    monkeypatch.setattr(replay, "_extras_between_ends", lambda composable, leader, extra_of: {})
+    control = profile_workload(loaded.rebuild())
+    assert sorted(runs) == [2, 3, 4, 6] and not control.replay_extra_between
+    extra = lambda r: {c.name: c.replay_extra_bytes[M.FULL] for c in r.candidates if c.name in r.replay_composed}  # noqa: E731
+    assert extra(rep) == extra(control)
+
+
+def test_segment_extra_bytes_ends_that_differ_run_every_length(monkeypatch):
+    """The deliberately wrong case: an instrument reading more bytes for longer segments. The ends
+    differ, so nothing is taken between them and every length runs and keeps its own figure."""
+    from remat.workload import load_workload
+    from .conftest import TINY
+    runs = _recorded_extra_runs(monkeypatch, fake=lambda n: 1000 * n)
+    rep = profile_workload(load_workload("gpt", {**TINY["gpt"], "n_layer": 12}))
+    assert sorted(runs) == [2, 3, 4, 6] and not rep.replay_extra_between
+    costs = {c.name: c for c in rep.candidates}
+    assert all(costs[n].replay_extra_bytes[M.FULL] == 1000 * len(ms) for n, ms in rep.replay_composed.items())

@@ -233,3 +233,62 @@ def test_later_points_dry_run_only_what_no_earlier_point_settled(monkeypatch):
     assert sum(map(len, calls)) > len(first) + len(later)   # the control did dry-run again
     modes = lambda r: {c.name: sorted(m.value for m in c.saved_bytes) for c in r.candidates}   # noqa: E731
     assert modes(fast) == modes(control) and fast.excluded == control.excluded
+
+
+# -- one build per shape (NOTE [one build per shape] in remat/profile/sampling.py) -------------------
+
+def _counting_builds(monkeypatch) -> list[dict]:
+    """Every build of the fixture's workload from now on, by its shape keywords."""
+    import tests.fixtures.dynamic_workload as fixture  # noqa: F401  (the spec loads its own copy)
+    from remat.workload import loader
+    builds: list[dict] = []
+    real = loader.load_workload
+
+    def counting(spec, shape=None, **kw):
+        builds.append(dict(shape or {}))
+        return real(spec, shape, **kw)
+
+    monkeypatch.setattr(loader, "load_workload", counting)
+    return builds
+
+
+def test_later_points_measure_on_one_build_what_a_build_each_measures(monkeypatch):
+    """The closed loop's and ``remat check``'s later points run one after another on one build per shape;
+    each point's peak equals the peak a fresh build of its own measures (the control: the old way, a
+    rebuild and a warm-up step per point). Layerdrop at p = 0.5 makes the points' peaks differ, so a
+    stream that ran the wrong point's batch or draws would read another point's figure."""
+    from remat.closed_loop import sample_peaks
+    from remat.frontier import PlanArm, measure_arm_peak
+    from remat.profile.sampling import PointWorkload, sample_workloads
+    loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.5})
+    sample = StepSample.of(4, [{"seq_len": 32}])
+    points = sample_workloads(loaded, sample)
+    plan = Plan(planner="none", budget_bytes=None, reserve=0.0, excluded={}, predicted_peak_bytes=0,
+                predicted_overhead_ms=0.0, baseline_peak_bytes=0, baseline_step_ms=0.0, fingerprint="", boundaries=[])
+    control = [measure_arm_peak(w.rebuild() if isinstance(w, PointWorkload) else w, PlanArm("plan", plan),
+                                warmup=1).peak_bytes for w in points]
+    builds = _counting_builds(monkeypatch)
+    measured = sample_peaks(points, sample, plan, control[0])
+    assert measured == control
+    assert len(set(control[1:4])) > 1 and control[4] != control[0]   # the points did differ
+    assert len(builds) == 2           # the first shape's later points, then the boundary shape's points
+
+
+def test_later_profile_points_continue_on_the_shapes_build(monkeypatch):
+    """``profile_sample`` builds once per boundary shape and runs no warm-up step at a later point of a
+    shape (the steps it runs, counted against the old schedule: 1 warm-up + 1 timed per later point)."""
+    import remat.profile.sampling as sampling
+    loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.3})
+    warmups: list[int] = []
+    real = sampling.profile_workload
+
+    def recording(*a, **kw):
+        warmups.append(kw.get("warmup", -1))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sampling, "profile_workload", recording)
+    builds = _counting_builds(monkeypatch)
+    report = profile_sample(loaded, StepSample.of(3, [{"seq_len": 32}]))
+    assert [b["seq_len"] for b in builds] == [32]  # the boundary shape's build only: no rebuild per point
+    assert warmups == [-1, 0, 0, 1, 0, 0]         # point 0 its default; a shape's first point 1; later 0
+    assert report.candidates and len(report.rows) > 1

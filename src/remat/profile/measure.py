@@ -824,6 +824,8 @@ def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[Ch
                 report.replay_shared[c.name] = est.shared_from
             if est.composed_from:
                 report.replay_composed[c.name] = list(est.composed_from)
+            if est.extra_between:
+                report.replay_extra_between[c.name] = list(est.extra_between)
     report.replay_unmeasured = dict(unmeasured)
 
 

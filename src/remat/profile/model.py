@@ -227,6 +227,9 @@ class ProfileReport:
     # segments whose FULL replay is their members' measured sum (name -> members; NOTE [composed
     # segment replays] in profile/replay.py)
     replay_composed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # composed segments whose extra bytes are their family's shortest and longest segment's, which
+    # measured the same (name -> [shortest, longest]; NOTE [extra bytes between equal ends] in profile/replay.py)
+    replay_extra_between: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # (candidate, mode values) whose measured replay cost was below the clock's resolution: priced
     # at that resolution, not zero (NOTE [measured replay costs] in profile/replay.py)
     replay_below_resolution: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -245,6 +248,7 @@ class ProfileReport:
                 "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle),
                 "replay_unmeasured": dict(self.replay_unmeasured), "replay_shared": dict(self.replay_shared),
                 "replay_composed": {k: list(v) for k, v in self.replay_composed.items()},
+                "replay_extra_between": {k: list(v) for k, v in self.replay_extra_between.items()},
                 "replay_below_resolution": {k: list(v) for k, v in self.replay_below_resolution.items()},
                 "untracked_bytes": self.untracked_bytes}
 
@@ -263,6 +267,8 @@ class ProfileReport:
                    replay_unmeasured={str(k): str(v) for k, v in d.get("replay_unmeasured", {}).items()},
                    replay_shared={str(k): str(v) for k, v in d.get("replay_shared", {}).items()},
                    replay_composed={str(k): [str(m) for m in v] for k, v in d.get("replay_composed", {}).items()},
+                   replay_extra_between={str(k): [str(m) for m in v]
+                                         for k, v in d.get("replay_extra_between", {}).items()},
                    replay_below_resolution={str(k): [str(m) for m in v]
                                             for k, v in d.get("replay_below_resolution", {}).items()},
                    untracked_bytes=int(d.get("untracked_bytes", 0)))

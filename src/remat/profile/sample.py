@@ -347,6 +347,7 @@ def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], ro
         # who shared whose replay measurement, and the costs below the clock's resolution, at any point
         replay_shared={n: src for r in reports for n, src in r.replay_shared.items() if n in names},
         replay_composed={n: list(m) for r in reports for n, m in r.replay_composed.items() if n in names},
+        replay_extra_between={n: list(m) for r in reports for n, m in r.replay_extra_between.items() if n in names},
         replay_below_resolution={n: sorted({m for r in reports for m in r.replay_below_resolution.get(n, [])})
                                  for n in sorted({n for r in reports for n in r.replay_below_resolution}) if n in names},
         untracked_bytes=max(r.untracked_bytes for r in reports))   # each point's rows carry their own
