@@ -845,3 +845,92 @@ def test_segment_extra_bytes_ends_that_differ_run_every_length(monkeypatch):
     assert sorted(runs) == [2, 3, 4, 6] and not rep.replay_extra_between
     costs = {c.name: c for c in rep.candidates}
     assert all(costs[n].replay_extra_bytes[M.FULL] == 1000 * len(ms) for n, ms in rep.replay_composed.items())
+
+
+def _fewest_passes(entries, members, paths) -> int:
+    """The fewest dry-run passes that fit ``entries`` (ground truth by exhaustion: a HiGHS feasibility
+    MILP for each pass count, from 1 up): each entry run once by one of its members, no two regions
+    wrapped in one pass overlapping."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+    from remat.profile.dryrun import _overlap
+    names = sorted({c for e in entries for c in members[e]})
+    clash = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if _overlap(paths[a], paths[b])]
+    for passes in range(1, len(entries) + 1):
+        var = [(e, c, p) for e in entries for c in members[e] for p in range(passes)]
+        at = {}
+        for k, (e, c, p) in enumerate(var):
+            at.setdefault((c, p), []).append(k)
+        rows = [[k for k, v in enumerate(var) if v[0] == e] for e in entries]
+        rows += [at.get((c, p), []) for p in range(passes) for c in names]
+        rows += [at.get((a, p), []) + at.get((b, p), []) for p in range(passes) for a, b in clash]
+        A = lil_matrix((len(rows), len(var)))
+        for r, ks in enumerate(rows):
+            for k in ks:
+                A[r, k] = 1
+        lo = [1] * len(entries) + [0] * (len(rows) - len(entries))
+        res = milp(np.zeros(len(var)), constraints=LinearConstraint(A.tocsr(), lo, [1] * len(rows)),
+                   integrality=np.ones(len(var)), bounds=Bounds(0, 1))
+        if res.status == 0:
+            return passes
+    raise AssertionError("no packing found")
+
+
+def test_dry_run_packing_reaches_the_fewest_passes_where_largest_first_does_not():
+    """NOTE [packed dry runs]: the groups one gpt profile at n_layer 32 formed (blocks, attention and MLP
+    children split by forward times into a large group and small ones, 8 segment lengths). Largest-first
+    packing alone takes more passes than fit; ``_pack`` takes the fewest (ground truth: a MILP), and
+    every pass it returns wraps no two overlapping regions and runs each entry once."""
+    from torch import nn
+    from remat.profile.dryrun import _first_fit, _overlap, _pack, _region_paths
+    from remat.profile.model import CandidateCost
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    model = nn.Module()
+    model.h = nn.Sequential(*[Block() for _ in range(32)])
+    three, two = [M.FULL, M.SELECTIVE, M.RECOMPUTE_POINTWISE], [M.FULL, M.SELECTIVE]
+
+    def cost(name, modes):
+        return CandidateCost(name=name, class_name="x", order=0, parent=None, fwd_ms=1.0, input_bytes=0,
+                             saved_bytes={M.KEEP: 0, **{m: 1 for m in modes}},
+                             replay_ms={M.KEEP: 0.0, **{m: 1.0 for m in modes}},
+                             replay_extra_bytes={M.KEEP: 0, **{m: 0 for m in modes}}, hazards=[])
+
+    stands_for, entries = {}, []
+
+    def group(names, modes):
+        cs = [cost(n, modes) for n in names]
+        for c in cs:
+            stands_for[c.name] = cs
+        entries.extend((cs[i % len(cs)].name, m) for i, m in enumerate(modes))
+
+    small_blocks, small_attn, small_mlp = {4, 26, 29}, {1, 14, 15, 16, 26, 27, 29, 30}, {4, 5, 11, 19, 20}
+    group([f"h.{i}" for i in range(32) if i not in small_blocks], three)
+    group(["h.4"], three)
+    group(["h.26", "h.29"], three)
+    group([f"h.{i}.attn" for i in range(32) if i not in small_attn], two)
+    group([f"h.{i}.attn" for i in sorted(small_attn)], two)
+    group([f"h.{i}.mlp" for i in range(32) if i not in small_mlp], three)
+    group([f"h.{i}.mlp" for i in sorted(small_mlp)], three)
+    for length in (2, 3, 4, 5, 6, 8, 10, 16):
+        tiles = [f"h[{a}:{a + length}]" for a in range(0, 32 - length + 1, length)]
+        group([t for t in tiles if t != "h[4:6]"], [M.FULL])
+    group(["h[4:6]"], [M.FULL])
+    paths = {n: _region_paths(model, n) for n in stands_for}
+    members = {(n, m): [n, *(c.name for c in stands_for[n] if c.name != n and m in c.saved_bytes)] for n, m in entries}
+    fewest = _fewest_passes(entries, members, paths)
+    largest_first = _first_fit(sorted(entries, key=lambda e: len(paths[e[0]]), reverse=True), members, paths)
+    packed = _pack(model, entries, stands_for)
+    assert len(largest_first) > fewest and len(packed) == fewest, (len(largest_first), len(packed), fewest)
+    ran = []
+    for assignment in packed:
+        wrapped = list(assignment)
+        assert not any(_overlap(paths[a], paths[b]) for i, a in enumerate(wrapped) for b in wrapped[i + 1:])
+        ran += [next(e for e in entries if e[1] is mode and name in members[e] and e not in ran)
+                for name, mode in assignment.items()]
+    assert sorted(ran, key=str) == sorted(entries, key=str)

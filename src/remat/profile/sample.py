@@ -18,11 +18,13 @@ re-measures the same steps). Point 0 is the unseeded single step remat always ra
 The default is 3 steps (``DEFAULT_SAMPLE_STEPS``): with a layer skipped with probability p
 independently, a block absent from all 3 profiled steps has probability p**3 (0.1% at
 Wav2Vec2's default p = 0.1, 2.7% at p = 0.3). The cost is small because the points after the
-first profile with 1 warm-up and 1 timed step, dry-run only the candidates no earlier point's
-dry runs settled, and measure replays only of candidates no earlier point offered: 3 steps took 1.08x (tiny gpt) and 1.29x (the 6-block test model with layerdrop)
-one step's profiling CPU time (medians of 3 interleaved runs). The closed loop adds a fresh
-build, 1 warm-up and 1 peak step per further point for each plan it measures. Merging
-(``merge_profiles``):
+first continue on the build of the point before them with 1 timed step and no warm-up (NOTE
+[one build per shape] in profile/sampling.py), dry-run only the candidates no earlier point's
+dry runs settled, and measure replays only of candidates no earlier point offered (when each
+later point still rebuilt and warmed up, 3 steps took 1.08x (tiny gpt) and 1.29x (the 6-block
+test model with layerdrop) one step's profiling CPU time, medians of 3 interleaved runs). The
+closed loop adds 1 peak step per further point for each plan it measures, on the first point's
+build (a fresh build and a warm-up step per further shape). Merging (``merge_profiles``):
 
 - a candidate offered at any point is offered (one absent from some points is *dynamic*, and
   stays a candidate); excluded at a point for any reason but "not called", it stays excluded;

@@ -105,13 +105,19 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
     activations, and the state exists from the first optimizer step on. So the points of one shape
     run one after another on one build and one optimizer: a point's step is the same batch and seed
     (NOTE [step sample]) on a model some steps further trained, as every step of a real run is. Each
-    point used to rebuild and run a warm-up step first: on gpt at n_layer 32 a build and a warm-up
-    step per later point and per measured plan, 6 of the 36 step-equivalents of a ``remat plan``.
-    The closed loop and ``remat check`` measure a plan's later points the same way, on one fresh
-    build per shape (``sample_peaks`` in remat/closed_loop.py). The weights a step sees then depend
-    on the steps before it, which matters to a step whose control flow reads its weights (MoE
-    routing); the steps are the same every time the sample is run, so ``remat check`` re-measures
-    what the closed loop measured.
+    point used to rebuild and run a warm-up step first: a build and a warm-up step per later point
+    and per measured plan; ``remat plan`` on gpt at n_layer 32 went from 88.5 s (37.7 step-
+    equivalents, one run, which also built the allocator counter once) to 73.1 s (30.9) with this
+    change alone (``benchmarks/plan_speed.py plan-gpt``). The closed loop measures a plan's later
+    points of the first shape on the build that measured its first point, right after it
+    (``measure_plan(..., then=...)``); the frontier's receipt and ``remat check``, whose first point
+    is measured elsewhere, on one fresh build per shape after 1 warm-up step (``sample_peaks`` in
+    remat/closed_loop.py); every further shape on a build of its own. What this gives up: the
+    weights a point's step sees depend on the steps run before it on that build, so where control
+    flow reads the weights (MoE routing) two of these paths can measure a point's step a little
+    differently; ``remat check`` compares within its peak tolerance. A model whose steps differ by
+    their random draws (layerdrop, dropout) or batches draws the same at each point on every path
+    (``tests/test_sample.py``: each point's peak on one build equals a fresh build's).
     """
     reports: list[ProfileReport] = []
     workloads = sample_workloads(loaded, sample, variants=variants)
