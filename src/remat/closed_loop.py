@@ -233,7 +233,8 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     arms]) and carries the spec (``plan.compile``), so its measured peak is the compiled step's.
 
     ``sample`` (NOTE [step sample]): every plan is measured at each point of the sample (one
-    peak step each after the first point's full measurement) and its measured peak is the max;
+    peak step each after the first point's full measurement, on its build: NOTE [one build per
+    shape]) and its measured peak is the max;
     ``variants`` are the builds at the boundary shapes, when the caller has them (remat.auto).
 
     NOTE [compiled closed loop]
