@@ -239,7 +239,6 @@ def test_later_points_dry_run_only_what_no_earlier_point_settled(monkeypatch):
 
 def _counting_builds(monkeypatch) -> list[dict]:
     """Every build of the fixture's workload from now on, by its shape keywords."""
-    import tests.fixtures.dynamic_workload as fixture  # noqa: F401  (the spec loads its own copy)
     from remat.workload import loader
     builds: list[dict] = []
     real = loader.load_workload

@@ -9,7 +9,7 @@ Nothing in a plan names code: module paths are looked up in ``model.named_module
 
 from __future__ import annotations
 
-from ..types import MODULE_PATH_RE, MemorySource
+from ..types import MODULE_PATH_RE, CheckpointMode, MemorySource
 from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, List, Map, Num, Obj, Opt, Str, Tuple
 
 SHORT = Str(max_len=2_000)
@@ -19,7 +19,7 @@ HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
 # (NOTE [module names] in remat/types.py: any name torch accepts but ".", "[", "]" and controls)
 MODULE_PATH = Str(f"{MODULE_PATH_RE}(\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\])?|\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\]",
                   max_len=500, what="a module path (names joined by '.') or a segment (container[start:stop])")
-MODE = Enum("full", "selective", "save-attention", "recompute-pointwise", "offload")   # CheckpointMode less keep
+MODE = Enum(*(m.value for m in CheckpointMode if m is not CheckpointMode.KEEP))   # one list: CheckpointMode less keep
 MEMORY_SOURCE = Enum(*(s.value for s in MemorySource))   # one list: remat.types.MemorySource
 MAX_MODULES = 100_000
 

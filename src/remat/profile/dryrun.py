@@ -277,8 +277,7 @@ def _pack(model: nn.Module, entries: list[tuple[str, CheckpointMode]],
     ``_PACK_SHUFFLES`` seeded shuffles. Largest-first alone took 6 passes on gpt at n_layer 32 where 4
     fit (a one-member group's three modes, each overlapping every segment over its block, were placed
     last); a MILP over the same entries proved 3 infeasible."""
-    paths = {c.name: _region_paths(model, c.name) for cs in stands_for.values() for c in cs}
-    paths.update({name: _region_paths(model, name) for name, _ in entries if name not in paths})
+    paths = {c.name: _region_paths(model, c.name) for cs in stands_for.values() for c in cs}   # entries' own too
     members = {(name, mode): [name, *(c.name for c in stands_for[name] if c.name != name and mode in c.saved_bytes)]
                for name, mode in entries}
 

@@ -19,7 +19,7 @@ from .. import _json
 from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
                      Spec, Str, Tuple, show)
 from ..errors import ReceiptError
-from ..plan.schema import AUTOCAST, COMPILE, DEVICE, DTYPE, MEMORY_SOURCE, MODULE_PATH, PLAN, SHAPE
+from ..plan.schema import AUTOCAST, COMPILE, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, PLAN, SHAPE
 from ..types import HazardKind
 
 MAX_BYTES = _json.MAX_BYTES
@@ -53,7 +53,6 @@ RUN_MODE = Enum("train", "eval")   # verify.model.RunMode
 # verify.model.Site: where a divergence showed first
 SITE = Enum("forward call order", "forward output", "gradient", "buffer", "python attribute",
             "parameter after optimizer step", "generator state", "loss or outputs")
-MODE = Enum("full", "selective", "save-attention", "recompute-pointwise", "offload")   # CheckpointMode less keep
 TEXT = Str(max_len=20_000)
 SHORT = Str(max_len=2_000)
 TOLERANCE = Obj({"rtol": Num(0), "atol": Num(0)})

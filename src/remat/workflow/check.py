@@ -475,11 +475,11 @@ def _claimed_peak(receipt: Receipt, plan: Plan) -> int:
 def _peaks(receipt: Receipt, loaded: LoadedWorkload, plan: Plan) -> list[tuple[int, int, str]]:
     """(re-measured, claimed, where) peak bytes per point of the receipt's step sample (NOTE [step sample]):
     the first point's claim is the decision's, each later point's the one the plan's sample recorded."""
+    first = measure_plan(loaded, plan, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
     claimed = _claimed_peak(receipt, plan)
     if plan.sample is None or plan.sample.sample.is_single:
-        return [(measure_plan(loaded, plan, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes, claimed, "")]
+        return [(first, claimed, "")]
     points = plan.sample.sample.points()
-    first = measure_plan(loaded, plan, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
     measured = sample_peaks(sample_workloads(loaded, plan.sample.sample), plan.sample.sample, plan, first)
     claims = [claimed, *plan.sample.point_peaks[1:]]
     return [(m, c, f" at the sampled step {p.label()}") for m, c, p in zip(measured, claims, points)]
