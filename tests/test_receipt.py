@@ -201,7 +201,10 @@ def test_reports_escape_strings_from_the_receipt(made):
 # -- check -------------------------------------------------------------------------------------------
 
 def test_check_passes_on_a_fresh_receipt(work, capsys):
-    assert main(["check", "out/receipt.json"]) == 0
+    # The receipt's overhead claim comes from 2 frontier steps of a few-ms step at test sizes, too few for the
+    # default time gate on a shared CI host; the gate's verdict is tested on synthetic samples
+    # (tests/test_check_tamper.py), so here it is loosened from the command line.
+    assert main(["check", "out/receipt.json", "--time-tolerance", "99%"]) == 0
     out = _text(capsys.readouterr().out)
     assert "receipt holds" in out and "equivalence" in out and "clears" in out and "savings within" in out
 

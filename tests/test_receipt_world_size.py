@@ -67,7 +67,10 @@ def test_a_receipt_at_world_size_2_that_check_re_runs_at_world_size_2(base, tmp_
     d = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert Receipt.from_json(d).to_json() == d
     assert "At world size 2" in (tmp_path / "out" / "report.md").read_text()
-    assert main(["check", "out/receipt.json"]) == 0
+    # The time gate is not what this test is about, and the receipt's overhead claim comes from 2 frontier steps
+    # of a 3.6 ms step at test sizes: CI once re-measured +107% against its +61%. The gate's verdict is tested on
+    # synthetic samples (tests/test_check_tamper.py); here it is only loosened, from the command line.
+    assert main(["check", "out/receipt.json", "--time-tolerance", "99%"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"re-run at world size 2 ({engine}, gloo): gradients bitwise equal on every rank" in out
     assert "samples/s over 2 ranks; per-device peaks rank 0" in out
