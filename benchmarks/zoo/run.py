@@ -384,8 +384,10 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         f"(after 2 warm-up steps, on a fresh build: `benchmarks/zoo/profiler_peak.py`) is within the budget on "
         f"{sum((r.get('profiler') or {}).get('within_budget') is True for r in rows)} of "
         f"{sum(bool(r.get('profiler')) for r in rows)} shipped plans. The overhead is the receipt's interleaved p50 "
-        "against the control with its 95% interval: `(noise)` where the interval holds zero, `(no interval)` for "
-        "rows run before receipts recorded one.",
+        "against the control, `(noise)` where it is not resolved (NOTE [overhead intervals] in "
+        "src/remat/frontier/model.py: its 95% interval holds zero, or fewer than 6 rounds, as a --fast "
+        "receipt's 3 always are, cannot pass its sign test), `(no interval)` for rows run before receipts "
+        "recorded one.",
         "",
         "| model | verdict | exit (plan/receipt/check) | control peak | blocking phase | candidates | floor | budget "
         "| shipped peak | profiler peak, later steps (≤ budget) | boundaries shipped (mode) | overhead | verify "
