@@ -19,6 +19,7 @@ means over every row with a ratio.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -91,7 +92,13 @@ def rows_of(w: dict) -> tuple[list[str], list[float], list[float]]:
     return lines, p50_ratios, ovh_ratios
 
 
-def main(paths: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="Render the plan-quality table from compare.py JSON files.")
+    ap.add_argument("paths", nargs="+", type=Path, help="compare.py --json outputs")
+    paths = ap.parse_args(argv).paths
+    for p in paths:
+        if not p.is_file():
+            ap.error(f"{p}: no such file")
     head = ("| workload | budget | remat peak | remat ovh | fastest fitting baseline (peak) ovh | p50 ratio | ovh ratio "
             "| remat - baseline p50, 95% CI | pred/meas step | meas/pred peak | frontier ships: p50 ratio |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")

@@ -812,6 +812,15 @@ def _recorded_extra_runs(monkeypatch, fake=None) -> list[int]:
     return runs
 
 
+def _forward_times_always_agree(monkeypatch) -> None:
+    """Identical blocks form one group whatever their profiled forward times read: those are medians of a
+    few steps of tiny blocks, and under load one block read over twice another's (FORWARD_RATIO), which
+    split the blocks into groups and made every segment length run (NOTE [shared replay measurements];
+    the split itself is tested with scripted forward times above)."""
+    import remat.profile.shared as shared
+    monkeypatch.setattr(shared, "forward_times_agree", lambda a_ms, b_ms: True)
+
+
 def test_segment_extra_bytes_between_equal_ends_match_a_run_of_every_length(monkeypatch):
     """NOTE [extra bytes between equal ends]. On the built-in gpt at 12 layers the segments are 2, 3, 4
     and 6 blocks long: only the 2- and 6-block segments run, and every length between takes their
@@ -820,6 +829,7 @@ def test_segment_extra_bytes_between_equal_ends_match_a_run_of_every_length(monk
     from remat.workload import load_workload
     from .conftest import TINY
     loaded = load_workload("gpt", {**TINY["gpt"], "n_layer": 12})
+    _forward_times_always_agree(monkeypatch)
     runs = _recorded_extra_runs(monkeypatch)
     rep = profile_workload(loaded)
     assert sorted(runs) == [2, 6]
@@ -840,6 +850,7 @@ def test_segment_extra_bytes_ends_that_differ_run_every_length(monkeypatch):
     differ, so nothing is taken between them and every length runs and keeps its own figure."""
     from remat.workload import load_workload
     from .conftest import TINY
+    _forward_times_always_agree(monkeypatch)
     runs = _recorded_extra_runs(monkeypatch, fake=lambda n: 1000 * n)
     rep = profile_workload(load_workload("gpt", {**TINY["gpt"], "n_layer": 12}))
     assert sorted(runs) == [2, 3, 4, 6] and not rep.replay_extra_between
