@@ -252,7 +252,8 @@ def _counting_builds(monkeypatch) -> list[dict]:
 
 
 def test_later_points_measure_on_one_build_what_a_build_each_measures(monkeypatch):
-    """The closed loop's and ``remat check``'s later points run one after another on one build per shape;
+    """The closed loop's and ``remat check``'s later points run one after another on one build per shape
+    (the closed loop's on the build that measured point 0, after its timed steps);
     each point's peak equals the peak a fresh build of its own measures (the control: the old way, a
     rebuild and a warm-up step per point). Layerdrop at p = 0.5 makes the points' peaks differ, so a
     stream that ran the wrong point's batch or draws would read another point's figure."""
@@ -271,6 +272,12 @@ def test_later_points_measure_on_one_build_what_a_build_each_measures(monkeypatc
     assert measured == control
     assert len(set(control[1:4])) > 1 and control[4] != control[0]   # the points did differ
     assert len(builds) == 2           # the first shape's later points, then the boundary shape's points
+    # the closed loop's path: the first shape's later points on the build that measured (and timed) point 0
+    from remat.closed_loop import measure_plan
+    from remat.profile.sampling import shape_streams
+    first, streams = shape_streams(points, sample)[0]
+    m = measure_plan(first, plan, steps=2, then=streams[1:])
+    assert m.peak_bytes == control[0] and list(m.then_peak_bytes) == control[1:4]
 
 
 def test_later_profile_points_continue_on_the_shapes_build(monkeypatch):

@@ -368,8 +368,8 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
     can run in the same pass whatever their level: a block's mode on block 0, its attention's on
     block 5, a segment over blocks 16 to 31. Each entry is placed where it overlaps nothing wrapped
     yet, in the order of several tried that takes the fewest passes (``_pack``: largest first alone
-    took 6 passes on gpt at n_layer 32 where 4 fit). A failing pass is narrowed down as any is (NOTE [suspect first]), so a
-    failure still names its candidate and is recorded for every candidate it stands for.
+    took 6 passes on gpt at n_layer 32 where 4 fit). A failing pass is narrowed down as any is (NOTE
+    [suspect first]), so a failure still names its candidate and is recorded for every candidate it stands for.
     """
     runner = _DryRunner(step, step_index)
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)

@@ -771,6 +771,13 @@ def profile_simulated(spec: str | LoadedWorkload, shape: dict | None = None, *, 
     return report
 
 
+def replay_step_index(warmup: int, repeats: int) -> int:
+    """The step whose forward the replay stage captures its inputs from: the one after
+    ``profile_workload``'s recorded step (``warmup + 1 + repeats``), hazard confirmation and dry runs
+    (``warmup + repeats + 3``), on the same build."""
+    return warmup + repeats + 4
+
+
 def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = None, warmup: int = PROFILE_WARMUP,
                      repeats: int = PROFILE_REPEATS, measure_replays: bool = True, segments: bool = True,
                      dry_run_settled: frozenset[str] = frozenset(), step: TrainingStep | None = None,
@@ -804,7 +811,8 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
         offered = [c for c in report.candidates if c.name not in report.excluded]
         label = f"profile: replay costs ({len(offered)} candidates, identical regions timed once)"
         apply_replay_measurements(report, *measure_replay_costs(
-            step, offered, warmup + repeats + 4, progress=lambda done, total: progress(label, done, total)))
+            step, offered, replay_step_index(warmup, repeats),
+            progress=lambda done, total: progress(label, done, total)))
     return report
 
 

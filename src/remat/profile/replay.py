@@ -340,8 +340,7 @@ def _measure_leaders(model: nn.Module, modules: dict[str, nn.Module], todo: list
             measure(by_name[name])
         elif name in between:
             extra, ends = between[name]
-            results[name] = {CheckpointMode.FULL: dataclasses.replace(_composed(members, full, extra),  # type: ignore[arg-type]
-                                                                      extra_between=ends)}
+            results[name] = {CheckpointMode.FULL: _composed(members, full, extra, ends)}  # type: ignore[arg-type]
         else:
             results[name] = {CheckpointMode.FULL: _composed(members, full, extra_of(name))}  # type: ignore[arg-type]
     return results, unmeasured
@@ -358,9 +357,9 @@ def _extras_between_ends(composable: dict[str, list[str]], leader: dict[str, str
     it recreates (which its KEEP run holds too) the replay holds what one member's forward holds at a
     time, and a checkpoint's RNG state: the same for a chain of 2 identical blocks as for one of 16.
     Measured on gpt at n_layer 32 (every length a tracked run): 4032 bytes at each of the 8 lengths
-    (2 to 16 blocks), the blocks' own FULL extra; the 8 runs took 8.6 s (timed one by one), where a warm step of
-    the model takes 2.2-2.4 s and the whole replay stage read 11.8 s. So of a *family* (segments whose members all take one block's measurement,
-    NOTE [shared replay measurements]) only the shortest and the longest length are run: where the two
+    (2 to 16 blocks), the blocks' own FULL extra; the 8 runs took 8.6 s (timed one by one), where a
+    warm step of the model takes 2.2-2.4 s and the whole replay stage read 11.8 s. So of a *family*
+    (segments whose members all take one block's measurement, NOTE [shared replay measurements]) only the shortest and the longest length are run: where the two
     agree to the byte, every length between takes that figure (``extra_between``, the report's
     ``replay_extra_between``); where they differ, every length is run as before. It is interpolation
     between measured ends, never extrapolation past the longest; the closed loop measures every plan
@@ -400,10 +399,13 @@ def _composable_segments(model: nn.Module, todo: list[CandidateCost],
     return out
 
 
-def _composed(members: list[str], full: list[ReplayEstimate], extra_bytes: int | None) -> ReplayEstimate:
-    """A segment's FULL replay as its members' sum (NOTE [composed segment replays])."""
+def _composed(members: list[str], full: list[ReplayEstimate], extra_bytes: int | None,
+              extra_between: tuple[str, ...] = ()) -> ReplayEstimate:
+    """A segment's FULL replay as its members' sum (NOTE [composed segment replays]); ``extra_between``:
+    the two segments its extra bytes came from (NOTE [extra bytes between equal ends])."""
     return ReplayEstimate(ms=sum(e.ms for e in full), spread_ms=sum(e.spread_ms for e in full),
-                          rounds=min(e.rounds for e in full), composed_from=tuple(members), extra_bytes=extra_bytes)
+                          rounds=min(e.rounds for e in full), composed_from=tuple(members), extra_bytes=extra_bytes,
+                          extra_between=extra_between)
 
 
 def _extra_bytes(module: nn.Module, mode: CheckpointMode, inputs: tuple[tuple, dict]) -> int | None:

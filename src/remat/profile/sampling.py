@@ -14,7 +14,7 @@ from ..measure import Stream
 from ..types import ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..workload.contract import TrainingStep, Workload
-from .measure import DRY_RUN_FAILED, apply_replay_measurements, profile_workload
+from .measure import DRY_RUN_FAILED, apply_replay_measurements, profile_workload, replay_step_index
 from .replay import measure_replay_costs
 from .model import ProfileReport
 from .sample import SEED_STRIDE, SamplePoint, StepSample, merge_profiles
@@ -143,7 +143,7 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
                                   progress=tick)
         if measure_replays:
             _measure_new_replays(step, report, {c.name for r in reports for c in r.candidates},
-                                 warmup + 1 + 4, tick)
+                                 replay_step_index(warmup, 1), tick)
         reports.append(report)
     return merge_profiles(reports)
 
@@ -161,7 +161,7 @@ def _dry_run_settled(reports: list[ProfileReport]) -> frozenset[str]:
 def _measure_new_replays(step: TrainingStep, report: ProfileReport, seen: set[str], index: int,
                          progress: Callable[[str, int, int], None]) -> None:
     """Measure the replays of ``report``'s candidates that no earlier point offered (dynamic ones), on
-    step ``index`` (the one after ``profile_workload``'s last: warm-up + timed + 4)."""
+    step ``index`` (``replay_step_index``: where ``profile_workload``'s own replay stage would have)."""
     new = [c for c in report.candidates if c.name not in seen and c.name not in report.excluded]
     if not new:
         return
