@@ -706,6 +706,7 @@ def test_a_failed_dry_run_pass_retries_its_suspect_first_and_a_wrong_hint_change
     from remat.profile.dryrun import _DryRunner, dry_run_modes
     from remat.profile.measure import profile_step
 
+    _forward_times_always_agree(monkeypatch)   # the blocks share their dry runs (CI once split them: 10 vs 7)
     lw = load_workload("gpt", {**TINY["gpt"], "n_layer": 4})
     step = TrainingStep(lw.workload)
     report = profile_step(step, resolve_candidates(lw.workload.model, None), segments=False)
@@ -731,6 +732,45 @@ def test_a_failed_dry_run_pass_retries_its_suspect_first_and_a_wrong_hint_change
         (n, m, e) for n, m in assignment.items() if (e := runner.attempt({n: m})) is not None])
     assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
     assert hinted < stats["passes"]
+
+
+class _ScriptedRunner:
+    """A dry runner whose pass fails iff it wraps an entry of ``failing``; its hint names ``hint(failing
+    entries of the pass)`` (the innermost region the error passed through, or a wrong one)."""
+
+    def __init__(self, failing: set[str], hint) -> None:
+        self.failing, self.hint, self.passes, self.suspect = failing, hint, 0, None
+
+    def attempt(self, assignment: dict) -> str | None:
+        self.passes += 1
+        bad = [n for n in assignment if n in self.failing]
+        self.suspect = self.hint(bad, list(assignment)) if bad else None
+        return f"{bad[-1]} failed" if bad else None
+
+
+@pytest.mark.parametrize("hint", ["right", "wrong", "none"])
+def test_isolating_a_failed_pass_finds_exactly_its_failures_in_at_most_one_retry_more_than_each_alone(hint):
+    """NOTE [suspect first], every failing subset of a 5-entry pass (brute force): the failures found are
+    exactly the scripted ones (ground truth by construction), whatever the hint says; a pass of n takes at
+    most n + 1 retries (each entry alone takes n); one failure with a right hint takes 2. The twin that
+    must fail: the rule before it, retrying the rest together after every failure, took 2n - 1 on a pass
+    whose n entries all fail."""
+    import itertools
+    from remat.profile.dryrun import _isolate
+    names = [f"h.{i}" for i in range(5)]
+    hints = {"right": lambda bad, wrapped: bad[-1], "none": lambda bad, wrapped: None,
+             "wrong": lambda bad, wrapped: next((n for n in wrapped if n not in bad), None)}
+    for k in range(1, 6):
+        for failing in itertools.combinations(names, k):
+            runner = _ScriptedRunner(set(failing), hints[hint])
+            runner.attempt(dict.fromkeys(names, M.FULL))
+            found = _isolate(runner, dict.fromkeys(names, M.FULL), "failed")
+            assert sorted(n for n, _, _ in found) == sorted(failing)
+            assert runner.passes - 1 <= len(names) + 1
+            if hint == "right" and k == 1:
+                assert runner.passes - 1 == 2
+            if hint == "right" and k == 5:
+                assert runner.passes - 1 <= len(names) + 1 < 2 * len(names) - 1
 
 
 @pytest.mark.skipif(not counter_available(), reason="the C++ allocator counter cannot be built here")
