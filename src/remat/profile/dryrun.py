@@ -24,7 +24,7 @@ import contextlib
 import functools
 import random
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from ..types import OP_POLICY_MODES, CheckpointMode, is_cheap_op, sac_saves
 from ..workload.contract import TrainingStep
 from .model import CandidateCost
 from .segments import is_segment, parse_segment, segment_members
-from .shared import dry_run_leaders
+from .shared import dry_run_leaders, dry_run_signatures
 
 
 def _sac_policy(mode: CheckpointMode, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -317,10 +317,10 @@ def _first_fit(entries: list[tuple[str, CheckpointMode]], members: dict[tuple[st
     return [a for a, _ in packed]
 
 
-def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode],
-             error: str) -> list[tuple[str, CheckpointMode, str]]:
+def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode], error: str,
+             kin: dict[str, Hashable] | None = None) -> list[tuple[str, CheckpointMode, str]]:
     """The (candidate, mode, error) entries of a failed pass (its ``error``) that fail alone; a pass of one
-    entry is its own evidence.
+    entry is its own evidence. ``kin``: candidate name -> its ``dry_run_signatures`` entry.
 
     NOTE [suspect first]
     Every entry of a failed pass used to be retried alone, so a pass of 5 with one failing mode cost
@@ -330,37 +330,47 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode],
     alone (the evidence: nothing is excluded on the hint), the rest of the pass is retried together
     and, if that runs, is cleared in one pass (the gpt's 5-entry pass: 3 passes). An entry that
     runs alone is cleared; without a hint, or a hint that ran alone, the entries are retried in
-    order. A rest of one entry that fails is its own evidence. Once a rest retried together has
-    failed too, the pass holds several failures, and retrying the rest together after each would
-    cost two passes per failure (a pass of 4 blocks all failing: 8 retries where 4 alone do): the
-    remaining entries are retried alone (its hint first), so a pass of n entries takes at most
-    n + 1 retries.
+    order. A rest of one entry that fails is its own evidence.
+
+    Two refinements bound the cost where a pass holds several failures. (1) Twins first: an entry of
+    the same signature (``kin``) and mode as one that just failed alone is likely to fail too, and
+    is retried alone next instead of the rest together. Identical blocks that noisy forward times
+    split into groups (NOTE [shared dry runs]) share a pass in one mode, and retrying the rest
+    together after each failure cost two passes per block (CI, the tiny gpt at 4 layers: 10
+    passes where each alone took 7). (2) A rest retried together that fails without naming one of
+    its entries tells nothing more: its entries are then retried alone, in order, so a pass of n
+    entries without hints takes at most n + 1 retries.
     """
     if len(assignment) == 1:
         (name, mode), = assignment.items()
         return [(name, mode, error)]
+    kin = kin or {}
     remaining = dict(assignment)
     suspect = runner.suspect
-    together = True          # retry the rest together after a confirmed failure, until such a retry fails
+    together = True          # retry the rest together once a failure is confirmed (refinement 2)
+    explained = False        # a failure confirmed alone since the rest was last seen to fail
     failed: list[tuple[str, CheckpointMode, str]] = []
     while remaining:
+        if explained and together and suspect is None:
+            rest_error = runner.attempt(remaining)
+            if rest_error is None:
+                break
+            if len(remaining) == 1:        # a pass of one entry is its own evidence
+                (name, mode), = remaining.items()
+                failed.append((name, mode, rest_error))
+                break
+            suspect, explained = runner.suspect, False
+            together = suspect in remaining
+            continue
         name = suspect if suspect in remaining else next(iter(remaining))
         mode = remaining.pop(name)
         error = runner.attempt({name: mode})
         suspect = None
-        if error is None:
-            continue
-        failed.append((name, mode, error))
-        if not (remaining and together):
-            continue
-        rest_error = runner.attempt(remaining)
-        if rest_error is None:
-            break
-        if len(remaining) == 1:        # a pass of one entry is its own evidence
-            (name, mode), = remaining.items()
-            failed.append((name, mode, rest_error))
-            break
-        suspect, together = runner.suspect, False
+        if error is not None:
+            failed.append((name, mode, error))
+            explained = True
+            suspect = next((n for n, m in remaining.items() if m is mode and name in kin and kin.get(n) == kin[name]),
+                           None)   # refinement 1: a twin of the failure, alone next
     return failed
 
 
@@ -387,8 +397,11 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
     stands_for: dict[str, list[CandidateCost]] = {}      # name -> the identical candidates its verdict covers
     entries: list[tuple[str, CheckpointMode]] = []
+    kin: dict[str, Hashable] = {}                        # name -> its dry-run signature (NOTE [suspect first])
     for _, level in sorted(_levels(candidates).items()):
-        leader = dry_run_leaders(runner.model, runner.modules, level, region_module)
+        signatures = dry_run_signatures(runner.model, runner.modules, level, region_module)
+        kin.update(signatures)
+        leader = dry_run_leaders(signatures, level)
         groups: dict[str, list[CandidateCost]] = defaultdict(list)
         for c in level:
             groups[leader[c.name]].append(c)
@@ -399,7 +412,7 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
         error = runner.attempt(assignment)
         if error is None:
             continue
-        for name, mode, error in _isolate(runner, assignment, error):
+        for name, mode, error in _isolate(runner, assignment, error, kin):
             for c in stands_for[name]:   # the same failure for every candidate it stands for
                 if mode in c.saved_bytes:
                     failures[c.name][mode] = error

@@ -109,9 +109,17 @@ def group_by_signature(signatures: dict[str, Hashable], fwd_ms: dict[str, float]
     return out
 
 
-def dry_run_leaders(model: nn.Module, modules: dict[str, nn.Module], level: list[CandidateCost],
-                    region_of: Callable[[nn.Module, dict[str, nn.Module], str], nn.Module]) -> dict[str, str]:
-    """Candidate name -> the candidate of ``level`` that stands for it in the dry runs.
+def dry_run_signatures(model: nn.Module, modules: dict[str, nn.Module], level: list[CandidateCost],
+                       region_of: Callable[[nn.Module, dict[str, nn.Module], str], nn.Module]) -> dict[str, Hashable]:
+    """Candidate name -> what must be equal for two candidates of ``level`` to share their dry runs,
+    forward times aside (``dry_run_leaders`` adds those): structure, modes and per-instance bytes."""
+    return {c.name: (_structure(region_of(model, modules, c.name)), tuple(m.value for m in c.saved_bytes),
+                     _measured_bytes(c)) for c in level}
+
+
+def dry_run_leaders(signatures: dict[str, Hashable], level: list[CandidateCost]) -> dict[str, str]:
+    """Candidate name -> the candidate of ``level`` that stands for it in the dry runs (``signatures``:
+    ``dry_run_signatures`` of the level).
 
     NOTE [shared dry runs]
     The dry runs (NOTE [mode dry runs] in profile/dryrun.py) ask whether a mode *runs* on a
@@ -126,6 +134,4 @@ def dry_run_leaders(model: nn.Module, modules: dict[str, nn.Module], level: list
     stands for. Groups never cross levels; passes may (NOTE [packed dry runs]), and no two
     candidates wrapped in one pass overlap.
     """
-    signatures = {c.name: (_structure(region_of(model, modules, c.name)),
-                           tuple(m.value for m in c.saved_bytes), _measured_bytes(c)) for c in level}
     return group_by_signature(signatures, {c.name: c.fwd_ms for c in level})
