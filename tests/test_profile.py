@@ -696,6 +696,32 @@ def test_the_baseline_peak_rides_on_the_first_timed_step_where_it_costs_nothing(
     assert track.baseline_peak_bytes <= alloc.baseline_peak_bytes
 
 
+def _tiny_gpt_dry_runs(monkeypatch, *, forward_times_agree: bool):
+    """The tiny gpt at 4 layers with every forward-time check agreeing or disagreeing; its module candidates,
+    the ground truth (every (candidate, mode) dry-run alone: True where it fails) and the verdicts of a
+    ``dry_run_modes`` result in the same form."""
+    import remat.profile.shared as shared
+    from remat.profile import dryrun
+    from remat.profile.dryrun import _DryRunner
+    from remat.profile.measure import profile_step
+
+    monkeypatch.setattr(shared, "forward_times_agree", lambda a_ms, b_ms: forward_times_agree)
+    step = TrainingStep(load_workload("gpt", {**TINY["gpt"], "n_layer": 4}).workload)
+    report = profile_step(step, resolve_candidates(step.workload.model, None), segments=False)
+    cands = [c for c in report.candidates if not c.members]
+    runner = _DryRunner(step, 10)
+    truth = {(c.name, m): runner.attempt({c.name: m}) is not None for c in cands for m in dryrun._modes(c)}
+
+    def verdicts(failures):
+        return {(c.name, m): m in failures.get(c.name, {}) for c in cands for m in dryrun._modes(c)}
+    return step, cands, truth, verdicts
+
+
+def _each_alone(runner, assignment, error, *_):
+    """The rule before NOTE [suspect first]: every entry of a failed pass retried alone."""
+    return [(n, m, e) for n, m in assignment.items() if (e := runner.attempt({n: m})) is not None]
+
+
 def test_a_failed_dry_run_pass_retries_its_suspect_first_and_a_wrong_hint_changes_no_verdict(monkeypatch):
     """NOTE [suspect first]: on the tiny gpt, recompute-pointwise fails (an in-place op on a tensor SAC
     cached). Ground truth: every (candidate, mode) dry-run alone, one pass each. The suspect-first
@@ -703,21 +729,11 @@ def test_a_failed_dry_run_pass_retries_its_suspect_first_and_a_wrong_hint_change
     (the wrong case) the verdicts are still the ground truth's: a hint orders the retries, it never
     excludes anything."""
     from remat.profile import dryrun
-    from remat.profile.dryrun import _DryRunner, dry_run_modes
-    from remat.profile.measure import profile_step
+    from remat.profile.dryrun import dry_run_modes
 
-    _forward_times_always_agree(monkeypatch)   # the blocks share their dry runs (CI once split them: 10 vs 7)
-    lw = load_workload("gpt", {**TINY["gpt"], "n_layer": 4})
-    step = TrainingStep(lw.workload)
-    report = profile_step(step, resolve_candidates(lw.workload.model, None), segments=False)
-    cands = [c for c in report.candidates if not c.members]
-    runner = _DryRunner(step, 10)
-    truth = {(c.name, m): runner.attempt({c.name: m}) is not None for c in cands for m in dryrun._modes(c)}
+    # the blocks share their dry runs whatever their forward times read (CI once split them: 10 vs 7)
+    step, cands, truth, verdicts = _tiny_gpt_dry_runs(monkeypatch, forward_times_agree=True)
     assert any(truth.values()) and not all(truth.values())
-
-    def verdicts(failures):
-        return {(c.name, m): m in failures.get(c.name, {}) for c in cands for m in dryrun._modes(c)}
-
     stats: dict = {}
     assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
     hinted = stats["passes"]
@@ -728,11 +744,9 @@ def test_a_failed_dry_run_pass_retries_its_suspect_first_and_a_wrong_hint_change
     assert hinted <= stats["passes"]
     # the retries before the hint: every entry of a failed pass alone
     monkeypatch.setattr(dryrun, "_tagging", real_tagging)
-    monkeypatch.setattr(dryrun, "_isolate", lambda runner, assignment, error, *_: [
-        (n, m, e) for n, m in assignment.items() if (e := runner.attempt({n: m})) is not None])
+    monkeypatch.setattr(dryrun, "_isolate", _each_alone)
     assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
     assert hinted < stats["passes"]
-
 
 
 def test_blocks_split_apart_by_their_forward_times_take_no_more_dry_run_passes_than_each_alone(monkeypatch):
@@ -740,25 +754,15 @@ def test_blocks_split_apart_by_their_forward_times_take_no_more_dry_run_passes_t
     forward-time check disagreeing (what noisy sub-ms times did in CI), so its 4 blocks and 4 MLPs each dry-run
     recompute-pointwise in one pass and all fail. Ground truth: each entry alone. The verdicts match it, and
     the passes are no more than every failed pass's entries retried alone (the rule before: 20 against 14)."""
-    import remat.profile.shared as shared
     from remat.profile import dryrun
-    from remat.profile.dryrun import _DryRunner, dry_run_modes
-    from remat.profile.measure import profile_step
+    from remat.profile.dryrun import dry_run_modes
 
-    monkeypatch.setattr(shared, "forward_times_agree", lambda a_ms, b_ms: False)
-    lw = load_workload("gpt", {**TINY["gpt"], "n_layer": 4})
-    step = TrainingStep(lw.workload)
-    report = profile_step(step, resolve_candidates(lw.workload.model, None), segments=False)
-    cands = [c for c in report.candidates if not c.members]
-    runner = _DryRunner(step, 10)
-    truth = {(c.name, m): runner.attempt({c.name: m}) is not None for c in cands for m in dryrun._modes(c)}
+    step, cands, truth, verdicts = _tiny_gpt_dry_runs(monkeypatch, forward_times_agree=False)
     assert sum(truth.values()) >= 8
     stats: dict = {}
-    found = dry_run_modes(step, cands, 10, stats=stats)
-    assert {(c.name, m): m in found.get(c.name, {}) for c in cands for m in dryrun._modes(c)} == truth
+    assert verdicts(dry_run_modes(step, cands, 10, stats=stats)) == truth
     twinned = stats["passes"]
-    monkeypatch.setattr(dryrun, "_isolate", lambda runner, assignment, error, *_: [
-        (n, m, e) for n, m in assignment.items() if (e := runner.attempt({n: m})) is not None])
+    monkeypatch.setattr(dryrun, "_isolate", _each_alone)
     dry_run_modes(step, cands, 10, stats=stats)
     assert twinned <= stats["passes"]
 
