@@ -766,6 +766,7 @@ def test_blocks_split_apart_by_their_forward_times_take_no_more_dry_run_passes_t
     dry_run_modes(step, cands, 10, stats=stats)
     assert twinned <= stats["passes"]
 
+
 class _ScriptedRunner:
     """A dry runner whose pass fails iff it wraps an entry of ``failing``; its hint names ``hint(failing
     entries of the pass)`` (the innermost region the error passed through, or a wrong one)."""
@@ -810,7 +811,6 @@ def test_isolating_a_failed_pass_finds_exactly_its_failures_and_bounds_its_retri
                 assert retries <= len(names) + 1
             if twins and k == len(names):
                 assert retries == len(names)
-
 
 
 @pytest.mark.skipif(not counter_available(), reason="the C++ allocator counter cannot be built here")
