@@ -318,7 +318,7 @@ def _first_fit(entries: list[tuple[str, CheckpointMode]], members: dict[tuple[st
 
 
 def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode], error: str,
-             kin: dict[str, Hashable] | None = None) -> list[tuple[str, CheckpointMode, str]]:
+             kin: dict[str, Hashable]) -> list[tuple[str, CheckpointMode, str]]:
     """The (candidate, mode, error) entries of a failed pass (its ``error``) that fail alone; a pass of one
     entry is its own evidence. ``kin``: candidate name -> its ``dry_run_signatures`` entry.
 
@@ -344,7 +344,6 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode], error: s
     if len(assignment) == 1:
         (name, mode), = assignment.items()
         return [(name, mode, error)]
-    kin = kin or {}
     remaining = dict(assignment)
     suspect = runner.suspect
     together = True          # retry the rest together once a failure is confirmed (refinement 2)
@@ -369,7 +368,7 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode], error: s
         if error is not None:
             failed.append((name, mode, error))
             explained = True
-            suspect = next((n for n, m in remaining.items() if m is mode and name in kin and kin.get(n) == kin[name]),
+            suspect = next((n for n, m in remaining.items() if m is mode and kin[n] == kin[name]),
                            None)   # refinement 1: a twin of the failure, alone next
     return failed
 

@@ -359,9 +359,10 @@ def _extras_between_ends(composable: dict[str, list[str]], leader: dict[str, str
     Measured on gpt at n_layer 32 (every length a tracked run): 4032 bytes at each of the 8 lengths
     (2 to 16 blocks), the blocks' own FULL extra; the 8 runs took 8.6 s (timed one by one), where a
     warm step of the model takes 2.2-2.4 s and the whole replay stage read 11.8 s. So of a *family*
-    (segments whose members all take one block's measurement, NOTE [shared replay measurements]) only the shortest and the longest length are run: where the two
-    agree to the byte, every length between takes that figure (``extra_between``, the report's
-    ``replay_extra_between``); where they differ, every length is run as before. It is interpolation
+    (segments whose members all take one block's measurement, NOTE [shared replay measurements])
+    only the shortest and the longest length are run: where the two agree to the byte, every length
+    between takes that figure (``extra_between``, the report's ``replay_extra_between``); where they
+    differ, every length is run as before. It is interpolation
     between measured ends, never extrapolation past the longest; the closed loop measures every plan
     it ships."""
     families: dict[str, list[str]] = {}
