@@ -180,13 +180,16 @@ class _RegionArm:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.on_cpu = all(t.device.type == "cpu" for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor))
 
-    def run(self) -> None:
+    def run(self, after_forward: Callable[[], None] | None = None) -> None:
+        """Forward, then backward; ``after_forward`` runs between them (NOTE [measured replay bytes])."""
         args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.inputs)
         for p in self.params:
             p.grad = None
         remove = _wrap(self.module, self.mode) if self.mode is not CheckpointMode.KEEP else None
         try:
             out = self.module(*args, **kwargs)
+            if after_forward is not None:
+                after_forward()
             leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if leaves:
                 torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
@@ -212,12 +215,11 @@ def _measure_one(module: nn.Module, modes: list[CheckpointMode], inputs: tuple[t
             est = [robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim) for m in modes]
             if spent > time_budget_ms or all(s <= max(spread_floor_ms, max_rel_spread * abs(c)) for c, s in est):
                 break
-    peaks = {arm.mode: _peak_bytes(arm) for arm in arms}   # untimed: the tracker slows every op
+    peaks = {arm.mode: _backward_peaks(arm) for arm in arms}   # untimed: the tracker slows every op
     out = {}
     for m in modes:
         c, s = robust_difference(samples[m], samples[CheckpointMode.KEEP], trim=trim)
-        extra = None if peaks[m] is None or peaks[CheckpointMode.KEEP] is None else \
-            max(0, peaks[m] - peaks[CheckpointMode.KEEP])   # type: ignore[operator]
+        extra = replay_extra(peaks[CheckpointMode.KEEP], peaks[m])
         ms, below = price_at_resolution(c, resolution_ms)
         out[m] = ReplayEstimate(ms=ms, spread_ms=s, rounds=rounds, extra_bytes=extra, below_resolution=below)
     return out
@@ -231,36 +233,54 @@ def price_at_resolution(cost_ms: float, resolution_ms: float) -> tuple[float, bo
     return (resolution_ms, True) if cost_ms < resolution_ms else (cost_ms, False)
 
 
-def _peak_bytes(arm: "_RegionArm") -> int | None:
-    """Peak live bytes (CPU live-tensor tracker) of one run of ``arm``; None if it cannot run tracked.
+def _backward_peaks(arm: "_RegionArm") -> tuple[int, ...] | None:
+    """Peak bytes of one run of ``arm`` during its backward, counted from before its forward, by each
+    instrument that can watch it: the live-tensor tracker (tensor bytes), then on CPU where it is
+    installed the allocator counter; None if it cannot run tracked.
 
     NOTE [measured replay bytes]
     The cost model adds ``replay_extra_bytes`` to the rows where a checkpointed candidate
-    replays: what its replay holds beyond the activations it recreates. The first estimate
-    (how far its forward rose above its entry level, less what it saves) counts every
-    transient and the region's output, but a non-reentrant replay frees what nobody saved as
-    it goes and stops early once the saved tensors are back (``early_stop``): on ``cnn`` that
-    over-predicted the peak of ``all`` by 6 points of the control's peak. So the region runs
-    once more per arm under the live-tensor tracker: without checkpointing its peak is at the
-    end of forward (inputs, saved tensors, output, output gradient); checkpointed it is in
-    the replay (the same, plus what the replay holds beyond them), so the difference of the
-    two peaks is the replay's extra, measured. Both arms are measured by one instrument: the
-    live-tensor tracker, or where the CPU allocator counter measures whole steps (NOTE [CPU
-    allocator counter]) that counter, which costs the run nothing and also counts the RNG state a
-    checkpoint keeps (5056 bytes on CPU) in the replay's extra.
+    replays: what its replay holds beyond what the same instants of the unplanned step hold.
+    The first estimate (how far its forward rose above its entry level, less what it saves)
+    counts every transient and the region's output, but a non-reentrant replay frees what
+    nobody saved as it goes and stops early once the saved tensors are back (``early_stop``):
+    on ``cnn`` that over-predicted the peak of ``all`` by 6 points of the control's peak. So
+    the region runs once more per arm, and the replay's extra is the difference of the two
+    arms' peaks *in backward* (the peak reset when the forward returns): a replaying row's
+    base is the unplanned step's most during that backward, the checkpointed arm's is the
+    replay's. Whole-run peaks were compared before, and the unplanned arm's peak was its
+    forward's transients, which the step's backward rows never hold: on the tiny test cnn
+    (batch 8, 16x16, width 8) ``blocks.1`` measured 5056 B of extra, and its plan then
+    measured 51216 B (3.5%) over its prediction; in backward it is 67904 B, 15952 B (1.1%).
+    Rows count tensors (the tracker's, plus one allowance for what is not a tensor, NOTE
+    [untracked bytes] in measure.py), so both arms run under the tracker; on CPU the
+    allocator counter runs them too, since it also sees what a checkpoint keeps that is no
+    tensor (its RNG state, 5056 bytes on CPU); the extra is the larger of the two
+    differences. The counter alone read 5056 B for ``blocks.1``: its unplanned backward, with
+    what its convolutions allocate beside tensors, stood as high as the replay, which
+    re-creates two transients the unplanned backward never holds (bn2's output and the
+    residual sum, 64 KiB each there).
     """
     from ..memory.allocator import CpuAllocatorWindow, counter_status
     from ..memory.tracker import LiveTensorTracker
     try:
-        if arm.on_cpu and counter_status().available:
-            with CpuAllocatorWindow() as w:
-                arm.run()
-            return w.peak_bytes
         with LiveTensorTracker(keep_timeline=False) as t:
-            arm.run()
-        return int(t.peak_bytes)
+            arm.run(after_forward=t.reset_peak)
+        if not (arm.on_cpu and counter_status().available):
+            return (int(t.peak_bytes),)
+        with CpuAllocatorWindow() as w:
+            arm.run(after_forward=w.reset_peak)
+        return int(t.peak_bytes), w.peak_bytes
     except Exception:  # noqa: BLE001  a mode that cannot run under a second dispatch mode keeps its estimate
         return None
+
+
+def replay_extra(keep: tuple[int, ...] | None, mode: tuple[int, ...] | None) -> int | None:
+    """A replay's extra bytes from both arms' ``_backward_peaks``: the largest difference any one
+    instrument saw, never below 0 (NOTE [measured replay bytes]); None when either arm was not measured."""
+    if keep is None or mode is None:
+        return None
+    return max(0, *(m - k for k, m in zip(keep, mode)))
 
 
 def _offered_modes(c: CandidateCost) -> list[CheckpointMode]:
@@ -412,8 +432,8 @@ def _composed(members: list[str], full: list[ReplayEstimate], extra_bytes: int |
 def _extra_bytes(module: nn.Module, mode: CheckpointMode, inputs: tuple[tuple, dict]) -> int | None:
     """The replay's extra bytes of ``module`` under ``mode`` (NOTE [measured replay bytes]) from one
     tracked run of each arm, with no timing rounds; None when either cannot run tracked."""
-    keep, mode_peak = (_peak_bytes(_RegionArm(module, m, inputs)) for m in (CheckpointMode.KEEP, mode))
-    return None if keep is None or mode_peak is None else max(0, mode_peak - keep)
+    keep, mode_peaks = (_backward_peaks(_RegionArm(module, m, inputs)) for m in (CheckpointMode.KEEP, mode))
+    return replay_extra(keep, mode_peaks)
 
 
 def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
