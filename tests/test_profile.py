@@ -128,10 +128,12 @@ def test_replay_extra_bytes_are_the_backward_peaks_difference_under_the_allocato
 
 def test_replay_extra_is_the_largest_difference_any_instrument_saw():
     from remat.profile.replay import replay_extra
-    assert replay_extra((100, 90), (150, 95)) == 50      # the tracker's tensors
-    assert replay_extra((100, 90), (105, 195)) == 105    # the counter's (e.g. an RNG state, a workspace)
-    assert replay_extra((100,), (80,)) == 0              # a replay that holds less adds nothing
-    assert replay_extra(None, (80,)) is None and replay_extra((80,), None) is None
+    T, A = MemorySource.CPU_LIVE_TENSORS, MemorySource.CPU_ALLOCATOR
+    assert replay_extra({T: 100, A: 90}, {T: 150, A: 95}) == 50      # the tracker's tensors
+    assert replay_extra({T: 100, A: 90}, {T: 105, A: 195}) == 105    # the counter's (e.g. an RNG state)
+    assert replay_extra({T: 100}, {T: 80}) == 0                      # a replay that holds less adds nothing
+    assert replay_extra({T: 100, A: 90}, {A: 95}) == 5               # only an instrument both arms ran under
+    assert replay_extra({T: 100}, {A: 95}) is None and replay_extra({}, {}) is None
 
 
 def test_selective_mode_measured_where_matmuls_exist():

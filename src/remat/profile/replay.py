@@ -89,7 +89,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..measure import StepClock, percentile
 from ..memory.measure import model_device
-from ..types import CheckpointMode
+from ..types import CheckpointMode, MemorySource
 from ..workload.contract import TrainingStep
 from .dryrun import _first_line, _wrap, put_back, region_module
 from .segments import is_segment, segment_members
@@ -233,10 +233,11 @@ def price_at_resolution(cost_ms: float, resolution_ms: float) -> tuple[float, bo
     return (resolution_ms, True) if cost_ms < resolution_ms else (cost_ms, False)
 
 
-def _backward_peaks(arm: "_RegionArm") -> tuple[int, ...] | None:
+def _backward_peaks(arm: "_RegionArm") -> dict[MemorySource, int]:
     """Peak bytes of one run of ``arm`` during its backward, counted from before its forward, by each
-    instrument that can watch it: the live-tensor tracker (tensor bytes), then on CPU where it is
-    installed the allocator counter; None if it cannot run tracked.
+    instrument that can watch it: the live-tensor tracker (tensor bytes; ``CPU_LIVE_TENSORS``, on any
+    device) and on CPU, where it is installed, the allocator counter. An instrument under which the
+    region cannot run (a second dispatch mode) is left out.
 
     NOTE [measured replay bytes]
     The cost model adds ``replay_extra_bytes`` to the rows where a checkpointed candidate
@@ -251,7 +252,8 @@ def _backward_peaks(arm: "_RegionArm") -> tuple[int, ...] | None:
     replay's. Whole-run peaks were compared before, and the unplanned arm's peak was its
     forward's transients, which the step's backward rows never hold: on the tiny test cnn
     (batch 8, 16x16, width 8) ``blocks.1`` measured 5056 B of extra, and its plan then
-    measured 51216 B (3.5%) over its prediction; in backward it is 67904 B, 15952 B (1.1%).
+    measured 51216 B (3.5%) over its prediction; in backward it is 67904 B, 15952 B (1.1%;
+    at one thread, as the tests run, 7.0% and 2.7%).
     Rows count tensors (the tracker's, plus one allowance for what is not a tensor, NOTE
     [untracked bytes] in measure.py), so both arms run under the tracker; on CPU the
     allocator counter runs them too, since it also sees what a checkpoint keeps that is no
@@ -263,24 +265,28 @@ def _backward_peaks(arm: "_RegionArm") -> tuple[int, ...] | None:
     """
     from ..memory.allocator import CpuAllocatorWindow, counter_status
     from ..memory.tracker import LiveTensorTracker
+    peaks: dict[MemorySource, int] = {}
     try:
         with LiveTensorTracker(keep_timeline=False) as t:
             arm.run(after_forward=t.reset_peak)
-        if not (arm.on_cpu and counter_status().available):
-            return (int(t.peak_bytes),)
-        with CpuAllocatorWindow() as w:
-            arm.run(after_forward=w.reset_peak)
-        return int(t.peak_bytes), w.peak_bytes
+        peaks[MemorySource.CPU_LIVE_TENSORS] = int(t.peak_bytes)
     except Exception:  # noqa: BLE001  a mode that cannot run under a second dispatch mode keeps its estimate
-        return None
+        pass
+    if arm.on_cpu and counter_status().available:
+        try:
+            with CpuAllocatorWindow() as w:
+                arm.run(after_forward=w.reset_peak)
+            peaks[MemorySource.CPU_ALLOCATOR] = w.peak_bytes
+        except Exception:  # noqa: BLE001  as above
+            pass
+    return peaks
 
 
-def replay_extra(keep: tuple[int, ...] | None, mode: tuple[int, ...] | None) -> int | None:
+def replay_extra(keep: dict[MemorySource, int], mode: dict[MemorySource, int]) -> int | None:
     """A replay's extra bytes from both arms' ``_backward_peaks``: the largest difference any one
-    instrument saw, never below 0 (NOTE [measured replay bytes]); None when either arm was not measured."""
-    if keep is None or mode is None:
-        return None
-    return max(0, *(m - k for k, m in zip(keep, mode)))
+    instrument saw in both, never below 0 (NOTE [measured replay bytes]); None when no instrument did."""
+    both = keep.keys() & mode.keys()
+    return max(0, *(mode[s] - keep[s] for s in both)) if both else None
 
 
 def _offered_modes(c: CandidateCost) -> list[CheckpointMode]:
