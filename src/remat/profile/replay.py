@@ -48,9 +48,9 @@ A segment ``blocks[a:b]`` checkpointed FULL recomputes, in backward, the forward
 its members once, in order: the same work as checkpointing each member FULL, less the
 checkpoint bookkeeping of b - a - 1 regions. So its replay is priced as the sum of its
 members' measured FULL costs (and spreads), recorded as ``ReplayEstimate.composed_from``
-(the report's ``replay_composed``). Its extra bytes are still measured, from one tracked
-run of the segment with and without checkpointing (no timing rounds; identical segments, by
-NOTE [shared replay measurements], share that run: on gpt at n_layer 16 its 22 segments took
+(the report's ``replay_composed``). Its extra bytes are still measured (NOTE [segment extra
+bytes]), from one run of the segment with and without checkpointing (no timing rounds;
+identical segments, by NOTE [shared replay measurements], share that run: on gpt at n_layer 16 its 22 segments took
 5 tracked runs; at n_layer 32, with 54 segments tracked one by one, the replay stage of a
 `remat plan` took 20.6 step-equivalents): with first estimates,
 ``checkpoint_sequential:2`` on the chain of tests/test_segments.py was predicted 8.6% over its
