@@ -57,6 +57,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.closed_loop import plan_closed_loop
 from remat.frontier import p50_difference
+from remat.frontier.model import unresolved_why
 from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
                             search_capacity, time_round_robin)
 from remat.measure import release_memory
@@ -476,7 +477,7 @@ def render_markdown(data: dict) -> str:
             if s.get("best_baseline") and ra["step_ms"] and arms_by[s["best_baseline"]]["step_ms"]:
                 d = p50_difference(ra["step_ms"], arms_by[s["best_baseline"]]["step_ms"])
                 diff = (f"{d.diff_ms:+.0f} ms [{d.low_ms:+.0f}, {d.high_ms:+.0f}] "
-                        f"({'resolved' if d.resolved else 'within noise'})")
+                        f"({'resolved' if d.resolved else unresolved_why(d.low_ms, d.high_ms, d.samples)})")
             pred = ra["extra"].get("predicted_overhead_ms")
             pm = "-" if pred is None else f"{(w['control_p50_ms'] + pred) / ra['p50_ms']:.2f}"
             lines.append(f"| {s['budget']} | {s['remat_overhead_pct']:+.1f}%, {s['remat_p50_ms']:.0f} ms"

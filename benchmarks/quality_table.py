@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from remat.frontier import FrontierPoint, decide, p50_difference
+from remat.frontier.model import unresolved_why
 
 REMAT_PLANS = ("none", "all", "uniform:2", "sqrt", "sac-matmuls")   # + first-k@* and remat optimal@*
 
@@ -65,7 +66,7 @@ def rows_of(w: dict) -> tuple[list[str], list[float], list[float]]:
             if ovh is not None and ovh > 0:
                 ovh_ratios.append(ovh)
             d = p50_difference(r["step_ms"], best["step_ms"])
-            verdict = "resolved" if d.resolved else "within noise"
+            verdict = "resolved" if d.resolved else unresolved_why(d.low_ms, d.high_ms, d.samples)
             cells += [f"{best['label']} ({best['peak_bytes'] / ctrl_peak:.0%}) {_pct(best['overhead_pct'])}",
                       f"**{ratio:.2f}**", "-" if ovh is None else f"{ovh:.2f}",
                       f"{d.diff_ms:+.0f} ms [{d.low_ms:+.0f}, {d.high_ms:+.0f}] {verdict}"]

@@ -487,3 +487,31 @@ def test_every_overhead_carries_its_interval_and_noise_is_said_to_be():
     assert ctrl.overhead_interval is None                # the control has no overhead against itself
     back = FrontierPoint.from_json(json.loads(json.dumps(slow.to_json())))
     assert back.overhead_interval == slow.overhead_interval
+
+
+def test_an_interval_that_excludes_zero_but_fails_the_sign_test_is_not_called_noise():
+    """zoo9's diffusers_unet2d: 'all' +31% over 3 rounds, every round slower, printed "(noise)". The
+    sign test cannot pass at 3 rounds; the report must say that, not that the difference is noise."""
+    from scipy import stats
+    from remat.frontier import p50_difference
+    from remat.frontier.model import MIN_SIGN_ROUNDS
+    # ground truth for the constant: the fewest rounds all one way a two-sided 95% sign test passes
+    assert MIN_SIGN_ROUNDS == next(n for n in range(1, 20) if stats.binomtest(n, n, 0.5).pvalue < 0.05)
+
+    def point(plan, ms, boundaries):
+        return FrontierPoint(plan=plan, planner=plan, peak_bytes=50 * MIB, step_ms=ms,
+                             p50_ms=statistics.median(ms), p95_ms=max(ms), boundaries=boundaries)
+    for n, resolved in ((3, False), (MIN_SIGN_ROUNDS, True)):
+        ctrl = point("none", [100.0 + i for i in range(n)], [])
+        slow = point("all", [131.0 + i for i in range(n)], ["h.0:full"])  # each round 31 ms slower
+        decide([ctrl, slow], budget_bytes=90 * MIB, reserve=0.0)
+        oi = slow.overhead_interval
+        assert oi.low_pct > 0.0 and oi.resolved is resolved
+        d = p50_difference(slow.step_ms, ctrl.step_ms)
+        if resolved:      # the safe twin: nothing said about noise
+            assert "noise" not in oi.describe() and "not resolved" not in oi.describe() and "[" in oi.short()
+            assert "not resolved" not in d.describe()
+        else:
+            assert "within noise" not in oi.describe() and "noise" not in oi.short()
+            assert "cannot pass the sign test" in oi.describe() and oi.short() == "+31% (unresolved, n=3)"
+            assert "cannot pass the sign test" in d.describe()

@@ -384,10 +384,10 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, command: str, started
         f"(after 2 warm-up steps, on a fresh build: `benchmarks/zoo/profiler_peak.py`) is within the budget on "
         f"{sum((r.get('profiler') or {}).get('within_budget') is True for r in rows)} of "
         f"{sum(bool(r.get('profiler')) for r in rows)} shipped plans. The overhead is the receipt's interleaved p50 "
-        "against the control, `(noise)` where it is not resolved (NOTE [overhead intervals] in "
-        "src/remat/frontier/model.py: its 95% interval holds zero, or fewer than 6 rounds, as a --fast "
-        "receipt's 3 always are, cannot pass its sign test), `(no interval)` for rows run before receipts "
-        "recorded one.",
+        "against the control, `(noise)` where its 95% interval holds zero, `(unresolved, n=3)` where the "
+        "interval excludes zero but 3 rounds (a --fast receipt's) cannot pass the sign test, which needs 6 "
+        "all one way (NOTE [overhead intervals] in src/remat/frontier/model.py), `(no interval)` for rows "
+        "run before receipts recorded one.",
         "",
         "| model | verdict | exit (plan/receipt/check) | control peak | blocking phase | candidates | floor | budget "
         "| shipped peak | profiler peak, later steps (≤ budget) | boundaries shipped (mode) | overhead | verify "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 from ..errors import RematError
@@ -30,7 +31,26 @@ class Decision(str, enum.Enum):
 # differences] in pareto.py), as a share of the control's p50. "resolved" means the interval
 # excludes zero and the paired rounds agree in sign; an unresolved overhead is printed as
 # "within noise", whatever its sign, so a -19% from three noisy rounds never reads as a speed-up.
-# Fewer than 3 rounds give no interval, and the report says so.
+# Fewer than 3 rounds give no interval, and the report says so. An interval can exclude zero and
+# the difference still be unresolved: with n paired rounds all one way the two-sided sign test's
+# p-value is 2^(1 - n), under 0.05 only from n = 6 (MIN_SIGN_ROUNDS), so 3 to 5 rounds never pass
+# it. Such a difference is not "within noise" (every round went one way) and is not resolved
+# either; the report says which of the two it is (``unresolved_why``), so a +31% the rounds agree
+# on does not read as noise, nor as a measured cost.
+
+MIN_SIGN_ROUNDS = 6   # fewest paired rounds, all one way, that pass a two-sided 95% sign test
+
+
+def unresolved_why(low: float, high: float, samples: int) -> str:
+    """Why a difference with this 95% interval (any unit) from ``samples`` rounds is not resolved."""
+    if math.isnan(low) or math.isnan(high):
+        return f"not resolved: {samples} rounds are too few for an interval"
+    if low <= 0.0 <= high:
+        return "within noise"
+    if samples < MIN_SIGN_ROUNDS:
+        return (f"not resolved: the interval excludes zero, but {samples} rounds cannot pass the sign test "
+                f"(it needs {MIN_SIGN_ROUNDS} all one way)")
+    return "not resolved: the interval excludes zero, but the rounds do not agree in sign often enough"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,19 +64,23 @@ class OverheadInterval:
     samples: int                # interleaved rounds behind it
 
     def describe(self) -> str:
-        """``+12.0% (95% CI +8.1% to +15.2%, 9 interleaved steps)``; unresolved: ``..., within noise``."""
+        """``+12.0% (95% CI +8.1% to +15.2%, 9 interleaved steps)``; unresolved: ``..., within noise``
+        or ``..., not resolved: ...`` (``unresolved_why``)."""
         if self.low_pct is None or self.high_pct is None:
             return f"{self.pct:+.1f}% ({self.samples} interleaved steps: too few for an interval)"
-        noise = ", within noise" if not self.resolved else ""
+        noise = "" if self.resolved else ", " + unresolved_why(self.low_pct, self.high_pct, self.samples)
         return (f"{self.pct:+.1f}%{noise} (95% CI {self.low_pct:+.1f}% to {self.high_pct:+.1f}%, "
                 f"{self.samples} interleaved steps)")
 
     def short(self) -> str:
-        """For a table cell: ``+12% [+8, +15]``, ``+2% (noise)``, ``+2% (n=2)``."""
+        """For a table cell: ``+12% [+8, +15]``, ``+2% (noise)``, ``+31% (unresolved, n=3)`` (the
+        interval excludes zero, the sign test does not pass), ``+2% (n=2)``."""
         if self.low_pct is None or self.high_pct is None:
             return f"{self.pct:+.0f}% (n={self.samples})"
         if not self.resolved:
-            return f"{self.pct:+.0f}% (noise)"
+            if self.low_pct <= 0.0 <= self.high_pct:
+                return f"{self.pct:+.0f}% (noise)"
+            return f"{self.pct:+.0f}% (unresolved, n={self.samples})"
         return f"{self.pct:+.0f}% [{self.low_pct:+.0f}, {self.high_pct:+.0f}]"
 
     def to_json(self) -> dict[str, Any]:

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..measure import p50_along, percentile
 from ..units import mib
-from .model import Decision, FrontierPoint, OverheadInterval, describe_overhead
+from .model import Decision, FrontierPoint, OverheadInterval, describe_overhead, unresolved_why
 
 MIN_SAMPLES = 3          # fewer never resolve a difference (NOTE [resolved differences])
 CONFIDENCE = 0.95
@@ -69,8 +69,10 @@ class P50Difference:
     def describe(self) -> str:
         if math.isnan(self.low_ms):
             return f"{self.diff_ms:+.2f} ms from {self.samples} samples (fewer than {MIN_SAMPLES}: not resolvable)"
+        why = "" if self.resolved or self.low_ms <= 0.0 <= self.high_ms else \
+            "; " + unresolved_why(self.low_ms, self.high_ms, self.samples)
         return (f"{self.diff_ms:+.2f} ms, {CONFIDENCE:.0%} CI [{self.low_ms:+.2f}, {self.high_ms:+.2f}] ms "
-                f"over {self.samples} interleaved steps")
+                f"over {self.samples} interleaved steps{why}")
 
 
 def _median_diff(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
