@@ -57,9 +57,9 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.closed_loop import plan_closed_loop
 from remat.frontier import p50_difference
-from remat.frontier.model import unresolved_why
 from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
                             search_capacity, time_round_robin)
+from remat.frontier.model import unresolved_why
 from remat.measure import release_memory
 from remat.memory import PeakMeasurement, profiler_step_peak
 from remat.plan import InfeasibleBudget, make_plan
