@@ -515,3 +515,6 @@ def test_an_interval_that_excludes_zero_but_fails_the_sign_test_is_not_called_no
             assert "within noise" not in oi.describe() and "noise" not in oi.short()
             assert "cannot pass the sign test" in oi.describe() and oi.short() == "+31% (unresolved, n=3)"
             assert "cannot pass the sign test" in d.describe()
+    # enough rounds, interval above zero, but 8 of 10 one way fails the sign test (p = 0.11): said so
+    mixed = p50_difference([130.0 + i for i in range(8)] + [95.0, 96.0], [100.0] * 10)
+    assert mixed.low_ms > 0.0 and not mixed.resolved and "do not agree in sign" in mixed.describe()
