@@ -90,6 +90,9 @@ def main(size: str = "tiny", steps: int = 3, budget: str = "60%", plan: bool = T
             "plan_digest": report.plan_digest if report else None,
             "boundaries": list(report.boundaries) if report else None,
             "budget_bytes": report.budget_bytes if report else None,
+            "measured_peak_bytes": report.measured_peak_bytes if report else None,   # remat's, the fullest rank's
+            "baseline_peak_bytes": report.baseline_peak_bytes if report else None,
+            "memory_source": report.memory_source if report else None,
             "summary": report.summary() if report else None}
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ._lazy import lazy_exports
 from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch, HandleError,
-                     MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
-                     UserCodeError, VerificationFailed, WorkloadError)
+                     JobFault, MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
+                     TrainableChangedError, UserCodeError, VerificationFailed, WorkloadError)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
 
 __version__ = "0.1.0"
@@ -40,6 +40,8 @@ _LAZY = {
     "AutoReport": "remat.autoplan",
     "ShapePolicy": "remat.autoplan",
     "NewShapeWarning": "remat.autoplan",
+    "TrainableChangedWarning": "remat.autoplan",
+    "UnsampledBlockWarning": "remat.profile",
     "ExampleBatches": "remat.autoplan",
     "StepSample": "remat.profile",
 }
@@ -47,14 +49,14 @@ _LAZY = {
 __all__ = [
     # errors and enums (imported above)
     "AutoError", "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
-    "HandleError", "HazardKind", "MemCategory", "MemoryMeasurementError", "MemorySource", "NewShapeError", "OutputError",
+    "HandleError", "HazardKind", "JobFault", "MemCategory", "MemoryMeasurementError", "MemorySource", "NewShapeError", "OutputError",
     "Phase", "PlanError",
-    "ReceiptError", "RematError", "ShapeError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
+    "ReceiptError", "RematError", "ShapeError", "TrainableChangedError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
     # loaded on first use (_LAZY): the stage functions and the results they hand back
     "ApplyHandle", "AutoHandle", "AutoReport", "ExampleBatches", "LoadedWorkload", "NewShapeWarning", "Plan", "PlanCheckFn",
     "ProfileReport", "ShapePolicy", "StepTrace",
     "TrainingStep", "VerifyReport", "Workload", "apply", "auto", "export_check_fn", "load_workload", "make_plan",
-    "StepSample", "profile_workload", "recover_handle", "trace_workload", "verify_plan",
+    "StepSample", "TrainableChangedWarning", "UnsampledBlockWarning", "profile_workload", "recover_handle", "trace_workload", "verify_plan",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)   # dir(remat) lists the lazy names too

@@ -124,3 +124,15 @@ class AutoError(RematError):
 class NewShapeError(AutoError):
     """A model planned by ``remat.auto`` with ``on_new_shape='raise'`` was called at a shape larger
     than any it was planned for (NOTE [shape guard] in remat/autoplan/shapes.py)."""
+
+
+class TrainableChangedError(AutoError):
+    """A model planned by ``remat.auto`` with ``on_new_shape='raise'`` was called after parameters
+    started or stopped training (NOTE [trainable guard] in remat/autoplan/shapes.py)."""
+
+
+class JobFault(AutoError):
+    """The ranks of a torchrun job cannot plan together in ``remat.auto`` (NOTE [job faults] in
+    remat/autoplan/job.py): they called it with different models, example-batch shapes or budgets,
+    a rank never called it, or a rank was lost while they planned. The message names the ranks and
+    each one's value or error."""

@@ -67,6 +67,10 @@ class RankReduce(typing.Protocol):
 
     def median_ms(self, values: list[float]) -> list[float]: ...
 
+    def gather(self, value: typing.Any) -> list[typing.Any]:
+        """``value`` of every rank, in rank order (a collective: every rank calls it)."""
+        ...
+
 
 class CheckpointMode(str, enum.Enum):
     """What a plan does with one candidate module."""

@@ -9,11 +9,11 @@ from .cache import (ENV_VAR, BrokenCacheEntryWarning, CacheKey, PlanCache, PlanC
                     default_cache_dir)
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .run import auto, existing_checkpointing
-from .shapes import NewShapeWarning, ShapeEnvelope, ShapeGuard, ShapePolicy
+from .shapes import NewShapeWarning, ShapeEnvelope, ShapeGuard, ShapePolicy, TrainableChangedWarning
 from .source import InMemoryWorkload, ModelSource, OptimizerSpec, hf_loss, unwrap_optimizer
 
 __all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "BrokenCacheEntryWarning", "CacheKey", "CacheStatus", "ExampleBatches",
            "InMemoryWorkload", "ModelSource", "NewShapeWarning", "OptimizerSpec", "PlanCache", "PlanCacheWarning",
-           "ShapeEnvelope", "ShapeGuard", "ShapePolicy",
+           "ShapeEnvelope", "ShapeGuard", "ShapePolicy", "TrainableChangedWarning",
            "UnusableCacheDirWarning", "VerifyStatus", "auto", "default_cache_dir", "existing_checkpointing",
            "hf_loss", "unwrap_optimizer"]

@@ -10,7 +10,8 @@ which parameters train (``requires_grad``: LoRA freezes most, which changes ever
 value), the budget as given (``"70%"`` means 70% of this step's own peak), the reserve and
 planner, the loss function (qualified name, bytecode, defaults, closure values; a
 ``functools.partial`` by its function, arguments and keywords), the optimizer (class, defaults,
-groups: its state is part of the peak), the autocast dtype the step runs under, the device (with the CUDA
+groups: its state is part of the peak), the autocast dtype the step runs under, the gradient
+accumulation (NOTE [accumulated step]: above 1 the gradients are alive in the forward), the device (with the CUDA
 device name), the torch and remat versions, and for a wrapped model the job's world size and engine
 (DDP, FSDP2). The key is the sha256 of all of that as JSON; the file name is the key, and the
 file is a plain ``plan.json`` read through the hardened loader. A key that differs in any part
@@ -77,6 +78,7 @@ class CacheKey:
     world_size: int = 1            # a job's plan is the job's (NOTE [one plan per job])
     engine: str = "none"           # JobEngine: how the model is wrapped (none, ddp, fsdp2)
     autocast: str | None = None    # the step's autocast dtype (NOTE [autocast steps]): it changes every peak
+    accumulation_steps: int = 1    # above 1 the step runs with gradients alive (NOTE [accumulated step])
 
     @property
     def digest(self) -> str:

@@ -8,10 +8,12 @@ DDP's gradient buckets. So on a wrapped model ``remat.auto`` profiles and measur
 model itself*, on every rank at once (NOTE [one plan per job]), and every build of the workload
 first puts the model back as it was found (:class:`StateSnapshot`): every parameter and buffer
 value (written in place, so FSDP2's shard storage and DDP's parameter views stay the tensors
-they were), every gradient (or None), every module's ``training`` flag. Each build gets a fresh
-optimizer of the user's class over the model's (sharded) parameters; the user's optimizer object
-and its state are never stepped or written. The RNG streams are restored as for a plain model
-(NOTE [no side effects]). On CUDA the snapshot is kept on the CPU, so no measured peak holds it.
+they were), every gradient (or None), every module's ``training`` flag; once planning is over, a
+DDP reducer that planning found new is made new again (NOTE [DDP reducer after planning] in
+autoplan/reducer.py). Each build gets a fresh optimizer of the user's class over the model's
+(sharded) parameters; the user's optimizer object and its state are never stepped or written. The
+RNG streams are restored as for a plain model (NOTE [no side effects]). On CUDA the snapshot is
+kept on the CPU, so no measured peak holds it.
 The cost: one copy of this rank's parameters, buffers and gradients in host memory while
 ``remat.auto`` runs.
 """
@@ -27,6 +29,7 @@ from torch import nn
 
 from ..errors import AutoError
 from ..workload import Workload, with_autocast
+from .reducer import ReducerState
 from .source import InMemoryWorkload, ModelSource, clone_batch
 
 
@@ -86,6 +89,8 @@ class InPlaceSource(ModelSource):
         super().__init__(model, batch, *args, autocast=autocast)
         self.engine, self.ranks = engine, ranks
         self.snapshot = StateSnapshot(model)
+        # DDP's reducer: made new again after planning when planning found it new (NOTE [DDP reducer after planning])
+        self.reducer = ReducerState(model) if engine is JobEngine.DDP else None
 
     @property
     def in_place(self) -> bool:
@@ -93,6 +98,8 @@ class InPlaceSource(ModelSource):
 
     def restore(self) -> None:
         self.snapshot.restore()
+        if self.reducer is not None:
+            self.reducer.restore()
 
     def workload(self) -> Workload:
         self.snapshot.restore()

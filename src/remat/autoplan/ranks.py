@@ -6,9 +6,12 @@ runs on every rank, and every profiled or measured step runs on all of them at o
 collectives pair up), so the ranks must take the same decisions in the same order, or one waits
 in a collective the others never enter. That holds by construction, not by luck:
 
+* before any collective, every rank has arrived and the ranks agree on the model, the example
+  batches' shapes and the budget (NOTE [job faults] in autoplan/job.py);
 * the profile's own control flow depends on the model and the batch's shapes only, never on a
-  time (``measure_replays`` is off in a job: it repeats a region until its timings settle, which
-  is a per-rank decision); when it is done, the ranks' profiles are reduced into one
+  rank-local time (``measure_replays`` is off in a job: it repeats a region until its timings
+  settle, which is a per-rank decision; the dry runs group and narrow by figures agreed over the
+  ranks: NOTE [dry runs in a job] in profile/shared.py); when it is done, the ranks' profiles are reduced into one
   (:func:`agree_profile`): bytes by their maximum (the plan must fit the fullest rank), times by
   their median (replay timings are noise: identical layers measured 32.7, 20.7 and 7.25 ms);
 * the budget is per device: ``"70%"`` is 70% of each rank's own unplanned peak, and the plan

@@ -58,6 +58,7 @@ class AutoReport:
     seconds: float                       # wall time of the remat.auto call
     autocast: str | None = None          # "bfloat16"/"float16": planned (and verified) with the forward under autocast
     tolerances: dict[str, Any] = dataclasses.field(default_factory=dict)  # dtype -> Tolerance verify compares with
+    accumulation_steps: int = 1          # micro-batches per optimizer step the peaks are of (NOTE [accumulated step])
 
     @property
     def predicted_overhead(self) -> float:
@@ -87,7 +88,9 @@ class AutoReport:
             f"measured {measured} ({self.memory_source}); budget {self.budget} = {fmt_bytes(self.budget_bytes)}",
             f"  step: {self.baseline_step_ms:.1f} ms unplanned, overhead {self.predicted_overhead * 100:+.1f}% predicted "
             f"(+{self.predicted_overhead_ms:.2f} ms of replays){planned}; optimizer counted: {self.optimizer}"
-            + (f"; forward under autocast {self.autocast}" if self.autocast else ""),
+            + (f"; forward under autocast {self.autocast}" if self.autocast else "")
+            + (f"; accumulated over {self.accumulation_steps} micro-batches (peaks with their gradients alive)"
+               if self.accumulation_steps > 1 else ""),
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
         if self.engine != "none":

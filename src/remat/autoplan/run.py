@@ -25,9 +25,11 @@ from ..types import ProgressFn, no_progress
 from ..verify import RngState, tolerance_table, verify_plan
 from ..workload import parse_autocast
 from .batches import ExampleBatches
+from .compiled import check_uncompiled
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
 from .digest import StableDigest, qualified_name, sha256_json
 from .inplace import InPlaceSource, JobEngine, check_job, job_engine
+from .job import JobInputs, job_call
 from .ranks import JobRanks, agree_profile, job_ranks
 from .library_flags import DIFFUSERS, TRANSFORMERS_4, checkpointing_api, flagged_modules
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
@@ -64,9 +66,6 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
         found.append(f"{'diffusers' if api is DIFFUSERS else 'Hugging Face'} gradient checkpointing ({api.enable}()) "
                      f"on {len(flagged)} module(s), e.g. {', '.join(flagged[:3])}: call model.{api.disable}() first "
                      f"(remat.integrations.{where}.enable replaces it)")
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        found.append("torch.compile's OptimizedModule: pass the model before torch.compile (model._orig_mod) "
-                     "and compile after remat.auto")
     return found
 
 
@@ -89,6 +88,7 @@ class AutoSettings:
     progress: ProgressFn
     autocast: str | None = None   # as given: "bf16", "bfloat16", "fp16", "float16"
     on_new_shape: ShapePolicy | str = ShapePolicy.WARN   # NOTE [shape guard]; a string is parsed
+    accumulation_steps: int = 1   # micro-batches per optimizer step (NOTE [accumulated step])
     reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
 
     def __post_init__(self) -> None:
@@ -98,6 +98,11 @@ class AutoSettings:
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
         object.__setattr__(self, "autocast", parse_autocast(self.autocast))
         object.__setattr__(self, "on_new_shape", ShapePolicy.parse(self.on_new_shape))
+        n = self.accumulation_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise AutoError(f"accumulation_steps={n!r}: expected an integer >= 1, the micro-batches per optimizer step",
+                            tip="pass your loop's gradient accumulation (HF gradient_accumulation_steps, Lightning "
+                                "accumulate_grad_batches), or leave it out for 1")
 
     def step_autocast(self, device: torch.device) -> str | None:
         """The autocast dtype the step runs under: ``autocast``, or the caller's own ``torch.autocast``
@@ -144,7 +149,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
          cache_dir: str | Path | None = None, use_cache: bool = True, reserve: str | float = 0.05,
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
          segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None,
-         on_new_shape: ShapePolicy | str = ShapePolicy.WARN) -> AutoHandle:
+         on_new_shape: ShapePolicy | str = ShapePolicy.WARN, accumulation_steps: int = 1) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
@@ -169,7 +174,12 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     ``on_new_shape``: what the handle does when the model is called with a tensor larger than any
     the example batch planned for (NOTE [shape guard]): ``"warn"`` (the default, once per new shape,
     :class:`NewShapeWarning`), ``"raise"`` (:class:`~remat.errors.NewShapeError`) or ``"replan"``
-    (plan again at the larger shape and apply that plan before the forward runs). Nothing of
+    (plan again at the larger shape and apply that plan before the forward runs).
+    ``accumulation_steps``: the micro-batches your loop accumulates gradients over per optimizer
+    step; above 1, the step measured and planned is the worst micro-batch of the accumulated step,
+    forward and backward with the earlier micro-batches' gradients alive, then the optimizer step
+    (NOTE [accumulated step]), and ``"70%"`` is of that step's unplanned peak: pass the longest
+    micro-batch as ``example_batch``. Nothing of
     yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
@@ -178,8 +188,9 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
                             use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
                             measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast,
-                            on_new_shape=on_new_shape)
+                            on_new_shape=on_new_shape, accumulation_steps=accumulation_steps)
     _check_unwrapped(model)
+    check_uncompiled(model)   # NOTE [compiled blocks]
     return _fit(model, example_batch, settings, t0)
 
 
@@ -204,11 +215,12 @@ def _plan_and_apply(model: nn.Module, example_batch: Any, settings: AutoSettings
     batches = example_batch.batches if isinstance(example_batch, ExampleBatches) else (example_batch,)
     source, *others = [_source(model, b, settings) for b in batches]
     cache = settings.plan_cache()
-    if cache is None:
-        plan, verified = _plan_and_verify(source, None, settings, others)
-        status, path = CacheStatus.DISABLED, None
-    else:
-        plan, verified, status, path = _fit_cached(source, settings, cache, others)
+    with _job_watch(source, list(batches), settings):
+        if cache is None:
+            plan, verified = _plan_and_verify(source, None, settings, others)
+            status, path = CacheStatus.DISABLED, None
+        else:
+            plan, verified, status, path = _fit_cached(source, settings, cache, others)
     handle = apply(model, plan)
     report = dataclasses.replace(_auto_report(plan, settings, source, status, path, verified,
                                               seconds=time.perf_counter() - t0),
@@ -224,6 +236,7 @@ class _Replanner:
         self.handle, self.batch, self.planned, self.settings = handle, example_batch, planned, settings
 
     def __call__(self, grown: ShapeEnvelope) -> None:
+        check_uncompiled(self.handle.model)   # compiled after remat.auto, as its tip says (NOTE [compiled blocks])
         batch = grow_batch(self.batch, self.planned, grown)
         handle, old = self.handle, self.handle.plan
         handle.unwrap()       # remat profiles an unwrapped model (its copies)
@@ -244,14 +257,29 @@ def _source(model: nn.Module, example_batch: Any, settings: AutoSettings) -> Mod
     engine = job_engine(model)
     autocast = settings.step_autocast(device)
     if engine is JobEngine.NONE:
-        return ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn, autocast=autocast)
-    ranks = job_ranks()
-    check_job(engine, ranks, quick_verify=settings.quick_verify, copy_fn=settings.copy_fn)
-    return InPlaceSource(model, example_batch, loss, optimizer, device, autocast=autocast, engine=engine, ranks=ranks)
+        source = ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn, autocast=autocast)
+    else:
+        ranks = job_ranks()
+        check_job(engine, ranks, quick_verify=settings.quick_verify, copy_fn=settings.copy_fn)
+        source = InPlaceSource(model, example_batch, loss, optimizer, device, autocast=autocast, engine=engine,
+                               ranks=ranks)
+    source.accumulation_steps = settings.accumulation_steps   # every build runs the accumulated step
+    return source
 
 
 def _ranks(source: ModelSource) -> JobRanks | None:
     return source.ranks if isinstance(source, InPlaceSource) else None
+
+
+def _job_watch(source: ModelSource, batches: list[Any], settings: AutoSettings) -> contextlib.AbstractContextManager[Any]:
+    """In a job: every rank arrived and agreed on what it plans, before any collective, and planning watched
+    for faults (NOTE [job faults] in autoplan/job.py); elsewhere nothing."""
+    ranks = _ranks(source)
+    if ranks is None:
+        return contextlib.nullcontext()
+    inputs = JobInputs.of(fingerprint(source.model).digest, batches, settings.budget, settings.reserve_fraction,
+                          settings.accumulation_steps)
+    return job_call(ranks, inputs).watch()
 
 
 def _fit_cached(source: ModelSource, settings: AutoSettings, cache: PlanCache,
@@ -302,7 +330,7 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
         torch_version=torch.__version__, remat_version=__version__,
         world_size=ranks.world_size if ranks is not None else 1,
         engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value,
-        autocast=source.autocast)
+        autocast=source.autocast, accumulation_steps=source.accumulation_steps)
 
 
 def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings,
@@ -376,4 +404,4 @@ def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache:
         optimizer_assumed=optimizer.assumed, cache=cache, cache_path=cache_path, verification=verified,
         verify_note="verified (quick: 1 seed, 1 step, negative controls rejected)" if verified is VerifyStatus.PASSED
         else _HOW_TO_VERIFY,
-        seconds=seconds)
+        seconds=seconds, accumulation_steps=source.accumulation_steps)

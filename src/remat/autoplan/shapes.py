@@ -29,6 +29,25 @@ What then happens is ``on_new_shape`` (:class:`ShapePolicy`):
   new plan applied before this forward runs. Calls inside the grown envelope are covered by it
   (a plan that fits at a larger shape fits at a smaller one), so they neither warn nor re-plan.
   The handle keeps a reference to the example batch for this (its bytes stay allocated).
+
+NOTE [trainable guard]
+A plan also holds only for the parameters that train: a frozen parameter gets no gradient and
+a frozen prefix of the model saves nothing for backward, so a fine-tune that planned with its
+lower half frozen and unfroze it after 10 steps ran 1.76x over budget on each of the next 20
+steps, silently (the plan cache keys on ``requires_grad``, the running handle did not look).
+So the same pre-hook records which parameters trained when the plan was made
+(``requires_grad`` of every parameter, in ``model.parameters()`` order) and compares at every
+forward with autograd on (one pass over the parameters' flags; no tensor is touched). A
+difference is handled by the same ``on_new_shape`` policy: WARN a :class:`TrainableChangedWarning`
+naming how many parameters (and bytes of them) started and stopped training, once per
+trainable set; RAISE :class:`~remat.errors.TrainableChangedError` before the forward; REPLAN
+plan again at the current envelope with the current trainable set (its cache key differs, so
+it is planned anew; the next switch back is a cache hit). Any re-plan records the set it was
+made for. Measured (tests/test_dynamic_depth.py, an 8-block encoder planned with its input
+layer and lower 4 blocks frozen under 4,000,000 bytes, then all unfrozen; torch.profiler's
+step peaks): WARN warns once and the steps run at 1.64x the budget; REPLAN re-plans at the
+first forward and the next steps run at 0.81x. The step that re-plans holds the planning's
+own copies in its peak (2.11x there), as a REPLAN at a new shape does.
 """
 
 from __future__ import annotations
@@ -43,13 +62,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..errors import AutoError, NewShapeError
+from ..errors import AutoError, NewShapeError, TrainableChangedError
+from ..units import fmt_bytes
 
 Shape = tuple[int, ...]
 
 
 class ShapePolicy(enum.Enum):
-    """What the handle does at a call larger than any planned shape (NOTE [shape guard])."""
+    """What the handle does at a call larger than any planned shape (NOTE [shape guard]), or after the
+    trainable parameters changed (NOTE [trainable guard])."""
 
     WARN = "warn"
     RAISE = "raise"
@@ -68,6 +89,30 @@ class ShapePolicy(enum.Enum):
 
 class NewShapeWarning(UserWarning):
     """The model was called at a shape larger than any ``remat.auto`` planned for: the plan may miss its budget."""
+
+
+class TrainableChangedWarning(UserWarning):
+    """Parameters started or stopped training after ``remat.auto`` planned: the plan may miss its budget
+    (NOTE [trainable guard])."""
+
+
+Trainable = tuple[bool, ...]    # requires_grad of every parameter, in model.parameters() order
+
+
+def trainable_flags(model: nn.Module) -> Trainable:
+    return tuple(p.requires_grad for p in model.parameters())
+
+
+def describe_trainable_change(model: nn.Module, planned: Trainable, now: Trainable) -> str:
+    """How many parameters (and bytes) started and stopped training since ``planned``."""
+    params = list(model.parameters())
+    started = [p for p, a, b in zip(params, planned, now) if b and not a]
+    stopped = [p for p, a, b in zip(params, planned, now) if a and not b]
+    size = sum(p.numel() * p.element_size() for p in started)
+    out = f"{len(started)} parameter(s) ({fmt_bytes(size)}) started training and {len(stopped)} stopped"
+    if len(planned) != len(now):
+        out += f"; the model has {len(now)} parameters, {len(planned)} when planned"
+    return out
 
 
 def tensor_shapes(tree: Any) -> tuple[Shape, ...]:
@@ -158,11 +203,16 @@ class ShapeGuard:
         self._busy = False                              # re-planning: remat's own calls pass unchecked
         self.seen_new: list[tuple[Shape, ...]] = []      # each new call shape met, in order
         self._warned = envelope                         # WARN: the largest shapes warned of so far
+        self.trainable = trainable_flags(model)         # what the plan was made for (NOTE [trainable guard])
+        self._trainable_warned: set[Trainable] = {self.trainable}
         self._hook = model.register_forward_pre_hook(self, with_kwargs=True)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module is not self.model or self._busy or not torch.is_grad_enabled():
             return None     # a copy of the model (deepcopy keeps this guard), remat's own call, or evaluation
+        trainable = trainable_flags(self.model)
+        if trainable != self.trainable:
+            self._trainable_changed(trainable)
         shapes = tensor_shapes((args, kwargs))
         if shapes in self._settled:
             return None
@@ -189,14 +239,34 @@ class ShapeGuard:
                 f"{what}; the plan may miss its budget at this shape (warned once per shape): pass the largest "
                 "batch to remat.auto, or on_new_shape='replan'"), stacklevel=4)
             return
+        self._replan_at(self.envelope.grown(shapes))
+
+    def _trainable_changed(self, now: Trainable) -> None:
+        what = (f"the trainable parameters of {type(self.model).__name__} changed since remat.auto planned: "
+                f"{describe_trainable_change(self.model, self.trainable, now)}")
+        if self.policy is ShapePolicy.RAISE:
+            raise TrainableChangedError(f"{what}; the plan was measured with the parameters that trained then",
+                                        tip="call remat.auto again after (un)freezing (handle.remove() first), or "
+                                            "on_new_shape='replan' to plan again at the next forward, or 'warn'")
+        if self.policy is ShapePolicy.WARN:
+            if now not in self._trainable_warned:
+                self._trainable_warned.add(now)
+                warnings.warn(TrainableChangedWarning(
+                    f"{what}; the plan may miss its budget (warned once per trainable set): call "
+                    "handle.remove() and remat.auto again after (un)freezing, or pass on_new_shape='replan'"),
+                    stacklevel=4)
+            return
+        self._replan_at(self.envelope)
+
+    def _replan_at(self, envelope: ShapeEnvelope) -> None:
+        """REPLAN: plan for ``envelope`` with the parameters that train now, and apply it."""
         assert self._replan is not None
-        grown = self.envelope.grown(shapes)
         self._busy = True
         try:
-            self._replan(grown)
+            self._replan(envelope)
         finally:
             self._busy = False
-        self.envelope = grown
+        self.envelope, self.trainable = envelope, trainable_flags(self.model)
 
     def remove(self) -> None:
         self._hook.remove()

@@ -152,6 +152,9 @@ class ModelSource:
         self.device = device
         self.copy_fn = copy_fn or copy_model
         self.autocast = autocast   # "bfloat16"/"float16": the loss runs under torch.autocast (NOTE [autocast steps])
+        # micro-batches per optimizer step: every build runs the accumulated step (NOTE [accumulated step]);
+        # set by remat.auto on whichever source it builds
+        self.accumulation_steps = 1
 
     @property
     def in_place(self) -> bool:
@@ -197,7 +200,8 @@ class InMemoryWorkload(LoadedWorkload):
         if shape_overrides:
             raise WorkloadError(f"remat.auto's workload has one shape, its example batch; cannot rebuild it at "
                                 f"{shape_overrides}")
-        return dataclasses.replace(self, workload=self.source.workload())
+        workload = dataclasses.replace(self.source.workload(), accumulation_steps=self.source.accumulation_steps)
+        return dataclasses.replace(self, workload=workload)
 
 
 class Parked:

@@ -5,7 +5,8 @@ from the dataloader), with the Trainer's optimizer, and applies the plan to the
 ``LightningModule`` before that batch's forward. The loss is the module's own
 ``training_step(batch, 0)`` (its ``loss`` entry when it returns a dict), run on copies whose
 trainer reference is cut (``self.log`` then does nothing there; the real module's logging is
-untouched). NOTE [no side effects] in ``remat.autoplan.source``.
+untouched). NOTE [no side effects] in ``remat.autoplan.source``. The plan is made for the
+Trainer's ``accumulate_grad_batches`` (NOTE [accumulated step] in remat/workload/contract.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from ..autoplan import AutoHandle, auto
 from ..errors import AutoError
+from . import trainer_accumulation
 
 try:
     from lightning.pytorch.callbacks import Callback as _CallbackBase
@@ -60,6 +62,8 @@ class RematCallback(_CallbackBase):
         kwargs = dict(self.auto_kwargs)
         kwargs.setdefault("loss_fn", training_step_loss)
         kwargs.setdefault("copy_fn", lambda m: copy.deepcopy(m, {id(trainer): None}))
+        kwargs["accumulation_steps"] = trainer_accumulation(getattr(trainer, "accumulate_grad_batches", 1),
+                                                            self.auto_kwargs, "accumulate_grad_batches")
         self.handle = auto(pl_module, batch, budget=self.budget, optimizer=optimizers[0] if optimizers else None,
                            **kwargs)
         r = self.handle.report

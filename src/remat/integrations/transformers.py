@@ -18,6 +18,7 @@ from torch import nn
 from ..autoplan import AutoHandle, auto
 from ..autoplan.library_flags import TRANSFORMERS_5, checkpointing_api
 from ..errors import AutoError
+from . import trainer_accumulation
 from .baseline import EnableHandle, LibraryCheckpointing, replace_library_checkpointing
 
 try:   # an optional extra: without transformers, enable() still works on any HF-style model
@@ -113,6 +114,7 @@ def enable(model: nn.Module, example_batch: Any, *, budget: str | int, optimizer
 class _Pending:
     model: nn.Module
     optimizer: Any
+    accumulation_steps: int   # TrainingArguments.gradient_accumulation_steps (NOTE [accumulated step])
 
 
 class RematTrainerCallback(_CallbackBase):
@@ -127,7 +129,8 @@ class RematTrainerCallback(_CallbackBase):
     itself before planning (the copies remat profiles carry no hook), plans on copies with every
     RNG stream restored (NOTE [no side effects]), applies the plan to the model, and returns, so
     that very forward already runs checkpointed. The report goes into the Trainer's log
-    (``state.log_history`` and the next ``on_log``) as ``remat_*`` entries.
+    (``state.log_history`` and the next ``on_log``) as ``remat_*`` entries. The plan is made for
+    the Trainer's ``gradient_accumulation_steps`` (NOTE [accumulated step] in remat/workload/contract.py).
     """
 
     def __init__(self, budget: str | int, **auto_kwargs: Any) -> None:
@@ -147,7 +150,10 @@ class RematTrainerCallback(_CallbackBase):
         if getattr(args, "gradient_checkpointing", False):
             raise AutoError("TrainingArguments(gradient_checkpointing=True) and RematTrainerCallback both "
                             "checkpoint the model", tip="drop gradient_checkpointing=True: the callback plans instead")
-        self._pending, self._state = _Pending(model=model, optimizer=optimizer), state
+        accumulation = trainer_accumulation(getattr(args, "gradient_accumulation_steps", 1), self.auto_kwargs,
+                                            "gradient_accumulation_steps")
+        self._pending = _Pending(model=model, optimizer=optimizer, accumulation_steps=accumulation)
+        self._state = state
         self._hook = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -167,8 +173,8 @@ class RematTrainerCallback(_CallbackBase):
         if args:
             raise AutoError(f"the Trainer called {type(module).__name__} with {len(args)} positional argument(s); "
                             "RematTrainerCallback plans on model(**inputs)")
-        self.handle = auto(pending.model, dict(kwargs), budget=self.budget, optimizer=pending.optimizer,
-                           **self.auto_kwargs)
+        auto_kwargs = {**self.auto_kwargs, "accumulation_steps": pending.accumulation_steps}
+        self.handle = auto(pending.model, dict(kwargs), budget=self.budget, optimizer=pending.optimizer, **auto_kwargs)
         if self._state is not None:
             self._state.log_history.append({**self.log_entries(), "step": self._state.global_step})
         return None
@@ -188,5 +194,6 @@ class RematTrainerCallback(_CallbackBase):
                 "remat_baseline_peak_bytes": r.baseline_peak_bytes,
                 "remat_predicted_peak_bytes": r.predicted_peak_bytes,
                 "remat_measured_peak_bytes": r.measured_peak_bytes, "remat_memory_source": r.memory_source,
-                "remat_optimizer": r.optimizer, "remat_verification": r.verification.value,
+                "remat_optimizer": r.optimizer, "remat_accumulation_steps": r.accumulation_steps,
+                "remat_verification": r.verification.value,
                 "remat_cache": r.cache.value}

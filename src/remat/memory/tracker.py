@@ -8,7 +8,9 @@ each is counted once, keyed by the StorageImpl address) and attach a weakref cal
 to the storage's Python object, which torch keeps alive exactly as long as the storage
 (PyObject preservation), so the finaliser marks the free. Pre-existing tensors (parameters,
 gradients, optimizer state) are registered with :meth:`LiveTensorTracker.track` so that
-the live total is the step's whole footprint, not only what the step allocates.
+the live total is the step's whole footprint, not only what the step allocates. A storage
+resized in place (``UntypedStorage.resize_``, no op: FSDP2's all-gathered parameters) is told
+to the tracker by NOTE [storage resizes] in memory/resize.py.
 
 Every alloc/free is an *event* with a running index; the tracker keeps the live-bytes
 curve and a record per storage (bytes, op, module, category, alloc and free event), so
@@ -29,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..types import MemCategory, Phase
+from .resize import listen_to_resizes, stop_listening
 
 
 @dataclasses.dataclass(slots=True)
@@ -138,15 +141,44 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._event(nbytes - rec.nbytes)
                 rec.nbytes = nbytes
             return rec
+        return self._new_record(storage, nbytes, op)
+
+    def _new_record(self, storage: torch.UntypedStorage, nbytes: int, op: str,
+                    category: MemCategory = MemCategory.OTHER) -> StorageRecord:
+        key = storage._cdata
         rec = StorageRecord(key=key, nbytes=nbytes, alloc_event=self.events if op != "<existing>" else -1,
-                            op=op, module=self.module, phase=self._phase)
+                            op=op, module=self.module, phase=self._phase, category=category)
         self.records[key] = rec
         self.history.append(rec)
-        # a bare weakref with a callback (cheaper than weakref.finalize, which also registers
-        # an atexit hook); dropping the ref in close() cancels the callback
-        self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
+        if key not in self._refs:   # a resized storage keeps the weakref it had
+            # a bare weakref with a callback (cheaper than weakref.finalize, which also registers
+            # an atexit hook); dropping the ref in close() cancels the callback
+            self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
         self._event(nbytes)
         return rec
+
+    # -- storage resizes (a ResizeListener: NOTE [storage resizes] in memory/resize.py) ------------
+    def before_resize(self, storage: torch.UntypedStorage) -> None:
+        pass
+
+    def after_resize(self, storage: torch.UntypedStorage) -> None:
+        """A storage resized in place (FSDP2's all-gathered parameters): as the allocator does it, a new
+        record of the new size (bytes; none when 0), then the old record's free."""
+        if self._closed:
+            return
+        key, nbytes = storage._cdata, storage.nbytes()
+        old = self.records.get(key)
+        if nbytes == (0 if old is None else old.nbytes):
+            return
+        if old is not None:
+            del self.records[key]
+        if nbytes > 0:
+            self._new_record(storage, nbytes, "resize_", MemCategory.OTHER if old is None else old.category)
+        if old is not None:
+            old.free_event = self.events
+            self._event(-old.nbytes)
+        if nbytes == 0:
+            self._refs.pop(key, None)
 
     def _free(self, key: int, _ref: Any = None) -> None:
         if self._closed:
@@ -168,6 +200,14 @@ class LiveTensorTracker(TorchDispatchMode):
             self.peak_event = self.events
         self.events += 1
 
+    def __enter__(self) -> "LiveTensorTracker":
+        listen_to_resizes(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            stop_listening(self)
+            raise
+
     def __exit__(self, *exc: Any) -> None:
         try:
             return super().__exit__(*exc)
@@ -175,9 +215,10 @@ class LiveTensorTracker(TorchDispatchMode):
             self.close()
 
     def close(self) -> None:
-        """Stop counting and detach every finaliser (the tracker holds no storage alive)."""
+        """Stop counting and detach every finaliser and the resize listener (the tracker holds no storage alive)."""
         self._closed = True
         self._refs.clear()
+        stop_listening(self)
 
     # -- reading -----------------------------------------------------------------------
     def reset_peak(self) -> None:

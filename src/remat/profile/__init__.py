@@ -16,10 +16,11 @@ _LAZY = {
     "profile_step": "remat.profile.measure",
     "profile_workload": "remat.profile.measure",
     "profile_sample": "remat.profile.sampling",
+    "UnsampledBlockWarning": "remat.profile.twins",
 }
 
 __all__ = ["CandidateCost", "FingerprintDiff", "HazardRecord", "ModelFingerprint", "ParamSignature", "PeakRow", "ProfileReport",
-           "SampleRecord", "StepSample", "auto_candidates", "class_source_hash", "fingerprint", "module_revision", "profile_sample", "profile_simulated", "profile_step",
+           "SampleRecord", "StepSample", "UnsampledBlockWarning", "auto_candidates", "class_source_hash", "fingerprint", "module_revision", "profile_sample", "profile_simulated", "profile_step",
            "profile_workload", "resolve_candidates"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..host_rng import rewinding
-from ..types import OP_POLICY_MODES, CheckpointMode, is_cheap_op, sac_saves
+from ..types import OP_POLICY_MODES, CheckpointMode, RankReduce, is_cheap_op, sac_saves
 from ..workload.contract import TrainingStep
 from .model import CandidateCost
 from .segments import is_segment, parse_segment, segment_members
@@ -139,33 +139,62 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
-def put_back(grads: list[tuple[nn.Parameter, torch.Tensor | None]],
-             buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Restore the gradients and buffer values a measurement pass found (it leaves the model as it was)."""
+Held = list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor | None]]
+
+
+def held_grads(model: nn.Module) -> Held:
+    """Each parameter, its gradient as a measurement pass finds it, and a copy of its value: a pass's backward
+    adds into an existing ``p.grad`` in place (an accumulated step keeps them allocated between steps: NOTE
+    [accumulated step] in workload/contract.py), so the object alone would not restore it."""
     with torch.no_grad():
-        for p, g in grads:
+        return [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
+
+
+def put_back(grads: Held, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Restore the gradients (the same objects, their values) and buffer values a measurement pass found
+    (``held_grads``): it leaves the model as it was."""
+    with torch.no_grad():
+        for p, g, value in grads:
             p.grad = g
+            if g is not None and value is not None and not torch.equal(g, value):
+                g.copy_(value)
         for b, v in buffers:
             if not torch.equal(b, v):
                 b.copy_(v)
 
 
 class _DryRunner:
-    def __init__(self, step: TrainingStep, step_index: int) -> None:
+    def __init__(self, step: TrainingStep, step_index: int, ranks: RankReduce | None = None) -> None:
         self.step = step
         self.model = step.workload.model
         self.modules = dict(self.model.named_modules())
         self.step_index = step_index
+        self.ranks = ranks   # a job's ranks: every pass's outcome agreed over them (NOTE [dry runs in a job])
         self.passes = 0   # forward + backward passes run (units: passes)
         self.suspect: str | None = None   # the region the last failure passed through (NOTE [suspect first])
 
     def attempt(self, assignment: dict[str, CheckpointMode]) -> str | None:
         """Forward + backward with each named candidate wrapped in its mode; None when it ran, else the error
-        (``self.suspect``: the wrapped region the error passed through, if any: NOTE [suspect first])."""
+        (``self.suspect``: the wrapped region the error passed through, if any: NOTE [suspect first]). In a
+        job, the pass failed when it failed on any rank: the first such rank's error and suspect, on every
+        rank (NOTE [dry runs in a job] in profile/shared.py)."""
+        error = self._attempt_here(assignment)
+        if self.ranks is None:
+            return error
+        outcomes = self.ranks.gather((error, self.suspect))
+        failed = [(r, e, s) for r, (e, s) in enumerate(outcomes) if e is not None]
+        if not failed:
+            self.suspect = None
+            return None
+        rank, error, self.suspect = failed[0]
+        return f"rank {rank}: {error}"
+
+    def _attempt_here(self, assignment: dict[str, CheckpointMode]) -> str | None:
+        """:meth:`attempt` on this process alone."""
         self.suspect = None
         self.passes += 1
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        grads = [(p, p.grad) for p in self.model.parameters()]
+        grads = held_grads(self.model)
         removers = [_wrap_named(self.model, self.modules, n, mode) for n, mode in assignment.items()]
         try:
             with _no_gradient_sync(self.model):
@@ -374,10 +403,12 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode], error: s
 
 
 def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_index: int, *,
+                  ranks: RankReduce | None = None,
                   stats: dict[str, int] | None = None) -> dict[str, dict[CheckpointMode, str]]:
     """Run every measured (candidate, mode) once (NOTE [mode dry runs]), identical candidates once per mode
     (NOTE [shared dry runs] in profile/shared.py), packed into shared passes (NOTE [packed dry runs]);
-    name -> mode -> error. ``stats["passes"]``: passes run.
+    name -> mode -> error. ``stats["passes"]``: passes run. ``ranks``: a job's ranks, which run the same
+    passes in the same order (NOTE [dry runs in a job] in profile/shared.py).
 
     NOTE [packed dry runs]
     Levels (``_levels``: module candidates by nesting depth, segments by (container, length)) used to
@@ -392,7 +423,7 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
     took 6 passes on gpt at n_layer 32 where 4 fit). A failing pass is narrowed down as any is (NOTE
     [suspect first]), so a failure still names its candidate and is recorded for every candidate it stands for.
     """
-    runner = _DryRunner(step, step_index)
+    runner = _DryRunner(step, step_index, ranks)
     failures: dict[str, dict[CheckpointMode, str]] = defaultdict(dict)
     stands_for: dict[str, list[CandidateCost]] = {}      # name -> the identical candidates its verdict covers
     entries: list[tuple[str, CheckpointMode]] = []
@@ -400,7 +431,7 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
     for _, level in sorted(_levels(candidates).items()):
         signatures = dry_run_signatures(runner.model, runner.modules, level, region_module)
         kin.update(signatures)
-        leader = dry_run_leaders(signatures, level)
+        leader = dry_run_leaders(signatures, level, ranks)
         groups: dict[str, list[CandidateCost]] = defaultdict(list)
         for c in level:
             groups[leader[c.name]].append(c)

@@ -805,7 +805,8 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     unsettled = [c for c in report.candidates if c.name not in dry_run_settled]
     label = f"profile: dry runs of each mode ({len(unsettled)} candidates, identical ones in one step)"
     progress(label, 0, 1)
-    exclude_failing_modes(report, dry_run_modes(step, unsettled, warmup + repeats + 3) if unsettled else {})
+    exclude_failing_modes(report, dry_run_modes(step, unsettled, warmup + repeats + 3, ranks=loaded.ranks)
+                          if unsettled else {})
     progress(label, 1, 1)
     if measure_replays:
         offered = [c for c in report.candidates if c.name not in report.excluded]

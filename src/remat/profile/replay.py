@@ -91,7 +91,7 @@ from ..measure import StepClock, percentile
 from ..memory.measure import model_device
 from ..types import CheckpointMode, MemorySource
 from ..workload.contract import TrainingStep
-from .dryrun import _first_line, _wrap, put_back, region_module
+from .dryrun import _first_line, _wrap, held_grads, put_back, region_module
 from .segments import is_segment, segment_members
 from .model import CandidateCost
 from .shared import group_by_signature, region_signature
@@ -479,7 +479,7 @@ def measure_replay_costs(step: TrainingStep, candidates: list[CandidateCost], st
     wanted = {c.name for c in candidates if any(m is not CheckpointMode.KEEP for m in c.replay_ms)}
     # a segment's inputs are its first member's (NOTE [segments])
     first_member = {n: segment_members(model, n)[0][0] for n in wanted if is_segment(n)}
-    grads = [(p, p.grad) for p in model.parameters()]
+    grads = held_grads(model)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     clock = StepClock(model_device(step))
     gc_was_on = gc.isenabled()

@@ -18,6 +18,7 @@ from .measure import DRY_RUN_FAILED, apply_replay_measurements, profile_workload
 from .replay import measure_replay_costs
 from .model import ProfileReport
 from .sample import SEED_STRIDE, SamplePoint, StepSample, merge_profiles
+from .twins import find_twins, warn_untwinned
 
 
 class _PointBatch:
@@ -93,7 +94,8 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
                    progress: ProgressFn = no_progress) -> ProfileReport:
     """Profile every point of ``sample`` and merge them (NOTE [step sample]).
 
-    The first point profiles as ``profile_workload`` always did. The first point of each boundary
+    Blocks no point ran are costed as an identical block that ran (NOTE [unsampled blocks] in
+    profile/twins.py). The first point profiles as ``profile_workload`` always did. The first point of each boundary
     shape profiles on its own build with 1 warm-up and 1 timed step; every later point of a shape
     continues on the step (model and optimizer) of the point before it with no warm-up and 1 timed
     step (NOTE [one build per shape]). Later points measure replays only of the candidates no earlier
@@ -145,7 +147,15 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
             _measure_new_replays(step, report, {c.name for r in reports for c in r.candidates},
                                  replay_step_index(warmup, 1), tick)
         reports.append(report)
-    return merge_profiles(reports)
+    return merge_sample(loaded, reports)
+
+
+def merge_sample(loaded: LoadedWorkload, reports: list[ProfileReport]) -> ProfileReport:
+    """The points' profiles merged, every block no point ran costed as its identical twin, and
+    ``UnsampledBlockWarning`` for one with none (NOTE [unsampled blocks] in profile/twins.py)."""
+    unsampled = find_twins(loaded.workload.model, reports)
+    warn_untwinned(unsampled)
+    return merge_profiles(reports, unsampled.twins)
 
 
 def _dry_run_settled(reports: list[ProfileReport]) -> frozenset[str]:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..types import CheckpointMode
+from ..types import CheckpointMode, RankReduce
 from .model import CandidateCost
 
 _PLAIN = (type(None), bool, int, float, str)
@@ -117,9 +117,11 @@ def dry_run_signatures(model: nn.Module, modules: dict[str, nn.Module], level: l
                      _measured_bytes(c)) for c in level}
 
 
-def dry_run_leaders(signatures: dict[str, Hashable], level: list[CandidateCost]) -> dict[str, str]:
+def dry_run_leaders(signatures: dict[str, Hashable], level: list[CandidateCost],
+                    ranks: RankReduce | None = None) -> dict[str, str]:
     """Candidate name -> the candidate of ``level`` that stands for it in the dry runs (``signatures``:
-    ``dry_run_signatures`` of the level).
+    ``dry_run_signatures`` of the level). ``ranks``: the job's ranks, whose figures are agreed first
+    (NOTE [dry runs in a job]).
 
     NOTE [shared dry runs]
     The dry runs (NOTE [mode dry runs] in profile/dryrun.py) ask whether a mode *runs* on a
@@ -127,11 +129,42 @@ def dry_run_leaders(signatures: dict[str, Hashable], level: list[CandidateCost])
     (level, mode) wrapped every candidate of the level, so a transformer's blocks took one pass
     per mode. Identical candidates of one level (the signature of NOTE [shared replay
     measurements] less the captured inputs, which the dry runs have not seen yet: structure,
-    modes, per-instance bytes, and forward times that agree) now try their modes on different
+    modes, per-instance bytes, and forward times that agree; in a job, all of them agreed over the
+    ranks first: NOTE [dry runs in a job]) now try their modes on different
     members in one pass: block 0 in ``full``, block 1 in ``selective``, ... A failing pass is
     narrowed down to the (candidate, mode) entries that fail alone (NOTE [suspect first] in
     profile/dryrun.py), and the failure found on one member is recorded for every member it
     stands for. Groups never cross levels; passes may (NOTE [packed dry runs]), and no two
     candidates wrapped in one pass overlap.
     """
-    return group_by_signature(signatures, {c.name: c.fwd_ms for c in level})
+    fwd_ms = {c.name: c.fwd_ms for c in level}
+    if ranks is not None:
+        signatures, fwd_ms = agree_over_ranks(ranks, signatures, fwd_ms)
+    return group_by_signature(signatures, fwd_ms)
+
+
+def agree_over_ranks(ranks: RankReduce, signatures: dict[str, Hashable],
+                     fwd_ms: dict[str, float]) -> tuple[dict[str, Hashable], dict[str, float]]:
+    """Every rank's signatures and forward times made one (a collective: every rank calls it with the same
+    names, in the same order).
+
+    NOTE [dry runs in a job]
+    In a torchrun job (``remat.auto`` after FSDP2 / DDP: NOTE [one plan per job] in
+    autoplan/ranks.py) every dry-run pass is a training step whose collectives must pair with the
+    other ranks' passes, so the ranks must run the same passes in the same order. The groups of
+    NOTE [shared dry runs] were made from each rank's *own* forward times: a context switch on one
+    rank split a group there and not on the others, that rank ran one pass more, and gloo aborted
+    (``op.preamble.length <= op.nbytes``) in 9 of 19 launches of a torchtitan-style job on a busy
+    machine. So before grouping, the ranks exchange what the grouping reads: a candidate's
+    signature is the tuple of every rank's (equal on every rank; two candidates share a group only
+    where they are identical on every rank), its forward time the median over the ranks (one
+    figure everywhere, as ``agree_profile`` reduces times). And each pass's outcome is agreed too
+    (``_DryRunner.attempt`` in profile/dryrun.py): a pass failed when it failed on any rank, with
+    the first such rank's error and suspect, so the narrowing of NOTE [suspect first] takes the
+    same branches everywhere. Nothing in the dry runs' control flow is a rank-local figure.
+    """
+    names = list(signatures)
+    per_rank = ranks.gather([signatures[n] for n in names])
+    times = ranks.median_ms([fwd_ms[n] for n in names])
+    agreed = {n: tuple(sigs[i] for sigs in per_rank) for i, n in enumerate(names)}
+    return agreed, dict(zip(names, times))

@@ -11,6 +11,7 @@
 // allocator's own deleter frees the memory.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
 #include <pybind11/pybind11.h>
 
 #include <atomic>
@@ -106,6 +107,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return installed();
   });
   m.def("installed", &installed);
+  // A storage made before install() holds the wrapped allocator itself, and resizing it (what
+  // UntypedStorage.resize_ does: StorageImpl::allocator()->allocate) would bypass the counter:
+  // point it at the counter instead (NOTE [storage resizes] in remat/memory/resize.py). `impl` is
+  // the StorageImpl's address (UntypedStorage._cdata), kept alive by the caller. False: not the
+  // wrapped allocator's storage (already the counter's, or another allocator's), left as it is.
+  m.def("adopt", [](uintptr_t impl) {
+    auto* storage = reinterpret_cast<c10::StorageImpl*>(impl);
+    if (!installed() || storage == nullptr || storage->allocator() != g_inner) return false;
+    storage->set_allocator(g_alloc);
+    return true;
+  });
   m.def("open_window", []() {
     Counter& c = counter();
     std::lock_guard<std::mutex> guard(c.mu);
