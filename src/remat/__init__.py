@@ -7,8 +7,8 @@ plan -> wrap (apply) -> closed_loop -> verify -> autoplan -> integrations -> fro
 from __future__ import annotations
 
 from ._lazy import lazy_exports
-from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, DistributedError, FingerprintMismatch, HandleError,
-                     JobFault, MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
+from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, CheckTimeout, DistributedError, FingerprintMismatch,
+                     HandleError, JobFault, MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
                      TrainableChangedError, UserCodeError, VerificationFailed, WorkloadError)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
 
@@ -44,11 +44,18 @@ _LAZY = {
     "UnsampledBlockWarning": "remat.profile",
     "ExampleBatches": "remat.autoplan",
     "StepSample": "remat.profile",
+    # errors and warnings raised outside remat.errors that a remat.auto caller may meet
+    "InfeasibleBudget": "remat.plan",
+    "BudgetMissed": "remat.closed_loop",
+    "PeakLimitExceeded": "remat.measure",
+    "PlanCacheWarning": "remat.autoplan",
+    "BrokenCacheEntryWarning": "remat.autoplan",
+    "UnusableCacheDirWarning": "remat.autoplan",
 }
 
 __all__ = [
     # errors and enums (imported above)
-    "AutoError", "BudgetError", "CandidateError", "CheckFailed", "CheckpointMode", "DistributedError", "FingerprintMismatch",
+    "AutoError", "BudgetError", "CandidateError", "CheckFailed", "CheckTimeout", "CheckpointMode", "DistributedError", "FingerprintMismatch",
     "HandleError", "HazardKind", "JobFault", "MemCategory", "MemoryMeasurementError", "MemorySource", "NewShapeError", "OutputError",
     "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "TrainableChangedError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
@@ -57,6 +64,8 @@ __all__ = [
     "ProfileReport", "ShapePolicy", "StepTrace",
     "TrainingStep", "VerifyReport", "Workload", "apply", "auto", "export_check_fn", "load_workload", "make_plan",
     "StepSample", "TrainableChangedWarning", "UnsampledBlockWarning", "profile_workload", "recover_handle", "trace_workload", "verify_plan",
+    "BrokenCacheEntryWarning", "BudgetMissed", "InfeasibleBudget", "PeakLimitExceeded", "PlanCacheWarning",
+    "UnusableCacheDirWarning",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)   # dir(remat) lists the lazy names too

@@ -31,7 +31,7 @@ import math
 from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
 from .wrap import PlanArm
-from .errors import BudgetError, PlanError
+from .errors import BudgetError, Option, PlanError, spell
 from .measure import CompileSpec, StepMeasurement, Stream, measure_arm, measure_stream_peaks
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
@@ -468,7 +468,7 @@ class BudgetMissed(BudgetError):
                      f"{format_bytes(in_budget.measured_peak_bytes or 0)}, under the budget of "
                      f"{format_bytes(in_budget.budget_bytes or 0)} itself but inside its "
                      f"{in_budget.reserve:.1%} reserve")
-            tip = f"pass reserve={r:g} (--reserve {r * 100:g}%) to ship that plan, or "
+            tip = f"pass {spell(Option.RESERVE, r)} to ship that plan, or "
         super().__init__(
             f"no plan measured under the effective budget of {format_bytes(target)}: the lowest measured peak of the "
             f"{tried} plans tried is {format_bytes(best.measured_peak_bytes or 0)} ({best.planner}, "

@@ -10,6 +10,12 @@ Exit codes (see NOTE [exit codes] in remat.cli.main):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import enum
+from typing import Iterator
+
 
 class RematError(Exception):
     """Base of every error remat raises on purpose. ``exit_code`` is what the CLI returns."""
@@ -136,3 +142,90 @@ class JobFault(AutoError):
     remat/autoplan/job.py): they called it with different models, example-batch shapes or budgets,
     a rank never called it, or a rank was lost while they planned. The message names the ranks and
     each one's value or error."""
+
+
+# -- how a tip spells the options it names ------------------------------------------------------
+
+class OptionStyle(enum.Enum):
+    """Who a tip speaks to (NOTE [option spelling])."""
+
+    FLAGS = "flags"         # the ``remat`` command: ``--reserve 1.2%``
+    KEYWORDS = "keywords"   # a ``remat.auto`` caller (and the integrations built on it): ``reserve=0.012``
+
+
+class Option(enum.Enum):
+    """An option a tip tells the caller to change."""
+
+    BUDGET = "budget"
+    RESERVE = "reserve"
+    PLANNER = "planner"
+    CANDIDATES = "candidates"
+    ALLOW_HAZARDS = "allow-hazards"
+    SAMPLE_STEPS = "sample-steps"
+    FSDP2 = "fsdp2"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spelling:
+    """One option in both styles. ``keyword`` is None where ``remat.auto`` has none: ``instead`` then
+    says in words what its caller changes."""
+
+    flag: str                   # the command line's: "--reserve"
+    keyword: str | None = None  # remat.auto's: "reserve"
+    instead: str = ""           # words, for a remat.auto caller, where there is no keyword
+    percent: bool = False       # the value is a fraction: the flag takes "1.2%", the keyword 0.012
+
+
+SPELLINGS: dict[Option, Spelling] = {
+    Option.BUDGET: Spelling(flag="--budget", keyword="budget"),
+    Option.RESERVE: Spelling(flag="--reserve", keyword="reserve", percent=True),
+    Option.PLANNER: Spelling(flag="--planner", keyword="planner"),
+    Option.CANDIDATES: Spelling(flag="--candidates",
+                                instead="split large modules into submodules, which remat.auto plans"),
+    Option.ALLOW_HAZARDS: Spelling(flag="--allow-hazards",
+                                   instead="remove the replay hazard, which remat.auto never plans unguarded"),
+    Option.SAMPLE_STEPS: Spelling(flag="--sample-steps",
+                                  instead="more example batches, remat.ExampleBatches(...)"),
+    Option.FSDP2: Spelling(flag="remat distributed --engine fsdp2",
+                           instead="fully_shard the model, then call remat.auto"),
+}
+
+_STYLE: contextvars.ContextVar[OptionStyle] = contextvars.ContextVar("remat_option_style", default=OptionStyle.FLAGS)
+
+
+@contextlib.contextmanager
+def option_style(style: OptionStyle) -> Iterator[None]:
+    """Tips built inside the block spell their options in ``style`` (NOTE [option spelling])."""
+    token = _STYLE.set(style)
+    try:
+        yield
+    finally:
+        _STYLE.reset(token)
+
+
+def spell(option: Option, value: str | float | None = None) -> str:
+    """``option`` (set to ``value`` when given) as the caller writes it: ``--reserve 1.2%`` on the command
+    line, ``reserve=0.012`` for remat.auto, or ``SPELLINGS``' words where remat.auto has no keyword.
+
+    NOTE [option spelling]
+    A tip names the option that would help, and the two front ends spell options differently: the
+    command line as flags (``--planner greedy``), ``remat.auto`` as keywords (``planner="greedy"``),
+    and several of the command's options (``--candidates``, ``--allow-hazards``, ``--sample-steps``)
+    have no keyword at all, so a flag in an error raised to a ``remat.auto`` caller names something
+    they cannot pass. The tips are built where the error is, deep in stages both front ends share
+    (a planner, the MILP, the profile's sample, the closed loop), and the style is a fact about who
+    called, not about the plan: threading it as a parameter through every planner and cost model would
+    widen a dozen signatures for one word. So it is a context variable: ``FLAGS`` by default (the
+    command, and library callers of the stages, who read the CLI's docs), ``KEYWORDS`` inside
+    ``remat.auto``'s planning (``option_style`` in autoplan/run.py), read only here when a tip is built;
+    ``SPELLINGS`` is the one table of both spellings.
+    """
+    s = SPELLINGS[option]
+    if _STYLE.get() is OptionStyle.FLAGS:
+        if value is None:
+            return s.flag
+        return f"{s.flag} {float(value) * 100:g}%" if s.percent else f"{s.flag} {value}"
+    if s.keyword is None:
+        return s.instead
+    assert value is not None, f"{option}: remat.auto's keyword is spelled with its value"
+    return f"{s.keyword}={float(value):g}" if s.percent else f'{s.keyword}="{value}"'

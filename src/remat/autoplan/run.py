@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 from .. import __version__
 from ..wrap import ApplyHandle, apply, check_applies, recover_handle
 from ..closed_loop import plan_closed_loop
-from ..errors import AutoError, RematError
+from ..errors import AutoError, OptionStyle, RematError, option_style
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import fingerprint
 from ..profile.sample import StepSample
@@ -208,10 +208,11 @@ def _fit(model: nn.Module, example_batch: Any, settings: AutoSettings, t0: float
     return handle
 
 
+@option_style(OptionStyle.KEYWORDS)   # auto and a re-plan come through here (NOTE [option spelling] in remat/errors.py)
 def _plan_and_apply(model: nn.Module, example_batch: Any, settings: AutoSettings,
                     t0: float) -> tuple[ApplyHandle, AutoReport]:
     """The cached or a new plan for ``example_batch``, applied to ``model``, and its report
-    (``t0``: when the call began, perf_counter seconds)."""
+    (``t0``: when the call began, perf_counter seconds); its errors' tips name auto's keywords."""
     batches = example_batch.batches if isinstance(example_batch, ExampleBatches) else (example_batch,)
     source, *others = [_source(model, b, settings) for b in batches]
     cache = settings.plan_cache()

@@ -30,6 +30,12 @@ What then happens is ``on_new_shape`` (:class:`ShapePolicy`):
   (a plan that fits at a larger shape fits at a smaller one), so they neither warn nor re-plan.
   The handle keeps a reference to the example batch for this (its bytes stay allocated).
 
+WARN is the default, and each alternative costs more: RAISE ends a long run at its first longer
+batch; REPLAN plans inside the training step with the user's state live (on CPU nothing can be
+parked, so the planning itself ran 2.1x over the budget) and pays a whole planning at each growth.
+The cheap path is to declare the largest shapes up front: ``remat.ExampleBatches(...)``, whose
+planned envelope is the largest of the example batches, so no step inside it warns.
+
 NOTE [trainable guard]
 A plan also holds only for the parameters that train: a frozen parameter gets no gradient and
 a frozen prefix of the model saves nothing for backward, so a fine-tune that planned with its

@@ -6,7 +6,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-from ..errors import BudgetError
+from ..errors import BudgetError, Option, spell
 from ..units import mib
 
 
@@ -181,7 +181,7 @@ class InfeasibleBudget(BudgetError):
 
 def _infeasible_tip(least_budget: int, control_peak_bytes: int | None) -> str:
     tip = (f"ask for a budget of at least {format_bytes(least_budget)}, lower the reserve, or make more "
-           "candidates plannable (--candidates, --allow-hazards)")
+           f"candidates plannable ({spell(Option.CANDIDATES)}; {spell(Option.ALLOW_HAZARDS)})")
     if control_peak_bytes is not None and least_budget >= control_peak_bytes:
         # checkpointing saves less than the reserve takes: the least workable budget fits the unplanned step
         tip += (f"; at that budget the unplanned step (peak {format_bytes(control_peak_bytes)}) fits without "

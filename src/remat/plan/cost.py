@@ -69,7 +69,7 @@ from typing import Union
 
 from .._io import native_output_filtered
 from .._lazy import LazyModule
-from ..errors import CandidateError, PlanError
+from ..errors import CandidateError, Option, PlanError, spell
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
 from .offload import offload_bytes
@@ -434,7 +434,7 @@ class CostModel:
             slack += max(over, 1)
         raise PlanError("the MILP solver's answers kept missing the exact budget check "
                         f"after {_EXACT_TRIES} tries (budget {budget_bytes} bytes)",
-                        tip="this points at extreme byte figures in the profile; try --planner greedy")
+                        tip=f"this points at extreme byte figures in the profile; try {spell(Option.PLANNER, 'greedy')}")
 
     def _reduce(self, *, minimise_peak: bool, budget_bytes: int | None) -> tuple[np.ndarray, np.ndarray, int]:
         """Rows and options the MILP needs, and a lower bound on the peak (NOTE [MILP reductions])."""
@@ -538,7 +538,7 @@ class CostModel:
         in_gap = accept_gap and res.status == 1 and _within_gap(res)
         if (res.status != 0 and not best_effort and not in_gap) or res.x is None:
             raise PlanError(f"the MILP solver did not finish: {res.message}",
-                            tip="try --planner greedy, or fewer candidates")
+                            tip=f"try {spell(Option.PLANNER, 'greedy')}, or fewer candidates")
         x = np.zeros(len(self.options), dtype=np.int64)
         x[cols] = np.rint(res.x[:len(cols)]).astype(np.int64)
         return x

@@ -116,7 +116,7 @@ import dataclasses
 import math
 
 from .._lazy import LazyModule
-from ..errors import BudgetError, PlanError
+from ..errors import BudgetError, Option, PlanError, spell
 from ..profile.model import CandidateCost, HazardRecord, ProfileReport
 from ..types import CheckpointMode, HazardKind
 from .budget import InfeasibleBudget, effective_budget, format_bytes
@@ -196,7 +196,7 @@ def _unplannable(c: CandidateCost, report: ProfileReport) -> Exclusion | None:
 def _hazard_exclusion(name: str, blocking: list[_Found], *, offloadable: bool = False) -> Exclusion:
     reasons = "; ".join(_hazard_text(h, w) for h, w in blocking)
     then = ("; recompute modes excluded, offload still planned (nothing replays)" if offloadable else
-            " (allow_hazards / --allow-hazards plans it unguarded)")
+            f" (to plan it anyway: {spell(Option.ALLOW_HAZARDS)})")
     return Exclusion(module=name, reason=f"replay hazard: {reasons}{then}")
 
 
@@ -337,7 +337,7 @@ class GreedyPlanner(Planner):
                 raise _infeasible(ctx, floor)
             raise BudgetError(f"greedy found no plan under the effective budget of {format_bytes(budget)}, "
                               f"though one exists (the floor is {format_bytes(floor)})",
-                              tip="use --planner optimal, which is exact")
+                              tip=f"use {spell(Option.PLANNER, 'optimal')}, which is exact")
         return model.choice(x)
 
     @staticmethod
@@ -586,7 +586,7 @@ def explain_floor(report: ProfileReport, floor: int, eligibility: Eligibility) -
             parts.append(f"the floor is set by the {phase} phase ({format_bytes(fixed)}: parameters, gradients, "
                          "optimizer state and the batch), which checkpointing cannot lower; a smaller optimizer "
                          "state (SGD, a factored or 8-bit optimizer), lower-precision parameters, a smaller batch, "
-                         "or sharding (remat distributed --engine fsdp2) would")
+                         f"or sharding ({spell(Option.FSDP2)}) would")
         else:
             parts.append(f"the floor is set by activations no plannable candidate covers (the optimizer and batch "
                          f"phases peak at {format_bytes(fixed)})")
@@ -654,7 +654,7 @@ def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, 
                                      or budget_bytes <= 0):
         raise BudgetError(f"budget must be a positive whole number of bytes, got {budget_bytes!r}")
     if p.needs_budget and budget_bytes is None:
-        raise BudgetError(f"planner {p.spec!r} needs a budget", tip="pass --budget, e.g. --budget 60% or 1.5GiB")
+        raise BudgetError(f"planner {p.spec!r} needs a budget", tip=f"pass a budget, e.g. {spell(Option.BUDGET, '60%')} or {spell(Option.BUDGET, '1.5GiB')}")
     target = None if budget_bytes is None else effective_budget(int(budget_bytes), float(reserve), margin_bytes)
 
     if offload is not None:

@@ -8,7 +8,7 @@ from collections import Counter
 
 from torch import nn
 
-from ..errors import CandidateError
+from ..errors import CandidateError, Option, spell
 from .segments import is_segment, parse_segment
 
 
@@ -131,7 +131,7 @@ def _auto_found(model: nn.Module) -> list[str]:
     found = auto_candidates(model)
     if not found:
         raise CandidateError("no repeated blocks found to checkpoint automatically",
-                             tip="name candidates with --candidates (module paths, class names or a regex)")
+                             tip=f"give remat modules to plan: {spell(Option.CANDIDATES)}")
     return found
 
 

@@ -41,6 +41,7 @@ import warnings
 
 from torch import nn
 
+from ..errors import Option, spell
 from ..units import fmt_bytes
 from .model import ProfileReport
 from .sample import NOT_CALLED
@@ -131,5 +132,5 @@ def warn_untwinned(unsampled: Unsampled) -> None:
     warnings.warn(UnsampledBlockWarning(
         f"{shown} ran in none of the {len(unsampled.peaks)} sampled step(s) and no identical module that ran "
         f"can stand for it: the plan does not cover the steps in which it runs (the sampled steps' unplanned "
-        f"peaks: {unsampled.spread()}). Sample more steps (--sample-steps, or more example batches to "
-        "remat.auto) so that it runs in one (NOTE [unsampled blocks])"), stacklevel=4)
+        f"peaks: {unsampled.spread()}). Sample more steps ({spell(Option.SAMPLE_STEPS)}) so that it runs in "
+        "one (NOTE [unsampled blocks])"), stacklevel=4)
