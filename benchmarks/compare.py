@@ -56,16 +56,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.closed_loop import plan_closed_loop
-from remat.frontier import p50_difference
-from remat.frontier import (Arm, CapacityTry, PlanArm, measure_arm_peak, prepare_arm, probe_capacity,
-                            search_capacity, time_round_robin)
+from remat.frontier import CapacityTry, capacity_try, p50_difference, search_capacity
 from remat.frontier.model import unresolved_why
-from remat.measure import release_memory
+from remat.measure import Arm, measure_arm_peak, prepare_arm, release_memory, time_round_robin
 from remat.memory import PeakMeasurement, profiler_step_peak
 from remat.plan import InfeasibleBudget, make_plan
 from remat.profile import profile_workload
 from remat.types import MemorySource
 from remat.workload import LoadedWorkload, TrainingStep, load_workload
+from remat.wrap import PlanArm
 
 HERE = Path(__file__).resolve().parent
 MIB = 2 ** 20
@@ -345,7 +344,7 @@ def run_workload(spec: str, shape: dict, *, budgets: list[int], steps: int, warm
             # probed against the largest budget: a probe aborted there is over every smaller one too,
             # and one that finished carries its full peak, which each search compares with its own limit
             if v not in cache:
-                cache[v] = probe_capacity(loaded, a, "batch_size", v, top_limit)
+                cache[v] = capacity_try(loaded, a, "batch_size", v, top_limit)
             return cache[v]
 
         notes = []

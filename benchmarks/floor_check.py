@@ -16,7 +16,8 @@ import sys
 import torch
 
 from remat.errors import PlanError
-from remat.frontier import PlanArm, measure_arm_peak
+from remat.measure import measure_arm_peak
+from remat.wrap import PlanArm
 from remat.plan import make_plan
 from remat.profile import profile_workload
 from remat.workload import load_workload

@@ -335,15 +335,17 @@ def test_auto_summary_labels_its_overhead_predicted_and_never_divides_a_non_inte
     import dataclasses
 
     from remat.autoplan.report import AutoReport, CacheStatus, VerifyStatus
+    from remat.autoplan.inplace import JobEngine
+    from remat.types import MemorySource
 
     figures = dict(planner="optimal", boundaries=("h.0 (full)",), budget="60%", budget_bytes=600,
                    effective_budget_bytes=570, baseline_peak_bytes=1000, predicted_peak_bytes=560,
-                   measured_peak_bytes=550, memory_source="cpu-live-tensors", baseline_step_ms=100.0,
+                   measured_peak_bytes=550, memory_source=MemorySource.CPU_LIVE_TENSORS, baseline_step_ms=100.0,
                    measured_step_ms=284.0, predicted_overhead_ms=14.0, optimizer="AdamW", optimizer_assumed=False,
                    cache=CacheStatus.DISABLED, cache_path=None, verification=VerifyStatus.NOT_VERIFIED,
                    verify_note="not verified", seconds=1.0)
     # one process, no job engine, where the report has those fields
-    job = dict(plan_digest="0" * 64, world_size=1, engine="none")
+    job = dict(plan_digest="0" * 64, world_size=1, engine=JobEngine.NONE)
     names = {f.name for f in dataclasses.fields(AutoReport)}
     rep = AutoReport(**figures, **{k: v for k, v in job.items() if k in names})
     text = rep.summary()

@@ -26,7 +26,7 @@ from remat.distributed.worker import FAULT_ENV, compare_grads
 from remat.errors import DistributedError
 from remat.plan.model import Boundary, Plan
 from remat.profile.fingerprint import fingerprint
-from remat.types import CheckpointMode
+from remat.types import CheckpointMode, MemorySource
 from remat.workload import Workload, load_workload
 
 SHAPE = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "batch_size": 2, "vocab": 64}
@@ -218,15 +218,15 @@ def test_equivalence_checks_can_fail():
     missing = compare_grads(a, [("w", torch.ones(3)), ("b", None)])
     assert missing.mismatched
 
-    good = _report([RankResult(rank=r, host="h", samples_per_step=2, memory_source="cpu-live-tensors",
+    good = _report([RankResult(rank=r, host="h", samples_per_step=2, memory_source=MemorySource.CPU_LIVE_TENSORS,
                                control=_side(1), plan=_side(1), grads=same) for r in (0, 1)])
     assert good.equivalence is not None and good.equivalence.ok
     assert good.control.global_samples_per_s == pytest.approx(4 / 0.011)  # 2 ranks x 2 samples / slowest p50
     # a replay that re-issues a collective, or different gradients, is not the same training step
-    extra = _report([RankResult(rank=r, host="h", samples_per_step=2, memory_source="cpu-live-tensors",
+    extra = _report([RankResult(rank=r, host="h", samples_per_step=2, memory_source=MemorySource.CPU_LIVE_TENSORS,
                                 control=_side(1), plan=_side(2 if r else 1), grads=same) for r in (0, 1)])
     assert extra.equivalence is not None and not extra.equivalence.collective_counts_equal and not extra.equivalence.ok
-    diff = _report([RankResult(rank=r, host="h", samples_per_step=2, memory_source="cpu-live-tensors",
+    diff = _report([RankResult(rank=r, host="h", samples_per_step=2, memory_source=MemorySource.CPU_LIVE_TENSORS,
                                control=_side(1), plan=_side(1), grads=off if r else same) for r in (0, 1)])
     assert diff.equivalence is not None and not diff.equivalence.grads_match
     assert diff.equivalence.worst == {"rank": 1, "param": "w"}

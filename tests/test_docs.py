@@ -28,6 +28,9 @@ files*). The rules, kept simple:
 - **Module names.** ``remat.a.b`` in the documents, and in comments and strings of ``src/``, resolves:
   each part is a submodule of the part before it, or a name that occurs in that module's source
   (so ``remat.auto`` and ``remat.wrap.recover_handle`` pass, ``remat.pipeline`` does not).
+- **Size table.** The "after" column of the first table under ``## Size and shape`` in ``docs/DESIGN.md`` is
+  what ``benchmarks/architecture.py`` measures now (its ``table_rows``; the radon rows only where radon is
+  installed, the others by ``ast`` and an import under ``python -S``).
 - **Issue numbers.** No ``issue N`` in ``src/`` (the project's own tracker is not the code's
   documentation), except another project's, named just before it (``pytorch issue 96136``):
   :data:`EXTERNAL_ISSUE_PROJECTS`.
@@ -37,6 +40,7 @@ Each rule is a function over plain text, and each has a test feeding it a delibe
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import re
 import tokenize
@@ -318,3 +322,41 @@ def test_an_own_issue_number_is_reported():
     fake = PKG / "fake.py"
     text = "# fixed for issue 17 (pytorch issue 96136; Megatron-LM issue 6491; tissue 3)\nIssue #4\n"
     assert own_issue_refs({fake: text}) == ["src/remat/fake.py:1: for issue 17", "src/remat/fake.py:2: Issue #4"]
+
+
+# --- the size table -------------------------------------------------------------------------------------
+
+def architecture():  # noqa: ANN201 - benchmarks/architecture.py, loaded from its path (benchmarks is no package)
+    spec = importlib.util.spec_from_file_location("architecture", ROOT / "benchmarks" / "architecture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def size_mismatches(table: dict[str, list[str]], measured: dict[str, str]) -> list[str]:
+    """Each measured row whose "after" (last) cell in the table differs (or that the table lacks)."""
+    return [f"{metric}: DESIGN.md says {table[metric][-1] if metric in table else 'nothing'!r}, measured {cell!r}"
+            for metric, cell in measured.items() if metric not in table or table[metric][-1] != cell]
+
+
+def test_size_table_is_what_the_code_measures():
+    """Run ``PYTHONPATH=src python benchmarks/architecture.py --write`` to regenerate it."""
+    arch = architecture()
+    table = arch.design_rows(DESIGN.read_text())
+    assert len(table) == 6
+    measured = arch.table_rows(radon=importlib.util.find_spec("radon") is not None)
+    assert size_mismatches(table, measured) == []
+
+
+def test_a_stale_size_table_is_reported():
+    arch = architecture()
+    text = ("## Size and shape\n\n| metric | before | after |\n|---|---|---|\n"
+            "| functions with >= 12 parameters | 4 | 1 (`auto` 17) |\n| string-key reads in the pipeline-parallel path | 275 | 2 |\n")
+    table = arch.design_rows(text)
+    assert table == {"functions with >= 12 parameters": ["4", "1 (`auto` 17)"],
+                     "string-key reads in the pipeline-parallel path": ["275", "2"]}
+    measured = {"functions with >= 12 parameters": "2 (`auto` 17, `plan_closed_loop` 14)",
+                "string-key reads in the pipeline-parallel path": "2", "functions above McCabe 30": "0"}
+    assert size_mismatches(table, measured) == [
+        "functions with >= 12 parameters: DESIGN.md says '1 (`auto` 17)', measured '2 (`auto` 17, `plan_closed_loop` 14)'",
+        "functions above McCabe 30: DESIGN.md says 'nothing', measured '0'"]

@@ -11,9 +11,10 @@ import pytest
 
 from remat.cli.main import main
 from remat.errors import BudgetError, PlanError
-from remat.frontier import (CapacityTry, Decision, FrontierPoint, FrontierReport, FrontierSettings, PlanArm, decide,
-                            pareto_flags, parse_plan_requests, probe_capacity, run_frontier, search_capacity)
-from remat.frontier.measure import Arm, percentile
+from remat.frontier import (CapacityTry, Decision, FrontierPoint, FrontierReport, FrontierSettings, capacity_try,
+                            decide, pareto_flags, parse_plan_requests, run_frontier, search_capacity)
+from remat.measure import Arm, percentile
+from remat.wrap import PlanArm
 from remat.plan import make_plan
 from remat.profile import profile_workload
 from remat.workload import load_workload
@@ -194,19 +195,19 @@ def test_probe_over_the_cpu_limit_is_an_oom_data_point_not_a_crash():
     loaded = load_workload("mlp", MLP)
     report = profile_workload(loaded, warmup=1, repeats=1)
     arm = PlanArm("all", make_plan(report, "all"))
-    ok = probe_capacity(loaded, arm, "batch_size", 64, 10 ** 9)
+    ok = capacity_try(loaded, arm, "batch_size", 64, 10 ** 9)
     assert ok.fits(10 ** 9) and not ok.oom and ok.peak_bytes > 0
-    big = probe_capacity(loaded, arm, "batch_size", 512, ok.peak_bytes)  # 8x the batch cannot fit 1x's peak
+    big = capacity_try(loaded, arm, "batch_size", 512, ok.peak_bytes)  # 8x the batch cannot fit 1x's peak
     assert big.oom and big.peak_bytes > ok.peak_bytes and big.error is None
     # one byte under its own peak (which is in backward here): the tracker stops the step there,
     # the exception crossing the autograd engine and a checkpoint replay
-    edge = probe_capacity(loaded, arm, "batch_size", 64, ok.peak_bytes - 1)
+    edge = capacity_try(loaded, arm, "batch_size", 64, ok.peak_bytes - 1)
     assert edge.oom and edge.peak_bytes == ok.peak_bytes
 
     class Broken(Arm):
         def prepare(self, fresh):
             raise PlanError("no such module at this shape")
-    bad = probe_capacity(loaded, Broken("broken"), "batch_size", 8, 10 ** 9)
+    bad = capacity_try(loaded, Broken("broken"), "batch_size", 8, 10 ** 9)
     assert bad.error and "no such module" in bad.error and not bad.oom
 
 
@@ -322,10 +323,10 @@ def test_plans_reapply_by_module_path_when_the_shape_key_changes_parameters():
     loaded = load_workload("gpt", TINY["gpt"])
     report = profile_workload(loaded, warmup=1, repeats=1)
     arm = PlanArm("all", make_plan(report, "all"))
-    base = probe_capacity(loaded, arm, "seq_len", TINY["gpt"]["seq_len"], 10 ** 9)  # full fingerprint check
-    longer = probe_capacity(loaded, arm, "seq_len", 2 * TINY["gpt"]["seq_len"], 10 ** 9)
+    base = capacity_try(loaded, arm, "seq_len", TINY["gpt"]["seq_len"], 10 ** 9)  # full fingerprint check
+    longer = capacity_try(loaded, arm, "seq_len", 2 * TINY["gpt"]["seq_len"], 10 ** 9)
     assert base.error is None and longer.error is None and longer.peak_bytes > base.peak_bytes
-    deeper = probe_capacity(loaded, arm, "n_layer", 3, 10 ** 9)  # a new block: the plan no longer describes it
+    deeper = capacity_try(loaded, arm, "n_layer", 3, 10 ** 9)  # a new block: the plan no longer describes it
     assert deeper.error and "module tree differs" in deeper.error
 
 

@@ -25,7 +25,8 @@ def loaded_modules(statement: str, *, site: bool) -> set[str]:
     return {name.split(".")[0] for name in json.loads(res.stdout)}
 
 
-@pytest.mark.parametrize("module", ["remat", "remat.plan", "remat.profile.model", "remat.measure.compile_spec"])
+@pytest.mark.parametrize("module", ["remat", "remat.plan", "remat.profile.model", "remat.measure.compile_spec",
+                                    "remat.frontier.capacity"])
 def test_module_imports_without_torch_numpy_scipy(module):
     """Under ``python -S`` (none of the three importable) the import succeeds and loads none of them."""
     loaded = loaded_modules(f"import {module}", site=False)
@@ -63,7 +64,7 @@ def test_result_types_users_receive_are_exported():
         ApplyHandle, AutoHandle, ProfileReport, PlanCheckFn)
 
 
-@pytest.mark.parametrize("package", ["remat.profile", "remat.measure"])
+@pytest.mark.parametrize("package", ["remat.profile", "remat.measure", "remat.frontier"])
 def test_stage_packages_list_and_resolve_their_lazy_names(package):
     import importlib
     mod = importlib.import_module(package)

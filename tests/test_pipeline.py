@@ -674,7 +674,8 @@ def test_assembled_report_is_typed_and_round_trips_its_json():
                            comparisons={Side.UNIFORM: cmp}, negative_rejected=True,
                            losses={Side.NONE: 1.5, Side.UNIFORM: 1.5},
                            missing_grads={Side.NONE: [], Side.UNIFORM: missing}, notes=["rank note"], plans={})
-    report = assemble_pipeline(cfg, [outcome(0, []), outcome(1, ["w"])], torch_version="t", memory_source="m")
+    report = assemble_pipeline(cfg, [outcome(0, []), outcome(1, ["w"])], torch_version="t",
+                               memory_source=MemorySource.CPU_LIVE_TENSORS)
     assert list(report.sides) == [Side.NONE, Side.UNIFORM] and report.schedule is Schedule.ONE_F_ONE_B
     uni = report.sides[Side.UNIFORM].per_stage
     # the pipeline step is 11 ms (stage 0 starts at 1 ms, stage 1 ends at 12): idle 3 ms unplanned, 6 ms uniform

@@ -861,7 +861,8 @@ def test_untracked_bytes_carry_the_allocator_gap_into_every_row():
     the RNG state each region keeps and the workspaces of their replays.)"""
     import dataclasses
 
-    from remat.frontier import PlanArm, measure_arm_peak
+    from remat.measure import measure_arm_peak
+    from remat.wrap import PlanArm
     from remat.plan import make_plan
 
     lw = load_workload("cnn", {**TINY["cnn"], "batch_size": 8, "image_size": 16, "blocks_per_stage": 2})

@@ -258,7 +258,8 @@ def test_later_points_measure_on_one_build_what_a_build_each_measures(monkeypatc
     rebuild and a warm-up step per point). Layerdrop at p = 0.5 makes the points' peaks differ, so a
     stream that ran the wrong point's batch or draws would read another point's figure."""
     from remat.closed_loop import sample_peaks
-    from remat.frontier import PlanArm, measure_arm_peak
+    from remat.measure import measure_arm_peak
+    from remat.wrap import PlanArm
     from remat.profile.sampling import PointWorkload, sample_workloads
     loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.5})
     sample = StepSample.of(4, [{"seq_len": 32}])

@@ -233,7 +233,8 @@ def test_floor_is_at_or_below_every_baseline_measured_and_peaks_are_predicted(cp
     """With segments and measured replay bytes (NOTE [measured replay bytes]), remat's floor plan
     measures at or below every baseline plan's measured peak, and each prediction is within 2% of
     the measured peak (the CPU live-tensor tracker, one arm alone: the independent figure)."""
-    from remat.frontier import PlanArm, measure_arm_peak
+    from remat.measure import measure_arm_peak
+    from remat.wrap import PlanArm
     lw = _load(batch_size=64, width=32, depth=4)
     report = profile_workload(lw)
     measured = {}

@@ -417,7 +417,7 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: Compi
     plan.measured_step_ms = m.p50_ms
     if compile is not None or m.tracker_peak_bytes is not None:
         # the compiled step's instrument, or torch.profiler where it confirmed a peak at the edge
-        plan.memory_source = m.memory_source.value
+        plan.memory_source = m.memory_source
     return m
 
 

@@ -45,6 +45,9 @@ class MemorySource(str, enum.Enum):
     CPU_PROFILER = "cpu-profiler-allocator"   # torch.profiler's CPU allocator events: compiled steps on CPU
     SIMULATED = "simulated"
 
+    def __str__(self) -> str:   # the word a report prints: "cpu-live-tensors", not "MemorySource.CPU_LIVE_TENSORS"
+        return self.value
+
 
 import typing  # noqa: E402
 from typing import Callable  # noqa: E402

@@ -6,8 +6,10 @@ import dataclasses
 import enum
 from typing import Any
 
+from ..types import MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
+from .inplace import JobEngine
 from .shapes import ShapeEnvelope, ShapeGuard
 
 
@@ -35,7 +37,7 @@ class AutoReport:
 
     plan_digest: str                     # sha256 of the applied plan's JSON: equal on every rank of a job
     world_size: int                      # 1: one process
-    engine: str                          # none, ddp, fsdp2 (JobEngine)
+    engine: JobEngine                    # none, ddp, fsdp2
 
     planner: str
     boundaries: tuple[str, ...]          # "module path (mode)"
@@ -45,7 +47,7 @@ class AutoReport:
     baseline_peak_bytes: int             # the unplanned step, measured
     predicted_peak_bytes: int
     measured_peak_bytes: int | None      # the planned step on a fresh copy, measured
-    memory_source: str
+    memory_source: MemorySource
     baseline_step_ms: float              # warm p50 of the unplanned step (profile)
     measured_step_ms: float | None       # warm p50 of the planned step (closed loop; not interleaved: NOTE [auto overhead])
     predicted_overhead_ms: float
@@ -93,14 +95,15 @@ class AutoReport:
                if self.accumulation_steps > 1 else ""),
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
-        if self.engine != "none":
-            lines.append(f"  job: {self.engine} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
+        if self.engine is not JobEngine.NONE:
+            lines.append(f"  job: {self.engine.value} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
                          "peaks per device, the fullest rank's")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["cache"], d["verification"], d["boundaries"] = self.cache.value, self.verification.value, list(self.boundaries)
+        d["memory_source"], d["engine"] = self.memory_source.value, self.engine.value
         return d
 
 

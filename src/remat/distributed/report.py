@@ -12,16 +12,12 @@ import math
 from typing import Any
 
 from ..errors import DistributedError
-from ..measure import percentile as _percentile
+from ..types import MemorySource
+from ..percentile import percentile
 from .config import Engine
 
 REPORT_SCHEMA_VERSION = 1
 SIDES = ("control", "plan")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """remat.measure's percentile (linear interpolation), ``nan`` for no values."""
-    return _percentile(values, q) if values else float("nan")
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -73,7 +69,7 @@ class RankResult:
     rank: int
     host: str
     samples_per_step: int
-    memory_source: str
+    memory_source: MemorySource
     control: RankSide
     plan: RankSide | None = None
     grads: GradComparison | None = None
@@ -158,7 +154,7 @@ class DistributedReport:
     warmup: int
     comm_steps: int
     samples_per_step: list[int]          # per rank
-    memory_source: str
+    memory_source: MemorySource
     comm_source: str
     torch_version: str
     plan_boundaries: list[str]
@@ -201,7 +197,7 @@ class DistributedReport:
             "warmup": self.warmup,
             "comm_steps": self.comm_steps,
             "samples_per_step": self.samples_per_step,
-            "memory_source": self.memory_source,
+            "memory_source": self.memory_source.value,
             "comm_source": self.comm_source,
             "plan_boundaries": self.plan_boundaries,
             "per_rank": by_side(lambda s: [r.to_json() for r in s.per_rank]),
@@ -245,7 +241,7 @@ class DistributedReport:
                        device=str(d["device"]), dtype=str(d["dtype"]), spec=str(d["workload"]["spec"]),
                        shape=dict(d["workload"]["shape"]), steps=int(d["steps"]), warmup=int(d["warmup"]),
                        comm_steps=int(d["comm_steps"]), samples_per_step=[int(x) for x in d["samples_per_step"]],
-                       memory_source=str(d["memory_source"]), comm_source=str(d["comm_source"]),
+                       memory_source=MemorySource(d["memory_source"]), comm_source=str(d["comm_source"]),
                        torch_version=str(d["torch_version"] if "torch_version" in d else d["torch"]), plan_boundaries=list(d["plan_boundaries"]),
                        control=control, plan=sides["plan"],
                        equivalence=None if d["equivalence"] is None else Equivalence.from_json(d["equivalence"]),

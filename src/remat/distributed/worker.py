@@ -307,18 +307,18 @@ class RankRunner:
         _maybe_fault(self.rank, self.done)
         return loss
 
-    def peak(self, built: _Built, i: int) -> tuple[int, str | None, str]:
+    def peak(self, built: _Built, i: int) -> tuple[int, str | None, MemorySource]:
         if self.cuda:
             m = measure_step_peak(built.step, self.data_step(i))
-            return m.peak_bytes, None, m.source.value
+            return m.peak_bytes, None, m.source
         with ShardAwareTracker(keep_timeline=False) as tracker:
             track_step_state(tracker, built.step)
             built.step.run(self.data_step(i), marker=tracker.mark)
         phase = tracker.peak_phase
-        return tracker.peak_bytes, None if phase is None else phase.value, MemorySource.CPU_LIVE_TENSORS.value
+        return tracker.peak_bytes, None if phase is None else phase.value, MemorySource.CPU_LIVE_TENSORS
 
     # -- one side ----------------------------------------------------------------------------------
-    def side(self, label: str, plan: Plan | None) -> tuple[RankSide, GradSnapshot, str, int]:
+    def side(self, label: str, plan: Plan | None) -> tuple[RankSide, GradSnapshot, MemorySource, int]:
         cfg = self.cfg
         built = self.build(plan, timed=True)
         rec = built.recorder

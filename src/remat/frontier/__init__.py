@@ -3,25 +3,29 @@
 ``run_frontier(loaded, FrontierSettings(budget_bytes=..., reserve=...))`` measures a set of plans
 on one workload, interleaved, and returns a :class:`FrontierReport` (``to_json()`` is what
 ``remat frontier`` writes to ``frontier.json``). The pure parts (``pareto_flags``,
-``decide``, ``search_capacity``) work on made-up data; ``Arm``/``time_round_robin``/
-``probe_capacity`` are remat.measure's (re-exported here; ``probe_capacity`` as a CapacityTry),
-reused by ``benchmarks/compare.py``.
+``decide``, ``search_capacity``) work on made-up data. Arms, the scheduler and the peaks are
+remat.measure's; a plan becomes an arm through remat.wrap.PlanArm. The model and the capacity
+search import without torch; the rest loads on first use (NOTE [import cost] in remat._lazy).
 """
 
+from .._lazy import lazy_exports
 from .capacity import MeasureFn, search_capacity
-from .measure import (Arm, PeakLimitExceeded, PlanArm, Prepared, Timings, apply_at_shape, measure_arm_peak,
-                      measure_step_peak_within, percentile, prepare_arm, probe_capacity, shape_value,
-                      time_round_robin)
 from .model import (FRONTIER_SCHEMA_VERSION, CapacityResult, CapacityTry, Decision, FrontierPoint, FrontierReport,
                     OverheadInterval, describe_overhead, short_overhead)
-from .pareto import P50Difference, decide, dominates, p50_difference, pareto_flags
-from .plot import render_frontier_png
-from .run import CONTROL, DEFAULT_PLANS, FrontierSettings, PlanRequest, parse_plan_requests, run_frontier
 
-__all__ = ["CONTROL", "DEFAULT_PLANS", "FRONTIER_SCHEMA_VERSION", "Arm", "CapacityResult", "CapacityTry", "Decision",
+_LAZY = {   # name -> the module that defines it
+    **dict.fromkeys(["P50Difference", "decide", "dominates", "p50_difference", "pareto_flags"], "remat.frontier.pareto"),
+    "render_frontier_png": "remat.frontier.plot",
+    **dict.fromkeys(["CONTROL", "DEFAULT_PLANS", "FrontierSettings", "PlanRequest", "capacity_try", "parse_plan_requests",
+                     "run_frontier"], "remat.frontier.run"),
+    # remat.measure's, still read from here by workflow/build.py
+    "shape_value": "remat.measure.run",
+}
+
+__all__ = ["CONTROL", "DEFAULT_PLANS", "FRONTIER_SCHEMA_VERSION", "CapacityResult", "CapacityTry", "Decision",
            "FrontierPoint", "FrontierReport", "FrontierSettings", "MeasureFn", "OverheadInterval", "P50Difference",
-           "PeakLimitExceeded", "describe_overhead", "short_overhead",
-           "PlanArm", "PlanRequest", "Prepared",
-           "Timings", "apply_at_shape", "decide", "dominates", "measure_arm_peak", "measure_step_peak_within",
-           "p50_difference", "pareto_flags", "parse_plan_requests", "percentile", "prepare_arm", "probe_capacity",
-           "render_frontier_png", "run_frontier", "search_capacity", "shape_value", "time_round_robin"]
+           "PlanRequest", "capacity_try", "decide", "describe_overhead", "dominates", "p50_difference", "pareto_flags",
+           "parse_plan_requests", "render_frontier_png", "run_frontier", "search_capacity", "shape_value",
+           "short_overhead"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from ..errors import RematError
+from ..types import MemorySource
 
 FRONTIER_SCHEMA_VERSION = 1
 
@@ -162,7 +163,7 @@ class FrontierPoint:
     predicted_step_ms: float | None = None     # the control's p50 in this run + predicted_overhead_ms
     boundaries: list[str] = dataclasses.field(default_factory=list)  # "h.0:full", "blocks.3:selective"
     peak_bytes: int | None = None              # measured whole-step peak at the base shape
-    memory_source: str | None = None           # "cpu-live-tensors" or "cuda-allocator"
+    memory_source: MemorySource | None = None  # the instrument of peak_bytes
     num_alloc_retries: int | None = None       # CUDA only: retries in the measured steps
     p50_ms: float | None = None                # warm whole-step median (interleaved round-robin)
     p95_ms: float | None = None
@@ -194,6 +195,7 @@ class FrontierPoint:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["decision"] = self.decision.value
+        d["memory_source"] = None if self.memory_source is None else self.memory_source.value
         d["capacity_search"] = None if self.capacity_search is None else self.capacity_search.to_json()
         return d
 
@@ -202,6 +204,7 @@ class FrontierPoint:
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         kw["decision"] = Decision(d["decision"])
+        kw["memory_source"] = None if d.get("memory_source") is None else MemorySource(d["memory_source"])
         kw["capacity_search"] = None if d.get("capacity_search") is None else CapacityResult.from_json(d["capacity_search"])
         kw["overhead_interval"] = None if d.get("overhead_interval") is None else \
             OverheadInterval.from_json(d["overhead_interval"])

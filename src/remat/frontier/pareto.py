@@ -1,4 +1,4 @@
-"""The Pareto set of (peak, p50) and the ship decision. Pure: no torch, unit-testable on made-up points.
+"""The Pareto set of (peak, p50) and the one ship decision. Pure: no torch, unit-testable on made-up points.
 
 NOTE [ship decision]
 Seed 000 asks which plan to ship: "the least expensive plan that clears the required
@@ -22,6 +22,11 @@ reserve". Here, among the points that were *measured* (planned, applied, timed):
 When every difference is resolved the shipped point is on the Pareto set: a point
 dominating it would fit (its peak is no higher) and be no slower. When a simpler plan wins
 on noise it may sit a hair off the set; its reason says which plan was faster by how much.
+This is one pure function, ``ship_decision``: it reads the points, each plan's max over the
+step sample where one was measured (judged instead of its first-step peak: NOTE [ship over the
+sample] in workflow/build.py) and the verdict of the picked plan's verification (a failed one
+ships nothing: NOTE [receipt decision] in workflow/build.py), and returns a ``ShipDecision``.
+``decide`` records it on the frontier's own points; the receipt records new points from it.
 
 NOTE [resolved differences]
 Two plans' warm step times come from one interleaved round-robin (NOTE [interleaved
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -129,45 +134,147 @@ def pareto_flags(xy: Sequence[tuple[float, float]]) -> list[bool]:
     return [not any(dominates(q, p) for j, q in enumerate(xy) if j != i) for i, p in enumerate(xy)]
 
 
-def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
-           control: str | None = "none") -> FrontierPoint | None:
-    """Set ``fits``, ``pareto``, ``overhead_pct``, ``decision`` and ``reason`` on every point (in place).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplePeak:
+    """A plan's peak over the step sample: the max over its points (bytes) and the point that reached it
+    (NOTE [ship over the sample] in workflow/build.py)."""
 
-    Returns the shipped point, or None when no measured point fits. Points that are not
-    measured keep their INFEASIBLE/FAILED decision (their reason is left as given).
-    See NOTE [ship decision].
-    """
+    peak_bytes: int
+    at: str                    # the sample point's label
+
+    def describe(self) -> str:
+        return f"{mib(self.peak_bytes)} at {self.at}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """The verification of the picked point's plan (NOTE [receipt decision] in workflow/build.py)."""
+
+    passed: bool
+    failures: tuple[str, ...] = ()   # why it failed, one line each
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PointVerdict:
+    """What the decision says about one point; each field is the FrontierPoint field of that name."""
+
+    plan: str
+    peak_bytes: int | None     # the peak judged: its max over the step sample where one was measured
+    fits: bool
+    pareto: bool
+    overhead_pct: float | None
+    overhead_interval: OverheadInterval | None
+    decision: Decision
+    reason: str
+
+    def fields(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShipDecision:
+    """The one ship decision (NOTE [ship decision]): a verdict per point, which point ships, or why none does."""
+
+    limit: int                           # budget x (1 - reserve), bytes
+    verdicts: tuple[PointVerdict, ...]   # one per point, in the order the points were given
+    picked: str | None                   # the point the measurements ship (None: no measured point fits)
+    shipped: str | None                  # ``picked``, unless its plan failed verification
+    unverified: str | None = None        # why ``picked`` does not ship: "failed verification: ..."
+    sample_miss: str = ""                # why nothing ships over the step sample, or ""
+
+    def points(self, points: Sequence[FrontierPoint]) -> list[FrontierPoint]:
+        """New points: each of ``points`` as this decision judged it (the points given are not changed)."""
+        return [dataclasses.replace(p, **v.fields()) for p, v in zip(points, self.verdicts, strict=True)]
+
+    def record(self, points: Sequence[FrontierPoint]) -> None:
+        """Write each verdict onto its point, in place (the frontier's own report, made of them)."""
+        for p, v in zip(points, self.verdicts, strict=True):
+            for name, value in v.fields().items():
+                setattr(p, name, value)
+
+
+def ship_decision(points: Sequence[FrontierPoint], *, budget_bytes: int, reserve: float,
+                  control: str | None = "none", sample_peaks: Mapping[str, SamplePeak] | None = None,
+                  verdict: Verdict | None = None) -> ShipDecision:
+    """The ship decision (NOTE [ship decision]), pure: ``points`` are read, never changed.
+
+    ``sample_peaks``: label -> that plan's max over the step sample, judged instead of the peak
+    the frontier measured at the sample's first point (NOTE [ship over the sample] in
+    workflow/build.py). ``verdict``: the verification of the picked point's plan; a failed one
+    ships nothing (NOTE [receipt decision] in workflow/build.py). Points that are not measured
+    keep their INFEASIBLE/FAILED decision and reason."""
+    sampled = dict(sample_peaks or {})
     limit = int(budget_bytes * (1.0 - reserve))
+    judged = [p if p.plan not in sampled else dataclasses.replace(p, peak_bytes=sampled[p.plan].peak_bytes)
+              for p in points]
+    picked, verdicts = _judge(judged, limit, control, sampled,
+                              clears=f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)")
+    unverified = None if picked is None or verdict is None or verdict.passed else \
+        "failed verification: " + "; ".join(verdict.failures[:3])
+    return ShipDecision(limit=limit, verdicts=verdicts, picked=picked,
+                        shipped=None if unverified is not None else picked, unverified=unverified,
+                        sample_miss="" if picked is not None else _sample_miss(sampled, limit))
+
+
+def _sample_miss(sampled: Mapping[str, SamplePeak], limit: int) -> str:
+    """Why nothing ships when the plans measured over the step sample missed there (else "")."""
+    missed = [f"{k}: {s.describe()}" for k, s in sampled.items() if s.peak_bytes > limit]
+    if not missed:
+        return ""
+    return (f"every plan the frontier would ship misses over the step sample ({'; '.join(missed)}), "
+            f"over the {mib(limit)} limit, though the frontier's one step cleared it (NOTE [step sample])")
+
+
+def _judge(points: list[FrontierPoint], limit: int, control: str | None, sampled: Mapping[str, SamplePeak], *,
+           clears: str) -> tuple[str | None, tuple[PointVerdict, ...]]:
+    """(the label that ships, a verdict per point) on the peaks ``points`` carry (NOTE [ship decision]);
+    the reason of a point in ``sampled`` says its peak is its max over the step sample."""
     measured = [p for p in points if p.measured]
     ctrl = next((p for p in measured if p.plan == control), None)
-    _mark(points, measured, ctrl, limit)
-    order = {id(p): i for i, p in enumerate(points)}
-    shipped, beaten = _ship([p for p in measured if p.fits], order)
-    clears = f"{mib(limit)} (budget {mib(budget_bytes)} less {reserve:.0%} reserve)"
-    for p in measured:
-        if p is shipped:
-            p.decision = Decision.SHIP
-            p.reason = _ship_reason(p, beaten, vs_control=p is not ctrl, clears=clears)
-        else:
-            p.decision = Decision.REJECT
-            p.reason = _reject_reason(p, shipped, beaten, _dominator(p, measured, shipped, order), limit)
-    return shipped
-
-
-def _mark(points: list[FrontierPoint], measured: list[FrontierPoint], ctrl: FrontierPoint | None,
-          limit: int) -> None:
-    """Set ``overhead_pct`` (against the control) on every point, ``pareto`` and ``fits`` (peak <=
-    ``limit`` bytes) on the measured ones."""
-    for p in points:
-        p.fits = False
-        p.pareto = False
-        if ctrl is not None and p.p50_ms is not None and ctrl.p50_ms:
-            p.overhead_pct = (p.p50_ms - ctrl.p50_ms) / ctrl.p50_ms * 100.0
-            p.overhead_interval = None if p is ctrl else overhead_interval(p, ctrl)
     xy = [(float(p.peak_bytes), float(p.p50_ms)) for p in measured]  # type: ignore[arg-type]
-    for p, flag in zip(measured, pareto_flags(xy)):
-        p.pareto = flag
-        p.fits = p.peak_bytes <= limit  # type: ignore[operator]
+    pareto = {id(p): flag for p, flag in zip(measured, pareto_flags(xy))}
+    fits = {id(p): p.peak_bytes <= limit for p in measured}  # type: ignore[operator]
+    order = {id(p): i for i, p in enumerate(points)}
+    shipped, beaten = _ship([p for p in measured if fits[id(p)]], order)
+    verdicts = []
+    for p in points:
+        pct, interval = _overhead(p, ctrl)
+        decision, reason = p.decision, p.reason
+        if p is shipped:
+            decision = Decision.SHIP
+            reason = _ship_reason(p, beaten, pct, interval, vs_control=p is not ctrl, clears=clears)
+        elif id(p) in fits:
+            decision = Decision.REJECT
+            reason = _reject_reason(p, fits[id(p)], shipped, beaten, _dominator(p, measured, shipped, order), limit)
+        verdicts.append(PointVerdict(plan=p.plan, peak_bytes=p.peak_bytes, fits=fits.get(id(p), False),
+                                     pareto=pareto.get(id(p), False), overhead_pct=pct, overhead_interval=interval,
+                                     decision=decision, reason=reason + _sampled_note(sampled.get(p.plan))))
+    return None if shipped is None else shipped.plan, tuple(verdicts)
+
+
+def _sampled_note(peak: SamplePeak | None) -> str:
+    return "" if peak is None else f" (peak: its max over the step sample, {peak.describe()}; NOTE [step sample])"
+
+
+def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
+           control: str | None = "none") -> FrontierPoint | None:
+    """The frontier's own decision (``ship_decision``), recorded on its ``points`` (in place): sets
+    ``fits``, ``pareto``, ``overhead_pct``, ``overhead_interval``, ``decision`` and ``reason``.
+
+    Returns the shipped point, or None when no measured point fits. See NOTE [ship decision].
+    """
+    decision = ship_decision(points, budget_bytes=budget_bytes, reserve=reserve, control=control)
+    decision.record(points)
+    return next((p for p, v in zip(points, decision.verdicts) if v.decision is Decision.SHIP), None)
+
+
+def _overhead(p: FrontierPoint, ctrl: FrontierPoint | None) -> tuple[float | None, OverheadInterval | None]:
+    """``p``'s overhead (%) against the control and its interval; as ``p`` carries them when there is
+    no control p50 to compare with."""
+    if ctrl is None or p.p50_ms is None or not ctrl.p50_ms:
+        return p.overhead_pct, p.overhead_interval
+    pct = (p.p50_ms - ctrl.p50_ms) / ctrl.p50_ms * 100.0
+    return pct, None if p is ctrl else overhead_interval(p, ctrl)
 
 
 def _dominator(p: FrontierPoint, measured: list[FrontierPoint], shipped: FrontierPoint | None,
@@ -180,10 +287,9 @@ def _dominator(p: FrontierPoint, measured: list[FrontierPoint], shipped: Frontie
     return min(doms, key=lambda q: (q.p50_ms, q.peak_bytes, order[id(q)]), default=None)
 
 
-def _ship_reason(p: FrontierPoint, beaten: list[tuple[FrontierPoint, P50Difference]], *, vs_control: bool,
-                 clears: str) -> str:
-    vs = f", {describe_overhead(p.overhead_pct, p.overhead_interval)} vs control" \
-        if p.overhead_pct is not None and vs_control else ""
+def _ship_reason(p: FrontierPoint, beaten: list[tuple[FrontierPoint, P50Difference]], pct: float | None,
+                 interval: OverheadInterval | None, *, vs_control: bool, clears: str) -> str:
+    vs = f", {describe_overhead(pct, interval)} vs control" if pct is not None and vs_control else ""
     if not beaten:
         return f"lowest p50 ({p.p50_ms:.2f} ms{vs}) among plans whose measured peak clears {clears}"
     fastest, d = beaten[0]
@@ -193,11 +299,11 @@ def _ship_reason(p: FrontierPoint, beaten: list[tuple[FrontierPoint, P50Differen
             f"{d.describe()}, not resolved")
 
 
-def _reject_reason(p: FrontierPoint, shipped: FrontierPoint | None, beaten: list[tuple[FrontierPoint, P50Difference]],
-                   dom: FrontierPoint | None, limit: int) -> str:
+def _reject_reason(p: FrontierPoint, fits: bool, shipped: FrontierPoint | None,
+                   beaten: list[tuple[FrontierPoint, P50Difference]], dom: FrontierPoint | None, limit: int) -> str:
     """The first reason that applies (NOTE [ship decision]): over budget, faster but not resolved,
     dominated, slower than shipped."""
-    if not p.fits:
+    if not fits:
         reason = f"over budget: peak {mib(p.peak_bytes)} > {mib(limit)}"  # type: ignore[arg-type]
         return reason if dom is None else reason + f"; also dominated by {dom.plan}"
     assert shipped is not None  # p fits, so something ships

@@ -57,13 +57,13 @@ from ..plan import (InfeasibleBudget, Plan, PlannerKind, PlannerSpec, check_budg
                     planner_from_spec)
 from ..profile import ProfileReport, profile_workload
 from ..trace.model import HostContext, TraceContext
-from ..types import ProgressFn, no_progress
+from ..types import MemorySource, ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..units import mib
-from ..measure import CompileSpec, StepMeasurement, measure_arm
+from ..measure import (Arm, CompileSpec, StepMeasurement, Timings, measure_arm, prepare_arm, probe_capacity,
+                       release_memory, shape_value, time_round_robin)
+from ..wrap import PlanArm
 from .capacity import search_capacity
-from .measure import (Arm, PlanArm, Timings, prepare_arm, probe_capacity, release_memory,
-                      shape_value, time_round_robin)
 from .model import BudgetTry, CapacityTry, Decision, FrontierPoint, FrontierReport
 from .pareto import decide
 
@@ -453,8 +453,8 @@ def by_plan(points: list[FrontierPoint], label: str) -> FrontierPoint:
 
 def _record_peak(point: FrontierPoint, peak: StepMeasurement) -> None:
     point.peak_bytes = peak.peak_bytes
-    point.memory_source = peak.memory_source.value
-    point.num_alloc_retries = peak.num_alloc_retries if peak.memory_source.value == "cuda-allocator" else None
+    point.memory_source = peak.memory_source
+    point.num_alloc_retries = peak.num_alloc_retries if peak.memory_source is MemorySource.CUDA_ALLOCATOR else None
     point.compile_s = None if peak.compile_s is None else round(peak.compile_s, 3)
 
 
@@ -571,13 +571,20 @@ def _time_arms(loaded: LoadedWorkload, arms: list[Arm], *, warmup: int, steps: i
     return merged, False
 
 
+def capacity_try(loaded: LoadedWorkload, arm: Arm, key: str, value: int, limit_bytes: int, *,
+                 warmup: int = 1) -> CapacityTry:
+    """remat.measure.probe_capacity, as the frontier's record of one capacity try."""
+    r = probe_capacity(loaded, arm, key, value, limit_bytes, warmup=warmup)
+    return CapacityTry(value=r.value, peak_bytes=r.peak_bytes, oom=r.oom, error=r.error)
+
+
 def _capacity(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, FrontierPoint], *, key: str, start: int,
               limit: int, max_value: int, max_tries: int, granularity: int, steps: int, progress: ProgressFn) -> None:
     for i, arm in enumerate(arms):
         progress("frontier: capacity", i, len(arms))
         point = by_label[arm.label]
         first = CapacityTry(value=start, peak_bytes=point.peak_bytes) if start <= max_value else None
-        result = search_capacity(lambda v, arm=arm: probe_capacity(loaded, arm, key, v, limit),
+        result = search_capacity(lambda v, arm=arm: capacity_try(loaded, arm, key, v, limit),
                                  key=key, start=start, limit_bytes=limit, max_value=max_value,
                                  max_tries=max_tries, first=first, granularity=granularity)
         point.capacity_search = result

@@ -31,6 +31,7 @@ from ..autoplan.library_flags import CheckpointingAPI, checkpointing_api, flagge
 from ..autoplan.source import ModelSource, OptimizerSpec, Parked, default_loss, model_device
 from ..errors import AutoError
 from ..measure import Arm, measure_arm_peak, prepare_arm, release_memory, time_round_robin
+from ..types import MemorySource
 from ..units import fmt_bytes
 from ..wrap import PlanArm, apply
 
@@ -93,7 +94,7 @@ class CheckpointingBaseline:
     library: str
     peak_bytes: int             # one warm step, the library's checkpointing on
     plan_peak_bytes: int        # one warm step, remat's plan applied
-    memory_source: str
+    memory_source: MemorySource
     step_ms: float              # p50 of warm steps, interleaved with the plan's
     plan_step_ms: float
     steps: int
@@ -169,5 +170,5 @@ def _measure(source: ModelSource, setup: LibraryCheckpointing, plan: Any) -> Che
         runners.clear()
         release_memory()
     return CheckpointingBaseline(what=setup.describe, library=setup.api.library, peak_bytes=lib_peak.peak_bytes,
-                                 plan_peak_bytes=plan_peak.peak_bytes, memory_source=lib_peak.source.value,
+                                 plan_peak_bytes=plan_peak.peak_bytes, memory_source=lib_peak.source,
                                  step_ms=times.p50("library"), plan_step_ms=times.p50("remat"), steps=BASELINE_STEPS)

@@ -193,7 +193,7 @@ class RematTrainerCallback(_CallbackBase):
                 "remat_planner": r.planner, "remat_budget_bytes": r.budget_bytes,
                 "remat_baseline_peak_bytes": r.baseline_peak_bytes,
                 "remat_predicted_peak_bytes": r.predicted_peak_bytes,
-                "remat_measured_peak_bytes": r.measured_peak_bytes, "remat_memory_source": r.memory_source,
+                "remat_measured_peak_bytes": r.measured_peak_bytes, "remat_memory_source": r.memory_source.value,
                 "remat_optimizer": r.optimizer, "remat_accumulation_steps": r.accumulation_steps,
                 "remat_verification": r.verification.value,
                 "remat_cache": r.cache.value}

@@ -19,9 +19,10 @@ from typing import Any
 from .._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
 from ..errors import DistributedError, PlanError
 from .plan import PIPELINE_PLAN, SCHEDULES, PipelinePlan, Schedule, Side, ideal_bubble
-from ..plan.schema import MODULE_PATH
-from ..measure import p50
-from ..distributed.report import GradComparison, percentile
+from ..plan.schema import MEMORY_SOURCE, MODULE_PATH
+from ..types import MemorySource
+from ..measure import p50, percentile
+from ..distributed.report import GradComparison
 
 PIPELINE_REPORT_SCHEMA_VERSION = 1
 
@@ -219,7 +220,7 @@ PIPELINE_REPORT = Obj({
     "stages_per_rank": Int(1, 1000),
     "batch_size": Int(1, 1 << 40), "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
     "ideal_bubble_fraction": Num(0, 1), "backend": Str(max_len=50), "device": Str(max_len=50),
-    "dtype": Str(max_len=50), "memory_source": Str(max_len=100), "torch_version": Str(max_len=100),
+    "dtype": Str(max_len=50), "memory_source": MEMORY_SOURCE, "torch_version": Str(max_len=100),
     "steps": Int(1, 1000), "warmup": Int(1, 100), "timeout_s": Num(0, 1e9), "budget_bytes": Opt(BYTES),
     "sides": Map(SIDE, key=r"none|uniform|remat", max_len=3),
     "equivalence": Map(EQUIVALENCE, key=r"uniform|remat", max_len=2),
@@ -246,7 +247,7 @@ class PipelineReport:
     backend: str
     device: str
     dtype: str
-    memory_source: str
+    memory_source: MemorySource
     torch_version: str
     steps: int
     warmup: int
@@ -302,9 +303,9 @@ class PipelineReport:
             "world_size": self.world_size, "schedule": self.schedule.value, "microbatches": self.microbatches,
             "batch_size": self.batch_size, "split_points": self.split_points, "split_source": self.split_source,
             "stages_per_rank": self.stages_per_rank, "ideal_bubble_fraction": self.ideal_bubble_fraction,
-            "backend": self.backend, "device": self.device, "dtype": self.dtype, "memory_source": self.memory_source,
-            "torch_version": self.torch_version, "steps": self.steps, "warmup": self.warmup,
-            "timeout_s": self.timeout_s, "budget_bytes": self.budget_bytes,
+            "backend": self.backend, "device": self.device, "dtype": self.dtype,
+            "memory_source": self.memory_source.value, "torch_version": self.torch_version, "steps": self.steps,
+            "warmup": self.warmup, "timeout_s": self.timeout_s, "budget_bytes": self.budget_bytes,
             "sides": {k.value: s.to_json() for k, s in self.sides.items()},
             "equivalence": {k.value: e.to_json() for k, e in self.equivalence.items()},
             "negative_control_rejected": self.negative_control_rejected,
@@ -321,7 +322,7 @@ class PipelineReport:
                      for k, p in d["plans"].items()}
         except PlanError as exc:
             raise DistributedError(exc.message, tip=exc.tip) from exc
-        return cls(**{**d, "schedule": Schedule(d["schedule"]),
+        return cls(**{**d, "schedule": Schedule(d["schedule"]), "memory_source": MemorySource(d["memory_source"]),
                       "sides": {Side(k): SideReport.from_json(s) for k, s in d["sides"].items()},
                       "equivalence": {Side(k): PipelineEquivalence.from_json(e) for k, e in d["equivalence"].items()},
                       "plans": plans})
@@ -401,7 +402,7 @@ def _equivalence(name: Side, gathered: list[RankOutcome]) -> PipelineEquivalence
         first_loss_equal=first_loss_equal, ok=bitwise and first_loss_equal is not False)
 
 
-def _notes(memory_source: str, rank_notes: list[str]) -> list[str]:
+def _notes(memory_source: MemorySource, rank_notes: list[str]) -> list[str]:
     return [
         "bubble_fraction = idle / step per stage, idle = the pipeline's step (first stage's start to last stage's "
         "end, one host clock) - union(forward, loss, backward, optimizer) of the stage; "
@@ -417,7 +418,7 @@ def _notes(memory_source: str, rank_notes: list[str]) -> list[str]:
 
 
 def assemble_pipeline(cfg: Any, gathered: list[RankOutcome], *, torch_version: str,
-                      memory_source: str) -> PipelineReport:
+                      memory_source: MemorySource) -> PipelineReport:
     """Rank 0: the report from every rank's :class:`RankOutcome` (ordered by rank); ``cfg``: the PipelineConfig."""
     p = cfg.world_size
     batch_size = cfg.batch_size

@@ -590,7 +590,7 @@ def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
     if rank == 0:
         assert gathered is not None
         report = assemble_pipeline(cfg, gathered, torch_version=torch.__version__,
-                                   memory_source=MemorySource.CPU_LIVE_TENSORS.value)
+                                   memory_source=MemorySource.CPU_LIVE_TENSORS)
         atomic_write_json(out / PIPELINE_REPORT_NAME, report.to_json())
     files.what = "teardown"
     dist.barrier()

@@ -15,7 +15,7 @@ from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import ModelFingerprint
 from ..profile.sample import SampleRecord
-from ..types import CheckpointMode
+from ..types import CheckpointMode, MemorySource
 from .offload import OffloadPricing
 from .schema import PLAN
 
@@ -90,7 +90,7 @@ class Plan:
     preserve_rng_state: bool = True       # RNG policy: replay sees the forward's RNG state
     measured_peak_bytes: int | None = None
     measured_step_ms: float | None = None
-    memory_source: str = "cpu-live-tensors"
+    memory_source: MemorySource = MemorySource.CPU_LIVE_TENSORS
     simulated: bool = False               # figures from --simulate, not a measured run
     device_model: str | None = None
     compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
@@ -116,6 +116,7 @@ class Plan:
         d["boundaries"] = [{**dataclasses.asdict(b), "mode": b.mode.value} for b in self.boundaries]
         d["excluded"] = [dataclasses.asdict(e) for e in self.excluded]
         d["fingerprint"] = self.fingerprint.to_json()
+        d["memory_source"] = self.memory_source.value
         if self.compile is None:
             del d["compile"]   # eager plans read as they always did
         else:
@@ -160,7 +161,7 @@ class Plan:
             preserve_rng_state=d.get("preserve_rng_state", True),
             measured_peak_bytes=d.get("measured_peak_bytes"),
             measured_step_ms=None if d.get("measured_step_ms") is None else float(d["measured_step_ms"]),
-            memory_source=d.get("memory_source", "cpu-live-tensors"),
+            memory_source=MemorySource(d.get("memory_source", MemorySource.CPU_LIVE_TENSORS)),
             simulated=d.get("simulated", False),
             device_model=d.get("device_model"),
             compile=None if d.get("compile") is None else CompileSpec.from_json(d["compile"]),

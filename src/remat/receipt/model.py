@@ -27,6 +27,7 @@ from ..frontier.model import FrontierReport, OverheadInterval
 from ..plan.model import Plan
 from ..profile.sample import DEFAULT_SAMPLE_STEPS
 from ..trace.model import HostContext, StepTrace
+from ..types import MemorySource
 from ..verify.model import Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
 from .world_size import WorldSizeEvidence
@@ -86,11 +87,11 @@ class ReceiptContext:
     git_dirty: bool | None            # tracked files differ from HEAD
     created: str                      # ISO 8601, UTC
     command: str                      # the command line that made it ("" from the library)
-    memory_source: str                # cpu-live-tensors or cuda-allocator
+    memory_source: MemorySource       # cpu-live-tensors or cuda-allocator
     autocast: str | None = None       # the forward ran under torch.autocast of this dtype (NOTE [autocast steps])
 
     @classmethod
-    def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: str,
+    def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: MemorySource,
                 command: str = "") -> "ReceiptContext":
         rev, dirty = git_revision()
         host = dataclasses.asdict(HostContext.capture())   # the same fields, captured in one place
@@ -102,13 +103,14 @@ class ReceiptContext:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["memory_source"] = self.memory_source.value
         if self.autocast is None:
             del d["autocast"]   # receipts made without autocast read as they always did
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReceiptContext":
-        return cls(**d)
+        return cls(**{**d, "memory_source": _enum(MemorySource, d["memory_source"], "context.memory_source")})
 
 
 @dataclasses.dataclass(kw_only=True)

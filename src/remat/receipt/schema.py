@@ -125,7 +125,8 @@ FRONTIER_POINT = Obj({
     "overhead_pct": Opt(Num()), "capacity": Opt(COUNT), "samples_per_s": Opt(Num(0)), "fits": Bool(),
     "pareto": Bool(), "step_ms": List(MS),
 }, {
-    "plan_budget_bytes": Opt(SIGNED_BYTES), "predicted_peak_bytes": Opt(SIGNED_BYTES), "memory_source": Opt(SHORT),
+    "plan_budget_bytes": Opt(SIGNED_BYTES), "predicted_peak_bytes": Opt(SIGNED_BYTES),
+    "memory_source": Opt(MEMORY_SOURCE),
     "predicted_overhead_ms": Opt(SIGNED_MS), "predicted_step_ms": Opt(SIGNED_MS),
     "num_alloc_retries": Opt(COUNT), "capacity_p50_ms": Opt(MS), "compile": Opt(COMPILE), "compile_s": Opt(Num(0, 1e7)),
     "overhead_interval": Opt(OVERHEAD_INTERVAL),

@@ -159,11 +159,6 @@ def changed_attributes(control: dict[str, Any], planned: dict[str, Any]) -> list
             if control.get(k, "<absent>") != planned.get(k, "<absent>")]
 
 
-def diff_python_state(control: dict[str, Any], planned: dict[str, Any]) -> list[str]:
-    """``["blocks.2.calls: 1 -> 2", ...]`` (control value -> planned value)."""
-    return [f"{k}: {short_repr(c)} -> {short_repr(p)}" for k, c, p in changed_attributes(control, planned)]
-
-
 def owner_module(name: str) -> str:
     """``"h.1.mlp.c_fc.weight"`` -> ``"h.1.mlp.c_fc"`` (``""`` for an attribute of the root)."""
     return name.rpartition(".")[0]

@@ -13,7 +13,8 @@ NOTE [receipt run]
 4. Frontier: every plan in ``settings.frontier_plans`` (the control always) measured
    solo for its peak and interleaved for time; the frontier's ship decision picks the
    fastest plan whose measured peak clears budget x (1 - reserve). The shipped plan is then
-   measured over the sample too; if its max misses, nothing ships, and the receipt says why.
+   measured over the sample too; if its max misses, the decision picks again (NOTE [ship over
+   the sample]); when no plan holds, nothing ships, and the receipt says why.
 5. Verify the plan the frontier ships (paired seeded runs, hazards, negative controls).
    Verification runs after the frontier so that the plan proved is the plan shipped,
    whichever planner made it.
@@ -41,13 +42,15 @@ would run compiled code eagerly); the shipped peak is the compiled one, by the i
 frontier point names.
 
 NOTE [receipt decision]
-The receipt does not decide again: the shipped plan is the frontier's (NOTE [ship decision]
-in frontier/pareto.py), every other point keeps the frontier's decision and reason, and the
-budget, reserve and effective budget are the frontier's. The one thing the receipt adds is
-the VerifyReport: a shipped plan that was verified (boundaries, or a torch budget) and failed
-ships nothing and is listed first as UNVERIFIED with the failure. The control ships when it
-fits (nothing to checkpoint). ``clears`` compares the shipped plan's measured peak with
-budget x (1 - reserve).
+The receipt does not decide on its own: the one ship decision, ``ship_decision`` in
+frontier/pareto.py (NOTE [ship decision]), pure, is given the frontier's measured points, the
+max over the step sample of each plan measured there (NOTE [ship over the sample]) and the
+verification of the plan it picks; the receipt renders what it returns. Every point keeps the
+decision's verdict and reason, and the budget, reserve and effective budget are the frontier's.
+The verification is the one input the frontier does not have: a picked plan that was verified
+(boundaries, or a torch budget) and failed ships nothing and is listed first as UNVERIFIED
+with the failure. The control ships when it fits (nothing to checkpoint). ``clears`` compares
+the shipped plan's measured peak with budget x (1 - reserve).
 
 NOTE [re-plan after verify]
 Verification can find a boundary hazardous that the profile let through (a replay side
@@ -73,7 +76,8 @@ from typing import Any
 from ..wrap import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_closed_loop
 from ..errors import BudgetError, WorkloadError
-from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, decide, run_frontier, shape_value
+from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
+from ..frontier.pareto import SamplePeak, ShipDecision, Verdict, ship_decision
 from ..measure import held_bytes_at_phase, prepare_arm
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision
@@ -193,20 +197,15 @@ def _rejected(point: FrontierPoint) -> RejectedPlan:
                         peak_bytes=point.peak_bytes, p50_ms=point.p50_ms)
 
 
-def _verified_ship(frontier: FrontierReport, verification: VerifyReport | None
-                   ) -> tuple[FrontierPoint | None, list[RejectedPlan], str | None]:
-    """(the point that ships, every point that does not, why the frontier's pick failed verification).
-
-    The frontier's shipped point ships unless the verification of its plan failed (NOTE [receipt
-    decision]); it is then listed first, as UNVERIFIED, and nothing ships."""
-    shipped = frontier.shipped
-    rejected = [_rejected(p) for p in frontier.points if p is not shipped]
-    if shipped is None or verification is None or verification.passed:
-        return shipped, rejected, None
-    unverified = "failed verification: " + "; ".join(verification.failures[:3])
-    rejected.insert(0, RejectedPlan(plan=shipped.plan, decision=Rejection.UNVERIFIED, reason="fits, but " + unverified,
-                                    peak_bytes=shipped.peak_bytes, p50_ms=shipped.p50_ms))
-    return None, rejected, unverified
+def _rejected_plans(frontier: FrontierReport, decision: ShipDecision) -> list[RejectedPlan]:
+    """Every point that does not ship, with the frontier's decision and reason; a picked plan that
+    failed verification first, as UNVERIFIED (NOTE [receipt decision])."""
+    rejected = [_rejected(p) for p in frontier.points if p.plan != decision.picked]
+    if decision.unverified is None or decision.picked is None:
+        return rejected
+    picked = frontier.point(decision.picked)
+    return [RejectedPlan(plan=picked.plan, decision=Rejection.UNVERIFIED, reason="fits, but " + decision.unverified,
+                         peak_bytes=picked.peak_bytes, p50_ms=picked.p50_ms), *rejected]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -312,20 +311,19 @@ def _why_replanned(excluded: dict[str, str], replan_note: str) -> list[str]:
             + (f"; {replan_note}." if replan_note else ".")]
 
 
-def _decide(*, frontier: FrontierReport, plan: Plan | None, trace: StepTrace, verification: VerifyReport | None,
-            closed_loop_note: str, excluded_after_verify: dict[str, str] | None = None,
-            replan_note: str = "", sample_miss: str = "") -> ReceiptDecision:
-    """The receipt's decision: the frontier's ship decision, once verified (NOTE [receipt decision]).
+def _decide(*, frontier: FrontierReport, decision: ShipDecision, plan: Plan | None, trace: StepTrace,
+            verification: VerifyReport | None, closed_loop_note: str,
+            excluded_after_verify: dict[str, str] | None = None, replan_note: str = "") -> ReceiptDecision:
+    """The receipt's decision, as ``decision`` made it (NOTE [receipt decision]), in the receipt's words.
 
-    ``plan``: the shipped point's plan (or, when nothing ships, the closed loop's, unshipped).
-    ``excluded_after_verify``, ``replan_note``: what NOTE [re-plan after verify] excluded.
-    ``sample_miss``: why the shipped plan misses over the step sample (NOTE [step sample]): nothing ships."""
+    ``frontier``: the points as ``decision`` judged them; ``plan``: the shipped point's plan (or, when
+    nothing ships, the closed loop's, unshipped). ``excluded_after_verify``, ``replan_note``: what
+    NOTE [re-plan after verify] excluded."""
     bar = _Bar.of(frontier, trace)
-    shipped, rejected, unverified = _verified_ship(frontier, verification)
-    if sample_miss:
-        shipped, closed_loop_note = None, sample_miss
+    shipped = None if decision.shipped is None else frontier.point(decision.shipped)
+    rejected = _rejected_plans(frontier, decision)
     if shipped is None:
-        why = _why_nothing(bar, rejected[0].plan if rejected else None, unverified, closed_loop_note)
+        why = _why_nothing(bar, decision.picked, decision.unverified, decision.sample_miss or closed_loop_note)
     else:
         why = _why(shipped, plan, bar, trace, verification)
     why += _why_replanned(excluded_after_verify or {}, replan_note)
@@ -486,53 +484,66 @@ def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: in
         return None, exc.message
 
 
-def _ship_over_sample(loaded: LoadedWorkload, plan: Plan | None, sample: StepSample, frontier: FrontierReport) -> str:
-    """Measure the frontier's shipped plan over the step sample (unless the closed loop did); while its max
-    misses, that point's peak becomes its max, and the frontier decides again (NOTE [ship over the sample]).
-    Why nothing ships in the end, or ""."""
-    if plan is None or sample.is_single or frontier.shipped is None:
-        return ""
-    limit = frontier.effective_budget_bytes
-    sampled: dict[str, str] = {}   # frontier label -> its max over the sample, and where
-    missed: list[str] = []
-    while frontier.shipped is not None:
-        point = frontier.shipped
-        plan = Plan.from_json(frontier.shipped_plan) if frontier.shipped_plan is not None else plan
-        if plan.sample is None:
-            plan.measured_peak_bytes = plan.measured_peak_bytes or point.peak_bytes
-            if plan.measured_peak_bytes is None:
-                return ""
-            measure_sample_peaks(sample_workloads(loaded, sample), plan, sample)
-        assert plan.sample is not None
-        worst = max(plan.sample.point_peaks)
-        sampled[point.plan] = f"{mib(worst)} at {sample.points()[plan.sample.point_peaks.index(worst)].label()}"
-        # its peak is what it measured over the sample: where that misses it no longer fits, and the
-        # frontier decides again; where it holds, the same point ships (fits, p50s, boundaries unchanged)
-        point.peak_bytes = worst
-        shipped = decide(frontier.points, budget_bytes=frontier.budget_bytes, reserve=frontier.reserve,
-                         control=frontier.control)
-        if worst <= limit and shipped is point:
-            frontier.shipped_plan = plan.to_json()   # the receipt's plan is the frontier's, with its sample
-            break
-        if worst > limit:
-            missed.append(point.plan)
-        frontier.shipped_plan = None if shipped is None else frontier.plans[shipped.plan].to_json()
-    for p in frontier.points:
-        if p.plan in sampled:
-            p.reason += f" (peak: its max over the step sample, {sampled[p.plan]}; NOTE [step sample])"
-    if frontier.shipped is not None or not missed:
-        return ""
-    return (f"every plan the frontier would ship misses over the step sample ({'; '.join(f'{k}: {sampled[k]}' for k in missed)}), "
-            f"over the {mib(limit)} limit, though the frontier's one step cleared it (NOTE [step sample])")
+def _ship_decision(frontier: FrontierReport, sampled: dict[str, Plan], sample: StepSample,
+                   verification: VerifyReport | None = None) -> ShipDecision:
+    """The one ship decision (NOTE [ship decision] in frontier/pareto.py) on the frontier's points as
+    measured, given each plan measured over the step sample and the verification of the picked plan."""
+    verdict = None if verification is None else Verdict(passed=verification.passed,
+                                                        failures=tuple(verification.failures))
+    return ship_decision(frontier.points, budget_bytes=frontier.budget_bytes, reserve=frontier.reserve,
+                         control=frontier.control, verdict=verdict,
+                         sample_peaks={label: _sample_peak(plan, sample) for label, plan in sampled.items()})
+
+
+def _sample_peak(plan: Plan, sample: StepSample) -> SamplePeak:
+    """``plan``'s max over the step sample (bytes) and the point that reached it."""
+    assert plan.sample is not None
+    worst = max(plan.sample.point_peaks)
+    return SamplePeak(peak_bytes=worst, at=sample.points()[plan.sample.point_peaks.index(worst)].label())
+
+
+def _over_sample(loaded: LoadedWorkload, plan: Plan, point: FrontierPoint, sample: StepSample) -> Plan:
+    """``plan`` measured at every point of the step sample: a copy carrying its SampleRecord (bytes);
+    ``plan`` itself when it already carries one (the closed loop's)."""
+    if plan.sample is not None:
+        return plan
+    copy = dataclasses.replace(plan, measured_peak_bytes=plan.measured_peak_bytes or point.peak_bytes)
+    measure_sample_peaks(sample_workloads(loaded, sample), copy, sample)
+    return copy
+
+
+def _hold_over_sample(loaded: LoadedWorkload, frontier: FrontierReport, sample: StepSample
+                      ) -> tuple[ShipDecision, dict[str, Plan]]:
+    """(the decision, the plans measured over the step sample by label): measure the plan the decision
+    picks over the sample and decide again with its max, until the pick was measured or nothing fits
+    (NOTE [ship over the sample]). Only evidence is gathered here; ``_ship_decision`` decides."""
+    sampled: dict[str, Plan] = {}
+    while True:
+        decision = _ship_decision(frontier, sampled, sample)
+        label = decision.picked
+        if sample.is_single or label is None or label in sampled:
+            return decision, sampled
+        sampled[label] = _over_sample(loaded, frontier.plans[label], frontier.point(label), sample)
+
+
+def _decided_frontier(frontier: FrontierReport, decision: ShipDecision, sampled: dict[str, Plan]) -> FrontierReport:
+    """A new report, the frontier's as the receipt records it: every point as ``decision`` judged it
+    (a sampled point's peak is its max over the sample), and the picked plan, with its sample record."""
+    plan = None if decision.picked is None else sampled.get(decision.picked) or frontier.plans[decision.picked]
+    return dataclasses.replace(frontier, points=decision.points(frontier.points),
+                               shipped_plan=None if plan is None else plan.to_json())
 
 
 # NOTE [ship over the sample]
 # The frontier measures and times every plan at the step sample's first point; what it ships is
 # then measured at every point (the closed loop's plan already was). A shipped plan whose max
 # over the sample misses the limit does not make the receipt ship nothing while another measured
-# plan might hold: its point takes that max as its peak (so it no longer fits, and says why), the
-# frontier decides again, and the next plan is measured over the sample, until one holds or none
-# fits. The points never shipped keep their first-point peaks, as the frontier table says.
+# plan might hold: the decision (``ship_decision`` in frontier/pareto.py) judges that plan by its
+# max (so it no longer fits, and its reason says why), picks again, and the next plan is measured
+# over the sample, until the pick is one already measured or none fits. Each plan is measured
+# over the sample once. The points never picked keep their first-point peaks, as the frontier
+# table says. The frontier's own report is not changed: the receipt records a new one, its points
+# as the decision judged them.
 
 
 def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tuple[Plan | None, str | None]:
@@ -573,7 +584,7 @@ class _Round:
     plan: Plan | None
     label: str | None
     evidence: _Evidence
-    sample_miss: str = ""                 # why the shown plan misses over the step sample (NOTE [step sample])
+    decision: ShipDecision | None = None  # the ship decision, given the evidence (NOTE [receipt decision])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -608,19 +619,20 @@ def _without(report: ProfileReport, hazardous: dict[str, str]) -> ProfileReport:
 
 def _one_round(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float, settings: RunSettings,
                compile: CompileSpec | None, sample: StepSample, progress: ProgressFn) -> _Round:
-    """Steps 3-6: closed loop, frontier, the plan shown (measured over the step sample), and its evidence."""
+    """Steps 3-6: closed loop, frontier, the plan shown (measured over the step sample), its evidence,
+    and the ship decision given all of it."""
     closed, note = _closed_loop(loaded, report, budget_bytes, reserve, sample, progress)           # 3.
-    frontier = run_frontier(loaded, FrontierSettings(                                              # 4.
+    measured = run_frontier(loaded, FrontierSettings(                                              # 4.
         budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
         warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
         capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
         report=report, progress=progress)
-    plan, _ = _shown_plan(frontier, closed)
-    sample_miss = _ship_over_sample(loaded, plan, sample, frontier)
-    plan, label = _shown_plan(frontier, closed)   # the plan that holds over the sample (NOTE [ship over the sample])
+    picked, sampled = _hold_over_sample(loaded, measured, sample)   # NOTE [ship over the sample]
+    frontier = _decided_frontier(measured, picked, sampled)
+    plan, label = _shown_plan(frontier, closed)
     evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
     return _Round(closed=closed, note=note, frontier=frontier, plan=plan, label=label, evidence=evidence,
-                  sample_miss=sample_miss)
+                  decision=_ship_decision(measured, sampled, sample, evidence.verification))
 
 
 def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
@@ -674,10 +686,11 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     last = proved.last
     closed, note, frontier, plan, label, evidence = (last.closed, last.note, last.frontier, last.plan, last.label,
                                                      last.evidence)
+    assert last.decision is not None
     records = [] if plan is None else _boundary_records(loaded, plan, report, evidence.verification,
                                                          evidence.savings, settings)
-    memory_source = MemorySource.CUDA_ALLOCATOR.value if loaded.device.startswith("cuda") \
-        else MemorySource.CPU_LIVE_TENSORS.value
+    memory_source = MemorySource.CUDA_ALLOCATOR if loaded.device.startswith("cuda") \
+        else MemorySource.CPU_LIVE_TENSORS
     return Receipt(
         context=ReceiptContext.capture(loaded, boundary_shape=boundary_shape, memory_source=memory_source,
                                        command=command),
@@ -688,7 +701,7 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
                          closed_loop_boundaries=_describe(closed.plan) if closed else [], note=note,
                          excluded_after_verify=proved.excluded),
         verification=evidence.verification, verification_note=evidence.note, frontier=frontier,
-        decision=_decide(frontier=frontier, plan=plan, trace=target, verification=evidence.verification,
-                         closed_loop_note=note, excluded_after_verify=proved.excluded, replan_note=proved.note,
-                         sample_miss=last.sample_miss),
+        decision=_decide(frontier=frontier, decision=last.decision, plan=plan, trace=target,
+                         verification=evidence.verification, closed_loop_note=note,
+                         excluded_after_verify=proved.excluded, replan_note=proved.note),
         unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))
