@@ -40,7 +40,7 @@ def main() -> None:
 
     import remat.profile.shared as shared
     from remat.profile import dryrun, resolve_candidates
-    from remat.profile.measure import profile_step
+    from remat.profile.step import profile_step
     from remat.workload import TrainingStep, load_workload
 
     if args.forward_times != "profiled":

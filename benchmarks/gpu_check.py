@@ -179,7 +179,7 @@ def _hook_times(step, names: dict[int, str], wanted: set[str], indices: range, *
 
 
 def check_profile_timing(device: str, dtype: str, shape: dict) -> Check:
-    from remat.profile.measure import _time_forwards
+    from remat.profile.step import _time_forwards
     from remat.workload import TrainingStep, load_workload
     lw = load_workload("gpt", shape, device=device, dtype=dtype)
     step = TrainingStep(lw.workload)

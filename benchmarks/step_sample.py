@@ -24,8 +24,8 @@ import remat
 from remat.closed_loop import plan_closed_loop
 from remat.memory.reference import profiler_step_peak
 from remat.plan import parse_budget
-from remat.profile.sample import DEFAULT_SAMPLE_STEPS, NOT_CALLED, StepSample
-from remat.profile.sampling import profile_sample
+from remat.profile.model import DEFAULT_SAMPLE_STEPS, NOT_CALLED, StepSample
+from remat.profile.sample import profile_sample
 from remat.workload import load_workload, parse_shape
 from remat.workload.contract import TrainingStep
 

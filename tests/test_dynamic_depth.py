@@ -19,11 +19,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import remat
-import remat.profile.sampling as sampling
+import remat.profile.sample as sample_mod
 from remat.memory import profiler_memory_peak
 from remat.autoplan.compiled import compiled_modules
 from remat.profile import CandidateCost, PeakRow, ProfileReport, fingerprint
-from remat.profile.sample import NOT_CALLED, merge_profiles
+from remat.profile.model import NOT_CALLED
+from remat.profile.sample import merge_profiles
 from remat.profile.twins import Twin, Unsampled
 from remat.types import CheckpointMode, MemorySource
 from remat.units import fmt_bytes
@@ -138,7 +139,7 @@ def test_a_block_the_sample_never_ran_is_costed_as_its_twin(monkeypatch):
     assert _all_blocks_peak_over_budget() <= 1.0
     # negative control, the old behaviour: no twins, the two blocks left out of the plan and the
     # prediction (measured 1.20x the budget on the all-blocks step)
-    monkeypatch.setattr(sampling, "find_twins", lambda model, reports: Unsampled(twins=(), untwinned=(), peaks=(1,)))
+    monkeypatch.setattr(sample_mod, "find_twins", lambda model, reports: Unsampled(twins=(), untwinned=(), peaks=(1,)))
     assert _all_blocks_peak_over_budget() > 1.0
 
 

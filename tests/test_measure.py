@@ -173,7 +173,7 @@ def test_region_timer_uses_events_on_cuda():
 
 @pytest.mark.cuda
 def test_profile_forward_times_are_kernel_times_on_cuda():
-    from remat.profile.measure import _time_forwards
+    from remat.profile.step import _time_forwards
     lw = load_workload("gpt", {**TINY["gpt"], "batch_size": 8, "seq_len": 256, "d_model": 256, "n_head": 4},
                        device="cuda")
     step = TrainingStep(lw.workload)

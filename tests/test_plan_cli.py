@@ -108,7 +108,7 @@ def test_plan_rendering_prints_library_text_as_text_not_rich_markup():
     from remat.cli.cmd_plan import render_plan
     from remat.cli.render import console
     from remat.plan.model import Exclusion
-    from remat.profile.sample import SampleRecord, StepSample
+    from remat.profile.model import SampleRecord, StepSample
     from .conftest import hand_plan
     plan = hand_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["0"])
     plan.excluded = [Exclusion(module="1", reason="not called during any sampled step (NOTE [step sample])")]

@@ -203,19 +203,19 @@ def test_inplace_between_modules_is_no_hazard():
 
 def test_inplace_between_modules_attribution_without_confirmation():
     """The attribution alone (before any replay) must not blame ``b`` for the ``relu_`` before it."""
-    from remat.profile import measure
+    from remat.profile import step as step_mod
     seen = {}
-    real = measure.confirm_hazards
+    real = step_mod.confirm_hazards
 
     def spy(step, modules, candidates, index):
         seen.update(candidates)
         return real(step, modules, candidates, index)
 
-    measure.confirm_hazards = spy
+    step_mod.confirm_hazards = spy
     try:
         report = profile_workload(load_workload(INPLACE), candidates=["blocks.0.b", "blocks.0.act", "gate"], repeats=1)
     finally:
-        measure.confirm_hazards = real
+        step_mod.confirm_hazards = real
     assert "blocks.0.b" not in seen                      # never even suspected
     assert [h.kind for h in seen["gate"]] == [HazardKind.INPLACE_INPUT]  # suspected, then refuted
     # ReLU(inplace=True) alone saves nothing of its own: not offered at all
@@ -603,7 +603,7 @@ def test_a_failing_op_level_mode_is_excluded_with_its_reason(monkeypatch):
 def test_module_exclusion_reasons():
     """A module is offered only when its name can be written in a plan and it runs in the step
     (a shared module is costed over all its calls: NOTE [shared modules], tests/test_candidates.py)."""
-    from remat.profile.measure import _module_exclusion
+    from remat.profile.step import _module_exclusion
     assert _module_exclusion("blocks.0", 1) is None
     assert "cannot be written in a plan" in _module_exclusion("blocks 0", 1)
     assert _module_exclusion("blocks.0", 0) == "not called during the step"
@@ -630,7 +630,7 @@ def test_the_profile_names_its_composed_segments_and_keeps_them_in_its_json():
 def test_one_warm_up_step_profiles_what_two_did():
     """PROFILE_WARMUP = 1: the figures the planner reads are those of a profile after 2 warm-up steps."""
     from remat.plan import make_plan
-    from remat.profile.measure import PROFILE_WARMUP
+    from remat.profile.step import PROFILE_WARMUP
     from remat.workload import load_workload
     from .conftest import TINY
     assert PROFILE_WARMUP == 1
@@ -705,7 +705,7 @@ def test_the_baseline_peak_rides_on_the_first_timed_step_where_it_costs_nothing(
     under the tracker, which measures the peak in a step of its own; ground truth for the peak:
     torch.profiler's allocator events on a warm step of another build of the same shape."""
     from remat.memory import profiler_step_peak
-    from remat.profile.measure import PROFILE_REPEATS, profile_step, resolve_candidates
+    from remat.profile.step import PROFILE_REPEATS, profile_step, resolve_candidates
     shape = {**TINY["mlp"], "depth": 3}
     real_run = TrainingStep.run
     seen = {}
@@ -741,7 +741,7 @@ def _tiny_gpt_dry_runs(monkeypatch, *, forward_times_agree: bool):
     import remat.profile.shared as shared
     from remat.profile import dryrun
     from remat.profile.dryrun import _DryRunner
-    from remat.profile.measure import profile_step
+    from remat.profile.step import profile_step
 
     monkeypatch.setattr(shared, "forward_times_agree", lambda a_ms, b_ms: forward_times_agree)
     step = TrainingStep(load_workload("gpt", {**TINY["gpt"], "n_layer": 4}).workload)
@@ -887,7 +887,7 @@ def test_a_gap_larger_than_the_trackers_known_error_is_another_step_not_untracke
     nor is any gap under the tracker itself."""
     from remat.memory import PeakMeasurement
     from remat.memory.reference import tracker_error_bytes
-    from remat.profile.measure import _with_untracked
+    from remat.profile.step import _with_untracked
     from remat.profile.model import PeakRow
 
     rows = [PeakRow(base_bytes=100 * 2**20, live=(), replaying=()), PeakRow(base_bytes=60 * 2**20, live=("a",), replaying=())]
@@ -904,7 +904,7 @@ def test_event_index_takes_exactly_a_windows_range():
     """The op log's index by event (the recorded step's analysis reads a window's ops by bisection) against
     a scan of the whole log, on random logs with repeated events (ops that allocate nothing share one)."""
     import random as _random
-    from remat.profile.measure import _EventIndex
+    from remat.profile.step import _EventIndex
     rng = _random.Random(0)
     for _ in range(200):
         ops = [(rng.randrange(40), i) for i in range(rng.randrange(60))]

@@ -10,7 +10,7 @@ import torch
 
 from remat.plan.planners import classify_candidates
 from remat.profile import profile_workload
-from remat.profile.sample import StepSample
+from remat.profile.model import StepSample
 from remat.receipt import Receipt, RunSettings, load_receipt, write_receipt
 from remat.workflow import build, make_receipt
 from remat.workload import load_workload

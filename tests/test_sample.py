@@ -20,8 +20,8 @@ from remat.closed_loop import plan_closed_loop
 from remat.memory.reference import profiler_step_peak
 from remat.plan import Plan, parse_budget
 from remat.profile import CandidateCost, PeakRow, ProfileReport, fingerprint
-from remat.profile.sample import NOT_CALLED, SampleRecord, StepSample, merge_orders, merge_profiles
-from remat.profile.sampling import at_point, profile_sample
+from remat.profile.model import NOT_CALLED, SampleRecord, StepSample
+from remat.profile.sample import at_point, merge_orders, merge_profiles, profile_sample
 from remat.types import CheckpointMode, MemorySource
 from remat.workload import load_workload
 from remat.workload.contract import TrainingStep, Workload
@@ -206,16 +206,16 @@ def test_later_points_dry_run_only_what_no_earlier_point_settled(monkeypatch):
     """A later sampled step dry-runs only candidates no earlier point offered (a block point 0 skipped,
     a new segment), and the merged profile offers exactly the modes dry-running everything at every
     point gives (the control: the settled set forced empty)."""
-    import remat.profile.measure as measure
-    import remat.profile.sampling as sampling
+    import remat.profile.sample as sample_mod
+    import remat.profile.step as step_mod
     calls: list[list[str]] = []
-    real = measure.dry_run_modes
+    real = step_mod.dry_run_modes
 
     def recording(step, cands, index, **kw):
         calls.append(sorted(c.name for c in cands))
         return real(step, cands, index, **kw)
 
-    monkeypatch.setattr(measure, "dry_run_modes", recording)
+    monkeypatch.setattr(step_mod, "dry_run_modes", recording)
     def sampled():   # point 0 is unseeded: seed here so that it skips a block in every run of the suite
         loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.3})
         torch.manual_seed(0)
@@ -228,14 +228,14 @@ def test_later_points_dry_run_only_what_no_earlier_point_settled(monkeypatch):
     skipped = [n for n in later if n.startswith("blocks.")]
     assert skipped and not set(skipped) & set(first)      # point 0 skipped it: dry-run where it first ran
     calls.clear()
-    monkeypatch.setattr(sampling, "_dry_run_settled", lambda reports: frozenset())
+    monkeypatch.setattr(sample_mod, "_dry_run_settled", lambda reports: frozenset())
     control = sampled()
     assert sum(map(len, calls)) > len(first) + len(later)   # the control did dry-run again
     modes = lambda r: {c.name: sorted(m.value for m in c.saved_bytes) for c in r.candidates}   # noqa: E731
     assert modes(fast) == modes(control) and fast.excluded == control.excluded
 
 
-# -- one build per shape (NOTE [one build per shape] in remat/profile/sampling.py) -------------------
+# -- one build per shape (NOTE [one build per shape] in remat/profile/sample.py) ---------------------
 
 def _counting_builds(monkeypatch) -> list[dict]:
     """Every build of the fixture's workload from now on, by its shape keywords."""
@@ -260,7 +260,7 @@ def test_later_points_measure_on_one_build_what_a_build_each_measures(monkeypatc
     from remat.closed_loop import sample_peaks
     from remat.measure import measure_arm_peak
     from remat.wrap import PlanArm
-    from remat.profile.sampling import PointWorkload, sample_workloads
+    from remat.profile.sample import PointWorkload, sample_workloads
     loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.5})
     sample = StepSample.of(4, [{"seq_len": 32}])
     points = sample_workloads(loaded, sample)
@@ -275,7 +275,7 @@ def test_later_points_measure_on_one_build_what_a_build_each_measures(monkeypatc
     assert len(builds) == 2           # the first shape's later points, then the boundary shape's points
     # the closed loop's path: the first shape's later points on the build that measured (and timed) point 0
     from remat.closed_loop import measure_plan
-    from remat.profile.sampling import shape_streams
+    from remat.profile.sample import shape_streams
     first, streams = shape_streams(points, sample)[0]
     m = measure_plan(first, plan, steps=2, then=streams[1:])
     assert m.peak_bytes == control[0] and list(m.then_peak_bytes) == control[1:4]
@@ -284,16 +284,16 @@ def test_later_points_measure_on_one_build_what_a_build_each_measures(monkeypatc
 def test_later_profile_points_continue_on_the_shapes_build(monkeypatch):
     """``profile_sample`` builds once per boundary shape and runs no warm-up step at a later point of a
     shape (the steps it runs, counted against the old schedule: 1 warm-up + 1 timed per later point)."""
-    import remat.profile.sampling as sampling
+    import remat.profile.sample as sample_mod
     loaded = load_workload(SPEC, {"kind": "layerdrop", "p": 0.3})
     warmups: list[int] = []
-    real = sampling.profile_workload
+    real = sample_mod.profile_workload
 
     def recording(*a, **kw):
         warmups.append(kw.get("warmup", -1))
         return real(*a, **kw)
 
-    monkeypatch.setattr(sampling, "profile_workload", recording)
+    monkeypatch.setattr(sample_mod, "profile_workload", recording)
     builds = _counting_builds(monkeypatch)
     report = profile_sample(loaded, StepSample.of(3, [{"seq_len": 32}]))
     assert [b["seq_len"] for b in builds] == [32]  # the boundary shape's build only: no rebuild per point

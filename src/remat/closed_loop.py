@@ -36,9 +36,8 @@ from .measure import CompileSpec, StepMeasurement, Stream, measure_arm, measure_
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .plan.offload import OffloadPricing
-from .profile.model import ProfileReport
-from .profile.sample import SampleRecord, StepSample
-from .profile.sampling import sample_workloads, shape_streams
+from .profile.model import ProfileReport, SampleRecord, StepSample
+from .profile.sample import sample_workloads, shape_streams
 from .types import ProgressFn, no_progress
 from .workload.loader import LoadedWorkload
 

@@ -3,7 +3,7 @@
 NOTE [compiled blocks]
 torchtitan compiles each block (``torch.compile(block)`` or ``block.compile()``) and then shards.
 ``remat.auto`` on such a model profiles modules whose forward dynamo runs: with ``fullgraph=True``
-dynamo cannot trace remat's own timing hook (remat/clock.py, called from profile/measure.py) and
+dynamo cannot trace remat's own timing hook (remat/clock.py, called from profile/step.py) and
 the call failed after 27 s as the *user's* error (``UserCodeError ... fix it there``); with
 ``fullgraph=False`` it took 97.7 s and planned a step that is not the compiled job's (graph
 breaks at every hook). The plan is made on the eager blocks and the compiled job built from it

@@ -19,8 +19,8 @@ from ..closed_loop import plan_closed_loop
 from ..errors import AutoError, OptionStyle, RematError, option_style
 from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile import fingerprint
-from ..profile.sample import StepSample
-from ..profile.sampling import profile_sample
+from ..profile.model import StepSample
+from ..profile.sample import profile_sample
 from ..types import ProgressFn, no_progress
 from ..verify import RngState, tolerance_table, verify_plan
 from ..workload import parse_autocast

@@ -104,7 +104,7 @@ def _ms(x: float | None) -> str:
 
 
 def render_report(report: DistributedReport) -> None:
-    table = Table(title=f"{report.spec} on {report.world_size} ranks, {report.engine} over {report.backend} "
+    table = Table(title=f"{report.spec} on {report.world_size} ranks, {report.engine.value} over {report.backend} "
                         f"({report.steps} timed steps per rank)")
     for col in ("side", "rank", "p50 ms", "p95 ms", "peak", "exposed comm ms", "comm ms", "no-comm ms"):
         table.add_column(col, justify="left" if col == "side" else "right")

@@ -14,8 +14,8 @@ from ..plan import PLANNER_SPECS, Plan, check_budget_syntax, parse_budget, parse
 from ..plan.offload import measured_pricing, modelled_pricing
 from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated
-from ..profile.sample import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, SampleRecord, StepSample
-from ..profile.sampling import profile_sample
+from ..profile.model import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, SampleRecord, StepSample
+from ..profile.sample import profile_sample
 from ..workload import parse_shape
 from ..units import fmt_bytes
 from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, compile_from_args,

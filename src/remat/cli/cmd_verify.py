@@ -61,7 +61,7 @@ def _print_boundaries(report: VerifyReport) -> None:
     for b in report.boundaries:
         calls = ", ".join(f"{m} {b.forward_calls[m]} forward + {b.replay_calls.get(m, 0)} replay"
                           for m in b.forward_calls)
-        console.print(f"  {b.module} ({b.mode}{', guarded' if b.guarded else ''}): {calls} per step"
+        console.print(f"  {b.module} ({b.mode.value}{', guarded' if b.guarded else ''}): {calls} per step"
                       f"{'; draws RNG' if b.draws_rng else ''}", highlight=False)
 
 

@@ -118,7 +118,7 @@ def _split(args: argparse.Namespace, shape: dict, given: PipelinePlan | None, n_
 def _profile(args: argparse.Namespace, mb_shape: dict, progress: ProgressFn) -> dict:
     """The whole model profiled at the microbatch shape (what the per-stage plans are planned from): its JSON,
     also written to OUT/profile.json."""
-    from ..profile.measure import profile_workload
+    from ..profile.step import profile_workload
     from ..workload.loader import load_workload
     report = profile_workload(load_workload(args.workload, mb_shape, dtype=args.dtype), progress=progress)
     atomic_write_json(Path(args.out) / "profile.json", report.to_json())

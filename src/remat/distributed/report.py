@@ -144,7 +144,7 @@ class Equivalence:
 @dataclasses.dataclass(kw_only=True)
 class DistributedReport:
     world_size: int
-    engine: str
+    engine: Engine
     backend: str
     device: str
     dtype: str
@@ -187,7 +187,7 @@ class DistributedReport:
         return {
             "schema_version": self.schema_version,
             "world_size": self.world_size,
-            "engine": self.engine,
+            "engine": self.engine.value,
             "backend": self.backend,
             "device": self.device,
             "dtype": self.dtype,
@@ -237,7 +237,7 @@ class DistributedReport:
                 )
             control = sides["control"]
             assert control is not None
-            return cls(world_size=int(d["world_size"]), engine=str(d["engine"]), backend=str(d["backend"]),
+            return cls(world_size=int(d["world_size"]), engine=Engine(d["engine"]), backend=str(d["backend"]),
                        device=str(d["device"]), dtype=str(d["dtype"]), spec=str(d["workload"]["spec"]),
                        shape=dict(d["workload"]["shape"]), steps=int(d["steps"]), warmup=int(d["warmup"]),
                        comm_steps=int(d["comm_steps"]), samples_per_step=[int(x) for x in d["samples_per_step"]],
@@ -352,7 +352,7 @@ def assemble(results: list[RankResult], run: DistributedRun) -> DistributedRepor
     has_plan = results[0].plan is not None
     plan = _side_report([(r.rank, r.samples_per_step, r.plan) for r in results if r.plan is not None]) if has_plan else None
     return DistributedReport(
-        world_size=run.world_size, engine=run.engine.value, backend=run.backend, device=run.device, dtype=run.dtype,
+        world_size=run.world_size, engine=run.engine, backend=run.backend, device=run.device, dtype=run.dtype,
         spec=run.spec, shape=run.shape, steps=run.steps, warmup=run.warmup, comm_steps=run.comm_steps,
         samples_per_step=[r.samples_per_step for r in results], memory_source=results[0].memory_source,
         comm_source=run.comm_source, torch_version=run.torch_version, plan_boundaries=run.plan_boundaries,

@@ -232,7 +232,7 @@ class StepMeasurement:
 
 
 # Another stream of steps on the same build: the workload running other batches (and random draws) on
-# the same model, loss and optimizer factory (NOTE [one build per shape] in remat/profile/sampling.py).
+# the same model, loss and optimizer factory (NOTE [one build per shape] in remat/profile/sample.py).
 Stream = Callable[[Workload], Workload]
 
 

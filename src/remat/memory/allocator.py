@@ -39,7 +39,7 @@ processes). Where it cannot be built (no C++ compiler or ninja), or ``REMAT_CPU_
 is set, CPU peaks come from the live-tensor tracker as before, and every figure's
 ``MemorySource`` says which instrument produced it (``cpu-allocator`` or ``cpu-live-tensors``).
 The cost model still predicts tensor bytes from the tracker's recorded step; NOTE [untracked
-bytes] in profile/measure.py carries the gap between the two into its rows.
+bytes] in profile/step.py carries the gap between the two into its rows.
 """
 
 from __future__ import annotations

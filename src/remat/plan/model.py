@@ -13,8 +13,7 @@ from typing import Any
 from .._json import read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
-from ..profile.model import ModelFingerprint
-from ..profile.sample import SampleRecord
+from ..profile.model import ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .offload import OffloadPricing
 from .schema import PLAN

@@ -50,7 +50,7 @@ DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
 AUTOCAST = Enum("bfloat16", "float16")   # the forward ran under torch.autocast (NOTE [autocast steps])
 # remat.plan.PlanWorkload.to_json: the workload a plan was made for (NOTE [plan workload])
 WORKLOAD = Obj({"spec": Str(max_len=4096), "shape": SHAPE, "device": DEVICE, "dtype": DTYPE, "autocast": Opt(AUTOCAST)})
-# remat.profile.sample.SampleRecord.to_json: the steps a plan was made and measured on (NOTE [step sample])
+# remat.profile.model.SampleRecord.to_json: the steps a plan was made and measured on (NOTE [step sample])
 SAMPLE = Obj({
     "steps": Int(1, 64), "boundary_shapes": List(SHAPE, max_len=16),
     "points": List(Obj({"shape": SHAPE, "offset": Int(0, 2 ** 40), "seed": Opt(Int(0, 2 ** 40))}), max_len=64 * 17),

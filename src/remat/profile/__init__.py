@@ -6,16 +6,16 @@ profile without it; the measuring functions load torch on first use (NOTE [impor
 
 from .._lazy import lazy_exports
 from .fingerprint import class_source_hash, fingerprint, module_revision   # eager: ``fingerprint`` is also a submodule's name
-from .model import CandidateCost, FingerprintDiff, HazardRecord, ModelFingerprint, ParamSignature, PeakRow, ProfileReport
-from .sample import SampleRecord, StepSample
+from .model import (CandidateCost, FingerprintDiff, HazardRecord, ModelFingerprint, ParamSignature, PeakRow, ProfileReport,
+                    SampleRecord, StepSample)
 
 _LAZY = {
     "auto_candidates": "remat.profile.candidates",
     "resolve_candidates": "remat.profile.candidates",
-    "profile_simulated": "remat.profile.measure",
-    "profile_step": "remat.profile.measure",
-    "profile_workload": "remat.profile.measure",
-    "profile_sample": "remat.profile.sampling",
+    "profile_simulated": "remat.profile.step",
+    "profile_step": "remat.profile.step",
+    "profile_workload": "remat.profile.step",
+    "profile_sample": "remat.profile.sample",
     "UnsampledBlockWarning": "remat.profile.twins",
 }
 

@@ -44,7 +44,7 @@ def auto_candidates(model: nn.Module) -> list[str]:
       other: NOTE [valid choice] in plan/cost.py; NOTE [small boundaries] in plan/planners.py);
     - never a module without a forward of its own (``ModuleList``/``ModuleDict``).
     Shared modules appear once, under their first path (a module called several times per
-    step is costed over all its calls: NOTE [shared modules] in profile/measure.py). Whether
+    step is costed over all its calls: NOTE [shared modules] in profile/step.py). Whether
     a candidate frees anything is for the profile to measure (one that frees nothing is
     excluded there, with its bytes).
     """

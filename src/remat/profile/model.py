@@ -1,4 +1,5 @@
-"""What profiling hands to the planner: per-candidate costs and the peak rows of the step.
+"""What profiling hands to the planner: per-candidate costs and the peak rows of the step, and the
+sample of steps they cover (NOTE [step sample] in profile/sample.py).
 
 NOTE [peak cost model]
 The planner predicts the whole-step peak of any assignment of modes to candidates from
@@ -18,7 +19,7 @@ its activations there, plus its forward transients). ``saved_bytes[KEEP] = 0`` a
 A parent and its child candidate are never both checkpointed (``parent`` links them).
 A candidate called N > 1 times per step (``calls``) is listed in ``live`` once per call whose
 activations are held at that instant, and each listing frees ``saved_bytes / N`` (NOTE [shared
-modules] in profile/measure.py): at the end of a siamese forward both calls count, during the
+modules] in profile/step.py): at the end of a siamese forward both calls count, during the
 second call's backward only the first.
 """
 
@@ -27,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..errors import ShapeError, WorkloadError
+from ..percentile import p50
 from ..types import CheckpointMode, HazardKind, MemorySource
 
 
@@ -58,7 +61,7 @@ class CandidateCost:
     # a module candidate lists none
     members: tuple[str, ...] = ()
     # forward calls per step: a shared module's costs cover every call (NOTE [shared modules] in
-    # profile/measure.py); replay_ms and fwd_ms are for all of them
+    # profile/step.py); replay_ms and fwd_ms are for all of them
     calls: int = 1
 
     @property
@@ -235,7 +238,7 @@ class ProfileReport:
     replay_below_resolution: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # bytes the whole-step instrument saw at the peak beyond the tensors the rows count (kernel
     # workspaces, a checkpoint's RNG state), already added to every row's base (NOTE [untracked bytes]
-    # in profile/measure.py); 0 when the rows' instrument measured the baseline too
+    # in profile/step.py); 0 when the rows' instrument measured the baseline too
     untracked_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -272,3 +275,98 @@ class ProfileReport:
                    replay_below_resolution={str(k): [str(m) for m in v]
                                             for k, v in d.get("replay_below_resolution", {}).items()},
                    untracked_bytes=int(d.get("untracked_bytes", 0)))
+
+
+# -- the step sample: which steps a profile and a plan's measurements cover (NOTE [step sample] in
+# profile/sample.py, which runs them and merges their profiles); here, so the plan stage reads it without torch
+
+DEFAULT_SAMPLE_STEPS = 3        # NOTE [step sample] in profile/sample.py
+MAX_SAMPLE_STEPS = 64
+POINT_STRIDE = 1000             # point k runs batch(POINT_STRIDE * k + i)
+SEED_STRIDE = 1_000_003         # point k >= 1 seeds SEED_STRIDE * k + i before step i
+NOT_CALLED = "not called during the step"   # profile_step's reason for a module no sampled step ran
+
+ShapeValue = int | float | str | bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplePoint:
+    """One sampled step stream: shape overrides, batch index offset, seed (None: unseeded)."""
+
+    shape: tuple[tuple[str, ShapeValue], ...] = ()
+    offset: int = 0
+    seed: int | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """The single step remat always ran (no offset, no seed) at the workload's own shape."""
+        return not self.shape and self.offset == 0 and self.seed is None
+
+    def label(self) -> str:
+        shape = ",".join(f"{k}={v}" for k, v in self.shape)
+        return (f"{shape} " if shape else "") + f"batch({self.offset}+i)" + (f" seed {self.seed}" if self.seed is not None else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": dict(self.shape), "offset": self.offset, "seed": self.seed}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSample:
+    """Which steps to profile and measure over (NOTE [step sample] in profile/sample.py).
+
+    ``steps``: steps per shape (1: the single seeded step of before). ``boundary_shapes``: shape
+    overrides the workload is built at a second (third, ...) time; its steps join the sample."""
+
+    steps: int = DEFAULT_SAMPLE_STEPS
+    boundary_shapes: tuple[tuple[tuple[str, ShapeValue], ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.steps) is not int or not 1 <= self.steps <= MAX_SAMPLE_STEPS:
+            raise WorkloadError(f"the step sample needs 1 to {MAX_SAMPLE_STEPS} steps, got {self.steps!r}",
+                            tip="--sample-steps 1 profiles one step, as before; 3 is the default (NOTE [step sample])")
+        for shape in self.boundary_shapes:
+            if not shape:
+                raise ShapeError("a boundary shape needs at least one KEY=VAL", tip="e.g. --boundary-shape seq_len=128")
+
+    @classmethod
+    def of(cls, steps: int = DEFAULT_SAMPLE_STEPS, boundary_shapes: list[dict[str, ShapeValue]] | None = None) -> "StepSample":
+        return cls(steps=steps, boundary_shapes=tuple(tuple(sorted(d.items())) for d in boundary_shapes or []))
+
+    @property
+    def is_single(self) -> bool:
+        return self.steps == 1 and not self.boundary_shapes
+
+    def points(self) -> list[SamplePoint]:
+        """Every point, the workload's own shape first, then each boundary shape in order."""
+        return [SamplePoint(shape=shape, offset=POINT_STRIDE * k, seed=None if k == 0 else k)
+                for shape in ((), *self.boundary_shapes) for k in range(self.steps)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "boundary_shapes": [dict(s) for s in self.boundary_shapes]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StepSample":
+        return cls(steps=int(d["steps"]), boundary_shapes=tuple(tuple(sorted(s.items())) for s in d["boundary_shapes"]))
+
+
+@dataclasses.dataclass(kw_only=True)
+class SampleRecord:
+    """The sample a plan was made and measured on, and its measured peak at each point (bytes)."""
+
+    sample: StepSample
+    point_peaks: list[int] = dataclasses.field(default_factory=list)   # measured, in ``sample.points()`` order
+
+    def spread(self) -> dict[str, int] | None:
+        """min / median / max of the measured peaks (bytes), or None before any was measured."""
+        if not self.point_peaks:
+            return None
+        return {"min": min(self.point_peaks), "median": int(p50(self.point_peaks)),
+                "max": max(self.point_peaks)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.sample.to_json(), "points": [p.to_json() for p in self.sample.points()],
+                "point_peaks": list(self.point_peaks), "peak_spread": self.spread()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SampleRecord":
+        return cls(sample=StepSample.from_json(d), point_peaks=[int(b) for b in d.get("point_peaks", [])])

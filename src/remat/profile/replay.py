@@ -256,7 +256,7 @@ def _backward_peaks(arm: "_RegionArm", *, tracker: bool = True) -> dict[MemorySo
     measured 51216 B (3.5%) over its prediction; in backward it is 67904 B, 15952 B (1.1%;
     at one thread, as the tests run, 7.0% and 2.7%).
     Rows count tensors (the tracker's, plus one allowance for what is not a tensor, NOTE
-    [untracked bytes] in measure.py), so both arms run under the tracker; on CPU the
+    [untracked bytes] in step.py), so both arms run under the tracker; on CPU the
     allocator counter runs them too, since it also sees what a checkpoint keeps that is no
     tensor (its RNG state, 5056 bytes on CPU); the extra is the larger of the two
     differences. The counter alone read 5056 B for ``blocks.1``: its unplanned backward, with
@@ -331,26 +331,45 @@ def _measure_leaders(model: nn.Module, modules: dict[str, nn.Module], todo: list
     unmeasured = {c.name: "not called in the captured forward" for c in todo if c.name not in inputs}
 
     def measure(c: CandidateCost) -> None:
-        try:
-            results[c.name] = _measure_one(region_module(model, modules, c.name), _offered_modes(c), inputs[c.name],
-                                           clock, **dataclasses.asdict(rounds))
-        except Exception as exc:  # noqa: BLE001  the region alone may not run; keep the model's figure
-            unmeasured[c.name] = f"could not run alone: {_first_line(exc)}"
+        _measure_alone(model, modules, c, inputs, clock, rounds, results, unmeasured)
 
     for i, c in enumerate(timed):
         progress(i, len(timed))
         measure(c)
     progress(len(timed), len(timed))
+    _share_leaders(leader, results, unmeasured)
+    _compose_segments(model, modules, todo, inputs, composable, leader, results, measure)
+    return results, unmeasured
+
+
+def _measure_alone(model: nn.Module, modules: dict[str, nn.Module], c: CandidateCost,
+                   inputs: dict[str, tuple[tuple, dict]], clock: StepClock, rounds: _Rounds,
+                   results: dict[str, dict[CheckpointMode, ReplayEstimate]], unmeasured: dict[str, str]) -> None:
+    """Time ``c``'s region alone into ``results``; where it cannot run alone, say why in ``unmeasured``."""
+    try:
+        results[c.name] = _measure_one(region_module(model, modules, c.name), _offered_modes(c), inputs[c.name],
+                                       clock, **dataclasses.asdict(rounds))
+    except Exception as exc:  # noqa: BLE001  the region alone may not run; keep the model's figure
+        unmeasured[c.name] = f"could not run alone: {_first_line(exc)}"
+
+
+def _share_leaders(leader: dict[str, str], results: dict[str, dict[CheckpointMode, ReplayEstimate]],
+                   unmeasured: dict[str, str]) -> None:
+    """Each candidate not timed takes its leader's estimates (``shared_from``), or says why it has none
+    (NOTE [shared replay measurements])."""
     for name, first in leader.items():
-        if first != name:
-            if first in results:
-                results[name] = {m: dataclasses.replace(e, shared_from=first) for m, e in results[first].items()}
-            else:
-                unmeasured[name] = f"the same region as {first}, which was not measured: {unmeasured[first]}"
-    by_name = {c.name: c for c in todo}
-    # identical segments (h[0:2], h[2:4], ...) share one tracked run for their extra bytes, by the
-    # signature rule of NOTE [shared replay measurements]
-    extra_from = _leaders(model, modules, [by_name[n] for n in composable], inputs)
+        if first == name:
+            continue
+        if first in results:
+            results[name] = {m: dataclasses.replace(e, shared_from=first) for m, e in results[first].items()}
+        else:
+            unmeasured[name] = f"the same region as {first}, which was not measured: {unmeasured[first]}"
+
+
+def _shared_extra_bytes(model: nn.Module, modules: dict[str, nn.Module], extra_from: dict[str, str],
+                        inputs: dict[str, tuple[tuple, dict]]) -> Callable[[str], int | None]:
+    """A segment name -> its FULL replay's extra bytes (NOTE [segment extra bytes]), run once per group of
+    identical segments (``extra_from``: name -> the segment whose run it takes)."""
     extras: dict[str, int | None] = {}
 
     def extra_of(name: str) -> int | None:
@@ -359,6 +378,20 @@ def _measure_leaders(model: nn.Module, modules: dict[str, nn.Module], todo: list
             extras[first] = _extra_bytes(region_module(model, modules, first), CheckpointMode.FULL, inputs[first])
         return extras[first]
 
+    return extra_of
+
+
+def _compose_segments(model: nn.Module, modules: dict[str, nn.Module], todo: list[CandidateCost],
+                      inputs: dict[str, tuple[tuple, dict]], composable: dict[str, list[str]], leader: dict[str, str],
+                      results: dict[str, dict[CheckpointMode, ReplayEstimate]],
+                      measure: Callable[[CandidateCost], None]) -> None:
+    """Each composable segment's FULL estimate from its members' (NOTE [composed segment replays]); one with
+    a member that could not be measured is timed alone after all (``measure``)."""
+    by_name = {c.name: c for c in todo}
+    # identical segments (h[0:2], h[2:4], ...) share one tracked run for their extra bytes, by the
+    # signature rule of NOTE [shared replay measurements]
+    extra_from = _leaders(model, modules, [by_name[n] for n in composable], inputs)
+    extra_of = _shared_extra_bytes(model, modules, extra_from, inputs)
     full_of = {name: [results.get(m, {}).get(CheckpointMode.FULL) for m in members]
                for name, members in composable.items()}
     composable_now = {n: ms for n, ms in composable.items() if all(e is not None for e in full_of[n])}
@@ -372,7 +405,6 @@ def _measure_leaders(model: nn.Module, modules: dict[str, nn.Module], todo: list
             results[name] = {CheckpointMode.FULL: _composed(members, full, extra, ends)}  # type: ignore[arg-type]
         else:
             results[name] = {CheckpointMode.FULL: _composed(members, full, extra_of(name))}  # type: ignore[arg-type]
-    return results, unmeasured
 
 
 def _extras_between_ends(composable: dict[str, list[str]], leader: dict[str, str],

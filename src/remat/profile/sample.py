@@ -1,4 +1,6 @@
-"""A sample of training steps to profile and measure over, and one profile merged from a sample.
+"""Profiling a sample of training steps: one workload per sampled point, each point profiled, and
+their profiles merged into one. The sample itself (``StepSample``, ``SamplePoint``, ``SampleRecord``)
+is in profile/model.py, which the plan stage reads without torch.
 
 NOTE [step sample]
 A training run is thousands of steps, and many models change from step to step: layerdrop
@@ -19,8 +21,8 @@ The default is 3 steps (``DEFAULT_SAMPLE_STEPS``): with a layer skipped with pro
 independently, a block absent from all 3 profiled steps has probability p**3 (0.1% at
 Wav2Vec2's default p = 0.1, 2.7% at p = 0.3). The cost is small because the points after the
 first continue on the build of the point before them with 1 timed step and no warm-up (NOTE
-[one build per shape] in profile/sampling.py), dry-run only the candidates no earlier point's
-dry runs settled, and measure replays only of candidates no earlier point offered (when each
+[one build per shape]), dry-run only the candidates no earlier point's dry runs settled, and
+measure replays only of candidates no earlier point offered (when each
 later point still rebuilt and warmed up, 3 steps took 1.08x (tiny gpt) and 1.29x (the 6-block
 test model with layerdrop) one step's profiling CPU time, medians of 3 interleaved runs). The
 closed loop adds 1 peak step per further point for each plan it measures, on the first point's
@@ -55,106 +57,183 @@ their own step, which the measured max over the sample catches.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import functools
+import random
+from typing import Any, Callable
 
-from ..percentile import p50
+import torch
+
 from ..errors import ShapeError, WorkloadError
-from ..types import CheckpointMode
-from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
-
-if TYPE_CHECKING:
-    from .twins import Twin
-
-DEFAULT_SAMPLE_STEPS = 3        # NOTE [step sample]
-MAX_SAMPLE_STEPS = 64
-POINT_STRIDE = 1000             # point k runs batch(POINT_STRIDE * k + i)
-SEED_STRIDE = 1_000_003         # point k >= 1 seeds SEED_STRIDE * k + i before step i
-NOT_CALLED = "not called during the step"   # profile_step's reason for a module no sampled step ran
-
-ShapeValue = int | float | str | bool
+from ..measure import Stream
+from ..percentile import p50
+from ..types import CheckpointMode, ProgressFn, no_progress
+from ..workload.contract import TrainingStep, Workload
+from ..workload.loader import LoadedWorkload
+from .model import (NOT_CALLED, SEED_STRIDE, CandidateCost, HazardRecord, PeakRow, ProfileReport, SamplePoint,
+                    StepSample)
+from .replay import measure_replay_costs
+from .step import DRY_RUN_FAILED, apply_replay_measurements, profile_workload, replay_step_index
+from .twins import Twin, find_twins, warn_untwinned
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplePoint:
-    """One sampled step stream: shape overrides, batch index offset, seed (None: unseeded)."""
+# -- running the sample's points -------------------------------------------------------------------
 
-    shape: tuple[tuple[str, ShapeValue], ...] = ()
-    offset: int = 0
-    seed: int | None = None
+class _PointBatch:
+    """``batch(i)`` of a point: seeds (points k >= 1) then the workload's ``batch(offset + i)``."""
 
-    @property
-    def is_plain(self) -> bool:
-        """The single step remat always ran (no offset, no seed) at the workload's own shape."""
-        return not self.shape and self.offset == 0 and self.seed is None
+    def __init__(self, batch: Callable[[int], Any], point: SamplePoint) -> None:
+        self.batch, self.point = batch, point
 
-    def label(self) -> str:
-        shape = ",".join(f"{k}={v}" for k, v in self.shape)
-        return (f"{shape} " if shape else "") + f"batch({self.offset}+i)" + (f" seed {self.seed}" if self.seed is not None else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"shape": dict(self.shape), "offset": self.offset, "seed": self.seed}
+    def __call__(self, i: int) -> Any:
+        if self.point.seed is not None:
+            seed = SEED_STRIDE * self.point.seed + i
+            torch.manual_seed(seed)   # every device's generator: layerdrop and dropout masks of this point
+            random.seed(seed)
+        return self.batch(self.point.offset + i)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepSample:
-    """Which steps to profile and measure over (NOTE [step sample]).
-
-    ``steps``: steps per shape (1: the single seeded step of before). ``boundary_shapes``: shape
-    overrides the workload is built at a second (third, ...) time; its steps join the sample."""
-
-    steps: int = DEFAULT_SAMPLE_STEPS
-    boundary_shapes: tuple[tuple[tuple[str, ShapeValue], ...], ...] = ()
-
-    def __post_init__(self) -> None:
-        if type(self.steps) is not int or not 1 <= self.steps <= MAX_SAMPLE_STEPS:
-            raise WorkloadError(f"the step sample needs 1 to {MAX_SAMPLE_STEPS} steps, got {self.steps!r}",
-                            tip="--sample-steps 1 profiles one step, as before; 3 is the default (NOTE [step sample])")
-        for shape in self.boundary_shapes:
-            if not shape:
-                raise ShapeError("a boundary shape needs at least one KEY=VAL", tip="e.g. --boundary-shape seq_len=128")
-
-    @classmethod
-    def of(cls, steps: int = DEFAULT_SAMPLE_STEPS, boundary_shapes: list[dict[str, ShapeValue]] | None = None) -> "StepSample":
-        return cls(steps=steps, boundary_shapes=tuple(tuple(sorted(d.items())) for d in boundary_shapes or []))
-
-    @property
-    def is_single(self) -> bool:
-        return self.steps == 1 and not self.boundary_shapes
-
-    def points(self) -> list[SamplePoint]:
-        """Every point, the workload's own shape first, then each boundary shape in order."""
-        return [SamplePoint(shape=shape, offset=POINT_STRIDE * k, seed=None if k == 0 else k)
-                for shape in ((), *self.boundary_shapes) for k in range(self.steps)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"steps": self.steps, "boundary_shapes": [dict(s) for s in self.boundary_shapes]}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StepSample":
-        return cls(steps=int(d["steps"]), boundary_shapes=tuple(tuple(sorted(s.items())) for s in d["boundary_shapes"]))
+def point_workload(workload: Workload, point: SamplePoint) -> Workload:
+    """``workload`` running ``point``'s steps (the same model, loss and optimizer)."""
+    return dataclasses.replace(workload, batch=_PointBatch(workload.batch, point))
 
 
 @dataclasses.dataclass(kw_only=True)
-class SampleRecord:
-    """The sample a plan was made and measured on, and its measured peak at each point (bytes)."""
+class PointWorkload(LoadedWorkload):
+    """A LoadedWorkload whose every build runs one sample point's steps (its shape, offset and seed)."""
 
-    sample: StepSample
-    point_peaks: list[int] = dataclasses.field(default_factory=list)   # measured, in ``sample.points()`` order
+    base: LoadedWorkload      # the build at the point's shape
+    point: SamplePoint
 
-    def spread(self) -> dict[str, int] | None:
-        """min / median / max of the measured peaks (bytes), or None before any was measured."""
-        if not self.point_peaks:
-            return None
-        return {"min": min(self.point_peaks), "median": int(p50(self.point_peaks)),
-                "max": max(self.point_peaks)}
+    def rebuild(self, **shape_overrides: Any) -> "PointWorkload":
+        return at_point(self.base.rebuild(**shape_overrides), self.point)   # type: ignore[return-value]
 
-    def to_json(self) -> dict[str, Any]:
-        return {**self.sample.to_json(), "points": [p.to_json() for p in self.sample.points()],
-                "point_peaks": list(self.point_peaks), "peak_spread": self.spread()}
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SampleRecord":
-        return cls(sample=StepSample.from_json(d), point_peaks=[int(b) for b in d.get("point_peaks", [])])
+def at_point(built: LoadedWorkload, point: SamplePoint) -> LoadedWorkload:
+    """``built`` (already at ``point``'s shape) running ``point``'s steps; the plain point is ``built`` itself."""
+    if point.offset == 0 and point.seed is None:
+        return built
+    return PointWorkload(spec=built.spec, shape=built.shape, device=built.device, dtype=built.dtype,
+                         workload=point_workload(built.workload, point), base=built, point=point)
+
+
+def sample_workloads(loaded: LoadedWorkload, sample: StepSample, *,
+                     variants: list[LoadedWorkload] | None = None) -> list[LoadedWorkload]:
+    """One workload per point of ``sample``, in ``sample.points()`` order.
+
+    ``variants``: the builds at each boundary shape, when the caller has them already (``remat.auto``'s
+    further example batches); else ``loaded`` is rebuilt at each boundary shape."""
+    if variants is None:
+        variants = [loaded.rebuild(**dict(shape)) for shape in sample.boundary_shapes]
+    builds = [loaded, *variants]
+    points = sample.points()
+    per_shape = sample.steps
+    return [at_point(builds[i // per_shape], p) for i, p in enumerate(points)]
+
+
+def on_point(workload: Workload, point: SamplePoint) -> Workload:
+    """``point``'s steps on ``workload``'s model, loss and optimizer factory, whichever point's steps it
+    ran before (NOTE [one build per shape])."""
+    batch = workload.batch.batch if isinstance(workload.batch, _PointBatch) else workload.batch
+    return dataclasses.replace(workload, batch=_PointBatch(batch, point))
+
+
+def shape_streams(workloads: list[LoadedWorkload], sample: StepSample) -> list[tuple[LoadedWorkload, list[Stream]]]:
+    """The sample by shape (``workloads`` from :func:`sample_workloads`): per shape, the workload of its
+    first point (whose fresh build the shape's points run on) and one stream per point of that shape,
+    in ``sample.points()`` order (NOTE [one build per shape])."""
+    streams: list[Stream] = [functools.partial(on_point, point=p) for p in sample.points()]
+    n = sample.steps
+    return [(workloads[i], streams[i:i + n]) for i in range(0, len(workloads), n)]
+
+
+def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: list[str] | None = None,
+                   measure_replays: bool = True, segments: bool = True, variants: list[LoadedWorkload] | None = None,
+                   progress: ProgressFn = no_progress) -> ProfileReport:
+    """Profile every point of ``sample`` and merge them (NOTE [step sample]).
+
+    Blocks no point ran are costed as an identical block that ran (NOTE [unsampled blocks] in
+    profile/twins.py). The first point profiles as ``profile_workload`` always did. The first point of each boundary
+    shape profiles on its own build with 1 warm-up and 1 timed step; every later point of a shape
+    continues on the step (model and optimizer) of the point before it with no warm-up and 1 timed
+    step (NOTE [one build per shape]). Later points measure replays only of the candidates no earlier
+    point offered (the merged replay time is the median of the measured ones).
+
+    NOTE [one build per shape]
+    A later point needs its own batches and random draws, not its own model: what a step holds at its
+    peak is the model's state (parameters, gradients, the optimizer's moments) plus that step's
+    activations, and the state exists from the first optimizer step on. So the points of one shape
+    run one after another on one build and one optimizer: a point's step is the same batch and seed
+    (NOTE [step sample]) on a model some steps further trained, as every step of a real run is. Each
+    point used to rebuild and run a warm-up step first: a build and a warm-up step per later point
+    and per measured plan; ``remat plan`` on gpt at n_layer 32 went from 88.5 s (37.7 step-
+    equivalents, one run, which also built the allocator counter once) to 73.1 s (30.9) with this
+    change alone (``benchmarks/plan_speed.py plan-gpt``). The closed loop measures a plan's later
+    points of the first shape on the build that measured its first point, right after it
+    (``measure_plan(..., then=...)``); the frontier's receipt and ``remat check``, whose first point
+    is measured elsewhere, on one fresh build per shape after 1 warm-up step (``sample_peaks`` in
+    remat/closed_loop.py); every further shape on a build of its own. What this gives up: the
+    weights a point's step sees depend on the steps run before it on that build, so where control
+    flow reads the weights (MoE routing) two of these paths can measure a point's step a little
+    differently; ``remat check`` compares within its peak tolerance. A model whose steps differ by
+    their random draws (layerdrop, dropout) or batches draws the same at each point on every path
+    (``tests/test_sample.py``: each point's peak on one build equals a fresh build's).
+    """
+    reports: list[ProfileReport] = []
+    workloads = sample_workloads(loaded, sample, variants=variants)
+    points = sample.points()
+    step: TrainingStep | None = None
+    for i, (point_loaded, point) in enumerate(zip(workloads, points)):
+        def tick(what: str, done: int, total: int, i: int = i) -> None:
+            progress(what if len(workloads) == 1 else f"{what} (sampled step {i + 1}/{len(workloads)})", done, total)
+        if i == 0:
+            step = TrainingStep(point_loaded.workload)
+            reports.append(profile_workload(point_loaded, candidates=candidates, measure_replays=measure_replays,
+                                            segments=segments, step=step, progress=tick))
+            continue
+        first_of_shape = i % sample.steps == 0
+        if first_of_shape:      # a boundary shape's own build (NOTE [step sample])
+            step = TrainingStep(point_loaded.workload)
+        else:                   # the shape's build as the point before left it (NOTE [one build per shape])
+            assert step is not None
+            step.workload = on_point(step.workload, point)
+        warmup = 1 if first_of_shape else 0
+        report = profile_workload(point_loaded, candidates=candidates, measure_replays=False, segments=segments,
+                                  warmup=warmup, repeats=1, dry_run_settled=_dry_run_settled(reports), step=step,
+                                  progress=tick)
+        if measure_replays:
+            _measure_new_replays(step, report, {c.name for r in reports for c in r.candidates},
+                                 replay_step_index(warmup, 1), tick)
+        reports.append(report)
+    return merge_sample(loaded, reports)
+
+
+def merge_sample(loaded: LoadedWorkload, reports: list[ProfileReport]) -> ProfileReport:
+    """The points' profiles merged, every block no point ran costed as its identical twin, and
+    ``UnsampledBlockWarning`` for one with none (NOTE [unsampled blocks] in profile/twins.py)."""
+    unsampled = find_twins(loaded.workload.model, reports)
+    warn_untwinned(unsampled)
+    return merge_profiles(reports, unsampled.twins)
+
+
+def _dry_run_settled(reports: list[ProfileReport]) -> frozenset[str]:
+    """Candidates whose modes an earlier point's dry runs settled: every one it offered, and every one
+    it excluded for a failing dry run. One that no earlier point called is dry-run where it first runs
+    (dynamic control flow); a mode that failed on one point's batch only still fails loudly where the
+    closed loop measures the plan at that point."""
+    out = {c.name for r in reports for c in r.candidates if c.name not in r.excluded}
+    out |= {n for r in reports for n, why in r.excluded.items() if why.startswith(DRY_RUN_FAILED)}
+    return frozenset(out)
+
+
+def _measure_new_replays(step: TrainingStep, report: ProfileReport, seen: set[str], index: int,
+                         progress: Callable[[str, int, int], None]) -> None:
+    """Measure the replays of ``report``'s candidates that no earlier point offered (dynamic ones), on
+    step ``index`` (``replay_step_index``: where ``profile_workload``'s own replay stage would have)."""
+    new = [c for c in report.candidates if c.name not in seen and c.name not in report.excluded]
+    if not new:
+        return
+    apply_replay_measurements(report, *measure_replay_costs(
+        step, new, index, progress=lambda done, total: progress("profile: replay costs", done, total)))
 
 
 # -- merging the points' profiles ------------------------------------------------------------------
@@ -210,7 +289,7 @@ def _renamed(cost: CandidateCost, name: str) -> CandidateCost:
                                replay_spread_ms=dict(cost.replay_spread_ms))
 
 
-def _placed(order: list[str], twins: tuple["Twin", ...]) -> list[str]:
+def _placed(order: list[str], twins: tuple[Twin, ...]) -> list[str]:
     """``order`` with each twinned never-run module inserted after the name registered before it."""
     out = list(order)
     for t in twins:   # in registration order: a child after its twinned parent
@@ -337,7 +416,7 @@ def _check_same_model(reports: list[ProfileReport]) -> None:
 
 
 def _merged_candidates(reports: list[ProfileReport], excluded: dict[str, str], order: list[str],
-                       twins: tuple["Twin", ...]) -> list[CandidateCost]:
+                       twins: tuple[Twin, ...]) -> list[CandidateCost]:
     """The candidates not ``excluded``, each merged over the points that offered it, and each twinned
     never-run module costed as its twin (NOTE [unsampled blocks]), in ``order``, renumbered and
     re-parented among themselves."""
@@ -368,7 +447,7 @@ def _merged_rows(reports: list[ProfileReport], merged: list[CandidateCost], dyna
                                 replaying=tuple(n for n in row.replaying if n in final)) for row in rows]
 
 
-def merge_profiles(reports: list[ProfileReport], twins: tuple["Twin", ...] = ()) -> ProfileReport:
+def merge_profiles(reports: list[ProfileReport], twins: tuple[Twin, ...] = ()) -> ProfileReport:
     """One profile from the profiles of a sample's points (NOTE [step sample]); ``twins``: the modules no
     point ran, each costed as an identical one that ran (NOTE [unsampled blocks] in profile/twins.py)."""
     if not reports:
@@ -411,8 +490,36 @@ def _unmeasured(reports: list[ProfileReport], merged: list[CandidateCost]) -> di
     return {n: why for r in reports for n, why in r.replay_unmeasured.items() if n in todo}
 
 
+def _mode_excluded(reports: list[ProfileReport]) -> dict[str, dict[str, str]]:
+    """Each candidate's modes excluded, with why, as the last point that excluded any says."""
+    return {n: m for r in reports for n, m in r.mode_excluded.items()}
+
+
+def _idle(reports: list[ProfileReport], excluded: dict[str, str]) -> list[str]:
+    """The excluded candidates some point found idle (sorted)."""
+    return sorted({n for r in reports for n in r.idle if n in excluded})
+
+
+def _replay_shared(reports: list[ProfileReport], names: set[str]) -> dict[str, str]:
+    """Who shared whose replay measurement at any point, for the merged ``names``."""
+    return {n: src for r in reports for n, src in r.replay_shared.items() if n in names}
+
+
+def _lists_at_any_point(maps: list[dict[str, list[str]]], names: set[str]) -> dict[str, list[str]]:
+    """Per merged name in ``names``, a copy of its list at the last point whose map has one."""
+    return {n: list(m) for d in maps for n, m in d.items() if n in names}
+
+
+def _below_resolution(reports: list[ProfileReport], names: set[str]) -> dict[str, list[str]]:
+    """Per merged name, the modes whose replay cost was below the clock's resolution at any point (sorted)."""
+    return {n: sorted({m for r in reports for m in r.replay_below_resolution.get(n, [])})
+            for n in sorted({n for r in reports for n in r.replay_below_resolution}) if n in names}
+
+
 def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], rows: list[PeakRow],
                    excluded: dict[str, str]) -> ProfileReport:
+    """The merged profile: ``merged`` and ``rows``, the baseline's max peak and median time over the
+    points, and each point's records of its candidates joined (NOTE [step sample])."""
     first = reports[0]
     names = {c.name for c in merged}
     return ProfileReport(
@@ -421,13 +528,11 @@ def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], ro
         baseline_step_ms=_median([r.baseline_step_ms for r in reports]),
         memory_source=first.memory_source, fingerprint=first.fingerprint, simulated=first.simulated,
         device_model=first.device_model, refuted_hazards=_refuted(reports, merged),
-        mode_excluded={n: m for r in reports for n, m in r.mode_excluded.items()},
-        phase_peak_bytes=_phase_peaks(reports), idle=sorted({n for r in reports for n in r.idle if n in excluded}),
+        mode_excluded=_mode_excluded(reports), phase_peak_bytes=_phase_peaks(reports), idle=_idle(reports, excluded),
         replay_unmeasured=_unmeasured(reports, merged),
         # who shared whose replay measurement, and the costs below the clock's resolution, at any point
-        replay_shared={n: src for r in reports for n, src in r.replay_shared.items() if n in names},
-        replay_composed={n: list(m) for r in reports for n, m in r.replay_composed.items() if n in names},
-        replay_extra_between={n: list(m) for r in reports for n, m in r.replay_extra_between.items() if n in names},
-        replay_below_resolution={n: sorted({m for r in reports for m in r.replay_below_resolution.get(n, [])})
-                                 for n in sorted({n for r in reports for n in r.replay_below_resolution}) if n in names},
+        replay_shared=_replay_shared(reports, names),
+        replay_composed=_lists_at_any_point([r.replay_composed for r in reports], names),
+        replay_extra_between=_lists_at_any_point([r.replay_extra_between for r in reports], names),
+        replay_below_resolution=_below_resolution(reports, names),
         untracked_bytes=max(r.untracked_bytes for r in reports))   # each point's rows carry their own

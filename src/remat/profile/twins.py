@@ -43,8 +43,7 @@ from torch import nn
 
 from ..errors import Option, spell
 from ..units import fmt_bytes
-from .model import ProfileReport
-from .sample import NOT_CALLED
+from .model import NOT_CALLED, ProfileReport
 from .shared import _structure
 
 

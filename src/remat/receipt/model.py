@@ -25,9 +25,9 @@ from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport, OverheadInterval
 from ..plan.model import Plan
-from ..profile.sample import DEFAULT_SAMPLE_STEPS
+from ..profile.model import DEFAULT_SAMPLE_STEPS
 from ..trace.model import HostContext, StepTrace
-from ..types import MemorySource
+from ..types import CheckpointMode, MemorySource
 from ..verify.model import Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
 from .world_size import WorldSizeEvidence
@@ -200,7 +200,7 @@ class BoundaryRecord:
 
     module: str                     # module path, e.g. "h.2"
     class_name: str
-    mode: str                       # a CheckpointMode word other than "keep" ("full", "selective", ...)
+    mode: CheckpointMode            # any mode but KEEP (FULL, SELECTIVE, ...)
     guarded: bool
     revision: str                   # remat.profile.module_revision: class sources + parameter shapes
     predicted_saving_bytes: int     # the planner's figure (profile of the unmodified step)
@@ -211,12 +211,14 @@ class BoundaryRecord:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["mode"] = self.mode.value
         d["fixture"] = self.fixture.to_json()
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "BoundaryRecord":
-        return cls(**{**d, "fixture": Fixture.from_json(d["fixture"])})
+        return cls(**{**d, "mode": _enum(CheckpointMode, d["mode"], "a boundary's mode"),
+                      "fixture": Fixture.from_json(d["fixture"])})
 
 
 # -- plan, decision, unsupported -------------------------------------------------------------------

@@ -158,7 +158,7 @@ def _boundary_rows(r: Receipt) -> list[list[str]]:
         seeds = f"{_n(len(f.seeds), 'seed')} x {_n(f.steps, 'step')}" + (" + eval" if "eval" in f.modes else "")
         calls = "" if f.replay_calls_per_step is None else \
             f"; {f.forward_calls_per_step} fwd + {f.replay_calls_per_step} replay/step"
-        rows.append([b.module, b.class_name, b.mode + (" (guarded)" if b.guarded else ""), b.revision,
+        rows.append([b.module, b.class_name, b.mode.value + (" (guarded)" if b.guarded else ""), b.revision,
                      fmt_bytes(b.measured_saving_bytes), fmt_bytes(b.predicted_saving_bytes),
                      f"{b.replay_ms:.1f}", f"{f.name}: {seeds}{calls}" + ("; draws RNG" if f.draws_rng else ""),
                      f"rtol {f.tolerance.rtol:g}, atol {f.tolerance.atol:g} ({f.dtype}"
@@ -417,7 +417,7 @@ def _world_size_caption(r: Receipt) -> str:
     rep, eq = ws.report, ws.report.equivalence
     same = "no planned side" if eq is None else ("the control's training step" if eq.ok else "NOT the control's step")
     samples = "" if rep.plan is None else f"{rep.plan.global_samples_per_s:.1f} samples/s planned vs "
-    return (f"{rep.engine} on {rep.world_size} ranks ({rep.backend}, {rep.memory_source}): {same} "
+    return (f"{rep.engine.value} on {rep.world_size} ranks ({rep.backend}, {rep.memory_source}): {same} "
             f"({'-' if eq is None else eq.criterion}); {samples}{rep.control.global_samples_per_s:.1f} control, "
             f"global; per-device budget {fmt_bytes(r.decision.effective_budget_bytes)} (budget less reserve)")
 

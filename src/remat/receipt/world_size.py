@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from .. import _json
+from ..distributed.config import Engine
 from ..distributed.report import DistributedReport
 from ..errors import DistributedError, ReceiptError
 
@@ -52,7 +53,7 @@ class WorldSizeEvidence:
         return self.report.world_size
 
     @property
-    def engine(self) -> str:
+    def engine(self) -> Engine:
         return self.report.engine
 
     def why_not(self, budget_bytes: int) -> list[str]:
@@ -61,7 +62,7 @@ class WorldSizeEvidence:
         if r.plan is None or r.equivalence is None:
             out.append(f"the run at world size {r.world_size} has no planned side")
         elif not r.equivalence.ok:
-            out.append(f"at world size {r.world_size} ({r.engine}) the plan is not the control's training step "
+            out.append(f"at world size {r.world_size} ({r.engine.value}) the plan is not the control's training step "
                        f"(grads {'match' if r.equivalence.grads_match else 'differ'}, max |diff| "
                        f"{r.equivalence.max_abs_diff:.3g}; collective counts "
                        f"{'unchanged' if r.equivalence.collective_counts_equal else 'changed'})")
@@ -72,7 +73,7 @@ class WorldSizeEvidence:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"engine": self.engine, "world_size": self.world_size, "report": self.report.to_json(),
+        return {"engine": self.engine.value, "world_size": self.world_size, "report": self.report.to_json(),
                 "check_steps": self.check_steps, "check_timeout_s": self.check_timeout_s}
 
     @classmethod
@@ -82,6 +83,6 @@ class WorldSizeEvidence:
             report = DistributedReport.from_json(d["report"])
         except DistributedError as exc:
             raise ReceiptError(f"malformed receipt: $.world_size.report: {exc.message}") from None
-        if (report.world_size, report.engine) != (d["world_size"], d["engine"]):
+        if (report.world_size, report.engine.value) != (d["world_size"], d["engine"]):
             raise ReceiptError("malformed receipt: $.world_size names another world size or engine than its report")
         return cls(report=report, check_steps=d["check_steps"], check_timeout_s=float(d["check_timeout_s"]))

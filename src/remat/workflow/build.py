@@ -81,8 +81,8 @@ from ..frontier.pareto import SamplePeak, ShipDecision, Verdict, ship_decision
 from ..measure import held_bytes_at_phase, prepare_arm
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
 from ..profile import ProfileReport, module_revision
-from ..profile.sample import StepSample
-from ..profile.sampling import profile_sample, sample_workloads
+from ..profile.model import StepSample
+from ..profile.sample import profile_sample, sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import VerifyReport, tolerance_table, verify_plan
@@ -177,7 +177,7 @@ def _boundary_records(loaded: LoadedWorkload, plan: Plan, report: ProfileReport,
         cost = costs.get(b.module)
         out.append(BoundaryRecord(
             module=b.module, class_name=cost.class_name if cost and cost.members else type(module).__qualname__,
-            mode=b.mode.value, guarded=b.guarded, revision=module_revision(module),
+            mode=b.mode, guarded=b.guarded, revision=module_revision(module),
             predicted_saving_bytes=b.saved_bytes, measured_saving_bytes=savings[b.module],
             saving_tolerance=settings.saving_tolerance,
             replay_ms=float(cost.replay_ms.get(b.mode, b.replay_ms)) if cost else float(b.replay_ms),

@@ -66,7 +66,7 @@ from torch import nn
 
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan, sample_peaks
-from ..profile.sampling import sample_workloads
+from ..profile.sample import sample_workloads
 from ..clock import percentile
 from ..frontier.pareto import CONFIDENCE, p50_difference
 from ..measure import prepare_arm, time_round_robin

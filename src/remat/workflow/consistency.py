@@ -120,13 +120,13 @@ def record_findings(receipt: Receipt) -> list[CheckFinding]:
         return []
     out = []
     for b, r in zip(plan.boundaries, receipt.plan.boundaries):   # same modules, in order (Receipt.from_json)
-        theirs = (b.mode.value, b.guarded, b.saved_bytes)
+        theirs = (b.mode, b.guarded, b.saved_bytes)
         ours = (r.mode, r.guarded, r.predicted_saving_bytes)
         if theirs != ours:
             out.append(_f(FindingKind.RECORDS, f"boundary {b.module}: the plan says mode {b.mode.value}, guarded "
                                                f"{b.guarded}, saving {b.saved_bytes} bytes; its record says mode "
-                                               f"{r.mode}, guarded {r.guarded}, saving {r.predicted_saving_bytes} "
-                                               "bytes", b.module))
+                                               f"{r.mode.value}, guarded {r.guarded}, saving "
+                                               f"{r.predicted_saving_bytes} bytes", b.module))
     described = [f"{b.module}:{b.mode.value}" for b in plan.boundaries]
     d = receipt.decision
     if d.status is ShipStatus.SHIP and d.boundaries != described:

@@ -29,9 +29,10 @@ def _config(receipt: Receipt, plan: Plan, *, world_size: int, engine: Engine, bu
 
 def _coverage(unsupported: list[UnsupportedMode], report: DistributedReport) -> list[UnsupportedMode]:
     """"world size > 1" becomes the sizes and engines not run."""
-    other = "fsdp2" if report.engine == Engine.DDP.value else "ddp"
-    entry = UnsupportedMode(mode=f"world sizes other than {report.world_size} ({report.engine})", status=Coverage.NOT_RUN,
-                            detail=f"the plan ran at world size {report.world_size} under {report.engine} "
+    other = (Engine.FSDP2 if report.engine is Engine.DDP else Engine.DDP).value
+    engine = report.engine.value
+    entry = UnsupportedMode(mode=f"world sizes other than {report.world_size} ({engine})", status=Coverage.NOT_RUN,
+                            detail=f"the plan ran at world size {report.world_size} under {engine} "
                                    f"({report.backend}) only; {other} and other sizes were not run (FSDP2 shards and "
                                    "DDP's buckets move the per-rank peaks with the world size)")
     return [entry if u.mode == WORLD_SIZE_MODE else u for u in unsupported]
@@ -68,8 +69,9 @@ def check_recorded(receipt: Receipt, thresholds: Thresholds) -> tuple[list[Check
     limit = thresholds.effective_budget_bytes
     why = ev.why_not(limit)
     failures = [CheckFinding(kind=FindingKind.DECISION, message=f"the receipt records that {w}") for w in why]
-    held = [] if why else [f"the receipt records the plan at world size {ev.world_size} ({ev.engine}): the control's "
-                           f"step on every rank, every planned peak within {mib(limit)}; {_samples_line(ev.report)}"]
+    held = [] if why else [f"the receipt records the plan at world size {ev.world_size} ({ev.engine.value}): "
+                           f"the control's step on every rank, every planned peak within {mib(limit)}; "
+                           f"{_samples_line(ev.report)}"]
     return failures, held
 
 
@@ -98,7 +100,7 @@ def check_rerun(receipt: Receipt, plan: Plan, thresholds: Thresholds, *, spec: s
     if ev is None:
         return [], []
     limit = thresholds.effective_budget_bytes
-    cfg = dataclasses.replace(_config(receipt, plan, world_size=ev.world_size, engine=Engine(ev.engine),
+    cfg = dataclasses.replace(_config(receipt, plan, world_size=ev.world_size, engine=ev.engine,
                                       budget_bytes=limit, steps=ev.check_steps, timeout_s=ev.check_timeout_s),
                               spec=spec)
     again = run_distributed(cfg, work_dir=work_dir, wall_timeout_s=wall_timeout_s, progress=progress)
@@ -106,11 +108,12 @@ def check_rerun(receipt: Receipt, plan: Plan, thresholds: Thresholds, *, spec: s
     eq = again.equivalence
     if eq is None or not eq.ok:
         failures.append(CheckFinding(kind=FindingKind.EQUIVALENCE, message=(
-            f"re-run at world size {again.world_size} ({again.engine}): the plan is not the control's training step"
+            f"re-run at world size {again.world_size} ({again.engine.value}): the plan is not the control's "
+            "training step"
             + ("" if eq is None else f" (grads {'match' if eq.grads_match else 'differ'}, max |diff| "
                                       f"{eq.max_abs_diff:.3g}, collective counts "
                                       f"{'unchanged' if eq.collective_counts_equal else 'changed'})"))))
     held = [] if failures else [
-        f"re-run at world size {again.world_size} ({again.engine}, {again.backend}): gradients {eq.criterion} equal "
-        f"on every rank, every planned peak within {mib(limit)}; {_samples_line(again)}"]
+        f"re-run at world size {again.world_size} ({again.engine.value}, {again.backend}): gradients "
+        f"{eq.criterion} equal on every rank, every planned peak within {mib(limit)}; {_samples_line(again)}"]
     return failures, held

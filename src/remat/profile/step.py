@@ -48,10 +48,9 @@ from .candidates import parent_of, resolve_candidates, segment_search
 from .confirm import confirm_hazards
 from .dryrun import dry_run_modes
 from .replay import ReplayEstimate, measure_replay_costs
-from .sample import NOT_CALLED
 from .fingerprint import fingerprint
 from .hazards import HazardProbe, hook_detail, module_hooks
-from .model import CandidateCost, HazardRecord, PeakRow, ProfileReport
+from .model import NOT_CALLED, CandidateCost, HazardRecord, PeakRow, ProfileReport
 from .segments import ChainProbe, is_segment, parse_segment, run_segments
 
 if TYPE_CHECKING:
