@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +20,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import remat
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from auto_fsdp2 import train_step  # noqa: E402  the examples' step: loss, backward, AdamW step, zero_grad
+from auto_plain_loop import loss_fn  # noqa: E402  next-token cross-entropy over (B, T, vocab) logits
 
 
 class RMSNorm(nn.Module):
@@ -89,11 +94,6 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-
-
 def main(out: Path, budget: str) -> None:
     from torch.distributed.fsdp import fully_shard
     dist.init_process_group("gloo")
@@ -108,13 +108,7 @@ def main(out: Path, budget: str) -> None:
     tokens = [torch.randint(0, 256, (4, 129), generator=g) for _ in range(3)]
     batches = [(b[:, :-1], b[:, 1:]) for b in tokens]
     handle = remat.auto(model, batches[0], budget=budget, loss_fn=loss_fn, optimizer=opt, use_cache=False)
-    losses = []
-    for batch in batches:
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    losses = [train_step(model, opt, batch) for batch in batches]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "plan_digest": handle.report.plan_digest,
                                                       "boundaries": list(handle.report.boundaries),

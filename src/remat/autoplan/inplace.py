@@ -84,9 +84,9 @@ class StateSnapshot:
 class InPlaceSource(ModelSource):
     """The user's wrapped model as the workload of every build (NOTE [wrapped models in place])."""
 
-    def __init__(self, model: nn.Module, batch: Any, *args: Any, autocast: str | None = None, engine: JobEngine,
-                 ranks: Any) -> None:
-        super().__init__(model, batch, *args, autocast=autocast)
+    def __init__(self, model: nn.Module, batch: Any, *args: Any, autocast: str | None = None,
+                 accumulation_steps: int = 1, engine: JobEngine, ranks: Any) -> None:
+        super().__init__(model, batch, *args, autocast=autocast, accumulation_steps=accumulation_steps)
         self.engine, self.ranks = engine, ranks
         self.snapshot = StateSnapshot(model)
         # DDP's reducer: made new again after planning when planning found it new (NOTE [DDP reducer after planning])

@@ -24,6 +24,7 @@ from ..profile.sample import profile_sample
 from ..types import ProgressFn, no_progress
 from ..verify import RngState, tolerance_table, verify_plan
 from ..workload import parse_autocast
+from ..workload.contract import is_accumulation_count
 from .batches import ExampleBatches
 from .compiled import check_uncompiled
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
@@ -99,7 +100,7 @@ class AutoSettings:
         object.__setattr__(self, "autocast", parse_autocast(self.autocast))
         object.__setattr__(self, "on_new_shape", ShapePolicy.parse(self.on_new_shape))
         n = self.accumulation_steps
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_accumulation_count(n):
             raise AutoError(f"accumulation_steps={n!r}: expected an integer >= 1, the micro-batches per optimizer step",
                             tip="pass your loop's gradient accumulation (HF gradient_accumulation_steps, Lightning "
                                 "accumulate_grad_batches), or leave it out for 1")
@@ -257,15 +258,14 @@ def _source(model: nn.Module, example_batch: Any, settings: AutoSettings) -> Mod
     optimizer = OptimizerSpec.of(model, settings.optimizer)
     engine = job_engine(model)
     autocast = settings.step_autocast(device)
+    steps = settings.accumulation_steps   # every build runs the accumulated step (NOTE [accumulated step])
     if engine is JobEngine.NONE:
-        source = ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn, autocast=autocast)
-    else:
-        ranks = job_ranks()
-        check_job(engine, ranks, quick_verify=settings.quick_verify, copy_fn=settings.copy_fn)
-        source = InPlaceSource(model, example_batch, loss, optimizer, device, autocast=autocast, engine=engine,
-                               ranks=ranks)
-    source.accumulation_steps = settings.accumulation_steps   # every build runs the accumulated step
-    return source
+        return ModelSource(model, example_batch, loss, optimizer, device, settings.copy_fn, autocast=autocast,
+                           accumulation_steps=steps)
+    ranks = job_ranks()
+    check_job(engine, ranks, quick_verify=settings.quick_verify, copy_fn=settings.copy_fn)
+    return InPlaceSource(model, example_batch, loss, optimizer, device, autocast=autocast, accumulation_steps=steps,
+                         engine=engine, ranks=ranks)
 
 
 def _ranks(source: ModelSource) -> JobRanks | None:

@@ -32,7 +32,8 @@ What then happens is ``on_new_shape`` (:class:`ShapePolicy`):
 
 WARN is the default, and each alternative costs more: RAISE ends a long run at its first longer
 batch; REPLAN plans inside the training step with the user's state live (on CPU nothing can be
-parked, so the planning itself ran 2.1x over the budget) and pays a whole planning at each growth.
+parked: the step that re-planned after an unfreeze peaked at 2.11x the budget, NOTE [trainable
+guard]) and pays a whole planning at each growth.
 The cheap path is to declare the largest shapes up front: ``remat.ExampleBatches(...)``, whose
 planned envelope is the largest of the example batches, so no step inside it warns.
 

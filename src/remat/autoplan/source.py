@@ -147,14 +147,14 @@ class ModelSource:
     """Builds fresh copies of the user's training step (NOTE [no side effects])."""
 
     def __init__(self, model: nn.Module, batch: Any, loss: LossFn, optimizer: OptimizerSpec,
-                 device: torch.device, copy_fn: CopyFn | None = None, autocast: str | None = None) -> None:
+                 device: torch.device, copy_fn: CopyFn | None = None, autocast: str | None = None,
+                 accumulation_steps: int = 1) -> None:
         self.model, self.batch, self.loss, self.optimizer = model, batch, loss, optimizer
         self.device = device
         self.copy_fn = copy_fn or copy_model
         self.autocast = autocast   # "bfloat16"/"float16": the loss runs under torch.autocast (NOTE [autocast steps])
-        # micro-batches per optimizer step: every build runs the accumulated step (NOTE [accumulated step]);
-        # set by remat.auto on whichever source it builds
-        self.accumulation_steps = 1
+        # micro-batches per optimizer step: every build runs the accumulated step (NOTE [accumulated step])
+        self.accumulation_steps = accumulation_steps
 
     @property
     def in_place(self) -> bool:

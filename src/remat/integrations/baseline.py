@@ -147,8 +147,8 @@ def measure_against(model: nn.Module, handle: AutoHandle, example_batch: Any, op
     handle.remove()
     try:
         source = ModelSource(model, example_batch, loss, OptimizerSpec.of(model, optimizer), device,
-                             auto_kwargs.get("copy_fn"), autocast=report.autocast)
-        source.accumulation_steps = report.accumulation_steps   # the step the plan was made for
+                             auto_kwargs.get("copy_fn"), autocast=report.autocast,
+                             accumulation_steps=report.accumulation_steps)   # the step the plan was made for
         with Parked(model, optimizer) if device.type == "cuda" else contextlib.nullcontext():
             figures = _measure(source, setup, plan)
     finally:

@@ -50,7 +50,7 @@ def _qualified(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _structure(module: nn.Module) -> tuple:
+def module_structure(module: nn.Module) -> tuple:
     """Classes, parameter and buffer shapes of ``module``'s subtree (relative names)."""
     classes = tuple((n, _qualified(m)) for n, m in module.named_modules())
     params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters())
@@ -82,7 +82,7 @@ def region_signature(region: nn.Module, cost: CandidateCost, inputs: tuple[tuple
     """What must be equal for two candidates to share a replay measurement (NOTE [shared replay measurements]).
 
     ``region``: the candidate's module (a segment's: the ``nn.Sequential`` of its members)."""
-    return _structure(region), _inputs(inputs), tuple(m.value for m in modes), _measured_bytes(cost)
+    return module_structure(region), _inputs(inputs), tuple(m.value for m in modes), _measured_bytes(cost)
 
 
 FORWARD_RATIO = 2.0      # forward times of two instances further apart than this: not the same work
@@ -113,7 +113,7 @@ def dry_run_signatures(model: nn.Module, modules: dict[str, nn.Module], level: l
                        region_of: Callable[[nn.Module, dict[str, nn.Module], str], nn.Module]) -> dict[str, Hashable]:
     """Candidate name -> what must be equal for two candidates of ``level`` to share their dry runs,
     forward times aside (``dry_run_leaders`` adds those): structure, modes and per-instance bytes."""
-    return {c.name: (_structure(region_of(model, modules, c.name)), tuple(m.value for m in c.saved_bytes),
+    return {c.name: (module_structure(region_of(model, modules, c.name)), tuple(m.value for m in c.saved_bytes),
                      _measured_bytes(c)) for c in level}
 
 

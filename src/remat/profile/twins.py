@@ -10,7 +10,7 @@ over budget on 5 of 20 later steps (up to 1.13x); ``remat.auto``, which samples 
 example batch, ran over on 12 and 15 of 20 steps (1.22x and 1.51x) on two seeds of a model like it.
 
 Dynamic control flow is planned for its worst case: the step in which every dynamic block runs.
-A never-run block whose subtree is the same as a block that ran (``_structure`` of NOTE [shared
+A never-run block whose subtree is the same as a block that ran (``module_structure`` of NOTE [shared
 replay measurements] in profile/shared.py: the class of every module, every parameter's and
 buffer's relative name, shape, dtype and ``requires_grad``) is costed as that *twin* (its bytes,
 times and modes), and placed in the forward order by module registration order (after the
@@ -44,7 +44,7 @@ from torch import nn
 from ..errors import Option, spell
 from ..units import fmt_bytes
 from .model import NOT_CALLED, ProfileReport
-from .shared import _structure
+from .shared import module_structure
 
 
 class UnsampledBlockWarning(UserWarning):
@@ -90,12 +90,12 @@ def find_twins(model: nn.Module, reports: list[ProfileReport]) -> Unsampled:
     index = {n: i for i, n in enumerate(modules)}
     ran = [c.name for r in reports for c in r.candidates if not c.members and c.name in modules]
     ran = sorted(set(ran), key=index.__getitem__)
-    structures = {n: _structure(modules[n]) for n in ran}
+    structures = {n: module_structure(modules[n]) for n in ran}
     twins: dict[str, str] = {}
     placed: list[Twin] = []
     untwinned: list[str] = []
     for name in sorted((n for n in never_called(reports) if n in modules), key=index.__getitem__):
-        twin = _child_of_twin(name, twins, structures) or _nearest(name, _structure(modules[name]), structures, index)
+        twin = _child_of_twin(name, twins, structures) or _nearest(name, module_structure(modules[name]), structures, index)
         if twin is not None:
             twins[name] = twin
             earlier = [n for n in (*ran, *twins) if index[n] < index[name]]

@@ -110,7 +110,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         n = self.accumulation_steps
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_accumulation_count(n):
             raise WorkloadError(f"Workload.accumulation_steps must be an integer >= 1, got {n!r}",
                                 tip="the micro-batches per optimizer step: 1 when every batch steps the optimizer")
         if not isinstance(self.model, nn.Module):
@@ -196,6 +196,11 @@ def watch_first_step() -> threading.Event:
 def _step_ended() -> None:
     while _step_watches:
         _step_watches.pop().set()
+
+
+def is_accumulation_count(n: object) -> bool:
+    """Whether ``n`` is a number of micro-batches per optimizer step: an int >= 1 (not a bool)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
 # NOTE [accumulated step]
