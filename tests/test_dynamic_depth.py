@@ -88,9 +88,12 @@ def test_merge_costs_a_never_run_block_as_its_twin_by_hand():
     # ... and b.2's backward is b.1's with b.1 still held (b.2's own bytes stand in for b.1's there)
     assert (1010, frozenset({"b.0", "b.1"}), ("b.2",)) in rows
     assert max(r.base_bytes for r in m.rows) == 1110
+    assert m.costed_as_twin == {"b.2": "b.1"}                       # the report says whose figures b.2 has
+    assert ProfileReport.from_json(m.to_json()).costed_as_twin == {"b.2": "b.1"}
     # a twin that cannot be planned stands for nothing: b.2 excluded with b.1's reason
     m = merge_profiles([_report({"b.1": "a hazard"})], (Twin(name="b.2", twin="b.1", after="b.1"),))
     assert "a hazard" in m.excluded["b.2"] and [c.name for c in m.candidates] == ["b.0"]
+    assert m.costed_as_twin == {}
 
 
 def test_stochastic_depth_plan_holds_on_50_later_steps():
@@ -135,8 +138,16 @@ def _all_blocks_peak_over_budget() -> float:
 
 
 def test_a_block_the_sample_never_ran_is_costed_as_its_twin(monkeypatch):
-    # blocks.2 and .5 never run while planned: costed as blocks.1 and .4, the all-blocks step fits
-    assert _all_blocks_peak_over_budget() <= 1.0
+    # blocks.2 and .5 never run while planned: costed as blocks.1 and .4 (and said so: the evidence is the
+    # twins'), the all-blocks step fits
+    with pytest.warns(remat.UnsampledBlockWarning, match=r"blocks\.2 as blocks\.1, blocks\.5 as blocks\.4"):
+        assert _all_blocks_peak_over_budget() <= 1.0
+    # the safe twin: a sample in which every block ran warns of nothing
+    torch.manual_seed(0)
+    model = ForcedSkip(set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", remat.UnsampledBlockWarning)
+        _auto(model, torch.optim.SGD(model.parameters(), lr=0.01)).remove()
     # negative control, the old behaviour: no twins, the two blocks left out of the plan and the
     # prediction (measured 1.20x the budget on the all-blocks step)
     monkeypatch.setattr(sample_mod, "find_twins", lambda model, reports: Unsampled(twins=(), untwinned=(), peaks=(1,)))

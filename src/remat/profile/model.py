@@ -240,6 +240,9 @@ class ProfileReport:
     # workspaces, a checkpoint's RNG state), already added to every row's base (NOTE [untracked bytes]
     # in profile/step.py); 0 when the rows' instrument measured the baseline too
     untracked_bytes: int = 0
+    # modules no sampled step ran, costed as an identical module that ran (name -> the twin; NOTE
+    # [unsampled blocks] in profile/twins.py): their figures are the twin's, not measured on them
+    costed_as_twin: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
@@ -253,7 +256,7 @@ class ProfileReport:
                 "replay_composed": {k: list(v) for k, v in self.replay_composed.items()},
                 "replay_extra_between": {k: list(v) for k, v in self.replay_extra_between.items()},
                 "replay_below_resolution": {k: list(v) for k, v in self.replay_below_resolution.items()},
-                "untracked_bytes": self.untracked_bytes}
+                "untracked_bytes": self.untracked_bytes, "costed_as_twin": dict(self.costed_as_twin)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
@@ -274,7 +277,8 @@ class ProfileReport:
                                          for k, v in d.get("replay_extra_between", {}).items()},
                    replay_below_resolution={str(k): [str(m) for m in v]
                                             for k, v in d.get("replay_below_resolution", {}).items()},
-                   untracked_bytes=int(d.get("untracked_bytes", 0)))
+                   untracked_bytes=int(d.get("untracked_bytes", 0)),
+                   costed_as_twin={str(k): str(v) for k, v in d.get("costed_as_twin", {}).items()})
 
 
 # -- the step sample: which steps a profile and a plan's measurements cover (NOTE [step sample] in

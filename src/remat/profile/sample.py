@@ -73,7 +73,7 @@ from .model import (NOT_CALLED, SEED_STRIDE, CandidateCost, HazardRecord, PeakRo
                     StepSample)
 from .replay import measure_replay_costs
 from .step import DRY_RUN_FAILED, apply_replay_measurements, profile_workload, replay_step_index
-from .twins import Twin, find_twins, warn_untwinned
+from .twins import Twin, find_twins, warn_unsampled
 
 
 # -- running the sample's points -------------------------------------------------------------------
@@ -208,11 +208,12 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
 
 
 def merge_sample(loaded: LoadedWorkload, reports: list[ProfileReport]) -> ProfileReport:
-    """The points' profiles merged, every block no point ran costed as its identical twin, and
-    ``UnsampledBlockWarning`` for one with none (NOTE [unsampled blocks] in profile/twins.py)."""
+    """The points' profiles merged, every block no point ran costed as its identical twin, and an
+    ``UnsampledBlockWarning`` naming each such block (NOTE [unsampled blocks] in profile/twins.py)."""
     unsampled = find_twins(loaded.workload.model, reports)
-    warn_untwinned(unsampled)
-    return merge_profiles(reports, unsampled.twins)
+    merged = merge_profiles(reports, unsampled.twins)
+    warn_unsampled(unsampled, merged.costed_as_twin)
+    return merged
 
 
 def _dry_run_settled(reports: list[ProfileReport]) -> frozenset[str]:
@@ -464,7 +465,7 @@ def merge_profiles(reports: list[ProfileReport], twins: tuple[Twin, ...] = ()) -
     order = _placed(merge_orders([[c.name for c in sorted(r.candidates, key=lambda c: c.order)] for r in reports]),
                     twins)
     merged = _merged_candidates(reports, excluded, order, twins)
-    return _merged_report(reports, merged, _merged_rows(reports, merged, dynamic, order), excluded)
+    return _merged_report(reports, merged, _merged_rows(reports, merged, dynamic, order), excluded, twins)
 
 
 def _refuted(reports: list[ProfileReport], merged: list[CandidateCost]) -> dict[str, list[str]]:
@@ -517,9 +518,10 @@ def _below_resolution(reports: list[ProfileReport], names: set[str]) -> dict[str
 
 
 def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], rows: list[PeakRow],
-                   excluded: dict[str, str]) -> ProfileReport:
+                   excluded: dict[str, str], twins: tuple[Twin, ...]) -> ProfileReport:
     """The merged profile: ``merged`` and ``rows``, the baseline's max peak and median time over the
-    points, and each point's records of its candidates joined (NOTE [step sample])."""
+    points, each point's records of its candidates joined (NOTE [step sample]), and which modules were
+    costed as a twin (NOTE [unsampled blocks] in profile/twins.py)."""
     first = reports[0]
     names = {c.name for c in merged}
     return ProfileReport(
@@ -535,4 +537,5 @@ def _merged_report(reports: list[ProfileReport], merged: list[CandidateCost], ro
         replay_composed=_lists_at_any_point([r.replay_composed for r in reports], names),
         replay_extra_between=_lists_at_any_point([r.replay_extra_between for r in reports], names),
         replay_below_resolution=_below_resolution(reports, names),
-        untracked_bytes=max(r.untracked_bytes for r in reports))   # each point's rows carry their own
+        untracked_bytes=max(r.untracked_bytes for r in reports),   # each point's rows carry their own
+        costed_as_twin={t.name: t.twin for t in twins})

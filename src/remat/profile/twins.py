@@ -28,8 +28,10 @@ planned while blocks 2 and 5 never ran, the step running every block peaks at 0.
 What this assumes: the twin's inputs have the shapes the never-run block's would have (true of a
 residual stack, whose blocks all map (B, T, C) to (B, T, C)); a block with the same parameters on
 other shapes would be mis-costed, and the closed loop cannot catch it (no sampled step runs it).
-A never-run block with no twin among the candidates cannot be costed: :class:`UnsampledBlockWarning`
-names it with the spread of the sampled steps' unplanned peaks (how much the steps differ, the
+A twinned block's figures are the twin's, not measured on it: the merged profile records them
+(``ProfileReport.costed_as_twin``) and :class:`UnsampledBlockWarning` names each with its twin and
+the sample's spread, so the prediction says what its evidence is. A never-run block with no twin
+among the candidates cannot be costed: :class:`UnsampledBlockWarning` names it with the spread of the sampled steps' unplanned peaks (how much the steps differ, the
 figure a block's absence moves), and it stays excluded with that reason. More steps
 (``--sample-steps``, or more example batches) make such a block unlikely: p**n for n steps.
 """
@@ -122,8 +124,18 @@ def _nearest(name: str, structure: tuple, structures: dict[str, tuple], index: d
     return before[-1] if before else (same[0] if same else None)
 
 
-def warn_untwinned(unsampled: Unsampled) -> None:
-    """:class:`UnsampledBlockWarning` for the never-run modules no twin stands for, with the sample's spread."""
+def warn_unsampled(unsampled: Unsampled, costed: dict[str, str]) -> None:
+    """:class:`UnsampledBlockWarning` for the never-run modules: those costed as a twin (``costed``: name ->
+    twin, what the merged profile records), whose figures no step measured, and those no twin stands for."""
+    if costed:
+        pairs = [f"{n} as {t}" for n, t in costed.items()]
+        shown = ", ".join(pairs[:5]) + (f" (+{len(pairs) - 5})" if len(pairs) > 5 else "")
+        warnings.warn(UnsampledBlockWarning(
+            f"{len(costed)} module(s) ran in none of the {len(unsampled.peaks)} sampled step(s) and are costed as "
+            f"an identical module that ran ({shown}): the plan's prediction for a step in which they run assumes "
+            f"they do what their twin did, and no sampled step measured it (the sampled steps' unplanned peaks: "
+            f"{unsampled.spread()}). Sample more steps ({spell(Option.SAMPLE_STEPS)}) to measure them "
+            "(NOTE [unsampled blocks])"), stacklevel=4)
     if not unsampled.untwinned:
         return
     shown = ", ".join(unsampled.untwinned[:5]) + (f" (+{len(unsampled.untwinned) - 5})"
