@@ -30,7 +30,10 @@ import dataclasses
 import math
 from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
+import torch
+
 from .wrap import PlanArm
+from .memory.capacity import last_refusal
 from .errors import BudgetError, Option, PlanError, spell
 from .measure import CompileSpec, StepMeasurement, Stream, measure_arm, measure_stream_peaks
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
@@ -312,7 +315,9 @@ class _OneDevice:
         else:   # the first shape's later points on the first point's build (NOTE [one build per shape])
             groups = shape_streams(self.points, self.sample)
             m = _measure_into(self.points[0], plan, self.n_steps, self.compile, then=groups[0][1][1:])
-            _record_sample(plan, self.sample, [m.peak_bytes, *m.then_peak_bytes, *_shape_peaks(groups[1:], plan)])
+            if m is not None:   # None: refused by the device, a miss already (NOTE [blocked step])
+                _record_sample(plan, self.sample,
+                               [m.peak_bytes, *m.then_peak_bytes, *_shape_peaks(groups[1:], plan)])
         self.margins.append(self.margin)
 
     def correct(self, plan: Plan) -> Plan:
@@ -408,10 +413,19 @@ def _fits(plan: Plan) -> bool:
 
 
 def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: CompileSpec | None = None,
-                  then: Sequence[Stream] = ()) -> StepMeasurement:
+                  then: Sequence[Stream] = ()) -> StepMeasurement | None:
     if compile is not None:
         plan.compile = compile
-    m = measure_plan(loaded, plan, steps=steps, then=then)
+    try:
+        m = measure_plan(loaded, plan, steps=steps, then=then)
+    except torch.OutOfMemoryError:
+        # a plan that does not fit the device (NOTE [blocked step]): a miss whose peak is at least what
+        # was live plus the refused allocation (the CPU capacity's record), else just over the budget
+        refusal = last_refusal()
+        floor = max(plan.effective_budget_bytes or 0, plan.predicted_peak_bytes) + 1
+        plan.measured_peak_bytes = max(floor, refusal.live_bytes + refusal.requested_bytes) if refusal else floor
+        plan.measured_step_ms = None
+        return None
     plan.measured_peak_bytes = m.peak_bytes
     plan.measured_step_ms = m.p50_ms
     if compile is not None or m.tracker_peak_bytes is not None:

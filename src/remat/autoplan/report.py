@@ -9,6 +9,7 @@ from typing import Any
 from ..types import MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
+from .blocked import BlockedStep
 from .inplace import JobEngine
 from .shapes import ShapeEnvelope, ShapeGuard
 
@@ -61,6 +62,8 @@ class AutoReport:
     autocast: str | None = None          # "bfloat16"/"float16": planned (and verified) with the forward under autocast
     tolerances: dict[str, Any] = dataclasses.field(default_factory=dict)  # dtype -> Tolerance verify compares with
     accumulation_steps: int = 1          # micro-batches per optimizer step the peaks are of (NOTE [accumulated step])
+    device_memory_bytes: int | None = None   # the device capacity planned for (NOTE [device capacity]); None: none known
+    blocked: BlockedStep | None = None   # the unplanned step did not fit: its evidence and how it was planned
 
     @property
     def predicted_overhead(self) -> float:
@@ -95,6 +98,9 @@ class AutoReport:
                if self.accumulation_steps > 1 else ""),
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
+        if self.device_memory_bytes is not None:
+            lines.append(f"  device capacity {fmt_bytes(self.device_memory_bytes)}"
+                         + (f"; blocked: {self.blocked.describe()}" if self.blocked is not None else ""))
         if self.engine is not JobEngine.NONE:
             lines.append(f"  job: {self.engine.value} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
                          "peaks per device, the fullest rank's")
@@ -104,6 +110,7 @@ class AutoReport:
         d = dataclasses.asdict(self)
         d["cache"], d["verification"], d["boundaries"] = self.cache.value, self.verification.value, list(self.boundaries)
         d["memory_source"], d["engine"] = self.memory_source.value, self.engine.value
+        d["blocked"] = None if self.blocked is None else self.blocked.to_json()
         return d
 
 

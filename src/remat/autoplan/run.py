@@ -15,9 +15,11 @@ from torch.utils._pytree import tree_leaves
 
 from .. import __version__
 from ..wrap import ApplyHandle, apply, check_applies, recover_handle
-from ..closed_loop import plan_closed_loop
+from ..closed_loop import BudgetMissed, plan_closed_loop
 from ..errors import AutoError, OptionStyle, RematError, option_style
-from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
+from ..plan import InfeasibleBudget, Plan, check_budget_syntax, parse_budget, parse_reserve
+from ..profile.model import ProfileReport
+from ..units import fmt_bytes
 from ..profile import fingerprint
 from ..profile.model import StepSample
 from ..profile.sample import profile_sample
@@ -35,7 +37,10 @@ from .ranks import JobRanks, agree_profile, job_ranks
 from .library_flags import DIFFUSERS, TRANSFORMERS_4, checkpointing_api, flagged_modules
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .shapes import ShapeEnvelope, ShapeGuard, ShapePolicy, grow_batch
-from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device
+from .source import InMemoryWorkload
+from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device, unwrap_optimizer
+from .blocked import BlockedStep, DeviceTooSmall, extrapolate, halvings, leading_size, no_smaller_fit, slice_batch
+from ..memory.capacity import active_capacity, clear_refusal, last_refusal, step_capacity
 
 VERIFY_MODES = (None, "quick")
 _HOW_TO_VERIFY = ("not verified: pass verify='quick' (one seed, one step, paired control on a copy), or run "
@@ -75,7 +80,7 @@ class AutoSettings:
     """:func:`auto`'s keywords, built once from them and validated here. Each is documented on
     :func:`auto`, whose signature holds the defaults (it is the public API)."""
 
-    budget: str | int           # bytes, "8GiB", or "70%" of the unplanned step's measured peak
+    budget: str | int | None    # bytes, "8GiB", "70%" of the unplanned step's measured peak; None: fit the device
     loss_fn: LossFn | None      # None: default_loss(batch)
     optimizer: torch.optim.Optimizer | None
     verify: str | None          # one of VERIFY_MODES
@@ -90,12 +95,16 @@ class AutoSettings:
     autocast: str | None = None   # as given: "bf16", "bfloat16", "fp16", "float16"
     on_new_shape: ShapePolicy | str = ShapePolicy.WARN   # NOTE [shape guard]; a string is parsed
     accumulation_steps: int = 1   # micro-batches per optimizer step (NOTE [accumulated step])
+    device_memory: str | int | None = None   # the device capacity as given: bytes or "2GiB" (NOTE [device capacity])
     reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:
             raise AutoError(f"verify={self.verify!r}: expected None (default: not verified) or 'quick'")
-        check_budget_syntax(self.budget)
+        if self.budget is not None:
+            check_budget_syntax(self.budget)
+        if self.device_memory is not None:
+            parse_capacity(self.device_memory)
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
         object.__setattr__(self, "autocast", parse_autocast(self.autocast))
         object.__setattr__(self, "on_new_shape", ShapePolicy.parse(self.on_new_shape))
@@ -145,15 +154,22 @@ def _check_unwrapped(model: nn.Module) -> None:
                         tip="remat plans an unwrapped model and applies its own wrappers")
 
 
-def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: LossFn | None = None,
+def auto(model: nn.Module, example_batch: Any, *, budget: str | int | None = None, loss_fn: LossFn | None = None,
          optimizer: torch.optim.Optimizer | None = None, verify: str | None = None,
          cache_dir: str | Path | None = None, use_cache: bool = True, reserve: str | float = 0.05,
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
          segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None,
-         on_new_shape: ShapePolicy | str = ShapePolicy.WARN, accumulation_steps: int = 1) -> AutoHandle:
+         on_new_shape: ShapePolicy | str = ShapePolicy.WARN, accumulation_steps: int = 1,
+         device_memory: str | int | None = None) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
-    ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak.
+    ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak; None (the
+    default): fit the device (NOTE [device capacity]), and a budget above the device's capacity is
+    refused. ``device_memory``: the device's capacity, bytes or ``"2GiB"``; on CUDA the memory free
+    at the call (with the model's and optimizer's own tensors) by default; on the CPU it is what
+    you state (or the :class:`remat.CpuCapacity` block you are in), *enforced*: every step remat
+    runs is refused past it with ``torch.OutOfMemoryError``, as CUDA would. A step that does not
+    fit unplanned is planned from smaller batches that fit (NOTE [blocked step]): ``report.blocked``.
     ``reserve``: the share of the budget kept free, 0.05 or ``"5%"`` (the default): the measured
     peak must stay under ``budget x (1 - reserve)`` (NOTE [the reserve]).
     ``example_batch``: one batch, or ``remat.ExampleBatches(b1, b2, ...)`` (e.g. seq 64 and seq 128):
@@ -189,7 +205,8 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int, loss_fn: Lo
     settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
                             use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
                             measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast,
-                            on_new_shape=on_new_shape, accumulation_steps=accumulation_steps)
+                            on_new_shape=on_new_shape, accumulation_steps=accumulation_steps,
+                            device_memory=device_memory)
     _check_unwrapped(model)
     check_uncompiled(model)   # NOTE [compiled blocks]
     return _fit(model, example_batch, settings, t0)
@@ -217,17 +234,90 @@ def _plan_and_apply(model: nn.Module, example_batch: Any, settings: AutoSettings
     batches = example_batch.batches if isinstance(example_batch, ExampleBatches) else (example_batch,)
     source, *others = [_source(model, b, settings) for b in batches]
     cache = settings.plan_cache()
+    fit = _Fit(capacity_bytes=device_capacity(source, settings))
     with _job_watch(source, list(batches), settings):
         if cache is None:
-            plan, verified = _plan_and_verify(source, None, settings, others)
+            plan, verified = _plan_and_verify(source, None, settings, others, fit)
             status, path = CacheStatus.DISABLED, None
         else:
-            plan, verified, status, path = _fit_cached(source, settings, cache, others)
+            plan, verified, status, path = _fit_cached(source, settings, cache, others, fit)
     handle = apply(model, plan)
     report = dataclasses.replace(_auto_report(plan, settings, source, status, path, verified,
                                               seconds=time.perf_counter() - t0),
-                                 autocast=source.autocast, tolerances=tolerance_table(autocast=source.autocast))
+                                 autocast=source.autocast, tolerances=tolerance_table(autocast=source.autocast),
+                                 device_memory_bytes=fit.capacity_bytes, blocked=fit.blocked)
     return handle, report
+
+
+@dataclasses.dataclass
+class _Fit:
+    """The device capacity one plan is made for (bytes; None: none known) and, once planned, how the
+    step was planned if it did not fit unplanned (NOTE [blocked step])."""
+
+    capacity_bytes: int | None
+    blocked: BlockedStep | None = None
+    verify_source: ModelSource | None = None   # the largest batch at which the control fits, when blocked
+
+
+def parse_capacity(text: str | int) -> int:
+    """``device_memory`` in bytes: an amount (bytes, ``"2GiB"``), never a percentage."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        raise AutoError(f"device_memory={text!r}: a device's capacity is an amount (bytes or \"2GiB\"), not a "
+                        "percentage", tip="a percentage is a budget: pass budget=\"70%\"")
+    try:
+        return parse_budget(text, 0)
+    except RematError as exc:
+        raise AutoError(f"device_memory={text!r}: " + exc.message.replace("budget", "device memory"),
+                        tip="bytes, or an amount with its unit: \"2GiB\", \"800MiB\"") from None
+
+
+def device_capacity(source: ModelSource, settings: AutoSettings) -> int | None:
+    """The device's capacity for this step (NOTE [device capacity]), bytes; None when none is stated or known
+    (then ``budget`` must be given)."""
+    if settings.device_memory is not None:
+        capacity = parse_capacity(settings.device_memory)
+    elif source.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(source.device)
+        capacity = free + _state_bytes(source.model, settings.optimizer, "cuda")   # the model's own state is the step's: parked meanwhile
+    elif (cap := active_capacity()) is not None:
+        capacity = cap.free_bytes + _state_bytes(source.model, settings.optimizer, "cpu")
+    else:
+        capacity = None
+    if capacity is None and settings.budget is None:
+        raise AutoError("remat.auto was given no budget, and the CPU has no stated capacity to fit",
+                        tip="pass device_memory=\"2GiB\" (the capacity to fit, enforced while remat plans) or "
+                            "budget=\"70%\"")
+    return capacity
+
+
+def _state_bytes(model: nn.Module, optimizer: Any, device_type: str) -> int:
+    """Bytes of the user's parameters, buffers, gradients and optimizer state on ``device_type``, each storage once."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
+    if optimizer is not None:
+        opt = unwrap_optimizer(optimizer)
+        tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == device_type:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def _enforced(fit: _Fit, source: ModelSource) -> contextlib.AbstractContextManager[Any]:
+    """On the CPU with a capacity: every step remat runs under it (NOTE [CPU device capacity]), the user's own
+    CpuCapacity block (if any) charged nothing meanwhile (remat's copies are not its); elsewhere nothing."""
+    if fit.capacity_bytes is None or source.device.type != "cpu":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    user = active_capacity()
+    if user is not None:
+        stack.enter_context(user.suspended())
+    stack.enter_context(step_capacity(fit.capacity_bytes))
+    return stack
 
 
 class _Replanner:
@@ -284,15 +374,15 @@ def _job_watch(source: ModelSource, batches: list[Any], settings: AutoSettings) 
 
 
 def _fit_cached(source: ModelSource, settings: AutoSettings, cache: PlanCache,
-                others: list[ModelSource]) -> tuple[Plan, VerifyStatus, CacheStatus, str]:
+                others: list[ModelSource], fit: _Fit) -> tuple[Plan, VerifyStatus, CacheStatus, str]:
     """The plan for ``source`` through ``cache`` (NOTE [plan cache key]): a usable entry, else a new plan,
     stored where the directory takes it. Returns the plan, its verification, the cache status, the entry's path."""
-    key = _cache_key(source, settings, others)
+    key = _cache_key(source, settings, others, fit)
     cached = _usable_cached_plan(source.model, cache, key)
     ranks = _ranks(source)
     if ranks is not None and not ranks.all_true(cached is not None):
         cached = None   # a hit on every rank, or all plan again together (NOTE [one plan per job])
-    plan, verified = _plan_and_verify(source, cached, settings, others)
+    plan, verified = _plan_and_verify(source, cached, settings, others, fit)
     if cached is not None:
         status = CacheStatus.HIT
     else:
@@ -315,7 +405,7 @@ def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Pl
     return plan
 
 
-def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSource]) -> CacheKey:
+def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSource], fit: _Fit) -> CacheKey:
     """What a cached plan is bound to (NOTE [plan cache key]); every example batch's leaves."""
     model = source.model
     ranks = _ranks(source)
@@ -325,7 +415,8 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
         trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
         training=model.training,
         batch=[digest.value(leaf) for s in (source, *others) for leaf in tree_leaves(s.batch)],
-        budget=str(settings.budget), reserve=settings.reserve_fraction, planner=settings.planner,
+        budget=f"{settings.budget}" + ("" if fit.capacity_bytes is None else f" on a device of {fit.capacity_bytes} B"),
+        reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),
         torch_version=torch.__version__, remat_version=__version__,
@@ -335,7 +426,7 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
 
 
 def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings,
-                     others: list[ModelSource]) -> tuple[Plan, VerifyStatus]:
+                     others: list[ModelSource], fit: _Fit) -> tuple[Plan, VerifyStatus]:
     """``cached``, or a new plan; verified (quick) when asked. On CUDA the user's tensors are parked on
     the CPU meanwhile, and the RNG state is restored after (NOTE [no side effects])."""
     plan = cached
@@ -343,12 +434,14 @@ def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSet
     rng = RngState.capture()
     try:
         if plan is None or settings.quick_verify:
-            with _parked(source, settings.optimizer):
+            with _parked(source, settings.optimizer), _enforced(fit, source):
                 if plan is None:
-                    plan = _plan(source, settings, others)
+                    plan = _plan(source, settings, others, fit)
                 if settings.quick_verify:
                     settings.progress("auto: verify (quick)", 0, 1)
-                    verify_plan(source.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
+                    # where the step is blocked, at the largest batch where the control fits (NOTE [blocked step])
+                    control = fit.verify_source or source
+                    verify_plan(control.loaded(), plan, steps=1, seeds=1, timing_steps=0).raise_if_failed()
                     verified = VerifyStatus.PASSED
     finally:
         source.restore()
@@ -366,27 +459,101 @@ def _parked(source: ModelSource, optimizer: torch.optim.Optimizer | None) -> con
     return Parked(source.model, optimizer)
 
 
-def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]) -> Plan:
+def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource], fit: _Fit) -> Plan:
     """Profile a copy, then plan in a closed loop under the budget (``"70%"``: of the profiled peak);
-    with ``others`` (further example batches), over the sample of one step per batch (NOTE [step sample])."""
+    with ``others`` (further example batches), over the sample of one step per batch (NOTE [step sample]).
+    A step that does not fit the device unplanned is profiled from smaller batches (NOTE [blocked step])."""
     loaded = source.loaded()
     ranks = _ranks(source)
     # each further batch is a "boundary shape", recorded as its position among the example batches
     sample = StepSample.of(1, [{"example_batch": i + 1} for i in range(len(others))])
     variants = [s.loaded() for s in others]
-    # in a job, a replay is timed until its timings settle: a per-rank decision (NOTE [one plan per job])
-    profile = profile_sample(loaded.rebuild(), sample, measure_replays=settings.measure_replays and ranks is None,
-                             segments=settings.segments, variants=[v.rebuild() for v in variants],
-                             progress=settings.progress)
-    budget_bytes = parse_budget(settings.budget, profile.baseline_peak_bytes)   # this rank's own peak
+    clear_refusal()
+    try:
+        profile = _profile(source, settings, sample, variants)
+    except torch.OutOfMemoryError:
+        if others or ranks is not None:
+            raise AutoError("the unplanned step does not fit the device, and remat plans a blocked step from smaller "
+                            "batches only for one example batch in one process", tip="pass one example batch "
+                            "(the largest), or plan the blocked step in one process and apply the plan on every rank")
+        profile = _profile_blocked(source, settings, fit)
+    budget_bytes = _budget_bytes(settings, profile.baseline_peak_bytes, fit)   # this rank's own peak
     if ranks is not None:
         budget_bytes = ranks.min_bytes(budget_bytes)
         profile = agree_profile(profile, ranks)
     # one timed step per measured plan: auto's report shows it as a single run, never as an overhead
     # (NOTE [auto overhead]); each further step would be a step of the user's planning time
-    return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes, steps=1,
-                            reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
-                            variants=variants, progress=settings.progress).plan
+    try:
+        return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes, steps=1,
+                                reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
+                                variants=variants, progress=settings.progress).plan
+    except (InfeasibleBudget, BudgetMissed) as exc:
+        if fit.capacity_bytes is None or budget_bytes < fit.capacity_bytes:
+            raise   # a budget under the device: the budget's own error says what would meet it
+        floor = exc.best.measured_peak_bytes if isinstance(exc, BudgetMissed) else exc.floor_bytes
+        how = "measured" if isinstance(exc, BudgetMissed) else "predicted"
+        raise DeviceTooSmall(f"the step does not fit the device capacity of {fmt_bytes(fit.capacity_bytes)} with "
+                             f"any plan: the lowest peak, {how}, is {fmt_bytes(floor or 0)}"
+                             + (f" ({fit.blocked.describe()})" if fit.blocked is not None else ""),
+                             capacity_bytes=fit.capacity_bytes, floor_bytes=floor) from exc
+
+
+def _profile(source: ModelSource, settings: AutoSettings, sample: StepSample,
+             variants: list[InMemoryWorkload]) -> ProfileReport:
+    ranks = _ranks(source)
+    # in a job, a replay is timed until its timings settle: a per-rank decision (NOTE [one plan per job])
+    return profile_sample(source.loaded().rebuild(), sample,
+                          measure_replays=settings.measure_replays and ranks is None, segments=settings.segments,
+                          variants=[v.rebuild() for v in variants], progress=settings.progress)
+
+
+def _profile_blocked(source: ModelSource, settings: AutoSettings, fit: _Fit) -> ProfileReport:
+    """The profile at the example batch, from smaller batches that fit unplanned (NOTE [blocked step]);
+    records the evidence in ``fit``. DeviceTooSmall when no smaller batch fits."""
+    refusal = last_refusal()
+    target = leading_size(source.batch)
+    capacity = fit.capacity_bytes if fit.capacity_bytes is not None else refusal.capacity_bytes if refusal else 0
+    single = StepSample.of(1, [])
+    profiles: list[tuple[int, ProfileReport, ModelSource]] = []
+    tried: list[int] = []
+    for k in halvings(target):
+        if profiles and k != profiles[0][0] // 2:
+            break
+        settings.progress(f"auto: the step at batch {target} does not fit; profiling batch {k}", 0, 1)
+        smaller = _source(source.model, slice_batch(source.batch, k), settings)
+        try:
+            profiles.append((k, _profile(smaller, settings, single, []), smaller))
+        except torch.OutOfMemoryError:
+            tried.append(k)
+            continue
+        if len(profiles) == 2 or k == 1:
+            break
+    if not profiles:
+        raise no_smaller_fit(target, refusal, capacity, tried)
+    k2, large, verify_source = profiles[0]
+    state = min((r.base_bytes for r in large.rows), default=0)   # the least live: roughly the step's state
+    if len(profiles) == 2:
+        k1, small, _ = profiles[1]
+        report, rule = extrapolate(small, k1, large, k2, target, state)
+    else:
+        report, rule = extrapolate(large, k2, large, k2, target, state)
+    fit.blocked = BlockedStep(refusal=refusal, target_batch=target, profiled_batches=tuple(sorted(p[0] for p in profiles)),
+                              verified_batch=k2, rule=rule)
+    fit.verify_source = verify_source
+    return report
+
+
+def _budget_bytes(settings: AutoSettings, baseline_peak_bytes: int, fit: _Fit) -> int:
+    """The budget in bytes: the device's capacity when none is given; a budget above the capacity is refused."""
+    if settings.budget is None:
+        assert fit.capacity_bytes is not None   # device_capacity refused the call otherwise
+        return fit.capacity_bytes
+    budget_bytes = parse_budget(settings.budget, baseline_peak_bytes)
+    if fit.capacity_bytes is not None and budget_bytes > fit.capacity_bytes:
+        raise AutoError(f"budget={settings.budget!r} is {fmt_bytes(budget_bytes)}, above the device's capacity of "
+                        f"{fmt_bytes(fit.capacity_bytes)}: no step can use memory the device does not have",
+                        tip="leave budget out to fit the device, or pass a budget at or under its capacity")
+    return budget_bytes
 
 
 def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache: CacheStatus,
@@ -396,7 +563,7 @@ def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache:
         plan_digest=sha256_json(plan.to_json()), world_size=ranks.world_size if ranks is not None else 1,
         engine=source.engine if isinstance(source, InPlaceSource) else JobEngine.NONE,
         planner=plan.planner, boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
-        budget=str(settings.budget), budget_bytes=plan.budget_bytes or 0,
+        budget="the device" if settings.budget is None else str(settings.budget), budget_bytes=plan.budget_bytes or 0,
         effective_budget_bytes=plan.effective_budget_bytes or 0,
         baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
         measured_peak_bytes=plan.measured_peak_bytes, memory_source=plan.memory_source,

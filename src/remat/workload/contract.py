@@ -9,7 +9,7 @@ import sysconfig
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, ContextManager, Iterable, TypeVar
 
 import torch
 from torch import nn
@@ -186,6 +186,27 @@ def _noop(_: Phase) -> None:
 _step_watches: list[threading.Event] = []
 
 
+# NOTE [step guards]
+# A context that every training step of this process runs inside while it is pushed: remat's
+# CPU device capacity (NOTE [CPU device capacity] in remat/memory/capacity.py) charges each step
+# to a ledger that refuses an allocation past the capacity. The guard is called with the step and
+# the step's phase marker and yields the marker the step calls (so it knows the phase a refused
+# allocation came in). Pushed and popped by the layer that owns it; the step knows nothing of it.
+StepGuard = Callable[["TrainingStep", "PhaseMarker"], ContextManager["PhaseMarker"]]
+_step_guards: list[StepGuard] = []
+
+
+def push_step_guard(guard: StepGuard) -> None:
+    _step_guards.append(guard)
+
+
+def pop_step_guard(guard: StepGuard) -> None:
+    if _step_guards and _step_guards[-1] is guard:
+        _step_guards.pop()
+    elif guard in _step_guards:
+        _step_guards.remove(guard)
+
+
 def watch_first_step() -> threading.Event:
     """An event set when the next ``TrainingStep.run`` of this process ends (NOTE [first step watch])."""
     done = threading.Event()
@@ -240,7 +261,10 @@ class TrainingStep:
         if self.seed is not None:
             seed_everything(self.seed + step)
         try:
-            return self._run(step, marker)
+            if not _step_guards:
+                return self._run(step, marker)
+            with _step_guards[-1](self, marker) as guarded:
+                return self._run(step, guarded)
         finally:
             if _step_watches:
                 _step_ended()

@@ -1,0 +1,188 @@
+"""Plan a step that does not fit: its refusal as evidence, a profile from smaller batches that fit.
+
+NOTE [blocked step]
+People checkpoint because the step does not fit the device. When the unplanned step at the
+target batch runs out of memory (a CPU capacity's refusal, NOTE [CPU device capacity], or CUDA's
+``torch.OutOfMemoryError``), remat.auto records where (:class:`~remat.memory.capacity.Refusal`:
+the phase, the refused allocation, the bytes live by kind) and plans without ever running that
+step unplanned:
+
+1. **Smaller batches that fit.** The example batch's leading dimension (B, shared by every tensor
+   leaf of rank >= 1) is halved until the unplanned step fits: k2 = B/2, B/4, ...; then
+   k1 = k2/2. Both are profiled in full (every candidate's saved bytes, replay cost, hazards;
+   NOTE [profile]), under the capacity.
+2. **The rule: affine in the batch.** Every byte and time figure of the profile (each
+   candidate's saved, input and replay-extra bytes and forward and replay ms; each peak row's
+   base bytes; the unplanned peak, its phases and its time) is x(k) = a + b*k, fitted through
+   (k1, x1) and (k2, x2) and read at B: x(B) = x2 + (x2 - x1) * (B - k2) / (k2 - k1). The
+   constant part is what does not grow with the batch (parameters, gradients, optimizer state),
+   the slope what does (activations, their temporaries, per-sample time). Bytes and times are
+   clamped at 0. Structure (which candidates, hazards, exclusions, which rows) is k2's: the two
+   profiles must agree on it, or the profile at k2 is scaled alone through its state bytes
+   (``_proportional``). Its measured error: benchmarks/RESULTS.md, "Unlock the blocked shape".
+3. **Measured at the target.** The closed loop (NOTE [closed loop]) measures each plan at the
+   target batch B, under the capacity: a plan that still does not fit is refused by the capacity
+   and counts as a miss whose peak is at least the refused allocation plus what was live
+   (``closed_loop._measure_into``), so the loop corrects its margin and falls back as for any miss.
+   No unplanned step at B ever runs.
+4. **Proof where the control fits.** ``verify="quick"`` compares the plan with the unmodified
+   control at k2, the largest batch at which the control fits (recorded in the report as
+   ``verified_batch``); the planned step at B is the closed loop's measurement.
+When no halving fits, or no plan fits at B, :class:`DeviceTooSmall` says so with the capacity, the
+floor's measured or predicted peak, and the levers left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..errors import AutoError
+from ..memory.capacity import Refusal
+from ..plan.model import CheckpointMode
+from ..profile.model import CandidateCost, PeakRow, ProfileReport
+from ..units import fmt_bytes
+
+LEVERS = ("offload saved activations to the host (remat plan --offload with a host budget)",
+          "a smaller micro-batch with gradient accumulation (remat.auto(accumulation_steps=...))",
+          "sharding the parameters, gradients and optimizer state (FSDP2)")
+
+
+class DeviceTooSmall(AutoError):
+    """The step does not fit the device capacity with any plan remat can make (exit 2)."""
+
+    def __init__(self, message: str, *, capacity_bytes: int, floor_bytes: int | None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.floor_bytes = floor_bytes
+        super().__init__(message, tip="levers left: " + "; ".join(LEVERS))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedStep:
+    """The evidence of a blocked step and how remat planned it (NOTE [blocked step])."""
+
+    refusal: Refusal | None     # the unplanned step's refused allocation (None: CUDA, which does not say)
+    target_batch: int           # B: the example batch's leading dimension
+    profiled_batches: tuple[int, ...]   # (k1, k2): the smaller batches profiled unplanned
+    verified_batch: int         # k2: the largest batch at which the unplanned control fits
+    rule: str                   # "affine" or "proportional" (NOTE [blocked step])
+
+    def describe(self) -> str:
+        evidence = self.refusal.describe() if self.refusal is not None else "out of memory"
+        return (f"the unplanned step at batch {self.target_batch} does not fit ({evidence}); profiled at batches "
+                f"{', '.join(map(str, self.profiled_batches))} and extrapolated ({self.rule}); the control fits at "
+                f"batch {self.verified_batch}")
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.refusal is not None:
+            d["refusal"]["phase"] = None if self.refusal.phase is None else self.refusal.phase.value
+        d["profiled_batches"] = list(self.profiled_batches)
+        return d
+
+
+def leading_size(batch: Any) -> int:
+    """B: the leading dimension every tensor leaf of rank >= 1 shares; AutoError when they do not."""
+    sizes = {t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 1}
+    if len(sizes) != 1:
+        raise AutoError(f"the step does not fit, and remat finds no batch dimension to plan it from smaller batches: "
+                        f"the example batch's tensors have leading sizes {sorted(sizes) or 'none'}",
+                        tip="give an example batch whose tensors share their first (batch) dimension")
+    return sizes.pop()
+
+
+def slice_batch(batch: Any, k: int) -> Any:
+    """The first ``k`` samples of every tensor leaf of rank >= 1 (a copy: the user's batch is left alone)."""
+    return tree_map(lambda t: t[:k].clone() if isinstance(t, torch.Tensor) and t.dim() >= 1 else t, batch)
+
+
+def halvings(target: int) -> list[int]:
+    """k = B/2, B/4, ..., 1: the smaller batches tried, largest first."""
+    out, k = [], target // 2
+    while k >= 1:
+        out.append(k)
+        k //= 2
+    return out
+
+
+def extrapolate(small: ProfileReport, k1: int, large: ProfileReport, k2: int, target: int,
+                state_bytes: int) -> tuple[ProfileReport, str]:
+    """``large`` (at batch ``k2``) read at batch ``target`` by the rule of NOTE [blocked step]; returns the
+    report and the rule used ("affine", or "proportional" when the two profiles differ in structure)."""
+    if _same_structure(small, large):
+        t = (target - k2) / (k2 - k1)
+
+        def at(x1: float, x2: float) -> float:
+            return max(0.0, x2 + (x2 - x1) * t)
+        return _scaled(large, lambda name, x2, x1: at(x1, x2), small), "affine"
+    return _proportional(large, k2, target, state_bytes), "proportional"
+
+
+def _same_structure(a: ProfileReport, b: ProfileReport) -> bool:
+    return ([(c.name, sorted(m.value for m in c.saved_bytes)) for c in a.candidates]
+            == [(c.name, sorted(m.value for m in c.saved_bytes)) for c in b.candidates]
+            and sorted(_row_key(r) for r in a.rows) == sorted(_row_key(r) for r in b.rows)
+            and set(a.phase_peak_bytes) == set(b.phase_peak_bytes))
+
+
+def _row_key(row: PeakRow) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """A peak row by what it holds (rows are ordered by their bytes, which differ between batches)."""
+    return row.live, row.replaying, row.label
+
+
+def _proportional(report: ProfileReport, k: int, target: int, state_bytes: int) -> ProfileReport:
+    """Every figure scaled by target / k, row bytes above the state (which does not grow) only."""
+    f = target / k
+
+    def scale(name: str, x: float, _: float) -> float:
+        if name in ("row", "baseline_peak", "phase_peak"):
+            return state_bytes + max(0.0, x - state_bytes) * f
+        return x * f
+    return _scaled(report, scale, report)
+
+
+Rule = Callable[[str, float, float], float]   # (figure's kind, value in ``report``, value in ``other``) -> at target
+
+
+def _scaled(report: ProfileReport, rule: Rule, other: ProfileReport) -> ProfileReport:
+    """``report`` with every byte and time figure replaced by ``rule`` of it and of ``other``'s same figure."""
+    by_name = {c.name: c for c in other.candidates}
+
+    def cand(c: CandidateCost) -> CandidateCost:
+        o = by_name[c.name]
+
+        def per_mode(a: dict[CheckpointMode, Any], b: dict[CheckpointMode, Any], as_int: bool) -> dict:
+            return {m: (round if as_int else float)(rule("candidate", v, b.get(m, v))) for m, v in a.items()}
+        return dataclasses.replace(
+            c, fwd_ms=rule("candidate", c.fwd_ms, o.fwd_ms),
+            input_bytes=round(rule("candidate", c.input_bytes, o.input_bytes)),
+            saved_bytes=per_mode(c.saved_bytes, o.saved_bytes, True),
+            replay_ms=per_mode(c.replay_ms, o.replay_ms, False),
+            replay_extra_bytes=per_mode(c.replay_extra_bytes, o.replay_extra_bytes, True),
+            replay_spread_ms=per_mode(c.replay_spread_ms, o.replay_spread_ms, False))
+
+    other_rows = {_row_key(r): r for r in other.rows}
+    rows = sorted((dataclasses.replace(r, base_bytes=round(rule("row", r.base_bytes,
+                                                                other_rows.get(_row_key(r), r).base_bytes)))
+                   for r in report.rows), key=lambda r: -r.base_bytes)
+    return dataclasses.replace(
+        report, candidates=[cand(c) for c in report.candidates], rows=rows,
+        baseline_peak_bytes=round(rule("baseline_peak", report.baseline_peak_bytes, other.baseline_peak_bytes)),
+        baseline_step_ms=rule("time", report.baseline_step_ms, other.baseline_step_ms),
+        phase_peak_bytes={p: round(rule("phase_peak", v, other.phase_peak_bytes.get(p, v)))
+                          for p, v in report.phase_peak_bytes.items()},
+        untracked_bytes=round(rule("untracked", report.untracked_bytes, other.untracked_bytes)))
+
+
+def no_smaller_fit(target: int, refusal: Refusal | None, capacity_bytes: int, tried: list[int]) -> DeviceTooSmall:
+    evidence = f" ({refusal.describe()})" if refusal is not None else ""
+    if target < 2 or not tried:
+        why = f"the example batch has {target} sample(s): there is no smaller batch to profile from"
+    else:
+        why = f"neither does the unplanned step at batch {', '.join(map(str, tried))}"
+    return DeviceTooSmall(f"the unplanned step at batch {target} does not fit the device capacity of "
+                          f"{fmt_bytes(capacity_bytes)}{evidence}, and {why}, so remat has no measured step "
+                          "to plan it from", capacity_bytes=capacity_bytes, floor_bytes=None)
