@@ -10,7 +10,7 @@ step unplanned:
 1. **Smaller batches that fit.** The example batch's leading dimension (B, shared by every tensor
    leaf of rank >= 1) is halved until the unplanned step fits: k2 = B/2, B/4, ...; then
    k1 = k2/2. Both are profiled in full (every candidate's saved bytes, replay cost, hazards;
-   NOTE [profile]), under the capacity.
+   NOTE [what one profiled step gives]), under the capacity.
 2. **The rule: affine in the batch.** Every byte and time figure of the profile (each
    candidate's saved, input and replay-extra bytes and forward and replay ms; each peak row's
    base bytes; the unplanned peak, its phases and its time) is x(k) = a + b*k, fitted through

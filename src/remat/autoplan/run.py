@@ -272,8 +272,21 @@ def parse_capacity(text: str | int) -> int:
 
 
 def device_capacity(source: ModelSource, settings: AutoSettings) -> int | None:
-    """The device's capacity for this step (NOTE [device capacity]), bytes; None when none is stated or known
-    (then ``budget`` must be given)."""
+    """The device's capacity for this step, bytes; None when none is stated or known (then ``budget`` must be given).
+
+    NOTE [device capacity]
+    What "fit this device" means, the default budget of ``remat.auto``: ``device_memory`` when it
+    is given; on CUDA, the memory free at the call plus the bytes of the model's and optimizer's own
+    tensors on the device (remat parks those while it measures a copy, and they are the step's own
+    state, which the measured peak counts), so other tensors of the process count against it; on
+    the CPU, the :class:`remat.CpuCapacity` block the call is in, likewise (its capacity less what
+    is charged to it, plus the model's and optimizer's tensors). On the CPU the capacity is
+    *enforced* while remat plans (NOTE [CPU device capacity]): every step remat runs is refused past
+    it, so a plan, a profile or a verification never runs over it, and a step that does not fit is
+    planned from smaller batches (NOTE [blocked step]). The budget is then the capacity, the plan's
+    measured peak stays under it less the reserve (NOTE [the reserve]), and a budget above it is
+    refused with both figures.
+    """
     if settings.device_memory is not None:
         capacity = parse_capacity(settings.device_memory)
     elif source.device.type == "cuda":
