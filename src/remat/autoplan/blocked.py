@@ -16,8 +16,8 @@ step unplanned:
    base bytes; the unplanned peak, its phases and its time) is x(k) = a + b*k, fitted through
    (k1, x1) and (k2, x2) and read at B: x(B) = x2 + (x2 - x1) * (B - k2) / (k2 - k1). The
    constant part is what does not grow with the batch (parameters, gradients, optimizer state),
-   the slope what does (activations, their temporaries, per-sample time). Bytes and times are
-   clamped at 0. Structure (which candidates, hazards, exclusions, which rows) is k2's: the two
+   the slope what does (activations, their temporaries, per-sample time). Times and bytes live
+   are clamped at 0 (a candidate's saved bytes may be negative, and are not). Structure (which candidates, hazards, exclusions, which rows) is k2's: the two
    profiles must agree on it, or the profile at k2 is scaled alone through its state bytes
    (``_proportional``). Its measured error: benchmarks/RESULTS.md, "Unlock the blocked shape".
 3. **Measured at the target.** The closed loop (NOTE [closed loop]) measures each plan at the
@@ -115,10 +115,16 @@ def extrapolate(small: ProfileReport, k1: int, large: ProfileReport, k2: int, ta
     if _same_structure(small, large):
         t = (target - k2) / (k2 - k1)
 
-        def at(x1: float, x2: float) -> float:
-            return max(0.0, x2 + (x2 - x1) * t)
-        return _scaled(large, lambda name, x2, x1: at(x1, x2), small), "affine"
+        def at(kind: str, x2: float, x1: float) -> float:
+            x = x2 + (x2 - x1) * t
+            return max(0.0, x) if kind in _NON_NEGATIVE else x   # a candidate's saved bytes may be < 0
+        return _scaled(large, at, small), "affine"
     return _proportional(large, k2, target, state_bytes), "proportional"
+
+
+# figures that cannot be negative: times, and bytes live (a candidate's saved bytes can be: a selective
+# policy's saved outputs can outweigh the intermediates it frees)
+_NON_NEGATIVE = frozenset({"ms", "row", "baseline_peak", "phase_peak", "untracked"})
 
 
 def _same_structure(a: ProfileReport, b: ProfileReport) -> bool:
@@ -144,7 +150,9 @@ def _proportional(report: ProfileReport, k: int, target: int, state_bytes: int) 
     return _scaled(report, scale, report)
 
 
-Rule = Callable[[str, float, float], float]   # (figure's kind, value in ``report``, value in ``other``) -> at target
+# (figure's kind: "candidate" bytes, "ms", "row", "baseline_peak", "phase_peak", "untracked";
+#  its value in ``report``; in ``other``) -> its value at the target batch
+Rule = Callable[[str, float, float], float]
 
 
 def _scaled(report: ProfileReport, rule: Rule, other: ProfileReport) -> ProfileReport:
@@ -155,9 +163,10 @@ def _scaled(report: ProfileReport, rule: Rule, other: ProfileReport) -> ProfileR
         o = by_name[c.name]
 
         def per_mode(a: dict[CheckpointMode, Any], b: dict[CheckpointMode, Any], as_int: bool) -> dict:
-            return {m: (round if as_int else float)(rule("candidate", v, b.get(m, v))) for m, v in a.items()}
+            kind = "candidate" if as_int else "ms"
+            return {m: (round if as_int else float)(rule(kind, v, b.get(m, v))) for m, v in a.items()}
         return dataclasses.replace(
-            c, fwd_ms=rule("candidate", c.fwd_ms, o.fwd_ms),
+            c, fwd_ms=rule("ms", c.fwd_ms, o.fwd_ms),
             input_bytes=round(rule("candidate", c.input_bytes, o.input_bytes)),
             saved_bytes=per_mode(c.saved_bytes, o.saved_bytes, True),
             replay_ms=per_mode(c.replay_ms, o.replay_ms, False),
@@ -171,7 +180,7 @@ def _scaled(report: ProfileReport, rule: Rule, other: ProfileReport) -> ProfileR
     return dataclasses.replace(
         report, candidates=[cand(c) for c in report.candidates], rows=rows,
         baseline_peak_bytes=round(rule("baseline_peak", report.baseline_peak_bytes, other.baseline_peak_bytes)),
-        baseline_step_ms=rule("time", report.baseline_step_ms, other.baseline_step_ms),
+        baseline_step_ms=rule("ms", report.baseline_step_ms, other.baseline_step_ms),
         phase_peak_bytes={p: round(rule("phase_peak", v, other.phase_peak_bytes.get(p, v)))
                           for p, v in report.phase_peak_bytes.items()},
         untracked_bytes=round(rule("untracked", report.untracked_bytes, other.untracked_bytes)))

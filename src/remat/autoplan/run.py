@@ -15,9 +15,9 @@ from torch.utils._pytree import tree_leaves
 
 from .. import __version__
 from ..wrap import ApplyHandle, apply, check_applies, recover_handle
-from ..closed_loop import BudgetMissed, plan_closed_loop
+from ..closed_loop import BudgetMissed, measure_plan, plan_closed_loop
 from ..errors import AutoError, OptionStyle, RematError, option_style
-from ..plan import InfeasibleBudget, Plan, check_budget_syntax, parse_budget, parse_reserve
+from ..plan import InfeasibleBudget, Plan, make_plan, check_budget_syntax, parse_budget, parse_reserve
 from ..profile.model import ProfileReport
 from ..units import fmt_bytes
 from ..profile import fingerprint
@@ -503,12 +503,29 @@ def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]
     except (InfeasibleBudget, BudgetMissed) as exc:
         if fit.capacity_bytes is None or budget_bytes < fit.capacity_bytes:
             raise   # a budget under the device: the budget's own error says what would meet it
-        floor = exc.best.measured_peak_bytes if isinstance(exc, BudgetMissed) else exc.floor_bytes
-        how = "measured" if isinstance(exc, BudgetMissed) else "predicted"
+        if isinstance(exc, BudgetMissed):
+            floor, how = exc.best.measured_peak_bytes or 0, f"measured over {exc.best.planner}"
+        else:
+            floor, how = _measured_floor(loaded, profile, budget_bytes, settings)
         raise DeviceTooSmall(f"the step does not fit the device capacity of {fmt_bytes(fit.capacity_bytes)} with "
-                             f"any plan: the lowest peak, {how}, is {fmt_bytes(floor or 0)}"
+                             f"any plan: the floor plan's peak is {how} {fmt_bytes(floor)}"
                              + (f" ({fit.blocked.describe()})" if fit.blocked is not None else ""),
                              capacity_bytes=fit.capacity_bytes, floor_bytes=floor) from exc
+
+
+def _measured_floor(loaded: InMemoryWorkload, profile: ProfileReport, budget_bytes: int,
+                    settings: AutoSettings) -> tuple[int, str]:
+    """The floor plan (the least predicted peak) measured at the target under the capacity: (bytes, how);
+    a plan the capacity refuses measures at least what was live plus the refused allocation."""
+    floor = make_plan(profile, "floor", budget_bytes=None, reserve=settings.reserve_fraction)
+    settings.progress("auto: nothing is predicted to fit; measuring the floor plan", 0, 1)
+    try:
+        return measure_plan(loaded, floor, steps=1).peak_bytes, "measured"
+    except torch.OutOfMemoryError:
+        refusal = last_refusal()
+        if refusal is None:
+            return floor.predicted_peak_bytes, "predicted (measuring it ran out of memory)"
+        return refusal.live_bytes + refusal.requested_bytes, "measured at least"
 
 
 def _profile(source: ModelSource, settings: AutoSettings, sample: StepSample,
