@@ -11,6 +11,12 @@ checkpointing everything would be needlessly slow. torch runs one intra-op threa
 default here: on a shared 2-core machine, two OpenMP threads that lose a core to another
 process spin at every barrier and a step can take 10x longer (measured); ``--threads``
 overrides it.
+
+Its second act (NOTE [blocked step]) is the step people checkpoint for, one that does not fit:
+the same gpt at batch 32 on a stated CPU device of 96 MiB, where its unplanned step needs about
+1.8x that. The unplanned step is refused on a copy (its evidence printed), ``remat.auto`` plans
+it from smaller batches, proves the plan at the largest batch where the control fits, and the
+model then trains 3 steps with the plan under the enforced capacity (about 35 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Iterator
 import torch
 
 from ..errors import RematError
+from ..autoplan.unlock import describe as describe_unlock, unlock
+from ..plan import parse_budget
 from ..workflow import make_receipt
 from ..receipt import RunSettings, write_receipt
 from ..workload import load_workload
@@ -40,6 +48,9 @@ DEMO_SHAPE = {"batch_size": 8, "seq_len": 128, "n_layer": 4, "d_model": 128, "n_
 DEMO_BOUNDARY_SHAPE = {"batch_size": 16}
 DEMO_BUDGET = "72MiB"
 DEMO_RESERVE = 0.05
+# the second act: a batch whose unplanned step needs about 1.8x the stated device (NOTE [blocked step])
+DEMO_BLOCKED_SHAPE = {"batch_size": 32}
+DEMO_CAPACITY = "96MiB"
 DEMO_SETTINGS = RunSettings(
     trace_warmup=1, trace_steps=1, verify_steps=2, verify_seeds=3, verify_timing_steps=3,
     frontier_plans=["none", "all", "uniform:2", "selective", "optimal", "optimal@50%"],
@@ -96,6 +107,20 @@ def _quiet_native_stderr(prefixes: tuple[str, ...] = ("USDT:",)) -> Iterator[Non
         t.join(timeout=2)
 
 
+def _blocked_step(t0: float) -> None:
+    """The demo's second act (NOTE [blocked step]): a batch that does not fit a stated device, unlocked."""
+    shape = {**DEMO_SHAPE, **DEMO_BLOCKED_SHAPE}
+    console.print()
+    console.print(f"[bold]A step that does not fit[/]: the same gpt at batch_size={shape['batch_size']} on a CPU "
+                  f"device of {DEMO_CAPACITY}, enforced (an allocation past it raises torch.OutOfMemoryError, as on "
+                  "CUDA). remat.auto plans it from smaller batches that fit, measures the plan at the blocked batch, "
+                  "and proves it where the unplanned control fits.", highlight=False)
+    with _quiet_native_stderr(), stage_progress(t0) as progress:
+        result = unlock(load_workload(DEMO_WORKLOAD, shape), parse_budget(DEMO_CAPACITY, 0), progress=progress)
+    for line in describe_unlock(result):
+        console.print("  " + line, highlight=False)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise RematError(f"--threads must be at least 1, got {args.threads}")
@@ -115,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     files = write_receipt(receipt, args.out)
     console.print()
     render_decision(receipt, files)
+    _blocked_step(t0)
     err_console.print(f"[dim]demo finished in {time.perf_counter() - t0:.0f} s; open {files.html} in a browser[/]",
                       highlight=False)
     return 0 if receipt.shipped else 1
