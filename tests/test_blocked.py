@@ -178,3 +178,16 @@ def test_auto_inside_a_cpu_capacity_block_fits_that_capacity():
         opt.step()
     assert handle.report.blocked is not None
     assert handle.report.device_memory_bytes is not None and handle.report.device_memory_bytes <= capacity
+
+
+def test_unlock_shows_the_refused_control_then_the_plan_under_the_same_capacity():
+    """remat demo's second act (remat.autoplan.unlock) on a small gpt."""
+    from remat.autoplan.unlock import describe, unlock
+    from remat.workload import load_workload
+    shape = {"batch_size": 16, "seq_len": 128, "n_layer": 4, "d_model": 128, "n_head": 4, "dropout": 0.0}
+    s = gpt_scenario(batch_size=16)
+    capacity = int(unplanned_peak(s) / 1.5)
+    u = unlock(load_workload("gpt", shape), capacity, steps=2)
+    assert u.control_refusal is not None and u.control_refusal.capacity_bytes == capacity
+    assert u.report.blocked is not None and len(u.step_peaks) == 2 and max(u.step_peaks) <= capacity
+    assert any("refused" in line for line in describe(u))

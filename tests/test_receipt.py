@@ -531,6 +531,7 @@ def test_demo_cli_end_to_end_on_a_tiny_shape(work, monkeypatch, capsys):
     assert main(["demo", "--out", "demo"]) == 0
     out = _text(capsys.readouterr().out)
     assert "Ship " in out and "demo/report.html" in out and "remat check demo/receipt.json" in out
+    assert "A step that does not fit" in out and "your steps with the plan, under the capacity" in out
     assert main(["check", "demo/receipt.json", "--quick"]) == 0
 
 
