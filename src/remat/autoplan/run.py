@@ -40,7 +40,8 @@ from .shapes import ShapeEnvelope, ShapeGuard, ShapePolicy, grow_batch
 from .source import InMemoryWorkload
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device, unwrap_optimizer
 from .blocked import BlockedStep, DeviceTooSmall, extrapolate, halvings, leading_size, no_smaller_fit, slice_batch
-from ..memory.capacity import active_capacity, clear_refusal, last_refusal, step_capacity
+from ..memory.capacity import (active_capacity, clear_refusal, last_refusal, optimizer_tensors, step_capacity,
+                               storage_bytes)
 
 VERIFY_MODES = (None, "quick")
 _HOW_TO_VERIFY = ("not verified: pass verify='quick' (one seed, one step, paired control on a copy), or run "
@@ -305,19 +306,11 @@ def device_capacity(source: ModelSource, settings: AutoSettings) -> int | None:
 
 def _state_bytes(model: nn.Module, optimizer: Any, device_type: str) -> int:
     """Bytes of the user's parameters, buffers, gradients and optimizer state on ``device_type``, each storage once."""
-    seen: set[int] = set()
-    total = 0
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
     if optimizer is not None:
-        opt = unwrap_optimizer(optimizer)
-        tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == device_type:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-    return total
+        tensors += optimizer_tensors(unwrap_optimizer(optimizer))
+    return storage_bytes([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == device_type], set(),
+                         device_type=device_type)
 
 
 def _enforced(fit: _Fit, source: ModelSource) -> contextlib.AbstractContextManager[Any]:
@@ -418,7 +411,8 @@ def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Pl
     return plan
 
 
-def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSource], fit: _Fit) -> CacheKey:
+def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSource],
+               fit: _Fit | None = None) -> CacheKey:
     """What a cached plan is bound to (NOTE [plan cache key]); every example batch's leaves."""
     model = source.model
     ranks = _ranks(source)
@@ -428,7 +422,8 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
         trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
         training=model.training,
         batch=[digest.value(leaf) for s in (source, *others) for leaf in tree_leaves(s.batch)],
-        budget=f"{settings.budget}" + ("" if fit.capacity_bytes is None else f" on a device of {fit.capacity_bytes} B"),
+        budget=f"{settings.budget}" + ("" if fit is None or fit.capacity_bytes is None
+                                       else f" on a device of {fit.capacity_bytes} B"),
         reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),

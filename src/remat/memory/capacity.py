@@ -137,11 +137,12 @@ class _Ledger:
         self._m.ledger_close(self._n)
 
 
-def _storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
-    """Bytes of the CPU storages of ``tensors`` not in ``seen`` (data pointers), each once; ``seen`` grows."""
+def storage_bytes(tensors: Iterable[Any], seen: set[int], *, device_type: str = "cpu") -> int:
+    """Bytes of the storages on ``device_type`` of ``tensors`` not in ``seen`` (data pointers), each once;
+    ``seen`` grows."""
     total = 0
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta:
+        if not isinstance(t, torch.Tensor) or t.device.type != device_type or t.is_meta:
             continue
         try:
             storage = t.untyped_storage()
@@ -155,7 +156,7 @@ def _storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
     return total
 
 
-def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     state = getattr(optimizer, "state", None)
     if not isinstance(state, dict):
         return []
@@ -185,7 +186,7 @@ def _saved_tensor_bytes(tb: "TracebackType | None", seen: set[int], max_nodes: i
                     value = getattr(node, attr)
                 except RuntimeError:   # freed already (after a backward) or not a tensor
                     continue
-                total += _storage_bytes(_tensors_in(value), seen)
+                total += storage_bytes(_tensors_in(value), seen)
         stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
     return total
 
@@ -206,9 +207,9 @@ def live_by_kind(model: nn.Module | None, optimizer: Any, live_bytes: int,
     """What holds the ``live_bytes`` of a refused allocation: the model's parameters and buffers, their
     gradients, the optimizer's state, the saved activations reachable from ``tb``; the rest is other."""
     seen: set[int] = set()
-    params = _storage_bytes(list(model.parameters()) + list(model.buffers()), seen) if model is not None else 0
-    grads = _storage_bytes([p.grad for p in model.parameters()], seen) if model is not None else 0
-    opt = _storage_bytes(_optimizer_tensors(optimizer), seen)
+    params = storage_bytes(list(model.parameters()) + list(model.buffers()), seen) if model is not None else 0
+    grads = storage_bytes([p.grad for p in model.parameters()], seen) if model is not None else 0
+    opt = storage_bytes(optimizer_tensors(optimizer), seen)
     saved = _saved_tensor_bytes(tb, seen)
     return LiveByKind(parameters=params, gradients=grads, optimizer_state=opt, saved_activations=saved,
                       other=max(0, live_bytes - params - grads - opt - saved))
@@ -245,9 +246,9 @@ def step_capacity(capacity_bytes: int | None) -> Iterator[None]:
             yield marker
             return
         seen: set[int] = set()
-        base = _storage_bytes([*model.parameters(), *model.buffers()], seen) \
-            + _storage_bytes([p.grad for p in model.parameters()], seen) \
-            + _storage_bytes(_optimizer_tensors(step.optimizer), seen)
+        base = storage_bytes([*model.parameters(), *model.buffers()], seen) \
+            + storage_bytes([p.grad for p in model.parameters()], seen) \
+            + storage_bytes(optimizer_tensors(step.optimizer), seen)
         phase: list[Phase | None] = [None]
 
         def mark(p: Phase) -> None:
@@ -309,11 +310,11 @@ class CpuCapacity:
         base = 0
         for obj in self._holding:
             if isinstance(obj, nn.Module):
-                base += _storage_bytes([*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters())], seen)
+                base += storage_bytes([*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters())], seen)
             elif isinstance(obj, torch.optim.Optimizer):
-                base += _storage_bytes(_optimizer_tensors(obj), seen)
+                base += storage_bytes(optimizer_tensors(obj), seen)
             else:
-                base += _storage_bytes(_tensors_in(obj), seen)
+                base += storage_bytes(_tensors_in(obj), seen)
         if base > self.capacity_bytes:
             raise CapacityError(f"the named objects already hold {fmt_bytes(base)}, over the capacity of "
                                 f"{fmt_bytes(self.capacity_bytes)}")
