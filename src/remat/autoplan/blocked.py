@@ -16,8 +16,10 @@ step unplanned:
    base bytes; the unplanned peak, its phases and its time) is x(k) = a + b*k, fitted through
    (k1, x1) and (k2, x2) and read at B: x(B) = x2 + (x2 - x1) * (B - k2) / (k2 - k1). The
    constant part is what does not grow with the batch (parameters, gradients, optimizer state),
-   the slope what does (activations, their temporaries, per-sample time). Times and bytes live
-   are clamped at 0 (a candidate's saved bytes may be negative, and are not). Structure (which candidates, hazards, exclusions, which rows) is k2's: the two
+   the slope what does (activations, their temporaries). Bytes live are clamped at 0 (a
+   candidate's saved bytes may be negative, and are not). Times (forward, replay, the step) are
+   k2's scaled by B / k2: k1 is profiled for its bytes only, its replays not timed alone (a
+   third of a profile's time), and a time's fixed part read as per-sample errs high, never low. Structure (which candidates, hazards, exclusions, which rows) is k2's: the two
    profiles must agree on it, or the profile at k2 is scaled alone through its state bytes
    (``_proportional``). Its measured error: benchmarks/RESULTS.md, "Unlock the blocked shape".
 3. **Measured at the target.** The closed loop (NOTE [closed loop]) measures each plan at the
@@ -116,6 +118,8 @@ def extrapolate(small: ProfileReport, k1: int, large: ProfileReport, k2: int, ta
         t = (target - k2) / (k2 - k1)
 
         def at(kind: str, x2: float, x1: float) -> float:
+            if kind == "ms":   # times from k2 alone: k1's replays are not timed (its profile is for bytes)
+                return x2 * target / k2
             x = x2 + (x2 - x1) * t
             return max(0.0, x) if kind in _NON_NEGATIVE else x   # a candidate's saved bytes may be < 0
         return _scaled(large, at, small), "affine"

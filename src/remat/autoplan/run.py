@@ -524,11 +524,13 @@ def _measured_floor(loaded: InMemoryWorkload, profile: ProfileReport, budget_byt
 
 
 def _profile(source: ModelSource, settings: AutoSettings, sample: StepSample,
-             variants: list[InMemoryWorkload]) -> ProfileReport:
+             variants: list[InMemoryWorkload], *, bytes_only: bool = False) -> ProfileReport:
+    """``bytes_only``: no replay timed alone (the blocked step's second, smaller batch: NOTE [blocked step])."""
     ranks = _ranks(source)
     # in a job, a replay is timed until its timings settle: a per-rank decision (NOTE [one plan per job])
     return profile_sample(source.loaded().rebuild(), sample,
-                          measure_replays=settings.measure_replays and ranks is None, segments=settings.segments,
+                          measure_replays=settings.measure_replays and ranks is None and not bytes_only,
+                          segments=settings.segments,
                           variants=[v.rebuild() for v in variants], progress=settings.progress)
 
 
@@ -547,7 +549,7 @@ def _profile_blocked(source: ModelSource, settings: AutoSettings, fit: _Fit) -> 
         settings.progress(f"auto: the step at batch {target} does not fit; profiling batch {k}", 0, 1)
         smaller = _source(source.model, slice_batch(source.batch, k), settings)
         try:
-            profiles.append((k, _profile(smaller, settings, single, []), smaller))
+            profiles.append((k, _profile(smaller, settings, single, [], bytes_only=bool(profiles)), smaller))
         except torch.OutOfMemoryError:
             tried.append(k)
             continue
