@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.autoplan.blocked import extrapolate, halvings, leading_size, slice_batch
+from remat.profile.blocked import extrapolate, halvings, leading_size, slice_batch
 from remat.memory.capacity import CpuCapacity, last_refusal, step_capacity
 from remat.types import Phase
 from remat.workload import Workload
@@ -159,11 +159,12 @@ def test_a_step_with_no_smaller_batch_that_fits_is_refused():
 
 def test_budget_and_capacity_are_checked_against_each_other():
     s = gpt_scenario(batch_size=4, seq_len=32)
-    with pytest.raises(remat.AutoError, match="above the device's capacity"):
+    with pytest.raises(remat.BudgetError, match="above the device's capacity") as info:
         remat.auto(s.model, s.batch, loss_fn=s.loss_fn, budget="64MiB", device_memory="32MiB", use_cache=False)
+    assert 'budget="64MiB"' in info.value.message and "32.00 MiB" in info.value.message   # keywords, both figures
     with pytest.raises(remat.AutoError, match="no stated capacity"):
         remat.auto(s.model, s.batch, loss_fn=s.loss_fn, use_cache=False)
-    with pytest.raises(remat.AutoError, match="not a percentage"):
+    with pytest.raises(remat.BudgetError, match='device_memory="50%".*not a percentage'):
         remat.auto(s.model, s.batch, loss_fn=s.loss_fn, device_memory="50%", use_cache=False)
 
 

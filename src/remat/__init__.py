@@ -7,7 +7,8 @@ plan -> wrap (apply) -> closed_loop -> verify -> autoplan -> integrations -> fro
 from __future__ import annotations
 
 from ._lazy import lazy_exports
-from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, CheckTimeout, DistributedError, FingerprintMismatch,
+from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, CheckTimeout, DeviceTooSmall, DistributedError,
+                     FingerprintMismatch,
                      HandleError, JobFault, MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
                      TrainableChangedError, UserCodeError, VerificationFailed, WorkloadError)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
@@ -54,8 +55,7 @@ _LAZY = {
     # a device capacity on the CPU, and the step that does not fit it (NOTE [blocked step])
     "CpuCapacity": "remat.memory.capacity",
     "CapacityError": "remat.memory.capacity",
-    "DeviceTooSmall": "remat.autoplan.blocked",
-    "BlockedStep": "remat.autoplan.blocked",
+    "BlockedStep": "remat.profile.model",
 }
 
 __all__ = [

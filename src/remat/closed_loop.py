@@ -34,12 +34,12 @@ import torch
 
 from .wrap import PlanArm
 from .memory.capacity import last_refusal
-from .errors import BudgetError, Option, PlanError, spell
+from .errors import BudgetError, DeviceTooSmall, Option, PlanError, spell
 from .measure import CompileSpec, StepMeasurement, Stream, measure_arm, measure_stream_peaks
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .plan.offload import OffloadPricing
-from .profile.model import ProfileReport, SampleRecord, StepSample
+from .profile.model import BlockedStep, ProfileReport, SampleRecord, StepSample
 from .profile.sample import sample_workloads, shape_streams
 from .types import ProgressFn, no_progress
 from .workload.loader import LoadedWorkload
@@ -489,3 +489,43 @@ class BudgetMissed(BudgetError):
             tip=tip + "ask for a budget of at least "
                 f"{format_bytes(min_budget_for(best.measured_peak_bytes or 0, best.reserve))} "
                 "(that plan measured under it), lower the reserve, or make more candidates plannable")
+
+
+# -- a device's capacity as the budget (NOTE [device capacity] in remat/autoplan/run.py) ---------------
+
+def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str, *, budget_bytes: int,
+                    capacity_bytes: int | None, blocked: BlockedStep | None = None,
+                    **kw: Any) -> ClosedLoopResult:
+    """:func:`plan_closed_loop`; where the budget is the device's capacity and no plan fits it, DeviceTooSmall
+    with the floor plan's peak measured at the target under the capacity (NOTE [blocked step]). The plan
+    records ``blocked``."""
+    try:
+        result = plan_closed_loop(loaded, report, planner, budget_bytes=budget_bytes, **kw)
+    except (InfeasibleBudget, BudgetMissed) as exc:
+        if capacity_bytes is None or budget_bytes < capacity_bytes:
+            raise   # a budget under the device: the budget's own error says what would meet it
+        if isinstance(exc, BudgetMissed):
+            floor, how = exc.best.measured_peak_bytes or 0, f"measured ({exc.best.planner})"
+        else:
+            floor, how = _measured_floor(loaded, report, kw.get("reserve", 0.05), kw.get("progress", no_progress))
+        raise DeviceTooSmall(f"the step does not fit the device capacity of {format_bytes(capacity_bytes)} with any "
+                             f"plan: the floor plan's peak is {how} {format_bytes(floor)}"
+                             + (f" ({blocked.describe()})" if blocked is not None else ""),
+                             capacity_bytes=capacity_bytes, floor_bytes=floor) from exc
+    result.plan.blocked = blocked
+    return result
+
+
+def _measured_floor(loaded: LoadedWorkload, report: ProfileReport, reserve: float,
+                    progress: ProgressFn) -> tuple[int, str]:
+    """The floor plan (the least predicted peak) measured at the target under the capacity: (bytes, how);
+    a plan the capacity refuses measures at least what was live plus the refused allocation."""
+    floor = make_plan(report, "floor", budget_bytes=None, reserve=reserve)
+    progress("plan: nothing is predicted to fit the device; measuring the floor plan", 0, 1)
+    try:
+        return measure_plan(loaded, floor, steps=1).peak_bytes, "measured"
+    except torch.OutOfMemoryError:
+        refusal = last_refusal()
+        if refusal is None:
+            return floor.predicted_peak_bytes, "predicted (measuring it ran out of memory)"
+        return refusal.live_bytes + refusal.requested_bytes, "measured at least"

@@ -66,6 +66,20 @@ class BudgetError(RematError):
     """The budget is malformed or no plan can reach it (the message names the floor)."""
 
 
+class DeviceTooSmall(BudgetError):
+    """The step does not fit the device's capacity with any plan remat can make (exit 2): carries the
+    capacity and the floor (bytes; None: no step was measured to plan from). NOTE [blocked step]."""
+
+    LEVERS = ("offload saved activations to the host (remat plan --offload with a host budget)",
+              "a smaller micro-batch with gradient accumulation (remat.auto(accumulation_steps=...))",
+              "sharding the parameters, gradients and optimizer state (FSDP2)")
+
+    def __init__(self, message: str, *, capacity_bytes: int, floor_bytes: int | None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.floor_bytes = floor_bytes
+        super().__init__(message, tip="levers left: " + "; ".join(self.LEVERS))
+
+
 class PlanError(RematError):
     """A plan is malformed, or cannot be applied to this model."""
 
@@ -163,6 +177,7 @@ class Option(enum.Enum):
     ALLOW_HAZARDS = "allow-hazards"
     SAMPLE_STEPS = "sample-steps"
     FSDP2 = "fsdp2"
+    DEVICE_MEMORY = "device-memory"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,6 +201,7 @@ SPELLINGS: dict[Option, Spelling] = {
                                    instead="remove the replay hazard, which remat.auto never plans unguarded"),
     Option.SAMPLE_STEPS: Spelling(flag="--sample-steps",
                                   instead="more example batches, remat.ExampleBatches(...)"),
+    Option.DEVICE_MEMORY: Spelling(flag="--device-memory", keyword="device_memory"),
     Option.FSDP2: Spelling(flag="remat distributed --engine fsdp2",
                            instead="fully_shard the model, then call remat.auto"),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 # NOTE [module names]
@@ -153,3 +154,26 @@ def is_cheap_op(op: object) -> bool:
     """An aten OpOverload that is pointwise (aten's tag) or a view (NOTE [op-level policies])."""
     import torch   # only callers that hold a torch op get here
     return torch.Tag.pointwise in getattr(op, "tags", ()) or bool(getattr(op, "is_view", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveByKind:
+    """Bytes live at a refused allocation, by what holds them (each storage once)."""
+
+    parameters: int           # parameters and buffers
+    gradients: int
+    optimizer_state: int
+    saved_activations: int    # saved for backward by the autograd graph reachable from the failing frames
+    other: int                # everything else the ledger was charged: the batch, outputs, temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """An allocation a device capacity refused: a blocked step's evidence (bytes; NOTE [CPU device
+    capacity] in remat/memory/capacity.py). ``remat.profile.model.describe_refusal`` words it."""
+
+    capacity_bytes: int
+    requested_bytes: int
+    live_bytes: int           # charged to the ledger when the allocation was refused
+    phase: Phase | None       # the step's phase then (None: outside a step)
+    by_kind: LiveByKind | None = None

@@ -9,7 +9,7 @@ from typing import Any
 from ..types import MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
-from .blocked import BlockedStep
+from ..profile.blocked import BlockedStep
 from .inplace import JobEngine
 from .shapes import ShapeEnvelope, ShapeGuard
 

@@ -15,11 +15,10 @@ from torch.utils._pytree import tree_leaves
 
 from .. import __version__
 from ..wrap import ApplyHandle, apply, check_applies, recover_handle
-from ..closed_loop import BudgetMissed, measure_plan, plan_closed_loop
+from ..closed_loop import plan_for_device
 from ..errors import AutoError, OptionStyle, RematError, option_style
-from ..plan import InfeasibleBudget, Plan, make_plan, check_budget_syntax, parse_budget, parse_reserve
+from ..plan import Plan, budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
 from ..profile.model import ProfileReport
-from ..units import fmt_bytes
 from ..profile import fingerprint
 from ..profile.model import StepSample
 from ..profile.sample import profile_sample
@@ -39,7 +38,7 @@ from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .shapes import ShapeEnvelope, ShapeGuard, ShapePolicy, grow_batch
 from .source import InMemoryWorkload
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device, unwrap_optimizer
-from .blocked import BlockedStep, DeviceTooSmall, extrapolate, halvings, leading_size, no_smaller_fit, slice_batch
+from ..profile.blocked import BlockedStep, leading_size, profile_smaller, slice_batch
 from ..memory.capacity import (active_capacity, clear_refusal, last_refusal, optimizer_tensors, step_capacity,
                                storage_bytes)
 
@@ -203,11 +202,12 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int | None = Non
     """
     t0 = time.perf_counter()
     _check_trainable(model)
-    settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify, cache_dir=cache_dir,
-                            use_cache=use_cache, reserve=reserve, planner=planner, copy_fn=copy_fn,
-                            measure_replays=measure_replays, segments=segments, progress=progress, autocast=autocast,
-                            on_new_shape=on_new_shape, accumulation_steps=accumulation_steps,
-                            device_memory=device_memory)
+    with option_style(OptionStyle.KEYWORDS):   # NOTE [option spelling]
+        settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify,
+                                cache_dir=cache_dir, use_cache=use_cache, reserve=reserve, planner=planner,
+                                copy_fn=copy_fn, measure_replays=measure_replays, segments=segments, progress=progress,
+                                autocast=autocast, on_new_shape=on_new_shape, accumulation_steps=accumulation_steps,
+                                device_memory=device_memory)
     _check_unwrapped(model)
     check_uncompiled(model)   # NOTE [compiled blocks]
     return _fit(model, example_batch, settings, t0)
@@ -246,7 +246,7 @@ def _plan_and_apply(model: nn.Module, example_batch: Any, settings: AutoSettings
     report = dataclasses.replace(_auto_report(plan, settings, source, status, path, verified,
                                               seconds=time.perf_counter() - t0),
                                  autocast=source.autocast, tolerances=tolerance_table(autocast=source.autocast),
-                                 device_memory_bytes=fit.capacity_bytes, blocked=fit.blocked)
+                                 device_memory_bytes=fit.capacity_bytes, blocked=plan.blocked)
     return handle, report
 
 
@@ -258,18 +258,6 @@ class _Fit:
     capacity_bytes: int | None
     blocked: BlockedStep | None = None
     verify_source: ModelSource | None = None   # the largest batch at which the control fits, when blocked
-
-
-def parse_capacity(text: str | int) -> int:
-    """``device_memory`` in bytes: an amount (bytes, ``"2GiB"``), never a percentage."""
-    if isinstance(text, str) and text.strip().endswith("%"):
-        raise AutoError(f"device_memory={text!r}: a device's capacity is an amount (bytes or \"2GiB\"), not a "
-                        "percentage", tip="a percentage is a budget: pass budget=\"70%\"")
-    try:
-        return parse_budget(text, 0)
-    except RematError as exc:
-        raise AutoError(f"device_memory={text!r}: " + exc.message.replace("budget", "device memory"),
-                        tip="bytes, or an amount with its unit: \"2GiB\", \"800MiB\"") from None
 
 
 def device_capacity(source: ModelSource, settings: AutoSettings) -> int | None:
@@ -297,6 +285,8 @@ def device_capacity(source: ModelSource, settings: AutoSettings) -> int | None:
         capacity = cap.free_bytes + _state_bytes(source.model, settings.optimizer, "cpu")
     else:
         capacity = None
+    if capacity is not None and settings.budget is not None and not str(settings.budget).strip().endswith("%"):
+        budget_on_device(settings.budget, 0, capacity)   # an amount above the device: refused before profiling
     if capacity is None and settings.budget is None:
         raise AutoError("remat.auto was given no budget, and the CPU has no stated capacity to fit",
                         tip="pass device_memory=\"2GiB\" (the capacity to fit, enforced while remat plans) or "
@@ -485,42 +475,17 @@ def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]
                             "batches only for one example batch in one process", tip="pass one example batch "
                             "(the largest), or plan the blocked step in one process and apply the plan on every rank")
         profile = _profile_blocked(source, settings, fit)
-    budget_bytes = _budget_bytes(settings, profile.baseline_peak_bytes, fit)   # this rank's own peak
-    if ranks is not None:
+    budget_bytes = budget_on_device(settings.budget, profile.baseline_peak_bytes, fit.capacity_bytes)
+    assert budget_bytes is not None   # device_capacity refused a call with neither
+    if ranks is not None:   # this rank's own peak above; the job plans for its smallest
         budget_bytes = ranks.min_bytes(budget_bytes)
         profile = agree_profile(profile, ranks)
     # one timed step per measured plan: auto's report shows it as a single run, never as an overhead
     # (NOTE [auto overhead]); each further step would be a step of the user's planning time
-    try:
-        return plan_closed_loop(loaded, profile, settings.planner, budget_bytes=budget_bytes, steps=1,
-                                reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
-                                variants=variants, progress=settings.progress).plan
-    except (InfeasibleBudget, BudgetMissed) as exc:
-        if fit.capacity_bytes is None or budget_bytes < fit.capacity_bytes:
-            raise   # a budget under the device: the budget's own error says what would meet it
-        if isinstance(exc, BudgetMissed):
-            floor, how = exc.best.measured_peak_bytes or 0, f"measured over {exc.best.planner}"
-        else:
-            floor, how = _measured_floor(loaded, profile, budget_bytes, settings)
-        raise DeviceTooSmall(f"the step does not fit the device capacity of {fmt_bytes(fit.capacity_bytes)} with "
-                             f"any plan: the floor plan's peak is {how} {fmt_bytes(floor)}"
-                             + (f" ({fit.blocked.describe()})" if fit.blocked is not None else ""),
-                             capacity_bytes=fit.capacity_bytes, floor_bytes=floor) from exc
-
-
-def _measured_floor(loaded: InMemoryWorkload, profile: ProfileReport, budget_bytes: int,
-                    settings: AutoSettings) -> tuple[int, str]:
-    """The floor plan (the least predicted peak) measured at the target under the capacity: (bytes, how);
-    a plan the capacity refuses measures at least what was live plus the refused allocation."""
-    floor = make_plan(profile, "floor", budget_bytes=None, reserve=settings.reserve_fraction)
-    settings.progress("auto: nothing is predicted to fit; measuring the floor plan", 0, 1)
-    try:
-        return measure_plan(loaded, floor, steps=1).peak_bytes, "measured"
-    except torch.OutOfMemoryError:
-        refusal = last_refusal()
-        if refusal is None:
-            return floor.predicted_peak_bytes, "predicted (measuring it ran out of memory)"
-        return refusal.live_bytes + refusal.requested_bytes, "measured at least"
+    return plan_for_device(loaded, profile, settings.planner, budget_bytes=budget_bytes,
+                           capacity_bytes=fit.capacity_bytes, blocked=fit.blocked, steps=1,
+                           reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
+                           variants=variants, progress=settings.progress).plan
 
 
 def _profile(source: ModelSource, settings: AutoSettings, sample: StepSample,
@@ -535,52 +500,16 @@ def _profile(source: ModelSource, settings: AutoSettings, sample: StepSample,
 
 
 def _profile_blocked(source: ModelSource, settings: AutoSettings, fit: _Fit) -> ProfileReport:
-    """The profile at the example batch, from smaller batches that fit unplanned (NOTE [blocked step]);
-    records the evidence in ``fit``. DeviceTooSmall when no smaller batch fits."""
+    """The profile at the example batch, from its first k samples where those fit unplanned (NOTE [blocked
+    step]); records the evidence in ``fit``. DeviceTooSmall when no smaller batch fits."""
     refusal = last_refusal()
-    target = leading_size(source.batch)
     capacity = fit.capacity_bytes if fit.capacity_bytes is not None else refusal.capacity_bytes if refusal else 0
     single = StepSample.of(1, [])
-    profiles: list[tuple[int, ProfileReport, ModelSource]] = []
-    tried: list[int] = []
-    for k in halvings(target):
-        if profiles and k != profiles[0][0] // 2:
-            break
-        settings.progress(f"auto: the step at batch {target} does not fit; profiling batch {k}", 0, 1)
-        smaller = _source(source.model, slice_batch(source.batch, k), settings)
-        try:
-            profiles.append((k, _profile(smaller, settings, single, [], bytes_only=bool(profiles)), smaller))
-        except torch.OutOfMemoryError:
-            tried.append(k)
-            continue
-        if len(profiles) == 2 or k == 1:
-            break
-    if not profiles:
-        raise no_smaller_fit(target, refusal, capacity, tried)
-    k2, large, verify_source = profiles[0]
-    state = min((r.base_bytes for r in large.rows), default=0)   # the least live: roughly the step's state
-    if len(profiles) == 2:
-        k1, small, _ = profiles[1]
-        report, rule = extrapolate(small, k1, large, k2, target, state)
-    else:
-        report, rule = extrapolate(large, k2, large, k2, target, state)
-    fit.blocked = BlockedStep(refusal=refusal, target_batch=target, profiled_batches=tuple(sorted(p[0] for p in profiles)),
-                              verified_batch=k2, rule=rule)
-    fit.verify_source = verify_source
+    report, fit.blocked, fit.verify_source = profile_smaller(
+        leading_size(source.batch), lambda k: _source(source.model, slice_batch(source.batch, k), settings),
+        lambda smaller, bytes_only: _profile(smaller, settings, single, [], bytes_only=bytes_only),
+        refusal, capacity, settings.progress)
     return report
-
-
-def _budget_bytes(settings: AutoSettings, baseline_peak_bytes: int, fit: _Fit) -> int:
-    """The budget in bytes: the device's capacity when none is given; a budget above the capacity is refused."""
-    if settings.budget is None:
-        assert fit.capacity_bytes is not None   # device_capacity refused the call otherwise
-        return fit.capacity_bytes
-    budget_bytes = parse_budget(settings.budget, baseline_peak_bytes)
-    if fit.capacity_bytes is not None and budget_bytes > fit.capacity_bytes:
-        raise AutoError(f"budget={settings.budget!r} is {fmt_bytes(budget_bytes)}, above the device's capacity of "
-                        f"{fmt_bytes(fit.capacity_bytes)}: no step can use memory the device does not have",
-                        tip="leave budget out to fit the device, or pass a budget at or under its capacity")
-    return budget_bytes
 
 
 def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache: CacheStatus,

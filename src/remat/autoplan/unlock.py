@@ -10,7 +10,8 @@ import copy
 import dataclasses
 import torch
 
-from ..memory.capacity import CpuCapacity, Refusal, clear_refusal, last_refusal, step_capacity
+from ..memory.capacity import CpuCapacity, clear_refusal, last_refusal, step_capacity
+from ..types import Refusal
 from ..types import ProgressFn, no_progress
 from ..workload import LoadedWorkload, TrainingStep, Workload
 from .report import AutoReport
@@ -62,10 +63,11 @@ def unlock(loaded: LoadedWorkload, capacity_bytes: int, *, steps: int = 3,
 
 def describe(u: Unlock) -> list[str]:
     """A few lines for a terminal or a log."""
+    from ..profile.model import describe_refusal
     from ..units import fmt_bytes
     r = u.report
     lines = [f"unplanned on a device of {fmt_bytes(u.capacity_bytes)}: "
-             + (f"refused, {u.control_refusal.describe()}" if u.control_refusal is not None else "it fits")]
+             + (f"refused, {describe_refusal(u.control_refusal)}" if u.control_refusal is not None else "it fits")]
     if r.blocked is not None:
         lines.append(f"remat.auto: {r.blocked.describe()}")
     lines.append(f"plan: {len(r.boundaries)} boundaries ({', '.join(r.boundaries) or 'none'}); measured "

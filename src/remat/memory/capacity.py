@@ -34,7 +34,6 @@ the bytes live by kind (NOTE [blocked step] in autoplan/blocked.py reads it).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -43,7 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..errors import RematError
-from ..types import Phase
+from ..types import LiveByKind, Phase, Refusal
 from ..units import fmt_bytes
 from ..workload.contract import PhaseMarker, TrainingStep, pop_step_guard, push_step_guard
 from .allocator import _build, counter_status
@@ -54,39 +53,6 @@ if TYPE_CHECKING:
 
 class CapacityError(RematError):
     """A CPU capacity cannot be enforced here, or is not a capacity (exit 2)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LiveByKind:
-    """Bytes live at a refused allocation, by what holds them (each storage once)."""
-
-    parameters: int           # parameters and buffers
-    gradients: int
-    optimizer_state: int
-    saved_activations: int    # saved for backward by the autograd graph reachable from the failing frames
-    other: int                # everything else the ledger was charged: the batch, outputs, temporaries
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    """An allocation a capacity refused: the blocked step's evidence (bytes)."""
-
-    capacity_bytes: int
-    requested_bytes: int
-    live_bytes: int           # charged to the ledger when the allocation was refused
-    phase: Phase | None       # the step's phase then (None: outside a step)
-    by_kind: LiveByKind | None = None
-
-    def describe(self) -> str:
-        where = f"in {self.phase.value}" if self.phase is not None else "outside a step"
-        text = (f"{where}: an allocation of {fmt_bytes(self.requested_bytes)} with {fmt_bytes(self.live_bytes)} "
-                f"live, against the capacity of {fmt_bytes(self.capacity_bytes)}")
-        k = self.by_kind
-        if k is not None:
-            text += (f" (parameters {fmt_bytes(k.parameters)}, gradients {fmt_bytes(k.gradients)}, optimizer state "
-                     f"{fmt_bytes(k.optimizer_state)}, saved activations {fmt_bytes(k.saved_activations)}, "
-                     f"other {fmt_bytes(k.other)})")
-        return text
 
 
 def _counter() -> "ModuleType":

@@ -188,3 +188,30 @@ def _infeasible_tip(least_budget: int, control_peak_bytes: int | None) -> str:
                 "checkpointing: checkpointing saves less than the reserve holds back, so lower the reserve "
                 "or the batch")
     return tip
+
+
+def parse_capacity(text: str | int) -> int:
+    """A device's capacity in bytes (``--device-memory`` / ``device_memory=``): an amount, never a share."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        raise BudgetError(f"{spell(Option.DEVICE_MEMORY, text)}: a device's capacity is an amount (bytes or 2GiB), "
+                          "not a percentage", tip=f"a percentage is a budget: {spell(Option.BUDGET, '70%')}")
+    try:
+        return parse_budget(text, 0)
+    except BudgetError as exc:
+        raise BudgetError(f"{spell(Option.DEVICE_MEMORY, str(text)[:MAX_TEXT])}: "
+                          + exc.message.replace("budget", "device memory"),
+                          tip="bytes, or an amount with its unit: 2GiB, 800MiB") from None
+
+
+def budget_on_device(budget: str | int | None, baseline_peak_bytes: int, capacity_bytes: int | None) -> int | None:
+    """The budget in bytes on a device of ``capacity_bytes`` (NOTE [device capacity] in remat/autoplan/run.py):
+    the capacity when no budget is given; a budget above the capacity is refused with both figures."""
+    if budget is None:
+        return capacity_bytes
+    budget_bytes = parse_budget(budget, baseline_peak_bytes)
+    if capacity_bytes is not None and budget_bytes > capacity_bytes:
+        raise BudgetError(f"{spell(Option.BUDGET, str(budget))} is {format_bytes(budget_bytes)}, above the device's "
+                          f"capacity of {format_bytes(capacity_bytes)}: no step can use memory the device does not have",
+                          tip=f"leave the budget out to fit the device, or give one at or under its capacity "
+                              f"({spell(Option.BUDGET, str(capacity_bytes))})")
+    return budget_bytes

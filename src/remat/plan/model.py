@@ -13,7 +13,7 @@ from typing import Any
 from .._json import read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
-from ..profile.model import ModelFingerprint, SampleRecord
+from ..profile.model import BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .offload import OffloadPricing
 from .schema import PLAN
@@ -96,6 +96,9 @@ class Plan:
     offload: OffloadPricing | None = None  # offload priced with these bandwidths (NOTE [offload cost model])
     workload: PlanWorkload | None = None  # what `remat plan` profiled (NOTE [plan workload]); None: not recorded
     sample: SampleRecord | None = None    # the steps it was made and measured on (NOTE [step sample]); None: one step
+    # the unplanned step did not fit the device: its evidence and the smaller batches the plan was
+    # profiled at (NOTE [blocked step] in remat/profile/blocked.py); None: the unplanned step fitted
+    blocked: BlockedStep | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -132,6 +135,10 @@ class Plan:
             del d["sample"]    # single-step plans read as they always did
         else:
             d["sample"] = self.sample.to_json()
+        if self.blocked is None:
+            del d["blocked"]
+        else:
+            d["blocked"] = self.blocked.to_json()
         return d
 
     @classmethod
@@ -167,6 +174,7 @@ class Plan:
             offload=None if d.get("offload") is None else OffloadPricing.from_json(d["offload"]),
             workload=None if d.get("workload") is None else PlanWorkload.from_json(d["workload"]),
             sample=None if d.get("sample") is None else SampleRecord.from_json(d["sample"]),
+            blocked=None if d.get("blocked") is None else BlockedStep.from_json(d["blocked"]),
             schema_version=version,
         )
 

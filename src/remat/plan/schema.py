@@ -9,7 +9,7 @@ Nothing in a plan names code: module paths are looked up in ``model.named_module
 
 from __future__ import annotations
 
-from ..types import MODULE_PATH_RE, CheckpointMode, MemorySource
+from ..types import MODULE_PATH_RE, CheckpointMode, MemorySource, Phase
 from .._json import BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, List, Map, Num, Obj, Opt, Str, Tuple
 
 SHORT = Str(max_len=2_000)
@@ -58,6 +58,18 @@ SAMPLE = Obj({
     "peak_spread": Opt(Obj({"min": BYTES, "median": BYTES, "max": BYTES})),
 })
 
+# remat.profile.model.BlockedStep.to_json: a blocked step's evidence (NOTE [blocked step])
+BLOCKED = Obj({
+    "refusal": Opt(Obj({
+        "capacity_bytes": BYTES, "requested_bytes": BYTES, "live_bytes": BYTES,
+        "phase": Opt(Enum(*(p.value for p in Phase))),
+        "by_kind": Opt(Obj({k: BYTES for k in ("parameters", "gradients", "optimizer_state", "saved_activations",
+                                               "other")})),
+    })),
+    "target_batch": Int(2, 2 ** 40), "profiled_batches": List(Int(1, 2 ** 40), max_len=2, min_len=1),
+    "verified_batch": Int(1, 2 ** 40), "rule": Enum("affine", "proportional"),
+})
+
 # Plan.to_json; the optional fields are those older plan files may lack (Plan.from_json's defaults).
 PLAN = Obj({
     "schema_version": Enum(1),
@@ -70,4 +82,5 @@ PLAN = Obj({
     "preserve_rng_state": Bool(), "measured_peak_bytes": Opt(BYTES), "measured_step_ms": Opt(MS),
     "memory_source": MEMORY_SOURCE, "simulated": Bool(), "device_model": Opt(SHORT),
     "compile": Opt(COMPILE), "offload": Opt(OFFLOAD), "workload": Opt(WORKLOAD), "sample": Opt(SAMPLE),
+    "blocked": Opt(BLOCKED),
 })

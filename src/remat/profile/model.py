@@ -30,7 +30,8 @@ from typing import Any
 
 from ..errors import ShapeError, WorkloadError
 from ..percentile import p50
-from ..types import CheckpointMode, HazardKind, MemorySource
+from ..types import CheckpointMode, HazardKind, LiveByKind, MemorySource, Phase, Refusal
+from ..units import fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -374,3 +375,53 @@ class SampleRecord:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SampleRecord":
         return cls(sample=StepSample.from_json(d), point_peaks=[int(b) for b in d.get("point_peaks", [])])
+
+
+def describe_refusal(r: Refusal) -> str:
+    """A refused allocation in words: where, how much, against what, and what held the live bytes."""
+    where = f"in {r.phase.value}" if r.phase is not None else "outside a step"
+    text = (f"{where}: an allocation of {fmt_bytes(r.requested_bytes)} with {fmt_bytes(r.live_bytes)} "
+            f"live, against the capacity of {fmt_bytes(r.capacity_bytes)}")
+    k = r.by_kind
+    if k is not None:
+        text += (f" (parameters {fmt_bytes(k.parameters)}, gradients {fmt_bytes(k.gradients)}, optimizer state "
+                 f"{fmt_bytes(k.optimizer_state)}, saved activations {fmt_bytes(k.saved_activations)}, "
+                 f"other {fmt_bytes(k.other)})")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedStep:
+    """The evidence of a blocked step and how remat planned it (NOTE [blocked step])."""
+
+    refusal: Refusal | None     # the unplanned step's refused allocation (None: CUDA, which does not say)
+    target_batch: int           # B: the example batch's leading dimension
+    profiled_batches: tuple[int, ...]   # (k1, k2): the smaller batches profiled unplanned
+    verified_batch: int         # k2: the largest batch at which the unplanned control fits
+    rule: str                   # "affine" or "proportional" (NOTE [blocked step])
+
+    def describe(self) -> str:
+        evidence = describe_refusal(self.refusal) if self.refusal is not None else "out of memory"
+        return (f"the unplanned step at batch {self.target_batch} does not fit ({evidence}); profiled at batches "
+                f"{', '.join(map(str, self.profiled_batches))} and extrapolated ({self.rule}); the control fits at "
+                f"batch {self.verified_batch}")
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.refusal is not None:
+            d["refusal"]["phase"] = None if self.refusal.phase is None else self.refusal.phase.value
+        d["profiled_batches"] = list(self.profiled_batches)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "BlockedStep":
+        """From JSON already checked against ``remat.plan.schema.BLOCKED``."""
+        r = d["refusal"]
+        refusal = None if r is None else Refusal(
+            capacity_bytes=r["capacity_bytes"], requested_bytes=r["requested_bytes"], live_bytes=r["live_bytes"],
+            phase=None if r["phase"] is None else Phase(r["phase"]),
+            by_kind=None if r["by_kind"] is None else LiveByKind(**r["by_kind"]))
+        return cls(refusal=refusal, target_batch=d["target_batch"], profiled_batches=tuple(d["profiled_batches"]),
+                   verified_batch=d["verified_batch"], rule=d["rule"])
+
+

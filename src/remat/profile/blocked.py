@@ -37,57 +37,21 @@ floor's measured or predicted peak, and the levers left.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..errors import AutoError
-from ..memory.capacity import Refusal
-from ..plan.model import CheckpointMode
-from ..profile.model import CandidateCost, PeakRow, ProfileReport
+from ..errors import AutoError, DeviceTooSmall
+from ..types import CheckpointMode, ProgressFn, Refusal
 from ..units import fmt_bytes
+from .model import BlockedStep, CandidateCost, PeakRow, ProfileReport, describe_refusal
 
-LEVERS = ("offload saved activations to the host (remat plan --offload with a host budget)",
-          "a smaller micro-batch with gradient accumulation (remat.auto(accumulation_steps=...))",
-          "sharding the parameters, gradients and optimizer state (FSDP2)")
-
-
-class DeviceTooSmall(AutoError):
-    """The step does not fit the device capacity with any plan remat can make (exit 2)."""
-
-    def __init__(self, message: str, *, capacity_bytes: int, floor_bytes: int | None) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.floor_bytes = floor_bytes
-        super().__init__(message, tip="levers left: " + "; ".join(LEVERS))
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockedStep:
-    """The evidence of a blocked step and how remat planned it (NOTE [blocked step])."""
-
-    refusal: Refusal | None     # the unplanned step's refused allocation (None: CUDA, which does not say)
-    target_batch: int           # B: the example batch's leading dimension
-    profiled_batches: tuple[int, ...]   # (k1, k2): the smaller batches profiled unplanned
-    verified_batch: int         # k2: the largest batch at which the unplanned control fits
-    rule: str                   # "affine" or "proportional" (NOTE [blocked step])
-
-    def describe(self) -> str:
-        evidence = self.refusal.describe() if self.refusal is not None else "out of memory"
-        return (f"the unplanned step at batch {self.target_batch} does not fit ({evidence}); profiled at batches "
-                f"{', '.join(map(str, self.profiled_batches))} and extrapolated ({self.rule}); the control fits at "
-                f"batch {self.verified_batch}")
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        if self.refusal is not None:
-            d["refusal"]["phase"] = None if self.refusal.phase is None else self.refusal.phase.value
-        d["profiled_batches"] = list(self.profiled_batches)
-        return d
-
+T = TypeVar("T")
 
 def leading_size(batch: Any) -> int:
-    """B: the leading dimension every tensor leaf of rank >= 1 shares; AutoError when they do not."""
+    """B: the leading dimension every tensor leaf of rank >= 1 shares (remat.auto's example batch);
+    AutoError when they do not."""
     sizes = {t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 1}
     if len(sizes) != 1:
         raise AutoError(f"the step does not fit, and remat finds no batch dimension to plan it from smaller batches: "
@@ -190,8 +154,42 @@ def _scaled(report: ProfileReport, rule: Rule, other: ProfileReport) -> ProfileR
         untracked_bytes=round(rule("untracked", report.untracked_bytes, other.untracked_bytes)))
 
 
+def profile_smaller(target: int, build: Callable[[int], T], profile: Callable[[T, bool], ProfileReport],
+                    refusal: Refusal | None, capacity_bytes: int,
+                    progress: ProgressFn) -> tuple[ProfileReport, BlockedStep, T]:
+    """The profile at batch ``target`` from smaller batches that fit unplanned (NOTE [blocked step]).
+
+    ``build(k)``: the step at batch ``k`` (a workload, a source); ``profile(step, bytes_only)``: its profile,
+    raising ``torch.OutOfMemoryError`` when it does not fit. Returns the extrapolated profile, the evidence,
+    and the step at k2 (the largest batch at which the unplanned control fits: where it is verified)."""
+    profiles: list[tuple[int, ProfileReport, T]] = []
+    tried: list[int] = []
+    for k in halvings(target):
+        progress(f"blocked: the step at batch {target} does not fit; profiling batch {k}", 0, 1)
+        step = build(k)
+        try:
+            profiles.append((k, profile(step, bool(profiles)), step))
+        except torch.OutOfMemoryError:
+            tried.append(k)
+            continue
+        if len(profiles) == 2 or k == 1:
+            break
+    if not profiles:
+        raise no_smaller_fit(target, refusal, capacity_bytes, tried)
+    k2, large, at_k2 = profiles[0]
+    state = min((r.base_bytes for r in large.rows), default=0)   # the least live: roughly the step's state
+    if len(profiles) == 2:
+        k1, small, _ = profiles[1]
+        report, rule = extrapolate(small, k1, large, k2, target, state)
+    else:
+        report, rule = extrapolate(large, k2, large, k2, target, state)
+    blocked = BlockedStep(refusal=refusal, target_batch=target, profiled_batches=tuple(sorted(p[0] for p in profiles)),
+                          verified_batch=k2, rule=rule)
+    return report, blocked, at_k2
+
+
 def no_smaller_fit(target: int, refusal: Refusal | None, capacity_bytes: int, tried: list[int]) -> DeviceTooSmall:
-    evidence = f" ({refusal.describe()})" if refusal is not None else ""
+    evidence = f" ({describe_refusal(refusal)})" if refusal is not None else ""
     if target < 2 or not tried:
         why = f"the example batch has {target} sample(s): there is no smaller batch to profile from"
     else:
