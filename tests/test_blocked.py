@@ -192,3 +192,29 @@ def test_unlock_shows_the_refused_control_then_the_plan_under_the_same_capacity(
     assert u.control_refusal is not None and u.control_refusal.capacity_bytes == capacity
     assert u.report.blocked is not None and len(u.step_peaks) == 2 and max(u.step_peaks) <= capacity
     assert any("refused" in line for line in describe(u))
+
+
+# -- the command line: remat plan --device-memory ------------------------------------------------------
+
+def test_remat_plan_plans_a_blocked_shape_and_refuses_what_cannot_fit(tmp_path, capsys):
+    from remat.cli.main import main
+    shape = "batch_size=32,seq_len=128,n_layer=4,d_model=128,n_head=4,dropout=0.0"
+    capacity = int(unplanned_peak(gpt_scenario()) / 1.6)
+    out = tmp_path / "p"
+    assert main(["plan", "--workload", "gpt", "--shape", shape, "--device-memory", str(capacity),
+                 "--sample-steps", "1", "--out", str(out)]) == 0
+    plan = remat.Plan.load(out / "plan.json")        # the evidence round-trips through plan.json's schema
+    assert plan.blocked is not None and plan.blocked.target_batch == 32 and plan.blocked.verified_batch < 32
+    assert plan.budget_bytes == capacity and plan.measured_peak_bytes <= capacity
+    assert "blocked" in " ".join(capsys.readouterr().out.split())
+    # a third of the unplanned peak: no plan fits, exit 2 with the measured floor
+    third = int(unplanned_peak(gpt_scenario()) / 3)
+    assert main(["plan", "--workload", "gpt", "--shape", shape, "--device-memory", str(third),
+                 "--sample-steps", "1", "--out", str(tmp_path / "q")]) == 2
+    assert "floor plan" in " ".join(capsys.readouterr().err.split())
+    assert main(["plan", "--workload", "gpt", "--device-memory", "50%", "--out", str(tmp_path / "r")]) == 2
+    assert main(["plan", "--workload", "gpt", "--budget", "2GiB", "--device-memory", "1GiB",
+                 "--out", str(tmp_path / "s")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not a percentage" in err and "above the device's capacity" in err
+    assert not (tmp_path / "q").exists() or not (tmp_path / "q" / "plan.json").exists()

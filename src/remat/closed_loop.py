@@ -493,7 +493,7 @@ class BudgetMissed(BudgetError):
 
 # -- a device's capacity as the budget (NOTE [device capacity] in remat/autoplan/run.py) ---------------
 
-def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str, *, budget_bytes: int,
+def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str, *, budget_bytes: int | None,
                     capacity_bytes: int | None, blocked: BlockedStep | None = None,
                     **kw: Any) -> ClosedLoopResult:
     """:func:`plan_closed_loop`; where the budget is the device's capacity and no plan fits it, DeviceTooSmall
@@ -502,7 +502,7 @@ def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str,
     try:
         result = plan_closed_loop(loaded, report, planner, budget_bytes=budget_bytes, **kw)
     except (InfeasibleBudget, BudgetMissed) as exc:
-        if capacity_bytes is None or budget_bytes < capacity_bytes:
+        if capacity_bytes is None or budget_bytes is None or budget_bytes < capacity_bytes:
             raise   # a budget under the device: the budget's own error says what would meet it
         if isinstance(exc, BudgetMissed):
             floor, how = exc.best.measured_peak_bytes or 0, f"measured ({exc.best.planner})"

@@ -9,13 +9,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..closed_loop import ClosedLoopResult, plan_closed_loop
-from ..plan import PLANNER_SPECS, Plan, check_budget_syntax, parse_budget, parse_reserve
+from ..closed_loop import ClosedLoopResult, plan_for_device
+from ..memory.capacity import step_capacity
+from ..plan import PLANNER_SPECS, Plan, budget_on_device, check_budget_syntax, parse_budget, parse_capacity, parse_reserve
 from ..plan.offload import measured_pricing, modelled_pricing
 from ..errors import WorkloadError
 from ..profile import ProfileReport, profile_simulated
 from ..profile.model import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, SampleRecord, StepSample
-from ..profile.sample import profile_sample
+from ..profile.blocked import profile_on_device
 from ..workload import parse_shape
 from ..units import fmt_bytes
 from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, compile_from_args,
@@ -37,6 +38,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default=None,
                    help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
                         "no-checkpoint peak (60%%); required by the optimal and greedy planners")
+    p.add_argument("--device-memory", default=None,
+                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out; on the CPU it is "
+                        "enforced (an allocation past it raises out of memory, as on CUDA), and a step that does "
+                        "not fit it unplanned is planned from smaller batch_size values (NOTE [blocked step])")
     p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
     p.add_argument("--planner", default="optimal", help=f"one of: {', '.join(PLANNER_SPECS)} (default optimal)")
     p.add_argument("--candidates", default=None,
@@ -79,6 +84,12 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
     reserve = parse_reserve(args.reserve)
     if args.budget is not None:
         check_budget_syntax(args.budget)  # syntax check before minutes of profiling
+    capacity = parse_capacity(args.device_memory) if getattr(args, "device_memory", None) is not None else None
+    if capacity is not None:
+        if getattr(args, "simulate", False):
+            raise WorkloadError("--device-memory is measured, not simulated", tip="drop --simulate, or --device-memory")
+        if args.budget is not None and not str(args.budget).strip().endswith("%"):
+            budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
     if getattr(args, "target_device", None) and not getattr(args, "simulate", False):
         raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
@@ -109,18 +120,22 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
     offload = measured_pricing(args.device, host_budget_bytes=host_budget) if getattr(args, "offload", False) else None
     loaded = load_from_args(args)
     sample = sample_from_args(args)
-    report = profile_sample(loaded, sample, candidates=candidates, progress=progress)
-    budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
-    if args.no_measure:
-        plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve, allow_hazards=args.allow_hazards,
-                         offload=offload)
-        plan.compile = compile   # run compiled wherever it is applied by remat; not measured here
-        plan.workload = recorded_workload(loaded)
-        plan.sample = None if sample.is_single else SampleRecord(sample=sample)   # profiled on it, not measured
-        return report, plan
-    result = plan_closed_loop(loaded, report, args.planner, budget_bytes=budget, reserve=reserve,
-                              allow_hazards=args.allow_hazards, compile=compile, offload=offload,
-                              sample=None if sample.is_single else sample, progress=progress)
+    # NOTE [device capacity]: on the CPU every step runs under the stated capacity, enforced
+    with step_capacity(capacity if args.device == "cpu" else None):
+        report, blocked = profile_on_device(loaded, sample, capacity_bytes=capacity, candidates=candidates,
+                                            progress=progress)
+        budget = budget_on_device(args.budget, report.baseline_peak_bytes, capacity)
+        if args.no_measure:
+            plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve,
+                             allow_hazards=args.allow_hazards, offload=offload)
+            plan.compile = compile   # run compiled wherever it is applied by remat; not measured here
+            plan.workload = recorded_workload(loaded)
+            plan.sample = None if sample.is_single else SampleRecord(sample=sample)   # profiled on it, not measured
+            plan.blocked = blocked
+            return report, plan
+        result = plan_for_device(loaded, report, args.planner, budget_bytes=budget, capacity_bytes=capacity,
+                                 blocked=blocked, reserve=reserve, allow_hazards=args.allow_hazards, compile=compile,
+                                 offload=offload, sample=None if sample.is_single else sample, progress=progress)
     result.plan.workload = recorded_workload(loaded)   # NOTE [plan workload]
     return report, result
 
@@ -167,6 +182,9 @@ def render_plan(plan: Plan) -> None:
     if spread is not None:
         console.print(f"sample: {len(plan.sample.point_peaks)} steps; measured peak min {fmt_bytes(spread['min'])}, "
                       f"median {fmt_bytes(spread['median'])}, max {fmt_bytes(spread['max'])} (NOTE \\[step sample])")
+    if plan.blocked is not None:
+        console.print(f"[bold]blocked[/]: {escape(plan.blocked.describe())}; the plan was measured at the target "
+                      "(NOTE \\[blocked step])", highlight=False)
     if plan.compile is not None:
         console.print(f"compiled: {plan.compile.describe()}; measured warm after compiling")
     if plan.workload is not None and plan.workload.autocast is not None:

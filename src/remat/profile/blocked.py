@@ -42,10 +42,11 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..errors import AutoError, DeviceTooSmall
-from ..types import CheckpointMode, ProgressFn, Refusal
+from ..errors import AutoError, DeviceTooSmall, WorkloadError
+from ..types import CheckpointMode, ProgressFn, Refusal, no_progress
+from ..workload.loader import LoadedWorkload
 from ..units import fmt_bytes
-from .model import BlockedStep, CandidateCost, PeakRow, ProfileReport, describe_refusal
+from .model import BlockedStep, CandidateCost, PeakRow, ProfileReport, StepSample, describe_refusal
 
 T = TypeVar("T")
 
@@ -186,6 +187,35 @@ def profile_smaller(target: int, build: Callable[[int], T], profile: Callable[[T
     blocked = BlockedStep(refusal=refusal, target_batch=target, profiled_batches=tuple(sorted(p[0] for p in profiles)),
                           verified_batch=k2, rule=rule)
     return report, blocked, at_k2
+
+
+def profile_on_device(loaded: LoadedWorkload, sample: StepSample, *, capacity_bytes: int | None,
+                      batch_key: str = "batch_size", candidates: list[str] | None = None,
+                      progress: ProgressFn = no_progress) -> tuple[ProfileReport, BlockedStep | None]:
+    """``profile_sample`` of ``loaded``; when its unplanned step does not fit the device (NOTE [blocked step]),
+    the profile read from smaller values of the shape keyword ``batch_key`` instead, with the evidence.
+    Call it under the capacity (``remat.memory.capacity.step_capacity``) on the CPU."""
+    from ..measure.run import shape_value
+    from ..memory.capacity import clear_refusal, last_refusal
+    from .sample import profile_sample
+    clear_refusal()
+    try:
+        return profile_sample(loaded, sample, candidates=candidates, progress=progress), None
+    except torch.OutOfMemoryError:
+        refusal = last_refusal()
+    if not sample.is_single:
+        raise WorkloadError("the unplanned step does not fit the device, and remat plans a blocked step from smaller "
+                            "batches on one sampled step only", tip="drop --boundary-shape and pass --sample-steps 1")
+    target = shape_value(loaded, batch_key)
+    if isinstance(target, bool) or not isinstance(target, int) or target < 2:
+        raise no_smaller_fit(target if isinstance(target, int) else 1, refusal, capacity_bytes or 0, [])
+    single = StepSample.of(1, [])
+    report, blocked, _ = profile_smaller(
+        target, lambda k: loaded.rebuild(**{batch_key: k}),
+        lambda w, bytes_only: profile_sample(w, single, candidates=candidates, measure_replays=not bytes_only,
+                                             progress=progress),
+        refusal, capacity_bytes or (refusal.capacity_bytes if refusal else 0), progress)
+    return report, blocked
 
 
 def no_smaller_fit(target: int, refusal: Refusal | None, capacity_bytes: int, tried: list[int]) -> DeviceTooSmall:
