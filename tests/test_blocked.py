@@ -218,3 +218,20 @@ def test_remat_plan_plans_a_blocked_shape_and_refuses_what_cannot_fit(tmp_path, 
     err = " ".join(capsys.readouterr().err.split())
     assert "not a percentage" in err and "above the device's capacity" in err
     assert not (tmp_path / "q").exists() or not (tmp_path / "q" / "plan.json").exists()
+
+
+def test_remat_trace_writes_the_refusal_of_a_step_that_does_not_fit(tmp_path, capsys):
+    from remat.cli.main import main
+    import json
+    shape = "batch_size=32,seq_len=128,n_layer=4,d_model=128,n_head=4,dropout=0.0"
+    capacity = int(unplanned_peak(gpt_scenario()) / 1.6)
+    assert main(["trace", "--workload", "gpt", "--shape", shape, "--device-memory", str(capacity),
+                 "--out", str(tmp_path / "t")]) == 2
+    refusal = json.loads((tmp_path / "t" / "refusal.json").read_text())
+    assert refusal["capacity_bytes"] == capacity and refusal["phase"] == "forward"
+    assert refusal["live_bytes"] + refusal["requested_bytes"] > capacity
+    assert "does not fit the device capacity" in " ".join(capsys.readouterr().err.split())
+    # the safe twin: a capacity the step fits traces as before
+    assert main(["trace", "--workload", "gpt", "--shape", shape, "--device-memory", str(capacity * 2),
+                 "--steps", "1", "--warmup", "1", "--out", str(tmp_path / "u")]) == 0
+    assert (tmp_path / "u" / "trace.json").exists() and not (tmp_path / "u" / "refusal.json").exists()

@@ -8,10 +8,12 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..errors import WorkloadError
+from ..errors import DeviceTooSmall, WorkloadError
 from ..measure import Arm, measure_arm
+from ..plan import parse_capacity
+from ..profile.model import describe_refusal, refusal_to_json
 from ..simulate import DEVICE_MODELS, simulate_workload
-from ..trace import StepTrace, to_perfetto, trace_workload
+from ..trace import StepTrace, to_perfetto, trace_on_device, trace_workload
 from ..workload import parse_shape
 from ..units import fmt_bytes
 from .common import (MAX_STEPS, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir,
@@ -26,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=bounded_int(0, MAX_WARMUP), default=2, help="untraced warm-up steps (default 2)")
     p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=3, help="traced steps (default 3)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--device-memory", default=None,
+                   help="the device's capacity (e.g. 2GiB), enforced on the CPU: a step that does not fit it "
+                        "writes refusal.json (the phase, the refused allocation, the bytes live by kind) and exits 2")
     add_compile_args(p)
     p.add_argument("--simulate", action="store_true",
                    help="run the step under FakeTensorMode: any shape, nothing allocated, memory_source 'simulated'")
@@ -57,13 +62,16 @@ def render_trace(trace: StepTrace, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     boundary = parse_shape(args.boundary_shape)
     check_out_dir(args.out, ("trace.json", "trace.perfetto.json", "simulation.json", "trace.boundary.perfetto.json",
-                             "compiled.json"))
+                             "compiled.json", "refusal.json"))
     if args.target_device and not args.simulate:
         raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
     compile = compile_from_args(args)
     if compile is not None and args.simulate:
         raise WorkloadError("--compile cannot be simulated: a compiled step's peak is measured, not modelled",
                             tip="drop --simulate, or --compile")
+    capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
+    if capacity is not None and (args.simulate or compile is not None):
+        raise WorkloadError("--device-memory traces the eager step measured", tip="drop --simulate and --compile")
     compiled = None
     sim = None
     with progress_bar() as progress:
@@ -73,6 +81,17 @@ def run(args: argparse.Namespace) -> int:
                                     warmup=args.warmup, steps=args.steps, boundary_shape=boundary or None,
                                     progress=progress)
             trace = sim.trace
+        elif capacity is not None:
+            found, refusal = trace_on_device(load_from_args(args), capacity, warmup=args.warmup, steps=args.steps,
+                                             boundary_shape=boundary or None, progress=progress)
+            if refusal is not None:
+                atomic_write_json(args.out / "refusal.json", refusal_to_json(refusal))
+                raise DeviceTooSmall(f"the unplanned step does not fit the device capacity of {fmt_bytes(capacity)}: "
+                                     f"{describe_refusal(refusal)}; wrote {args.out / 'refusal.json'}. remat plan "
+                                     "with the same --device-memory plans it from smaller batches",
+                                     capacity_bytes=capacity, floor_bytes=None)
+            assert found is not None
+            trace = found
         else:
             loaded = load_from_args(args)
             trace = trace_workload(loaded, warmup=args.warmup, steps=args.steps,

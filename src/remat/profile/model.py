@@ -377,6 +377,13 @@ class SampleRecord:
         return cls(sample=StepSample.from_json(d), point_peaks=[int(b) for b in d.get("point_peaks", [])])
 
 
+def refusal_to_json(r: Refusal) -> dict[str, Any]:
+    """``r`` as JSON (``remat.plan.schema.BLOCKED``'s ``refusal``)."""
+    d = dataclasses.asdict(r)
+    d["phase"] = None if r.phase is None else r.phase.value
+    return d
+
+
 def describe_refusal(r: Refusal) -> str:
     """A refused allocation in words: where, how much, against what, and what held the live bytes."""
     where = f"in {r.phase.value}" if r.phase is not None else "outside a step"
@@ -408,8 +415,7 @@ class BlockedStep:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if self.refusal is not None:
-            d["refusal"]["phase"] = None if self.refusal.phase is None else self.refusal.phase.value
+        d["refusal"] = None if self.refusal is None else refusal_to_json(self.refusal)
         d["profiled_batches"] = list(self.profiled_batches)
         return d
 

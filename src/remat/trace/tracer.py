@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
+
+import torch
 
 from ..clock import StepClock
 from ..memory.cuda import read_cuda_stats, reset_cuda_peak
 from ..memory.measure import model_device
 from ..memory.reference import profiler_step_peak
-from ..types import MemCategory, MemorySource, Phase, ProgressFn, no_progress
+from ..types import MemCategory, MemorySource, Phase, ProgressFn, Refusal, no_progress
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
 from .model import ModuleBytes, PhaseStats, StepTrace, TimelinePoint, TraceContext
@@ -124,3 +127,19 @@ def trace_workload(loaded: LoadedWorkload, *, warmup: int = 2, steps: int = 3,
     if boundary_shape:
         target.boundary = one(loaded.rebuild(**boundary_shape))
     return target
+
+
+def trace_on_device(loaded: LoadedWorkload, capacity_bytes: int, **kw: Any) -> "tuple[StepTrace | None, Refusal | None]":
+    """``trace_workload`` with every CPU step under ``capacity_bytes`` (NOTE [CPU device capacity]): the trace,
+    or, when the step does not fit, None and the refused allocation (the blocked step's evidence: NOTE
+    [blocked step]). On CUDA the capacity is not enforced here: the device's own allocator refuses."""
+    from ..memory.capacity import clear_refusal, last_refusal, step_capacity
+    clear_refusal()
+    try:
+        with step_capacity(capacity_bytes if loaded.device == "cpu" else None):
+            return trace_workload(loaded, **kw), None
+    except torch.OutOfMemoryError:
+        refusal = last_refusal()
+        if refusal is None:
+            raise
+        return None, refusal
