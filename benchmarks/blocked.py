@@ -9,8 +9,9 @@ a Hugging Face Llama) and each ratio R (the unplanned step's torch.profiler peak
 - ``--steps`` training steps of the user's model with the plan, each under the enforced capacity and
   measured by torch.profiler: the worst over the capacity;
 - step time against all-blocks checkpointing (Hugging Face's ``gradient_checkpointing_enable`` on the
-  Llama; torch's ``checkpoint_wrapper`` on every block elsewhere), interleaved ``--rounds`` times:
-  the median ratio and its range.
+  Llama; torch's ``checkpoint_wrapper`` on every block elsewhere) and against first-k (the fewest
+  leading blocks that fit the same capacity, ``remat.auto(planner="first-k")``), interleaved
+  ``--rounds`` times: the median ratio and its range.
 
     PYTHONPATH=src python benchmarks/blocked.py --ratio 1.6 --ratio 3 --steps 20
 """
@@ -79,10 +80,16 @@ def run(name: str, ratio: float, steps: int, rounds: int) -> dict:
     r = handle.report
     planned = copy.deepcopy(pristine)
     remat.apply(planned, handle.plan)
-    times = interleaved(Scenario(s.name, pristine, s.batch, s.loss_fn),
-                        {"remat": planned, "all_blocks": all_blocks(Scenario(s.name, pristine, s.batch, s.loss_fn))},
-                        rounds)
+    # first-k: the fewest leading blocks whose checkpointing fits the same capacity, measured by remat's closed loop
+    first_k_model = copy.deepcopy(pristine)
+    first_k = remat.auto(copy.deepcopy(pristine), s.batch, loss_fn=s.loss_fn, optimizer=s.optimizer(first_k_model),
+                         device_memory=capacity, planner="first-k", use_cache=False).plan
+    remat.apply(first_k_model, first_k)
+    pristine_s = Scenario(s.name, pristine, s.batch, s.loss_fn)
+    times = interleaved(pristine_s, {"remat": planned, "all_blocks": all_blocks(pristine_s),
+                                     "first_k": first_k_model}, rounds)
     ratios = [a / b for a, b in zip(times["remat"], times["all_blocks"])]
+    ratios_fk = [a / b for a, b in zip(times["remat"], times["first_k"])]
     row.update(auto_seconds=auto_s, wall_seconds=time.perf_counter() - t,
                step_equivalents=auto_s / statistics.median(times["remat"]),
                worst_peak_over_capacity=max(peaks) / capacity, steps=len(peaks),
@@ -90,6 +97,10 @@ def run(name: str, ratio: float, steps: int, rounds: int) -> dict:
                predicted_over_measured=r.predicted_peak_bytes / (r.measured_peak_bytes or 1),
                remat_over_all_blocks_median=statistics.median(ratios),
                remat_over_all_blocks_range=[min(ratios), max(ratios)],
+               remat_over_first_k_median=statistics.median(ratios_fk),
+               remat_over_first_k_range=[min(ratios_fk), max(ratios_fk)],
+               first_k_planner=first_k.planner, first_k_boundaries=len(first_k.boundaries),
+               first_k_step_ms=1000 * statistics.median(times["first_k"]),
                remat_step_ms=1000 * statistics.median(times["remat"]),
                all_blocks_step_ms=1000 * statistics.median(times["all_blocks"]))
     return row

@@ -469,6 +469,93 @@ def check_compile_budget(device: str, dtype: str, shape: dict, budgets: tuple[fl
 
 # -- driver -----------------------------------------------------------------------------------------
 
+# -- 8. a step that does not fit (issue 40, NOTE [blocked step]) -------------------------------------
+
+def check_blocked(device: str, dtype: str, shape: dict, ratio: float = 1.6) -> Check:
+    """GPT-2 small (the pipeline shape at 4x its batch) whose unplanned step needs about 1.6x the memory
+    ``torch.cuda.set_per_process_memory_fraction`` leaves it: the unplanned step runs out of memory (the
+    negative control), ``remat.auto(device_memory=...)`` plans it from smaller batches, and the allocator's
+    peak over 5 later steps stays under the fraction. On the CPU (--smoke) the capacity is remat's own."""
+    import copy as _copy
+    import remat
+    from remat.workload import load_workload
+    big = {**shape, "batch_size": shape["batch_size"] * 4, "dropout": 0.0}
+    wl = load_workload("gpt", big, device=device, dtype=dtype).workload
+    batch = wl.batch(0)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        wl.loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    cuda = device.startswith("cuda")
+    control = _copy.deepcopy(wl.model)
+    opt = torch.optim.AdamW(control.parameters(), lr=1e-4)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        step(control, opt)
+        step(control, opt)
+        unplanned = torch.cuda.max_memory_allocated()
+    else:
+        from remat.memory.reference import profiler_memory_peak
+        step(control, opt)
+        state = sum(t.untyped_storage().nbytes() for t in [*control.parameters(), *(
+            v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))])
+        unplanned = state + profiler_memory_peak(lambda: step(control, opt)).peak_delta_bytes
+    del control, opt
+    capacity = int(unplanned / ratio)
+    refused = False
+    total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(capacity / total)
+        control = _copy.deepcopy(wl.model)
+        opt = torch.optim.AdamW(control.parameters(), lr=1e-4)
+        try:
+            with (remat.CpuCapacity(capacity, control) if not cuda else _nullcontext()):
+                step(control, opt)
+                step(control, opt)
+        except torch.OutOfMemoryError:
+            refused = True
+        del control, opt
+        if cuda:
+            torch.cuda.empty_cache()
+        opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-4)
+        t = time.perf_counter()
+        handle = remat.auto(wl.model, batch, loss_fn=wl.loss, optimizer=opt, device_memory=capacity,
+                            verify="quick", use_cache=False)
+        auto_s = time.perf_counter() - t
+        peaks = []
+        for _ in range(5):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                step(wl.model, opt)
+                peaks.append(torch.cuda.max_memory_allocated())
+            else:
+                with remat.CpuCapacity(capacity, wl.model, opt) as cap:
+                    step(wl.model, opt)
+                peaks.append(cap.peak_bytes)
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    r = handle.report
+    ok = refused and r.blocked is not None and max(peaks) <= capacity
+    return Check("blocked", ok,
+                 f"unplanned {fmt_bytes(unplanned)} on a capacity of {fmt_bytes(capacity)}: control refused {refused}; "
+                 f"remat.auto {auto_s:.1f} s, {len(r.boundaries)} boundaries, verified at batch "
+                 f"{r.blocked.verified_batch if r.blocked else '-'}; worst of 5 later steps "
+                 f"{max(peaks) / capacity:.3f} of the capacity",
+                 {"unplanned_bytes": unplanned, "capacity_bytes": capacity, "control_refused": refused,
+                  "auto_seconds": auto_s, "boundaries": list(r.boundaries), "peaks": peaks,
+                  "blocked": r.blocked.to_json() if r.blocked else None})
+
+
+def _nullcontext() -> Any:
+    import contextlib
+    return contextlib.nullcontext()
+
+
 def _run(name: str, fn: Callable[[], Check]) -> Check:
     t0 = time.perf_counter()
     try:
@@ -529,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         ("offload", lambda: check_offload(dev, dt, shapes["pipeline"])),
         ("offload_plan", lambda: check_offload_plan(dev, dt, shapes["pipeline"])),
         ("lora", lambda: check_lora(dev, args.smoke)),
+        ("blocked", lambda: check_blocked(dev, dt, shapes["pipeline"], 1.2 if args.smoke else 1.6)),
         ("compile_budget", lambda: check_compile_budget(dev, dt, shapes["pipeline"], (1.0, 0.5, 0.2),
                                                         cap_s=60.0 if args.smoke else 150.0)),
     ]
