@@ -5,7 +5,8 @@ a Hugging Face Llama) and each ratio R (the unplanned step's torch.profiler peak
 
 - the negative control: the unplanned step, on a copy under ``remat.CpuCapacity``, is refused;
 - ``remat.auto(device_memory=capacity, verify="quick")``: its wall time, in planned-step equivalents
-  (over the median planned step of the timing below);
+  (over the median planned step of the timing below), and the same for a second call without
+  ``verify`` (the default) on a fresh copy;
 - ``--steps`` training steps of the user's model with the plan, each under the enforced capacity and
   measured by torch.profiler: the worst over the capacity;
 - step time against all-blocks checkpointing (Hugging Face's ``gradient_checkpointing_enable`` on the
@@ -82,9 +83,12 @@ def run(name: str, ratio: float, steps: int, rounds: int) -> dict:
     remat.apply(planned, handle.plan)
     # first-k: the fewest leading blocks whose checkpointing fits the same capacity, measured by remat's closed loop
     first_k_model = copy.deepcopy(pristine)
-    first_k = remat.auto(copy.deepcopy(pristine), s.batch, loss_fn=s.loss_fn, optimizer=s.optimizer(first_k_model),
+    first_k = remat.auto(first_k_model, s.batch, loss_fn=s.loss_fn, optimizer=s.optimizer(first_k_model),
                          device_memory=capacity, planner="first-k", use_cache=False).plan
-    remat.apply(first_k_model, first_k)
+    # remat.auto as most calls make it (verify=None): its cost alone, on a fresh copy
+    unverified_model = copy.deepcopy(pristine)
+    unverified_s = remat.auto(unverified_model, s.batch, loss_fn=s.loss_fn, optimizer=s.optimizer(unverified_model),
+                              device_memory=capacity, use_cache=False).report.seconds
     pristine_s = Scenario(s.name, pristine, s.batch, s.loss_fn)
     times = interleaved(pristine_s, {"remat": planned, "all_blocks": all_blocks(pristine_s),
                                      "first_k": first_k_model}, rounds)
@@ -92,6 +96,8 @@ def run(name: str, ratio: float, steps: int, rounds: int) -> dict:
     ratios_fk = [a / b for a, b in zip(times["remat"], times["first_k"])]
     row.update(auto_seconds=auto_s, wall_seconds=time.perf_counter() - t,
                step_equivalents=auto_s / statistics.median(times["remat"]),
+               auto_seconds_unverified=unverified_s,
+               step_equivalents_unverified=unverified_s / statistics.median(times["remat"]),
                worst_peak_over_capacity=max(peaks) / capacity, steps=len(peaks),
                boundaries=list(r.boundaries), blocked=r.blocked.describe() if r.blocked else None,
                predicted_over_measured=r.predicted_peak_bytes / (r.measured_peak_bytes or 1),

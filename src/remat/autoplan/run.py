@@ -412,8 +412,7 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
         trainable=hashlib.sha256(bytes(p.requires_grad for p in model.parameters())).hexdigest(),
         training=model.training,
         batch=[digest.value(leaf) for s in (source, *others) for leaf in tree_leaves(s.batch)],
-        budget=f"{settings.budget}" + ("" if fit is None or fit.capacity_bytes is None
-                                       else f" on a device of {fit.capacity_bytes} B"),
+        budget=f"{settings.budget}" + _capacity_key(settings, fit),
         reserve=settings.reserve_fraction, planner=settings.planner,
         segments=settings.segments, loss=f"{qualified_name(source.loss)}:{sha256_json(digest.value(source.loss))}",
         optimizer=source.optimizer.key(), device=device_identity(source.device),
@@ -421,6 +420,19 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
         world_size=ranks.world_size if ranks is not None else 1,
         engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value,
         autocast=source.autocast, accumulation_steps=source.accumulation_steps)
+
+
+def _capacity_key(settings: AutoSettings, fit: _Fit | None) -> str:
+    """What of the device's capacity a cached plan is bound to (NOTE [plan cache key]): a stated capacity
+    exactly; the device's free memory when it is the budget, to 256 MiB (it moves a little from call to
+    call, and an exact figure would never hit); nothing when a budget is given (the capacity only gates it)."""
+    if fit is None or fit.capacity_bytes is None:
+        return ""
+    if settings.device_memory is not None:
+        return f" on a device of {fit.capacity_bytes} B"
+    if settings.budget is None:
+        return f" on a device with about {fit.capacity_bytes >> 28 << 8} MiB free"
+    return ""
 
 
 def _plan_and_verify(source: ModelSource, cached: Plan | None, settings: AutoSettings,
