@@ -235,3 +235,22 @@ def test_remat_trace_writes_the_refusal_of_a_step_that_does_not_fit(tmp_path, ca
     assert main(["trace", "--workload", "gpt", "--shape", shape, "--device-memory", str(capacity * 2),
                  "--steps", "1", "--warmup", "1", "--out", str(tmp_path / "u")]) == 0
     assert (tmp_path / "u" / "trace.json").exists() and not (tmp_path / "u" / "refusal.json").exists()
+
+
+def test_remat_frontier_on_a_device_reports_what_each_plan_unlocks(tmp_path):
+    """The control cannot run at the target (a failed point, out of memory); each plan that fits reports the
+    largest batch it fits on the device, and one ships."""
+    from remat.cli.main import main
+    import json
+    shape = "batch_size=32,seq_len=128,n_layer=4,d_model=128,n_head=4,dropout=0.0"
+    capacity = int(unplanned_peak(gpt_scenario()) / 1.6)
+    assert main(["frontier", "--workload", "gpt", "--shape", shape, "--device-memory", str(capacity),
+                 "--plans", "all,optimal", "--steps", "2", "--warmup", "1", "--capacity-tries", "3",
+                 "--out", str(tmp_path / "f")]) == 0
+    d = json.loads((tmp_path / "f" / "frontier.json").read_text())
+    points = {p["plan"]: p for p in d["points"]}
+    assert points["none"]["decision"] == "failed" and "out of memory" in points["none"]["reason"]
+    assert d["budget_bytes"] == capacity and d["shipped"] in ("all", "optimal")
+    for name in ("all", "optimal"):
+        assert points[name]["peak_bytes"] <= capacity and points[name]["capacity"] >= 32
+    assert main(["frontier", "--workload", "gpt", "--out", str(tmp_path / "g")]) == 2   # neither budget nor device

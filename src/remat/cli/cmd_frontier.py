@@ -13,8 +13,10 @@ from .._io import atomic_write_bytes, atomic_write_json
 from ..errors import RematError
 from ..frontier import (DEFAULT_PLANS, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
                         render_frontier_png, run_frontier, short_overhead)
-from ..plan import Plan, check_budget_syntax, parse_budget, parse_reserve
-from ..profile import profile_workload
+from ..memory.capacity import step_capacity
+from ..plan import Plan, budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
+from ..profile.blocked import profile_on_device
+from ..profile.model import StepSample
 from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import (MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
@@ -26,9 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("frontier", help="measure peak vs step time for several plans, capacity, and which to ship")
     add_workload_args(p)
     add_autocast_arg(p)
-    p.add_argument("--budget", required=True,
+    p.add_argument("--budget", default=None,
                    help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
-                        "no-checkpoint peak (60%%)")
+                        "no-checkpoint peak (60%%); required unless --device-memory is given")
+    p.add_argument("--device-memory", default=None,
+                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out, enforced on the "
+                        "CPU; each plan's capacity is then what it unlocks on this device (NOTE [blocked step])")
     p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
     p.add_argument("--plans", default=None,
                    help="comma-separated planner specs; planner@X plans at budget X (default: "
@@ -123,6 +128,11 @@ def render_frontier(report: FrontierReport) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
+    if args.budget is None and (capacity is None or args.engine == "pipeline"):
+        raise RematError("remat frontier needs --budget" + ("" if args.engine != "pipeline" else
+                                                             " with --engine pipeline"),
+                         tip="pass --budget 60%, or --device-memory 2GiB to fit the device")
     if args.engine == "pipeline":   # the pipeline's points: no plan, uniform, per-stage plans at --budget
         from .pipeline_parallel import run_pipeline_frontier
         refuse_autocast_with(args, "--engine pipeline", "the pipeline engine runs the workload's step as it is")
@@ -131,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
         refuse_autocast_with(args, "--world-size", "the distributed run does not run the step under autocast")
     # cheap checks first: a typo should not cost minutes of profiling
     reserve = parse_reserve(args.reserve)
-    check_budget_syntax(args.budget)
+    if args.budget is not None:
+        check_budget_syntax(args.budget)
+    if capacity is not None and args.budget is not None and not str(args.budget).strip().endswith("%"):
+        budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
     parse_plan_requests(args.plans)
     for name in ("steps", "warmup", "capacity_tries", "capacity_steps", "capacity_granularity"):
         if getattr(args, name) < 1:
@@ -140,9 +153,12 @@ def run(args: argparse.Namespace) -> int:
         raise RematError(f"--capacity-max must be at least 1, got {args.capacity_max}")
     check_out_dir(args.out, ("frontier.json", "frontier.png", "distributed.json"))
     loaded = load_from_args(args)
-    with progress_bar() as progress:
-        report = profile_workload(loaded, progress=progress)
-        budget = parse_budget(args.budget, report.baseline_peak_bytes)
+    # NOTE [device capacity]: on the CPU every step runs under the stated capacity, enforced
+    with progress_bar() as progress, step_capacity(capacity if args.device == "cpu" else None):
+        report, _ = profile_on_device(loaded, StepSample.of(1, []), capacity_bytes=capacity,
+                                      batch_key=args.capacity_key, progress=progress)
+        budget = budget_on_device(args.budget, report.baseline_peak_bytes, capacity)
+        assert budget is not None
         settings = FrontierSettings(
             budget_bytes=budget, reserve=reserve, plans=args.plans, steps=args.steps, warmup=args.warmup,
             capacity_key=None if args.no_capacity else args.capacity_key, capacity_max=args.capacity_max,

@@ -2,36 +2,40 @@
 
 NOTE [blocked step]
 People checkpoint because the step does not fit the device. When the unplanned step at the
-target batch runs out of memory (a CPU capacity's refusal, NOTE [CPU device capacity], or CUDA's
-``torch.OutOfMemoryError``), remat.auto records where (:class:`~remat.memory.capacity.Refusal`:
-the phase, the refused allocation, the bytes live by kind) and plans without ever running that
-step unplanned:
+target batch runs out of memory (a CPU capacity's refusal, NOTE [CPU device capacity] in
+memory/capacity.py, or CUDA's ``torch.OutOfMemoryError``), remat records where (``Refusal``: the
+phase, the refused allocation, the bytes live by kind) and plans without ever running that step
+unplanned again (``remat.auto``, ``remat plan --device-memory``):
 
-1. **Smaller batches that fit.** The example batch's leading dimension (B, shared by every tensor
-   leaf of rank >= 1) is halved until the unplanned step fits: k2 = B/2, B/4, ...; then
-   k1 = k2/2. Both are profiled in full (every candidate's saved bytes, replay cost, hazards;
-   NOTE [what one profiled step gives]), under the capacity.
-2. **The rule: affine in the batch.** Every byte and time figure of the profile (each
-   candidate's saved, input and replay-extra bytes and forward and replay ms; each peak row's
-   base bytes; the unplanned peak, its phases and its time) is x(k) = a + b*k, fitted through
-   (k1, x1) and (k2, x2) and read at B: x(B) = x2 + (x2 - x1) * (B - k2) / (k2 - k1). The
-   constant part is what does not grow with the batch (parameters, gradients, optimizer state),
-   the slope what does (activations, their temporaries). Bytes live are clamped at 0 (a
-   candidate's saved bytes may be negative, and are not). Times (forward, replay, the step) are
-   k2's scaled by B / k2: k1 is profiled for its bytes only, its replays not timed alone (a
-   third of a profile's time), and a time's fixed part read as per-sample errs high, never low. Structure (which candidates, hazards, exclusions, which rows) is k2's: the two
-   profiles must agree on it, or the profile at k2 is scaled alone through its state bytes
-   (``_proportional``). Its measured error: benchmarks/RESULTS.md, "Unlock the blocked shape".
-3. **Measured at the target.** The closed loop (NOTE [closed loop]) measures each plan at the
-   target batch B, under the capacity: a plan that still does not fit is refused by the capacity
-   and counts as a miss whose peak is at least the refused allocation plus what was live
-   (``closed_loop._measure_into``), so the loop corrects its margin and falls back as for any miss.
-   No unplanned step at B ever runs.
+1. **Smaller batches that fit.** The batch B (remat.auto: the example batch's leading dimension,
+   shared by every tensor leaf of rank >= 1, sliced; the command: the ``batch_size`` shape
+   keyword) is halved until the unplanned step fits: k2 = B/2, B/4, ...; then k1 = k2/2. k2 is
+   profiled in full (every candidate's saved bytes, replay cost, hazards; NOTE [what one profiled
+   step gives]), k1 for its bytes (its replays not timed alone: about a third of a profile's
+   time), both under the capacity.
+2. **The rule: affine in the batch.** Every byte figure of the profile (each candidate's saved,
+   input and replay-extra bytes; each peak row's base bytes; the unplanned peak and its phases)
+   is x(k) = a + b*k through (k1, x1) and (k2, x2), read at B: x(B) = x2 + (x2 - x1) * (B - k2) /
+   (k2 - k1). The constant part is what does not grow with the batch (parameters, gradients,
+   optimizer state), the slope what does (activations, their temporaries). Bytes live are clamped
+   at 0 (a candidate's saved bytes may be negative, and are not). Times (forward, replay, the
+   step) are k2's scaled by B / k2 (a time's fixed part read as per-sample errs high, never low).
+   Structure (which candidates, hazards, exclusions, which rows) is k2's; peak rows are matched by
+   what they hold (they are ordered by bytes, which change with the batch). When the two profiles
+   differ in structure, or only k2 = 1 fits, k2 is scaled alone above its least-live row
+   (``_proportional``). Measured error: 0% on the gpt's unplanned peak and every candidate's saved
+   bytes at batch 32 read from 8 and 16 (tests/test_blocked.py bounds it at 3%; benchmarks/RESULTS.md,
+   "Unlock the blocked shape").
+3. **Measured at the target.** The closed loop (NOTE [closed loop]) measures each plan at B under
+   the capacity: a plan that still does not fit is refused and counts as a miss whose peak is at
+   least what was live plus the refused allocation (``closed_loop._measure_into``), so the loop
+   corrects its margin and falls back as for any miss.
 4. **Proof where the control fits.** ``verify="quick"`` compares the plan with the unmodified
-   control at k2, the largest batch at which the control fits (recorded in the report as
-   ``verified_batch``); the planned step at B is the closed loop's measurement.
-When no halving fits, or no plan fits at B, :class:`DeviceTooSmall` says so with the capacity, the
-floor's measured or predicted peak, and the levers left.
+   control at k2, the largest batch at which the control fits (``verified_batch``); the planned
+   step at B is the closed loop's measurement.
+When no halving fits, or no plan fits at B, ``remat.DeviceTooSmall`` (exit 2) says so with the
+capacity, the floor plan's peak measured at B under the capacity (at least what was live plus the
+refused allocation, when the capacity refuses it too), and the levers left.
 """
 
 from __future__ import annotations
