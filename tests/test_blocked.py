@@ -254,3 +254,24 @@ def test_remat_frontier_on_a_device_reports_what_each_plan_unlocks(tmp_path):
     for name in ("all", "optimal"):
         assert points[name]["peak_bytes"] <= capacity and points[name]["capacity"] >= 32
     assert main(["frontier", "--workload", "gpt", "--out", str(tmp_path / "g")]) == 2   # neither budget nor device
+
+
+def test_a_replan_for_a_batch_that_cannot_run_unplanned_goes_through_the_blocked_path():
+    """on_new_shape='replan': planned at batch 8 for the capacity, then called at batch 32 (whose unplanned step
+    needs 1.6x the capacity) inside the user's own enforced capacity: re-planned from smaller batches, and the
+    step at 32 runs under the capacity instead of running out of memory."""
+    big = gpt_scenario(batch_size=32)
+    capacity = int(unplanned_peak(big) / 1.6)
+    s = gpt_scenario(batch_size=8)
+    opt = s.optimizer()
+    small_batch = tuple(t[:8] for t in big.batch)
+    handle = remat.auto(s.model, small_batch, loss_fn=s.loss_fn, optimizer=opt, device_memory=capacity,
+                        on_new_shape="replan", use_cache=False)
+    assert handle.report.blocked is None            # batch 8 fits unplanned
+    with CpuCapacity(capacity, s.model, opt) as cap:
+        loss = s.loss_fn(s.model, big.batch)        # the guard re-plans before this forward runs
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert handle.replans == 1 and handle.report.blocked is not None
+    assert handle.report.blocked.target_batch == 32 and cap.peak_bytes <= capacity
