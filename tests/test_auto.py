@@ -314,13 +314,13 @@ def test_auto_keeps_no_copy_alive_between_measurements(tmp_path, monkeypatch):
         return w
     monkeypatch.setattr(ModelSource, "workload", tracked)
     alive_at_start: list[int] = []
-    real_loop = run.plan_closed_loop
+    real_loop = run.plan_for_device   # the closed loop, at the budget or on the device (NOTE [device capacity])
 
     def loop(*a, **k):
         gc.collect()
         alive_at_start.append(sum(r() is not None for r in copies))
         return real_loop(*a, **k)
-    monkeypatch.setattr(run, "plan_closed_loop", loop)
+    monkeypatch.setattr(run, "plan_for_device", loop)
     model, batch = tiny()
     remat.auto(model, batch, budget="75%", loss_fn=ex.loss_fn, use_cache=False, **FAST)
     assert len(copies) >= 2 and alive_at_start == [0]

@@ -28,7 +28,7 @@ Two ways in:
 - :class:`CpuCapacity` (the user's own loop, the demo): one ledger over a block of code, its base
   the tensors of the objects the caller names (a model, an optimizer, a batch).
 A refused step leaves :class:`Refusal`, the blocked step's evidence: the phase, the request, and
-the bytes live by kind (NOTE [blocked step] in autoplan/blocked.py reads it).
+the bytes live by kind (NOTE [blocked step] in profile/blocked.py reads it).
 """
 
 from __future__ import annotations
