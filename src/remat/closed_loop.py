@@ -504,12 +504,14 @@ def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str,
     except (InfeasibleBudget, BudgetMissed) as exc:
         if capacity_bytes is None or budget_bytes is None or budget_bytes < capacity_bytes:
             raise   # a budget under the device: the budget's own error says what would meet it
-        if isinstance(exc, BudgetMissed):
-            floor, how = exc.best.measured_peak_bytes or 0, f"measured ({exc.best.planner})"
+        if isinstance(exc, BudgetMissed):   # plans were measured: the lowest of them
+            floor = exc.best.measured_peak_bytes or 0
+            lowest = f"the lowest peak measured ({exc.best.planner}) is {format_bytes(floor)}"
         else:
             floor, how = _measured_floor(loaded, report, kw.get("reserve", 0.05), kw.get("progress", no_progress))
-        raise DeviceTooSmall(f"the step does not fit the device capacity of {format_bytes(capacity_bytes)} with any "
-                             f"plan: the floor plan's peak is {how} {format_bytes(floor)}"
+            lowest = f"the floor plan's peak is {how} {format_bytes(floor)}"
+        raise DeviceTooSmall(f"the step does not fit the device capacity of {format_bytes(capacity_bytes)} less its "
+                             f"reserve with any plan: {lowest}"
                              + (f" ({blocked.describe()})" if blocked is not None else ""),
                              capacity_bytes=capacity_bytes, floor_bytes=floor) from exc
     result.plan.blocked = blocked
