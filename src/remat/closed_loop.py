@@ -33,7 +33,7 @@ from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 import torch
 
 from .wrap import PlanArm
-from .memory.capacity import last_refusal
+from .memory.capacity import clear_refusal, last_refusal
 from .errors import BudgetError, DeviceTooSmall, Option, PlanError, spell
 from .measure import CompileSpec, StepMeasurement, Stream, measure_arm, measure_stream_peaks
 from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
@@ -416,6 +416,7 @@ def _measure_into(loaded: LoadedWorkload, plan: Plan, steps: int, compile: Compi
                   then: Sequence[Stream] = ()) -> StepMeasurement | None:
     if compile is not None:
         plan.compile = compile
+    clear_refusal()   # a refusal read below is this measurement's, never an earlier step's
     try:
         m = measure_plan(loaded, plan, steps=steps, then=then)
     except torch.OutOfMemoryError:
@@ -524,6 +525,7 @@ def _measured_floor(loaded: LoadedWorkload, report: ProfileReport, reserve: floa
     a plan the capacity refuses measures at least what was live plus the refused allocation."""
     floor = make_plan(report, "floor", budget_bytes=None, reserve=reserve)
     progress("plan: nothing is predicted to fit the device; measuring the floor plan", 0, 1)
+    clear_refusal()
     try:
         return measure_plan(loaded, floor, steps=1).peak_bytes, "measured"
     except torch.OutOfMemoryError:

@@ -39,8 +39,8 @@ from .shapes import ShapeEnvelope, ShapeGuard, ShapePolicy, grow_batch
 from .source import InMemoryWorkload
 from .source import CopyFn, LossFn, ModelSource, OptimizerSpec, Parked, default_loss, model_device, unwrap_optimizer
 from ..profile.blocked import BlockedStep, leading_size, profile_smaller, slice_batch
-from ..memory.capacity import (active_capacity, clear_refusal, last_refusal, optimizer_tensors, step_capacity,
-                               storage_bytes)
+from ..memory.capacity import active_capacity, clear_refusal, last_refusal, step_capacity, storage_bytes
+from ..memory.measure import optimizer_state_tensors
 
 VERIFY_MODES = (None, "quick")
 _HOW_TO_VERIFY = ("not verified: pass verify='quick' (one seed, one step, paired control on a copy), or run "
@@ -298,7 +298,7 @@ def _state_bytes(model: nn.Module, optimizer: Any, device_type: str) -> int:
     """Bytes of the user's parameters, buffers, gradients and optimizer state on ``device_type``, each storage once."""
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
     if optimizer is not None:
-        tensors += optimizer_tensors(unwrap_optimizer(optimizer))
+        tensors += optimizer_state_tensors(unwrap_optimizer(optimizer))
     return storage_bytes([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == device_type], set(),
                          device_type=device_type)
 

@@ -46,6 +46,7 @@ from ..types import LiveByKind, Phase, Refusal
 from ..units import fmt_bytes
 from ..workload.contract import PhaseMarker, TrainingStep, pop_step_guard, push_step_guard
 from .allocator import _build, counter_status
+from .measure import optimizer_state_tensors, step_state_bytes
 
 if TYPE_CHECKING:
     from types import ModuleType, TracebackType
@@ -122,13 +123,6 @@ def storage_bytes(tensors: Iterable[Any], seen: set[int], *, device_type: str = 
     return total
 
 
-def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
-    state = getattr(optimizer, "state", None)
-    if not isinstance(state, dict):
-        return []
-    return [v for s in state.values() if isinstance(s, dict) for v in s.values() if isinstance(v, torch.Tensor)]
-
-
 def _saved_tensor_bytes(tb: "TracebackType | None", seen: set[int], max_nodes: int = 200_000) -> int:
     """Bytes saved for backward by the autograd graph reachable from tensors in the failing frames' locals
     (each storage once, not in ``seen``). At the refused allocation those frames still hold the forward's
@@ -175,7 +169,7 @@ def live_by_kind(model: nn.Module | None, optimizer: Any, live_bytes: int,
     seen: set[int] = set()
     params = storage_bytes(list(model.parameters()) + list(model.buffers()), seen) if model is not None else 0
     grads = storage_bytes([p.grad for p in model.parameters()], seen) if model is not None else 0
-    opt = storage_bytes(optimizer_tensors(optimizer), seen)
+    opt = storage_bytes(optimizer_state_tensors(optimizer), seen)
     saved = _saved_tensor_bytes(tb, seen)
     return LiveByKind(parameters=params, gradients=grads, optimizer_state=opt, saved_activations=saved,
                       other=max(0, live_bytes - params - grads - opt - saved))
@@ -211,10 +205,7 @@ def step_capacity(capacity_bytes: int | None) -> Iterator[None]:
         if _on_cuda_or_fake(model):
             yield marker
             return
-        seen: set[int] = set()
-        base = storage_bytes([*model.parameters(), *model.buffers()], seen) \
-            + storage_bytes([p.grad for p in model.parameters()], seen) \
-            + storage_bytes(optimizer_tensors(step.optimizer), seen)
+        base = step_state_bytes(step)   # as the measured peak counts it: refused exactly when it would cross
         phase: list[Phase | None] = [None]
 
         def mark(p: Phase) -> None:
@@ -278,7 +269,7 @@ class CpuCapacity:
             if isinstance(obj, nn.Module):
                 base += storage_bytes([*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters())], seen)
             elif isinstance(obj, torch.optim.Optimizer):
-                base += storage_bytes(optimizer_tensors(obj), seen)
+                base += storage_bytes(optimizer_state_tensors(obj), seen)
             else:
                 base += storage_bytes(_tensors_in(obj), seen)
         if base > self.capacity_bytes:
