@@ -276,3 +276,47 @@ def test_a_replan_for_a_batch_that_cannot_run_unplanned_goes_through_the_blocked
         opt.zero_grad(set_to_none=True)
     assert handle.replans == 1 and handle.report.blocked is not None
     assert handle.report.blocked.target_batch == 32 and cap.peak_bytes <= capacity
+
+
+# -- the receipt of a blocked step, and remat check re-running both shapes ------------------------------
+
+def test_a_receipt_of_a_blocked_step_records_both_shapes_and_check_reruns_them(tmp_path, capsys):
+    """NOTE [blocked receipt]: the receipt plans batch 32 on a device it does not fit, verifies where the control
+    fits, and remat check re-runs the plan at 32 under the capacity (passes), fails under a smaller device (the
+    deliberately wrong case), and refuses an edited receipt that drops the device it was blocked on."""
+    import json
+    from remat.cli.main import main
+    from remat.receipt import load_receipt
+    shape = "batch_size=32,seq_len=128,n_layer=4,d_model=128,n_head=4,dropout=0.0"
+    capacity = int(unplanned_peak(gpt_scenario()) / 1.6)
+    out = tmp_path / "r"
+    assert main(["receipt", "--workload", "gpt", "--shape", shape, "--device-memory", str(capacity),
+                 "--plans", "none,optimal", "--frontier-steps", "2", "--no-capacity", "--sample-steps", "1",
+                 "--verify-seeds", "1", "--verify-steps", "1", "--out", str(out)]) == 0
+    receipt = load_receipt(out / "receipt.json")
+    blocked = receipt.blocked
+    assert blocked is not None and blocked.target_batch == 32 and blocked.verified_batch < 32
+    assert receipt.context.device_memory_bytes == capacity and receipt.decision.budget_bytes == capacity
+    assert receipt.decision.shipped_peak_bytes <= capacity and receipt.verification.passed
+    assert receipt.traces.target.context.shape["batch_size"] == blocked.verified_batch   # the control where it fits
+    assert receipt.traces.planned.context.shape["batch_size"] == 32 and receipt.traces.planned.peak_bytes <= capacity
+    control = next(p for p in receipt.frontier.points if p.plan == "none")
+    assert not control.fits and "out of memory" in control.reason
+    assert "does not fit" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["check", str(out / "receipt.json")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "still does not fit the device" in said and f"batch_size={blocked.verified_batch}" in said
+    # the wrong case: a device smaller than the plan's measured peak refuses the planned step
+    smaller = receipt.decision.shipped_peak_bytes - 4 * MiB
+    assert main(["check", str(out / "receipt.json"), "--device-memory", str(smaller),
+                 "--budget", str(smaller)]) == 1
+    said = " ".join(capsys.readouterr().out.split())
+    assert "the step with the plan" in said and "no longer fits the device capacity" in said, said
+    # an edited receipt: the device dropped, the blocked evidence kept
+    d = json.loads((out / "receipt.json").read_text())
+    del d["context"]["device_memory_bytes"]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(d))
+    assert main(["check", str(edited), "--quick", "--no-reports"]) == 1
+    assert "states no device memory" in " ".join(capsys.readouterr().out.split())

@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "in ./pyproject.toml, else the receipt's own only when it is a built-in (gpt, cnn, mlp). The "
                     "receipt's workload is compared with it (a mismatch fails, exit 1). A receipt that contradicts "
                     "itself fails before anything runs. Budget, reserve and tolerances come from the flags below or "
-                    "[tool.remat] (budget, reserve, peak-tolerance, saving-tolerance, time-tolerance, max-seeds, "
+                    "[tool.remat] (budget, reserve, device-memory, peak-tolerance, saving-tolerance, time-tolerance, max-seeds, "
                     "max-steps, timeout), never from the receipt alone. report.html and report.md must be beside the "
                     "receipt (unless --no-reports) and name its sha256. Past --timeout: exit 4. A pipeline receipt "
                     "(remat distributed --engine pipeline) is re-checked by launching the unplanned and the planned "
@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "when it is a built-in); compared with the receipt's")
     p.add_argument("--budget", default=None, help="the peak budget (bytes, 64MiB; default: [tool.remat] budget, else "
                                                   "the receipt's once it is consistent)")
+    p.add_argument("--device-memory", default=None,
+                   help="the device's capacity (2GiB), enforced on the CPU while re-running (default: [tool.remat] "
+                        "device-memory, else the receipt's)")
     p.add_argument("--reserve", default=None, help="share of the budget kept free (default: [tool.remat] reserve, else the receipt's)")
     p.add_argument("--peak-tolerance", default=None, help="how far the peak may exceed the claimed one (default 5%%)")
     p.add_argument("--saving-tolerance", default=None, help="how far a boundary's saving may fall below its claim "
@@ -61,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def gate_from_args(args: argparse.Namespace) -> GateSettings:
-    return GateSettings(budget=args.budget, reserve=args.reserve, peak_tolerance=args.peak_tolerance,
+    return GateSettings(budget=args.budget, reserve=args.reserve, device_memory=args.device_memory,
+                        peak_tolerance=args.peak_tolerance,
                         saving_tolerance=args.saving_tolerance, time_tolerance=args.time_tolerance,
                         timeout_s=args.timeout)
 

@@ -14,7 +14,7 @@ import torch
 from rich.markup import escape
 
 from ..errors import RematError
-from ..plan import check_budget_syntax, parse_reserve
+from ..plan import check_budget_syntax, parse_capacity, parse_reserve
 from ..workflow import make_receipt
 from ..receipt import Receipt, ReceiptFiles, RunSettings, ShipStatus, write_receipt
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
@@ -34,9 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--boundary-shape", default="",
                    help="a second shape, e.g. seq_len=128 (the longest batch of the run): traced, and its steps join "
                         "the step sample, so the plan holds at both shapes")
-    p.add_argument("--budget", required=True,
+    p.add_argument("--budget", default=None,
                    help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
-                        "no-checkpoint peak (60%%)")
+                        "no-checkpoint peak (60%%); required unless --device-memory is given")
+    p.add_argument("--device-memory", default=None,
+                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out, enforced on the "
+                        "CPU; a step that does not fit unplanned is planned from smaller batches and verified where "
+                        "the control fits (NOTE [blocked receipt])")
     p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
     p.add_argument("--candidates", default=None, help="comma-separated module paths, class names or regexes")
     add_run_args(p)
@@ -111,7 +115,15 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise RematError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    check_budget_syntax(args.budget)  # cheap syntax checks before minutes of measuring
+    capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
+    if args.budget is None and capacity is None:
+        raise RematError("remat receipt needs --budget or --device-memory",
+                         tip="pass --budget 60%, or --device-memory 2GiB to fit the device")
+    if capacity is not None and args.world_size is not None:
+        raise RematError("--device-memory is a capacity of one process's device; the ranks of --world-size do not "
+                         "enforce it", tip="make the receipt with --device-memory alone, or --world-size with --budget")
+    if args.budget is not None:
+        check_budget_syntax(args.budget)  # cheap syntax checks before minutes of measuring
     settings = settings_from_args(args)
     boundary = parse_shape(args.boundary_shape) or None
     check_out_dir(args.out, (RECEIPT_FILE, HTML_FILE, MD_FILE))
@@ -121,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     with stage_progress() as progress:
         receipt = make_receipt(loaded, budget=args.budget, reserve=reserve, boundary_shape=boundary,
                                settings=settings, candidates=candidates, command=command, boundary_in_sample=True,
-                               progress=progress)
+                               device_memory_bytes=capacity, progress=progress)
         if args.world_size is not None:
             from ..workflow.world_size import with_world_size
             receipt = with_world_size(receipt, world_size=args.world_size, engine=args.engine,

@@ -53,6 +53,7 @@ from ..units import fmt_bytes
 from .model import BlockedStep, CandidateCost, PeakRow, ProfileReport, StepSample, describe_refusal
 
 T = TypeVar("T")
+BATCH_KEY = "batch_size"   # the shape keyword the command line halves (NOTE [blocked step])
 
 def leading_size(batch: Any) -> int:
     """B: the leading dimension every tensor leaf of rank >= 1 shares (remat.auto's example batch);
@@ -187,14 +188,14 @@ def profile_smaller(target: int, build: Callable[[int], T], profile: Callable[[T
         k1, small, _ = profiles[1]
         report, rule = extrapolate(small, k1, large, k2, target, state)
     else:
-        report, rule = extrapolate(large, k2, large, k2, target, state)
+        report, rule = _proportional(large, k2, target, state), "proportional"   # only k2 fits: nothing to fit a line to
     blocked = BlockedStep(refusal=refusal, target_batch=target, profiled_batches=tuple(sorted(p[0] for p in profiles)),
                           verified_batch=k2, rule=rule)
     return report, blocked, at_k2
 
 
 def profile_on_device(loaded: LoadedWorkload, sample: StepSample, *, capacity_bytes: int | None,
-                      batch_key: str = "batch_size", candidates: list[str] | None = None,
+                      batch_key: str = BATCH_KEY, candidates: list[str] | None = None,
                       progress: ProgressFn = no_progress) -> tuple[ProfileReport, BlockedStep | None]:
     """``profile_sample`` of ``loaded``; when its unplanned step does not fit the device (NOTE [blocked step]),
     the profile read from smaller values of the shape keyword ``batch_key`` instead, with the evidence.
@@ -207,16 +208,16 @@ def profile_on_device(loaded: LoadedWorkload, sample: StepSample, *, capacity_by
         return profile_sample(loaded, sample, candidates=candidates, progress=progress), None
     except torch.OutOfMemoryError:
         refusal = last_refusal()
-    if not sample.is_single:
+    if sample.boundary_shapes:
         raise WorkloadError("the unplanned step does not fit the device, and remat plans a blocked step from smaller "
-                            "batches on one sampled step only", tip="drop --boundary-shape and pass --sample-steps 1")
+                            "batches at one shape only", tip="drop --boundary-shape")
     target = shape_value(loaded, batch_key)
     if isinstance(target, bool) or not isinstance(target, int) or target < 2:
         raise no_smaller_fit(target if isinstance(target, int) else 1, refusal, capacity_bytes or 0, [])
-    single = StepSample.of(1, [])
+    steps = StepSample.of(sample.steps, [])   # the same sampled steps, at each smaller batch
     report, blocked, _ = profile_smaller(
         target, lambda k: loaded.rebuild(**{batch_key: k}),
-        lambda w, bytes_only: profile_sample(w, single, candidates=candidates, measure_replays=not bytes_only,
+        lambda w, bytes_only: profile_sample(w, steps, candidates=candidates, measure_replays=not bytes_only,
                                              progress=progress),
         refusal, capacity_bytes or (refusal.capacity_bytes if refusal else 0), progress)
     return report, blocked

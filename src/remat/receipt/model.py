@@ -25,7 +25,7 @@ from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport, OverheadInterval
 from ..plan.model import Plan
-from ..profile.model import DEFAULT_SAMPLE_STEPS
+from ..profile.model import DEFAULT_SAMPLE_STEPS, BlockedStep
 from ..trace.model import HostContext, StepTrace
 from ..types import CheckpointMode, MemorySource
 from ..verify.model import Tolerance, VerifyReport
@@ -89,23 +89,27 @@ class ReceiptContext:
     command: str                      # the command line that made it ("" from the library)
     memory_source: MemorySource       # cpu-live-tensors or cuda-allocator
     autocast: str | None = None       # the forward ran under torch.autocast of this dtype (NOTE [autocast steps])
+    device_memory_bytes: int | None = None   # the device's stated capacity, enforced on the CPU (NOTE [blocked receipt])
 
     @classmethod
     def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: MemorySource,
-                command: str = "") -> "ReceiptContext":
+                command: str = "", device_memory_bytes: int | None = None) -> "ReceiptContext":
         rev, dirty = git_revision()
         host = dataclasses.asdict(HostContext.capture())   # the same fields, captured in one place
         return cls(workload=loaded.spec, shape=dict(loaded.shape), resolved_shape=resolved_shape(loaded.spec, loaded.shape),
                    boundary_shape=dict(boundary_shape) if boundary_shape else None, dtype=loaded.dtype,
                    device=loaded.device, **host, remat_version=__version__, git_revision=rev, git_dirty=dirty,
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   command=command, memory_source=memory_source, autocast=loaded.autocast)
+                   command=command, memory_source=memory_source, autocast=loaded.autocast,
+                   device_memory_bytes=device_memory_bytes)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["memory_source"] = self.memory_source.value
         if self.autocast is None:
             del d["autocast"]   # receipts made without autocast read as they always did
+        if self.device_memory_bytes is None:
+            del d["device_memory_bytes"]
         return d
 
     @classmethod
@@ -225,7 +229,8 @@ class BoundaryRecord:
 
 @dataclasses.dataclass(kw_only=True)
 class ReceiptTraces:
-    target: StepTrace                 # the unmodified step at the target shape (the control)
+    target: StepTrace                 # the unmodified step (the control) at the target shape; blocked: where it
+                                      # fits, the verified batch (its context says; NOTE [blocked receipt])
     boundary: StepTrace | None        # the unmodified step at the boundary shape
     planned: StepTrace | None         # the shipped plan's step at the target shape
 
@@ -402,6 +407,11 @@ class Receipt:
     unsupported: list[UnsupportedMode]
     world_size: WorldSizeEvidence | None = None   # NOTE [receipt at a world size] (receipt/world_size.py)
     schema_version: int = RECEIPT_SCHEMA_VERSION
+
+    @property
+    def blocked(self) -> BlockedStep | None:
+        """The unplanned step's evidence when it did not fit the device at the target (NOTE [blocked receipt])."""
+        return None if self.plan.plan is None else self.plan.plan.blocked
 
     @property
     def shipped(self) -> bool:

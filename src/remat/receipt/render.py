@@ -133,9 +133,13 @@ def _summary_rows(r: Receipt) -> list[tuple[str, str, str]]:
     d = r.decision
     tc = r.traces.target
     tp = r.traces.planned
+    blocked = r.blocked
+    refused = None if blocked is None or blocked.refusal is None else blocked.refusal.phase
     return [
-        ("step peak (measured)", fmt_bytes(d.control_peak_bytes), fmt_bytes(d.shipped_peak_bytes)),
-        ("blocking phase (trace)", tc.peak_phase.value if tc.peak_phase else "-",
+        ("step peak (measured)", fmt_bytes(d.control_peak_bytes) if blocked is None else "does not fit",
+         fmt_bytes(d.shipped_peak_bytes)),
+        ("blocking phase (trace)" if blocked is None else "blocking phase (refusal)",
+         (tc.peak_phase.value if tc.peak_phase else "-") if blocked is None else (refused.value if refused else "-"),
          tp.peak_phase.value if tp is not None and tp.peak_phase else "-"),
         ("warm step time p50", _ms(d.control_p50_ms), _ms(d.shipped_p50_ms)),
         ("step time vs control", "", describe_overhead(d.overhead_pct, d.overhead_interval)),
@@ -237,6 +241,10 @@ def _context_rows(r: Receipt) -> list[tuple[str, str]]:
                      f"each (interleaved); capacity {s.capacity_key or 'not searched'}"
                      + (f" ({s.capacity_tries} tries, {s.capacity_steps} timed steps)" if s.capacity_key else "")),
     ]
+    if c.device_memory_bytes is not None:
+        rows.insert(4, ("device memory", fmt_bytes(c.device_memory_bytes) + (", enforced" if c.device == "cpu" else "")))
+    if r.blocked is not None:
+        rows.insert(5, ("blocked", r.blocked.describe()))
     if s.note:
         rows.append(("note", s.note))
     return rows
@@ -336,11 +344,20 @@ def _phase_rows(r: Receipt) -> list[list[str]]:
     return rows
 
 
+def _blocked_caption(r: Receipt) -> str:
+    """Where the control's figures come from when it does not fit at the target (NOTE [blocked receipt])."""
+    return (f"The control does not fit the device at {_shape(r.context.shape)}: its curve, its held bytes and the "
+            f"boundaries' measured savings are at {_shape(r.traces.target.context.shape)}, the largest batch at which it "
+            "fits (where equivalence is proved too); the plan's curve is at the target.")
+
+
 def _html_timeline(r: Receipt) -> str:
     """3. the phase timeline plot, the per-phase table, the boundary-shape trace."""
     out = ("<h2>Phase timeline: live bytes over one step</h2>" + _img(timeline_png(r), "phase timeline, control vs plan")
            + _html_table(["phase", "peak: control", "peak: plan", "time: control (traced)", "time: plan (traced)"],
                          _phase_rows(r)))
+    if r.blocked is not None:
+        out += (f"<p class=\"muted\">{e(_blocked_caption(r))}</p>")
     b = r.traces.boundary
     if b is not None:
         out += (f"<p class=\"muted\">Boundary shape {e(_shape(b.context.shape))} (unmodified): peak "
@@ -482,7 +499,8 @@ def _md_boundaries(r: Receipt) -> list[str]:
     head = ["### Boundaries", ""]
     if not r.plan.boundaries:
         return [*head, md(r.plan.note or "No boundaries: nothing is checkpointed.")]
-    return [*head, *_md_table(BOUNDARY_HEADERS, _boundary_rows(r))]
+    caption = [] if r.blocked is None else ["", md(_blocked_caption(r))]
+    return [*head, *_md_table(BOUNDARY_HEADERS, _boundary_rows(r)), *caption]
 
 
 def _md_frontier(r: Receipt) -> list[str]:

@@ -162,7 +162,7 @@ CONTEXT = Obj({
     "hostname": SHORT, "cpu_count": Opt(Int(0, 1 << 20)), "threads": Int(0, 4096), "remat_version": SHORT,
     "git_revision": Opt(Str(r"[0-9a-f]{7,64}")), "git_dirty": Opt(Bool()), "created": SHORT, "command": TEXT,
     "memory_source": MEMORY_SOURCE,
-}, {"autocast": Opt(AUTOCAST)})
+}, {"autocast": Opt(AUTOCAST), "device_memory_bytes": Opt(Int(1, 2 ** 53))})
 SETTINGS = Obj({
     "trace_warmup": Int(1, MAX_WARMUP), "trace_steps": Int(1, MAX_STEPS), "verify_steps": Int(1, MAX_STEPS),
     "verify_seeds": Int(1, MAX_SEEDS), "verify_timing_steps": Int(0, MAX_STEPS),

@@ -21,6 +21,23 @@ NOTE [receipt run]
 6. Trace the shipped plan's step (the "plan" curve of the timeline) and measure each
    boundary's saving (NOTE [measured saving]).
 
+NOTE [blocked receipt]
+``remat receipt --device-memory 2GiB`` makes the receipt of a step that may not fit the device
+(``budget`` optional: the capacity is the default). On the CPU every step runs under the
+capacity, enforced (NOTE [CPU device capacity]). When the unplanned step at the target does not
+fit, the receipt holds two shapes:
+- the **target** (``batch_size`` = B): the refusal is the evidence (the plan's ``blocked``,
+  NOTE [blocked step]); the profile is read from smaller batches; the closed loop, the frontier
+  (the control a failed point), the sample maxima and the shipped plan's trace are measured at B,
+  under the capacity;
+- the **verified batch** k2, the largest at which the control fits: equivalence (the fixture and
+  its negative controls), the control's phase trace and held bytes, and each boundary's measured
+  saving, since each needs the control to run.
+``remat check`` re-runs both under the gate's device memory (NOTE [gate thresholds]): the fixture
+and the savings at k2, the plan's peak at B (a refusal fails), and the unplanned step at B, which
+must still be refused (a step that now fits is said: the plan still holds). The overhead against
+the control is not re-measured (there is no control at B), and the receipt says so.
+
 NOTE [measured saving]
 A boundary's *measured saving* is read at the turn from forward to backward, where every
 activation the step keeps is alive: live bytes of the unmodified step there, minus live
@@ -72,17 +89,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 
 from ..wrap import PlanArm, boundary_members, boundary_module
-from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_closed_loop
-from ..errors import BudgetError, WorkloadError
+from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_for_device
+from ..errors import BudgetError, DeviceTooSmall, WorkloadError
 from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
 from ..frontier.pareto import SamplePeak, ShipDecision, Verdict, ship_decision
 from ..measure import held_bytes_at_phase, prepare_arm
-from ..plan import InfeasibleBudget, Plan, PlannerSpec, check_budget_syntax, parse_budget
+from ..memory.capacity import step_capacity
+from ..plan import InfeasibleBudget, Plan, PlannerSpec, budget_on_device, check_budget_syntax
 from ..profile import ProfileReport, module_revision
-from ..profile.model import StepSample
-from ..profile.sample import profile_sample, sample_workloads
+from ..profile.blocked import BATCH_KEY, profile_on_device
+from ..profile.model import BlockedStep, StepSample
+from ..profile.sample import sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import VerifyReport, tolerance_table, verify_plan
@@ -215,20 +235,29 @@ class _Bar:
     budget_bytes: int
     reserve: float
     limit: int                    # budget x (1 - reserve)
-    control_peak: int | None      # the control point's measured peak, else the target trace's
+    control_peak: int | None      # the control point's measured peak, else the target trace's (None: blocked)
     control_p50: float | None
     measured: int                 # frontier points measured
     fitting: int                  # of which fit
+    blocked: BlockedStep | None   # the control does not fit the device at the target (NOTE [blocked receipt])
 
     @classmethod
-    def of(cls, frontier: FrontierReport, trace: StepTrace) -> "_Bar":
+    def of(cls, frontier: FrontierReport, trace: StepTrace, blocked: BlockedStep | None) -> "_Bar":
         control = next((p for p in frontier.points if p.plan == frontier.control), None)
-        peak = control.peak_bytes if control is not None and control.peak_bytes is not None else trace.peak_bytes
+        peak = control.peak_bytes if control is not None and control.peak_bytes is not None else \
+            None if blocked is not None else trace.peak_bytes   # the trace is then at the verified batch
         return cls(budget_bytes=frontier.budget_bytes, reserve=frontier.reserve,
                    limit=frontier.effective_budget_bytes, control_peak=peak,
                    control_p50=None if control is None else control.p50_ms,
                    measured=sum(1 for p in frontier.points if p.measured),
-                   fitting=sum(1 for p in frontier.points if p.fits))
+                   fitting=sum(1 for p in frontier.points if p.fits), blocked=blocked)
+
+    def control_words(self, trace: StepTrace) -> str:
+        """What the unmodified step does at the target, as a sentence."""
+        if self.blocked is not None:
+            return f"Without checkpointing {self.blocked.describe()}."
+        phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
+        return f"Without checkpointing the step peaks at {mib(self.control_peak)}{phase}, over the {self.text}."
 
     @property
     def text(self) -> str:
@@ -247,11 +276,12 @@ def _why_torch_budget(shipped: FrontierPoint, plan: Plan, bar: _Bar, verificatio
     return why
 
 
-def _why_verified(verification: VerifyReport) -> str:
+def _why_verified(verification: VerifyReport, where: str = "") -> str:
     seeds, steps = len(verification.seeds), verification.steps
     bitwise = all(s.bitwise for s in verification.per_step)
     negs = [n.name for n in verification.negative_controls if n.applicable and n.rejected]
-    return (f"Verified against the seeded {'compiled ' if verification.compile else ''}control: {_n(seeds, 'seed')} x "
+    return (f"Verified against the seeded {'compiled ' if verification.compile else ''}control{where}: "
+            f"{_n(seeds, 'seed')} x "
             f"{_n(steps, 'step')} + an eval step {'match bitwise' if bitwise else 'match within tolerance'}; "
             "no replay hazards" + (f"; negative controls rejected: {', '.join(negs)}." if negs else "."))
 
@@ -267,8 +297,7 @@ def _why_plan(shipped: FrontierPoint, plan: Plan, bar: _Bar, trace: StepTrace,
            + f". The {spec.family} family won ({kind})."]
     peak = shipped.peak_bytes or 0
     if bar.control_peak is None or bar.control_peak > bar.limit:
-        phase = f" in {trace.peak_phase.value}" if trace.peak_phase else ""
-        why.append(f"Without checkpointing the step peaks at {mib(bar.control_peak)}{phase}, over the {bar.text}.")
+        why.append(bar.control_words(trace))
     why.append(f"With this plan the measured peak is {mib(shipped.peak_bytes)}: it clears by "
                f"{mib(bar.limit - peak)} ({1 - peak / bar.budget_bytes:.0%} of the budget left free).")
     if shipped.p50_ms is not None and bar.control_p50:
@@ -276,7 +305,9 @@ def _why_plan(shipped: FrontierPoint, plan: Plan, bar: _Bar, trace: StepTrace,
                    f"{shipped.p50_ms:.1f} ms vs {bar.control_p50:.1f} ms), the least of the {bar.fitting} of "
                    f"{bar.measured} measured plans that clear.")
     if verification is not None:
-        why.append(_why_verified(verification))
+        where = "" if bar.blocked is None else \
+            f" at batch {bar.blocked.verified_batch}, the largest at which the control fits"
+        why.append(_why_verified(verification, where))
     return why
 
 
@@ -287,7 +318,8 @@ def _why_nothing(bar: _Bar, first_rejected: str | None, unverified: str | None, 
         first = f"Nothing ships: {closed_loop_note}"
     else:
         first = f"Nothing ships: no measured plan's peak clears {bar.text}."
-    return [first, f"The unmodified step peaks at {mib(bar.control_peak)}."]
+    return [first, f"The unmodified step peaks at {mib(bar.control_peak)}." if bar.blocked is None
+            else f"The unmodified step: {bar.blocked.describe()}."]
 
 
 def _why(shipped: FrontierPoint, plan: Plan | None, bar: _Bar, trace: StepTrace,
@@ -312,14 +344,14 @@ def _why_replanned(excluded: dict[str, str], replan_note: str) -> list[str]:
 
 
 def _decide(*, frontier: FrontierReport, decision: ShipDecision, plan: Plan | None, trace: StepTrace,
-            verification: VerifyReport | None, closed_loop_note: str,
+            verification: VerifyReport | None, closed_loop_note: str, blocked: BlockedStep | None = None,
             excluded_after_verify: dict[str, str] | None = None, replan_note: str = "") -> ReceiptDecision:
     """The receipt's decision, as ``decision`` made it (NOTE [receipt decision]), in the receipt's words.
 
     ``frontier``: the points as ``decision`` judged them; ``plan``: the shipped point's plan (or, when
     nothing ships, the closed loop's, unshipped). ``excluded_after_verify``, ``replan_note``: what
     NOTE [re-plan after verify] excluded."""
-    bar = _Bar.of(frontier, trace)
+    bar = _Bar.of(frontier, trace, blocked)
     shipped = None if decision.shipped is None else frontier.point(decision.shipped)
     rejected = _rejected_plans(frontier, decision)
     if shipped is None:
@@ -363,7 +395,7 @@ WORLD_SIZE_MODE = "world size > 1 (DDP, FSDP2)"   # replaced by the sizes not ru
 
 
 def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape: dict | None,
-                      compiled: bool = False) -> list[UnsupportedMode]:
+                      compiled: bool = False, blocked: BlockedStep | None = None) -> list[UnsupportedMode]:
     """What this receipt's evidence does not cover: the modes a reader must not assume.
 
     ``compiled``: the receipt was made with --compile (NOTE [compiled receipts]): torch.compile
@@ -404,7 +436,9 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
                                       "communication at world size N"))
     def text(shape: dict) -> str:
         return ", ".join(f"{k}={v}" for k, v in shape.items()) or "the default shape"
-    shapes = f"the plan was measured and verified at {text(loaded.shape)} only"
+    shapes = f"the plan was measured and verified at {text(loaded.shape)} only" if blocked is None else \
+        (f"the plan was measured at {text(loaded.shape)} and verified at {BATCH_KEY}={blocked.verified_batch} "
+         f"(the unmodified control does not fit the device at {BATCH_KEY}={blocked.target_batch}) only")
     if boundary_shape:
         shapes += f"; the boundary shape {text(boundary_shape)} was traced without it"
     out.append(UnsupportedMode(mode="other shapes", status=Coverage.NOT_RUN, detail=shapes))
@@ -438,6 +472,21 @@ def _capacity_key(loaded: LoadedWorkload, key: str | None) -> str | None:
     return key if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Run:
+    """The step the receipt plans, and where its proof runs (NOTE [blocked receipt])."""
+
+    loaded: LoadedWorkload                # the step at the target shape
+    proof: LoadedWorkload                 # where the unmodified control fits: the target, or the verified batch
+    capacity_bytes: int | None = None     # the device's stated capacity (bytes), enforced on the CPU
+    blocked: BlockedStep | None = None    # the target's unplanned step did not fit: its evidence
+
+    @classmethod
+    def at(cls, loaded: LoadedWorkload, capacity_bytes: int | None, blocked: BlockedStep | None) -> "_Run":
+        proof = loaded if blocked is None else loaded.rebuild(**{BATCH_KEY: blocked.verified_batch})
+        return cls(loaded=loaded, proof=proof, capacity_bytes=capacity_bytes, blocked=blocked)
+
+
 @dataclasses.dataclass(kw_only=True)
 class _Evidence:
     """What the receipt measured on the plan it shows (steps 5 and 6 of NOTE [receipt run])."""
@@ -459,26 +508,36 @@ def _settings_and_compile(settings: RunSettings | None, compile: CompileSpec | N
 
 
 def _trace_unmodified(loaded: LoadedWorkload, boundary_shape: dict[str, Any] | None, settings: RunSettings,
-                      progress: ProgressFn) -> tuple[StepTrace, StepTrace | None]:
-    """Step 1: phase traces of the unmodified step at the target shape and the boundary shape."""
-    target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
-                            progress=_stage(progress, "trace"))
+                      progress: ProgressFn) -> tuple[StepTrace | None, StepTrace | None]:
+    """Step 1: phase traces of the unmodified step at the target shape and the boundary shape; the target's
+    is None when the step does not fit the device (NOTE [blocked receipt]: its refusal is then the evidence)."""
+    try:
+        target = trace_workload(loaded, warmup=settings.trace_warmup, steps=settings.trace_steps,
+                                progress=_stage(progress, "trace"))
+    except torch.OutOfMemoryError:
+        if boundary_shape:
+            raise WorkloadError("the unplanned step does not fit the device, and remat plans a blocked step from "
+                                "smaller batches at one shape only (NOTE [blocked step])",
+                                tip="drop --boundary-shape") from None
+        return None, None
     if not boundary_shape:
         return target, None
     return target, trace_workload(loaded.rebuild(**boundary_shape), warmup=settings.trace_warmup,
                                   steps=settings.trace_steps, progress=_stage(progress, "trace boundary shape"))
 
 
-def _closed_loop(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
+def _closed_loop(run: "_Run", report: ProfileReport, budget_bytes: int, reserve: float,
                  sample: StepSample, progress: ProgressFn) -> tuple[ClosedLoopResult | None, str]:
     """Step 3: the optimal plan through the closed loop, or (None, why the measured loop missed).
 
     InfeasibleBudget propagates: bad input, as in ``remat plan`` (exit 2 naming the floor, and no
-    receipt: no plan reaches the budget by the profile's own prediction)."""
+    receipt: no plan reaches the budget by the profile's own prediction); so does DeviceTooSmall, when
+    the budget is the device's and no plan fits it (NOTE [blocked step])."""
     try:
-        return plan_closed_loop(loaded, report, "optimal", budget_bytes=budget_bytes, reserve=reserve,
-                                sample=None if sample.is_single else sample, progress=progress), ""
-    except InfeasibleBudget:
+        return plan_for_device(run.loaded, report, "optimal", budget_bytes=budget_bytes,
+                               capacity_bytes=run.capacity_bytes, blocked=run.blocked, reserve=reserve,
+                               sample=None if sample.is_single else sample, progress=progress), ""
+    except (InfeasibleBudget, DeviceTooSmall):
         raise
     except BudgetError as exc:
         return None, exc.message
@@ -526,10 +585,14 @@ def _hold_over_sample(loaded: LoadedWorkload, frontier: FrontierReport, sample: 
         sampled[label] = _over_sample(loaded, frontier.plans[label], frontier.point(label), sample)
 
 
-def _decided_frontier(frontier: FrontierReport, decision: ShipDecision, sampled: dict[str, Plan]) -> FrontierReport:
+def _decided_frontier(frontier: FrontierReport, decision: ShipDecision, sampled: dict[str, Plan],
+                      blocked: BlockedStep | None) -> FrontierReport:
     """A new report, the frontier's as the receipt records it: every point as ``decision`` judged it
-    (a sampled point's peak is its max over the sample), and the picked plan, with its sample record."""
+    (a sampled point's peak is its max over the sample), and the picked plan, with its sample record
+    and, planned from a blocked step's profile, its evidence (NOTE [blocked receipt])."""
     plan = None if decision.picked is None else sampled.get(decision.picked) or frontier.plans[decision.picked]
+    if plan is not None and blocked is not None:
+        plan = dataclasses.replace(plan, blocked=blocked)
     return dataclasses.replace(frontier, points=decision.points(frontier.points),
                                shipped_plan=None if plan is None else plan.to_json())
 
@@ -555,19 +618,19 @@ def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tu
     return closed.plan, "optimal"
 
 
-def _gather_evidence(loaded: LoadedWorkload, plan: Plan | None, settings: RunSettings,
-                     progress: ProgressFn) -> _Evidence:
+def _gather_evidence(run: "_Run", plan: Plan | None, settings: RunSettings, progress: ProgressFn) -> _Evidence:
     """Steps 5 and 6: verify the plan, trace it, measure each boundary's saving; a plan with no
-    boundaries and no torch budget is the control itself, and nothing is run."""
+    boundaries and no torch budget is the control itself, and nothing is run. Verification and the
+    savings run where the control fits (``run.proof``), the trace at the target (NOTE [blocked receipt])."""
     torch_budget = plan is not None and plan.compile is not None and plan.compile.memory_budget is not None
     if plan is None or not (plan.boundaries or torch_budget):
         return _Evidence(note="not run: the shipped plan checkpoints nothing, so the step is the control itself"
                          if plan is not None else "not run: no plan reaches the budget")
-    verification = verify_plan(loaded, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
+    verification = verify_plan(run.proof, plan, steps=settings.verify_steps, seeds=settings.verify_seeds,
                                timing_steps=settings.verify_timing_steps, progress=progress)
-    trace = trace_planned(loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
+    trace = trace_planned(run.loaded, plan, warmup=settings.trace_warmup, steps=settings.trace_steps,
                           progress=_stage(progress, "trace with the plan"))
-    held, savings = measure_savings(loaded, plan, warmup=settings.saving_warmup, progress=progress)
+    held, savings = measure_savings(run.proof, plan, warmup=settings.saving_warmup, progress=progress)
     return _Evidence(verification=verification, trace=trace, held=held, savings=savings)
 
 
@@ -617,29 +680,30 @@ def _without(report: ProfileReport, hazardous: dict[str, str]) -> ProfileReport:
     return dataclasses.replace(report, excluded={**report.excluded, **more})
 
 
-def _one_round(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float, settings: RunSettings,
+def _one_round(run: "_Run", report: ProfileReport, budget_bytes: int, reserve: float, settings: RunSettings,
                compile: CompileSpec | None, sample: StepSample, progress: ProgressFn) -> _Round:
     """Steps 3-6: closed loop, frontier, the plan shown (measured over the step sample), its evidence,
     and the ship decision given all of it."""
-    closed, note = _closed_loop(loaded, report, budget_bytes, reserve, sample, progress)           # 3.
+    loaded = run.loaded
+    closed, note = _closed_loop(run, report, budget_bytes, reserve, sample, progress)              # 3.
     measured = run_frontier(loaded, FrontierSettings(                                              # 4.
         budget_bytes=budget_bytes, reserve=reserve, plans=settings.frontier_plans, steps=settings.frontier_steps,
         warmup=settings.frontier_warmup, capacity_key=_capacity_key(loaded, settings.capacity_key),
         capacity_tries=settings.capacity_tries, capacity_steps=settings.capacity_steps, compile=compile),
         report=report, progress=progress)
     picked, sampled = _hold_over_sample(loaded, measured, sample)   # NOTE [ship over the sample]
-    frontier = _decided_frontier(measured, picked, sampled)
+    frontier = _decided_frontier(measured, picked, sampled, run.blocked)
     plan, label = _shown_plan(frontier, closed)
-    evidence = _gather_evidence(loaded, plan, settings, progress)                                  # 5., 6.
+    evidence = _gather_evidence(run, plan, settings, progress)                                     # 5., 6.
     return _Round(closed=closed, note=note, frontier=frontier, plan=plan, label=label, evidence=evidence,
                   decision=_ship_decision(measured, sampled, sample, evidence.verification))
 
 
-def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes: int, reserve: float,
+def _plan_and_prove(run: "_Run", report: ProfileReport, budget_bytes: int, reserve: float,
                     settings: RunSettings, compile: CompileSpec | None, sample: StepSample,
                     progress: ProgressFn) -> _Proved:
     """Rounds of steps 3-6, re-planning without the boundaries verification implicates (NOTE [re-plan after verify])."""
-    last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, sample, progress)
+    last = _one_round(run, report, budget_bytes, reserve, settings, compile, sample, progress)
     excluded: dict[str, str] = {}
     for _ in range(MAX_VERIFY_ROUNDS - 1):
         hazardous = _hazardous(last.plan, last.evidence.verification)
@@ -648,7 +712,7 @@ def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes:
         excluded.update(hazardous)
         report = _without(report, hazardous)
         try:
-            last = _one_round(loaded, report, budget_bytes, reserve, settings, compile, sample, progress)
+            last = _one_round(run, report, budget_bytes, reserve, settings, compile, sample, progress)
         except InfeasibleBudget as exc:   # the last plan stays UNVERIFIED; nothing else reaches the budget
             return _Proved(last=last, excluded=excluded, note=f"without them no plan reaches the budget ({exc.message})")
     stop = "" if not _hazardous(last.plan, last.evidence.verification) else \
@@ -656,19 +720,21 @@ def _plan_and_prove(loaded: LoadedWorkload, report: ProfileReport, budget_bytes:
     return _Proved(last=last, excluded=excluded, note=stop)
 
 
-def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 0.05,
+def make_receipt(loaded: LoadedWorkload, *, budget: str | int | None, reserve: float = 0.05,
                  boundary_shape: dict[str, Any] | None = None, settings: RunSettings | None = None,
                  candidates: list[str] | None = None, command: str = "",
                  compile: CompileSpec | None = None, boundary_in_sample: bool = False,
-                 progress: ProgressFn = no_progress) -> Receipt:
+                 device_memory_bytes: int | None = None, progress: ProgressFn = no_progress) -> Receipt:
     """Run every stage on ``loaded`` and return the receipt (NOTE [receipt run]).
 
     ``budget``: whole-step peak budget as ``remat plan`` takes it (bytes, ``800MiB``, ``60%``
-    of the unmodified peak); ``reserve``: share of the budget kept free. Raises the stages'
+    of the unmodified peak); None: the device's capacity ``device_memory_bytes`` (NOTE [blocked
+    receipt]); ``reserve``: share of the budget kept free. Raises the stages'
     typed errors for bad input (BudgetError, WorkloadError...), among them
     :class:`~remat.plan.InfeasibleBudget` naming the floor when no plan's predicted peak reaches
-    the budget (as ``remat plan`` does). A plan predicted to fit whose *measured* peak misses is
-    not an error: the receipt says nothing ships and why.
+    the budget (as ``remat plan`` does), and :class:`~remat.errors.DeviceTooSmall` when the budget
+    is the device's and no plan fits it. A plan predicted to fit whose *measured* peak misses a
+    budget under the device is not an error: the receipt says nothing ships and why.
 
     ``boundary_in_sample`` (``remat receipt --boundary-shape``): the boundary shape's steps join the
     step sample (NOTE [step sample]), so the plan must hold there too; else it is only traced.
@@ -676,13 +742,36 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
     settings, compile = _settings_and_compile(settings, compile)
     if not 0.0 <= reserve < 1.0:
         raise BudgetError(f"reserve must lie in [0, 1), got {reserve}")
-    if not isinstance(budget, int):
+    if budget is None and device_memory_bytes is None:
+        raise BudgetError("a receipt needs a budget or the device's memory",
+                          tip="pass --budget 60%, or --device-memory 2GiB to fit the device")
+    if isinstance(budget, str):
         check_budget_syntax(budget)  # syntax check before minutes of measuring
+    if device_memory_bytes is not None and budget is not None and not str(budget).strip().endswith("%"):
+        budget_on_device(budget, 0, device_memory_bytes)   # an amount above the device: refused before measuring
+    # NOTE [device capacity]: on the CPU every step runs under the stated capacity, enforced
+    with step_capacity(device_memory_bytes if loaded.device == "cpu" else None):
+        return _make_receipt(loaded, budget=budget, reserve=reserve, boundary_shape=boundary_shape, settings=settings,
+                             candidates=candidates, command=command, compile=compile,
+                             boundary_in_sample=boundary_in_sample, device_memory_bytes=device_memory_bytes,
+                             progress=progress)
+
+
+def _make_receipt(loaded: LoadedWorkload, *, budget: str | int | None, reserve: float,
+                  boundary_shape: dict[str, Any] | None, settings: RunSettings, candidates: list[str] | None,
+                  command: str, compile: CompileSpec | None, boundary_in_sample: bool,
+                  device_memory_bytes: int | None, progress: ProgressFn) -> Receipt:
     target, boundary_trace = _trace_unmodified(loaded, boundary_shape, settings, progress)        # 1.
     sample = StepSample.of(settings.sample_steps, [boundary_shape] if boundary_shape and boundary_in_sample else [])
-    report = profile_sample(loaded, sample, candidates=candidates, progress=progress)              # 2.
-    budget_bytes = parse_budget(budget, report.baseline_peak_bytes)
-    proved = _plan_and_prove(loaded, report, budget_bytes, reserve, settings, compile, sample, progress)  # 3.-6.
+    report, blocked = profile_on_device(loaded, sample, capacity_bytes=device_memory_bytes,      # 2.
+                                        candidates=candidates, progress=progress)
+    run = _Run.at(loaded, device_memory_bytes, blocked)
+    if target is None:   # blocked: the control's timeline where it fits (NOTE [blocked receipt])
+        target, _ = _trace_unmodified(run.proof, None, settings, _stage(progress, f"at {BATCH_KEY}="
+                                                                             f"{run.proof.shape[BATCH_KEY]}"))
+    budget_bytes = budget_on_device(budget, report.baseline_peak_bytes, device_memory_bytes)
+    assert budget_bytes is not None and target is not None
+    proved = _plan_and_prove(run, report, budget_bytes, reserve, settings, compile, sample, progress)  # 3.-6.
     last = proved.last
     closed, note, frontier, plan, label, evidence = (last.closed, last.note, last.frontier, last.plan, last.label,
                                                      last.evidence)
@@ -693,7 +782,7 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
         else MemorySource.CPU_LIVE_TENSORS
     return Receipt(
         context=ReceiptContext.capture(loaded, boundary_shape=boundary_shape, memory_source=memory_source,
-                                       command=command),
+                                       command=command, device_memory_bytes=device_memory_bytes),
         settings=settings,
         traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=evidence.trace),
         plan=ReceiptPlan(label=label, plan=plan, boundaries=records, control_held_bytes=evidence.held,
@@ -702,6 +791,6 @@ def make_receipt(loaded: LoadedWorkload, *, budget: str | int, reserve: float = 
                          excluded_after_verify=proved.excluded),
         verification=evidence.verification, verification_note=evidence.note, frontier=frontier,
         decision=_decide(frontier=frontier, decision=last.decision, plan=plan, trace=target,
-                         verification=evidence.verification, closed_loop_note=note,
+                         verification=evidence.verification, closed_loop_note=note, blocked=blocked,
                          excluded_after_verify=proved.excluded, replan_note=proved.note),
-        unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None))
+        unsupported=unsupported_modes(loaded, plan, boundary_shape, compiled=compile is not None, blocked=blocked))

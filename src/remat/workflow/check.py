@@ -53,6 +53,7 @@ resolved is said to be within the noise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -60,12 +61,16 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan, sample_peaks
+from ..memory.capacity import clear_refusal, last_refusal, step_capacity
+from ..profile.blocked import BATCH_KEY
+from ..profile.model import describe_refusal
 from ..profile.sample import sample_workloads
 from ..clock import percentile
 from ..frontier.pareto import CONFIDENCE, p50_difference
@@ -435,7 +440,8 @@ def _blamed_boundary(receipt: Receipt, blamed: str | None) -> str | None:
 def _check_equivalence(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
                        progress: ProgressFn) -> None:
     """3. the fixture the receipt names; a compiled plan (plan.compile) re-runs compiled against the
-    compiled control (NOTE [compiled receipts]), a torch-budget plan too."""
+    compiled control (NOTE [compiled receipts]), a torch-budget plan too. ``loaded``: where the control
+    fits (a blocked receipt's verified batch: NOTE [blocked receipt])."""
     torch_budget = plan.compile is not None and plan.compile.memory_budget is not None
     if not (plan.boundaries or torch_budget):
         return
@@ -449,7 +455,8 @@ def _check_equivalence(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWork
         return
     bitwise = all(s.bitwise for s in report.per_step)
     how = f" (compiled: {plan.compile.describe()}, vs the compiled control)" if plan.compile else ""
-    ledger.checked.append(f"equivalence{how}: {seeds} seed{'s' * (seeds != 1)} x {steps} "
+    where = "" if receipt.blocked is None else f" at {_shape_text(loaded.shape)}, where the control fits"
+    ledger.checked.append(f"equivalence{how}{where}: {seeds} seed{'s' * (seeds != 1)} x {steps} "
                           f"step{'s' * (steps != 1)} + eval "
                           f"{'bitwise equal' if bitwise else 'within tolerance'}; negative controls rejected")
 
@@ -488,11 +495,15 @@ def _peaks(receipt: Receipt, loaded: LoadedWorkload, plan: Plan) -> list[tuple[i
 def _check_peak(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
                 thresholds: Thresholds) -> None:
     """5. the peak with the plan applied clears the gate's budget x (1 - reserve) and its claim (bytes),
-    at every point of the step sample."""
+    at every point of the step sample; under a device capacity, a step the capacity refuses fails."""
     limit_bytes = thresholds.effective_budget_bytes
-    peaks = _peaks(receipt, loaded, plan)
     names = ", ".join(b.module for b in plan.boundaries) or "no boundaries"
     one = plan.boundaries[0].module if len(plan.boundaries) == 1 else None
+    peaks: list[tuple[int, int, str]] = []
+    with _fits_device(ledger, f"the step with the plan ({names})", thresholds.capacity_bytes):
+        peaks = _peaks(receipt, loaded, plan)
+    if not peaks:
+        return
     tol = thresholds.peak_tolerance.value
     peak, claimed, where = max(peaks)
     if peak > limit_bytes:
@@ -514,12 +525,30 @@ def _check_peak(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, p
                               + (f" (and at each of the {len(peaks)} sampled steps)" if len(peaks) > 1 else ""))
 
 
+@contextlib.contextmanager
+def _fits_device(ledger: CheckLedger, what: str, capacity_bytes: int | None) -> Iterator[None]:
+    """Run a re-measurement; a step the device refuses (out of memory) is a DEVICE finding, not a crash."""
+    clear_refusal()
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        refusal = last_refusal()
+        device = "the device" if capacity_bytes is None else f"the device capacity of {mib(capacity_bytes)}"
+        ledger.failures.append(CheckFinding(
+            kind=FindingKind.DEVICE, message=f"{what} no longer fits {device} ("
+            + (describe_refusal(refusal) if refusal else str(exc).splitlines()[0]) + ")"))
+
+
 def _check_savings(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
                    thresholds: Thresholds, progress: ProgressFn) -> None:
     """6. each boundary's measured saving (bytes) is not below its claim by more than the tolerance."""
     if not plan.boundaries:
         return
-    _, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
+    savings: dict[str, int] | None = None
+    with _fits_device(ledger, f"the control at {_shape_text(loaded.shape)}", thresholds.capacity_bytes):
+        _, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
+    if savings is None:
+        return
     tol = thresholds.saving_tolerance.value
     ok = []
     for b in receipt.plan.boundaries:
@@ -609,15 +638,40 @@ def _thresholds(ledger: CheckLedger, receipt: Receipt, flags: GateSettings, proj
     return thresholds
 
 
-def _remeasure(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan, thresholds: Thresholds,
-               progress: ProgressFn) -> None:
-    """5-7: peak, savings and time, each against the receipt's claim."""
+def _remeasure(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, proof: LoadedWorkload, plan: Plan,
+               thresholds: Thresholds, progress: ProgressFn) -> None:
+    """5-7: peak, savings and time, each against the receipt's claim; the peak at the target, the savings
+    where the control fits (``proof``: NOTE [blocked receipt])."""
     _check_peak(ledger, receipt, loaded, plan, thresholds)
     progress("check", 5, 7)
-    _check_savings(ledger, receipt, loaded, plan, thresholds, progress)
+    _check_savings(ledger, receipt, proof, plan, thresholds, progress)
     progress("check", 6, 7)
-    _check_time(ledger, receipt, loaded, plan, thresholds, progress)
+    if receipt.blocked is not None:
+        _check_still_blocked(ledger, receipt, loaded)
+        ledger.skipped.append("step time vs the control not re-measured: the control does not fit the device at the "
+                              "target shape (NOTE [blocked receipt])")
+    else:
+        _check_time(ledger, receipt, loaded, plan, thresholds, progress)
     progress("check", 7, 7)
+
+
+def _check_still_blocked(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload) -> None:
+    """The receipt's other shape: the unplanned step at the target, under the capacity, is still refused
+    (a step that now fits is said, not failed: the plan still holds, it may no longer be needed)."""
+    clear_refusal()
+    try:
+        measure_plan(loaded, None, warmup=1, steps=0)
+    except torch.OutOfMemoryError:
+        refusal = last_refusal()
+        ledger.checked.append(f"the unplanned step at {_shape_text(loaded.shape)} still does not fit the device"
+                              + (f" ({describe_refusal(refusal)})" if refusal else ""))
+        return
+    ledger.checked.append(f"the unplanned step at {_shape_text(loaded.shape)} now fits the device: the plan may no "
+                          "longer be needed (re-run remat receipt)")
+
+
+def _shape_text(shape: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in shape.items()) or "the default shape"
 
 
 def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
@@ -653,13 +707,18 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     if not _check_model(ledger, receipt, loaded, plan):
         return ledger.report()
     progress("check", 3, 7)
-    _check_equivalence(ledger, receipt, loaded, plan, progress)
-    progress("check", 4, 7)
-    _check_world_size(ledger, receipt, plan, thresholds, None if quick else chosen.spec, progress)
-    if quick:
-        ledger.skipped.append("peak, per-boundary savings and step time not re-measured (--quick)")
-        return ledger.report()
-    _remeasure(ledger, receipt, loaded, plan, thresholds, progress)
+    blocked = receipt.blocked
+    # NOTE [blocked receipt]: both shapes, every step under the gate's device capacity on the CPU
+    with step_capacity(thresholds.capacity_bytes if loaded.device == "cpu" else None):
+        proof = loaded if blocked is None else loaded.rebuild(**{BATCH_KEY: blocked.verified_batch})
+        with _fits_device(ledger, f"the paired steps at {_shape_text(proof.shape)}", thresholds.capacity_bytes):
+            _check_equivalence(ledger, receipt, proof, plan, progress)
+        progress("check", 4, 7)
+        _check_world_size(ledger, receipt, plan, thresholds, None if quick else chosen.spec, progress)
+        if quick:
+            ledger.skipped.append("peak, per-boundary savings and step time not re-measured (--quick)")
+            return ledger.report()
+        _remeasure(ledger, receipt, loaded, proof, plan, thresholds, progress)
     return ledger.report()
 
 

@@ -7,7 +7,8 @@ edit that changes one copy leaves the others contradicting it, so ``check`` refu
 receipt before running anything, one finding per contradiction:
 - budget (``FindingKind.BUDGET``): the effective budget is int(budget x (1 - reserve)); the
   frontier was judged against the same budget and reserve; headroom, reserve left and
-  ``clears`` follow from the shipped peak;
+  ``clears`` follow from the shipped peak; no budget above the stated device memory, which a
+  blocked step must state (NOTE [blocked receipt]);
 - records (``RECORDS``): the plan's boundaries (module, mode, guarded, predicted saving) are
   the boundary records', the decision's and the shipped frontier point's; the frontier's
   shipped plan is the plan; the labels agree;
@@ -89,7 +90,22 @@ def budget_findings(receipt: Receipt) -> list[CheckFinding]:
         out.append(_f(FindingKind.BUDGET, f"the decision's budget {d.budget_bytes} bytes, reserve {d.reserve} is not "
                                           f"the one the frontier judged against ({fr.budget_bytes} bytes, "
                                           f"{fr.reserve})"))
-    return out + _peak_arithmetic(d)
+    return out + _peak_arithmetic(d) + _device_findings(receipt)
+
+
+def _device_findings(receipt: Receipt) -> list[CheckFinding]:
+    """A blocked receipt states the device it did not fit; no budget lies above the device's capacity;
+    the control was verified at a batch under the target (NOTE [blocked receipt])."""
+    d, device, blocked = receipt.decision, receipt.context.device_memory_bytes, receipt.blocked
+    out = []
+    if blocked is not None and device is None:
+        out.append(_f(FindingKind.BUDGET, "the plan records a blocked step but the receipt states no device memory"))
+    if device is not None and d.budget_bytes > device:
+        out.append(_f(FindingKind.BUDGET, f"budget {d.budget_bytes} bytes is above the device memory {device} bytes"))
+    if blocked is not None and not 1 <= blocked.verified_batch < blocked.target_batch:
+        out.append(_f(FindingKind.BUDGET, f"the blocked step was verified at batch {blocked.verified_batch}, not a "
+                                          f"batch under its target {blocked.target_batch}"))
+    return out
 
 
 # -- records ---------------------------------------------------------------------------------------

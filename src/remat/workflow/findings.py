@@ -26,6 +26,7 @@ class FindingKind(str, enum.Enum):
     PEAK_CLAIM = "peak-claim"     # the peak exceeds the receipt's claimed peak by more than the tolerance
     SAVING = "saving"             # a boundary saves less than its claim, past the tolerance
     TIME = "time"                 # the overhead exceeds the claimed one past the tolerance and the noise
+    DEVICE = "device"             # a step the receipt ran no longer fits the device's memory (NOTE [blocked receipt])
 
     def __str__(self) -> str:
         return self.value

@@ -3,12 +3,12 @@
 NOTE [gate thresholds]
 A receipt is data from a pull request, so ``remat check`` does not let it say how strict the
 check is. Each threshold comes from, first that gives it:
-1. a command-line flag (``--budget``, ``--reserve``, ``--peak-tolerance``, ``--saving-tolerance``,
-   ``--time-tolerance``);
+1. a command-line flag (``--budget``, ``--reserve``, ``--device-memory``, ``--peak-tolerance``,
+   ``--saving-tolerance``, ``--time-tolerance``);
 2. ``[tool.remat]`` in ``pyproject.toml`` in the current directory (``budget``, ``reserve``,
-   ``peak-tolerance``, ``saving-tolerance``, ``time-tolerance``, ``max-seeds``, ``max-steps``,
-   ``timeout``): a file the repository's owners review like code;
-3. budget and reserve only: the receipt's own, and only after the consistency checks pass
+   ``device-memory``, ``peak-tolerance``, ``saving-tolerance``, ``time-tolerance``, ``max-seeds``,
+   ``max-steps``, ``timeout``): a file the repository's owners review like code;
+3. budget, reserve and device memory only: the receipt's own, and only after the consistency checks pass
    (NOTE [receipt consistency] in workflow/consistency.py); the report says so;
 4. remat's defaults (:data:`DEFAULTS`). A saving tolerance the receipt records is used when it
    is no looser than the default (a receipt may tighten the gate, never loosen it).
@@ -26,7 +26,7 @@ from typing import Any
 
 from .._json import read_bounded_bytes
 from ..errors import BudgetError, WorkloadError
-from ..plan import parse_budget, parse_reserve
+from ..plan import parse_budget, parse_capacity, parse_reserve
 from ..receipt.model import Receipt
 from ..units import mib
 
@@ -52,6 +52,7 @@ class GateSettings:
 
     budget: str | int | None = None          # bytes, or a size with a unit ("64MiB"); never a percentage
     reserve: str | float | None = None       # share of the budget kept free ("5%", 0.05)
+    device_memory: str | int | None = None   # the device's capacity, bytes ("2GiB"): enforced on the CPU while checking
     peak_tolerance: str | float | None = None     # the measured peak may exceed the claimed one by this share
     saving_tolerance: str | float | None = None   # a boundary's measured saving may fall this share below its claim
     time_tolerance: str | float | None = None     # the overhead may exceed the claimed one by this share of the step
@@ -61,6 +62,8 @@ class GateSettings:
 
     def __post_init__(self) -> None:
         _check_budget(self.budget)
+        if self.device_memory is not None:
+            parse_capacity(self.device_memory)
         for name in ("reserve", "peak_tolerance", "saving_tolerance", "time_tolerance"):
             if getattr(self, name) is not None:
                 parse_reserve(getattr(self, name))
@@ -90,7 +93,8 @@ def _check_timeout(t: Any) -> None:
 
 
 # the keys of [tool.remat] the gate reads, and the GateSettings field each sets
-PROJECT_KEYS = {"budget": "budget", "reserve": "reserve", "peak-tolerance": "peak_tolerance",
+PROJECT_KEYS = {"budget": "budget", "reserve": "reserve", "device-memory": "device_memory",
+                "peak-tolerance": "peak_tolerance",
                 "saving-tolerance": "saving_tolerance", "time-tolerance": "time_tolerance",
                 "max-seeds": "max_seeds", "max-steps": "max_steps", "timeout": "timeout_s"}
 DEFAULTS = GateSettings(peak_tolerance=0.05, saving_tolerance=0.10, time_tolerance=0.10, max_seeds=10, max_steps=20,
@@ -140,6 +144,11 @@ class Thresholds:
     peak_tolerance: Threshold
     saving_tolerance: Threshold
     time_tolerance: Threshold
+    device_memory_bytes: Threshold | None = None   # None: no device capacity stated anywhere (NOTE [blocked receipt])
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return None if self.device_memory_bytes is None else int(self.device_memory_bytes.value)
 
     @property
     def effective_budget_bytes(self) -> int:
@@ -147,7 +156,9 @@ class Thresholds:
         return int(self.budget_bytes.value * (1.0 - self.reserve.value))
 
     def describe(self) -> list[str]:
-        return [self.budget_bytes.describe("budget", mib(int(self.budget_bytes.value))),
+        device = [] if self.device_memory_bytes is None else \
+            [self.device_memory_bytes.describe("device memory", mib(int(self.device_memory_bytes.value)))]
+        return [self.budget_bytes.describe("budget", mib(int(self.budget_bytes.value))), *device,
                 self.reserve.describe("reserve", f"{self.reserve.value:.0%}"),
                 self.peak_tolerance.describe("peak tolerance", f"{self.peak_tolerance.value:.0%}"),
                 self.saving_tolerance.describe("saving tolerance", f"{self.saving_tolerance.value:.0%}"),
@@ -171,6 +182,7 @@ def resolve_thresholds(receipt: Receipt, flags: GateSettings, project: GateSetti
     """Each threshold from its first source (NOTE [gate thresholds]); call only on a consistent receipt."""
     d = receipt.decision
     budget = first_given("budget", flags, project)
+    device = first_given("device_memory", flags, project)
     default_saving = float(DEFAULTS.saving_tolerance or 0.0)
     claimed = receipt.settings.saving_tolerance
     saving = Threshold(value=claimed, source=Source.RECEIPT) if claimed <= default_saving \
@@ -183,7 +195,10 @@ def resolve_thresholds(receipt: Receipt, flags: GateSettings, project: GateSetti
                                  Threshold(value=float(DEFAULTS.peak_tolerance or 0.0), source=Source.DEFAULT)),
         saving_tolerance=_fraction("saving_tolerance", flags, project, saving),
         time_tolerance=_fraction("time_tolerance", flags, project,
-                                 Threshold(value=float(DEFAULTS.time_tolerance or 0.0), source=Source.DEFAULT)))
+                                 Threshold(value=float(DEFAULTS.time_tolerance or 0.0), source=Source.DEFAULT)),
+        device_memory_bytes=Threshold(value=parse_capacity(device[0]), source=device[1]) if device is not None
+        else None if receipt.context.device_memory_bytes is None
+        else Threshold(value=receipt.context.device_memory_bytes, source=Source.RECEIPT))
 
 
 def limit(field: str, flags: GateSettings, project: GateSettings) -> Any:
