@@ -6,18 +6,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .._codec import FloatAsWritten, JsonCodec
 from ..errors import RematError
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CompileSpec:
+class CompileSpec(JsonCodec):
     """How an arm is compiled. ``memory_budget``: torch's ``activation_memory_budget`` (a ratio of
     saved-activation bytes in [0, 1]; None leaves torch's own setting, 1.0 by default)."""
 
     backend: str = "inductor"
-    memory_budget: float | None = None
+    memory_budget: FloatAsWritten | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -30,11 +31,3 @@ class CompileSpec:
     def describe(self) -> str:
         budget = "" if self.memory_budget is None else f", activation_memory_budget={self.memory_budget:g}"
         return f"torch.compile(model, backend={self.backend}{budget})"
-
-    def to_json(self) -> dict:
-        return {"backend": self.backend, "memory_budget": self.memory_budget}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "CompileSpec":
-        return cls(backend=d["backend"], memory_budget=d["memory_budget"])
-

@@ -27,15 +27,15 @@ closed loop measures the result as for any plan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from .._codec import JsonCodec
 from ..errors import PlanError
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OffloadPricing:
+class OffloadPricing(JsonCodec):
     """Link bandwidths and overlap, as measured on (or modelled for) one machine."""
 
     d2h_bytes_per_ms: float        # device -> host copy bandwidth (bytes per ms)
@@ -57,16 +57,6 @@ class OffloadPricing:
         h2d = copied_bytes / self.h2d_bytes_per_ms
         hidden = min(d2h, max(0.0, fwd_ms)) if self.overlaps_compute else 0.0
         return d2h - hidden + h2d
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "OffloadPricing":
-        return cls(d2h_bytes_per_ms=float(d["d2h_bytes_per_ms"]), h2d_bytes_per_ms=float(d["h2d_bytes_per_ms"]),
-                   overlaps_compute=bool(d["overlaps_compute"]),
-                   host_budget_bytes=None if d.get("host_budget_bytes") is None else int(d["host_budget_bytes"]),
-                   source=str(d.get("source", "measured")))
 
 
 def offload_bytes(c: CandidateCost) -> int:
