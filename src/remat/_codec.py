@@ -68,13 +68,16 @@ class JsonField:
     key: str | None = None               # the JSON key, when it is not the field's name
     omit: Any = _UNSET                   # the key is left out when the field holds this value (==)
     absent: Any = _UNSET                 # what a missing key reads as, for a field with no default
-    then: tuple[str, ...] = ()           # properties written after this field: computed, never read back
+    # properties written after this field (computed, never read back): a property's name, its JSON key
+    # too, or (JSON key, property name)
+    then: tuple[str | tuple[str, str], ...] = ()
     encode: Callable[[Any], Any] | None = None   # the field's value -> JSON, instead of its annotation's rule
     decode: Callable[[Any], Any] | None = None   # JSON -> the field's value
     skip: bool = False                   # in-process only: not in the JSON
 
 
-def json_field(*, key: str | None = None, omit: Any = _UNSET, absent: Any = _UNSET, then: tuple[str, ...] = (),
+def json_field(*, key: str | None = None, omit: Any = _UNSET, absent: Any = _UNSET,
+               then: tuple[str | tuple[str, str], ...] = (),
                encode: Callable[[Any], Any] | None = None, decode: Callable[[Any], Any] | None = None,
                skip: bool = False, **field: Any) -> Any:
     """``dataclasses.field(**field)`` carrying a :class:`JsonField` (the other arguments)."""
@@ -290,8 +293,9 @@ def to_json(obj: Any) -> dict[str, Any]:
         v = getattr(obj, s.name)
         if s.opts.omit is _UNSET or v != s.opts.omit:
             d[s.key] = s.encode(v)
-        for name in s.opts.then:
-            d[name] = plain(getattr(obj, name))
+        for then in s.opts.then:
+            key, name = (then, then) if isinstance(then, str) else then
+            d[key] = plain(getattr(obj, name))
     return d
 
 
