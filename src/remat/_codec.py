@@ -38,7 +38,8 @@ import types
 import typing
 from typing import Annotated, Any, Callable, TypeVar
 
-from ._json import Obj, Spec
+from ._json import (BYTES, MAX_LIST, MS, SHORT, SIGNED_BYTES, SIGNED_MS, TEXT, Bool, Enum, List, Obj, Opt, Spec,
+                    Tuple)
 
 T = TypeVar("T")
 
@@ -55,10 +56,26 @@ class _Marker:
         return self.name
 
 
+@dataclasses.dataclass(frozen=True)
+class Len:
+    """The annotation marker of a list's bounds in the schema: ``Annotated[list[X], Len(10_000)]``."""
+
+    max_len: int
+    min_len: int = 0
+
+
 NONFINITE = _Marker("NONFINITE")
 AS_WRITTEN = _Marker("AS_WRITTEN")
 NonFinite = Annotated[float, NONFINITE]         # verify's encoding of non-finite differences
 FloatAsWritten = Annotated[float, AS_WRITTEN]   # read without float(): an int in the file stays an int
+
+# The shared bounds (remat/_json.py) as annotations: ``peak_bytes: Bytes``.
+Bytes = Annotated[int, BYTES]
+SignedBytes = Annotated[int, SIGNED_BYTES]
+Ms = Annotated[float, MS]
+SignedMs = Annotated[float, SIGNED_MS]
+Short = Annotated[str, SHORT]
+Text = Annotated[str, TEXT]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +91,16 @@ class JsonField:
     encode: Callable[[Any], Any] | None = None   # the field's value -> JSON, instead of its annotation's rule
     decode: Callable[[Any], Any] | None = None   # JSON -> the field's value
     skip: bool = False                   # in-process only: not in the JSON
+    required: bool = False               # the schema requires the key though the field has a default
 
 
 def json_field(*, key: str | None = None, omit: Any = _UNSET, absent: Any = _UNSET,
                then: tuple[str | tuple[str, str], ...] = (),
                encode: Callable[[Any], Any] | None = None, decode: Callable[[Any], Any] | None = None,
-               skip: bool = False, **field: Any) -> Any:
+               skip: bool = False, required: bool = False, **field: Any) -> Any:
     """``dataclasses.field(**field)`` carrying a :class:`JsonField` (the other arguments)."""
-    spec = JsonField(key=key, omit=omit, absent=absent, then=tuple(then), encode=encode, decode=decode, skip=skip)
+    spec = JsonField(key=key, omit=omit, absent=absent, then=tuple(then), encode=encode, decode=decode, skip=skip,
+                     required=required)
     return dataclasses.field(metadata={JsonField: spec}, **field)   # the class is the entry's key
 
 
@@ -306,26 +325,47 @@ def from_json(cls: type[T], d: dict[str, Any]) -> T:
     return cls(**kw)
 
 
-def schema(cls: type, *, required: tuple[str, ...] = ()) -> Obj:
-    """The :class:`remat._json.Obj` of ``cls``'s JSON: each key's spec is the :class:`Spec` in its
-    field's annotation; a key whose field has no default is required (and those in ``required``),
-    the rest optional. Keys in field order; a field whose annotation carries no Spec is an error."""
+@functools.cache
+def schema(cls: type) -> Obj:
+    """The :class:`remat._json.Obj` that checks ``cls``'s JSON before :func:`from_json` reads it (NOTE
+    [codecs from the types]), keys in field order: required unless the field has a default (or says
+    ``json_field(required=True)``: its files always hold it), and each key's spec from its annotation
+    (:func:`spec_of`). One object per class: every reader of the type checks against the same one."""
     hints = _hints(cls)
-    req: dict[str, Spec] = {}
-    opt: dict[str, Spec] = {}
+    required: dict[str, Spec] = {}
+    optional: dict[str, Spec] = {}
     for s in _slots(cls):
-        spec = _spec_of(cls, s.name, hints[s.name])
-        no_default = s.field.default is dataclasses.MISSING and s.field.default_factory is dataclasses.MISSING
-        (req if no_default or s.key in required else opt)[s.key] = spec
-    return Obj(req, opt)
+        has_default = s.field.default is not dataclasses.MISSING or s.field.default_factory is not dataclasses.MISSING
+        (optional if has_default and not s.opts.required else required)[s.key] = spec_of(hints[s.name], f"{cls.__name__}.{s.name}")
+    return Obj(required, optional)
 
 
-def _spec_of(cls: type, name: str, hint: Any) -> Spec:
-    if typing.get_origin(hint) is Annotated:
-        for m in hint.__metadata__:
-            if isinstance(m, Spec):
-                return m
-    raise TypeError(f"{cls.__name__}.{name}: no schema Spec in its annotation ({hint!r})")
+def spec_of(hint: Any, where: str, length: Len = Len(MAX_LIST)) -> Spec:
+    """The spec of one annotation: the :class:`Spec` in its ``Annotated`` metadata (the bound), else
+    derived from the type: ``X | None`` as ``Opt``, ``tuple[X, Y]`` as ``Tuple``, a bool as ``Bool``, an enum
+    by its values, a dataclass by :func:`schema`, a list by its item's spec and a :class:`Len` (else
+    at most MAX_LIST items). A number, string or mapping has no bound but the one given: TypeError
+    without it (``where`` names the field)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        given = [m for m in hint.__metadata__ if isinstance(m, Spec)]
+        lengths = [m for m in hint.__metadata__ if isinstance(m, Len)]
+        return given[0] if given else spec_of(args[0], where, *lengths)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and len(rest) < len(args):
+            return Opt(spec_of(rest[0], where))
+    elif origin is list or (origin is tuple and Ellipsis in args):
+        return List(spec_of(args[0], where), max_len=length.max_len, min_len=length.min_len)
+    elif origin is tuple:
+        return Tuple(*(spec_of(a, where) for a in args))
+    elif hint is bool:
+        return Bool()
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return Enum(*(m.value for m in hint))
+    elif dataclasses.is_dataclass(hint):
+        return schema(hint)
+    raise TypeError(f"{where}: {hint!r} needs its bound in the annotation (Annotated[..., <a Spec>])")
 
 
 class JsonCodec:

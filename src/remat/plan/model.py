@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from .._codec import JsonCodec, from_json, json_field
-from .._json import read_json_file, validate
+from .._codec import Bytes, JsonCodec, Len, Ms, Short, SignedBytes, SignedMs, Text, from_json, json_field, schema
+from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, Enum, Int, Num, Str, read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
-from ..profile.model import BlockedStep, ModelFingerprint, SampleRecord
+from ..profile.model import SAMPLE, BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .offload import OffloadPricing
-from .schema import PLAN
 
 PLAN_SCHEMA_VERSION = 1
 MAX_PLAN_BYTES = 16 * 2 ** 20   # a plan for 10,000 modules is about 2 MiB
@@ -25,10 +24,10 @@ MAX_PLAN_BYTES = 16 * 2 ** 20   # a plan for 10,000 modules is about 2 MiB
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Boundary(JsonCodec):
-    module: str                  # module path, as in model.named_modules()
-    mode: CheckpointMode         # FULL or an op-level mode (KEEP is never listed)
-    saved_bytes: int             # predicted bytes freed until backward
-    replay_ms: float             # predicted added backward time
+    module: Annotated[str, MODULE_PATH]   # module path, as in model.named_modules()
+    mode: Annotated[CheckpointMode, MODE]   # FULL or an op-level mode (KEEP is never listed)
+    saved_bytes: SignedBytes     # predicted bytes freed until backward
+    replay_ms: SignedMs          # predicted added backward time
     guarded: bool = False        # buffers restored around the replay (BatchNorm running stats)
 
     def __post_init__(self) -> None:
@@ -38,8 +37,8 @@ class Boundary(JsonCodec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Exclusion(JsonCodec):
-    module: str
-    reason: str
+    module: Annotated[str, Str(max_len=500)]
+    reason: Text
 
 
 # NOTE [plan workload]
@@ -54,11 +53,12 @@ class Exclusion(JsonCodec):
 class PlanWorkload(JsonCodec):
     """The workload a plan was made for, as ``remat plan`` loaded it (NOTE [plan workload])."""
 
-    spec: str                    # built-in name, path/to/file.py:fn or package.module:fn, as given
-    shape: dict[str, Any]        # the shape keywords given
-    device: str
-    dtype: str
-    autocast: str | None = None  # "bfloat16"/"float16": the forward ran under torch.autocast
+    spec: Annotated[str, Str(max_len=4096)]   # built-in name, path/to/file.py:fn or package.module:fn, as given
+    shape: Annotated[dict[str, Any], SHAPE]   # the shape keywords given
+    device: Annotated[str, DEVICE]
+    dtype: Annotated[str, DTYPE]
+    # "bfloat16"/"float16": the forward ran under torch.autocast; in every file (null when not)
+    autocast: Annotated[str, AUTOCAST] | None = json_field(default=None, required=True)
 
     def describe(self) -> str:
         shape = ",".join(f"{k}={v}" for k, v in self.shape.items())
@@ -68,22 +68,25 @@ class PlanWorkload(JsonCodec):
 
 @dataclasses.dataclass(kw_only=True)
 class Plan(JsonCodec):
-    planner: str                          # "optimal", "greedy", "sqrt", "uniform:2", "all", "none", ...
-    budget_bytes: int | None              # whole-step peak budget (None: planner needs none)
-    reserve: float                        # fraction of the budget kept free (0.05 = 5%)
-    boundaries: list[Boundary]
-    excluded: list[Exclusion]
-    predicted_peak_bytes: int
-    predicted_overhead_ms: float
-    baseline_peak_bytes: int
-    baseline_step_ms: float
+    """A plan and the figures behind it (bytes, ms). Its JSON's optional fields are those older plan
+    files may lack (read as their defaults here); every other one is required."""
+
+    planner: Short                        # "optimal", "greedy", "sqrt", "uniform:2", "all", "none", ...
+    budget_bytes: Annotated[int, Int(1, 2 ** 53)] | None   # whole-step peak budget (None: planner needs none)
+    reserve: Annotated[float, Num(0, 0.999999)]   # fraction of the budget kept free (0.05 = 5%)
+    boundaries: Annotated[list[Boundary], Len(10_000)]
+    excluded: Annotated[list[Exclusion], Len(MAX_MODULES)]
+    predicted_peak_bytes: SignedBytes
+    predicted_overhead_ms: SignedMs
+    baseline_peak_bytes: Bytes
+    baseline_step_ms: Ms
     fingerprint: ModelFingerprint
     preserve_rng_state: bool = True       # RNG policy: replay sees the forward's RNG state
-    measured_peak_bytes: int | None = None
-    measured_step_ms: float | None = None
+    measured_peak_bytes: Bytes | None = None
+    measured_step_ms: Ms | None = None
     memory_source: MemorySource = MemorySource.CPU_LIVE_TENSORS
     simulated: bool = False               # figures from --simulate, not a measured run
-    device_model: str | None = None
+    device_model: Short | None = None
     # The five below are left out of the JSON when None, so eager, single-step plans (and those of
     # remat.auto and older files) read as they always did.
     # run compiled (torch.compile of the model; NOTE [compiled arms])
@@ -93,11 +96,11 @@ class Plan(JsonCodec):
     # what `remat plan` profiled (NOTE [plan workload]); None: not recorded
     workload: PlanWorkload | None = json_field(default=None, omit=None)
     # the steps it was made and measured on (NOTE [step sample]); None: one step
-    sample: SampleRecord | None = json_field(default=None, omit=None)
+    sample: Annotated[SampleRecord, SAMPLE] | None = json_field(default=None, omit=None)
     # the unplanned step did not fit the device: its evidence and the smaller batches the plan was
     # profiled at (NOTE [blocked step] in remat/profile/blocked.py); None: the unplanned step fitted
     blocked: BlockedStep | None = json_field(default=None, omit=None)
-    schema_version: int = PLAN_SCHEMA_VERSION
+    schema_version: Annotated[int, Enum(PLAN_SCHEMA_VERSION)] = json_field(default=PLAN_SCHEMA_VERSION, required=True)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserve < 1.0:
@@ -113,14 +116,14 @@ class Plan(JsonCodec):
 
     @classmethod
     def from_json(cls, d: Any, *, source: str = "plan") -> "Plan":
-        """Build from plan JSON checked against :data:`remat.plan.schema.PLAN` first; :class:`PlanError` if off."""
+        """Build from plan JSON checked against its schema (:data:`remat.plan.schema.PLAN`) first; :class:`PlanError` if off."""
         if not isinstance(d, dict):
             raise PlanError(f"malformed {source}: the top level must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
         if type(version) is not int or version != PLAN_SCHEMA_VERSION:
             raise PlanError(f"{source}: schema_version {str(version)[:40]} is not supported "
                             f"(this remat reads {PLAN_SCHEMA_VERSION})")
-        validate(d, PLAN, error=PlanError, what=source)
+        validate(d, schema(cls), error=PlanError, what=source)
         return from_json(cls, d)
 
     def save(self, path: Path | str) -> Path:

@@ -26,12 +26,13 @@ second call's backward only the first.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any
 
-from .._codec import JsonCodec, json_field, to_json
+from .._codec import JsonCodec, Len, Short, json_field, to_json
+from .._json import BYTES, HEX64, MAX_MODULES, SHAPE, Enum, Int, List, Obj, Opt, Str
 from ..errors import ShapeError, WorkloadError
 from ..percentile import p50
-from ..types import CheckpointMode, HazardKind, MemorySource, Refusal
+from ..types import MODULE_PATH_RE, CheckpointMode, HazardKind, MemorySource, Phase, Refusal
 from ..units import fmt_bytes
 
 
@@ -86,24 +87,29 @@ class PeakRow(JsonCodec):
     label: str = ""              # human hint, e.g. "backward of h.3"
 
 
+ROOT_OR_MODULE_PATH = Str(f"(?:{MODULE_PATH_RE})?", max_len=500)   # a fingerprint lists the root as ""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParamSignature(JsonCodec):
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
+    name: Annotated[str, Str(max_len=500)]
+    shape: Annotated[tuple[Annotated[int, Int(0, 2 ** 40)], ...], Len(16)]
+    dtype: Short
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelFingerprint(JsonCodec):
     """Identity of a model for plans and receipts: module tree, parameters, class sources."""
 
-    digest: str                                   # sha256 over all of the below
-    modules: tuple[tuple[str, str], ...]          # (path, class name) for every module
-    params: tuple[ParamSignature, ...]
-    class_source_hashes: tuple[tuple[str, str], ...]  # (qualified class name, sha256 of its source)
+    digest: Annotated[str, HEX64]                 # sha256 over all of the below
+    # (path, class name) for every module; the root's path is ""
+    modules: Annotated[tuple[tuple[Annotated[str, ROOT_OR_MODULE_PATH], Short], ...], Len(MAX_MODULES)]
+    params: Annotated[tuple[ParamSignature, ...], Len(MAX_MODULES)]
+    # (qualified class name, the first 16 hex digits of the sha256 of its source)
+    class_source_hashes: Annotated[tuple[tuple[Short, Annotated[str, Str(r"[0-9a-f]{16}")]], ...], Len(MAX_MODULES)]
     # classes with no readable source, hashed by structure (NOTE [class identity without source]);
     # written only when there are some
-    structural_classes: tuple[str, ...] = json_field(default=(), omit=())
+    structural_classes: Annotated[tuple[Short, ...], Len(MAX_MODULES)] = json_field(default=(), omit=())
 
     def differences(self, other: "ModelFingerprint") -> list[FingerprintDiff]:
         """What differs, as records whose ``str()`` reads well (empty when the digests agree)."""
@@ -274,6 +280,17 @@ class StepSample(JsonCodec):
                 for shape in ((), *self.boundary_shapes) for k in range(self.steps)]
 
 
+# SampleRecord.to_json: the steps a plan was made and measured on (NOTE [step sample]); its points
+# and spread are computed, so its schema is written here, beside its codec
+SAMPLE = Obj({
+    "steps": Int(1, MAX_SAMPLE_STEPS), "boundary_shapes": List(SHAPE, max_len=16),
+    "points": List(Obj({"shape": SHAPE, "offset": Int(0, 2 ** 40), "seed": Opt(Int(0, 2 ** 40))}),
+                   max_len=MAX_SAMPLE_STEPS * 17),
+    "point_peaks": List(BYTES, max_len=MAX_SAMPLE_STEPS * 17),
+    "peak_spread": Opt(Obj({"min": BYTES, "median": BYTES, "max": BYTES})),
+})
+
+
 @dataclasses.dataclass(kw_only=True)
 class SampleRecord:
     """The sample a plan was made and measured on, and its measured peak at each point (bytes)."""
@@ -315,15 +332,26 @@ def describe_refusal(r: Refusal) -> str:
     return text
 
 
+# remat.types.Refusal's JSON (its codec is the generic one; remat.types sits below the schema language)
+REFUSAL = Obj({
+    "capacity_bytes": BYTES, "requested_bytes": BYTES, "live_bytes": BYTES,
+    "phase": Opt(Enum(*(p.value for p in Phase))),
+    "by_kind": Opt(Obj({k: BYTES for k in ("parameters", "gradients", "optimizer_state", "saved_activations", "other")})),
+})
+BATCH = Int(1, 2 ** 40)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockedStep(JsonCodec):
     """The evidence of a blocked step and how remat planned it (NOTE [blocked step])."""
 
-    refusal: Refusal | None     # the unplanned step's refused allocation (None: CUDA, which does not say)
-    target_batch: int           # B: the example batch's leading dimension
-    profiled_batches: tuple[int, ...]   # (k1, k2): the smaller batches profiled unplanned
-    verified_batch: int         # k2: the largest batch at which the unplanned control fits
-    rule: str                   # "affine" or "proportional" (NOTE [blocked step])
+    # the unplanned step's refused allocation (None: CUDA, which does not say)
+    refusal: Annotated[Refusal | None, Opt(REFUSAL)]
+    target_batch: Annotated[int, Int(2, 2 ** 40)]   # B: the example batch's leading dimension
+    # (k1, k2): the smaller batches profiled unplanned
+    profiled_batches: Annotated[tuple[Annotated[int, BATCH], ...], Len(2, min_len=1)]
+    verified_batch: Annotated[int, BATCH]   # k2: the largest batch at which the unplanned control fits
+    rule: Annotated[str, Enum("affine", "proportional")]   # NOTE [blocked step]
 
     def describe(self) -> str:
         evidence = describe_refusal(self.refusal) if self.refusal is not None else "out of memory"
