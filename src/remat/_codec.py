@@ -23,8 +23,16 @@ untrusted JSON checks it against its schema first, which refuses both: NOTE [hos
 remat/_json.py). The odd field says how it differs with :func:`json_field` (a :class:`JsonField`
 in its metadata): another key, a value for which the key is left out, a value read when the key is
 missing, properties written after it (computed figures, never read back), its own encoding, or
-no JSON at all. A bound for the schema is the field's annotation metadata: ``Annotated[int, BYTES]``
-(a :class:`remat._json.Spec`), which :func:`schema` collects into an :class:`remat._json.Obj`.
+no JSON at all.
+
+The schema that checks a file before it is read comes from the same fields (:func:`schema`): a key
+is required unless its field has a default (``json_field(required=True)``: every file has it all
+the same), and its spec is the bound in the field's annotation, ``Annotated[int, BYTES]`` (a
+:class:`remat._json.Spec`; ``Bytes``, ``Ms``, ``Short`` ... name the shared ones), or follows from
+the type: ``Opt`` for ``X | None``, ``List`` for a list (at most ``Len(n)`` items, from the
+annotation), ``Tuple``, ``Bool``, an enum's values, a nested dataclass's own schema. A number or a
+string never goes unbounded: without a Spec in its annotation, deriving the schema is a TypeError.
+A type whose JSON is computed (``SampleRecord``) keeps a hand codec and a hand spec, side by side.
 """
 
 from __future__ import annotations
