@@ -286,6 +286,10 @@ class _Slot:
     def decode(self, v: Any) -> Any:
         return self.opts.decode(v) if self.opts.decode is not None else self.conv.read(v)
 
+    def then(self) -> list[tuple[str, str]]:
+        """(JSON key, property name) of each computed key written after this field."""
+        return [(t, t) if isinstance(t, str) else t for t in self.opts.then]
+
     def missing(self) -> Any:
         """What the field holds when its key is missing: its default, else ``absent``, else KeyError."""
         f = self.field
@@ -320,8 +324,7 @@ def to_json(obj: Any) -> dict[str, Any]:
         v = getattr(obj, s.name)
         if s.opts.omit is _UNSET or v != s.opts.omit:
             d[s.key] = s.encode(v)
-        for then in s.opts.then:
-            key, name = (then, then) if isinstance(then, str) else then
+        for key, name in s.then():
             d[key] = plain(getattr(obj, name))
     return d
 
@@ -338,14 +341,22 @@ def schema(cls: type) -> Obj:
     """The :class:`remat._json.Obj` that checks ``cls``'s JSON before :func:`from_json` reads it (NOTE
     [codecs from the types]), keys in field order: required unless the field has a default (or says
     ``json_field(required=True)``: its files always hold it), and each key's spec from its annotation
-    (:func:`spec_of`). One object per class: every reader of the type checks against the same one."""
+    (:func:`spec_of`); a computed key (``then``) is required, its spec from its property's return annotation. One object per class: every reader of the type checks against the same one."""
     hints = _hints(cls)
     required: dict[str, Spec] = {}
     optional: dict[str, Spec] = {}
     for s in _slots(cls):
         has_default = s.field.default is not dataclasses.MISSING or s.field.default_factory is not dataclasses.MISSING
         (optional if has_default and not s.opts.required else required)[s.key] = spec_of(hints[s.name], f"{cls.__name__}.{s.name}")
+        for key, name in s.then():
+            required[key] = spec_of(_property_hint(cls, name), f"{cls.__name__}.{name}")   # always written
     return Obj(required, optional)
+
+
+def _property_hint(cls: type, name: str) -> Any:
+    """The return annotation of property ``name`` of ``cls``: the spec of a computed key."""
+    getter = getattr(cls, name).fget
+    return typing.get_type_hints(getter, globalns=vars(sys.modules[cls.__module__]), include_extras=True)["return"]
 
 
 def spec_of(hint: Any, where: str, length: Len = Len(MAX_LIST)) -> Spec:
