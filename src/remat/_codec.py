@@ -125,24 +125,17 @@ class _Conv:
 
 
 class _Scalar(_Conv):
+    """int, float, str, bool, or an enum (by its value): read back through the type itself."""
+
     def __init__(self, kind: type, nonfinite: bool = False) -> None:
         self.kind, self.nonfinite = kind, nonfinite
 
     def write(self, v: Any) -> Any:
+        if isinstance(v, enum.Enum):
+            return v.value
         if self.nonfinite and isinstance(v, float) and not math.isfinite(v):
             return str(v)   # "inf", "-inf", "nan"
         return v
-
-    def read(self, v: Any) -> Any:
-        return self.kind(v)
-
-
-class _Enum(_Conv):
-    def __init__(self, kind: type[enum.Enum]) -> None:
-        self.kind = kind
-
-    def write(self, v: Any) -> Any:
-        return v.value
 
     def read(self, v: Any) -> Any:
         return self.kind(v)
@@ -253,9 +246,7 @@ def _converter(hint: Any) -> _Conv:
         return _Fixed([_converter(a) for a in args])
     if origin is dict:
         return _Mapping(_converter(args[0]), _converter(args[1]))
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return _Enum(hint)
-    if hint in _SCALARS:
+    if hint in _SCALARS or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
         return _Scalar(hint)
     if dataclasses.is_dataclass(hint):
         return _Dataclass(hint)
