@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RematError
+from .types import MODULE_PATH_RE, CheckpointMode, MemorySource
 
 MAX_BYTES = 16 * 2 ** 20     # a receipt with three 2000-point timelines is well under 1 MiB
 MAX_DEPTH = 32               # the deepest a real receipt goes is about 8
@@ -384,6 +385,23 @@ BYTES = Int(0, MAX_BYTES_FIGURE)
 SIGNED_BYTES = Int(-MAX_BYTES_FIGURE, MAX_BYTES_FIGURE)
 MS = Num(0, MAX_MS)
 SIGNED_MS = Num(-MAX_MS, MAX_MS)
+SHORT = Str(max_len=2_000)
+TEXT = Str(max_len=20_000)
+HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 hex digest")
+# a module path, or a segment of a container's children (NOTE [segments] in remat/profile/segments.py)
+# (NOTE [module names] in remat/types.py: any name torch accepts but ".", "[", "]" and controls)
+MODULE_PATH = Str(f"{MODULE_PATH_RE}(\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\])?|\\[[0-9]{{1,6}}:[0-9]{{1,6}}\\]",
+                  max_len=500, what="a module path (names joined by '.') or a segment (container[start:stop])")
+MODE = Enum(*(m.value for m in CheckpointMode if m is not CheckpointMode.KEEP))   # one list: CheckpointMode less keep
+MEMORY_SOURCE = Enum(*(s.value for s in MemorySource))   # one list: remat.types.MemorySource
+MAX_MODULES = 100_000
+# Shape keywords: JSON scalars; an integer shape past 2**31 is no training step, and
+# remat check validates each value against the factory's annotation before calling it.
+SHAPE = Map(AnyOf(Bool(), Int(-2 ** 31, 2 ** 31), Num(-2 ** 31, 2 ** 31), Str(max_len=200)),
+            key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)
+DTYPE = Enum("float32", "bfloat16", "float16")
+DEVICE = Str(r"cpu|cuda(:[0-9]{1,3})?", what="cpu or cuda[:N]")
+AUTOCAST = Enum("bfloat16", "float16")   # the forward ran under torch.autocast (NOTE [autocast steps])
 
 
 def json_kind(data: Any) -> Any:

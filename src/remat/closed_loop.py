@@ -32,6 +32,7 @@ from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
 import torch
 
+from ._codec import JsonCodec
 from .wrap import PlanArm
 from .memory.capacity import clear_refusal, last_refusal
 from .errors import BudgetError, DeviceTooSmall, Option, PlanError, spell
@@ -48,21 +49,13 @@ P = TypeVar("P")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Attempt:
+class Attempt(JsonCodec):
     """One plan the closed loop measured: predicted and measured whole-step peak (bytes)."""
 
     predicted_peak_bytes: int
     measured_peak_bytes: int
     margin_bytes: int         # the planner's margin when it made this plan (NOTE [closed-loop margin])
     fits: bool                # measured peak <= effective budget
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Attempt":
-        return cls(predicted_peak_bytes=d["predicted_peak_bytes"], measured_peak_bytes=d["measured_peak_bytes"],
-                   margin_bytes=d["margin_bytes"], fits=d["fits"])
 
 
 @dataclasses.dataclass(kw_only=True)

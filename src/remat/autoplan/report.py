@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from .._codec import JsonCodec
 from ..types import MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
@@ -27,7 +28,7 @@ class VerifyStatus(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AutoReport:
+class AutoReport(JsonCodec):
     """Predicted and measured figures of the plan ``remat.auto`` applied (bytes, ms).
 
     Peaks are whole training steps (batch, forward, backward, optimizer step with its state),
@@ -105,13 +106,6 @@ class AutoReport:
             lines.append(f"  job: {self.engine.value} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
                          "peaks per device, the fullest rank's")
         return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["cache"], d["verification"], d["boundaries"] = self.cache.value, self.verification.value, list(self.boundaries)
-        d["memory_source"], d["engine"] = self.memory_source.value, self.engine.value
-        d["blocked"] = None if self.blocked is None else self.blocked.to_json()
-        return d
 
 
 class AutoHandle(ApplyHandle):

@@ -10,6 +10,7 @@ import enum
 import math
 from typing import Any
 
+from .._codec import FloatAsWritten, JsonCodec, from_json, json_field
 from ..errors import RematError
 from ..types import MemorySource
 
@@ -55,7 +56,7 @@ def unresolved_why(low: float, high: float, samples: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OverheadInterval:
+class OverheadInterval(JsonCodec):
     """A plan's overhead against the control, from interleaved rounds (NOTE [overhead intervals])."""
 
     pct: float                  # (p50 - control p50) / control p50 * 100
@@ -84,15 +85,6 @@ class OverheadInterval:
             return f"{self.pct:+.0f}% (unresolved, n={self.samples})"
         return f"{self.pct:+.0f}% [{self.low_pct:+.0f}, {self.high_pct:+.0f}]"
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "OverheadInterval":
-        return cls(pct=float(d["pct"]), low_pct=None if d.get("low_pct") is None else float(d["low_pct"]),
-                   high_pct=None if d.get("high_pct") is None else float(d["high_pct"]),
-                   resolved=bool(d["resolved"]), samples=int(d["samples"]))
-
 
 def describe_overhead(pct: float | None, interval: "OverheadInterval | None") -> str:
     """A report's overhead: with its interval when known, else the bare figure marked as one without."""
@@ -108,28 +100,21 @@ def short_overhead(pct: float | None, interval: "OverheadInterval | None") -> st
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CapacityTry:
+class CapacityTry(JsonCodec):
     """One probe of the capacity search: the shape value tried and what happened."""
 
     value: int                     # value of the capacity key (e.g. batch_size=32)
-    peak_bytes: int | None         # measured whole-step peak; on an abort, the live bytes when it stopped
+    # measured whole-step peak; on an abort, the live bytes when it stopped
+    peak_bytes: int | None = json_field(absent=None)
     oom: bool = False              # CUDA out of memory, or the CPU tracker saw the limit exceeded
     error: str | None = None       # anything else that stopped this try (the search ends there)
 
     def fits(self, limit_bytes: int) -> bool:
         return not self.oom and self.error is None and self.peak_bytes is not None and self.peak_bytes <= limit_bytes
 
-    def to_json(self) -> dict[str, Any]:
-        return {"value": self.value, "peak_bytes": self.peak_bytes, "oom": self.oom, "error": self.error}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "CapacityTry":
-        return cls(value=int(d["value"]), peak_bytes=None if d.get("peak_bytes") is None else int(d["peak_bytes"]),
-                   oom=bool(d.get("oom", False)), error=d.get("error"))
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CapacityResult:
+class CapacityResult(JsonCodec):
     """Largest fitting value of the capacity key, with every probe that led to it (NOTE [capacity search])."""
 
     key: str
@@ -140,46 +125,39 @@ class CapacityResult:
     tries: tuple[CapacityTry, ...]
     note: str = ""                 # why the search stopped early, if it did
 
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "capacity": self.capacity, "resolved": self.resolved, "capped": self.capped,
-                "limit_bytes": self.limit_bytes, "tries": [t.to_json() for t in self.tries], "note": self.note}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "CapacityResult":
-        return cls(key=str(d["key"]), capacity=int(d["capacity"]), resolved=bool(d["resolved"]),
-                   capped=bool(d["capped"]), limit_bytes=int(d["limit_bytes"]),
-                   tries=tuple(CapacityTry.from_json(t) for t in d["tries"]), note=str(d.get("note", "")))
-
 
 @dataclasses.dataclass(kw_only=True)
-class FrontierPoint:
-    """One plan measured on the workload at the base shape, plus its capacity under the budget."""
+class FrontierPoint(JsonCodec):
+    """One plan measured on the workload at the base shape, plus its capacity under the budget.
+
+    Its times are read as the JSON holds them (``FloatAsWritten``: a receipt read and written
+    again keeps its bytes)."""
 
     plan: str                                  # label: "none", "uniform:2", "optimal@50%", ...
     planner: str                               # planner spec the plan came from
     plan_budget_bytes: int | None = None       # budget the planner was given (optimal/greedy)
     predicted_peak_bytes: int | None = None    # the cost model's figure (None: infeasible)
-    predicted_overhead_ms: float | None = None  # the cost model's added time (sum of boundary replay ms)
-    predicted_step_ms: float | None = None     # the control's p50 in this run + predicted_overhead_ms
+    predicted_overhead_ms: FloatAsWritten | None = None  # the cost model's added time (sum of boundary replay ms)
+    predicted_step_ms: FloatAsWritten | None = None     # the control's p50 in this run + predicted_overhead_ms
     boundaries: list[str] = dataclasses.field(default_factory=list)  # "h.0:full", "blocks.3:selective"
     peak_bytes: int | None = None              # measured whole-step peak at the base shape
     memory_source: MemorySource | None = None  # the instrument of peak_bytes
     num_alloc_retries: int | None = None       # CUDA only: retries in the measured steps
-    p50_ms: float | None = None                # warm whole-step median (interleaved round-robin)
-    p95_ms: float | None = None
-    step_ms: list[float] = dataclasses.field(default_factory=list)   # the warm samples, in round order
-    overhead_pct: float | None = None          # (p50 - control p50) / control p50 * 100
+    p50_ms: FloatAsWritten | None = None                # warm whole-step median (interleaved round-robin)
+    p95_ms: FloatAsWritten | None = None
+    step_ms: list[FloatAsWritten] = dataclasses.field(default_factory=list)   # the warm samples, in round order
+    overhead_pct: FloatAsWritten | None = None          # (p50 - control p50) / control p50 * 100
     overhead_interval: OverheadInterval | None = None  # its CI from the interleaved rounds (NOTE [overhead intervals])
     capacity: int | None = None                # largest capacity-key value that fits (None: not searched)
     capacity_search: CapacityResult | None = None
-    capacity_p50_ms: float | None = None       # warm step median at the capacity shape
-    samples_per_s: float | None = None         # batch_size at capacity / capacity p50
+    capacity_p50_ms: FloatAsWritten | None = None       # warm step median at the capacity shape
+    samples_per_s: FloatAsWritten | None = None         # batch_size at capacity / capacity p50
     fits: bool = False                         # measured peak <= budget x (1 - reserve)
     pareto: bool = False                       # on the Pareto set of (peak, p50) among measured points
     decision: Decision = Decision.REJECT
     reason: str = ""
     compile: dict[str, Any] | None = None      # CompileSpec JSON: this point ran compiled (NOTE [compiled arms])
-    compile_s: float | None = None             # compiled: first step's wall time less a warm step's (s)
+    compile_s: FloatAsWritten | None = None             # compiled: first step's wall time less a warm step's (s)
 
     @property
     def measured(self) -> bool:
@@ -192,60 +170,36 @@ class FrontierPoint:
             return None
         return self.predicted_step_ms / self.p50_ms
 
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["decision"] = self.decision.value
-        d["memory_source"] = None if self.memory_source is None else self.memory_source.value
-        d["capacity_search"] = None if self.capacity_search is None else self.capacity_search.to_json()
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "FrontierPoint":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in fields}
-        kw["decision"] = Decision(d["decision"])
-        kw["memory_source"] = None if d.get("memory_source") is None else MemorySource(d["memory_source"])
-        kw["capacity_search"] = None if d.get("capacity_search") is None else CapacityResult.from_json(d["capacity_search"])
-        kw["overhead_interval"] = None if d.get("overhead_interval") is None else \
-            OverheadInterval.from_json(d["overhead_interval"])
-        return cls(**kw)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BudgetTry:
+class BudgetTry(JsonCodec):
     """One try of the search for torch's ``activation_memory_budget`` aimed at a peak (NOTE [budget aimed at a peak])."""
 
     ratio: float                   # activation_memory_budget tried, in [0, 1]
     peak_bytes: int | None         # measured whole-step peak of the compiled step (None: it failed)
     fits: bool                     # peak <= budget x (1 - reserve)
-    compile_s: float | None = None  # recompile cost of this ratio (s)
+    compile_s: FloatAsWritten | None = None  # recompile cost of this ratio (s)
     error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "BudgetTry":
-        return cls(ratio=float(d["ratio"]), peak_bytes=d.get("peak_bytes"), fits=bool(d["fits"]),
-                   compile_s=d.get("compile_s"), error=d.get("error"))
 
 
 @dataclasses.dataclass(kw_only=True)
-class FrontierReport:
+class FrontierReport(JsonCodec):
     """Every plan's point, the budget they were judged against, and where they were measured."""
 
+    schema_version: int = FRONTIER_SCHEMA_VERSION
     context: dict[str, Any]                    # workload, shape, device, versions, host, date, settings
     budget_bytes: int
-    reserve: float
+    reserve: float = json_field(then=("effective_budget_bytes",))   # the JSON adds the budget less the reserve
     capacity_key: str
+    # label of the unmodified step (overheads are against it); the JSON adds the shipped point's label
+    control: str = json_field(default="none", then=(("shipped", "shipped_label"),))
     points: list[FrontierPoint]
-    control: str = "none"                      # label of the unmodified step (overheads are against it)
     shipped_plan: dict[str, Any] | None = None  # the shipped plan's Plan JSON (for receipts / remat.apply)
-    budget_search: list[BudgetTry] = dataclasses.field(default_factory=list)  # --compile: torch's budget aimed at the peak
-    schema_version: int = FRONTIER_SCHEMA_VERSION
+    # --compile: torch's budget aimed at the peak; left out of the JSON when empty
+    budget_search: list[BudgetTry] = json_field(default_factory=list, omit=[])
     # In-process only (not in the JSON, which keeps the shipped plan): the Plan each measured point
     # ran, by label, so a caller can verify or apply a point that did not ship.
-    plans: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    plans: dict[str, Any] = json_field(default_factory=dict, repr=False, compare=False, skip=True)
 
     @property
     def effective_budget_bytes(self) -> int:
@@ -255,27 +209,17 @@ class FrontierReport:
     def shipped(self) -> FrontierPoint | None:
         return next((p for p in self.points if p.decision is Decision.SHIP), None)
 
+    @property
+    def shipped_label(self) -> str | None:
+        """The shipped point's label (None: nothing shipped)."""
+        shipped = self.shipped
+        return None if shipped is None else shipped.plan
+
     def point(self, label: str) -> FrontierPoint:
         for p in self.points:
             if p.plan == label:
                 return p
         raise KeyError(label)
-
-    def to_json(self) -> dict[str, Any]:
-        shipped = self.shipped
-        return {
-            "schema_version": self.schema_version,
-            "context": dict(self.context),
-            "budget_bytes": self.budget_bytes,
-            "reserve": self.reserve,
-            "effective_budget_bytes": self.effective_budget_bytes,
-            "capacity_key": self.capacity_key,
-            "control": self.control,
-            "shipped": None if shipped is None else shipped.plan,
-            "points": [p.to_json() for p in self.points],
-            "shipped_plan": self.shipped_plan,
-            **({"budget_search": [t.to_json() for t in self.budget_search]} if self.budget_search else {}),
-        }
 
     @classmethod
     def from_json(cls, d: Any) -> "FrontierReport":
@@ -286,11 +230,7 @@ class FrontierReport:
             if version != FRONTIER_SCHEMA_VERSION:
                 raise RematError(f"frontier schema_version {version} is not supported "
                                  f"(this remat reads {FRONTIER_SCHEMA_VERSION})")
-            return cls(context=dict(d["context"]), budget_bytes=int(d["budget_bytes"]), reserve=float(d["reserve"]),
-                       capacity_key=str(d["capacity_key"]), points=[FrontierPoint.from_json(p) for p in d["points"]],
-                       control=str(d.get("control", "none")), shipped_plan=d.get("shipped_plan"),
-                       budget_search=[BudgetTry.from_json(t) for t in d.get("budget_search", [])],
-                       schema_version=version)
+            return from_json(cls, {**d, "schema_version": version})
         except RematError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Annotated
 
+from .._codec import FloatAsWritten, JsonCodec, json_field
+from .._json import Enum, Num
 from ..errors import RematError
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CompileSpec:
+class CompileSpec(JsonCodec):
     """How an arm is compiled. ``memory_budget``: torch's ``activation_memory_budget`` (a ratio of
     saved-activation bytes in [0, 1]; None leaves torch's own setting, 1.0 by default)."""
 
-    backend: str = "inductor"
-    memory_budget: float | None = None
+    # both keys are in every file (the schema requires them), though a caller may leave either out
+    backend: Annotated[str, Enum(*BACKENDS)] = json_field(default="inductor", required=True)
+    memory_budget: Annotated[FloatAsWritten, Num(0, 1)] | None = json_field(default=None, required=True)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -30,11 +34,3 @@ class CompileSpec:
     def describe(self) -> str:
         budget = "" if self.memory_budget is None else f", activation_memory_budget={self.memory_budget:g}"
         return f"torch.compile(model, backend={self.backend}{budget})"
-
-    def to_json(self) -> dict:
-        return {"backend": self.backend, "memory_budget": self.memory_budget}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "CompileSpec":
-        return cls(backend=d["backend"], memory_budget=d["memory_budget"])
-

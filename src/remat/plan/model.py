@@ -8,26 +8,26 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from .._json import read_json_file, validate
+from .._codec import Bytes, JsonCodec, Len, Ms, Short, SignedBytes, SignedMs, Text, from_json, json_field, schema
+from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, Enum, Int, Num, Str, read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
-from ..profile.model import BlockedStep, ModelFingerprint, SampleRecord
+from ..profile.model import SAMPLE, BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .offload import OffloadPricing
-from .schema import PLAN
 
 PLAN_SCHEMA_VERSION = 1
 MAX_PLAN_BYTES = 16 * 2 ** 20   # a plan for 10,000 modules is about 2 MiB
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Boundary:
-    module: str                  # module path, as in model.named_modules()
-    mode: CheckpointMode         # FULL or an op-level mode (KEEP is never listed)
-    saved_bytes: int             # predicted bytes freed until backward
-    replay_ms: float             # predicted added backward time
+class Boundary(JsonCodec):
+    module: Annotated[str, MODULE_PATH]   # module path, as in model.named_modules()
+    mode: Annotated[CheckpointMode, MODE]   # FULL or an op-level mode (KEEP is never listed)
+    saved_bytes: SignedBytes     # predicted bytes freed until backward
+    replay_ms: SignedMs          # predicted added backward time
     guarded: bool = False        # buffers restored around the replay (BatchNorm running stats)
 
     def __post_init__(self) -> None:
@@ -36,9 +36,9 @@ class Boundary:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Exclusion:
-    module: str
-    reason: str
+class Exclusion(JsonCodec):
+    module: Annotated[str, Str(max_len=500)]
+    reason: Text
 
 
 # NOTE [plan workload]
@@ -50,23 +50,15 @@ class Exclusion:
 # rather than fall back to a default workload the plan was not made for. Every flag given on the
 # command line wins over the recorded value.
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanWorkload:
+class PlanWorkload(JsonCodec):
     """The workload a plan was made for, as ``remat plan`` loaded it (NOTE [plan workload])."""
 
-    spec: str                    # built-in name, path/to/file.py:fn or package.module:fn, as given
-    shape: dict[str, Any]        # the shape keywords given
-    device: str
-    dtype: str
-    autocast: str | None = None  # "bfloat16"/"float16": the forward ran under torch.autocast
-
-    def to_json(self) -> dict[str, Any]:
-        return {"spec": self.spec, "shape": dict(self.shape), "device": self.device, "dtype": self.dtype,
-                "autocast": self.autocast}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "PlanWorkload":
-        return cls(spec=d["spec"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
-                   autocast=d["autocast"])
+    spec: Annotated[str, Str(max_len=4096)]   # built-in name, path/to/file.py:fn or package.module:fn, as given
+    shape: Annotated[dict[str, Any], SHAPE]   # the shape keywords given
+    device: Annotated[str, DEVICE]
+    dtype: Annotated[str, DTYPE]
+    # "bfloat16"/"float16": the forward ran under torch.autocast; in every file (null when not)
+    autocast: Annotated[str, AUTOCAST] | None = json_field(default=None, required=True)
 
     def describe(self) -> str:
         shape = ",".join(f"{k}={v}" for k, v in self.shape.items())
@@ -75,31 +67,40 @@ class PlanWorkload:
 
 
 @dataclasses.dataclass(kw_only=True)
-class Plan:
-    planner: str                          # "optimal", "greedy", "sqrt", "uniform:2", "all", "none", ...
-    budget_bytes: int | None              # whole-step peak budget (None: planner needs none)
-    reserve: float                        # fraction of the budget kept free (0.05 = 5%)
-    boundaries: list[Boundary]
-    excluded: list[Exclusion]
-    predicted_peak_bytes: int
-    predicted_overhead_ms: float
-    baseline_peak_bytes: int
-    baseline_step_ms: float
+class Plan(JsonCodec):
+    """A plan and the figures behind it (bytes, ms). Its JSON's optional fields are those older plan
+    files may lack (read as their defaults here); every other one is required."""
+
+    planner: Short                        # "optimal", "greedy", "sqrt", "uniform:2", "all", "none", ...
+    budget_bytes: Annotated[int, Int(1, 2 ** 53)] | None   # whole-step peak budget (None: planner needs none)
+    reserve: Annotated[float, Num(0, 0.999999)]   # fraction of the budget kept free (0.05 = 5%)
+    boundaries: Annotated[list[Boundary], Len(10_000)]
+    excluded: Annotated[list[Exclusion], Len(MAX_MODULES)]
+    predicted_peak_bytes: SignedBytes
+    predicted_overhead_ms: SignedMs
+    baseline_peak_bytes: Bytes
+    baseline_step_ms: Ms
     fingerprint: ModelFingerprint
     preserve_rng_state: bool = True       # RNG policy: replay sees the forward's RNG state
-    measured_peak_bytes: int | None = None
-    measured_step_ms: float | None = None
+    measured_peak_bytes: Bytes | None = None
+    measured_step_ms: Ms | None = None
     memory_source: MemorySource = MemorySource.CPU_LIVE_TENSORS
     simulated: bool = False               # figures from --simulate, not a measured run
-    device_model: str | None = None
-    compile: CompileSpec | None = None    # run compiled (torch.compile of the model; NOTE [compiled arms])
-    offload: OffloadPricing | None = None  # offload priced with these bandwidths (NOTE [offload cost model])
-    workload: PlanWorkload | None = None  # what `remat plan` profiled (NOTE [plan workload]); None: not recorded
-    sample: SampleRecord | None = None    # the steps it was made and measured on (NOTE [step sample]); None: one step
+    device_model: Short | None = None
+    # The five below are left out of the JSON when None, so eager, single-step plans (and those of
+    # remat.auto and older files) read as they always did.
+    # run compiled (torch.compile of the model; NOTE [compiled arms])
+    compile: CompileSpec | None = json_field(default=None, omit=None)
+    # offload priced with these bandwidths (NOTE [offload cost model])
+    offload: OffloadPricing | None = json_field(default=None, omit=None)
+    # what `remat plan` profiled (NOTE [plan workload]); None: not recorded
+    workload: PlanWorkload | None = json_field(default=None, omit=None)
+    # the steps it was made and measured on (NOTE [step sample]); None: one step
+    sample: Annotated[SampleRecord, SAMPLE] | None = json_field(default=None, omit=None)
     # the unplanned step did not fit the device: its evidence and the smaller batches the plan was
     # profiled at (NOTE [blocked step] in remat/profile/blocked.py); None: the unplanned step fitted
-    blocked: BlockedStep | None = None
-    schema_version: int = PLAN_SCHEMA_VERSION
+    blocked: BlockedStep | None = json_field(default=None, omit=None)
+    schema_version: Annotated[int, Enum(PLAN_SCHEMA_VERSION)] = json_field(default=PLAN_SCHEMA_VERSION, required=True)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserve < 1.0:
@@ -113,70 +114,17 @@ class Plan:
         """Budget less the reserve: what the predicted/measured peak must stay under."""
         return None if self.budget_bytes is None else int(self.budget_bytes * (1.0 - self.reserve))
 
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["boundaries"] = [{**dataclasses.asdict(b), "mode": b.mode.value} for b in self.boundaries]
-        d["excluded"] = [dataclasses.asdict(e) for e in self.excluded]
-        d["fingerprint"] = self.fingerprint.to_json()
-        d["memory_source"] = self.memory_source.value
-        if self.compile is None:
-            del d["compile"]   # eager plans read as they always did
-        else:
-            d["compile"] = self.compile.to_json()
-        if self.offload is None:
-            del d["offload"]   # plans without offload read as they always did
-        else:
-            d["offload"] = self.offload.to_json()
-        if self.workload is None:
-            del d["workload"]   # as compile: plans from remat.auto and older files read as they always did
-        else:
-            d["workload"] = self.workload.to_json()
-        if self.sample is None:
-            del d["sample"]    # single-step plans read as they always did
-        else:
-            d["sample"] = self.sample.to_json()
-        if self.blocked is None:
-            del d["blocked"]
-        else:
-            d["blocked"] = self.blocked.to_json()
-        return d
-
     @classmethod
     def from_json(cls, d: Any, *, source: str = "plan") -> "Plan":
-        """Build from plan JSON checked against :data:`remat.plan.schema.PLAN` first; :class:`PlanError` if off."""
+        """Build from plan JSON checked against its schema (:data:`remat.plan.schema.PLAN`) first; :class:`PlanError` if off."""
         if not isinstance(d, dict):
             raise PlanError(f"malformed {source}: the top level must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
         if type(version) is not int or version != PLAN_SCHEMA_VERSION:
             raise PlanError(f"{source}: schema_version {str(version)[:40]} is not supported "
                             f"(this remat reads {PLAN_SCHEMA_VERSION})")
-        validate(d, PLAN, error=PlanError, what=source)
-        return cls(
-            planner=d["planner"],
-            budget_bytes=d["budget_bytes"],
-            reserve=float(d["reserve"]),
-            boundaries=[Boundary(module=b["module"], mode=CheckpointMode(b["mode"]), saved_bytes=b["saved_bytes"],
-                                 replay_ms=float(b["replay_ms"]), guarded=b.get("guarded", False))
-                        for b in d["boundaries"]],
-            excluded=[Exclusion(module=e["module"], reason=e["reason"]) for e in d["excluded"]],
-            predicted_peak_bytes=d["predicted_peak_bytes"],
-            predicted_overhead_ms=float(d["predicted_overhead_ms"]),
-            baseline_peak_bytes=d["baseline_peak_bytes"],
-            baseline_step_ms=float(d["baseline_step_ms"]),
-            fingerprint=ModelFingerprint.from_json(d["fingerprint"]),
-            preserve_rng_state=d.get("preserve_rng_state", True),
-            measured_peak_bytes=d.get("measured_peak_bytes"),
-            measured_step_ms=None if d.get("measured_step_ms") is None else float(d["measured_step_ms"]),
-            memory_source=MemorySource(d.get("memory_source", MemorySource.CPU_LIVE_TENSORS)),
-            simulated=d.get("simulated", False),
-            device_model=d.get("device_model"),
-            compile=None if d.get("compile") is None else CompileSpec.from_json(d["compile"]),
-            offload=None if d.get("offload") is None else OffloadPricing.from_json(d["offload"]),
-            workload=None if d.get("workload") is None else PlanWorkload.from_json(d["workload"]),
-            sample=None if d.get("sample") is None else SampleRecord.from_json(d["sample"]),
-            blocked=None if d.get("blocked") is None else BlockedStep.from_json(d["blocked"]),
-            schema_version=version,
-        )
+        validate(d, schema(cls), error=PlanError, what=source)
+        return from_json(cls, d)
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json

@@ -27,22 +27,29 @@ closed loop measures the result as for any plan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated
 
+from .._codec import Bytes, JsonCodec, Short, json_field
+from .._json import Num
 from ..errors import PlanError
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
 
 
+Bandwidth = Annotated[float, Num(1e-9, 1e15)]   # bytes per ms: a positive rate, bounded
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OffloadPricing:
+class OffloadPricing(JsonCodec):
     """Link bandwidths and overlap, as measured on (or modelled for) one machine."""
 
-    d2h_bytes_per_ms: float        # device -> host copy bandwidth (bytes per ms)
-    h2d_bytes_per_ms: float        # host -> device (bytes per ms)
+    d2h_bytes_per_ms: Bandwidth    # device -> host copy bandwidth (bytes per ms)
+    h2d_bytes_per_ms: Bandwidth    # host -> device (bytes per ms)
     overlaps_compute: bool         # copies run beside compute (CUDA side stream); False on CPU
-    host_budget_bytes: int | None = None   # host memory the offloaded activations may hold (None: no bound)
-    source: str = "measured"       # "measured" (remat.measure.bandwidth), "cached", or a device model's name
+    # host memory the offloaded activations may hold (None: no bound); in every file, as is the source
+    host_budget_bytes: Bytes | None = json_field(default=None, required=True)
+    # "measured" (remat.measure.bandwidth), "cached", or a device model's name
+    source: Short = json_field(default="measured", required=True)
 
     def __post_init__(self) -> None:
         if not (self.d2h_bytes_per_ms > 0 and self.h2d_bytes_per_ms > 0):
@@ -57,16 +64,6 @@ class OffloadPricing:
         h2d = copied_bytes / self.h2d_bytes_per_ms
         hidden = min(d2h, max(0.0, fwd_ms)) if self.overlaps_compute else 0.0
         return d2h - hidden + h2d
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "OffloadPricing":
-        return cls(d2h_bytes_per_ms=float(d["d2h_bytes_per_ms"]), h2d_bytes_per_ms=float(d["h2d_bytes_per_ms"]),
-                   overlaps_compute=bool(d["overlaps_compute"]),
-                   host_budget_bytes=None if d.get("host_budget_bytes") is None else int(d["host_budget_bytes"]),
-                   source=str(d.get("source", "measured")))
 
 
 def offload_bytes(c: CandidateCost) -> int:

@@ -26,29 +26,31 @@ second call's backward only the first.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any
 
+from .._codec import JsonCodec, Len, Short, json_field, to_json
+from .._json import BYTES, HEX64, MAX_MODULES, SHAPE, Enum, Int, List, Obj, Opt, Str
 from ..errors import ShapeError, WorkloadError
 from ..percentile import p50
-from ..types import CheckpointMode, HazardKind, LiveByKind, MemorySource, Phase, Refusal
+from ..types import MODULE_PATH_RE, CheckpointMode, HazardKind, MemorySource, Phase, Refusal
 from ..units import fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HazardRecord:
+class HazardRecord(JsonCodec):
     kind: HazardKind
     detail: str               # e.g. "bn1.running_mean, bn1.num_batches_tracked mutated in forward"
     guardable: bool = False   # remat can neutralise it (restore buffers around the replay)
 
 
 @dataclasses.dataclass(kw_only=True)
-class CandidateCost:
+class CandidateCost(JsonCodec):
     """One module that could be checkpointed, measured on the real step."""
 
     name: str                          # module path, e.g. "h.3" or "blocks.2.mlp"
     class_name: str
     order: int                         # forward order (0 = first to run)
-    parent: str | None                 # enclosing candidate, if any
+    parent: str | None = json_field(absent=None)   # enclosing candidate, if any
     fwd_ms: float                      # warm median forward time (ms)
     input_bytes: int                   # bytes of its inputs a checkpoint keeps (ms of nothing, kept anyway)
     saved_bytes: dict[CheckpointMode, int]        # bytes freed until backward, per mode (KEEP: 0)
@@ -63,7 +65,7 @@ class CandidateCost:
     members: tuple[str, ...] = ()
     # forward calls per step: a shared module's costs cover every call (NOTE [shared modules] in
     # profile/step.py); replay_ms and fwd_ms are for all of them
-    calls: int = 1
+    calls: int = json_field(default=1, omit=1)   # written only when not 1
 
     @property
     def covers(self) -> tuple[str, ...]:
@@ -74,37 +76,9 @@ class CandidateCost:
     def modes(self) -> list[CheckpointMode]:
         return [m for m in CheckpointMode if m in self.saved_bytes]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "class_name": self.class_name, "order": self.order, "parent": self.parent,
-            "fwd_ms": self.fwd_ms, "input_bytes": self.input_bytes,
-            "saved_bytes": {m.value: v for m, v in self.saved_bytes.items()},
-            "replay_ms": {m.value: v for m, v in self.replay_ms.items()},
-            "replay_extra_bytes": {m.value: v for m, v in self.replay_extra_bytes.items()},
-            "hazards": [{"kind": h.kind.value, "detail": h.detail, "guardable": h.guardable} for h in self.hazards],
-            "replay_spread_ms": {m.value: v for m, v in self.replay_spread_ms.items()},
-            "members": list(self.members),
-            **({"calls": self.calls} if self.calls != 1 else {}),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "CandidateCost":
-        return cls(
-            name=d["name"], class_name=d["class_name"], order=int(d["order"]), parent=d.get("parent"),
-            fwd_ms=float(d["fwd_ms"]), input_bytes=int(d["input_bytes"]),
-            saved_bytes={CheckpointMode(k): int(v) for k, v in d["saved_bytes"].items()},
-            replay_ms={CheckpointMode(k): float(v) for k, v in d["replay_ms"].items()},
-            replay_extra_bytes={CheckpointMode(k): int(v) for k, v in d["replay_extra_bytes"].items()},
-            hazards=[HazardRecord(kind=HazardKind(h["kind"]), detail=h["detail"], guardable=bool(h["guardable"]))
-                     for h in d.get("hazards", [])],
-            replay_spread_ms={CheckpointMode(k): float(v) for k, v in d.get("replay_spread_ms", {}).items()},
-            members=tuple(str(m) for m in d.get("members", ())),
-            calls=int(d.get("calls", 1)),
-        )
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PeakRow:
+class PeakRow(JsonCodec):
     """A group of instants of the baseline step sharing one signature (NOTE [peak cost model])."""
 
     base_bytes: int
@@ -112,50 +86,30 @@ class PeakRow:
     replaying: tuple[str, ...]   # candidates whose backward runs here
     label: str = ""              # human hint, e.g. "backward of h.3"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"base_bytes": self.base_bytes, "live": list(self.live), "replaying": list(self.replaying),
-                "label": self.label}
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "PeakRow":
-        return cls(base_bytes=int(d["base_bytes"]), live=tuple(d["live"]), replaying=tuple(d["replaying"]),
-                   label=d.get("label", ""))
+ROOT_OR_MODULE_PATH = Str(f"(?:{MODULE_PATH_RE})?", max_len=500)   # a fingerprint lists the root as ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ParamSignature:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
+class ParamSignature(JsonCodec):
+    name: Annotated[str, Str(max_len=500)]
+    shape: Annotated[tuple[Annotated[int, Int(0, 2 ** 40)], ...], Len(16)]
+    dtype: Short
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelFingerprint:
+class ModelFingerprint(JsonCodec):
     """Identity of a model for plans and receipts: module tree, parameters, class sources."""
 
-    modules: tuple[tuple[str, str], ...]          # (path, class name) for every module
-    params: tuple[ParamSignature, ...]
-    class_source_hashes: tuple[tuple[str, str], ...]  # (qualified class name, sha256 of its source)
-    digest: str                                   # sha256 over all of the above
-    # classes with no readable source, hashed by structure (NOTE [class identity without source])
-    structural_classes: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        d = {"digest": self.digest, "modules": [list(m) for m in self.modules],
-             "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params],
-             "class_source_hashes": [list(c) for c in self.class_source_hashes]}
-        if self.structural_classes:
-            d["structural_classes"] = list(self.structural_classes)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ModelFingerprint":
-        return cls(modules=tuple((str(a), str(b)) for a, b in d["modules"]),
-                   params=tuple(ParamSignature(name=p["name"], shape=tuple(int(s) for s in p["shape"]), dtype=p["dtype"])
-                                for p in d["params"]),
-                   class_source_hashes=tuple((str(a), str(b)) for a, b in d["class_source_hashes"]),
-                   digest=str(d["digest"]),
-                   structural_classes=tuple(str(c) for c in d.get("structural_classes", ())))
+    digest: Annotated[str, HEX64]                 # sha256 over all of the below
+    # (path, class name) for every module; the root's path is ""
+    modules: Annotated[tuple[tuple[Annotated[str, ROOT_OR_MODULE_PATH], Short], ...], Len(MAX_MODULES)]
+    params: Annotated[tuple[ParamSignature, ...], Len(MAX_MODULES)]
+    # (qualified class name, the first 16 hex digits of the sha256 of its source)
+    class_source_hashes: Annotated[tuple[tuple[Short, Annotated[str, Str(r"[0-9a-f]{16}")]], ...], Len(MAX_MODULES)]
+    # classes with no readable source, hashed by structure (NOTE [class identity without source]);
+    # written only when there are some
+    structural_classes: Annotated[tuple[Short, ...], Len(MAX_MODULES)] = json_field(default=(), omit=())
 
     def differences(self, other: "ModelFingerprint") -> list[FingerprintDiff]:
         """What differs, as records whose ``str()`` reads well (empty when the digests agree)."""
@@ -202,7 +156,7 @@ class FingerprintDiff:
 
 
 @dataclasses.dataclass(kw_only=True)
-class ProfileReport:
+class ProfileReport(JsonCodec):
     """Everything the planner needs, measured on one workload at one shape."""
 
     candidates: list[CandidateCost]
@@ -245,42 +199,6 @@ class ProfileReport:
     # [unsampled blocks] in profile/twins.py): their figures are the twin's, not measured on them
     costed_as_twin: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"candidates": [c.to_json() for c in self.candidates], "rows": [r.to_json() for r in self.rows],
-                "excluded": dict(self.excluded), "baseline_peak_bytes": self.baseline_peak_bytes,
-                "baseline_step_ms": self.baseline_step_ms, "memory_source": self.memory_source.value,
-                "fingerprint": self.fingerprint.to_json(), "simulated": self.simulated,
-                "device_model": self.device_model, "refuted_hazards": dict(self.refuted_hazards),
-                "mode_excluded": {k: dict(v) for k, v in self.mode_excluded.items()},
-                "phase_peak_bytes": dict(self.phase_peak_bytes), "idle": list(self.idle),
-                "replay_unmeasured": dict(self.replay_unmeasured), "replay_shared": dict(self.replay_shared),
-                "replay_composed": {k: list(v) for k, v in self.replay_composed.items()},
-                "replay_extra_between": {k: list(v) for k, v in self.replay_extra_between.items()},
-                "replay_below_resolution": {k: list(v) for k, v in self.replay_below_resolution.items()},
-                "untracked_bytes": self.untracked_bytes, "costed_as_twin": dict(self.costed_as_twin)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ProfileReport":
-        return cls(candidates=[CandidateCost.from_json(c) for c in d["candidates"]],
-                   rows=[PeakRow.from_json(r) for r in d["rows"]], excluded=dict(d["excluded"]),
-                   baseline_peak_bytes=int(d["baseline_peak_bytes"]), baseline_step_ms=float(d["baseline_step_ms"]),
-                   memory_source=MemorySource(d["memory_source"]), fingerprint=ModelFingerprint.from_json(d["fingerprint"]),
-                   simulated=bool(d.get("simulated", False)), device_model=d.get("device_model"),
-                   refuted_hazards={str(k): [str(x) for x in v] for k, v in d.get("refuted_hazards", {}).items()},
-                   mode_excluded={str(k): {str(m): str(r) for m, r in v.items()}
-                                  for k, v in d.get("mode_excluded", {}).items()},
-                   phase_peak_bytes={str(k): int(v) for k, v in d.get("phase_peak_bytes", {}).items()},
-                   idle=[str(n) for n in d.get("idle", [])],
-                   replay_unmeasured={str(k): str(v) for k, v in d.get("replay_unmeasured", {}).items()},
-                   replay_shared={str(k): str(v) for k, v in d.get("replay_shared", {}).items()},
-                   replay_composed={str(k): [str(m) for m in v] for k, v in d.get("replay_composed", {}).items()},
-                   replay_extra_between={str(k): [str(m) for m in v]
-                                         for k, v in d.get("replay_extra_between", {}).items()},
-                   replay_below_resolution={str(k): [str(m) for m in v]
-                                            for k, v in d.get("replay_below_resolution", {}).items()},
-                   untracked_bytes=int(d.get("untracked_bytes", 0)),
-                   costed_as_twin={str(k): str(v) for k, v in d.get("costed_as_twin", {}).items()})
-
 
 # -- the step sample: which steps a profile and a plan's measurements cover (NOTE [step sample] in
 # profile/sample.py, which runs them and merges their profiles); here, so the plan stage reads it without torch
@@ -292,13 +210,31 @@ SEED_STRIDE = 1_000_003         # point k >= 1 seeds SEED_STRIDE * k + i before 
 NOT_CALLED = "not called during the step"   # profile_step's reason for a module no sampled step ran
 
 ShapeValue = int | float | str | bool
+ShapePairs = tuple[tuple[str, ShapeValue], ...]   # shape overrides, sorted by key: hashable, one order
+
+
+def shape_to_json(shape: ShapePairs) -> dict[str, ShapeValue]:
+    """Shape overrides as the JSON object of their keywords."""
+    return dict(shape)
+
+
+def shape_from_json(d: dict[str, ShapeValue]) -> ShapePairs:
+    return tuple(sorted(d.items()))
+
+
+def shapes_to_json(shapes: tuple[ShapePairs, ...]) -> list[dict[str, ShapeValue]]:
+    return [shape_to_json(s) for s in shapes]
+
+
+def shapes_from_json(ds: list[dict[str, ShapeValue]]) -> tuple[ShapePairs, ...]:
+    return tuple(shape_from_json(d) for d in ds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplePoint:
+class SamplePoint(JsonCodec):
     """One sampled step stream: shape overrides, batch index offset, seed (None: unseeded)."""
 
-    shape: tuple[tuple[str, ShapeValue], ...] = ()
+    shape: ShapePairs = json_field(default=(), encode=shape_to_json, decode=shape_from_json)
     offset: int = 0
     seed: int | None = None
 
@@ -311,19 +247,16 @@ class SamplePoint:
         shape = ",".join(f"{k}={v}" for k, v in self.shape)
         return (f"{shape} " if shape else "") + f"batch({self.offset}+i)" + (f" seed {self.seed}" if self.seed is not None else "")
 
-    def to_json(self) -> dict[str, Any]:
-        return {"shape": dict(self.shape), "offset": self.offset, "seed": self.seed}
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StepSample:
+class StepSample(JsonCodec):
     """Which steps to profile and measure over (NOTE [step sample] in profile/sample.py).
 
     ``steps``: steps per shape (1: the single seeded step of before). ``boundary_shapes``: shape
     overrides the workload is built at a second (third, ...) time; its steps join the sample."""
 
     steps: int = DEFAULT_SAMPLE_STEPS
-    boundary_shapes: tuple[tuple[tuple[str, ShapeValue], ...], ...] = ()
+    boundary_shapes: tuple[ShapePairs, ...] = json_field(default=(), encode=shapes_to_json, decode=shapes_from_json)
 
     def __post_init__(self) -> None:
         if type(self.steps) is not int or not 1 <= self.steps <= MAX_SAMPLE_STEPS:
@@ -335,7 +268,7 @@ class StepSample:
 
     @classmethod
     def of(cls, steps: int = DEFAULT_SAMPLE_STEPS, boundary_shapes: list[dict[str, ShapeValue]] | None = None) -> "StepSample":
-        return cls(steps=steps, boundary_shapes=tuple(tuple(sorted(d.items())) for d in boundary_shapes or []))
+        return cls(steps=steps, boundary_shapes=shapes_from_json(boundary_shapes or []))
 
     @property
     def is_single(self) -> bool:
@@ -346,12 +279,16 @@ class StepSample:
         return [SamplePoint(shape=shape, offset=POINT_STRIDE * k, seed=None if k == 0 else k)
                 for shape in ((), *self.boundary_shapes) for k in range(self.steps)]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"steps": self.steps, "boundary_shapes": [dict(s) for s in self.boundary_shapes]}
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StepSample":
-        return cls(steps=int(d["steps"]), boundary_shapes=tuple(tuple(sorted(s.items())) for s in d["boundary_shapes"]))
+# SampleRecord.to_json: the steps a plan was made and measured on (NOTE [step sample]); its points
+# and spread are computed, so its schema is written here, beside its codec
+SAMPLE = Obj({
+    "steps": Int(1, MAX_SAMPLE_STEPS), "boundary_shapes": List(SHAPE, max_len=16),
+    "points": List(Obj({"shape": SHAPE, "offset": Int(0, 2 ** 40), "seed": Opt(Int(0, 2 ** 40))}),
+                   max_len=MAX_SAMPLE_STEPS * 17),
+    "point_peaks": List(BYTES, max_len=MAX_SAMPLE_STEPS * 17),
+    "peak_spread": Opt(Obj({"min": BYTES, "median": BYTES, "max": BYTES})),
+})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -379,9 +316,7 @@ class SampleRecord:
 
 def refusal_to_json(r: Refusal) -> dict[str, Any]:
     """``r`` as JSON (``remat.plan.schema.BLOCKED``'s ``refusal``)."""
-    d = dataclasses.asdict(r)
-    d["phase"] = None if r.phase is None else r.phase.value
-    return d
+    return to_json(r)
 
 
 def describe_refusal(r: Refusal) -> str:
@@ -397,37 +332,29 @@ def describe_refusal(r: Refusal) -> str:
     return text
 
 
+# remat.types.Refusal's JSON (its codec is the generic one; remat.types sits below the schema language)
+REFUSAL = Obj({
+    "capacity_bytes": BYTES, "requested_bytes": BYTES, "live_bytes": BYTES,
+    "phase": Opt(Enum(*(p.value for p in Phase))),
+    "by_kind": Opt(Obj({k: BYTES for k in ("parameters", "gradients", "optimizer_state", "saved_activations", "other")})),
+})
+BATCH = Int(1, 2 ** 40)
+
+
 @dataclasses.dataclass(frozen=True)
-class BlockedStep:
+class BlockedStep(JsonCodec):
     """The evidence of a blocked step and how remat planned it (NOTE [blocked step])."""
 
-    refusal: Refusal | None     # the unplanned step's refused allocation (None: CUDA, which does not say)
-    target_batch: int           # B: the example batch's leading dimension
-    profiled_batches: tuple[int, ...]   # (k1, k2): the smaller batches profiled unplanned
-    verified_batch: int         # k2: the largest batch at which the unplanned control fits
-    rule: str                   # "affine" or "proportional" (NOTE [blocked step])
+    # the unplanned step's refused allocation (None: CUDA, which does not say)
+    refusal: Annotated[Refusal | None, Opt(REFUSAL)]
+    target_batch: Annotated[int, Int(2, 2 ** 40)]   # B: the example batch's leading dimension
+    # (k1, k2): the smaller batches profiled unplanned
+    profiled_batches: Annotated[tuple[Annotated[int, BATCH], ...], Len(2, min_len=1)]
+    verified_batch: Annotated[int, BATCH]   # k2: the largest batch at which the unplanned control fits
+    rule: Annotated[str, Enum("affine", "proportional")]   # NOTE [blocked step]
 
     def describe(self) -> str:
         evidence = describe_refusal(self.refusal) if self.refusal is not None else "out of memory"
         return (f"the unplanned step at batch {self.target_batch} does not fit ({evidence}); profiled at batches "
                 f"{', '.join(map(str, self.profiled_batches))} and extrapolated ({self.rule}); the control fits at "
                 f"batch {self.verified_batch}")
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["refusal"] = None if self.refusal is None else refusal_to_json(self.refusal)
-        d["profiled_batches"] = list(self.profiled_batches)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "BlockedStep":
-        """From JSON already checked against ``remat.plan.schema.BLOCKED``."""
-        r = d["refusal"]
-        refusal = None if r is None else Refusal(
-            capacity_bytes=r["capacity_bytes"], requested_bytes=r["requested_bytes"], live_bytes=r["live_bytes"],
-            phase=None if r["phase"] is None else Phase(r["phase"]),
-            by_kind=None if r["by_kind"] is None else LiveByKind(**r["by_kind"]))
-        return cls(refusal=refusal, target_batch=d["target_batch"], profiled_batches=tuple(d["profiled_batches"]),
-                   verified_batch=d["verified_batch"], rule=d["rule"])
-
-

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 
+from .._codec import JsonCodec
 from .errors import SimulationError
 from .semantics import KernelSemantics
 
@@ -47,7 +47,7 @@ _MiB = 2**20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DeviceModel:
+class DeviceModel(JsonCodec):
     """A device for the roofline model: time per op = max(flops/peak, bytes/bandwidth) + launch."""
 
     name: str
@@ -87,11 +87,6 @@ class DeviceModel:
     def calibrated(self, factor: float) -> "DeviceModel":
         """The same device with ``factor`` applied to every predicted time (see fit_calibration)."""
         return dataclasses.replace(self, calibration=float(factor))
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["semantics"] = self.semantics.value
-        return d
 
 
 DEVICE_MODELS: dict[str, DeviceModel] = {

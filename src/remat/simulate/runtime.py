@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Iterable
 
+from .._codec import JsonCodec, json_field
 from ..types import SAC_SAVE_OPS, CheckpointMode, Phase
 from .costs import OpRecord
 from .devices import DeviceModel
@@ -31,7 +32,7 @@ def _packet(op: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OpTypeCost:
+class OpTypeCost(JsonCodec):
     op: str        # op packet, e.g. "mm"
     count: int
     flops: int
@@ -40,7 +41,7 @@ class OpTypeCost:
 
 
 @dataclasses.dataclass(kw_only=True)
-class RuntimePrediction:
+class RuntimePrediction(JsonCodec):
     """Predicted times of one training step on ``device`` (ms, calibration included)."""
 
     device: str
@@ -50,7 +51,7 @@ class RuntimePrediction:
     module_fwd_ms: dict[str, float]          # inclusive forward time per module ("" = root)
     module_selective_ms: dict[str, float]    # forward time less SAC_SAVE_OPS (what SELECTIVE recomputes)
     flops: int                               # whole step
-    nbytes: int                              # bytes moved, whole step
+    nbytes: int = json_field(key="bytes")     # bytes moved, whole step
     kernels: int                             # ops that launch a kernel
     top_ops: list[OpTypeCost]                # op types by predicted time, largest first
 
@@ -60,24 +61,6 @@ class RuntimePrediction:
             return 0.0
         table = self.module_fwd_ms if mode is CheckpointMode.FULL else self.module_selective_ms
         return table.get(module, 0.0)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "device": self.device, "calibration": self.calibration, "step_ms": self.step_ms,
-            "phase_ms": {p.value: v for p, v in self.phase_ms.items()},
-            "module_fwd_ms": dict(self.module_fwd_ms), "module_selective_ms": dict(self.module_selective_ms),
-            "flops": self.flops, "bytes": self.nbytes, "kernels": self.kernels,
-            "top_ops": [dataclasses.asdict(o) for o in self.top_ops],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RuntimePrediction":
-        return cls(device=str(d["device"]), calibration=float(d["calibration"]), step_ms=float(d["step_ms"]),
-                   phase_ms={Phase(k): float(v) for k, v in d["phase_ms"].items()},
-                   module_fwd_ms={str(k): float(v) for k, v in d["module_fwd_ms"].items()},
-                   module_selective_ms={str(k): float(v) for k, v in d["module_selective_ms"].items()},
-                   flops=int(d["flops"]), nbytes=int(d["bytes"]), kernels=int(d["kernels"]),
-                   top_ops=[OpTypeCost(**o) for o in d["top_ops"]])
 
 
 def op_ms(op: OpRecord, device: DeviceModel) -> float:

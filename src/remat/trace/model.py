@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._codec import FloatAsWritten, JsonCodec, json_field
 from ..types import MemCategory, MemorySource, Phase
 
 SCHEMA_VERSION = 1
@@ -64,7 +65,7 @@ class PhaseStats:
     start_bytes: int
     end_bytes: int
     peak_bytes: int
-    duration_ms: float
+    duration_ms: FloatAsWritten
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -80,10 +81,20 @@ class TimelinePoint:
     phase: Phase | None
 
 
+def timeline_to_json(points: list[TimelinePoint]) -> list[list[Any]]:
+    """A timeline as ``[t_ms, live_bytes, phase]`` triples: thousands of points, so no keys."""
+    return [[p.t_ms, p.live_bytes, None if p.phase is None else p.phase.value] for p in points]
+
+
+def timeline_from_json(triples: list[list[Any]]) -> list[TimelinePoint]:
+    return [TimelinePoint(t_ms=float(t), live_bytes=int(b), phase=Phase(p) if p else None) for t, b, p in triples]
+
+
 @dataclasses.dataclass(kw_only=True)
-class StepTrace:
+class StepTrace(JsonCodec):
     """One traced shape: whole-step peak, per-phase figures, what is live at the peak."""
 
+    schema_version: int = SCHEMA_VERSION
     context: TraceContext
     memory_source: MemorySource
     peak_bytes: int
@@ -93,50 +104,11 @@ class StepTrace:
     top_modules_at_peak: list[ModuleBytes]
     step_peaks: list[int]            # peak of each traced step (reproducibility)
     step_ms: list[float]             # wall time of each traced step
-    timeline: list[TimelinePoint]    # the peak step's live bytes, downsampled
     num_alloc_retries: int = 0       # CUDA only
     # CPU only: the same step's peak from torch.profiler's [memory] events. It also sees
     # kernel workspaces that never become tensors (oneDNN convolutions), which the
     # live-tensor tracker cannot; the two agree exactly on gpt and mlp.
     reference_peak_bytes: int | None = None
-    boundary: "StepTrace | None" = None
-    schema_version: int = SCHEMA_VERSION
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "context": dataclasses.asdict(self.context),
-            "memory_source": self.memory_source.value,
-            "peak_bytes": self.peak_bytes,
-            "peak_phase": self.peak_phase.value if self.peak_phase else None,
-            "phases": [{**dataclasses.asdict(p), "name": p.name.value} for p in self.phases],
-            "categories_at_peak": {c.value: b for c, b in self.categories_at_peak.items()},
-            "top_modules_at_peak": [dataclasses.asdict(m) for m in self.top_modules_at_peak],
-            "step_peaks": list(self.step_peaks),
-            "step_ms": list(self.step_ms),
-            "num_alloc_retries": self.num_alloc_retries,
-            "reference_peak_bytes": self.reference_peak_bytes,
-            "timeline": [[p.t_ms, p.live_bytes, p.phase.value if p.phase else None] for p in self.timeline],
-            "boundary": self.boundary.to_json() if self.boundary else None,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StepTrace":
-        return cls(
-            schema_version=int(d["schema_version"]),
-            context=TraceContext(**d["context"]),
-            memory_source=MemorySource(d["memory_source"]),
-            peak_bytes=int(d["peak_bytes"]),
-            peak_phase=Phase(d["peak_phase"]) if d.get("peak_phase") else None,
-            phases=[PhaseStats(**{**p, "name": Phase(p["name"])}) for p in d["phases"]],
-            categories_at_peak={MemCategory(k): int(v) for k, v in d["categories_at_peak"].items()},
-            top_modules_at_peak=[ModuleBytes(**m) for m in d["top_modules_at_peak"]],
-            step_peaks=[int(x) for x in d["step_peaks"]],
-            step_ms=[float(x) for x in d["step_ms"]],
-            num_alloc_retries=int(d.get("num_alloc_retries", 0)),
-            reference_peak_bytes=None if d.get("reference_peak_bytes") is None else int(d["reference_peak_bytes"]),
-            timeline=[TimelinePoint(t_ms=float(t), live_bytes=int(b), phase=Phase(p) if p else None)
-                      for t, b, p in d.get("timeline", [])],
-            boundary=cls.from_json(d["boundary"]) if d.get("boundary") else None,
-        )
-
+    # the peak step's live bytes, downsampled
+    timeline: list[TimelinePoint] = json_field(default_factory=list, encode=timeline_to_json, decode=timeline_from_json)
+    boundary: StepTrace | None = None

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from typing import Any
 
+from .._codec import FloatAsWritten, JsonCodec, NonFinite, json_field
 from ..errors import VerificationFailed
 from ..types import CheckpointMode, HazardKind
 
@@ -63,9 +63,9 @@ class RngPolicyKind(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Tolerance:
-    rtol: float  # relative to max |control| of the tensor
-    atol: float  # absolute floor, in the tensor's units
+class Tolerance(JsonCodec):
+    rtol: FloatAsWritten  # relative to max |control| of the tensor
+    atol: FloatAsWritten  # absolute floor, in the tensor's units
 
     def __post_init__(self) -> None:
         if self.rtol < 0 or self.atol < 0:
@@ -74,8 +74,6 @@ class Tolerance:
     def allows(self, max_abs: float, ref_max_abs: float) -> bool:
         return max_abs <= self.atol + self.rtol * ref_max_abs
 
-    def to_json(self) -> dict[str, float]:
-        return {"rtol": self.rtol, "atol": self.atol}
 
 
 # Per floating dtype (NOTE [tolerances]); other dtypes must match exactly.
@@ -143,20 +141,22 @@ PERTURBATION = 1e-3  # relative size of the perturbed-gradient negative control 
 
 
 @dataclasses.dataclass(kw_only=True)
-class StepComparison:
-    """Control vs planned after one step of one seed (``mode`` "train", or "eval": no optimizer step)."""
+class StepComparison(JsonCodec):
+    """Control vs planned after one step of one seed (``mode`` "train", or "eval": no optimizer step).
+
+    Its differences may be inf or nan, written as the strings "inf", "-inf", "nan" (``NonFinite``)."""
 
     seed: int
     step: int
     mode: RunMode
-    loss: tuple[float, float]                 # (control, planned)
-    outputs_max_abs: float | None             # model outputs the loss saw; None: none reachable
-    grad_max_abs: float                       # max over parameters of max |g_planned - g_control|
-    grad_max_rel: float                       # max over parameters of that / max |g_control|
+    loss: tuple[NonFinite, NonFinite]         # (control, planned)
+    outputs_max_abs: NonFinite | None         # model outputs the loss saw; None: none reachable
+    grad_max_abs: NonFinite                   # max over parameters of max |g_planned - g_control|
+    grad_max_rel: NonFinite                   # max over parameters of that / max |g_control|
     grads_bitwise: bool
-    grad_norm: tuple[float, float]            # global L2 norm (control, planned), float64
-    params_max_abs: float | None              # after optimizer.step(); None in eval mode
-    buffers_max_abs: float
+    grad_norm: tuple[NonFinite, NonFinite]    # global L2 norm (control, planned), float64
+    params_max_abs: NonFinite | None          # after optimizer.step(); None in eval mode
+    buffers_max_abs: NonFinite
     bitwise: bool                             # every compared tensor bitwise equal
     divergent: list[str]                      # what is out of tolerance, e.g. "grad h.1.mlp.c_fc.weight"
     first_divergent_module: str | None
@@ -171,26 +171,6 @@ class StepComparison:
     def divergences(self) -> list[Divergence]:
         """``divergent`` as records (verify reads its own format: ``"<kind> <tensor or state>"``)."""
         return [Divergence.parse(d) for d in self.divergent]
-
-    def to_json(self) -> dict[str, Any]:
-        d = {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
-        d["mode"] = self.mode.value
-        d["first_divergence"] = None if self.first_divergence is None else self.first_divergence.value
-        d["loss"] = [_json_float(x) for x in self.loss]
-        d["grad_norm"] = [_json_float(x) for x in self.grad_norm]
-        return d
-
-    @classmethod
-    def from_json(cls, s: dict[str, Any]) -> "StepComparison":
-        return cls(seed=s["seed"], step=s["step"], mode=RunMode(s["mode"]), loss=(_f(s["loss"][0]), _f(s["loss"][1])),
-                   outputs_max_abs=_opt_f(s["outputs_max_abs"]), grad_max_abs=_f(s["grad_max_abs"]),
-                   grad_max_rel=_f(s["grad_max_rel"]), grads_bitwise=s["grads_bitwise"],
-                   grad_norm=(_f(s["grad_norm"][0]), _f(s["grad_norm"][1])),
-                   params_max_abs=_opt_f(s["params_max_abs"]), buffers_max_abs=_f(s["buffers_max_abs"]),
-                   bitwise=s["bitwise"], divergent=list(s["divergent"]),
-                   first_divergent_module=s["first_divergent_module"],
-                   first_divergence=None if s["first_divergence"] is None else Site(s["first_divergence"]),
-                   passed=s["passed"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,23 +197,8 @@ class Divergence:
         return n is not None and self.kind != "rng" and (n == module or n.startswith(module + "."))
 
 
-def _f(x: Any) -> float:
-    return float(x)  # "inf"/"nan" strings included (the JSON encoding of non-finite values, _json_float)
-
-
-def _opt_f(x: Any) -> float | None:
-    return None if x is None else float(x)
-
-
-def _json_float(x: Any) -> Any:
-    """JSON has no inf/nan: write them as the strings "inf", "-inf", "nan"."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Hazard:
+class Hazard(JsonCodec):
     """An externally visible replay side effect, e.g. ``blocks.2.calls: 1 -> 2``."""
 
     module: str          # the boundary it happened in ("a, b" when several replays are to blame)
@@ -243,7 +208,7 @@ class Hazard:
     seed: int = 0
     step: int = 0
     # the state that changed ("blocks.0.bn1.num_batches_tracked"), for de-duplication; not in the JSON
-    state: str = dataclasses.field(default="", compare=False)
+    state: str = json_field(default="", compare=False, skip=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", RunMode(self.mode))
@@ -253,18 +218,9 @@ class Hazard:
         """The boundaries it names."""
         return [m.strip() for m in self.module.split(",") if m.strip()]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"module": self.module, "kind": self.kind.value, "detail": self.detail, "mode": self.mode.value,
-                "seed": self.seed, "step": self.step}
-
-    @classmethod
-    def from_json(cls, h: dict[str, Any]) -> "Hazard":
-        return cls(module=h["module"], kind=HazardKind(h["kind"]), detail=h["detail"], mode=RunMode(h["mode"]),
-                   seed=h["seed"], step=h["step"])
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NegativeControl:
+class NegativeControl(JsonCodec):
     """A deliberately wrong run that verification must reject; ``rejected`` is None when not applicable."""
 
     name: str
@@ -272,12 +228,9 @@ class NegativeControl:
     rejected: bool | None
     detail: str
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(kw_only=True)
-class BoundaryActivity:
+class BoundaryActivity(JsonCodec):
     """What one checkpointed module did per step: calls, replays, RNG draws, mutations seen at replay."""
 
     module: str
@@ -292,19 +245,9 @@ class BoundaryActivity:
     def __post_init__(self) -> None:
         self.mode = CheckpointMode(self.mode)
 
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "mode": self.mode.value}
-
-    @classmethod
-    def from_json(cls, b: dict[str, Any]) -> "BoundaryActivity":
-        return cls(module=b["module"], mode=CheckpointMode(b["mode"]), guarded=b["guarded"],
-                   forward_calls=dict(b["forward_calls"]), replay_calls=dict(b["replay_calls"]),
-                   draws_rng=b["draws_rng"], replay_mutations=list(b["replay_mutations"]),
-                   device_moves=list(b["device_moves"]))
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RngPolicy:
+class RngPolicy(JsonCodec):
     preserve_rng_state: bool
     policy: RngPolicyKind
     justification: str
@@ -313,34 +256,25 @@ class RngPolicy:
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", RngPolicyKind(self.policy))
 
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["policy"] = self.policy.value
-        d["boundaries_drawing_rng"] = list(self.boundaries_drawing_rng)
-        return d
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RngTiming:
+class RngTiming(JsonCodec):
     """Warm whole-step time of the planned step with and without RNG preservation (ms)."""
 
-    with_ms: float                      # p50
-    without_ms: float                   # p50
-    with_p95_ms: float
-    without_p95_ms: float
+    with_ms: FloatAsWritten             # p50
+    without_ms: FloatAsWritten = json_field(then=("overhead_ms",))   # p50; the JSON adds the overhead
+    with_p95_ms: FloatAsWritten
+    without_p95_ms: FloatAsWritten
     steps: int                          # timed steps per variant
 
     @property
     def overhead_ms(self) -> float:
         return self.with_ms - self.without_ms
 
-    def to_json(self) -> dict[str, Any]:
-        return {"with_ms": self.with_ms, "without_ms": self.without_ms, "overhead_ms": self.overhead_ms,
-                "with_p95_ms": self.with_p95_ms, "without_p95_ms": self.without_p95_ms, "steps": self.steps}
-
 
 @dataclasses.dataclass(kw_only=True)
-class VerifyReport:
+class VerifyReport(JsonCodec):
+    schema_version: int = VERIFY_SCHEMA_VERSION
     passed: bool
     workload: str
     shape: dict[str, Any]
@@ -354,7 +288,7 @@ class VerifyReport:
     perturbation: float                 # relative size used by the perturbed-gradient control
     per_step: list[StepComparison]
     first_divergent_module: str | None
-    rng_policy: RngPolicy
+    rng_policy: RngPolicy = json_field(then=("rng_overhead_ms",))   # the JSON adds the overhead after it
     rng_timing: RngTiming | None
     hazards: list[Hazard]
     negative_controls: list[NegativeControl]
@@ -362,9 +296,10 @@ class VerifyReport:
     repeatable: bool                    # the control twice, same seed: equal (else nothing can be proved)
     failures: list[str]                 # why it failed, one line each
     warnings: list[str] = dataclasses.field(default_factory=list)  # e.g. non-finite control gradients
-    compile: dict[str, Any] | None = None   # CompileSpec JSON: both sides ran compiled (NOTE [compiled tolerances])
-    autocast: str | None = None         # both sides' forward ran under torch.autocast of this dtype (NOTE [autocast tolerances])
-    schema_version: int = VERIFY_SCHEMA_VERSION
+    # CompileSpec JSON: both sides ran compiled (NOTE [compiled tolerances]); left out of the JSON when None
+    compile: dict[str, Any] | None = json_field(default=None, omit=None)
+    # both sides' forward ran under torch.autocast of this dtype (NOTE [autocast tolerances]); left out when None
+    autocast: str | None = json_field(default=None, omit=None)
 
     @property
     def rng_overhead_ms(self) -> float | None:
@@ -378,51 +313,6 @@ class VerifyReport:
         return (any(d.under(module) for s in self.per_step for d in s.divergences)
                 or any(under(s.first_divergent_module) for s in self.per_step)
                 or any(module in h.modules for h in self.hazards))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version, "passed": self.passed,
-            "workload": self.workload, "shape": dict(self.shape), "device": self.device, "dtype": self.dtype,
-            "planner": self.planner, "plan_digest": self.plan_digest,
-            "steps": self.steps, "seeds": list(self.seeds),
-            "tolerances": {k: v.to_json() for k, v in self.tolerances.items()}, "perturbation": self.perturbation,
-            "per_step": [s.to_json() for s in self.per_step],
-            "first_divergent_module": self.first_divergent_module,
-            "rng_policy": self.rng_policy.to_json(),
-            "rng_overhead_ms": self.rng_overhead_ms,
-            "rng_timing": None if self.rng_timing is None else self.rng_timing.to_json(),
-            "hazards": [h.to_json() for h in self.hazards],
-            "negative_controls": [n.to_json() for n in self.negative_controls],
-            "boundaries": [b.to_json() for b in self.boundaries],
-            "repeatable": self.repeatable,
-            "failures": list(self.failures),
-            "warnings": list(self.warnings),
-            **({} if self.compile is None else {"compile": self.compile}),
-            **({} if self.autocast is None else {"autocast": self.autocast}),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "VerifyReport":
-        """The report ``to_json`` wrote (validated first by the reader's schema: remat.receipt)."""
-        timing = d["rng_timing"]
-        pol = d["rng_policy"]
-        return cls(
-            passed=d["passed"], workload=d["workload"], shape=dict(d["shape"]), device=d["device"], dtype=d["dtype"],
-            planner=d["planner"], plan_digest=d["plan_digest"], steps=d["steps"], seeds=list(d["seeds"]),
-            tolerances={k: Tolerance(**v) for k, v in d["tolerances"].items()}, perturbation=float(d["perturbation"]),
-            per_step=[StepComparison.from_json(s) for s in d["per_step"]],
-            first_divergent_module=d["first_divergent_module"],
-            rng_policy=RngPolicy(preserve_rng_state=pol["preserve_rng_state"], policy=RngPolicyKind(pol["policy"]),
-                                 justification=pol["justification"],
-                                 boundaries_drawing_rng=tuple(pol["boundaries_drawing_rng"])),
-            rng_timing=None if timing is None else RngTiming(
-                with_ms=timing["with_ms"], without_ms=timing["without_ms"], with_p95_ms=timing["with_p95_ms"],
-                without_p95_ms=timing["without_p95_ms"], steps=timing["steps"]),
-            hazards=[Hazard.from_json(h) for h in d["hazards"]],
-            negative_controls=[NegativeControl(**n) for n in d["negative_controls"]],
-            boundaries=[BoundaryActivity.from_json(b) for b in d["boundaries"]],
-            repeatable=d["repeatable"], failures=list(d["failures"]), warnings=list(d["warnings"]),
-            compile=d.get("compile"), autocast=d.get("autocast"), schema_version=d["schema_version"])
 
     def raise_if_failed(self) -> None:
         """Raise :class:`VerificationFailed` (exit code 1) carrying the failures."""

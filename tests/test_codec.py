@@ -1,0 +1,104 @@
+"""The codec from the types (NOTE [codecs from the types] in remat/_codec.py): each rule and each
+per-field override, and the schema derived from the same fields refusing what it should."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Annotated, Any
+
+import pytest
+
+from remat._codec import Bytes, FloatAsWritten, JsonCodec, Len, NonFinite, Short, from_json, json_field, schema, to_json
+from remat._json import Int, Map, Num, validate
+from remat.errors import PlanError
+
+
+class Color(str, enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Inner(JsonCodec):
+    name: Short
+    size: Bytes
+
+
+@dataclasses.dataclass(kw_only=True)
+class Outer(JsonCodec):
+    color: Color
+    inner: Inner
+    items: Annotated[list[Inner], Len(3)]
+    pair: tuple[Annotated[int, Int(0, 9)], Short]
+    by_color: Annotated[dict[Color, float], Map(Num(0, 1), key="red|blue")] = json_field(default_factory=dict)
+    parent: Short | None = json_field(absent=None)
+    ratio: Annotated[float, Num(0, 10)] = 1.0
+    as_written: Annotated[FloatAsWritten, Num(0, 10)] = 0
+    diff: Annotated[NonFinite, Num(nonfinite=True)] = 0.0
+    nbytes: Bytes = json_field(default=0, key="bytes")
+    calls: Annotated[int, Int(1, 100)] = json_field(default=1, omit=1)
+    note: Short = json_field(default="", then=("twice",))
+    cache: Any = json_field(default=None, skip=True)
+
+    @property
+    def twice(self) -> Bytes:
+        return 2 * self.nbytes
+
+
+def outer(**kw: Any) -> Outer:
+    return Outer(color=Color.RED, inner=Inner(name="a", size=1), items=[Inner(name="b", size=2)], pair=(3, "x"),
+                 parent=None, **kw)
+
+
+def test_writes_in_field_order_with_each_override():
+    d = outer(by_color={Color.BLUE: 0.5}, diff=float("-inf"), nbytes=7, calls=2).to_json()
+    assert list(d) == ["color", "inner", "items", "pair", "by_color", "parent", "ratio", "as_written", "diff",
+                       "bytes", "calls", "note", "twice"]
+    assert d["color"] == "red" and d["pair"] == [3, "x"] and d["by_color"] == {"blue": 0.5}
+    assert d["diff"] == "-inf" and d["twice"] == 14
+    assert "calls" not in outer().to_json()   # omitted at 1
+
+
+def test_reads_back_what_it_wrote():
+    o = outer(by_color={Color.BLUE: 0.5}, diff=float("inf"), nbytes=7, calls=2, note="n")
+    back = Outer.from_json(json.loads(json.dumps(o.to_json())))
+    assert back == o and back.pair == (3, "x") and isinstance(back.inner, Inner)
+
+
+def test_numbers_read_as_their_annotation_says():
+    d = outer().to_json() | {"ratio": 3, "as_written": 3}
+    back = from_json(Outer, d)
+    assert type(back.ratio) is float and type(back.as_written) is int
+    assert json.dumps(to_json(back)).count('"as_written": 3,') == 1
+
+
+def test_missing_keys_read_as_defaults_or_absent_else_keyerror():
+    d = {k: v for k, v in outer().to_json().items() if k not in ("parent", "ratio", "note", "twice")}
+    back = Outer.from_json(d)
+    assert back.parent is None and back.ratio == 1.0 and back.note == ""
+    with pytest.raises(KeyError, match="inner"):
+        Outer.from_json({"color": "red"})
+
+
+def test_schema_follows_the_fields_and_refuses():
+    spec = schema(Outer)
+    assert list(spec.required) == ["color", "inner", "items", "pair", "parent", "twice"]
+    good = outer().to_json()
+    validate(good, spec, error=PlanError, what="x")
+    bad = [good | {"color": "green"}, good | {"pair": [10, "x"]}, good | {"items": [good["inner"]] * 4},
+           good | {"inner": {"name": "a", "size": -1}}, good | {"zzz": 1}, {k: v for k, v in good.items() if k != "pair"},
+           good | {"twice": "x"}, good | {"calls": True}, good | {"by_color": {"red": 2}}, good | {"ratio": "1"}]
+    for b in bad:
+        with pytest.raises(PlanError, match="malformed x"):
+            validate(b, spec, error=PlanError, what="x")
+
+
+def test_an_unbounded_number_has_no_schema():
+    @dataclasses.dataclass
+    class Loose:
+        n: int
+
+    with pytest.raises(TypeError, match="Loose.n"):
+        schema(Loose)
