@@ -303,7 +303,7 @@ def test_a_receipt_of_a_blocked_step_records_both_shapes_and_check_reruns_them(t
     control = next(p for p in receipt.frontier.points if p.plan == "none")
     assert not control.fits and "out of memory" in control.reason
     assert "does not fit" in (out / "report.md").read_text()
-    capsys.readouterr()
+    assert "It unlocks batch 32 on this device" in " ".join(capsys.readouterr().out.split())
     assert main(["check", str(out / "receipt.json")]) == 0
     said = " ".join(capsys.readouterr().out.split())
     assert "still does not fit the device" in said and f"batch_size={blocked.verified_batch}" in said
