@@ -305,9 +305,10 @@ def _why_plan(shipped: FrontierPoint, plan: Plan, bar: _Bar, trace: StepTrace,
                    f"{shipped.p50_ms:.1f} ms vs {bar.control_p50:.1f} ms), the least of the {bar.fitting} of "
                    f"{bar.measured} measured plans that clear.")
     elif bar.blocked is not None and shipped.p50_ms is not None:
-        why.append(f"It unlocks batch {bar.blocked.target_batch} on this device: the fastest of the {bar.fitting} of "
-                   f"{bar.measured} measured plans that fit (warm p50 {shipped.p50_ms:.1f} ms; there is no control "
-                   "step at this batch to compare with).")
+        why.append(f"It unlocks batch {bar.blocked.target_batch} on this device: of the {bar.fitting} of "
+                   f"{bar.measured} measured plans that fit, the fewest boundaries that no plan beats by a resolved "
+                   f"step time (warm p50 {shipped.p50_ms:.1f} ms; NOTE [ship decision]); there is no control step "
+                   "at this batch to compare with.")
     if verification is not None:
         where = "" if bar.blocked is None else \
             f" at batch {bar.blocked.verified_batch}, the largest at which the control fits"
