@@ -502,12 +502,20 @@ def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9,
     with pytest.raises(InfeasibleBudget, match="floor"):
         closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, reserve=0.0)
     assert honest.calls     # it measured before refusing: the model could have been wrong
-    # far below the floor, no model error could help: refused without measuring anything
-    never = _ScriptedMeasure(lambda p: 0)
-    monkeypatch.setattr(closed_loop, "measure_plan", never)
-    with pytest.raises(InfeasibleBudget):
+    # far below the floor, no fallback is worth measuring: the floor plan alone is measured before refusing, and
+    # the refusal quotes that measured floor (the hand-scripted figure) and asks for a budget that ships it
+    over = floor.predicted_peak_bytes + 2 ** 20
+    once = _ScriptedMeasure(lambda p: over)
+    monkeypatch.setattr(closed_loop, "measure_plan", once)
+    with pytest.raises(InfeasibleBudget, match="lowest peak measured") as info:
         closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget // 2, reserve=0.0)
-    assert never.calls == []
+    assert len(once.calls) == 1 and info.value.floor_bytes == over and f"at least {over} bytes" in info.value.tip
+    # the safe twin of the refusal: a floor plan that measures within the budget is not quoted as the floor
+    under = _ScriptedMeasure(lambda p: 0)
+    monkeypatch.setattr(closed_loop, "measure_plan", under)
+    with pytest.raises(InfeasibleBudget, match="planner floor") as info:
+        closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget // 2, reserve=0.0)
+    assert info.value.floor_bytes == floor.predicted_peak_bytes and info.value.measured_by is None
 
 
 def test_one_closed_loop_corrects_a_miss_and_ships_a_fallback():

@@ -218,8 +218,10 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
     order of predicted added time, and the first whose *measured* peak fits ships (it says
     so in its ``planner``). Fallbacks predicted more than ``_MODEL_ERROR`` over the target are
     not measured (no model error seen is that large). Only when none fits is it an error: the
-    model's own InfeasibleBudget (naming the floor and why) when it said so from the start and
-    nothing measured under the budget itself, else :class:`BudgetMissed` (exit 2) with the
+    model's own InfeasibleBudget (naming why) when it said so from the start and nothing
+    measured under the budget itself, its floor the lowest peak *measured* (the fallbacks', else
+    the floor plan measured before refusing), so the budget its tip asks for is one a measured
+    plan ships at, else :class:`BudgetMissed` (exit 2) with the
     measured gap, offering the cheapest plan measured under the budget itself with the reserve
     that would ship it (NOTE [the reserve] in remat/plan/budget.py).
     So ``optimal`` never ships worse than ``all`` or a baseline family's plan when that fits.
@@ -271,7 +273,8 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
         return ClosedLoopResult(plan=fb, attempts=attempts)
     in_budget = _cheapest_in_budget([t.plan for t in outcome.tried])
     if infeasible is not None and in_budget is None:
-        raise infeasible   # the model said so from the start, and no measurement disagreed
+        # the model said so from the start, and no measurement disagreed: its floor, as measured
+        raise _measured_refusal(infeasible, [t.plan for t in outcome.tried], loaded, report, reserve, progress)
     best = min((t.plan for t in outcome.tried), key=lambda p: p.measured_peak_bytes)
     raise BudgetMissed(best=best, tried=len(outcome.tried), in_budget=in_budget)
 
@@ -501,6 +504,9 @@ def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str,
         if isinstance(exc, BudgetMissed):   # plans were measured: the lowest of them
             floor = exc.best.measured_peak_bytes or 0
             lowest = f"the lowest peak measured ({exc.best.planner}) is {format_bytes(floor)}"
+        elif exc.measured_by is not None:   # the closed loop measured its floor already
+            floor = exc.floor_bytes
+            lowest = f"the lowest peak measured ({exc.measured_by}) is {format_bytes(floor)}"
         else:
             floor, how = _measured_floor(loaded, report, kw.get("reserve", 0.05), kw.get("progress", no_progress))
             lowest = f"the floor plan's peak is {how} {format_bytes(floor)}"
@@ -510,6 +516,32 @@ def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str,
                              capacity_bytes=capacity_bytes, floor_bytes=floor) from exc
     result.plan.blocked = blocked
     return result
+
+
+def _measured_refusal(infeasible: InfeasibleBudget, tried: list[Plan], loaded: LoadedWorkload, report: ProfileReport,
+                      reserve: float, progress: ProgressFn) -> InfeasibleBudget:
+    """The model's refusal with its floor replaced by the lowest peak measured: of the fallbacks tried, else the
+    floor plan measured now, so the budget its tip asks for is one a measured plan ships at (NOTE [closed loop
+    fallbacks]). The prediction stands only when measuring the floor failed."""
+    measured = [p for p in tried if p.measured_peak_bytes is not None]
+    if measured:
+        best = min(measured, key=lambda p: p.measured_peak_bytes or 0)
+        floor, by = best.measured_peak_bytes or 0, best.planner
+    else:
+        floor, how = _measured_floor(loaded, report, reserve, progress)
+        if how.startswith("predicted"):
+            return infeasible
+        if floor <= infeasible.effective_budget_bytes:   # the profile is off by more than _MODEL_ERROR here
+            return InfeasibleBudget(
+                floor_bytes=infeasible.floor_bytes, budget_bytes=infeasible.budget_bytes, reserve=infeasible.reserve,
+                control_peak_bytes=infeasible.control_peak_bytes,
+                explanation=f"{infeasible.explanation + '; ' if infeasible.explanation else ''}but the floor plan "
+                            f"measured {format_bytes(floor)}, within the budget: the profile is wrong on this step "
+                            "(plan it with --planner floor / planner=\"floor\", which the closed loop measures)")
+        by = "the floor plan" + (", at least: the device refused it" if "least" in how else "")
+    return InfeasibleBudget(floor_bytes=floor, budget_bytes=infeasible.budget_bytes, reserve=infeasible.reserve,
+                            explanation=infeasible.explanation, control_peak_bytes=infeasible.control_peak_bytes,
+                            measured_by=by)
 
 
 def _measured_floor(loaded: LoadedWorkload, report: ProfileReport, reserve: float,

@@ -160,11 +160,14 @@ def min_budget_for(floor_bytes: int, reserve: float, margin_bytes: int = 0) -> i
 
 
 class InfeasibleBudget(BudgetError):
-    """No valid plan's predicted peak reaches the effective budget; carries the floor."""
+    """No valid plan's predicted peak reaches the effective budget; carries the floor: predicted, or
+    (``measured_by``: the plan that measured it) the lowest peak measured, which the tip's budget would ship."""
 
     def __init__(self, *, floor_bytes: int, budget_bytes: int, reserve: float, margin_bytes: int = 0,
-                 explanation: str = "", control_peak_bytes: int | None = None) -> None:
+                 explanation: str = "", control_peak_bytes: int | None = None, measured_by: str | None = None) -> None:
         self.floor_bytes = floor_bytes
+        self.control_peak_bytes = control_peak_bytes
+        self.measured_by = measured_by
         self.budget_bytes = budget_bytes
         self.reserve = reserve
         self.margin_bytes = margin_bytes
@@ -174,7 +177,9 @@ class InfeasibleBudget(BudgetError):
         super().__init__(
             f"no plan reaches the effective budget of {format_bytes(self.effective_budget_bytes)} "
             f"(budget {format_bytes(budget_bytes)} x (1 - reserve {reserve:g}){margin}); "
-            f"the floor, the lowest predicted peak any valid plan reaches, is {format_bytes(floor_bytes)}"
+            + (f"the floor, the lowest predicted peak any valid plan reaches, is {format_bytes(floor_bytes)}"
+               if measured_by is None else
+               f"the floor, the lowest peak measured ({measured_by}), is {format_bytes(floor_bytes)}")
             + (f". Why: {explanation}" if explanation else ""),
             tip=_infeasible_tip(min_budget_for(floor_bytes, reserve, margin_bytes), control_peak_bytes))
 
