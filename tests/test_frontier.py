@@ -519,3 +519,22 @@ def test_an_interval_that_excludes_zero_but_fails_the_sign_test_is_not_called_no
     # enough rounds, interval above zero, but 8 of 10 one way fails the sign test (p = 0.11): said so
     mixed = p50_difference([130.0 + i for i in range(8)] + [95.0, 96.0], [100.0] * 10)
     assert mixed.low_ms > 0.0 and not mixed.resolved and "do not agree in sign" in mixed.describe()
+
+
+def test_capacity_says_what_the_reserve_costs():
+    """NOTE [capacity search]: peaks 10 MiB per sample, budget 100 MiB, reserve 10% (limit 90 MiB). The capacity is 9;
+    10 measured 100 MiB, under the budget but inside the reserve: said, not lost. The safe twin: with no value
+    between the limit and the budget, nothing is said."""
+    MiB = 2 ** 20
+    budget, limit = 100 * MiB, 90 * MiB
+    result = search_capacity(lambda v: CapacityTry(value=v, peak_bytes=10 * MiB * v), key="batch_size", start=4,
+                             limit_bytes=limit, max_value=64, max_tries=16)
+    assert result.capacity == 9 and result.inside_reserve(budget) == 10
+    point = FrontierPoint(plan="p", planner="all", capacity=result.capacity, capacity_search=result)
+    assert point.capacity_text(budget, "batch_size") == "batch_size=9 (10 inside the reserve)"
+    # a probe stopped at the budget (out of memory) is no evidence of fitting inside the reserve
+    oom = search_capacity(lambda v: CapacityTry(value=v, peak_bytes=10 * MiB * v, oom=10 * MiB * v > limit),
+                          key="batch_size", start=4, limit_bytes=limit, max_value=64, max_tries=16)
+    assert oom.capacity == 9 and oom.inside_reserve(budget) is None
+    point = FrontierPoint(plan="p", planner="all", capacity=oom.capacity, capacity_search=oom)
+    assert point.capacity_text(budget) == "9"

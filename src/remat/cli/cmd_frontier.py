@@ -60,10 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 _STYLE = {Decision.SHIP: "bold green", Decision.INFEASIBLE: "dim", Decision.FAILED: "red"}
 
 
-def _point_row(p: FrontierPoint) -> tuple[str, ...]:
+def _point_row(p: FrontierPoint, budget_bytes: int) -> tuple[str, ...]:
     """One table row: plan, peak MiB, p50/p95 ms, overhead, capacity (+: not resolved), samples/s, decision."""
-    cap = "-" if p.capacity is None else (f"{p.capacity}" + ("" if p.capacity_search is None or
-                                                              p.capacity_search.resolved else "+"))
+    cap = p.capacity_text(budget_bytes)
     decision = p.decision.value + (" *" if p.pareto else "")
     style = _STYLE.get(p.decision, "")
     return (p.plan, "-" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:.2f}",
@@ -81,7 +80,7 @@ def _points_table(report: FrontierReport) -> Table:
     for col in ("plan", "peak MiB", "p50/p95 ms", "ovh", "cap", "samples/s", "decision"):
         table.add_column(col, justify="left" if col in ("plan", "decision") else "right", no_wrap=True)
     for p in report.points:
-        table.add_row(*_point_row(p))
+        table.add_row(*_point_row(p, report.budget_bytes))
     return table
 
 

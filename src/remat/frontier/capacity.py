@@ -19,6 +19,10 @@ the peak does not decrease as v grows (true of batch size and sequence length).
   into that), and the search treats it as "does not fit". Any other failure
   (``error`` set, e.g. the plan's modules do not exist at that shape) ends the search
   with a ``note``: it is not evidence about memory, so no bound is inferred from it.
+- The reserve: the frontier stops a probe only past the budget itself, and judges it against the
+  budget less its reserve, so a value that measured under the budget but inside the reserve is
+  a measured miss, not an out-of-memory; the tables say what the reserve costs
+  (``CapacityResult.inside_reserve``: "12 (14 inside the reserve)").
 - ``first`` lets the caller hand in a probe it already made at ``start`` (the frontier
   measured every plan at the base shape), saving one measurement.
 Bounded: at most ``max_tries`` calls of ``measure`` (a handed-in ``first`` counts as one).

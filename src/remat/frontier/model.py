@@ -125,6 +125,13 @@ class CapacityResult(JsonCodec):
     tries: tuple[CapacityTry, ...]
     note: str = ""                 # why the search stopped early, if it did
 
+    def inside_reserve(self, budget_bytes: int) -> int | None:
+        """The largest value tried that measured under the budget itself but inside its reserve (over
+        ``limit_bytes``), when it is larger than the capacity: what the reserve costs (NOTE [capacity search])."""
+        over = [t.value for t in self.tries if not t.oom and t.error is None and t.peak_bytes is not None
+                and self.limit_bytes < t.peak_bytes <= budget_bytes and t.value > self.capacity]
+        return max(over, default=None)
+
 
 @dataclasses.dataclass(kw_only=True)
 class FrontierPoint(JsonCodec):
@@ -169,6 +176,16 @@ class FrontierPoint(JsonCodec):
         if self.predicted_step_ms is None or not self.p50_ms:
             return None
         return self.predicted_step_ms / self.p50_ms
+
+    def capacity_text(self, budget_bytes: int, key: str = "") -> str:
+        """The capacity as a table shows it: ``batch_size=12`` (``+``: not resolved), and what the reserve
+        costs when a larger value measured under the budget itself (NOTE [capacity search])."""
+        if self.capacity is None:
+            return "-"
+        search = self.capacity_search
+        text = f"{key + '=' if key else ''}{self.capacity}" + ("" if search is None or search.resolved else "+")
+        inside = None if search is None else search.inside_reserve(budget_bytes)
+        return text if inside is None else f"{text} ({inside} inside the reserve)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

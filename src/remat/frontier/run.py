@@ -317,7 +317,8 @@ def run_frontier(loaded: LoadedWorkload, settings: FrontierSettings, *, report: 
     # 4. capacity
     if start is not None and measured:
         _capacity(loaded, measured, by_label, key=settings.capacity_key, start=start,  # type: ignore[arg-type]
-                  limit=settings.limit, max_value=settings.capacity_max_for(start),  # type: ignore[arg-type]
+                  limit=settings.limit, abort_bytes=settings.budget_bytes,
+                  max_value=settings.capacity_max_for(start),  # type: ignore[arg-type]
                   max_tries=settings.capacity_tries, granularity=settings.capacity_granularity,
                   steps=settings.capacity_steps, progress=progress)
     # 5. decide
@@ -579,12 +580,16 @@ def capacity_try(loaded: LoadedWorkload, arm: Arm, key: str, value: int, limit_b
 
 
 def _capacity(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, FrontierPoint], *, key: str, start: int,
-              limit: int, max_value: int, max_tries: int, granularity: int, steps: int, progress: ProgressFn) -> None:
+              limit: int, abort_bytes: int, max_value: int, max_tries: int, granularity: int, steps: int,
+              progress: ProgressFn) -> None:
+    """Each arm's capacity under ``limit`` (bytes: the budget less its reserve); a probe is stopped only past
+    ``abort_bytes`` (the budget itself), so a value that fits inside the reserve is measured and said
+    (``CapacityResult.inside_reserve``) rather than reported as out of memory."""
     for i, arm in enumerate(arms):
         progress("frontier: capacity", i, len(arms))
         point = by_label[arm.label]
         first = CapacityTry(value=start, peak_bytes=point.peak_bytes) if start <= max_value else None
-        result = search_capacity(lambda v, arm=arm: capacity_try(loaded, arm, key, v, limit),
+        result = search_capacity(lambda v, arm=arm: capacity_try(loaded, arm, key, v, max(limit, abort_bytes)),
                                  key=key, start=start, limit_bytes=limit, max_value=max_value,
                                  max_tries=max_tries, first=first, granularity=granularity)
         point.capacity_search = result

@@ -185,8 +185,7 @@ def _frontier_rows(r: Receipt) -> list[list[str]]:
         return []
     rows = []
     for p in f.points:
-        cap = "-" if p.capacity is None else f"{f.capacity_key}={p.capacity}" + (
-            "" if p.capacity_search is None or p.capacity_search.resolved else "+")
+        cap = p.capacity_text(f.budget_bytes, f.capacity_key or "")
         bnd = ", ".join(p.boundaries) if len(p.boundaries) <= 4 else f"{', '.join(p.boundaries[:3])} +{len(p.boundaries) - 3}"
         rows.append([p.plan, bnd or "(none)", fmt_bytes(p.peak_bytes),
                      "-" if p.p50_ms is None else f"{p.p50_ms:.1f} / {p.p95_ms:.1f} ms",
