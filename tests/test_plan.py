@@ -721,20 +721,3 @@ def test_least_overhead_past_the_exact_time_limit_is_taken_within_the_gap_and_fl
     assert gapped.predicted_peak_bytes <= budget
     assert exact.predicted_overhead_ms <= gapped.predicted_overhead_ms <= exact.predicted_overhead_ms * 1.01 + 1e-9
     assert peak_floor(rep) == floor
-
-
-def test_replay_prices_are_bounded_by_the_forward_and_the_parent():
-    """NOTE [sane replay prices]: a FULL replay priced under the module's own forward is raised to it; a child priced
-    above its parent is lowered to the parent's; a selective mode never above FULL. The safe twin: sane prices stay."""
-    from remat.profile.step import sane_replay_prices
-    rep = chain_report(3, 0)
-    a, b, c = rep.candidates
-    a.fwd_ms, a.replay_ms[F] = 2.0, 0.00014                    # "free": a timing artefact
-    b.fwd_ms, b.replay_ms[F], b.replay_ms[S] = 1.0, 1.5, 9.0   # selective above full
-    c.parent, c.fwd_ms, c.replay_ms[F] = b.name, 0.5, 152.0    # a child above its parent
-    sane = chain_report(3, 0)
-    before = [dict(x.replay_ms) for x in sane.candidates]
-    sane_replay_prices(rep)
-    sane_replay_prices(sane)
-    assert a.replay_ms[F] == 2.0 and b.replay_ms[S] == 1.5 and c.replay_ms[F] == 1.5
-    assert [dict(x.replay_ms) for x in sane.candidates] == before

@@ -16,8 +16,6 @@ From it, per candidate j:
   replay_ms[FULL]    first estimate: j's warm median forward time (separate, lightly
                      instrumented steps; CUDA events on a GPU, NOTE [device-correct timing]).
   replay_ms[m]       first estimate: that time less the share spent in the ops m keeps.
-  Measured replay costs then replace these, within the bounds of NOTE [sane replay prices]
-  (``sane_replay_prices``).
                      ``profile_workload`` then replaces both by direct measurements of each
                      (candidate, mode) alone (NOTE [measured replay costs] in replay.py).
   replay_extra_bytes  how far j's forward rises above its entry level beyond what it saves:
@@ -815,32 +813,7 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
         apply_replay_measurements(report, *measure_replay_costs(
             step, offered, replay_step_index(warmup, repeats),
             progress=lambda done, total: progress(label, done, total)))
-        sane_replay_prices(report)
     return report
-
-
-def sane_replay_prices(report: ProfileReport) -> None:
-    """NOTE [sane replay prices]: bound each measured FULL replay below by the module's own forward
-    and above by its enclosing candidate's FULL replay; a selective mode never above FULL.
-
-    A FULL replay runs the module's forward again, so a price under that forward (SD3's ``ff_context``
-    measured 0.00014 ms against a 0.455 ms forward) is a timing artefact, and a plan would take that
-    "free" boundary; a child's region lies inside its parent's, so a child priced above the parent
-    (Qwen3-MoE's ``mlp.experts`` 152 ms under ``mlp`` 48 ms) is one too. Parents are bounded first
-    (candidates in forward order, a parent before its children), in place."""
-    by_name = {c.name: c for c in report.candidates}
-    for c in sorted(report.candidates, key=lambda c: (c.name.count("."), c.order)):
-        full = c.replay_ms.get(CheckpointMode.FULL)
-        if full is None:
-            continue
-        full = max(full, c.fwd_ms)
-        parent = by_name.get(c.parent) if c.parent else None
-        if parent is not None and CheckpointMode.FULL in parent.replay_ms:
-            full = min(full, parent.replay_ms[CheckpointMode.FULL])
-        c.replay_ms[CheckpointMode.FULL] = full
-        for mode in c.replay_ms:
-            if mode is not CheckpointMode.KEEP and mode is not CheckpointMode.FULL:
-                c.replay_ms[mode] = min(c.replay_ms[mode], full)
 
 
 def apply_replay_measurements(report: ProfileReport, measured: dict[str, dict[CheckpointMode, ReplayEstimate]],
