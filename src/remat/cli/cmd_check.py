@@ -15,11 +15,11 @@ from ..workload import parse_autocast
 from ..pipeline_parallel.check import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
 from ..workflow.check import CheckReport, Deadline
-from ..workflow.gate import limit, project_gate
+from ..workflow.gate import MAX_WORLD_SIZE, limit, project_gate
 from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, beat_until_first_step, bounded_int
 from .main import time_limit
-from .render import console, err_console, progress_bar
+from .render import console, err_console, progress_bar, untrusted
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autocast", default=None, choices=["bf16", "fp16", "bfloat16", "float16"],
                    help="the autocast dtype you train with; must be the receipt's (default: the receipt's, under "
                         "which check re-runs the step)")
+    p.add_argument("--max-world-size", type=bounded_int(1, MAX_WORLD_SIZE), default=None,
+                   help="the most ranks check may launch to re-run a receipt made at a world size (default: "
+                        "[tool.remat] max-world-size, else this machine's CPU cores); a receipt above it fails "
+                        "before anything runs")
     p.add_argument("--no-reports", action="store_true", help="do not fail when report.html / report.md are missing")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
                    help="torch intra-op threads (default: as many as the receipt was made with)")
@@ -67,17 +71,18 @@ def gate_from_args(args: argparse.Namespace) -> GateSettings:
     return GateSettings(budget=args.budget, reserve=args.reserve, device_memory=args.device_memory,
                         peak_tolerance=args.peak_tolerance,
                         saving_tolerance=args.saving_tolerance, time_tolerance=args.time_tolerance,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, max_world_size=args.max_world_size)
 
 
 def render_report(report: CheckReport) -> None:
+    """Each line of the report; every string in it may come from the receipt (NOTE [printed receipt strings])."""
     for line in report.checked:
-        console.print(f"[green]ok[/]   {escape(line)}", highlight=False)
+        console.print(f"[green]ok[/]   {untrusted(line)}", highlight=False)
     for line in report.skipped:
-        console.print(f"[dim]skip {escape(line)}[/]", highlight=False)
+        console.print(f"[dim]skip {untrusted(line)}[/]", highlight=False)
     for f in report.failures:
-        where = escape(f" [{f.boundary}]") if f.boundary else ""
-        console.print(f"[bold red]FAIL[/] {f.kind}{where}: {escape(f.message)}", highlight=False)
+        where = untrusted(f" [{f.boundary}]") if f.boundary else ""
+        console.print(f"[bold red]FAIL[/] {f.kind}{where}: {untrusted(f.message)}", highlight=False)
 
 
 def _check_autocast(given: str | None, receipt: object) -> None:
@@ -101,7 +106,8 @@ def _run(args: argparse.Namespace, gate: GateSettings) -> int:
     _check_autocast(args.autocast, receipt)
     # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
     torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
-    reports = ReportStamps(folder=args.receipt.parent, digest=digest, required=not args.no_reports)
+    reports = ReportStamps(folder=args.receipt.parent, receipt=receipt, digest=digest,
+                           required=not args.no_reports)
     with progress_bar() as progress:
         beat_until_first_step("check: building the workload and running its first step")
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
