@@ -390,3 +390,14 @@ def test_max_world_size_in_the_repo_is_validated(tmp_path):
         project_gate(tmp_path)
     (tmp_path / "pyproject.toml").write_text("[tool.remat]\nmax-world-size = 8\n")
     assert project_gate(tmp_path).max_world_size == 8
+
+
+def test_a_pipeline_receipt_past_the_pin_is_refused_before_anything_launches(no_launch, tmp_path):
+    """The same pin for a pipeline receipt (its world-size-p launch); only what the pin reads is made up."""
+    from types import SimpleNamespace
+
+    from remat.pipeline_parallel.check import check_pipeline_receipt
+    receipt = SimpleNamespace(context=SimpleNamespace(workload="mlp"), pipeline=SimpleNamespace(world_size=4096))
+    report = check_pipeline_receipt(receipt, workload="mlp", cwd=tmp_path, max_world_size=CORES)
+    assert [f.kind for f in report.failures] == [FindingKind.FIXTURE]
+    assert "made at world size 4096" in report.failures[0].message and "nothing launched" in report.skipped[0]

@@ -113,6 +113,7 @@ def _run(args: argparse.Namespace, gate: GateSettings) -> int:
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
             deadline = Deadline(limit("timeout_s", gate, project_gate()))
             report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,
+                                            max_world_size=limit("max_world_size", gate, project_gate()),
                                             progress=deadline.guard(progress))
         else:
             err_console.print(f"check: {escape(fixture_plan(receipt, quick=args.quick).describe())}", highlight=False)

@@ -75,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -207,9 +208,10 @@ class ReportStamps:
     digest: str
     required: bool = True
 
+    @functools.cached_property
     def rendered(self) -> dict[str, str]:
         """{file name: text}: the reports as ``remat receipt`` writes them for this receipt (NOTE [reports
-        checked against the receipt])."""
+        checked against the receipt]); rendered once, when a report is first compared."""
         r = self.receipt
         if isinstance(r, PipelineReceipt):
             from ..pipeline_parallel.render import render_pipeline_html, render_pipeline_receipt_markdown
@@ -265,28 +267,20 @@ def _first_difference(text: str, expected: str) -> str:
     return f"line {line}, column {column}" + (f": {found!r}" if found else ": the file ends there")
 
 
-def _rewritten_finding(name: str, text: str, expected: str, receipt: Receipt | PipelineReceipt) -> CheckFinding | None:
+def _rewritten_finding(name: str, text: str, reports: ReportStamps) -> CheckFinding | None:
     """None when ``text`` is the report rendered from the receipt, its plots masked (NOTE [reports checked
     against the receipt]); else a REPORT finding saying where it first differs."""
-    masked, want = _PNG.sub(_PNG_MASK, text), _PNG.sub(_PNG_MASK, expected)
+    masked, want = _PNG.sub(_PNG_MASK, text), _PNG.sub(_PNG_MASK, reports.rendered[name])
     if masked == want:
         return None
-    made_by = receipt.context.remat_version if isinstance(receipt, Receipt) else None
+    r = reports.receipt
+    made_by = r.context.remat_version if isinstance(r, Receipt) else None
     versions = "" if made_by is None or made_by == __version__ else \
         f" (the receipt says remat {made_by} made it; this is remat {__version__})"
     return CheckFinding(kind=FindingKind.REPORT, message=(
         f"{name} is not the report rendered from receipt.json beside it{versions}: it first differs at "
         f"{_first_difference(masked, want)} (re-run remat receipt and commit the reports it writes; never edit "
         "them by hand)"))
-
-
-def _plots_line(name: str, text: str, expected: str) -> str | None:
-    """A skip line when the embedded plots are not the ones rendered here (masked: NOTE [reports checked
-    against the receipt]); None when they are byte for byte."""
-    if _PNG.findall(text) == _PNG.findall(expected):
-        return None
-    return (f"{name}: its embedded plots are not byte for byte the ones rendered here (PNG bytes change with "
-            "matplotlib's version): compared without them")
 
 
 def _read_report(path: Path, name: str) -> str:
@@ -299,7 +293,6 @@ def report_findings(reports: ReportStamps) -> tuple[list[CheckFinding], list[str
     failures: list[CheckFinding] = []
     checked: list[str] = []
     skipped: list[str] = []
-    rendered: dict[str, str] | None = None
     for name in (HTML_FILE, MD_FILE):
         path = reports.folder / name
         if not path.exists() and not path.is_symlink():
@@ -314,17 +307,14 @@ def report_findings(reports: ReportStamps) -> tuple[list[CheckFinding], list[str
         except ReceiptError as exc:
             failures.append(CheckFinding(kind=FindingKind.REPORT, message=exc.message))
             continue
-        found = _stamp_finding(name, text, reports.digest)
-        if found is None:
-            rendered = reports.rendered() if rendered is None else rendered
-            found = _rewritten_finding(name, text, rendered[name], reports.receipt)
+        found = _stamp_finding(name, text, reports.digest) or _rewritten_finding(name, text, reports)
         if found is not None:
             failures.append(found)
             continue
         checked.append(f"{name} is the report rendered from this receipt (sha256 {reports.digest[:12]}...)")
-        plots = _plots_line(name, text, rendered[name] if rendered is not None else text)
-        if plots is not None:
-            skipped.append(plots)
+        if _PNG.findall(text) != _PNG.findall(reports.rendered[name]):
+            skipped.append(f"{name}: its embedded plots are not byte for byte the ones rendered here (PNG bytes "
+                           "change with matplotlib's version): compared without them")
     return failures, checked, skipped
 
 
