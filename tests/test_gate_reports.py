@@ -379,7 +379,7 @@ def test_the_estimate_counts_every_process_and_step(made):
     assert full.world_size_steps == 4096 * 2 * (2 + 1 + 1 + 1)      # warm-up, timed, gradient, overlap; two sides
     assert full.total == single.total + full.world_size_steps
     assert full.estimate_s is not None and full.estimate_s > 4097 * 1.0
-    assert "in 4098 processes" in full.describe() and "world size 40960" in full.describe()
+    assert "in 4098 processes" in full.describe() and "world-size re-run 40960)" in full.describe()
 
 
 def test_max_world_size_in_the_repo_is_validated(tmp_path):

@@ -32,8 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "receipt's workload is compared with it (a mismatch fails, exit 1). A receipt that contradicts "
                     "itself fails before anything runs. Budget, reserve and tolerances come from the flags below or "
                     "[tool.remat] (budget, reserve, device-memory, peak-tolerance, saving-tolerance, time-tolerance, max-seeds, "
-                    "max-steps, timeout), never from the receipt alone. report.html and report.md must be beside the "
-                    "receipt (unless --no-reports) and name its sha256. Past --timeout: exit 4. A pipeline receipt "
+                    "max-steps, timeout, max-world-size), never from the receipt alone; a receipt made at a world size "
+                    "above max-world-size (default: the CPU cores) fails before anything launches. report.html and "
+                    "report.md must be beside the receipt (unless --no-reports) and be the reports rendered from it "
+                    "(check renders them again and compares). Past --timeout: exit 4. A pipeline receipt "
                     "(remat distributed --engine pipeline) is re-checked by launching the unplanned and the planned "
                     "pipeline at its world size.")
     p.add_argument("receipt", type=Path, help="receipt.json written by remat receipt / remat demo / remat distributed --engine pipeline")

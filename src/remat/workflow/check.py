@@ -347,7 +347,7 @@ class FixturePlan:
 
     def describe(self) -> str:
         when = "" if self.estimate_s is None else f", about {self.estimate_s:.1f} s at the receipt's {self.step_ms:.1f} ms a step"
-        ranks = f", world size {self.world_size_steps}" if self.world_size_steps else ""
+        ranks = f", world-size re-run {self.world_size_steps}" if self.world_size_steps else ""
         started = f" in {self.processes} processes" if self.processes > 1 else ""
         return (f"{self.total} fixture steps will run{started} (equivalence {self.equivalence_steps}, peak "
                 f"{self.peak_steps}, savings {self.saving_steps}, time {self.time_steps}{ranks}){when}")
