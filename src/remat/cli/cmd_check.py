@@ -15,11 +15,11 @@ from ..workload import parse_autocast
 from ..pipeline_parallel.check import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
 from ..workflow.check import CheckReport, Deadline
-from ..workflow.gate import limit, project_gate
+from ..workflow.gate import MAX_WORLD_SIZE, limit, project_gate
 from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, beat_until_first_step, bounded_int
 from .main import time_limit
-from .render import console, err_console, progress_bar
+from .render import console, err_console, progress_bar, untrusted
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,8 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "receipt's workload is compared with it (a mismatch fails, exit 1). A receipt that contradicts "
                     "itself fails before anything runs. Budget, reserve and tolerances come from the flags below or "
                     "[tool.remat] (budget, reserve, device-memory, peak-tolerance, saving-tolerance, time-tolerance, max-seeds, "
-                    "max-steps, timeout), never from the receipt alone. report.html and report.md must be beside the "
-                    "receipt (unless --no-reports) and name its sha256. Past --timeout: exit 4. A pipeline receipt "
+                    "max-steps, timeout, max-world-size), never from the receipt alone; a receipt made at a world size "
+                    "above max-world-size (default: the CPU cores) fails before anything launches. report.html and "
+                    "report.md must be beside the receipt (unless --no-reports) and be the reports rendered from it "
+                    "(check renders them again and compares). Past --timeout: exit 4. A pipeline receipt "
                     "(remat distributed --engine pipeline) is re-checked by launching the unplanned and the planned "
                     "pipeline at its world size.")
     p.add_argument("receipt", type=Path, help="receipt.json written by remat receipt / remat demo / remat distributed --engine pipeline")
@@ -57,6 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autocast", default=None, choices=["bf16", "fp16", "bfloat16", "float16"],
                    help="the autocast dtype you train with; must be the receipt's (default: the receipt's, under "
                         "which check re-runs the step)")
+    p.add_argument("--max-world-size", type=bounded_int(1, MAX_WORLD_SIZE), default=None,
+                   help="the most ranks check may launch to re-run a receipt made at a world size (default: "
+                        "[tool.remat] max-world-size, else this machine's CPU cores); a receipt above it fails "
+                        "before anything runs")
     p.add_argument("--no-reports", action="store_true", help="do not fail when report.html / report.md are missing")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
                    help="torch intra-op threads (default: as many as the receipt was made with)")
@@ -67,17 +73,18 @@ def gate_from_args(args: argparse.Namespace) -> GateSettings:
     return GateSettings(budget=args.budget, reserve=args.reserve, device_memory=args.device_memory,
                         peak_tolerance=args.peak_tolerance,
                         saving_tolerance=args.saving_tolerance, time_tolerance=args.time_tolerance,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, max_world_size=args.max_world_size)
 
 
 def render_report(report: CheckReport) -> None:
+    """Each line of the report; every string in it may come from the receipt (NOTE [printed receipt strings])."""
     for line in report.checked:
-        console.print(f"[green]ok[/]   {escape(line)}", highlight=False)
+        console.print(f"[green]ok[/]   {untrusted(line)}", highlight=False)
     for line in report.skipped:
-        console.print(f"[dim]skip {escape(line)}[/]", highlight=False)
+        console.print(f"[dim]skip {untrusted(line)}[/]", highlight=False)
     for f in report.failures:
-        where = escape(f" [{f.boundary}]") if f.boundary else ""
-        console.print(f"[bold red]FAIL[/] {f.kind}{where}: {escape(f.message)}", highlight=False)
+        where = untrusted(f" [{f.boundary}]") if f.boundary else ""
+        console.print(f"[bold red]FAIL[/] {f.kind}{where}: {untrusted(f.message)}", highlight=False)
 
 
 def _check_autocast(given: str | None, receipt: object) -> None:
@@ -101,12 +108,14 @@ def _run(args: argparse.Namespace, gate: GateSettings) -> int:
     _check_autocast(args.autocast, receipt)
     # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
     torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
-    reports = ReportStamps(folder=args.receipt.parent, digest=digest, required=not args.no_reports)
+    reports = ReportStamps(folder=args.receipt.parent, receipt=receipt, digest=digest,
+                           required=not args.no_reports)
     with progress_bar() as progress:
         beat_until_first_step("check: building the workload and running its first step")
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
             deadline = Deadline(limit("timeout_s", gate, project_gate()))
             report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,
+                                            max_world_size=limit("max_world_size", gate, project_gate()),
                                             progress=deadline.guard(progress))
         else:
             err_console.print(f"check: {escape(fixture_plan(receipt, quick=args.quick).describe())}", highlight=False)

@@ -28,7 +28,8 @@ from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
-from ..workflow.check import CheckFinding, CheckLedger, CheckReport, FindingKind, choose_workload, same_workload
+from ..workflow.check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, choose_workload,
+                              same_workload)
 
 
 def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, command: str = "",
@@ -112,10 +113,12 @@ def _rerun_findings(was: PipelineReport, again: PipelineReport, ledger: CheckLed
 
 
 def check_pipeline_receipt(receipt: PipelineReceipt, *, quick: bool = False, workload: str | None = None,
-                           reports: tuple[Path, str] | None = None, cwd: Path | None = None,
+                           reports: ReportStamps | None = None, cwd: Path | None = None,
                            work_dir: Path | None = None, wall_timeout_s: float = 600.0,
-                           progress: ProgressFn = no_progress) -> CheckReport:
-    """The module docstring's checks; failures are data (``passed``), for the CLI's exit code 1."""
+                           max_world_size: int | None = None, progress: ProgressFn = no_progress) -> CheckReport:
+    """The module docstring's checks; failures are data (``passed``), for the CLI's exit code 1. A receipt made
+    at more ranks than ``max_world_size`` fails before anything runs (NOTE [gate thresholds] in
+    remat/workflow/gate.py)."""
     ctx, was = receipt.context, receipt.pipeline
     chosen = choose_workload(ctx.workload, workload, cwd=cwd)
     spec = chosen.spec
@@ -126,6 +129,13 @@ def check_pipeline_receipt(receipt: PipelineReceipt, *, quick: bool = False, wor
             f"the receipt was made for workload {ctx.workload!r}, but {chosen.source} names {spec!r}: nothing was run")))
         return ledger.report()
     checked.append(f"workload {spec} ({chosen.source}) is the receipt's")
+    if max_world_size is not None and was.world_size > max_world_size:
+        failures.append(CheckFinding(kind=FindingKind.FIXTURE, message=(
+            f"the receipt was made at world size {was.world_size}, more than the {max_world_size} ranks check may "
+            "launch; raise --max-world-size, or max-world-size in [tool.remat], if that is meant")))
+        skipped.append(f"nothing re-run and nothing launched: the receipt's world size {was.world_size} is above "
+                       f"the gate's {max_world_size}")
+        return ledger.report()
     progress("check", 1, 5)
     shape = _shape_findings(ctx, spec)
     failures += shape

@@ -146,6 +146,8 @@ def render_pipeline_receipt_markdown(r: PipelineReceipt) -> str:
 def write_pipeline_receipt(receipt: PipelineReceipt, out_dir: Path | str) -> ReceiptFiles:
     """A :class:`PipelineReceipt`'s folder (NOTE [pipeline receipt]), written as ``write_receipt`` writes one."""
     data = (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8")
-    PipelineReceipt.from_json(json.loads(data))   # never publish a receipt `remat check` would refuse
-    return write_folder(out_dir, data, lambda: render_pipeline_html(receipt),
-                        lambda: render_pipeline_receipt_markdown(receipt))
+    # never publish a receipt `remat check` would refuse; render what it loads, as check does (NOTE [reports
+    # checked against the receipt] in remat/workflow/check.py)
+    loaded = PipelineReceipt.from_json(json.loads(data))
+    return write_folder(out_dir, data, lambda: render_pipeline_html(loaded),
+                        lambda: render_pipeline_receipt_markdown(loaded))

@@ -18,6 +18,7 @@ import base64
 import html
 import io
 import math
+import re
 from typing import Any, Iterable, Sequence
 
 from ..frontier.model import describe_overhead, short_overhead
@@ -471,10 +472,26 @@ def render_html(receipt: Receipt | dict[str, Any]) -> str:
 
 # -- Markdown --------------------------------------------------------------------------------------
 
+# NOTE [markdown escaping]
+# A receipt string in report.md is text, never markup: a pull request may have written it, and the
+# report may be posted as a comment where an image loads a beacon and a link runs a script. md()
+# turns every character CommonMark or GitHub gives a meaning into a backslash escape or an entity:
+# emphasis and strikethrough, code spans (a backtick becomes a quote), cell breaks, links and images
+# (``[``, ``]``, ``(``, ``)``, ``!``), raw HTML and ``<...>`` autolinks (entities), the bare
+# autolinks GitHub adds (``://`` becomes ``:\/\/`` and ``www.`` ``www\.``), mentions and issue
+# references (``@``, ``#``), a list marker or setext underline at the start of the string (it may
+# start a line), and every line break (CR, LF, the Unicode separators; any control character becomes
+# a space), so a string stays inside its cell or line. Escaped, each still reads the same.
+_MD_ESCAPES = str.maketrans({**{c: "\\" + c for c in "\\*_[]()!#~@"}, "|": "\\|", "`": "'",
+                             "&": "&amp;", "<": "&lt;", ">": "&gt;"})
+_MD_BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_MD_LINE_START = re.compile(r"^(\s*)([-+=]|\d+(?=[.)]))")   # a list marker, setext underline, ordered list
+
+
 def md(x: Any) -> str:
-    """Escape a receipt string for a Markdown table cell (no HTML, no code spans, no cell breaks)."""
-    s = str(x).replace("\\", "\\\\").replace("|", "\\|").replace("`", "'").replace("\n", " ")
-    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*").replace("_", "\\_")
+    """Escape a receipt string for Markdown: a table cell or a line of text (NOTE [markdown escaping])."""
+    s = _MD_BREAKS.sub(" ", str(x)).translate(_MD_ESCAPES).replace("://", ":\\/\\/").replace("www.", "www\\.")
+    return _MD_LINE_START.sub(lambda m: m[1] + (m[2] + "\\" if m[2][0].isdigit() else "\\" + m[2]), s, count=1)
 
 
 def _md_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:

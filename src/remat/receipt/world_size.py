@@ -25,6 +25,8 @@ from ..distributed.report import DistributedReport
 from ..errors import DistributedError, ReceiptError
 
 MAX_CHECK_STEPS = 100
+RUN_WARMUP = 2         # warm-up steps per side of a launch at the world size (remat receipt's and check's)
+RUN_COMM_STEPS = 1     # overlap steps per side, after the timed ones
 
 WORLD_SIZE_EVIDENCE = _json.Obj({
     "engine": _json.Enum("ddp", "fsdp2"), "world_size": _json.Int(1, 1 << 16),
@@ -55,6 +57,17 @@ class WorldSizeEvidence:
     @property
     def engine(self) -> Engine:
         return self.report.engine
+
+    @property
+    def rerun_steps(self) -> int:
+        """Steps ``remat check`` runs to re-run it, over every rank: per rank and side the warm-up, the timed
+        steps, the gradient step and the overlap steps (remat/distributed/worker.py), control and plan."""
+        return self.world_size * 2 * (RUN_WARMUP + self.check_steps + 1 + RUN_COMM_STEPS)
+
+    @property
+    def rerun_processes(self) -> int:
+        """Processes that re-run starts: the launcher (``torch.distributed.run``) and one per rank."""
+        return 1 + self.world_size
 
     def why_not(self, budget_bytes: int) -> list[str]:
         """What the recorded run shows against a per-device ``budget_bytes`` (empty when it holds)."""

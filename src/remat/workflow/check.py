@@ -33,8 +33,27 @@ after each is checked against the type the factory declares (NOTE [shape conform
 remat/workload/loader.py), and the schema bounds them (integers within +-2**31). Nothing
 else read from a receipt names a path, module or callable that remat opens or imports;
 the only other files check reads are ``report.html`` and ``report.md`` beside the receipt,
-which must exist (unless ``--no-reports``) and name the receipt's sha256 (NOTE [atomic receipt
-folder] in receipt/write.py).
+which must exist (unless ``--no-reports``) and be the reports rendered from it (NOTE [reports
+checked against the receipt]).
+
+NOTE [reports checked against the receipt]
+A reviewer reads ``report.md`` (often posted as a comment) and ``report.html``, not the JSON, so
+a pull request that edits only a report (false figures, a ``<script>``, an ``onload``) must fail
+as surely as one that edits the receipt. Both reports are functions of the receipt alone
+(remat/receipt/render.py; a pipeline receipt's in remat/pipeline_parallel/render.py), so check
+renders them again from the receipt it loaded, stamps them with its sha256 as ``remat receipt``
+does (``stamped_reports`` in remat/receipt/write.py), and compares each file with its rendering,
+character for character: a report that names another receipt's sha256, or differs anywhere else,
+is a REPORT finding naming the file and where it first differs. One thing is left out of the
+comparison: the plots ``report.html`` embeds as base64 PNG. Rendering is deterministic for one
+matplotlib and one FreeType (the same receipt gives the same bytes, twice in one process or in
+two), but the bytes change with their versions (matplotlib writes its version into every PNG),
+and the machine that made the receipt need not be the one that checks it. So each PNG payload is
+masked before the comparison (the ``<img>`` tags around it, their number and their place are
+still compared), and when the masked payloads differ from the ones rendered here the check says
+so on a "skip" line: a plot is drawn from figures the rest of the check does compare, but a
+forged plot is not caught. A report made by another version of remat whose rendering changed
+differs too, and fails: re-run ``remat receipt`` (the finding names both versions).
 
 NOTE [re-measured overhead]
 The control and the plan are built fresh and timed in one interleaved round-robin (NOTE
@@ -56,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -66,6 +86,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .. import __version__
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan, sample_peaks
 from ..memory.capacity import clear_refusal, last_refusal, step_capacity
@@ -86,11 +107,14 @@ from ..workload import BUILTINS, LoadedWorkload, load_workload
 from .build import measure_savings
 from .consistency import FixtureLimits, consistency_findings
 from .findings import CheckFinding, FindingKind
-from .gate import PYPROJECT, GateSettings, Thresholds, limit, project_gate, resolve_thresholds, tool_remat
+from .gate import (PYPROJECT, GateSettings, Thresholds, first_given, limit, project_gate, resolve_thresholds,
+                   tool_remat)
 from ..receipt.model import BoundaryRecord, Receipt, ShipStatus, resolved_shape
-from ..receipt.write import HTML_FILE, MD_FILE
+from ..pipeline_parallel.receipt import PipelineReceipt
+from ..receipt.write import HTML_FILE, MD_FILE, stamped_reports
 
 MAX_REPORT_BYTES = 64 * 2 ** 20
+PROCESS_START_S = 2.0  # a process the check starts, to import torch and join the job (s; an estimate)
 MIN_TIME_STEPS = 8     # interleaved rounds the overhead is re-measured over, at least (a sign test
                        # resolves nothing in fewer than 6: NOTE [resolved differences])
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
@@ -176,12 +200,24 @@ def _load(receipt: Receipt, spec: str) -> LoadedWorkload:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReportStamps:
-    """The reports beside a receipt to check: its folder, the sha256 of its bytes, and whether a
-    missing report fails (``required``; ``--no-reports`` turns it off)."""
+    """The reports beside a receipt to check: its folder, the receipt as loaded and the sha256 of its bytes,
+    and whether a missing report fails (``required``; ``--no-reports`` turns it off)."""
 
     folder: Path
+    receipt: Receipt | PipelineReceipt
     digest: str
     required: bool = True
+
+    @functools.cached_property
+    def rendered(self) -> dict[str, str]:
+        """{file name: text}: the reports as ``remat receipt`` writes them for this receipt (NOTE [reports
+        checked against the receipt]); rendered once, when a report is first compared."""
+        r = self.receipt
+        if isinstance(r, PipelineReceipt):
+            from ..pipeline_parallel.render import render_pipeline_html, render_pipeline_receipt_markdown
+            return stamped_reports(self.digest, render_pipeline_html(r), render_pipeline_receipt_markdown(r))
+        from ..receipt.render import render_html, render_markdown
+        return stamped_reports(self.digest, render_html(r), render_markdown(r))
 
 
 class CheckLedger:
@@ -218,9 +254,42 @@ def _stamp_finding(name: str, text: str, digest: str) -> CheckFinding | None:
                                                          "with this receipt)")
 
 
+_PNG = re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]*")
+_PNG_MASK = "data:image/png;base64,"
+
+
+def _first_difference(text: str, expected: str) -> str:
+    """Where ``text`` first differs from ``expected``: its line and column, and what the file has there."""
+    i = next((k for k, (a, b) in enumerate(zip(text, expected)) if a != b), min(len(text), len(expected)))
+    line = text.count("\n", 0, i) + 1
+    column = i - (text.rfind("\n", 0, i) + 1) + 1
+    found = text[i:i + 40]
+    return f"line {line}, column {column}" + (f": {found!r}" if found else ": the file ends there")
+
+
+def _rewritten_finding(name: str, text: str, reports: ReportStamps) -> CheckFinding | None:
+    """None when ``text`` is the report rendered from the receipt, its plots masked (NOTE [reports checked
+    against the receipt]); else a REPORT finding saying where it first differs."""
+    masked, want = _PNG.sub(_PNG_MASK, text), _PNG.sub(_PNG_MASK, reports.rendered[name])
+    if masked == want:
+        return None
+    r = reports.receipt
+    made_by = r.context.remat_version if isinstance(r, Receipt) else None
+    versions = "" if made_by is None or made_by == __version__ else \
+        f" (the receipt says remat {made_by} made it; this is remat {__version__})"
+    return CheckFinding(kind=FindingKind.REPORT, message=(
+        f"{name} is not the report rendered from receipt.json beside it{versions}: it first differs at "
+        f"{_first_difference(masked, want)} (re-run remat receipt and commit the reports it writes; never edit "
+        "them by hand)"))
+
+
+def _read_report(path: Path, name: str) -> str:
+    return read_bounded_bytes(path, error=ReceiptError, what=name, max_bytes=MAX_REPORT_BYTES).decode("utf-8", "replace")
+
+
 def report_findings(reports: ReportStamps) -> tuple[list[CheckFinding], list[str], list[str]]:
-    """(failures, checked, skipped): each report beside the receipt must exist (when required) and name
-    the receipt's sha256."""
+    """(failures, checked, skipped): each report beside the receipt must exist (when required), name the
+    receipt's sha256 and be the report rendered from it (NOTE [reports checked against the receipt])."""
     failures: list[CheckFinding] = []
     checked: list[str] = []
     skipped: list[str] = []
@@ -234,16 +303,18 @@ def report_findings(reports: ReportStamps) -> tuple[list[CheckFinding], list[str
                 skipped.append(f"{name}: none beside the receipt (--no-reports)")
             continue
         try:
-            text = read_bounded_bytes(path, error=ReceiptError, what=name, max_bytes=MAX_REPORT_BYTES
-                                      ).decode("utf-8", "replace")
+            text = _read_report(path, name)
         except ReceiptError as exc:
             failures.append(CheckFinding(kind=FindingKind.REPORT, message=exc.message))
             continue
-        found = _stamp_finding(name, text, reports.digest)
-        if found is None:
-            checked.append(f"{name} was rendered from this receipt (sha256 {reports.digest[:12]}...)")
-        else:
+        found = _stamp_finding(name, text, reports.digest) or _rewritten_finding(name, text, reports)
+        if found is not None:
             failures.append(found)
+            continue
+        checked.append(f"{name} is the report rendered from this receipt (sha256 {reports.digest[:12]}...)")
+        if _PNG.findall(text) != _PNG.findall(reports.rendered[name]):
+            skipped.append(f"{name}: its embedded plots are not byte for byte the ones rendered here (PNG bytes "
+                           "change with matplotlib's version): compared without them")
     return failures, checked, skipped
 
 
@@ -251,26 +322,35 @@ def report_findings(reports: ReportStamps) -> tuple[list[CheckFinding], list[str
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FixturePlan:
-    """How many steps the check will run, and about how long that takes at the receipt's step time."""
+    """How many steps the check will run and how many processes it starts, and about how long that takes at
+    the receipt's step time."""
 
     equivalence_steps: int      # control + planned, every seed, train steps + the eval step
     peak_steps: int
     saving_steps: int
     time_steps: int             # interleaved rounds x 2 arms
+    world_size_steps: int = 0   # the re-run at the receipt's world size: every rank's steps, both sides
+    processes: int = 1          # this one, and the launcher and its ranks for the world-size re-run
     step_ms: float | None       # the receipt's control p50 (an estimate: the receipt says so)
 
     @property
     def total(self) -> int:
-        return self.equivalence_steps + self.peak_steps + self.saving_steps + self.time_steps
+        return self.equivalence_steps + self.peak_steps + self.saving_steps + self.time_steps + self.world_size_steps
 
     @property
     def estimate_s(self) -> float | None:
-        return None if self.step_ms is None else self.total * self.step_ms / 1000.0
+        """Every step at the receipt's step time (ranks on one machine share its cores), and each started
+        process's import of torch (:data:`PROCESS_START_S`)."""
+        if self.step_ms is None:
+            return None
+        return self.total * self.step_ms / 1000.0 + (self.processes - 1) * PROCESS_START_S
 
     def describe(self) -> str:
         when = "" if self.estimate_s is None else f", about {self.estimate_s:.1f} s at the receipt's {self.step_ms:.1f} ms a step"
-        return (f"{self.total} fixture steps will run (equivalence {self.equivalence_steps}, peak {self.peak_steps}, "
-                f"savings {self.saving_steps}, time {self.time_steps}){when}")
+        ranks = f", world-size re-run {self.world_size_steps}" if self.world_size_steps else ""
+        started = f" in {self.processes} processes" if self.processes > 1 else ""
+        return (f"{self.total} fixture steps will run{started} (equivalence {self.equivalence_steps}, peak "
+                f"{self.peak_steps}, savings {self.saving_steps}, time {self.time_steps}{ranks}){when}")
 
 
 def _later_points(plan: Plan | None) -> int:
@@ -280,13 +360,15 @@ def _later_points(plan: Plan | None) -> int:
 
 def fixture_plan(receipt: Receipt, *, quick: bool = False) -> FixturePlan:
     """What ``check_receipt`` will run for ``receipt`` (the progress line the CLI prints first)."""
-    s, plan = receipt.settings, receipt.plan.plan
+    s, plan, ws = receipt.settings, receipt.plan.plan, receipt.world_size
     n = len(plan.boundaries) if plan is not None else 0
     full = not quick and plan is not None
     return FixturePlan(equivalence_steps=2 * s.verify_seeds * (s.verify_steps + 1) if n else 0,
                        peak_steps=s.frontier_warmup + 1 + 2 * _later_points(plan) if full else 0,
                        saving_steps=(s.saving_warmup + 1) * (n + 1) if full and n else 0,
                        time_steps=2 * (s.frontier_warmup + max(s.frontier_steps, MIN_TIME_STEPS)) if full and n else 0,
+                       world_size_steps=ws.rerun_steps if full and ws is not None else 0,
+                       processes=1 + (ws.rerun_processes if full and ws is not None else 0),
                        step_ms=receipt.decision.control_p50_ms)
 
 
@@ -470,6 +552,26 @@ def _check_consistency(ledger: CheckLedger, receipt: Receipt, limits: FixtureLim
         return False
     ledger.checked.append("the receipt agrees with itself (budget arithmetic, plan vs records, fixtures, claims)")
     return True
+
+
+def _within_world_size(ledger: CheckLedger, receipt: Receipt, flags: GateSettings, project: GateSettings) -> bool:
+    """The receipt's world size is within the gate's ``max-world-size`` (NOTE [gate thresholds]); False
+    (nothing runs, nothing launches) when it is above it."""
+    ws = receipt.world_size
+    if ws is None:
+        return True
+    most = limit("max_world_size", flags, project)
+    given = first_given("max_world_size", flags, project)
+    source = f"this machine's {os.cpu_count() or 1} CPU cores" if given is None else str(given[1])
+    if ws.world_size <= most:
+        ledger.checked.append(f"world size {ws.world_size} within the {most} ranks check may launch (from {source})")
+        return True
+    ledger.failures.append(CheckFinding(kind=FindingKind.FIXTURE, message=(
+        f"the receipt was made at world size {ws.world_size}, more than the {most} ranks check may launch (from "
+        f"{source}); raise --max-world-size, or max-world-size in [tool.remat], if that is meant")))
+    ledger.skipped.append(f"nothing re-run and nothing launched: the receipt's world size {ws.world_size} is above "
+                          f"the gate's {most}")
+    return False
 
 
 def _claimed_peak(receipt: Receipt, plan: Plan) -> int:
@@ -696,7 +798,8 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
         return ledger.report()
     plan = _shipped_plan(ledger, receipt)
     limits = FixtureLimits(max_seeds=limit("max_seeds", flags, project), max_steps=limit("max_steps", flags, project))
-    if plan is None or not _check_consistency(ledger, receipt, limits):
+    if plan is None or not _check_consistency(ledger, receipt, limits) or not _within_world_size(
+            ledger, receipt, flags, project):
         return ledger.report()
     deadline.refuse_estimate(fixture_plan(receipt, quick=quick))
     thresholds = _thresholds(ledger, receipt, flags, project)

@@ -16,7 +16,7 @@ class FindingKind(str, enum.Enum):
     # the receipt contradicts itself (NOTE [receipt consistency] in workflow/consistency.py)
     BUDGET = "budget"             # effective budget, headroom, reserve left or clears disagree with budget x (1 - reserve)
     RECORDS = "records"           # the plan's boundaries (module, mode) disagree with the boundary records or the frontier
-    FIXTURE = "fixture"           # a fixture size (seeds, steps) past the gate's limits, or unlike remat receipt's
+    FIXTURE = "fixture"           # a fixture size (seeds, steps, world size) past the gate's limits, or unlike remat receipt's
     CLAIMS = "claims"             # claimed figures (peaks, times, overhead, verdicts) contradict each other
     # re-run on the user's workload
     SHAPE = "shape"               # a shape keyword (or its default) changed

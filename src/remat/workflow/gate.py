@@ -4,22 +4,29 @@ NOTE [gate thresholds]
 A receipt is data from a pull request, so ``remat check`` does not let it say how strict the
 check is. Each threshold comes from, first that gives it:
 1. a command-line flag (``--budget``, ``--reserve``, ``--device-memory``, ``--peak-tolerance``,
-   ``--saving-tolerance``, ``--time-tolerance``);
+   ``--saving-tolerance``, ``--time-tolerance``, ``--max-world-size``);
 2. ``[tool.remat]`` in ``pyproject.toml`` in the current directory (``budget``, ``reserve``,
    ``device-memory``, ``peak-tolerance``, ``saving-tolerance``, ``time-tolerance``, ``max-seeds``,
-   ``max-steps``, ``timeout``): a file the repository's owners review like code;
+   ``max-steps``, ``timeout``, ``max-world-size``): a file the repository's owners review like code;
 3. budget, reserve and device memory only: the receipt's own, and only after the consistency checks pass
    (NOTE [receipt consistency] in workflow/consistency.py); the report says so;
 4. remat's defaults (:data:`DEFAULTS`). A saving tolerance the receipt records is used when it
    is no looser than the default (a receipt may tighten the gate, never loosen it).
 A budget here is bytes (``64MiB``): a percentage of the unmodified peak would move with the
 model the gate is there to watch. Every threshold carries where it came from.
+The world size is a pin, not a threshold: a receipt made at a world size is re-run by launching
+that many processes, so a receipt whose ``world_size.world_size`` is above ``max-world-size``
+(default: this machine's CPU cores, ``os.cpu_count()``) is refused before anything runs or
+launches (a FIXTURE finding, exit 1), ``--quick`` or not; and the up-front estimate
+(``fixture_plan`` in workflow/check.py) counts every process the check starts and every step
+they run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,7 @@ from ..receipt.model import Receipt
 from ..units import mib
 
 PYPROJECT = "pyproject.toml"
+MAX_WORLD_SIZE = 1 << 16    # the receipt schema's bound on a world size
 MAX_PYPROJECT_BYTES = 2 ** 20
 
 
@@ -59,6 +67,7 @@ class GateSettings:
     max_seeds: int | None = None             # the largest equivalence fixture check runs (seeds)
     max_steps: int | None = None             # ... and steps per seed (also warm-up and timing steps)
     timeout_s: float | None = None           # the whole check (s)
+    max_world_size: int | None = None        # the most ranks a world-size receipt may launch (default: CPU cores)
 
     def __post_init__(self) -> None:
         _check_budget(self.budget)
@@ -70,6 +79,7 @@ class GateSettings:
         for name in ("max_seeds", "max_steps"):
             _check_count(name, getattr(self, name))
         _check_timeout(self.timeout_s)
+        _check_world_size(self.max_world_size)
 
 
 def _check_budget(budget: str | int | None) -> None:
@@ -86,6 +96,11 @@ def _check_count(name: str, v: Any) -> None:
         raise WorkloadError(f"{name.replace('_', '-')} must be an integer from 1 to 10000, got {v!r}")
 
 
+def _check_world_size(v: Any) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WORLD_SIZE):
+        raise WorkloadError(f"max-world-size must be an integer from 1 to {MAX_WORLD_SIZE}, got {v!r}")
+
+
 def _check_timeout(t: Any) -> None:
     """Seconds, more than 0 and at most a week."""
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 7 * 86400):
@@ -96,9 +111,10 @@ def _check_timeout(t: Any) -> None:
 PROJECT_KEYS = {"budget": "budget", "reserve": "reserve", "device-memory": "device_memory",
                 "peak-tolerance": "peak_tolerance",
                 "saving-tolerance": "saving_tolerance", "time-tolerance": "time_tolerance",
-                "max-seeds": "max_seeds", "max-steps": "max_steps", "timeout": "timeout_s"}
+                "max-seeds": "max_seeds", "max-steps": "max_steps", "timeout": "timeout_s",
+                "max-world-size": "max_world_size"}
 DEFAULTS = GateSettings(peak_tolerance=0.05, saving_tolerance=0.10, time_tolerance=0.10, max_seeds=10, max_steps=20,
-                        timeout_s=3600.0)
+                        timeout_s=3600.0, max_world_size=min(os.cpu_count() or 1, MAX_WORLD_SIZE))
 
 
 def tool_remat(cwd: Path | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..distributed import DistributedConfig, DistributedReport, Engine, run_distributed
 from ..plan import Plan
 from ..receipt.model import Coverage, Receipt, UnsupportedMode
-from ..receipt.world_size import WorldSizeEvidence
+from ..receipt.world_size import RUN_COMM_STEPS, RUN_WARMUP, WorldSizeEvidence
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from .build import WORLD_SIZE_MODE
@@ -23,7 +23,8 @@ def _config(receipt: Receipt, plan: Plan, *, world_size: int, engine: Engine, bu
             timeout_s: float) -> DistributedConfig:
     ctx = receipt.context
     return DistributedConfig(spec=ctx.workload, shape=dict(ctx.shape), world_size=world_size, engine=engine, plan=plan,
-                             device=ctx.device, dtype=ctx.dtype, steps=steps, warmup=2, comm_steps=1,
+                             device=ctx.device, dtype=ctx.dtype, steps=steps, warmup=RUN_WARMUP,
+                             comm_steps=RUN_COMM_STEPS,
                              timeout_s=timeout_s, ablation=False, budget_bytes=budget_bytes)
 
 
