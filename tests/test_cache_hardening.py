@@ -210,4 +210,5 @@ def test_another_models_fingerprint_is_a_miss(stored, tmp_path):
     from remat.profile import fingerprint
     other = fingerprint(torch.nn.Sequential(torch.nn.Linear(3, 3))).digest
     _poisoned_is_a_miss(stored, tmp_path, lambda p: dataclasses.replace(
-        p, fingerprint=dataclasses.replace(p.fingerprint, digest=other)), "model fingerprint")
+        p, fingerprint=dataclasses.replace(p.fingerprint, digest=other)), "FingerprintMismatch",
+        warning=BrokenCacheEntryWarning)

@@ -415,24 +415,24 @@ def _fit_cached(source: ModelSource, settings: AutoSettings, cache: PlanCache,
 
 def _usable_cached_plan(source: ModelSource, cache: PlanCache, key: CacheKey, settings: AutoSettings,
                         fit: _Fit) -> Plan | None:
-    """The entry for ``key`` if it loads, is a plan for this call (``stale_entry``: its fingerprint, budget and
-    figures agree with the key, NOTE [cache hit re-validated]) and ``apply`` would take it on the model
-    (``check_applies``: the same checks, nothing wrapped); else None, the entry warned about (a
+    """The entry for ``key`` if it loads, ``apply`` would take it on the model (``check_applies``: the same
+    checks, nothing wrapped) and it is a plan for this call (``stale_entry``: its fingerprint, budget and
+    figures agree with the key, NOTE [cache hit re-validated]); else None, the entry warned about (a
     ``BrokenCacheEntryWarning``, a ``StaleCacheEntryWarning`` for figures that disagree): the caller
     re-plans and replaces it."""
     plan = cache.load(key)
     if plan is None:
+        return None
+    try:   # first: a FingerprintMismatch lists what differs, where stale_entry compares digests only
+        check_applies(source.model, plan)
+    except RematError as exc:
+        cache.reject(key, exc)
         return None
     why = stale_entry(plan, key, budget=settings.budget, capacity_bytes=fit.capacity_bytes,
                       capacity_stated=settings.device_memory is not None, device_type=source.device.type,
                       job=_ranks(source) is not None)
     if why is not None:
         cache.reject_stale(key, why)
-        return None
-    try:
-        check_applies(source.model, plan)
-    except RematError as exc:
-        cache.reject(key, exc)
         return None
     return plan
 
