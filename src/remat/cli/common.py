@@ -47,6 +47,13 @@ def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
     return parse
 
 
+def out_folder(text: str) -> Path:
+    """An argparse type for ``--out``: the folder as an absolute path, resolved against the directory the
+    command started in, before any workload loads. A factory may ``os.chdir`` (a training script that
+    moves to its data folder), and a relative ``--out`` would then land beside its data."""
+    return Path(text).absolute()
+
+
 WORKLOAD_DEFAULTS = {"workload": "gpt", "shape": "", "device": "cpu", "dtype": "float32"}
 
 
