@@ -36,6 +36,10 @@ T = TypeVar("T")
 #   checkpoint wrapper, a verify probe): the innermost frame of its traceback outside torch and
 #   the standard library is in remat's package (not in the built-in workloads, which are
 #   workload code), so it is a remat bug and passes on untyped, for the CLI to report as exit 3.
+# A call that closes ``sys.stdout`` or ``sys.stderr`` is the user's too: remat's next print would
+# fail (ValueError: I/O operation on closed file) far from the cause, and read as a remat bug. So
+# ``call_user`` notes which streams were open before the call, reopens any closed after it on its
+# file descriptor (Python's std streams never own fds 1 and 2), and raises a UserCodeError naming it.
 _REMAT_DIR = Path(__file__).resolve().parents[1]
 _BUILTINS_DIR = _REMAT_DIR / "workload" / "builtins"
 _LIBRARY_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in
