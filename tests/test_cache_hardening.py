@@ -212,3 +212,29 @@ def test_another_models_fingerprint_is_a_miss(stored, tmp_path):
     _poisoned_is_a_miss(stored, tmp_path, lambda p: dataclasses.replace(
         p, fingerprint=dataclasses.replace(p.fingerprint, digest=other)), "FingerprintMismatch",
         warning=BrokenCacheEntryWarning)
+
+
+def _key(plan: remat.Plan, budget: str) -> "remat.autoplan.CacheKey":
+    from remat.autoplan import CacheKey
+    return CacheKey(fingerprint=plan.fingerprint.digest, state="s", trainable="t", training=True, batch=[],
+                    budget=budget, reserve=plan.reserve, planner="optimal", segments=True, loss="l", optimizer=[],
+                    device="cpu", torch_version="t", remat_version="r")
+
+
+def test_a_device_fit_entry_is_checked_against_the_capacity(stored):
+    """Without a budget the plan's budget is the device's capacity: a stated one exactly, free memory to
+    the key's 256 MiB; the entry made for another capacity is stale (unit level: no planning)."""
+    from remat.autoplan.cache import stale_entry
+    _, own, _ = stored
+    cap = own.budget_bytes
+    key = _key(own, "None")
+    check = dict(budget=None, device_type="cpu", job=False)
+    assert stale_entry(own, key, capacity_bytes=cap, capacity_stated=True, **check) is None
+    assert "its budget is" in stale_entry(own, key, capacity_bytes=cap + 1, capacity_stated=True, **check)
+    # free memory: the same 256 MiB bucket is a hit, the next one a miss
+    big = dataclasses.replace(own, budget_bytes=(5 << 28) + 12345)
+    assert stale_entry(big, key, capacity_bytes=(5 << 28) + 999, capacity_stated=False, **check) is None
+    assert stale_entry(big, key, capacity_bytes=6 << 28, capacity_stated=False, **check) is not None
+    # a CUDA call never takes CPU figures
+    assert "not an instrument of a cuda device" in stale_entry(own, key, capacity_bytes=cap, capacity_stated=True,
+                                                              budget=None, device_type="cuda", job=False)

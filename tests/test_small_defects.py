@@ -211,3 +211,18 @@ def test_a_cpu_model_with_a_cpu_batch_plans(tmp_path):
                    use_cache=False, measure_replays=False)
     assert h.active
     h.remove()
+
+
+# -- non-ASCII digits elsewhere on the command line ----------------------------------------------
+
+def test_non_ascii_digits_in_a_shape_are_text_and_refused():
+    from remat.workload import parse_shape
+    assert parse_shape("depth=\u0663") == {"depth": "\u0663"}
+    with pytest.raises(ShapeError, match="depth"):
+        load_workload("mlp", parse_shape("depth=\u0663"))
+    assert parse_shape("depth=3,dropout=0.5") == {"depth": 3, "dropout": 0.5}   # the ASCII twin
+
+
+def test_non_ascii_digits_in_a_count_flag_are_a_usage_error(tmp_path, capsys):
+    assert _trace("mlp", str(tmp_path / "o"), "--steps", "\u0661") == 2
+    assert "expected an integer" in capsys.readouterr().err

@@ -25,6 +25,8 @@ def bounded_int(lo: int, hi: int):  # noqa: ANN201 - an argparse ``type``
     """An argparse type: an integer in [lo, hi]. A count past ``hi`` is a typo or a hang, never a setting."""
     def parse(text: str) -> int:
         try:
+            if not text.isascii():   # int() reads every Unicode digit ("٣" is 3): a count is typed in ASCII
+                raise ValueError(text)
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
@@ -38,6 +40,8 @@ def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
     """An argparse type: a finite number in (lo, hi]."""
     def parse(text: str) -> float:
         try:
+            if not text.isascii():   # as bounded_int: float() reads every Unicode digit
+                raise ValueError(text)
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None

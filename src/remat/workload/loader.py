@@ -66,15 +66,21 @@ def parse_shape(text: str | None) -> dict[str, ShapeValue]:
         if raw.lower() in ("true", "false"):
             out[key] = raw.lower() == "true"
             continue
-        try:
-            value = int(raw)
-        except ValueError:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = raw
+        # int() and float() read every Unicode digit ("٣" is 3); a number on a command line is ASCII, so
+        # anything else stays text, which a factory declaring an int refuses (NOTE [shape conformance])
+        value = _number(raw) if raw.isascii() else raw
         out[key] = value
     return out
+
+
+def _number(raw: str) -> ShapeValue:
+    try:
+        return int(raw)
+    except ValueError:
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
 
 
 def parse_dtype(name: str) -> torch.dtype:
