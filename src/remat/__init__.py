@@ -51,6 +51,7 @@ _LAZY = {
     "PeakLimitExceeded": "remat.measure",
     "PlanCacheWarning": "remat.autoplan",
     "BrokenCacheEntryWarning": "remat.autoplan",
+    "StaleCacheEntryWarning": "remat.autoplan",
     "UnusableCacheDirWarning": "remat.autoplan",
     # a device capacity on the CPU, and the step that does not fit it (NOTE [blocked step])
     "CpuCapacity": "remat.memory.capacity",
@@ -70,7 +71,7 @@ __all__ = [
     "TrainingStep", "VerifyReport", "Workload", "apply", "auto", "export_check_fn", "load_workload", "make_plan",
     "StepSample", "TrainableChangedWarning", "UnsampledBlockWarning", "profile_workload", "recover_handle", "trace_workload", "verify_plan",
     "BrokenCacheEntryWarning", "BudgetMissed", "InfeasibleBudget", "PeakLimitExceeded", "PlanCacheWarning",
-    "UnusableCacheDirWarning", "CpuCapacity", "CapacityError", "DeviceTooSmall", "BlockedStep",
+    "UnusableCacheDirWarning", "StaleCacheEntryWarning", "CpuCapacity", "CapacityError", "DeviceTooSmall", "BlockedStep",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)   # dir(remat) lists the lazy names too

@@ -5,8 +5,8 @@ verifies, and applies); the integrations (``remat.integrations``) sit above it.
 """
 
 from .batches import ExampleBatches
-from .cache import (ENV_VAR, BrokenCacheEntryWarning, CacheKey, PlanCache, PlanCacheWarning, UnusableCacheDirWarning,
-                    default_cache_dir)
+from .cache import (ENV_VAR, BrokenCacheEntryWarning, CacheKey, PlanCache, PlanCacheWarning, StaleCacheEntryWarning,
+                    UnusableCacheDirWarning, default_cache_dir)
 from .report import AutoHandle, AutoReport, CacheStatus, VerifyStatus
 from .run import auto, existing_checkpointing
 from .shapes import NewShapeWarning, ShapeEnvelope, ShapeGuard, ShapePolicy, TrainableChangedWarning
@@ -14,6 +14,6 @@ from .source import InMemoryWorkload, ModelSource, OptimizerSpec, hf_loss, unwra
 
 __all__ = ["ENV_VAR", "AutoHandle", "AutoReport", "BrokenCacheEntryWarning", "CacheKey", "CacheStatus", "ExampleBatches",
            "InMemoryWorkload", "ModelSource", "NewShapeWarning", "OptimizerSpec", "PlanCache", "PlanCacheWarning",
-           "ShapeEnvelope", "ShapeGuard", "ShapePolicy", "TrainableChangedWarning",
+           "ShapeEnvelope", "ShapeGuard", "ShapePolicy", "StaleCacheEntryWarning", "TrainableChangedWarning",
            "UnusableCacheDirWarning", "VerifyStatus", "auto", "default_cache_dir", "existing_checkpointing",
            "hf_loss", "unwrap_optimizer"]

@@ -18,8 +18,24 @@ file is a plain ``plan.json`` read through the hardened loader. A key that diffe
 re-plans. The cache never stops ``remat.auto``: an entry that fails to load, or to apply to this
 model (a foreign plan, ``FingerprintMismatch``, ``CandidateError``), is a miss with a
 :class:`BrokenCacheEntryWarning` naming the file, re-planned and replaced; a cache directory that
-cannot be written (read-only, a file where the directory should be) is an
-:class:`UnusableCacheDirWarning`, and the new plan is applied all the same (``cache: not-stored``).
+cannot be written (read-only, a file where the directory should be, a full disk) is an
+:class:`UnusableCacheDirWarning`, any other error while storing a :class:`PlanCacheWarning`, and the new
+plan is applied all the same (``cache: not-stored``): storing is a convenience for the next call, so
+nothing it meets may cost the user the plan this call already made.
+
+NOTE [cache hit re-validated]
+The file name binds an entry to its key, but the file is data anyone with write access to the
+directory can replace (an old remat, a copy from another machine, a hand edit, a poisoned entry).
+A hit is therefore checked against what the key says before it is applied (``stale_entry``): the
+entry's fingerprint is the key's (not only one ``apply`` would tolerate), its reserve is the key's,
+its budget in bytes is what the key's budget gives (``"70%"`` of the entry's own unplanned peak, an
+amount exactly, the stated capacity, or the free memory to the key's 256 MiB), its figures are a
+measured run on this kind of device (not simulated; a CUDA plan's from the CUDA allocator), they fit
+that budget (the measured peak, else the predicted one), and an entry with no boundary records an
+unplanned step that fits it. Any failure is a miss with a :class:`StaleCacheEntryWarning` naming the file and the
+figure that disagrees; the entry is re-planned and replaced, never applied with its old figures. What
+this cannot catch is an entry forged consistent in every figure: only re-measuring would, and a hit
+exists to skip that.
 """
 
 from __future__ import annotations
@@ -35,8 +51,9 @@ from typing import Any
 import torch
 
 from .._io import CACHE_ENV_VAR as ENV_VAR, default_cache_dir
-from ..errors import RematError
-from ..plan import Plan
+from ..errors import BudgetError, OutputError
+from ..plan import Plan, parse_budget
+from ..types import MemorySource
 
 
 class PlanCacheWarning(UserWarning):
@@ -45,6 +62,11 @@ class PlanCacheWarning(UserWarning):
 
 class BrokenCacheEntryWarning(PlanCacheWarning):
     """A cached plan failed to load or to apply to this model: a miss, re-planned and replaced."""
+
+
+class StaleCacheEntryWarning(BrokenCacheEntryWarning):
+    """A cached plan loads, but its figures disagree with its key (another budget's plan, no boundary for
+    a step that needs some, another model's fingerprint): a miss (NOTE [cache hit re-validated])."""
 
 
 class UnusableCacheDirWarning(PlanCacheWarning):
@@ -106,7 +128,9 @@ class PlanCache:
             return None
         try:
             return Plan.load(path)
-        except RematError as exc:      # the hardened loader raises PlanError for every unreadable file
+        # the hardened loader raises PlanError for every unreadable file; anything else it met is still
+        # only a miss (the cache never stops a run), named in the warning
+        except Exception as exc:
             self.reject(key, exc)
             return None
 
@@ -116,18 +140,93 @@ class PlanCache:
             f"remat.auto: the cached plan {self.path(key)} cannot be used ({type(exc).__name__}: "
             f"{_first_line(exc)}); it is re-planned and replaced"), stacklevel=2)
 
+    def reject_stale(self, key: CacheKey, why: str) -> None:
+        """Warn that the entry for ``key`` disagrees with its key (``why``: the figure); it is re-planned and replaced."""
+        warnings.warn(StaleCacheEntryWarning(
+            f"remat.auto: the cached plan {self.path(key)} is not a plan for this call ({why}); it is a miss, "
+            "re-planned and replaced (NOTE [cache hit re-validated])"), stacklevel=2)
+
     def store(self, key: CacheKey, plan: Plan) -> Path | None:
-        """Write ``plan`` for ``key`` (atomically); None, with a warning, where the directory cannot take it."""
+        """Write ``plan`` for ``key`` (atomically); None, with a warning, where it cannot be stored.
+
+        Never raises an Exception (NOTE [plan cache key]): the atomic write turns an OSError into an
+        OutputError (a full disk: ENOSPC), and the directory's own errors are OSErrors; both are an
+        :class:`UnusableCacheDirWarning`. Anything else is a :class:`PlanCacheWarning` naming it."""
         path = self.path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             return plan.save(path)
-        except OSError as exc:
+        except (OSError, OutputError) as exc:
+            why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else _first_line(exc)
             warnings.warn(UnusableCacheDirWarning(
                 f"remat.auto: cannot write the plan cache {self.root} ({type(exc).__name__}: "
-                f"{exc.strerror or exc}); the plan is applied but not cached: pass cache_dir= a writable "
+                f"{why}); the plan is applied but not cached: free some space, pass cache_dir= a writable "
                 f"directory, or use_cache=False"), stacklevel=2)
+        except Exception as exc:   # the plan this call made is worth more than the cache: never lose it
+            warnings.warn(PlanCacheWarning(
+                f"remat.auto: storing the plan in the cache {self.root} failed ({type(exc).__name__}: "
+                f"{_first_line(exc)}); the plan is applied but not cached"), stacklevel=2)
+        return None
+
+
+_CPU_SOURCES = (MemorySource.CPU_ALLOCATOR, MemorySource.CPU_LIVE_TENSORS, MemorySource.CPU_PROFILER)
+
+
+def stale_entry(plan: Plan, key: CacheKey, *, budget: str | int | None, capacity_bytes: int | None,
+                capacity_stated: bool, device_type: str, job: bool) -> str | None:
+    """Why the cached ``plan`` is not a plan for ``key`` (NOTE [cache hit re-validated]); None when it is.
+
+    ``budget``: the call's, as given; ``capacity_bytes``: the device's (stated with ``device_memory=``
+    when ``capacity_stated``, else its free memory), None without one; ``job``: the ranks of a job
+    planned together, whose budget is the smallest rank's (at most this rank's)."""
+    if plan.fingerprint.digest != key.fingerprint:
+        return (f"its model fingerprint {plan.fingerprint.digest[:12]}... is not this model's "
+                f"{key.fingerprint[:12]}...")
+    if plan.reserve != key.reserve:
+        return f"its reserve {plan.reserve:g} is not the call's {key.reserve:g}"
+    if plan.simulated or plan.memory_source is MemorySource.SIMULATED:
+        return "its figures are simulated, and remat.auto plans from a measured step"
+    expected_sources = (MemorySource.CUDA_ALLOCATOR,) if device_type == "cuda" else _CPU_SOURCES
+    if plan.memory_source not in expected_sources:
+        return f"its figures come from {plan.memory_source}, not an instrument of a {device_type} device"
+    if plan.budget_bytes is None:
+        return "it has no budget"
+    expected = _expected_budget(plan, budget, capacity_bytes, capacity_stated)
+    if expected is not None:
+        low, high = expected
+        if job:     # the job plans for its smallest rank's budget (NOTE [one plan per job])
+            low = 1
+        if not low <= plan.budget_bytes <= high:
+            want = f"{low} bytes" if low == high else f"{low} to {high} bytes"
+            return (f"its budget is {plan.budget_bytes} bytes, and the call's budget "
+                    f"{'the device' if budget is None else repr(budget)} is {want} for it")
+    # the peak it claims: measured where the closed loop measured it (a fallback family ships on its
+    # measured peak alone: NOTE [closed loop fallbacks]), else predicted
+    claimed = plan.measured_peak_bytes if plan.measured_peak_bytes is not None else plan.predicted_peak_bytes
+    if claimed > plan.budget_bytes:
+        return f"the peak it records, {claimed} bytes, is over its budget of {plan.budget_bytes} bytes"
+    if not plan.boundaries and plan.baseline_peak_bytes > plan.budget_bytes:
+        return (f"it checkpoints nothing, and the unplanned step it records peaks at {plan.baseline_peak_bytes} "
+                f"bytes, over its budget of {plan.budget_bytes} bytes")
+    return None
+
+
+def _expected_budget(plan: Plan, budget: str | int | None, capacity_bytes: int | None,
+                     capacity_stated: bool) -> tuple[int, int] | None:
+    """The budget in bytes (low, high) the key's budget gives for ``plan``; None where it cannot be told
+    (a malformed budget never reaches the cache: the call refuses it first)."""
+    if budget is None:
+        if capacity_bytes is None:
             return None
+        if capacity_stated:
+            return capacity_bytes, capacity_bytes
+        bucket = capacity_bytes >> 28 << 28   # the key holds the free memory to 256 MiB (_capacity_key)
+        return bucket, bucket + (1 << 28) - 1
+    try:
+        exact = parse_budget(budget, plan.baseline_peak_bytes)
+    except BudgetError:
+        return None
+    return exact, exact
 
 
 def _first_line(exc: Exception) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ..workload import parse_autocast
 from ..workload.contract import is_accumulation_count
 from .batches import ExampleBatches
 from .compiled import check_uncompiled
-from .cache import CacheKey, PlanCache, default_cache_dir, device_identity
+from .cache import CacheKey, PlanCache, default_cache_dir, device_identity, stale_entry
 from .digest import StableDigest, qualified_name, sha256_json
 from .inplace import InPlaceSource, JobEngine, check_job, job_engine
 from .job import JobInputs, job_call
@@ -103,6 +104,7 @@ class AutoSettings:
             raise AutoError(f"verify={self.verify!r}: expected None (default: not verified) or 'quick'")
         if self.budget is not None:
             check_budget_syntax(self.budget)
+        _check_cache_dir(self.cache_dir)
         if self.device_memory is not None:
             parse_capacity(self.device_memory)
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
@@ -136,10 +138,34 @@ class AutoSettings:
         return PlanCache(Path(self.cache_dir) if self.cache_dir is not None else default_cache_dir())
 
 
+def _check_cache_dir(cache_dir: Any) -> None:
+    """``cache_dir`` is None (the default folder) or names a folder: ``Path("")`` is ``.``, and a cache
+    written into whatever the current directory is (``./plans/``) is a surprise, never a setting; so
+    an empty (or blank) name is refused before any planning, and ``use_cache=False`` is how to say "no cache"."""
+    if cache_dir is None:
+        return
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise AutoError(f"cache_dir={cache_dir!r}: expected a folder (str or os.PathLike), or None for the default",
+                        tip="pass cache_dir=\"/path/to/cache\", or use_cache=False for no cache")
+    text = os.fspath(cache_dir)
+    if isinstance(text, bytes) or not text.strip():
+        raise AutoError(f"cache_dir={cache_dir!r} names no folder (an empty path would be the current directory)",
+                        tip="pass use_cache=False to plan without the cache, or cache_dir= a folder "
+                            "(None: $REMAT_CACHE_DIR, else ~/.cache/remat)")
+
+
 def _check_trainable(model: Any) -> None:
     """``model`` is a module, and autograd is on (a training step is what remat plans)."""
     if not isinstance(model, nn.Module):
         raise AutoError(f"remat.auto needs a torch.nn.Module, got {type(model).__name__}")
+    # a meta tensor has a shape and no storage: no step can run, so nothing can be measured (torch would
+    # fail later, untyped, wherever it first needs data: autocast's device check, a CPU batch's matmul)
+    on_meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"), None)
+    if on_meta is not None:
+        raise AutoError(f"the model's {on_meta!r} is on the meta device (a shape without storage): remat.auto "
+                        "measures a real training step, which a meta model cannot run",
+                        tip="materialize the model first (model.to_empty(device=...) and its init, or load its "
+                            "weights), then call remat.auto; to plan without allocating, use `remat plan --simulate`")
     if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
         ctx = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
         raise AutoError(f"remat.auto was called under {ctx}: it plans a training step, which needs autograd "
@@ -180,7 +206,8 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int | None = Non
     on each copy: its state counts in the peak); None assumes AdamW, and ``report.optimizer`` says so.
     ``verify="quick"``: one seed, one step, paired control on a copy, with negative controls
     (VerificationFailed when it differs). ``cache_dir``: default ``$REMAT_CACHE_DIR`` or
-    ``~/.cache/remat`` (NOTE [plan cache key]). ``copy_fn``: how to copy the model when
+    ``~/.cache/remat`` (NOTE [plan cache key]); an empty string is refused (AutoError), never read as the
+    current directory: pass ``use_cache=False`` for no cache. ``copy_fn``: how to copy the model when
     ``copy.deepcopy`` cannot. ``measure_replays=False`` keeps the profile's first replay-cost
     estimates instead of timing each candidate's replay alone (faster; the overhead is less exact).
     ``segments=False``: plan per-module boundaries only, no segment candidates (NOTE [segments]):
@@ -374,7 +401,7 @@ def _fit_cached(source: ModelSource, settings: AutoSettings, cache: PlanCache,
     """The plan for ``source`` through ``cache`` (NOTE [plan cache key]): a usable entry, else a new plan,
     stored where the directory takes it. Returns the plan, its verification, the cache status, the entry's path."""
     key = _cache_key(source, settings, others, fit)
-    cached = _usable_cached_plan(source.model, cache, key)
+    cached = _usable_cached_plan(source, cache, key, settings, fit)
     ranks = _ranks(source)
     if ranks is not None and not ranks.all_true(cached is not None):
         cached = None   # a hit on every rank, or all plan again together (NOTE [one plan per job])
@@ -386,17 +413,26 @@ def _fit_cached(source: ModelSource, settings: AutoSettings, cache: PlanCache,
     return plan, verified, status, str(cache.path(key))
 
 
-def _usable_cached_plan(model: nn.Module, cache: PlanCache, key: CacheKey) -> Plan | None:
-    """The entry for ``key`` if it loads and ``apply`` would take it on ``model`` (``check_applies``: the same
-    checks, nothing wrapped); else None, an entry that fails warned about (``BrokenCacheEntryWarning``):
-    the caller re-plans and replaces it."""
+def _usable_cached_plan(source: ModelSource, cache: PlanCache, key: CacheKey, settings: AutoSettings,
+                        fit: _Fit) -> Plan | None:
+    """The entry for ``key`` if it loads, ``apply`` would take it on the model (``check_applies``: the same
+    checks, nothing wrapped) and it is a plan for this call (``stale_entry``: its fingerprint, budget and
+    figures agree with the key, NOTE [cache hit re-validated]); else None, the entry warned about (a
+    ``BrokenCacheEntryWarning``, a ``StaleCacheEntryWarning`` for figures that disagree): the caller
+    re-plans and replaces it."""
     plan = cache.load(key)
     if plan is None:
         return None
-    try:
-        check_applies(model, plan)
+    try:   # first: a FingerprintMismatch lists what differs, where stale_entry compares digests only
+        check_applies(source.model, plan)
     except RematError as exc:
         cache.reject(key, exc)
+        return None
+    why = stale_entry(plan, key, budget=settings.budget, capacity_bytes=fit.capacity_bytes,
+                      capacity_stated=settings.device_memory is not None, device_type=source.device.type,
+                      job=_ranks(source) is not None)
+    if why is not None:
+        cache.reject_stale(key, why)
         return None
     return plan
 

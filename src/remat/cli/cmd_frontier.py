@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich import box
 from rich.markup import escape
@@ -20,7 +19,7 @@ from ..profile.model import StepSample
 from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import (MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
-                     check_out_dir, compile_from_args, load_from_args, refuse_autocast_with)
+                     check_out_dir, out_folder, compile_from_args, load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
 
@@ -48,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity-steps", type=bounded_int(1, MAX_STEPS), default=3, help="timed steps per plan at its capacity (default 3)")
     p.add_argument("--capacity-granularity", type=bounded_int(1, 2 ** 31), default=1,
                    help="stop bisecting when the bracket is this narrow (default 1: the exact value)")
-    p.add_argument("--out", required=True, type=Path, help="output folder (frontier.json, frontier.png)")
+    p.add_argument("--out", required=True, type=out_folder, help="output folder (frontier.json, frontier.png)")
     add_compile_args(p)
     p.add_argument("--budget-tries", type=bounded_int(1, 20), default=6,
                    help="with --compile: most recompiles spent aiming torch's activation_memory_budget at the "

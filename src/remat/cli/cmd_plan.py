@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
@@ -19,7 +18,7 @@ from ..profile.model import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, SampleRecord
 from ..profile.blocked import profile_on_device
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, compile_from_args,
+from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder, compile_from_args,
                      load_from_args, recorded_workload, refuse_autocast_with)
 from .render import console, progress_bar
 
@@ -29,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_autocast_arg(p)
     add_plan_args(p)
-    p.add_argument("--out", required=True, type=Path, help="output folder (plan.json, profile.json)")
+    p.add_argument("--out", required=True, type=out_folder, help="output folder (plan.json, profile.json)")
     add_compile_args(p)
     p.set_defaults(func=run)
 

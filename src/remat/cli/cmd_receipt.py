@@ -7,7 +7,6 @@ import contextlib
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -22,7 +21,7 @@ from ..types import ProgressFn
 from ..workload import parse_shape
 from ..frontier.run import DEFAULT_COMPILED_PLANS
 from .common import (MAX_SECONDS, MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args,
-                     bounded_float, bounded_int, check_out_dir, compile_from_args, load_from_args)
+                     bounded_float, bounded_int, check_out_dir, out_folder, compile_from_args, load_from_args)
 from .cmd_plan import add_sample_args
 from .render import console, err_console, progress_bar
 
@@ -53,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed steps per side at the world size, here and in remat check (default 2)")
     g.add_argument("--dist-timeout", type=bounded_float(0, MAX_SECONDS), default=120.0,
                    help="seconds any one collective may take (default 120)")
-    p.add_argument("--out", required=True, type=Path, help="output folder (receipt.json, report.html, report.md)")
+    p.add_argument("--out", required=True, type=out_folder, help="output folder (receipt.json, report.html, report.md)")
     p.set_defaults(func=run)
 
 

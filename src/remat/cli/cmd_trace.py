@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.table import Table
 
@@ -16,7 +15,7 @@ from ..simulate import DEVICE_MODELS, simulate_workload
 from ..trace import StepTrace, to_perfetto, trace_on_device, trace_workload
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import (MAX_STEPS, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir,
+from .common import (MAX_STEPS, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder,
                      compile_from_args, load_from_args)
 from .render import console, progress_bar
 
@@ -27,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--boundary-shape", default="", help="a second shape to trace (e.g. the first one that does not fit)")
     p.add_argument("--warmup", type=bounded_int(0, MAX_WARMUP), default=2, help="untraced warm-up steps (default 2)")
     p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=3, help="traced steps (default 3)")
-    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--out", required=True, type=out_folder, help="output folder")
     p.add_argument("--device-memory", default=None,
                    help="the device's capacity (e.g. 2GiB), enforced on the CPU: a step that does not fit it "
                         "writes refusal.json (the phase, the refused allocation, the bytes live by kind) and exits 2")

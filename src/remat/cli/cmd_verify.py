@@ -12,7 +12,7 @@ from ..wrap import load_plan
 from ..verify import VerifyReport, verify_plan
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
 from .common import (MAX_SEEDS, MAX_STEPS, WORKLOAD_DEFAULTS, add_autocast_arg, add_compile_args, add_workload_args,
-                     bounded_int, check_out_dir, compile_from_args, fill_from_plan, load_from_args, refuse_autocast_with)
+                     bounded_int, check_out_dir, out_folder, compile_from_args, fill_from_plan, load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
 
@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=bounded_int(1, MAX_SEEDS), default=3, help="paired runs with seeds 0..N-1 (default 3)")
     p.add_argument("--timing-steps", type=bounded_int(0, MAX_STEPS), default=10,
                    help="timed steps per variant for the RNG preservation overhead (default 10, 0 to skip)")
-    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--out", required=True, type=out_folder, help="output folder")
     add_compile_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)

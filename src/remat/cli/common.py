@@ -25,6 +25,8 @@ def bounded_int(lo: int, hi: int):  # noqa: ANN201 - an argparse ``type``
     """An argparse type: an integer in [lo, hi]. A count past ``hi`` is a typo or a hang, never a setting."""
     def parse(text: str) -> int:
         try:
+            if not text.isascii():   # int() reads every Unicode digit ("٣" is 3): a count is typed in ASCII
+                raise ValueError(text)
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
@@ -38,6 +40,8 @@ def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
     """An argparse type: a finite number in (lo, hi]."""
     def parse(text: str) -> float:
         try:
+            if not text.isascii():   # as bounded_int: float() reads every Unicode digit
+                raise ValueError(text)
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
@@ -45,6 +49,13 @@ def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
             raise argparse.ArgumentTypeError(f"must lie in ({lo:g}, {hi:g}], got {text[:40]}")
         return value
     return parse
+
+
+def out_folder(text: str) -> Path:
+    """An argparse type for ``--out``: the folder as an absolute path, resolved against the directory the
+    command started in, before any workload loads. A factory may ``os.chdir`` (a training script that
+    moves to its data folder), and a relative ``--out`` would then land beside its data."""
+    return Path(text).absolute()
 
 
 WORKLOAD_DEFAULTS = {"workload": "gpt", "shape": "", "device": "cpu", "dtype": "float32"}

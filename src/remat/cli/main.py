@@ -5,7 +5,8 @@ NOTE [exit codes]
   1    a check ran and failed (verify, check): RematError subclasses with exit_code = 1
   2    bad input: a typed RematError with a one-line message (and a tip), or an argparse usage
        error (``main`` returns every code, argparse's included, and never raises SystemExit); also when the *user's own code* raised (workload factory, batch, loss, the model's
-       forward or backward, the optimizer): a UserCodeError, shown with that code's traceback
+       forward or backward, the optimizer): a UserCodeError, shown with that code's traceback;
+       and when that code closed sys.stdout or sys.stderr (call_user reopens it, then raises)
   2    also out of memory (torch.OutOfMemoryError, or CPU "can't allocate memory"): the step does not fit
   3    a remat bug: any other exception that is not a RematError; the traceback is printed, please report it
   4    the command ran (or, for ``remat check``, would run) past its time limit (``--timeout``): a

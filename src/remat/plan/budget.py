@@ -17,8 +17,10 @@ _UNITS: dict[str, int] = {
     "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
     "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
 }
+# re.ASCII: ``\d`` alone matches every Unicode digit (Arabic-Indic "٣", fullwidth "３"), and Decimal()
+# reads them all; a budget is typed in ASCII, and one that is not is a paste gone wrong, never a setting.
 _QUANTITY = re.compile(
-    r"^\s*(?P<num>[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<unit>%|[A-Za-z]+)?\s*$")
+    r"^\s*(?P<num>[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<unit>%|[A-Za-z]+)?\s*$", re.ASCII)
 _BUDGET_FORMS = "bytes (123456), a size with a unit (800MiB, 1.5GiB, 2GB) or a percentage of the no-checkpoint peak (60%)"
 
 
@@ -42,26 +44,45 @@ def _magnitude_ok(value: Decimal, limit: Decimal) -> bool:
     return value <= limit
 
 
+_FRACTION_TIP = ("a share of the unplanned step's peak is a percentage string (\"70%\", not 0.7); "
+                 "an amount is whole bytes or has a unit (\"1.5GiB\")")
+
+
+def _whole_bytes(value: float) -> int:
+    """A float budget as bytes: only a finite, whole number of at least one byte (``8e9``); a fraction
+    (``0.7``, ``1.5``) is refused, never rounded down to a byte count nobody meant (NOTE [bounded budget parsing])."""
+    if not math.isfinite(value):
+        raise BudgetError(f"budget must be {_BUDGET_FORMS}; got {value!r}")
+    if not value.is_integer():
+        raise BudgetError(f"budget={value!r} is not a whole number of bytes", tip=_FRACTION_TIP)
+    if not 0 < value <= MAX_BUDGET_BYTES:
+        raise BudgetError(f"budget must lie between 1 byte and {MAX_BUDGET_BYTES} bytes (1 EiB), got {value!r}")
+    return int(value)
+
+
 def format_bytes(n: int) -> str:
     """``'1234567 bytes (1.18 MiB)'``: every budget message gives both."""
     return f"{n} bytes ({mib(n)})"
 
 
-def check_budget_syntax(text: str | int) -> None:
+def check_budget_syntax(text: str | int | float) -> None:
     """BudgetError when ``text`` is not a budget ``parse_budget`` takes: the one check callers make
     before minutes of measuring, while a percentage cannot be resolved yet (no baseline peak)."""
     parse_budget(text, 1 << 50)   # any baseline: a share of it is well formed whatever it is
 
 
-def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:
-    """Whole-step peak budget in bytes (rounded down to a whole byte).
+def parse_budget(text: str | int | float, baseline_peak_bytes: int) -> int:
+    """Whole-step peak budget in bytes (a fraction of a byte from a larger unit rounded down).
 
     ``text``: ``123456`` (bytes), ``800MiB``/``1.5GiB``/``2GB``/``512kB`` (units: B, kB, MB, GB, TB,
     KiB, MiB, GiB, TiB, any case), or ``60%`` of ``baseline_peak_bytes`` (the measured peak of the
-    unmodified step). Malformed, zero or negative -> BudgetError.
+    unmodified step). Malformed, zero or negative, a byte count with a fraction (``1.5``, ``"1.5"``, a
+    float share such as ``0.7``: a share is ``"70%"``) or digits other than ASCII -> BudgetError.
     """
     if isinstance(text, bool):
         raise BudgetError(f"budget must be {_BUDGET_FORMS}; got {text!r}")
+    if isinstance(text, float):
+        text = _whole_bytes(text)
     if isinstance(text, int):
         if not 0 < text <= MAX_BUDGET_BYTES:
             raise BudgetError(f"budget must lie between 1 byte and {MAX_BUDGET_BYTES} bytes (1 EiB), got {show_number(text)}")
@@ -72,7 +93,8 @@ def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:
                               f"expected {_BUDGET_FORMS}")
         m = _QUANTITY.match(str(text))
         if m is None:
-            raise BudgetError(f"malformed budget {text!r}: expected {_BUDGET_FORMS}")
+            other = "" if str(text).isascii() else " (it has characters other than ASCII: write its digits 0-9)"
+            raise BudgetError(f"malformed budget {text!r}{other}: expected {_BUDGET_FORMS}")
         try:
             value = Decimal(m["num"])
         except InvalidOperation:   # an exponent too long for decimal itself (the regex admits only decimals)
@@ -95,6 +117,11 @@ def parse_budget(text: str | int, baseline_peak_bytes: int) -> int:
         if scale is None:
             raise BudgetError(f"unknown unit {unit!r} in budget {text!r}; use one of "
                               "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
+        if scale == 1 and value != value.to_integral_value():
+            # "1.5" bytes: no byte count has a fraction, so it is a share or a unit left out; rounding it
+            # down made 1.5 one byte. A larger unit's fraction of a byte ("1.3GiB") is rounded down, as documented.
+            raise BudgetError(f"budget {text!r} is not a whole number of bytes",
+                              tip=_FRACTION_TIP)
         if not _magnitude_ok(value, Decimal(MAX_BUDGET_BYTES) / scale):
             raise BudgetError(f"budget {text!r} is out of range: at most {MAX_BUDGET_BYTES} bytes (1 EiB)")
         nbytes = int(value * scale)

@@ -27,7 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..workload.contract import TrainingStep, Workload
-from ..workload.loader import LoadedWorkload, ShapeValue, load_workload
+from ..workload.loader import LoadedWorkload, ShapeValue, load_workload_on_meta
 from .devices import DeviceModel, get_device_model
 from .semantics import KernelSemantics, SimulationDispatch, SimulationFunctions, prepare_optimizer
 
@@ -140,7 +140,7 @@ def load_simulated(spec: str | LoadedWorkload, shape: dict[str, ShapeValue] | No
     model = get_device_model(target_device)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with torch.device("meta"):
-        loaded = load_workload(spec, shape, device="meta", dtype=dtype)
+        loaded = load_workload_on_meta(spec, shape, dtype=dtype)
     loaded.device = model.semantics.value
     loaded.workload = fake_workload(loaded.workload, fake_mode, SIM_DEVICE)
     return SimulatedWorkload(loaded=loaded, device_model=model, fake_mode=fake_mode,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import sys
 import sysconfig
 import threading
 import traceback
@@ -34,6 +36,10 @@ T = TypeVar("T")
 #   checkpoint wrapper, a verify probe): the innermost frame of its traceback outside torch and
 #   the standard library is in remat's package (not in the built-in workloads, which are
 #   workload code), so it is a remat bug and passes on untyped, for the CLI to report as exit 3.
+# A call that closes ``sys.stdout`` or ``sys.stderr`` is the user's too: remat's next print would
+# fail (ValueError: I/O operation on closed file) far from the cause, and read as a remat bug. So
+# ``call_user`` notes which streams were open before the call, reopens any closed after it on its
+# file descriptor (Python's std streams never own fds 1 and 2), and raises a UserCodeError naming it.
 _REMAT_DIR = Path(__file__).resolve().parents[1]
 _BUILTINS_DIR = _REMAT_DIR / "workload" / "builtins"
 _LIBRARY_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in
@@ -66,8 +72,56 @@ def user_traceback(exc: BaseException, max_frames: int = 12) -> str:
             + "".join(traceback.format_exception_only(type(exc), exc))).rstrip()
 
 
+_STD_STREAMS = (("stdout", 1), ("stderr", 2))
+
+
+def _open_streams() -> list[str]:
+    return [name for name, _ in _STD_STREAMS if not getattr(getattr(sys, name, None), "closed", True)]
+
+
+def _reopen_closed(names: list[str]) -> list[str]:
+    """Of the streams ``names`` (open before the user's call), those closed now, each replaced by a new
+    text stream on its file descriptor: Python's own ``sys.stdout`` never owns fd 1 (``closefd=False``),
+    so the descriptor is still open and remat can still print its error, and its report."""
+    closed = []
+    for name, fd in _STD_STREAMS:
+        stream = getattr(sys, name, None)
+        if name in names and getattr(stream, "closed", False):
+            closed.append(f"sys.{name}")
+            with contextlib.suppress(OSError, ValueError):
+                setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace",
+                                        encoding=getattr(stream, "encoding", None) or "utf-8"))
+    return closed
+
+
 def call_user(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Call the workload's own code ``fn``; NOTE [user code errors] says what it raises."""
+    """Call the workload's own code ``fn``; NOTE [user code errors] says what it raises. A call that
+    closes ``sys.stdout`` or ``sys.stderr`` is the user's fault too (remat writes its results there):
+    a UserCodeError naming the stream, which is reopened first so that the error can be shown."""
+    streams = _open_streams()
+    try:
+        result = _call_user(what, fn, *args, **kwargs)
+    except KeyboardInterrupt:
+        _reopen_closed(streams)
+        raise
+    except BaseException:   # whatever failed after a stream was closed failed because of it (a write to it)
+        closed = _reopen_closed(streams)
+        if closed:
+            raise _closed_streams(what, closed) from None
+        raise
+    closed = _reopen_closed(streams)
+    if closed:
+        raise _closed_streams(what, closed)
+    return result
+
+
+def _closed_streams(what: str, closed: list[str]) -> UserCodeError:
+    return UserCodeError(f"{what} closed {' and '.join(closed)}, where remat writes its results and errors",
+                         tip="do not close sys.stdout or sys.stderr in the workload; to silence output, redirect "
+                             "it (contextlib.redirect_stdout) inside your own code and let it restore the stream")
+
+
+def _call_user(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return fn(*args, **kwargs)
     except (RematError, KeyboardInterrupt):

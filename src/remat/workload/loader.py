@@ -66,15 +66,21 @@ def parse_shape(text: str | None) -> dict[str, ShapeValue]:
         if raw.lower() in ("true", "false"):
             out[key] = raw.lower() == "true"
             continue
-        try:
-            value = int(raw)
-        except ValueError:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = raw
+        # int() and float() read every Unicode digit ("٣" is 3); a number on a command line is ASCII, so
+        # anything else stays text, which a factory declaring an int refuses (NOTE [shape conformance])
+        value = _number(raw) if raw.isascii() else raw
         out[key] = value
     return out
+
+
+def _number(raw: str) -> ShapeValue:
+    try:
+        return int(raw)
+    except ValueError:
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -213,6 +219,14 @@ def _check_device(device: str) -> None:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise WorkloadError(f"unknown device {device!r}: {exc}", tip="use cpu or cuda (cuda:N)") from exc
+    if dev.type not in ("cpu", "cuda"):
+        # remat measures bytes with the CUDA allocator or its CPU counters (remat.memory), nothing else; and
+        # a meta tensor has no storage, so no step runs on it at all (torch fails at the first .item())
+        why = "meta tensors have a shape and no storage, so no training step runs on them" if dev.type == "meta" \
+            else f"remat measures memory on cpu and cuda only, not {dev.type}"
+        raise WorkloadError(f"--device {device}: {why}",
+                            tip="use --device cpu or cuda (cuda:N); to plan without allocating, --simulate "
+                                "(it runs the step on meta tensors under FakeTensorMode)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise WorkloadError(f"device {device!r} was asked for but torch.cuda.is_available() is False "
                             f"(torch {torch.__version__})",
@@ -240,11 +254,24 @@ def load_workload(
     dtype: str = "float32",
     autocast: str | None = None,
 ) -> LoadedWorkload:
-    """Build the workload ``spec`` at ``shape``; typed :class:`WorkloadError` on any misuse. ``autocast``
-    (``"bf16"``, ``"fp16"``): its forward runs under ``torch.autocast`` (NOTE [autocast steps])."""
+    """Build the workload ``spec`` at ``shape``; typed :class:`WorkloadError` on any misuse (a device remat
+    cannot measure on, ``meta`` included). ``autocast`` (``"bf16"``, ``"fp16"``): its forward runs under
+    ``torch.autocast`` (NOTE [autocast steps])."""
+    _check_device(device)
+    return _load(spec, shape, device=device, dtype=dtype, autocast=autocast)
+
+
+def load_workload_on_meta(spec: str, shape: dict[str, ShapeValue] | None = None, *,
+                          dtype: str = "float32") -> LoadedWorkload:
+    """Build ``spec`` at ``shape`` on the meta device: only for simulation (remat.simulate), which runs its
+    step under FakeTensorMode; :func:`load_workload` refuses ``meta``, on which no real step runs."""
+    return _load(spec, shape, device="meta", dtype=dtype, autocast=None)
+
+
+def _load(spec: str, shape: dict[str, ShapeValue] | None, *, device: str, dtype: str,
+          autocast: str | None) -> LoadedWorkload:
     shape = dict(shape or {})
     autocast = parse_autocast(autocast)
-    _check_device(device)
     factory = _resolve_factory(spec)
     names, var_kw = factory_keywords(factory)
     unknown = sorted(k for k in shape if k not in names and not var_kw)

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..contract import Workload
+from . import check_sizes
 
 
 class BasicBlock(nn.Module):
@@ -46,6 +47,8 @@ class ResNet(nn.Module):
 
 def build(batch_size: int = 16, image_size: int = 32, width: int = 32, blocks_per_stage: int = 2,
           num_classes: int = 10, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Workload:
+    check_sizes("cnn", batch_size=batch_size, image_size=image_size, width=width, blocks_per_stage=blocks_per_stage,
+                num_classes=num_classes)
     model = ResNet((width, 2 * width, 4 * width), blocks_per_stage, num_classes).to(device=device, dtype=dtype)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ...errors import ShapeError
 from ..contract import Workload
+from . import check_sizes
 
 
 class CausalSelfAttention(nn.Module):
@@ -98,6 +100,13 @@ class GPT(nn.Module):
 def build(batch_size: int = 8, seq_len: int = 128, n_layer: int = 6, d_model: int = 256,
           n_head: int = 4, vocab: int = 1024, dropout: float = 0.1, *,
           device: str = "cpu", dtype: torch.dtype = torch.float32) -> Workload:
+    check_sizes("gpt", batch_size=batch_size, seq_len=seq_len, n_layer=n_layer, d_model=d_model, n_head=n_head,
+                vocab=vocab)
+    if d_model % n_head:   # the heads split d_model evenly (CausalSelfAttention's view), else an assert deep inside
+        raise ShapeError(f"workload 'gpt': d_model={d_model} is not a multiple of n_head={n_head}",
+                         tip=f"pass a d_model divisible by n_head, e.g. --shape d_model={n_head * max(1, d_model // n_head)}")
+    if not 0.0 <= dropout < 1.0:
+        raise ShapeError(f"workload 'gpt': dropout={dropout!r} must lie in [0, 1)", tip="e.g. --shape dropout=0.1")
     model = GPT(vocab, seq_len, n_layer, d_model, n_head, dropout).to(device=device, dtype=dtype)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

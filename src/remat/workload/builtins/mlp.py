@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..contract import Workload
+from . import check_sizes
 
 # Hidden width multipliers, cycled over depth: blocks save 1x, 4x, 2x, 8x... bytes.
 _MULTIPLIERS = (1, 4, 2, 8, 1, 2)
@@ -45,6 +46,7 @@ class ResidualMLP(nn.Module):
 
 def build(batch_size: int = 256, width: int = 256, depth: int = 12, d_in: int = 64, *,
           device: str = "cpu", dtype: torch.dtype = torch.float32) -> Workload:
+    check_sizes("mlp", batch_size=batch_size, width=width, depth=depth, d_in=d_in)
     model = ResidualMLP(d_in, width, depth).to(device=device, dtype=dtype)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
