@@ -13,7 +13,7 @@ from ..errors import RematError
 from ..frontier import (DEFAULT_PLANS, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
                         render_frontier_png, run_frontier, short_overhead)
 from ..memory.capacity import step_capacity
-from ..plan import Plan, budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
+from ..plan import budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
 from ..profile.blocked import profile_on_device
 from ..profile.model import StepSample
 from ..units import fmt_bytes
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # --world-size N: the shipped plan against the control on N ranks (distributed.json)
     if getattr(args, "world_size", None):
-        shipped = Plan.from_json(frontier.shipped_plan) if frontier.shipped_plan else None
+        shipped = frontier.shipped_plan
         dist = run_distributed_from_args(args, shipped, args.out)
         if dist is not None and not dist.passed:   # not the control's step, or a rank over the plan's budget
             return 1
