@@ -94,9 +94,9 @@ import torch
 from ..wrap import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_for_device
 from ..errors import BudgetError, DeviceTooSmall, WorkloadError
-from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
+from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier
 from ..frontier.pareto import SamplePeak, ShipDecision, Verdict, ship_decision
-from ..measure import held_bytes_at_phase, prepare_arm
+from ..measure import CompileSpec, held_bytes_at_phase, prepare_arm, shape_value
 from ..memory.capacity import step_capacity
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, budget_on_device, check_budget_syntax
 from ..profile import ProfileReport, module_revision
@@ -106,7 +106,6 @@ from ..profile.sample import sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import Phase, ProgressFn, no_progress
 from ..verify import VerifyReport, tolerance_table, verify_plan
-from ..measure import CompileSpec
 from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
                              ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
 from ..units import mib
