@@ -158,8 +158,7 @@ class RunSettings:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RunSettings":
-        # a receipt from before the step sample profiled and measured one step
-        return cls(**{**d, "frontier_plans": list(d["frontier_plans"]), "sample_steps": d.get("sample_steps", 1)})
+        return cls(**{**d, "frontier_plans": list(d["frontier_plans"])})
 
 
 # -- per boundary ----------------------------------------------------------------------------------
