@@ -106,6 +106,7 @@ from ..profile.sample import sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
 from ..types import Phase, ProgressFn, no_progress
 from ..verify import VerifyReport, tolerance_table, verify_plan
+from ..verify.model import RunMode
 from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
                              ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
 from ..units import mib
@@ -178,7 +179,7 @@ def _fixture(loaded: LoadedWorkload, module: str, params: tuple[str, ...], plan:
         tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected)
     return Fixture(
         name=FIXTURE_NAME, seeds=tuple(range(settings.verify_seeds)), steps=settings.verify_steps,
-        modes=("train", "eval"), dtype=loaded.dtype, tolerance=table.get(loaded.dtype, table["float32"]),
+        modes=(RunMode.TRAIN, RunMode.EVAL), dtype=loaded.dtype, tolerance=table.get(loaded.dtype, table["float32"]),
         parameters=params, passed=_fixture_passed(module, plan, verification),
         forward_calls_per_step=None if act is None else act.forward_calls.get("train"),
         replay_calls_per_step=None if act is None else act.replay_calls.get("train"),
