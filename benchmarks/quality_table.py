@@ -75,7 +75,7 @@ def rows_of(w: dict) -> tuple[list[str], list[float], list[float]]:
                              step_ms=a["step_ms"], boundaries=a["boundaries"])
                for a in arms.values() if a.get("p50_ms") is not None and a.get("peak_bytes") is not None
                and (a["label"] in REMAT_PLANS or a["label"].startswith(("first-k@", "remat optimal@")))]
-        shipped = decide(own, budget_bytes=limit, reserve=0.0)
+        _, shipped = decide(own, budget_bytes=limit, reserve=0.0)
         if shipped is None or best is None:
             cells.append("-" if shipped is None else shipped.plan)
         else:

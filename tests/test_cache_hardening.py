@@ -238,3 +238,17 @@ def test_a_device_fit_entry_is_checked_against_the_capacity(stored):
     # a CUDA call never takes CPU figures
     assert "not an instrument of a cuda device" in stale_entry(own, key, capacity_bytes=cap, capacity_stated=True,
                                                               budget=None, device_type="cuda", job=False)
+
+
+def test_the_key_digest_reads_the_engine_by_its_value(stored):
+    """The engine is a JobEngine in the key; its digest is the sha256 of the key's JSON with the engine's
+    value, so entries written when the field was the string keep their names (hand-computed digest);
+    another engine names another entry."""
+    import hashlib
+    import json
+    from remat.autoplan.inplace import JobEngine
+    _, own, _ = stored
+    key = dataclasses.replace(_key(own, "60%"), engine=JobEngine.DDP)
+    as_written = {**dataclasses.asdict(key), "engine": "ddp"}
+    assert key.digest == hashlib.sha256(json.dumps(as_written, sort_keys=True, default=str).encode()).hexdigest()
+    assert key.digest != dataclasses.replace(key, engine=JobEngine.FSDP2).digest

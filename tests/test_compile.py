@@ -226,7 +226,7 @@ def test_frontier_aims_torch_budget_at_the_peak():
     assert report.shipped is not None
     shipped = report.shipped_plan
     if report.shipped.plan.startswith("torch-budget@"):
-        assert shipped["compile"]["memory_budget"] == best.ratio and shipped["boundaries"] == []
+        assert shipped.compile.memory_budget == best.ratio and shipped.boundaries == []
 
 
 def test_frontier_compile_refuses_zero_budget_tries():

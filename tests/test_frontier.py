@@ -71,7 +71,11 @@ def test_decide_ships_fastest_plan_that_fits_and_gives_reasons():
         FrontierPoint(plan="optimal@10%", planner="optimal", decision=Decision.INFEASIBLE,
                       reason="infeasible (floor 50.00 MiB)"),
     ]
-    shipped = decide(pts, budget_bytes=90 * MIB, reserve=0.0)
+    given = [json.dumps(p.to_json()) for p in pts]
+    decided, shipped = decide(pts, budget_bytes=90 * MIB, reserve=0.0)
+    assert [json.dumps(p.to_json()) for p in pts] == given      # the points given are not changed
+    assert decided[1].decision is Decision.SHIP and pts[1].decision is not Decision.SHIP
+    pts = decided
     by = {p.plan: p for p in pts}
     assert shipped is by["a"] and by["a"].decision is Decision.SHIP and by["a"].pareto
     assert by["none"].decision is Decision.REJECT and by["none"].reason.startswith("over budget")
@@ -87,15 +91,17 @@ def test_decide_ships_fastest_plan_that_fits_and_gives_reasons():
 def test_decide_reserve_and_no_fit():
     pts = [_pt("none", 100, 10.0), _pt("all", 88, 14.0)]
     # 88 MiB fits 90 MiB, but not 90 MiB less 5% (85.5 MiB): nothing ships
-    assert decide(pts, budget_bytes=90 * MIB, reserve=0.05) is None
+    pts, shipped = decide(pts, budget_bytes=90 * MIB, reserve=0.05)
+    assert shipped is None
     assert all(p.decision is Decision.REJECT and p.reason.startswith("over budget") for p in pts)
     # the control ships when it fits: nothing is cheaper than not checkpointing
-    assert decide(pts, budget_bytes=200 * MIB, reserve=0.05).plan == "none"
+    assert decide(pts, budget_bytes=200 * MIB, reserve=0.05)[1].plan == "none"
 
 
 def test_decide_tie_breaks_on_lower_peak():
     pts = [_pt("none", 100, 10.0), _pt("x", 70, 12.0), _pt("y", 60, 12.0)]
-    assert decide(pts, budget_bytes=80 * MIB, reserve=0.0).plan == "y"
+    pts, shipped = decide(pts, budget_bytes=80 * MIB, reserve=0.0)
+    assert shipped.plan == "y"
     assert pts[1].reason.startswith("dominated by y")
 
 
@@ -103,7 +109,7 @@ def test_decide_tie_breaks_on_lower_peak():
 def test_decide_shipped_is_pareto_and_fastest_fitting(seed):
     rng = random.Random(100 + seed)
     pts = [_pt(f"p{i}", rng.randint(50, 120), float(rng.randint(5, 30))) for i in range(rng.randint(1, 8))]
-    shipped = decide(pts, budget_bytes=90 * MIB, reserve=0.05)
+    pts, shipped = decide(pts, budget_bytes=90 * MIB, reserve=0.05)
     fitting = [p for p in pts if p.peak_bytes <= int(90 * MIB * 0.95)]
     if not fitting:
         assert shipped is None
@@ -380,7 +386,7 @@ def test_three_runs_within_noise_ship_the_same_simpler_plan():
                _noisy("k1", 62, 80.0, 1, rng, drift=drift),
                _noisy("all", 40, 120.0, 12, rng, drift=drift)]            # fits, resolved slower
         faster_looking.append(min(pts[1:3], key=lambda p: p.p50_ms).plan)
-        s = decide(pts, budget_bytes=70 * MIB, reserve=0.0)
+        pts, s = decide(pts, budget_bytes=70 * MIB, reserve=0.0)
         shipped.append(s.plan)
         by = {p.plan: p for p in pts}
         assert by["all"].reason.startswith("slower than shipped k1")
@@ -398,7 +404,7 @@ def test_a_resolved_gain_ships_the_faster_plan_with_more_boundaries():
         drift = [rng.gauss(0.0, 0.1) for _ in range(12)]
         pts = [_noisy("k5", 64, 64.0, 5, rng, drift=drift, noise=0.02),
                _noisy("k1", 62, 80.0, 1, rng, drift=drift, noise=0.02)]
-        s = decide(pts, budget_bytes=70 * MIB, reserve=0.0)
+        pts, s = decide(pts, budget_bytes=70 * MIB, reserve=0.0)
         assert s.plan == "k5" and s.reason.startswith("lowest p50")
         assert pts[1].reason.startswith("slower than shipped k5")
 
@@ -476,7 +482,7 @@ def test_every_overhead_carries_its_interval_and_noise_is_said_to_be():
                          p50_ms=statistics.median(shuffled), p95_ms=max(shuffled), boundaries=["h.0:full"])
     few = FrontierPoint(plan="few", planner="few", peak_bytes=50 * MIB, step_ms=[60.0, 61.0], p50_ms=60.5,
                         p95_ms=61.0, boundaries=["h.0:full"])
-    decide([ctrl, slow, same, few], budget_bytes=90 * MIB, reserve=0.0)
+    (ctrl, slow, same, few), _ = decide([ctrl, slow, same, few], budget_bytes=90 * MIB, reserve=0.0)
     truth = (statistics.median(slow.step_ms) - ctrl.p50_ms) / ctrl.p50_ms * 100.0
     oi = slow.overhead_interval
     assert oi.resolved and oi.pct == pytest.approx(truth) and oi.low_pct <= truth <= oi.high_pct
@@ -505,7 +511,7 @@ def test_an_interval_that_excludes_zero_but_fails_the_sign_test_is_not_called_no
     for n, resolved in ((3, False), (MIN_SIGN_ROUNDS, True)):
         ctrl = point("none", [100.0 + i for i in range(n)], [])
         slow = point("all", [131.0 + i for i in range(n)], ["h.0:full"])  # each round 31 ms slower
-        decide([ctrl, slow], budget_bytes=90 * MIB, reserve=0.0)
+        (ctrl, slow), _ = decide([ctrl, slow], budget_bytes=90 * MIB, reserve=0.0)
         oi = slow.overhead_interval
         assert oi.low_pct > 0.0 and oi.resolved is resolved
         d = p50_difference(slow.step_ms, ctrl.step_ms)

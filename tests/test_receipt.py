@@ -550,3 +550,19 @@ def test_schema_words_are_the_enums_words():
     assert set(sc.UNSUPPORTED.required["status"].values) == words(Coverage)
     assert set(sc.DECISION.required["status"].values) == words(ShipStatus)
     assert set(sc.VERIFICATION.required["rng_policy"].required["policy"].values) == words(RngPolicyKind)
+
+
+def test_settings_without_sample_steps_are_refused_not_read_as_one_step():
+    """The receipt format is days old: settings that do not say how many steps were sampled are refused
+    by the schema (the wrong case), where they were once read as a single step; the same settings with
+    the field read back as written (the safe twin)."""
+    from remat._json import validate
+    from remat.errors import RematError
+    from remat.receipt.model import RunSettings
+    from remat.receipt.schema import SETTINGS
+    d = RunSettings(sample_steps=4).to_json()
+    validate(d, SETTINGS, error=RematError, what="settings")
+    assert RunSettings.from_json(d).sample_steps == 4
+    old = {k: v for k, v in d.items() if k != "sample_steps"}
+    with pytest.raises(RematError, match="sample_steps"):
+        validate(old, SETTINGS, error=RematError, what="settings")

@@ -59,7 +59,7 @@ def test_replanning_stops_after_max_rounds(monkeypatch, report):
     def one_round(loaded, report, *a, **k):
         rounds.append(sorted(report.excluded))
         return build._Round(closed=None, note="", frontier=None, plan=f"plan{len(rounds)}", label=None,
-                            evidence=build._Evidence())
+                            evidence=build._Evidence(), decision=None)
     monkeypatch.setattr(build, "_one_round", one_round)
     monkeypatch.setattr(build, "_hazardous", lambda plan, v: {f"b{plan[-1]}": "hook: fires again"})
     proved = build._plan_and_prove(None, report, 1, 0.0, SETTINGS, None, StepSample.of(1, []), lambda *a: None)

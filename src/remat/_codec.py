@@ -361,21 +361,35 @@ def spec_of(hint: Any, where: str, length: Len = Len(MAX_LIST)) -> Spec:
         given = [m for m in hint.__metadata__ if isinstance(m, Spec)]
         lengths = [m for m in hint.__metadata__ if isinstance(m, Len)]
         return given[0] if given else spec_of(args[0], where, *lengths)
+    spec = _generic_spec(origin, args, where, length)
+    if spec is None:
+        spec = _plain_spec(hint)
+    if spec is None:
+        raise TypeError(f"{where}: {hint!r} needs its bound in the annotation (Annotated[..., <a Spec>])")
+    return spec
+
+
+def _generic_spec(origin: Any, args: tuple[Any, ...], where: str, length: Len) -> Spec | None:
+    """``X | None``, ``list[X]``, ``tuple[X, ...]`` and ``tuple[X, Y]``; None for any other origin."""
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1 and len(rest) < len(args):
-            return Opt(spec_of(rest[0], where))
-    elif origin is list or (origin is tuple and Ellipsis in args):
+        return Opt(spec_of(rest[0], where)) if len(rest) == 1 and len(rest) < len(args) else None
+    if origin is list or (origin is tuple and Ellipsis in args):
         return List(spec_of(args[0], where), max_len=length.max_len, min_len=length.min_len)
-    elif origin is tuple:
+    if origin is tuple:
         return Tuple(*(spec_of(a, where) for a in args))
-    elif hint is bool:
+    return None
+
+
+def _plain_spec(hint: Any) -> Spec | None:
+    """A bool, an enum by its values, a dataclass by :func:`schema`; None for anything else."""
+    if hint is bool:
         return Bool()
-    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return Enum(*(m.value for m in hint))
-    elif dataclasses.is_dataclass(hint):
+    if dataclasses.is_dataclass(hint):
         return schema(hint)
-    raise TypeError(f"{where}: {hint!r} needs its bound in the annotation (Annotated[..., <a Spec>])")
+    return None
 
 
 class JsonCodec:

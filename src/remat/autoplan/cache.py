@@ -54,6 +54,7 @@ from .._io import CACHE_ENV_VAR as ENV_VAR, default_cache_dir
 from ..errors import BudgetError, OutputError
 from ..plan import Plan, parse_budget
 from ..types import MemorySource
+from .inplace import JobEngine
 
 
 class PlanCacheWarning(UserWarning):
@@ -98,7 +99,7 @@ class CacheKey:
     torch_version: str
     remat_version: str
     world_size: int = 1            # a job's plan is the job's (NOTE [one plan per job])
-    engine: str = "none"           # JobEngine: how the model is wrapped (none, ddp, fsdp2)
+    engine: JobEngine = JobEngine.NONE   # how the model is wrapped (its value in the digest)
     autocast: str | None = None    # the step's autocast dtype (NOTE [autocast steps]): it changes every peak
     accumulation_steps: int = 1    # above 1 the step runs with gradients alive (NOTE [accumulated step])
 

@@ -454,7 +454,7 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
         optimizer=source.optimizer.key(), device=device_identity(source.device),
         torch_version=torch.__version__, remat_version=__version__,
         world_size=ranks.world_size if ranks is not None else 1,
-        engine=source.engine.value if isinstance(source, InPlaceSource) else JobEngine.NONE.value,
+        engine=source.engine if isinstance(source, InPlaceSource) else JobEngine.NONE,
         autocast=source.autocast, accumulation_steps=source.accumulation_steps)
 
 

@@ -13,7 +13,7 @@ from ..errors import RematError
 from ..frontier import (DEFAULT_PLANS, Decision, FrontierPoint, FrontierReport, FrontierSettings, parse_plan_requests,
                         render_frontier_png, run_frontier, short_overhead)
 from ..memory.capacity import step_capacity
-from ..plan import Plan, budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
+from ..plan import budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
 from ..profile.blocked import profile_on_device
 from ..profile.model import StepSample
 from ..units import fmt_bytes
@@ -125,6 +125,22 @@ def render_frontier(report: FrontierReport) -> None:
     _print_decisions(report)
 
 
+def _checked_flags(args: argparse.Namespace, capacity: int | None) -> float:
+    """Cheap checks first, a typo should not cost minutes of profiling: the reserve, else a usage error."""
+    reserve = parse_reserve(args.reserve)
+    if args.budget is not None:
+        check_budget_syntax(args.budget)
+    if capacity is not None and args.budget is not None and not str(args.budget).strip().endswith("%"):
+        budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
+    parse_plan_requests(args.plans)
+    for name in ("steps", "warmup", "capacity_tries", "capacity_steps", "capacity_granularity"):
+        if getattr(args, name) < 1:
+            raise RematError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.capacity_max is not None and args.capacity_max < 1:
+        raise RematError(f"--capacity-max must be at least 1, got {args.capacity_max}")
+    return reserve
+
+
 def run(args: argparse.Namespace) -> int:
     capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
     if args.budget is None and (capacity is None or args.engine == "pipeline"):
@@ -137,18 +153,7 @@ def run(args: argparse.Namespace) -> int:
         return run_pipeline_frontier(args)
     if getattr(args, "world_size", None):
         refuse_autocast_with(args, "--world-size", "the distributed run does not run the step under autocast")
-    # cheap checks first: a typo should not cost minutes of profiling
-    reserve = parse_reserve(args.reserve)
-    if args.budget is not None:
-        check_budget_syntax(args.budget)
-    if capacity is not None and args.budget is not None and not str(args.budget).strip().endswith("%"):
-        budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
-    parse_plan_requests(args.plans)
-    for name in ("steps", "warmup", "capacity_tries", "capacity_steps", "capacity_granularity"):
-        if getattr(args, name) < 1:
-            raise RematError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.capacity_max is not None and args.capacity_max < 1:
-        raise RematError(f"--capacity-max must be at least 1, got {args.capacity_max}")
+    reserve = _checked_flags(args, capacity)
     check_out_dir(args.out, ("frontier.json", "frontier.png", "distributed.json"))
     loaded = load_from_args(args)
     # NOTE [device capacity]: on the CPU every step runs under the stated capacity, enforced
@@ -173,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # --world-size N: the shipped plan against the control on N ranks (distributed.json)
     if getattr(args, "world_size", None):
-        shipped = Plan.from_json(frontier.shipped_plan) if frontier.shipped_plan else None
+        shipped = frontier.shipped_plan
         dist = run_distributed_from_args(args, shipped, args.out)
         if dist is not None and not dist.passed:   # not the control's step, or a rank over the plan's budget
             return 1

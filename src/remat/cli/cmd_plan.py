@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..closed_loop import ClosedLoopResult, plan_for_device
-from ..memory.capacity import step_capacity
+from ..closed_loop import ClosedLoopResult
 from ..plan import PLANNER_SPECS, Plan, budget_on_device, check_budget_syntax, parse_budget, parse_capacity, parse_reserve
 from ..plan.offload import measured_pricing, modelled_pricing
 from ..errors import WorkloadError
-from ..profile import ProfileReport, profile_simulated
-from ..profile.model import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, SampleRecord, StepSample
-from ..profile.blocked import profile_on_device
+from ..profile import ProfileReport
+from ..profile.model import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, StepSample
+from ..workflow.plan import PlanSettings, plan_simulated, plan_step
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder, compile_from_args,
-                     load_from_args, recorded_workload, refuse_autocast_with)
+from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder, simulate_compile_from_args,
+                     load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
 
@@ -73,76 +73,54 @@ def add_sample_args(p: argparse.ArgumentParser, *, boundary_shape: bool = True) 
 
 
 def sample_from_args(args: argparse.Namespace) -> StepSample:
-    boundary = parse_shape(getattr(args, "boundary_shape", "") or "")
+    boundary = parse_shape(args.boundary_shape)
     return StepSample.of(args.sample_steps, [boundary] if boundary else [])
 
 
 def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, ClosedLoopResult | Plan]:  # noqa: ANN001
-    """Shared by ``plan`` and ``receipt``: profile, then plan (closed loop unless --no-measure)."""
-    from ..plan import make_plan
-    reserve = parse_reserve(args.reserve)
-    if args.budget is not None:
-        check_budget_syntax(args.budget)  # syntax check before minutes of profiling
-    capacity = parse_capacity(args.device_memory) if getattr(args, "device_memory", None) is not None else None
-    if capacity is not None:
-        if getattr(args, "simulate", False):
-            raise WorkloadError("--device-memory is measured, not simulated", tip="drop --simulate, or --device-memory")
-        if args.budget is not None and not str(args.budget).strip().endswith("%"):
-            budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
-    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
-    if getattr(args, "target_device", None) and not getattr(args, "simulate", False):
-        raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
-    compile = compile_from_args(args)
-    if compile is not None and getattr(args, "simulate", False):
-        raise WorkloadError("--compile cannot be simulated: a compiled step's peak is measured, not modelled",
-                            tip="drop --simulate, or --compile")
-    host_budget = _host_budget_from_args(args, compile)
-    if getattr(args, "simulate", False):
-        if getattr(args, "boundary_shape", ""):
+    """``remat plan``'s flags, checked before any work, then one library call: ``plan_simulated`` with
+    --simulate, else ``plan_step`` (closed loop unless --no-measure)."""
+    settings, host_budget = _settings_from_args(args)
+    if args.simulate:
+        if args.boundary_shape:
             raise WorkloadError("--boundary-shape is measured, not simulated: it joins the steps of a second build "
                                 "to the sample (NOTE [step sample])", tip="drop --simulate, or plan --simulate at "
                                                                           "the longer shape with --shape")
         from ..simulate import get_device_model
-        from ..plan import PlanWorkload
         refuse_autocast_with(args, "--simulate", "the simulated step models the workload's own dtype only")
         target = args.target_device or ("h100" if args.device.startswith("cuda") else "cpu")
         get_device_model(target)  # a typed error for an unknown device, before profiling
-        report = profile_simulated(args.workload, parse_shape(args.shape), dtype=args.dtype, target_device=target,
-                                   candidates=candidates, progress=progress)
-        budget = parse_budget(args.budget, report.baseline_peak_bytes) if args.budget is not None else None
-        offload = modelled_pricing(target, host_budget_bytes=host_budget) if getattr(args, "offload", False) else None
-        plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve, allow_hazards=args.allow_hazards,
-                         offload=offload)
-        plan.workload = PlanWorkload(spec=args.workload, shape=parse_shape(args.shape), device=args.device,
-                                     dtype=args.dtype)
-        return report, plan
-    offload = measured_pricing(args.device, host_budget_bytes=host_budget) if getattr(args, "offload", False) else None
+        if args.offload:
+            settings = dataclasses.replace(settings, offload=modelled_pricing(target, host_budget_bytes=host_budget))
+        return plan_simulated(args.workload, parse_shape(args.shape), dtype=args.dtype, device=args.device,
+                              target_device=target, settings=settings, progress=progress)
+    if args.offload:
+        settings = dataclasses.replace(settings, offload=measured_pricing(args.device, host_budget_bytes=host_budget))
     loaded = load_from_args(args)
-    sample = sample_from_args(args)
-    # NOTE [device capacity]: on the CPU every step runs under the stated capacity, enforced
-    with step_capacity(capacity if args.device == "cpu" else None):
-        report, blocked = profile_on_device(loaded, sample, capacity_bytes=capacity, candidates=candidates,
-                                            progress=progress)
-        budget = budget_on_device(args.budget, report.baseline_peak_bytes, capacity)
-        if args.no_measure:
-            plan = make_plan(report, args.planner, budget_bytes=budget, reserve=reserve,
-                             allow_hazards=args.allow_hazards, offload=offload)
-            plan.compile = compile   # run compiled wherever it is applied by remat; not measured here
-            plan.workload = recorded_workload(loaded)
-            plan.sample = None if sample.is_single else SampleRecord(sample=sample)   # profiled on it, not measured
-            plan.blocked = blocked
-            return report, plan
-        result = plan_for_device(loaded, report, args.planner, budget_bytes=budget, capacity_bytes=capacity,
-                                 blocked=blocked, reserve=reserve, allow_hazards=args.allow_hazards, compile=compile,
-                                 offload=offload, sample=None if sample.is_single else sample, progress=progress)
-    result.plan.workload = recorded_workload(loaded)   # NOTE [plan workload]
-    return report, result
+    return plan_step(loaded, settings, sample_from_args(args), progress)
+
+
+def _settings_from_args(args: argparse.Namespace) -> tuple[PlanSettings, int | None]:
+    """(the settings the flags give, offload pricing to come; the host budget, bytes): usage errors before any work."""
+    reserve = parse_reserve(args.reserve)
+    if args.budget is not None:
+        check_budget_syntax(args.budget)  # syntax check before minutes of profiling
+    capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
+    if capacity is not None:
+        if args.simulate:
+            raise WorkloadError("--device-memory is measured, not simulated", tip="drop --simulate, or --device-memory")
+        if args.budget is not None and not str(args.budget).strip().endswith("%"):
+            budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
+    compile = simulate_compile_from_args(args)
+    return PlanSettings(planner=args.planner, budget=args.budget, reserve=reserve, capacity_bytes=capacity,
+                        candidates=candidates, allow_hazards=args.allow_hazards, measure=not args.no_measure,
+                        compile=compile), _host_budget_from_args(args, compile)
 
 
 def _host_budget_from_args(args: argparse.Namespace, compile) -> int | None:  # noqa: ANN001
     """``--offload`` / ``--host-budget``: usage errors before any work, and the host budget (bytes) or None."""
-    offload = getattr(args, "offload", False)
-    host_budget = getattr(args, "host_budget", None)
+    offload, host_budget = args.offload, args.host_budget
     if host_budget is not None and not offload:
         raise WorkloadError("--host-budget only applies with --offload", tip="add --offload")
     if not offload:

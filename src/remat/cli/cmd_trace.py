@@ -16,7 +16,7 @@ from ..trace import StepTrace, to_perfetto, trace_on_device, trace_workload
 from ..workload import parse_shape
 from ..units import fmt_bytes
 from .common import (MAX_STEPS, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder,
-                     compile_from_args, load_from_args)
+                     simulate_compile_from_args, load_from_args)
 from .render import console, progress_bar
 
 
@@ -58,19 +58,55 @@ def render_trace(trace: StepTrace, title: str) -> None:
     console.print(f"largest contributors: {top}")
 
 
+def _checked_flags(args: argparse.Namespace):  # noqa: ANN202 - (CompileSpec | None, capacity bytes | None)
+    """Usage errors before any work: (the compile spec, the device capacity in bytes)."""
+    compile = simulate_compile_from_args(args)
+    capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
+    if capacity is not None and (args.simulate or compile is not None):
+        raise WorkloadError("--device-memory traces the eager step measured", tip="drop --simulate and --compile")
+    return compile, capacity
+
+
+def _on_device(args: argparse.Namespace, capacity: int, boundary: dict, progress):  # noqa: ANN001, ANN202
+    """The step traced under the device capacity; DeviceTooSmall (refusal.json written) when it does not fit."""
+    found, refusal = trace_on_device(load_from_args(args), capacity, warmup=args.warmup, steps=args.steps,
+                                     boundary_shape=boundary or None, progress=progress)
+    if refusal is not None:
+        atomic_write_json(args.out / "refusal.json", refusal_to_json(refusal))
+        raise DeviceTooSmall(f"the unplanned step does not fit the device capacity of {fmt_bytes(capacity)}: "
+                             f"{describe_refusal(refusal)}; wrote {args.out / 'refusal.json'}. remat plan "
+                             "with the same --device-memory plans it from smaller batches",
+                             capacity_bytes=capacity, floor_bytes=None)
+    assert found is not None
+    return found
+
+
+def _write_simulation(args: argparse.Namespace, sim, trace) -> None:  # noqa: ANN001
+    atomic_write_json(args.out / "simulation.json", sim.to_json())
+    dm = sim.device_model
+    console.print(f"simulated for {dm.description}: predicted step {sim.runtime.step_ms:.1f} ms "
+                  f"(roofline x {dm.calibration:g}); peak {fmt_bytes(trace.peak_bytes)} "
+                  f"{'fits' if sim.fits else '[bold red]does not fit[/]'} in {fmt_bytes(dm.memory_bytes)}; "
+                  f"simulated in {sim.wall_s:.1f} s")
+
+
+def _write_compiled(args: argparse.Namespace, compile, compiled, trace) -> None:  # noqa: ANN001
+    atomic_write_json(args.out / "compiled.json", {
+        "compile": compile.to_json(), **compiled.to_json(),
+        "eager_peak_bytes": trace.peak_bytes, "eager_memory_source": trace.memory_source.value,
+        "note": "the phase trace (trace.json) is the eager step: the live-tensor tracker would run compiled "
+                "code eagerly; this file is the compiled whole step, measured warm after compiling"})
+    console.print(f"compiled ({compile.describe()}): peak {fmt_bytes(compiled.peak_bytes)} "
+                  f"({compiled.memory_source.value}) vs eager {fmt_bytes(trace.peak_bytes)}; warm p50 "
+                  f"{compiled.p50_ms:.1f} ms; compile {compiled.compile_s or 0:.1f} s (not in the step times); "
+                  f"wrote {args.out / 'compiled.json'}", highlight=False)
+
+
 def run(args: argparse.Namespace) -> int:
     boundary = parse_shape(args.boundary_shape)
     check_out_dir(args.out, ("trace.json", "trace.perfetto.json", "simulation.json", "trace.boundary.perfetto.json",
                              "compiled.json", "refusal.json"))
-    if args.target_device and not args.simulate:
-        raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
-    compile = compile_from_args(args)
-    if compile is not None and args.simulate:
-        raise WorkloadError("--compile cannot be simulated: a compiled step's peak is measured, not modelled",
-                            tip="drop --simulate, or --compile")
-    capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
-    if capacity is not None and (args.simulate or compile is not None):
-        raise WorkloadError("--device-memory traces the eager step measured", tip="drop --simulate and --compile")
+    compile, capacity = _checked_flags(args)
     compiled = None
     sim = None
     with progress_bar() as progress:
@@ -81,16 +117,7 @@ def run(args: argparse.Namespace) -> int:
                                     progress=progress)
             trace = sim.trace
         elif capacity is not None:
-            found, refusal = trace_on_device(load_from_args(args), capacity, warmup=args.warmup, steps=args.steps,
-                                             boundary_shape=boundary or None, progress=progress)
-            if refusal is not None:
-                atomic_write_json(args.out / "refusal.json", refusal_to_json(refusal))
-                raise DeviceTooSmall(f"the unplanned step does not fit the device capacity of {fmt_bytes(capacity)}: "
-                                     f"{describe_refusal(refusal)}; wrote {args.out / 'refusal.json'}. remat plan "
-                                     "with the same --device-memory plans it from smaller batches",
-                                     capacity_bytes=capacity, floor_bytes=None)
-            assert found is not None
-            trace = found
+            trace = _on_device(args, capacity, boundary, progress)
         else:
             loaded = load_from_args(args)
             trace = trace_workload(loaded, warmup=args.warmup, steps=args.steps,
@@ -102,22 +129,9 @@ def run(args: argparse.Namespace) -> int:
     atomic_write_json(args.out / "trace.perfetto.json", to_perfetto(trace))
     render_trace(trace, f"{trace.context.workload} {trace.context.shape or '(default shape)'}")
     if sim is not None:
-        atomic_write_json(args.out / "simulation.json", sim.to_json())
-        dm = sim.device_model
-        console.print(f"simulated for {dm.description}: predicted step {sim.runtime.step_ms:.1f} ms "
-                      f"(roofline x {dm.calibration:g}); peak {fmt_bytes(trace.peak_bytes)} "
-                      f"{'fits' if sim.fits else '[bold red]does not fit[/]'} in {fmt_bytes(dm.memory_bytes)}; "
-                      f"simulated in {sim.wall_s:.1f} s")
+        _write_simulation(args, sim, trace)
     if compiled is not None:
-        atomic_write_json(args.out / "compiled.json", {
-            "compile": compile.to_json(), **compiled.to_json(),
-            "eager_peak_bytes": trace.peak_bytes, "eager_memory_source": trace.memory_source.value,
-            "note": "the phase trace (trace.json) is the eager step: the live-tensor tracker would run compiled "
-                    "code eagerly; this file is the compiled whole step, measured warm after compiling"})
-        console.print(f"compiled ({compile.describe()}): peak {fmt_bytes(compiled.peak_bytes)} "
-                      f"({compiled.memory_source.value}) vs eager {fmt_bytes(trace.peak_bytes)}; warm p50 "
-                      f"{compiled.p50_ms:.1f} ms; compile {compiled.compile_s or 0:.1f} s (not in the step times); "
-                      f"wrote {args.out / 'compiled.json'}", highlight=False)
+        _write_compiled(args, compile, compiled, trace)
     if trace.boundary is not None:
         render_trace(trace.boundary, f"boundary shape {trace.boundary.context.shape}")
         atomic_write_json(args.out / "trace.boundary.perfetto.json", to_perfetto(trace.boundary))

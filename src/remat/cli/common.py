@@ -137,13 +137,6 @@ def stop_heartbeats() -> None:
         _BEATS.pop()()
 
 
-def recorded_workload(loaded: LoadedWorkload) -> Any:
-    """The PlanWorkload a plan made on ``loaded`` records (NOTE [plan workload])."""
-    from ..plan import PlanWorkload
-    return PlanWorkload(spec=loaded.spec, shape=dict(loaded.shape), device=loaded.device, dtype=loaded.dtype,
-                        autocast=loaded.autocast)
-
-
 def refuse_autocast_with(args: argparse.Namespace, flag: str, why: str) -> None:
     """``--autocast`` where ``flag`` is on and does not run autocast: a typed error, never ignored."""
     if getattr(args, "autocast", None):
@@ -240,3 +233,15 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 def compile_from_args(args: argparse.Namespace):  # noqa: ANN201 - CompileSpec | None
     from ..measure import CompileSpec
     return CompileSpec(backend=args.compile_backend) if getattr(args, "compile", False) else None
+
+
+def simulate_compile_from_args(args: argparse.Namespace):  # noqa: ANN201 - CompileSpec | None
+    """``--target-device`` and ``--compile`` checked against ``--simulate`` (usage errors before any work),
+    and the compile spec the flags give."""
+    if args.target_device and not args.simulate:
+        raise WorkloadError("--target-device only applies with --simulate", tip="add --simulate")
+    compile = compile_from_args(args)
+    if compile is not None and args.simulate:
+        raise WorkloadError("--compile cannot be simulated: a compiled step's peak is measured, not modelled",
+                            tip="drop --simulate, or --compile")
+    return compile

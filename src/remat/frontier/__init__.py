@@ -18,14 +18,12 @@ _LAZY = {   # name -> the module that defines it
     "render_frontier_png": "remat.frontier.plot",
     **dict.fromkeys(["CONTROL", "DEFAULT_PLANS", "FrontierSettings", "PlanRequest", "capacity_try", "parse_plan_requests",
                      "run_frontier"], "remat.frontier.run"),
-    # remat.measure's, still read from here by workflow/build.py
-    "shape_value": "remat.measure.run",
 }
 
 __all__ = ["CONTROL", "DEFAULT_PLANS", "FRONTIER_SCHEMA_VERSION", "CapacityResult", "CapacityTry", "Decision",
            "FrontierPoint", "FrontierReport", "FrontierSettings", "MeasureFn", "OverheadInterval", "P50Difference",
            "PlanRequest", "capacity_try", "decide", "describe_overhead", "dominates", "p50_difference", "pareto_flags",
-           "parse_plan_requests", "render_frontier_png", "run_frontier", "search_capacity", "shape_value",
+           "parse_plan_requests", "render_frontier_png", "run_frontier", "search_capacity",
            "short_overhead"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -12,6 +12,7 @@ from typing import Any
 
 from .._codec import FloatAsWritten, JsonCodec, from_json, json_field
 from ..errors import RematError
+from ..plan.model import Plan
 from ..types import MemorySource
 
 FRONTIER_SCHEMA_VERSION = 1
@@ -211,12 +212,12 @@ class FrontierReport(JsonCodec):
     # label of the unmodified step (overheads are against it); the JSON adds the shipped point's label
     control: str = json_field(default="none", then=(("shipped", "shipped_label"),))
     points: list[FrontierPoint]
-    shipped_plan: dict[str, Any] | None = None  # the shipped plan's Plan JSON (for receipts / remat.apply)
+    shipped_plan: Plan | None = None           # the shipped point's plan (for receipts / remat.apply)
     # --compile: torch's budget aimed at the peak; left out of the JSON when empty
     budget_search: list[BudgetTry] = json_field(default_factory=list, omit=[])
     # In-process only (not in the JSON, which keeps the shipped plan): the Plan each measured point
     # ran, by label, so a caller can verify or apply a point that did not ship.
-    plans: dict[str, Any] = json_field(default_factory=dict, repr=False, compare=False, skip=True)
+    plans: dict[str, Plan] = json_field(default_factory=dict, repr=False, compare=False, skip=True)
 
     @property
     def effective_budget_bytes(self) -> int:

@@ -26,7 +26,8 @@ This is one pure function, ``ship_decision``: it reads the points, each plan's m
 step sample where one was measured (judged instead of its first-step peak: NOTE [ship over the
 sample] in workflow/build.py) and the verdict of the picked plan's verification (a failed one
 ships nothing: NOTE [receipt decision] in workflow/build.py), and returns a ``ShipDecision``.
-``decide`` records it on the frontier's own points; the receipt records new points from it.
+Nothing is changed once it is decided: ``ShipDecision.points`` gives new points as it judged them,
+which the frontier's report and the receipt hold.
 
 NOTE [resolved differences]
 Two plans' warm step times come from one interleaved round-robin (NOTE [interleaved
@@ -186,12 +187,6 @@ class ShipDecision:
         """New points: each of ``points`` as this decision judged it (the points given are not changed)."""
         return [dataclasses.replace(p, **v.fields()) for p, v in zip(points, self.verdicts, strict=True)]
 
-    def record(self, points: Sequence[FrontierPoint]) -> None:
-        """Write each verdict onto its point, in place (the frontier's own report, made of them)."""
-        for p, v in zip(points, self.verdicts, strict=True):
-            for name, value in v.fields().items():
-                setattr(p, name, value)
-
 
 def ship_decision(points: Sequence[FrontierPoint], *, budget_bytes: int, reserve: float,
                   control: str | None = "none", sample_peaks: Mapping[str, SamplePeak] | None = None,
@@ -256,16 +251,14 @@ def _sampled_note(peak: SamplePeak | None) -> str:
     return "" if peak is None else f" (peak: its max over the step sample, {peak.describe()}; NOTE [step sample])"
 
 
-def decide(points: list[FrontierPoint], *, budget_bytes: int, reserve: float,
-           control: str | None = "none") -> FrontierPoint | None:
-    """The frontier's own decision (``ship_decision``), recorded on its ``points`` (in place): sets
-    ``fits``, ``pareto``, ``overhead_pct``, ``overhead_interval``, ``decision`` and ``reason``.
-
-    Returns the shipped point, or None when no measured point fits. See NOTE [ship decision].
-    """
-    decision = ship_decision(points, budget_bytes=budget_bytes, reserve=reserve, control=control)
-    decision.record(points)
-    return next((p for p, v in zip(points, decision.verdicts) if v.decision is Decision.SHIP), None)
+def decide(points: Sequence[FrontierPoint], *, budget_bytes: int, reserve: float,
+           control: str | None = "none") -> tuple[list[FrontierPoint], FrontierPoint | None]:
+    """The frontier's own decision (``ship_decision``, no sample and no verification yet): (new points,
+    each with ``fits``, ``pareto``, ``overhead_pct``, ``overhead_interval``, ``decision`` and ``reason``
+    as it judged them; the shipped one among them, or None when no measured point fits). ``points``
+    are not changed. See NOTE [ship decision]."""
+    judged = ship_decision(points, budget_bytes=budget_bytes, reserve=reserve, control=control).points(points)
+    return judged, next((p for p in judged if p.decision is Decision.SHIP), None)
 
 
 def _overhead(p: FrontierPoint, ctrl: FrontierPoint | None) -> tuple[float | None, OverheadInterval | None]:

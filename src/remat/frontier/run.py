@@ -322,11 +322,11 @@ def run_frontier(loaded: LoadedWorkload, settings: FrontierSettings, *, report: 
                   max_tries=settings.capacity_tries, granularity=settings.capacity_granularity,
                   steps=settings.capacity_steps, progress=progress)
     # 5. decide
-    shipped = decide(points, budget_bytes=settings.budget_bytes, reserve=settings.reserve, control=CONTROL)
+    decided, shipped = decide(points, budget_bytes=settings.budget_bytes, reserve=settings.reserve, control=CONTROL)
     return FrontierReport(context=_context(loaded, report, settings, start=start, interleaved=interleaved),
                           budget_bytes=settings.budget_bytes, reserve=float(settings.reserve),
-                          capacity_key=settings.capacity_key or "", points=points, control=CONTROL,
-                          shipped_plan=None if shipped is None else plans[shipped.plan].to_json(),
+                          capacity_key=settings.capacity_key or "", points=decided, control=CONTROL,
+                          shipped_plan=None if shipped is None else plans[shipped.plan],
                           budget_search=budget_search, plans=dict(plans))
 
 

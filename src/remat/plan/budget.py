@@ -79,6 +79,22 @@ def parse_budget(text: str | int | float, baseline_peak_bytes: int) -> int:
     unmodified step). Malformed, zero or negative, a byte count with a fraction (``1.5``, ``"1.5"``, a
     float share such as ``0.7``: a share is ``"70%"``) or digits other than ASCII -> BudgetError.
     """
+    value, unit, text = _quantity(text)
+    if value <= 0:
+        raise BudgetError(f"budget must be positive, got {text!r}")
+    if value.adjusted() < -30:
+        raise BudgetError(f"budget {text!r} is less than one byte")
+    nbytes = _share_bytes(value, text, baseline_peak_bytes) if unit == "%" else _unit_bytes(value, unit, text)
+    if nbytes > MAX_BUDGET_BYTES:
+        raise BudgetError(f"budget {text!r} is out of range: at most {MAX_BUDGET_BYTES} bytes (1 EiB)")
+    if nbytes < 1:
+        raise BudgetError(f"budget {text!r} is less than one byte")
+    return nbytes
+
+
+def _quantity(text: str | int | float) -> tuple[Decimal, str | None, str | int]:
+    """(the number, its unit or "%" or None for bytes, ``text`` as the messages quote it); BudgetError
+    when it is not a budget's form."""
     if isinstance(text, bool):
         raise BudgetError(f"budget must be {_BUDGET_FORMS}; got {text!r}")
     if isinstance(text, float):
@@ -86,50 +102,45 @@ def parse_budget(text: str | int | float, baseline_peak_bytes: int) -> int:
     if isinstance(text, int):
         if not 0 < text <= MAX_BUDGET_BYTES:
             raise BudgetError(f"budget must lie between 1 byte and {MAX_BUDGET_BYTES} bytes (1 EiB), got {show_number(text)}")
-        value, unit = Decimal(text), None
-    else:
-        if len(str(text)) > MAX_TEXT:
-            raise BudgetError(f"malformed budget {str(text)[:MAX_TEXT]!r}...: longer than {MAX_TEXT} characters; "
-                              f"expected {_BUDGET_FORMS}")
-        m = _QUANTITY.match(str(text))
-        if m is None:
-            other = "" if str(text).isascii() else " (it has characters other than ASCII: write its digits 0-9)"
-            raise BudgetError(f"malformed budget {text!r}{other}: expected {_BUDGET_FORMS}")
-        try:
-            value = Decimal(m["num"])
-        except InvalidOperation:   # an exponent too long for decimal itself (the regex admits only decimals)
-            raise BudgetError(f"malformed budget {text!r}: the number is out of range; expected {_BUDGET_FORMS}") from None
-        unit = m["unit"]
-    if value <= 0:
-        raise BudgetError(f"budget must be positive, got {text!r}")
-    if value.adjusted() < -30:
-        raise BudgetError(f"budget {text!r} is less than one byte")
-    if unit == "%":
-        if not _magnitude_ok(value, MAX_PERCENT):
-            raise BudgetError(f"budget {text!r} is out of range: a percentage of the no-checkpoint peak is at most "
-                              f"{MAX_PERCENT}%")
-        if baseline_peak_bytes <= 0:
-            raise BudgetError(f"a percentage budget ({text!r}) needs the no-checkpoint peak, "
-                              f"which is {baseline_peak_bytes} bytes")
-        nbytes = int(Decimal(baseline_peak_bytes) * value / 100)
-    else:
-        scale = 1 if unit is None else _UNITS.get(unit.lower())
-        if scale is None:
-            raise BudgetError(f"unknown unit {unit!r} in budget {text!r}; use one of "
-                              "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
-        if scale == 1 and value != value.to_integral_value():
-            # "1.5" bytes: no byte count has a fraction, so it is a share or a unit left out; rounding it
-            # down made 1.5 one byte. A larger unit's fraction of a byte ("1.3GiB") is rounded down, as documented.
-            raise BudgetError(f"budget {text!r} is not a whole number of bytes",
-                              tip=_FRACTION_TIP)
-        if not _magnitude_ok(value, Decimal(MAX_BUDGET_BYTES) / scale):
-            raise BudgetError(f"budget {text!r} is out of range: at most {MAX_BUDGET_BYTES} bytes (1 EiB)")
-        nbytes = int(value * scale)
-    if nbytes > MAX_BUDGET_BYTES:
+        return Decimal(text), None, text
+    if len(str(text)) > MAX_TEXT:
+        raise BudgetError(f"malformed budget {str(text)[:MAX_TEXT]!r}...: longer than {MAX_TEXT} characters; "
+                          f"expected {_BUDGET_FORMS}")
+    m = _QUANTITY.match(str(text))
+    if m is None:
+        other = "" if str(text).isascii() else " (it has characters other than ASCII: write its digits 0-9)"
+        raise BudgetError(f"malformed budget {text!r}{other}: expected {_BUDGET_FORMS}")
+    try:
+        return Decimal(m["num"]), m["unit"], text
+    except InvalidOperation:   # an exponent too long for decimal itself (the regex admits only decimals)
+        raise BudgetError(f"malformed budget {text!r}: the number is out of range; expected {_BUDGET_FORMS}") from None
+
+
+def _share_bytes(value: Decimal, text: str | int, baseline_peak_bytes: int) -> int:
+    """``value`` percent of the no-checkpoint peak, in bytes (rounded down)."""
+    if not _magnitude_ok(value, MAX_PERCENT):
+        raise BudgetError(f"budget {text!r} is out of range: a percentage of the no-checkpoint peak is at most "
+                          f"{MAX_PERCENT}%")
+    if baseline_peak_bytes <= 0:
+        raise BudgetError(f"a percentage budget ({text!r}) needs the no-checkpoint peak, "
+                          f"which is {baseline_peak_bytes} bytes")
+    return int(Decimal(baseline_peak_bytes) * value / 100)
+
+
+def _unit_bytes(value: Decimal, unit: str | None, text: str | int) -> int:
+    """``value`` ``unit`` in bytes (None: bytes; a larger unit's fraction of a byte rounded down)."""
+    scale = 1 if unit is None else _UNITS.get(unit.lower())
+    if scale is None:
+        raise BudgetError(f"unknown unit {unit!r} in budget {text!r}; use one of "
+                          "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
+    if scale == 1 and value != value.to_integral_value():
+        # "1.5" bytes: no byte count has a fraction, so it is a share or a unit left out; rounding it
+        # down made 1.5 one byte. A larger unit's fraction of a byte ("1.3GiB") is rounded down, as documented.
+        raise BudgetError(f"budget {text!r} is not a whole number of bytes",
+                          tip=_FRACTION_TIP)
+    if not _magnitude_ok(value, Decimal(MAX_BUDGET_BYTES) / scale):
         raise BudgetError(f"budget {text!r} is out of range: at most {MAX_BUDGET_BYTES} bytes (1 EiB)")
-    if nbytes < 1:
-        raise BudgetError(f"budget {text!r} is less than one byte")
-    return nbytes
+    return int(value * scale)
 
 
 # NOTE [the reserve]

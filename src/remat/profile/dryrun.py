@@ -303,9 +303,9 @@ def _pack(model: nn.Module, entries: list[tuple[str, CheckpointMode]],
     (the same module, or one enclosing or enclosed by it), or opens a new pass; the fewest passes of
     several orders of the entries win (the first on a tie): largest regions first; the most constrained
     first (fewest members that may run it, then largest); largest then most constrained; and
-    ``_PACK_SHUFFLES`` seeded shuffles. Largest-first alone took 6 passes on gpt at n_layer 32 where 4
-    fit (a one-member group's three modes, each overlapping every segment over its block, were placed
-    last); a MILP over the same entries proved 3 infeasible."""
+    ``_PACK_SHUFFLES`` seeded shuffles. One order alone can take more passes than needed (a one-member
+    group's modes, each overlapping every segment over its block, placed last; measured: benchmarks/RESULTS.md,
+    "Figures moved from docstrings")."""
     paths = {c.name: _region_paths(model, c.name) for cs in stands_for.values() for c in cs}   # entries' own too
     members = {(name, mode): [name, *(c.name for c in stands_for[name] if c.name != name and mode in c.saved_bytes)]
                for name, mode in entries}
@@ -352,12 +352,12 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode], error: s
     entry is its own evidence. ``kin``: candidate name -> its ``dry_run_signatures`` entry.
 
     NOTE [suspect first]
-    Every entry of a failed pass used to be retried alone, so a pass of 5 with one failing mode cost
-    6 passes (on the built-in gpt, 8 of 13 dry-run passes were such retries). Each wrapped region
+    Retrying every entry of a failed pass alone makes a pass of 5 with one failing mode cost 6 passes
+    (what that cost: benchmarks/RESULTS.md, "Figures moved from docstrings"). Each wrapped region
     names itself on an exception that passes through its forward or its replay (``_tagging``), so
     the failed pass points at a suspect; it is retried alone first, and once an entry has failed
     alone (the evidence: nothing is excluded on the hint), the rest of the pass is retried together
-    and, if that runs, is cleared in one pass (the gpt's 5-entry pass: 3 passes). An entry that
+    and, if that runs, is cleared in one pass. An entry that
     runs alone is cleared; without a hint, or a hint that ran alone, the entries are retried in
     order. A rest of one entry that fails is its own evidence.
 
@@ -365,8 +365,7 @@ def _isolate(runner: _DryRunner, assignment: dict[str, CheckpointMode], error: s
     the same signature (``kin``) and mode as one that just failed alone is likely to fail too, and
     is retried alone next instead of the rest together. Identical blocks that noisy forward times
     split into groups (NOTE [shared dry runs]) share a pass in one mode, and retrying the rest
-    together after each failure cost two passes per block (CI, the tiny gpt at 4 layers: 10
-    passes where each alone took 7). (2) A rest retried together that fails without naming one of
+    together after each failure costs two passes per block. (2) A rest retried together that fails without naming one of
     its entries tells nothing more: its entries are then retried alone, in order, so a pass of n
     entries without hints takes at most n + 1 retries.
     """
@@ -419,8 +418,7 @@ def dry_run_modes(step: TrainingStep, candidates: list[CandidateCost], step_inde
     can run it, and candidates that share no module (none is, encloses or is enclosed by another)
     can run in the same pass whatever their level: a block's mode on block 0, its attention's on
     block 5, a segment over blocks 16 to 31. Each entry is placed where it overlaps nothing wrapped
-    yet, in the order of several tried that takes the fewest passes (``_pack``: largest first alone
-    took 6 passes on gpt at n_layer 32 where 4 fit). A failing pass is narrowed down as any is (NOTE
+    yet, in the order of several tried that takes the fewest passes (``_pack``). A failing pass is narrowed down as any is (NOTE
     [suspect first]), so a failure still names its candidate and is recorded for every candidate it stands for.
     """
     runner = _DryRunner(step, step_index, ranks)

@@ -20,9 +20,8 @@ about 2x on CPU, so it is measured here, like every other mode:
    Python garbage collector paused. No untimed warm-up round: the region already ran in the
    captured forward, and a slow first run is one more slow sample that the trim below drops
    (with 3 rounds it keeps the 2 fastest, so a first run slower than both later ones leaves
-   exactly the samples a warm-up round would have; on the zoo's 8-layer Llama, 3 interleaved
-   profiles under load spent 6.3 / 7.2 / 8.3 s in this stage with the round and 6.8 / 5.3 /
-   7.0 s without it; a warm step takes 0.9 s). Noise on a shared machine is
+   exactly the samples a warm-up round would have; measured: benchmarks/RESULTS.md, "Figures moved
+   from docstrings"). Noise on a shared machine is
    one-sided: a preempted run (or, with several intra-op threads, a run waiting for a
    descheduled thread) only ever takes *longer*, by 10-100 ms against regions of 0.1-2 ms
    (seen on this project's 2-core machines under load: more than half the samples of some
@@ -50,18 +49,11 @@ checkpoint bookkeeping of b - a - 1 regions. So its replay is priced as the sum 
 members' measured FULL costs (and spreads), recorded as ``ReplayEstimate.composed_from``
 (the report's ``replay_composed``). Its extra bytes are still measured (NOTE [segment extra
 bytes]), from one run of the segment with and without checkpointing (no timing rounds;
-identical segments, by NOTE [shared replay measurements], share that run: on gpt at n_layer 16 its 22 segments took
-5 tracked runs; at n_layer 32, with 54 segments tracked one by one, the replay stage of a
-`remat plan` took 20.6 step-equivalents): with first estimates,
-``checkpoint_sequential:2`` on the chain of tests/test_segments.py was predicted 8.6% over its
-measured peak (205988 B against 189604 B). The sum counts b - a - 1 regions' bookkeeping
+identical segments, by NOTE [shared replay measurements], share that run). The sum counts b - a - 1 regions' bookkeeping
 too many, so in principle it errs high (towards members), and a time figure never moves a
-peak, so no error here can miss a budget. Timed alone,
-segments took most of the replay stage: on the built-in gpt at n_layer 8, 11.4 s of 18.7 s
-(``h[0:2]`` and ``h[0:4]``, 3 rounds each of 2 and 4 blocks' forward and backward), and the
-two figures measured 105 and 221 ms against the members' sums of 97 and 193 ms in the same
-run: within the rounds' noise (another run of the same profile read 166 / 174 ms against
-152 / 304 ms). A segment with a member that is not a candidate, is not offered FULL or could
+peak, so no error here can miss a budget. Timed alone, segments took most of the replay stage, and
+their figures agreed with their members' sums within the rounds' noise (benchmarks/RESULTS.md,
+"Figures moved from docstrings"). A segment with a member that is not a candidate, is not offered FULL or could
 not be measured is timed alone as before.
 
 Profiling time: per round, about (1 + modes) forward + backward passes of each *timed*
@@ -70,10 +62,8 @@ defaults (3 rounds for large regions, up to 6 for small ones, at most about
 0.5 s per region past the 3rd) are few on purpose: what a plan's overhead finally is, and
 whether two plans differ at all, is the frontier's interleaved measurement and its
 resolved-difference rule (NOTE [resolved differences] in remat/frontier/pareto.py), not more
-samples here; the spread recorded per mode says how sure each figure is. (Up to 9 rounds and
-1 s per region before: on the zoo's 8-layer Llama its attention ran all 9 rounds, 1.07 s of a
-3.3 s stage, without its spread coming within 10% of its cost; the round cap is where a stage
-that cannot resolve a figure stops, so it sets the stage's time, not the figure's quality.)
+samples here; the spread recorded per mode says how sure each figure is. The round cap is where
+a stage that cannot resolve a figure stops, so it sets the stage's time, not the figure's quality.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ independently, a block absent from all 3 profiled steps has probability p**3 (0.
 Wav2Vec2's default p = 0.1, 2.7% at p = 0.3). The cost is small because the points after the
 first continue on the build of the point before them with 1 timed step and no warm-up (NOTE
 [one build per shape]), dry-run only the candidates no earlier point's dry runs settled, and
-measure replays only of candidates no earlier point offered (when each
-later point still rebuilt and warmed up, 3 steps took 1.08x (tiny gpt) and 1.29x (the 6-block
-test model with layerdrop) one step's profiling CPU time, medians of 3 interleaved runs). The
+measure replays only of candidates no earlier point offered (its cost measured: benchmarks/RESULTS.md,
+"Figures moved from docstrings"). The
 closed loop adds 1 peak step per further point for each plan it measures, on the first point's
 build (a fresh build and a warm-up step per further shape). Merging (``merge_profiles``):
 
@@ -164,10 +163,8 @@ def profile_sample(loaded: LoadedWorkload, sample: StepSample, *, candidates: li
     activations, and the state exists from the first optimizer step on. So the points of one shape
     run one after another on one build and one optimizer: a point's step is the same batch and seed
     (NOTE [step sample]) on a model some steps further trained, as every step of a real run is. Each
-    point used to rebuild and run a warm-up step first: a build and a warm-up step per later point
-    and per measured plan; ``remat plan`` on gpt at n_layer 32 went from 88.5 s (37.7 step-
-    equivalents, one run, which also built the allocator counter once) to 73.1 s (30.9) with this
-    change alone (``benchmarks/plan_speed.py plan-gpt``). The closed loop measures a plan's later
+    point running on its own build would pay a build and a warm-up step per later point and per
+    measured plan (what that cost: benchmarks/RESULTS.md, "Figures moved from docstrings"). The closed loop measures a plan's later
     points of the first shape on the build that measured its first point, right after it
     (``measure_plan(..., then=...)``); the frontier's receipt and ``remat check``, whose first point
     is measured elsewhere, on one fresh build per shape after 1 warm-up step (``sample_peaks`` in

@@ -251,9 +251,8 @@ class _StepEvidence:
             self.packed_at[id(s.record)].append(s.event)
         self.saved_records = {id(s.record): s.record for s in rec.saved if not s.is_param}
         self.packed_keys = {s.key for s in rec.saved}
-        # the op log by event, so a window reads only its own range: a scan of the whole log per window
-        # and mode took 2.3 s of every profiled step's analysis on gpt at n_layer 32 (96 windows x 3 modes
-        # x 9,800 ops), about one step of the model
+        # the op log by event, so a window reads only its own range, not the whole log per window and
+        # mode (what that scan cost: benchmarks/RESULTS.md, "Figures moved from docstrings")
         self.ops_by_event = _EventIndex(oplog.ops, lambda op: op[0])
         self.outputs_by_event = _EventIndex(oplog.out_records, lambda out: out[0].alloc_event)
 

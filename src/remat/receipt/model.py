@@ -28,7 +28,7 @@ from ..plan.model import Plan
 from ..profile.model import DEFAULT_SAMPLE_STEPS, BlockedStep
 from ..trace.model import HostContext, StepTrace
 from ..types import CheckpointMode, MemorySource
-from ..verify.model import Tolerance, VerifyReport
+from ..verify.model import RunMode, Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
 from .world_size import WorldSizeEvidence
 from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
@@ -158,8 +158,7 @@ class RunSettings:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RunSettings":
-        # a receipt from before the step sample profiled and measured one step
-        return cls(**{**d, "frontier_plans": list(d["frontier_plans"]), "sample_steps": d.get("sample_steps", 1)})
+        return cls(**{**d, "frontier_plans": list(d["frontier_plans"])})
 
 
 # -- per boundary ----------------------------------------------------------------------------------
@@ -173,7 +172,7 @@ class Fixture:
     name: str                       # "paired-step": remat.verify.verify_plan
     seeds: tuple[int, ...]
     steps: int                      # training steps per seed (plus one eval step when "eval" in modes)
-    modes: tuple[str, ...]          # ("train", "eval")
+    modes: tuple[RunMode, ...]      # (TRAIN, EVAL)
     dtype: str
     tolerance: Tolerance            # max |planned - control| <= atol + rtol * max |control|, per tensor
     parameters: tuple[str, ...]     # the boundary's parameters whose gradients the fixture compares
@@ -184,7 +183,7 @@ class Fixture:
     negative_controls: tuple[str, ...]  # the deliberately wrong runs the fixture rejected
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "seeds": list(self.seeds), "steps": self.steps, "modes": list(self.modes),
+        return {"name": self.name, "seeds": list(self.seeds), "steps": self.steps, "modes": [m.value for m in self.modes],
                 "dtype": self.dtype, "tolerance": self.tolerance.to_json(), "parameters": list(self.parameters),
                 "passed": self.passed, "forward_calls_per_step": self.forward_calls_per_step,
                 "replay_calls_per_step": self.replay_calls_per_step, "draws_rng": self.draws_rng,
@@ -192,7 +191,8 @@ class Fixture:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Fixture":
-        return cls(name=d["name"], seeds=tuple(d["seeds"]), steps=d["steps"], modes=tuple(d["modes"]), dtype=d["dtype"],
+        return cls(name=d["name"], seeds=tuple(d["seeds"]), steps=d["steps"], modes=tuple(RunMode(m) for m in d["modes"]),
+                   dtype=d["dtype"],
                    tolerance=Tolerance(**d["tolerance"]), parameters=tuple(d["parameters"]), passed=d["passed"],
                    forward_calls_per_step=d["forward_calls_per_step"], replay_calls_per_step=d["replay_calls_per_step"],
                    draws_rng=d["draws_rng"], negative_controls=tuple(d["negative_controls"]))

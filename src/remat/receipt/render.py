@@ -25,7 +25,7 @@ from ..frontier.model import describe_overhead, short_overhead
 from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
 from ..units import MIB, fmt_bytes
-from ..verify.model import VerifyReport
+from ..verify.model import RunMode, VerifyReport
 from .model import Receipt, ShipStatus
 
 PHASE_COLORS = {"batch": "#9e9e9e", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c"}
@@ -160,7 +160,7 @@ def _boundary_rows(r: Receipt) -> list[list[str]]:
     rows = []
     for b in r.plan.boundaries:
         f = b.fixture
-        seeds = f"{_n(len(f.seeds), 'seed')} x {_n(f.steps, 'step')}" + (" + eval" if "eval" in f.modes else "")
+        seeds = f"{_n(len(f.seeds), 'seed')} x {_n(f.steps, 'step')}" + (" + eval" if RunMode.EVAL in f.modes else "")
         calls = "" if f.replay_calls_per_step is None else \
             f"; {f.forward_calls_per_step} fwd + {f.replay_calls_per_step} replay/step"
         rows.append([b.module, b.class_name, b.mode.value + (" (guarded)" if b.guarded else ""), b.revision,

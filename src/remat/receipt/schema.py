@@ -169,8 +169,8 @@ SETTINGS = Obj({
     "frontier_plans": List(SHORT, max_len=100), "frontier_steps": Int(1, MAX_STEPS),
     "frontier_warmup": Int(1, MAX_WARMUP), "capacity_key": Opt(SHORT), "capacity_tries": Int(1, MAX_TRIES),
     "capacity_steps": Int(1, MAX_STEPS), "saving_tolerance": FRACTION, "saving_warmup": Int(1, MAX_WARMUP),
-    "note": TEXT,
-}, {"compile": Opt(COMPILE), "sample_steps": Int(1, 64)})
+    "note": TEXT, "sample_steps": Int(1, 64),
+}, {"compile": Opt(COMPILE)})
 UNSUPPORTED = Obj({"mode": SHORT, "status": Enum("not run", "unsupported"), "detail": TEXT})
 
 RECEIPT_SCHEMA = Obj({

@@ -94,9 +94,9 @@ import torch
 from ..wrap import PlanArm, boundary_members, boundary_module
 from ..closed_loop import ClosedLoopResult, measure_sample_peaks, plan_for_device
 from ..errors import BudgetError, DeviceTooSmall, WorkloadError
-from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier, shape_value
+from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_frontier
 from ..frontier.pareto import SamplePeak, ShipDecision, Verdict, ship_decision
-from ..measure import held_bytes_at_phase, prepare_arm
+from ..measure import CompileSpec, held_bytes_at_phase, prepare_arm, shape_value
 from ..memory.capacity import step_capacity
 from ..plan import InfeasibleBudget, Plan, PlannerSpec, budget_on_device, check_budget_syntax
 from ..profile import ProfileReport, module_revision
@@ -104,9 +104,9 @@ from ..profile.blocked import BATCH_KEY, profile_on_device
 from ..profile.model import BlockedStep, StepSample
 from ..profile.sample import sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
-from ..types import MemorySource, Phase, ProgressFn, no_progress
+from ..types import Phase, ProgressFn, no_progress
 from ..verify import VerifyReport, tolerance_table, verify_plan
-from ..measure import CompileSpec
+from ..verify.model import RunMode
 from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
                              ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
 from ..units import mib
@@ -179,7 +179,7 @@ def _fixture(loaded: LoadedWorkload, module: str, params: tuple[str, ...], plan:
         tuple(n.name for n in verification.negative_controls if n.applicable and n.rejected)
     return Fixture(
         name=FIXTURE_NAME, seeds=tuple(range(settings.verify_seeds)), steps=settings.verify_steps,
-        modes=("train", "eval"), dtype=loaded.dtype, tolerance=table.get(loaded.dtype, table["float32"]),
+        modes=(RunMode.TRAIN, RunMode.EVAL), dtype=loaded.dtype, tolerance=table.get(loaded.dtype, table["float32"]),
         parameters=params, passed=_fixture_passed(module, plan, verification),
         forward_calls_per_step=None if act is None else act.forward_calls.get("train"),
         replay_calls_per_step=None if act is None else act.replay_calls.get("train"),
@@ -599,7 +599,7 @@ def _decided_frontier(frontier: FrontierReport, decision: ShipDecision, sampled:
     if plan is not None and blocked is not None:
         plan = dataclasses.replace(plan, blocked=blocked)
     return dataclasses.replace(frontier, points=decision.points(frontier.points),
-                               shipped_plan=None if plan is None else plan.to_json())
+                               shipped_plan=plan)
 
 
 # NOTE [ship over the sample]
@@ -617,7 +617,7 @@ def _decided_frontier(frontier: FrontierReport, decision: ShipDecision, sampled:
 def _shown_plan(frontier: FrontierReport, closed: ClosedLoopResult | None) -> tuple[Plan | None, str | None]:
     """(plan, label) the receipt shows: the frontier's shipped plan, else the closed loop's, unshipped."""
     if frontier.shipped is not None and frontier.shipped_plan is not None:
-        return Plan.from_json(frontier.shipped_plan), frontier.shipped.plan
+        return frontier.shipped_plan, frontier.shipped.plan
     if closed is None:
         return None, None
     return closed.plan, "optimal"
@@ -652,7 +652,7 @@ class _Round:
     plan: Plan | None
     label: str | None
     evidence: _Evidence
-    decision: ShipDecision | None = None  # the ship decision, given the evidence (NOTE [receipt decision])
+    decision: ShipDecision                # the ship decision, given the evidence (NOTE [receipt decision])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -780,13 +780,10 @@ def _make_receipt(loaded: LoadedWorkload, *, budget: str | int | None, reserve: 
     last = proved.last
     closed, note, frontier, plan, label, evidence = (last.closed, last.note, last.frontier, last.plan, last.label,
                                                      last.evidence)
-    assert last.decision is not None
     records = [] if plan is None else _boundary_records(loaded, plan, report, evidence.verification,
                                                          evidence.savings, settings)
-    memory_source = MemorySource.CUDA_ALLOCATOR if loaded.device.startswith("cuda") \
-        else MemorySource.CPU_LIVE_TENSORS
-    return Receipt(
-        context=ReceiptContext.capture(loaded, boundary_shape=boundary_shape, memory_source=memory_source,
+    return Receipt(   # the context's instrument: the one the unmodified step's trace names
+        context=ReceiptContext.capture(loaded, boundary_shape=boundary_shape, memory_source=target.memory_source,
                                        command=command, device_memory_bytes=device_memory_bytes),
         settings=settings,
         traces=ReceiptTraces(target=target, boundary=boundary_trace, planned=evidence.trace),

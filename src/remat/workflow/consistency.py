@@ -124,7 +124,7 @@ def _frontier_records(receipt: Receipt, described: list[str]) -> list[CheckFindi
         out.append(_f(FindingKind.RECORDS, f"the shipped frontier point checkpoints {shipped.boundaries}, the plan "
                                            f"{described}"))
     plan = receipt.plan.plan
-    if plan is not None and fr.shipped_plan != plan.to_json():
+    if plan is not None and (fr.shipped_plan is None or fr.shipped_plan.to_json() != plan.to_json()):
         out.append(_f(FindingKind.RECORDS, "the plan differs from the plan the frontier measured and shipped"))
     return out
 
