@@ -3,7 +3,7 @@
 Writes ``OUT/pipeline.json`` (PipelineReport), ``OUT/plan.json`` (the per-stage PipelinePlan),
 ``OUT/profile.json`` (the whole model profiled at the microbatch shape, what it plans from),
 ``OUT/pipeline.md``, and the pipeline receipt: ``OUT/receipt.json``, ``OUT/report.html`` and
-``OUT/report.md`` (NOTE [pipeline receipt] in remat/pipeline_parallel/receipt.py), which
+``OUT/report.md`` (NOTE [pipeline receipt] in remat/receipt/pipeline.py), which
 ``remat check OUT/receipt.json`` re-checks.
 """
 
@@ -17,13 +17,13 @@ from pathlib import Path
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..pipeline_parallel.engine import (PipelineConfig, check_split, check_stages_per_rank, default_split, microbatch_shape,
-                                    run_pipeline_config)
-from ..pipeline_parallel.report import PipelineReport, SideReport
+from ..distributed.config import DistributedConfig, Engine, PipelineSettings, check_stages_per_rank
+from ..distributed.pipeline.engine import check_split, default_split, microbatch_shape, run_pipeline_config
+from ..distributed.pipeline.report import PipelineReport, SideReport
 from ..plan import parse_budget, parse_reserve
-from ..pipeline_parallel.plan import PipelinePlan, Side, load_any_plan
+from ..plan.pipeline import PipelinePlan, Side, load_any_plan
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
-from ..pipeline_parallel.render import write_pipeline_receipt
+from ..receipt.pipeline_render import write_pipeline_receipt
 from ..workload import parse_shape
 from ..errors import DistributedError, PlanError
 from ..types import ProgressFn
@@ -69,13 +69,14 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
     mb_shape = microbatch_shape(shape, args.microbatches)
     points, source = _split(args, shape, given, v * args.world_size)
     with progress_bar() as progress:
-        config = PipelineConfig(
-            spec=args.workload, shape=shape, world_size=args.world_size, schedule=args.schedule,
-            microbatches=args.microbatches, split_points=points, split_source=source, stages_per_rank=v,
-            profile=None if given is not None else _profile(args, mb_shape, progress),
-            budget=budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
-            dtype=args.dtype, steps=1 if verify_only else args.dist_steps, warmup=1 if verify_only else args.dist_warmup,
-            timeout_s=args.dist_timeout, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
+        settings = PipelineSettings(
+            schedule=args.schedule, microbatches=args.microbatches, split_points=points, split_source=source,
+            stages_per_rank=v, profile=None if given is not None else _profile(args, mb_shape, progress),
+            budget=budget, reserve=reserve, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
+        config = DistributedConfig(
+            spec=args.workload, shape=shape, world_size=args.world_size, engine=Engine.PIPELINE, plan=given,
+            device=args.device, dtype=args.dtype, steps=1 if verify_only else args.dist_steps,
+            warmup=1 if verify_only else args.dist_warmup, timeout_s=args.dist_timeout, pipeline=settings)
         result = run_pipeline_config(config, work_dir=Path(args.out) / "distributed",
                                      wall_timeout_s=args.dist_wall_timeout, progress=progress)
     _write_outputs(args, result)
@@ -131,7 +132,7 @@ def _write_outputs(args: argparse.Namespace, result: PipelineReport) -> None:
     if result.remat_plan is not None:
         result.remat_plan.save(Path(args.out) / "plan.json")
     from .._io import atomic_write_text
-    from ..pipeline_parallel.markdown import render_pipeline_markdown
+    from ..receipt.pipeline_markdown import render_pipeline_markdown
     atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result))
     render(result)
     console.print(f"wrote {path}")
@@ -139,7 +140,7 @@ def _write_outputs(args: argparse.Namespace, result: PipelineReport) -> None:
 
 def _write_receipt(args: argparse.Namespace, shape: dict, result: PipelineReport) -> None:
     """The pipeline receipt (NOTE [pipeline receipt]): OUT/receipt.json, report.html and report.md."""
-    from ..pipeline_parallel.check import make_pipeline_receipt
+    from ..workflow.pipeline import make_pipeline_receipt
     from ..workload.loader import load_workload
     command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
     receipt = make_pipeline_receipt(result, loaded=load_workload(args.workload, shape, dtype=args.dtype),
@@ -204,7 +205,7 @@ def _frontier_table(report: PipelineReport) -> Table:
 def run_pipeline_simulate(args: argparse.Namespace) -> int:
     """``remat distributed --engine pipeline --simulate``: per-stage peaks and bubbles predicted at --world-size
     for --target-device (NOTE [simulated pipeline]); OUT/pipeline-sim.json, nothing launched."""
-    from ..pipeline_parallel.simulate import simulate_pipeline
+    from ..distributed.pipeline.simulate import simulate_pipeline
     shape = parse_shape(args.shape)
     check_out_dir(args.out, ("pipeline-sim.json",))
     points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None

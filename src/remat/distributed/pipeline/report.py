@@ -1,10 +1,10 @@
 """What a pipeline run measured (``pipeline.json``): per side, per stage, and the schedule's ideal bubble.
 
-Sides (:class:`~remat.pipeline_parallel.plan.Side`): ``none`` (no plan), ``uniform`` (the same rule on every
+Sides (:class:`~remat.plan.pipeline.Side`): ``none`` (no plan), ``uniform`` (the same rule on every
 stage, e.g. every block), ``remat`` (per-stage plans, NOTE [pipeline in-flight cost model]). Times in ms,
-bytes in bytes. NOTE [pipeline instruments] (pipeline_parallel/worker.py) says how each figure is read.
+bytes in bytes. NOTE [pipeline instruments] (remat/distributed/pipeline/worker.py) says how each figure is read.
 
-Each rank's :class:`PipelineRank.run <remat.pipeline_parallel.worker.PipelineRank>` returns a
+Each rank's :class:`PipelineRank.run <remat.distributed.pipeline.worker.PipelineRank>` returns a
 :class:`RankOutcome` (one :class:`StageResult` per side, raw ns intervals); rank 0 gathers them and
 :func:`assemble_pipeline` turns them into the :class:`PipelineReport`: per side a :class:`SideReport` of
 :class:`StageReport` rows (medians, bubbles, the last timed step's :class:`TimelineSpan` list), and per
@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
-from ..errors import DistributedError, PlanError
-from .plan import PIPELINE_PLAN, SCHEDULES, PipelinePlan, Schedule, Side, ideal_bubble
-from ..plan.schema import MEMORY_SOURCE, MODULE_PATH
-from ..types import MemorySource
-from ..measure import p50, percentile
-from ..distributed.report import GradComparison
+from ..._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
+from ...errors import DistributedError, PlanError
+from ...plan.pipeline import PIPELINE_PLAN, SCHEDULES, PipelinePlan, Schedule, Side, ideal_bubble
+from ...plan.schema import MEMORY_SOURCE, MODULE_PATH
+from ...types import MemorySource
+from ...measure import p50, percentile
+from ..report import GradComparison
 
 PIPELINE_REPORT_SCHEMA_VERSION = 1
 
@@ -419,21 +419,21 @@ def _notes(memory_source: MemorySource, rank_notes: list[str]) -> list[str]:
 
 def assemble_pipeline(cfg: Any, gathered: list[RankOutcome], *, torch_version: str,
                       memory_source: MemorySource) -> PipelineReport:
-    """Rank 0: the report from every rank's :class:`RankOutcome` (ordered by rank); ``cfg``: the PipelineConfig."""
-    p = cfg.world_size
+    """Rank 0: the report from every rank's :class:`RankOutcome` (ordered by rank); ``cfg``: the run's DistributedConfig (engine pipeline)."""
+    p, pp = cfg.world_size, cfg.pipeline
     batch_size = cfg.batch_size
     plans = gathered[0].plans
     budget = plans[Side.REMAT].budget_bytes if Side.REMAT in plans else None
-    sides = {name: _side_report([g.results[name] for g in gathered], budget, batch_size) for name in cfg.sides}
+    sides = {name: _side_report([g.results[name] for g in gathered], budget, batch_size) for name in pp.sides}
     _compare_sides(sides, plans)
     equivalence = {name: eq for name in sides if name is not Side.NONE
                    if (eq := _equivalence(name, gathered)) is not None}
     negs = [g.negative_rejected for g in gathered]
     report = PipelineReport(
-        spec=cfg.spec, shape=dict(cfg.shape), world_size=p, schedule=cfg.schedule, microbatches=cfg.microbatches,
-        batch_size=batch_size, split_points=list(cfg.split_points), split_source=cfg.split_source,
-        stages_per_rank=cfg.stages_per_rank,
-        ideal_bubble_fraction=ideal_bubble(p, cfg.microbatches, cfg.stages_per_rank), backend=cfg.backend,
+        spec=cfg.spec, shape=dict(cfg.shape), world_size=p, schedule=pp.schedule, microbatches=pp.microbatches,
+        batch_size=batch_size, split_points=list(pp.split_points), split_source=pp.split_source,
+        stages_per_rank=pp.stages_per_rank,
+        ideal_bubble_fraction=ideal_bubble(p, pp.microbatches, pp.stages_per_rank), backend=cfg.backend,
         device=cfg.device, dtype=cfg.dtype, memory_source=memory_source, torch_version=torch_version,
         steps=cfg.steps, warmup=cfg.warmup, timeout_s=cfg.timeout_s, budget_bytes=budget, sides=sides,
         equivalence=equivalence, negative_control_rejected=None if any(x is None for x in negs) else all(negs),

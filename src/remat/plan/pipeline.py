@@ -42,8 +42,8 @@ from typing import Any
 from .._json import BYTES, Enum, Int, List, Num, Obj, Str, json_kind, read_json_file, validate
 from ..errors import BudgetError, PlanError
 from ..profile.model import CandidateCost, PeakRow, ProfileReport
-from ..plan.model import Plan
-from ..plan.schema import MODULE_PATH, PLAN
+from .model import Plan
+from .schema import MODULE_PATH, PLAN
 
 PIPELINE_PLAN_SCHEMA_VERSION = 1
 
@@ -224,7 +224,7 @@ def is_pipeline_plan_json(d: Any) -> bool:
 
 def load_any_plan(path: Path | str) -> Plan | PipelinePlan:
     """``plan.json``: a whole-model :class:`Plan` or a :class:`PipelinePlan` (``"kind": "pipeline"``)."""
-    from ..plan.model import MAX_PLAN_BYTES
+    from .model import MAX_PLAN_BYTES
     data = read_json_file(path, error=PlanError, what="plan file", max_bytes=MAX_PLAN_BYTES,
                           tip="remat plan ... --out DIR writes DIR/plan.json")
     if is_pipeline_plan_json(data):
@@ -236,9 +236,9 @@ def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedul
                 base_peaks: list[int], planner: str, budget_bytes: int | None, reserve: float = 0.05,
                 allow_hazards: bool = False, in_flights: list[dict[str, int]] | None = None) -> list[Plan]:
     """One plan per stage, each from ``make_plan`` on the stage's scaled profile; BudgetError names the stage."""
-    from ..plan.budget import effective_budget
-    from ..plan.planners import make_plan
-    from ..plan.spec import PlannerSpec
+    from .budget import effective_budget
+    from .planners import make_plan
+    from .spec import PlannerSpec
     p = len(stage_blocks)
     if len(base_peaks) != p:
         raise PlanError(f"{len(base_peaks)} measured stage peaks for {p} stages")
