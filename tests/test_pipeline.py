@@ -708,4 +708,20 @@ def test_assembled_report_is_typed_and_round_trips_its_json():
     assert d["sides"]["uniform"]["per_stage"][1]["timeline"][1] == ["p2p:send", -1, pytest.approx(2.0), pytest.approx(3.0)]
     again = PipelineReport.from_json(d)
     assert again == report and again.to_json() == d
+    # the schema comes from the fields' bounds: a bubble over 1, a short timeline row or no schema_version is refused
+    for bad in ({**d, "schema_version": 2}, {k: v for k, v in d.items() if k != "schema_version"}):
+        with pytest.raises(DistributedError):
+            PipelineReport.from_json(bad)
+    for key, value in (("bubble_fraction", 1.5), ("timeline", [["forward", 0, 1.0]])):
+        bad = json.loads(json.dumps(d))
+        bad["sides"]["none"]["per_stage"][0][key] = value
+        with pytest.raises(DistributedError, match=key):
+            PipelineReport.from_json(bad)
     assert "| uniform | 1 |" in render_pipeline_markdown(again)
+    from remat.cli.pipeline_parallel import _frontier_table, render
+    from remat.cli.render import console
+    with console.capture() as cap:
+        render(again)
+        console.print(_frontier_table(again))
+    printed = cap.get()
+    assert "DIFFERENT" in printed and "stage 1: w: no gradient" in printed and "uniform *" in printed

@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_json
@@ -189,17 +190,16 @@ def run_pipeline_frontier(args: argparse.Namespace) -> int:
 def _frontier_table(report: PipelineReport) -> Table:
     """Each side a point: largest stage peak vs step p50, ``*`` where no other side is as good on both."""
     points = {name: (s.max_peak_bytes, s.p50_ms) for name, s in report.sides.items()}
-    table = Table(title="pipeline frontier: largest stage peak vs step p50 (* = Pareto)")
-    for col in ("side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"):
-        table.add_column(col, justify="left" if col == "side" else "right")
     budget = report.budget_bytes
+    rows = []
     for name, s in report.sides.items():
         mine = points[name]
         dominated = any(o[0] <= mine[0] and o[1] <= mine[1] and o != mine for o in points.values())
         fits = "-" if budget is None else ("yes" if s.max_peak_bytes <= budget else "no")
-        table.add_row(name.value + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.p50_ms:.1f}",
-                      f"{s.samples_per_s:.1f}", fits, f"{s.max_bubble_fraction:.3f}")
-    return table
+        rows.append([name.value + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.p50_ms:.1f}",
+                     f"{s.samples_per_s:.1f}", fits, f"{s.max_bubble_fraction:.3f}"])
+    return _table("pipeline frontier: largest stage peak vs step p50 (* = Pareto)",
+                  ["side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"], rows)
 
 
 def run_pipeline_simulate(args: argparse.Namespace) -> int:
@@ -231,19 +231,12 @@ def run_pipeline_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_table(report: PipelineReport) -> Table:
-    table = Table(title=f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, "
-                        f"{report.microbatches} microbatches, split at {', '.join(report.split_points)} (ideal bubble "
-                        f"{report.ideal_bubble_fraction:.3f})")
-    for col in ("side", "stage", "in flight", "boundaries", "peak", "fits", "fwd ms", "bwd ms", "replay ms",
-                "p2p ms", "idle ms", "bubble"):
+def _table(title: str | None, headers: list[str], rows: list[list[str]]) -> Table:
+    table = Table(title=title)
+    for col in headers:
         table.add_column(col, justify="left" if col in ("side", "boundaries") else "right")
-    for name, side in report.sides.items():
-        for s in side.per_stage:
-            fits = "-" if s.fits_budget is None else ("yes" if s.fits_budget else "[red]no[/]")
-            table.add_row(name.value, str(s.stage), str(s.in_flight), ", ".join(s.boundaries) or "-",
-                          fmt_bytes(s.peak_bytes), fits, f"{s.forward_ms:.1f}", f"{s.backward_ms:.1f}",
-                          f"{s.replay_ms:.1f}", f"{s.p2p_ms:.1f}", f"{s.idle_ms:.1f}", f"{s.bubble_fraction:.3f}")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -254,18 +247,21 @@ def _bubble_growth(side: SideReport) -> list[str]:
 
 
 def render(report: PipelineReport) -> None:
-    console.print(_stage_table(report))
-    for name, side in report.sides.items():
-        console.print(f"[bold]{name.value}[/]: step p50 {side.p50_ms:.1f} ms, p95 {side.p95_ms:.1f} ms, "
-                      f"{side.samples_per_s:.1f} samples/s, largest stage peak {fmt_bytes(side.max_peak_bytes)}")
+    """The per-stage and per-side tables and the equivalence, in pipeline.md's cells and words."""
+    from ..receipt.pipeline_markdown import SIDE_HEADERS, STAGE_HEADERS, equivalence_text, side_cells, stage_cells
+    title = (f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, {report.microbatches} "
+             f"microbatches, split at {', '.join(report.split_points)} (ideal bubble "
+             f"{report.ideal_bubble_fraction:.3f})")
+    console.print(_table(title, STAGE_HEADERS, [stage_cells(name, s, no="[red]no[/]")
+                                                for name, side in report.sides.items() for s in side.per_stage]))
+    console.print(_table(None, SIDE_HEADERS, [side_cells(name, side) for name, side in report.sides.items()]))
     for name, side in report.sides.items():
         worse = _bubble_growth(side)
         if worse:
             console.print(f"{name.value}: bubble grew over the unplanned run on {', '.join(worse)}")
     for name, eq in report.equivalence.items():
         verdict = "[green]bitwise equal[/]" if eq.ok else "[bold red]DIFFERENT[/]"
-        console.print(f"equivalence ({name.value} vs none, same schedule and microbatches): {verdict} "
-                      f"(max |diff| {eq.max_abs_diff:.3g})")
+        console.print("equivalence: " + equivalence_text(name, eq, verdict, escape=escape))
     neg = report.negative_control_rejected
     if neg is not None:
         console.print(f"negative control (a gradient perturbed by 1e-3): {'rejected' if neg else '[bold red]ACCEPTED[/]'}")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _json
+from .._codec import JsonCodec
 from .._json import json_kind, read_bounded_bytes
 from ..distributed.pipeline.report import PIPELINE_REPORT, PipelineReport
 from ..errors import ReceiptError, RematError
@@ -44,16 +45,13 @@ PIPELINE_RECEIPT_SCHEMA = _json.Obj({
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageBoundary:
+class StageBoundary(JsonCodec):
     """One boundary of remat's per-stage plans, with the revision hash ``remat check`` compares."""
 
     stage: int
     module: str
     class_name: str
     revision: str       # remat.profile.module_revision: class sources + parameter shapes
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..._codec import JsonCodec
 from ...errors import DistributedError
 from ...plan.pipeline import PipelinePlan, Schedule, ideal_bubble, in_flight
 from ...types import Phase, ProgressFn, no_progress
@@ -38,7 +39,7 @@ from .engine import microbatch_shape, split_batch, stage_examples, stage_layout
 
 
 @dataclasses.dataclass(kw_only=True)
-class SimulatedStage:
+class SimulatedStage(JsonCodec):
     stage: int
     blocks: list[str]
     in_flight: int
@@ -49,12 +50,9 @@ class SimulatedStage:
     peak_bytes: int          # predicted: static + (in_flight - 1) x held + one microbatch's fwd+bwd peak
     bubble_fraction: float   # from the schedule's order with these times
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(kw_only=True)
-class SimulatedPipeline:
+class SimulatedPipeline(JsonCodec):
     spec: str
     device: str
     world_size: int
@@ -65,9 +63,6 @@ class SimulatedPipeline:
     step_ms: float
     ideal_bubble_fraction: float
     stages: list[SimulatedStage]
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "schedule": self.schedule.value, "stages": [s.to_json() for s in self.stages]}
 
 
 def schedule_order(schedule: Schedule | str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
