@@ -94,7 +94,7 @@ from .config import REENTRANT_FIND_UNUSED_TIP, DistributedConfig, Engine
 from .engines import EngineContext, make_context, unwrap, wrap
 from .instrument import CollectiveEvent, CommRecorder, ComputeTimer, ShardAwareTracker
 from .intervals import exposed_ns, total_ns
-from .report import (CollectiveCount, DistributedReport, DistributedRun, GradComparison, RankResult, RankSide,
+from .report import (CollectiveCount, DistributedReport, GradComparison, RankResult, RankSide,
                      assemble)
 
 REPORT_NAME = "distributed.json"
@@ -412,20 +412,6 @@ def _notes(cfg: DistributedConfig) -> list[str]:
     return notes
 
 
-def _run_description(cfg: DistributedConfig) -> DistributedRun:
-    """What the report records about this run, beside the ranks' results."""
-    return DistributedRun(
-        world_size=cfg.world_size, engine=cfg.engine, backend=cfg.backend, device=cfg.device, dtype=cfg.dtype,
-        spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup, comm_steps=cfg.comm_steps,
-        budget_bytes=cfg.device_budget_bytes,
-        comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
-                     if cfg.engine is Engine.DDP else
-                     "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
-        torch_version=torch.__version__,
-        plan_boundaries=[] if cfg.plan is None else [b.module for b in cfg.plan.boundaries],
-        criterion=equivalence_criterion(cfg.device, cfg.dtype), notes=_notes(cfg))
-
-
 def _env_int(name: str, *, default: int | None = None) -> int:
     """A torchrun environment variable as an int (``default`` when it is unset and a default is given)."""
     if default is not None and name not in os.environ:
@@ -500,7 +486,11 @@ def _share_report(result: RankResult, cfg: DistributedConfig, out: Path, files: 
     box: list[Any] = [None]
     if rank == 0:
         assert gathered is not None
-        box[0] = assemble(gathered, _run_description(cfg)).to_json()
+        box[0] = assemble(gathered, cfg, torch_version=torch.__version__, notes=_notes(cfg),
+                          comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
+                                       if cfg.engine is Engine.DDP else
+                                       "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
+                          criterion=equivalence_criterion(cfg.device, cfg.dtype)).to_json()
     files.what = "sharing the report (broadcast_object_list from rank 0)"
     dist.broadcast_object_list(box, src=0)
     if _env_int("LOCAL_RANK", default=0) == 0:

@@ -23,14 +23,14 @@ from ..distributed.pipeline.engine import run_pipeline_config
 from ..plan.pipeline import PipelinePlan, Side
 from ..distributed.pipeline.report import PipelineReport
 from ..profile import fingerprint, module_revision
-from ..receipt.model import ReceiptContext, resolved_shape
+from ..receipt.model import ReceiptContext
 from ..receipt.pipeline import PipelineReceipt, StageBoundary
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
-from .check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, choose_workload,
-                              same_workload)
+from .check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, _shape_findings,
+                    choose_workload, same_workload)
 
 
 def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, command: str = "",
@@ -44,15 +44,6 @@ def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, com
     context = ReceiptContext.capture(loaded, boundary_shape=None, memory_source=report.memory_source, command=command)
     return PipelineReceipt(context=context, pipeline=report, boundaries=boundaries, check_steps=check_steps,
                            check_timeout_s=check_timeout_s)
-
-
-def _shape_findings(ctx: ReceiptContext, spec: str) -> list[CheckFinding]:
-    """2. every keyword of the factory, defaults included, as the receipt recorded it."""
-    now = resolved_shape(spec, ctx.shape)
-    then = ctx.resolved_shape
-    return [CheckFinding(kind=FindingKind.SHAPE, message=f"shape keyword {k}: {then.get(k, '<absent>')} -> "
-                                                         f"{now.get(k, '<absent>')}")
-            for k in sorted(then.keys() | now.keys()) if then.get(k, "<absent>") != now.get(k, "<absent>")]
 
 
 def _model_findings(receipt: PipelineReceipt, model: Any) -> list[CheckFinding]:
@@ -139,7 +130,7 @@ def check_pipeline_receipt(receipt: PipelineReceipt, *, quick: bool = False, wor
                        f"the gate's {max_world_size}")
         return ledger.report()
     progress("check", 1, 5)
-    shape = _shape_findings(ctx, spec)
+    shape = _shape_findings(receipt, spec)   # 2. reads the receipt's context only, as a receipt's check does
     failures += shape
     if not shape:
         checked.append(f"shape unchanged ({', '.join(f'{k}={v}' for k, v in ctx.resolved_shape.items())})")
