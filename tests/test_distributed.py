@@ -21,7 +21,7 @@ from remat.cli.main import main
 from remat.distributed import DistributedConfig, DistributedReport, Engine, run_distributed
 from remat.distributed.intervals import exposed_ns, subtract, total_ns, union
 from remat.distributed.launch import _alive_rank_pid
-from remat.distributed.report import CollectiveCount, DistributedRun, RankResult, RankSide, assemble
+from remat.distributed.report import CollectiveCount, RankResult, RankSide, assemble
 from remat.distributed.worker import FAULT_ENV, compare_grads
 from remat.errors import DistributedError
 from remat.plan.model import Boundary, Plan
@@ -182,10 +182,9 @@ def _side(count: int, loss0: float = 1.0) -> RankSide:
 
 
 def _report(results: list[RankResult]) -> DistributedReport:
-    return assemble(results, DistributedRun(world_size=len(results), engine=Engine.DDP, backend="gloo", device="cpu",
-                                            dtype="float32", spec="gpt", shape={}, steps=2, warmup=2, comm_steps=1,
-                                            comm_source="test", torch_version=torch.__version__,
-                                            plan_boundaries=["h.0"], criterion="bitwise"))
+    cfg = DistributedConfig(spec="gpt", shape={}, world_size=len(results), engine=Engine.DDP, steps=2, warmup=2,
+                            comm_steps=1)
+    return assemble(results, cfg, comm_source="test", torch_version=torch.__version__, criterion="bitwise", notes=[])
 
 
 def test_distributed_equivalence_is_verifys_per_tensor_rule():

@@ -7,8 +7,7 @@ files*). The rules, kept simple:
   names one layer by its backticked modules (``remat.`` dropped; a layer of several sibling modules,
   ``_json | _io | units | clock | _lazy`` in pyproject.toml, is one row naming each). The rows, top to bottom,
   must be the ``layers`` of the ``[tool.importlinter]`` contract, in order; every module of
-  ``src/remat`` (and of ``src/remat/pipeline_parallel``, whose modules sit at layers of their own) must
-  belong to a layer.
+  ``src/remat`` must belong to a layer.
 - **File paths.** A citation is a token ending in ``.py``, ``.md`` or ``.toml`` that contains a ``/``
   (``plan/cost.py``, ``src/remat/wrap/wrapper.py``, ``benchmarks/zoo/run.py``, ``docs/DESIGN.md``);
   also, in ``src/``, a bare ``name.py`` (a sibling module), and anywhere a bare ``.toml`` or a bare
@@ -119,11 +118,10 @@ def table_mismatches(rows: list[frozenset[str]], layers: list[frozenset[str]]) -
 
 
 def modules_outside_layers(layers: list[frozenset[str]]) -> list[str]:
-    """Modules of src/remat (and of pipeline_parallel, split across layers) that belong to no layer."""
+    """Modules of src/remat that belong to no layer."""
     named = set().union(*layers)
     tops = [p.stem for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__")]
-    tops += [p.name for p in PKG.iterdir() if (p / "__init__.py").exists() and p.name != "pipeline_parallel"]
-    tops += [f"pipeline_parallel.{p.stem}" for p in (PKG / "pipeline_parallel").glob("*.py") if p.stem != "__init__"]
+    tops += [p.name for p in PKG.iterdir() if (p / "__init__.py").exists()]
     return sorted(m for m in tops if m not in named)
 
 

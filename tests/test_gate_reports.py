@@ -27,7 +27,7 @@ from rich.console import Console
 from remat.cli.main import main
 from remat.cli.render import untrusted
 from remat.distributed.config import Engine
-from remat.pipeline_parallel.receipt import load_any_receipt_with_digest
+from remat.receipt.pipeline import load_any_receipt_with_digest
 from remat.distributed.report import DistributedReport, Equivalence, RankFigures, SideReport
 from remat.receipt import Receipt, render_html, render_markdown, write_receipt
 from remat.receipt.world_size import WorldSizeEvidence
@@ -396,7 +396,7 @@ def test_a_pipeline_receipt_past_the_pin_is_refused_before_anything_launches(no_
     """The same pin for a pipeline receipt (its world-size-p launch); only what the pin reads is made up."""
     from types import SimpleNamespace
 
-    from remat.pipeline_parallel.check import check_pipeline_receipt
+    from remat.workflow.pipeline import check_pipeline_receipt
     receipt = SimpleNamespace(context=SimpleNamespace(workload="mlp"), pipeline=SimpleNamespace(world_size=4096))
     report = check_pipeline_receipt(receipt, workload="mlp", cwd=tmp_path, max_world_size=CORES)
     assert [f.kind for f in report.failures] == [FindingKind.FIXTURE]

@@ -6,6 +6,7 @@ fails instead of hanging CI.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -15,17 +16,28 @@ import torch
 
 import remat
 from remat.cli.main import main
-from remat.distributed.launch import _alive_rank_pid
-from remat.pipeline_parallel.engine import (PIPELINE_WORKER_MODULE, PipelineConfig, balanced_bounds, build_stage_module,
-                                        run_pipeline_config, split_batch, stage_layout)
-from remat.pipeline_parallel.report import PipelineReport
+from remat.distributed.config import DistributedConfig, Engine, PipelineSettings
+from remat.distributed.launch import WORKER_MODULE, _alive_rank_pid
+from remat.distributed.pipeline.engine import (balanced_bounds, build_stage_module, run_pipeline_config, split_batch,
+                                               stage_layout)
+from remat.distributed.pipeline.report import PipelineReport
 from remat.distributed.worker import FAULT_ENV
 from remat.errors import BudgetError, DistributedError, PlanError
-from remat.pipeline_parallel.plan import PipelinePlan, Schedule, ideal_bubble, in_flight, load_any_plan, plan_stages
+from remat.plan.pipeline import PipelinePlan, Schedule, ideal_bubble, in_flight, load_any_plan, plan_stages
 from remat.profile.fingerprint import fingerprint
 from remat.profile.model import CandidateCost, PeakRow, ProfileReport
 from remat.types import CheckpointMode, MemorySource
 from remat.workload import load_workload
+
+
+_SETTINGS = {f.name for f in dataclasses.fields(PipelineSettings)}
+
+
+def pipeline_config(**kw) -> DistributedConfig:
+    """A DistributedConfig of engine pipeline, its PipelineSettings taken from the same keywords."""
+    settings = PipelineSettings(**{k: v for k, v in kw.items() if k in _SETTINGS})
+    return DistributedConfig(engine=Engine.PIPELINE, pipeline=settings,
+                             **{k: v for k, v in kw.items() if k not in _SETTINGS})
 
 SHAPE = {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 16, "batch_size": 8, "vocab": 64}
 SLEEP = str(Path(__file__).parent / "fixtures" / "pipeline_sleep.py") + ":build"
@@ -91,7 +103,7 @@ def test_stage_plans_count_each_saving_once_per_microbatch_held():
 
 
 def test_pipeline_plan_round_trip_and_refusals(tmp_path):
-    from remat.pipeline_parallel.plan import StagePlan
+    from remat.plan.pipeline import StagePlan
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
     plans = plan_stages(report, blocks, schedule="1f1b", microbatches=4, base_peaks=[1000, 900], planner="optimal",
                         budget_bytes=950, reserve=0.0)
@@ -145,7 +157,7 @@ def test_apply_takes_the_stage_a_rank_owns(tmp_path):
     model = load_workload("gpt", SHAPE).workload.model
     plans = plan_stages(dataclass_fp(report, model), blocks, schedule="1f1b", microbatches=4, base_peaks=[1000, 900],
                         planner="all", budget_bytes=None)
-    from remat.pipeline_parallel.plan import StagePlan
+    from remat.plan.pipeline import StagePlan
     pp = PipelinePlan(schedule="1f1b", microbatches=4, budget_bytes=950, reserve=0.0, split_points=["h.2"],
                       split_source="given",
                       stages=[StagePlan(stage=k, blocks=blocks[k], in_flight=1, base_peak_bytes=1, plan=plans[k])
@@ -220,7 +232,7 @@ def test_pipeline_cli_per_stage_plans_bitwise_equal_and_side_by_side(gpt_run):
 
 
 def test_bubble_matches_the_schedule_formula_for_known_stage_times(rank_env, tmp_path):
-    cfg = PipelineConfig(spec=SLEEP, shape={"batch_size": 8}, world_size=2, schedule="gpipe", microbatches=4,
+    cfg = pipeline_config(spec=SLEEP, shape={"batch_size": 8}, world_size=2, schedule="gpipe", microbatches=4,
                          split_points=["blocks.1"], sides=["none"], steps=3, warmup=1, timeout_s=30)
     d = run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=90).to_json()
     ideal = 1 / 5   # (p - 1) / (m + p - 1)
@@ -232,38 +244,45 @@ def test_bubble_matches_the_schedule_formula_for_known_stage_times(rank_env, tmp
 
 def test_dead_stage_is_named_and_leaves_no_process(rank_env, tmp_path):
     rank_env.setenv(FAULT_ENV, "exit:1:1")   # stage 1 calls os._exit(1) after its first step
-    cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, microbatches=4, split_points=["h.2"], sides=["none"],
+    cfg = pipeline_config(spec="gpt", shape=SHAPE, world_size=2, microbatches=4, split_points=["h.2"], sides=["none"],
                          steps=2, warmup=1, timeout_s=20)
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
         run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=60)
     assert time.monotonic() - t0 < 50
     assert info.value.message.startswith("rank 1 died after 1/")
-    assert all(_alive_rank_pid(tmp_path.resolve(), r, PIPELINE_WORKER_MODULE) is None for r in (0, 1))
+    assert all(_alive_rank_pid(tmp_path.resolve(), r, WORKER_MODULE) is None for r in (0, 1))
 
 
 def test_hung_stage_is_named_after_the_p2p_timeout(rank_env, tmp_path):
     rank_env.setenv(FAULT_ENV, "hang:1:1")   # stage 1 sleeps forever after its first step
-    cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, microbatches=4, split_points=["h.2"], sides=["none"],
+    cfg = pipeline_config(spec="gpt", shape=SHAPE, world_size=2, microbatches=4, split_points=["h.2"], sides=["none"],
                          steps=2, warmup=1, timeout_s=4)
     with pytest.raises(DistributedError) as info:
         run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=60)
     assert info.value.message.startswith("rank 1 (pipeline stage 1) hung"), info.value.message
     assert "timed out after 4 s" in info.value.message and "was stopped by the launcher" in info.value.message
-    assert all(_alive_rank_pid(tmp_path.resolve(), r, PIPELINE_WORKER_MODULE) is None for r in (0, 1))
+    assert all(_alive_rank_pid(tmp_path.resolve(), r, WORKER_MODULE) is None for r in (0, 1))
 
 
 def test_pipeline_config_refusals():
     with pytest.raises(DistributedError, match="world size"):
-        PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.1", "h.2"], sides=["none"])
+        pipeline_config(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.1", "h.2"], sides=["none"])
     with pytest.raises(DistributedError, match="at least 2"):
-        PipelineConfig(spec="gpt", shape=SHAPE, world_size=1, split_points=[], sides=["none"])
+        pipeline_config(spec="gpt", shape=SHAPE, world_size=1, split_points=[], sides=["none"])
     with pytest.raises(DistributedError, match="profile"):
-        PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.1"], sides=["none", "remat"])
-    d = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.1"], sides=["none"]).to_json()
-    assert PipelineConfig.from_json(d).to_json() == d
+        pipeline_config(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.1"], sides=["none", "remat"])
+    d = pipeline_config(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.1"], sides=["none"]).to_json()
+    assert DistributedConfig.from_json(d).to_json() == d and d["engine"] == "pipeline"
+    # one config, one engine: a pipeline's settings or per-stage plans under ddp are refused, as is a pipeline
+    # without its settings; ddp without them is the safe twin
+    with pytest.raises(DistributedError, match="engine pipeline"):
+        DistributedConfig.from_json({**d, "engine": "ddp"})
+    with pytest.raises(DistributedError, match="needs its settings"):
+        DistributedConfig.from_json({k: v for k, v in d.items() if k != "pipeline"})
+    assert DistributedConfig.from_json({k: v for k, v in d.items() if k != "pipeline"} | {"engine": "ddp"}).pipeline is None
     with pytest.raises(DistributedError):
-        PipelineConfig.from_json({**d, "steps": "2"})
+        DistributedConfig.from_json({**d, "steps": "2"})
     model = load_workload("gpt", SHAPE).workload.model
     x, _ = split_batch(load_workload("gpt", SHAPE).workload.batch(0))
     for bad in (["h.0"], ["h.4"], ["x.2"], ["h"]):
@@ -276,7 +295,7 @@ def test_verify_engine_pipeline_rejects_a_plan_that_changes_the_gradients(rank_e
     """`remat verify --engine pipeline`'s negative control on the real path: replay without RNG preservation
     redraws dropout masks, so the planned pipeline's gradients differ and verify exits 1."""
     from remat.plan.model import Boundary, Plan
-    from remat.pipeline_parallel.plan import StagePlan
+    from remat.plan.pipeline import StagePlan
     model = load_workload("gpt", SHAPE).workload.model
     blocks = [["h.0", "h.1"], ["h.2", "h.3"]]
 
@@ -355,7 +374,7 @@ def test_pipeline_receipt_shows_the_per_stage_table_and_timelines(gpt_run):
     import re
     import xml.etree.ElementTree as ET
     from remat.profile import module_revision
-    from remat.pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
+    from remat.receipt.pipeline import PipelineReceipt, load_any_receipt_with_digest
     _, out = gpt_run
     receipt, digest = load_any_receipt_with_digest(out / "receipt.json")
     assert isinstance(receipt, PipelineReceipt) and receipt.holds and receipt.why_not == []
@@ -387,10 +406,10 @@ def test_pipeline_receipt_shows_the_per_stage_table_and_timelines(gpt_run):
 def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
     import shutil
     from remat.errors import ReceiptError
-    from remat.pipeline_parallel.check import check_pipeline_receipt
+    from remat.workflow.pipeline import check_pipeline_receipt
     from remat.workflow.check import FindingKind
-    from remat.pipeline_parallel.receipt import PipelineReceipt
-    from remat.pipeline_parallel.render import write_pipeline_receipt
+    from remat.receipt.pipeline import PipelineReceipt
+    from remat.receipt.pipeline_render import write_pipeline_receipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json"), "--quick"]) == 0
     data = json.loads((out / "receipt.json").read_text())
@@ -426,9 +445,9 @@ def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
 
 
 def test_check_pipeline_receipt_re_runs_the_pipeline(gpt_run, tmp_path):
-    from remat.pipeline_parallel.check import check_pipeline_receipt
+    from remat.workflow.pipeline import check_pipeline_receipt
     from remat.workflow.check import FindingKind
-    from remat.pipeline_parallel.receipt import PipelineReceipt
+    from remat.receipt.pipeline import PipelineReceipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json")]) == 0
     # the same receipt with a per-device budget below every stage's peak: the re-run still finds the gradients
@@ -484,8 +503,8 @@ def test_a_model_without_embed_and_head_is_split_by_its_blocks_path():
 
 def test_timeline_rows_place_each_interval_in_its_columns():
     import dataclasses
-    from remat.pipeline_parallel.markdown import timeline_rows
-    from remat.pipeline_parallel.report import SideReport, StageReport, TimelineSpan
+    from remat.receipt.pipeline_markdown import timeline_rows
+    from remat.distributed.pipeline.report import SideReport, StageReport, TimelineSpan
     blank = StageReport(stage=0, rank=0, host="h", in_flight=1, blocks=[], boundaries=[], p50_ms=0.0, p95_ms=0.0,
                         forward_ms=0.0, backward_ms=0.0, replay_ms=0.0, optimizer_ms=0.0, p2p_ms=0.0,
                         exposed_p2p_ms=0.0, idle_ms=0.0, bubble_fraction=0.0, peak_bytes=0, held_at_backward_bytes=[],
@@ -505,7 +524,7 @@ def test_timeline_rows_place_each_interval_in_its_columns():
 # -- interleaved 1F1B ------------------------------------------------------------------------------------
 
 def test_in_flight_from_the_schedules_own_order():
-    from remat.pipeline_parallel.plan import in_flight_from_order
+    from remat.plan.pipeline import in_flight_from_order
     # rank 0 of 2, stages 0 and 2, m = 2: F0 F0 F2 F2 B2 B2 B0 B0: holds 2 + 2 after its 4th forward
     order = [(0, "F"), (0, "F"), (2, "F"), (2, "F"), (2, "B"), (0, "F"), (2, "B"), (0, "B"), (0, "B"), (0, "B")]
     assert in_flight_from_order(order) == {0: 2, 2: 2}
@@ -519,7 +538,7 @@ def test_interleaved_1f1b_gradients_match_the_unsplit_model(rank_env, tmp_path):
     """Two stages per rank (torch's ScheduleInterleaved1F1B): the first step's gradients, summed over the ranks,
     equal the unsplit model's on the mean microbatch loss (each stage scales only its own parameters by 1/m)."""
     shape = {**SHAPE, "dropout": 0.0}
-    cfg = PipelineConfig(spec="gpt", shape=shape, world_size=2, schedule="interleaved-1f1b", stages_per_rank=2,
+    cfg = pipeline_config(spec="gpt", shape=shape, world_size=2, schedule="interleaved-1f1b", stages_per_rank=2,
                          microbatches=4, split_points=["h.1", "h.2", "h.3"], sides=["none"], steps=1, warmup=1,
                          timeout_s=30)
     d = run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=120).to_json()
@@ -544,8 +563,8 @@ def test_interleaved_1f1b_gradients_match_the_unsplit_model(rank_env, tmp_path):
 def _two_stages_at_950():
     """Two stages planned from the synthetic profile at a 950-byte budget: (stage plans, the PipelinePlan, the
     StageReplanner that made them)."""
-    from remat.pipeline_parallel.plan import StagePlan
-    from remat.pipeline_parallel.worker import StageReplanner
+    from remat.plan.pipeline import StagePlan
+    from remat.distributed.pipeline.worker import StageReplanner
     report, blocks = synthetic_report(), [["h.0", "h.1"], ["h.2", "h.3"]]
     kw = dict(schedule="1f1b", microbatches=4, reserve=0.0)
     plans = plan_stages(report, blocks, planner="optimal", budget_bytes=950, base_peaks=[1000, 900], **kw)
@@ -560,7 +579,7 @@ def _two_stages_at_950():
 def test_closed_loop_replans_only_the_stage_that_missed():
     """NOTE [pipeline closed loop]: stage 0 measured 80 bytes over its prediction; its base is raised by the miss
     and it is planned again (two boundaries now), stage 1 keeps its plan."""
-    from remat.pipeline_parallel.worker import RematSideLoop
+    from remat.distributed.pipeline.worker import RematSideLoop
     plans, pp, replanner = _two_stages_at_950()
     notes: list[str] = []
     loop = RematSideLoop(rank=None, notes=notes, replanner=replanner)
@@ -581,12 +600,12 @@ def test_closed_loop_replans_only_the_stage_that_missed():
 def test_remat_side_loop_runs_the_replan_once_and_reports_its_figures():
     """NOTE [pipeline closed loop] through the one closed loop: a side that misses is re-planned and run once
     more, and the figures shipped are the second run's; a side that fits runs once."""
-    from remat.pipeline_parallel.worker import RematSideLoop
+    from remat.distributed.pipeline.worker import RematSideLoop
     plans, pp, replanner = _two_stages_at_950()
 
     class FakeRank:   # stage 0 peaks 80 bytes over its prediction on every plan: one re-plan, then it stands
         rank, total, runs = 0, 0, 0
-        cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.2"], sides=["none"])
+        cfg = pipeline_config(spec="gpt", shape=SHAPE, world_size=2, split_points=["h.2"], sides=["none"])
 
         def run_side(self, name, plan):
             self.runs += 1
@@ -610,7 +629,7 @@ def test_remat_side_loop_runs_the_replan_once_and_reports_its_figures():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 8)])
 def test_played_schedule_with_equal_stages_has_the_ideal_bubble(schedule, p, m):
-    from remat.pipeline_parallel.simulate import play_schedule
+    from remat.distributed.pipeline.simulate import play_schedule
     step, busy = play_schedule(schedule, [1.0] * p, [2.0] * p, m)
     assert step == pytest.approx(3.0 * (m + p - 1))   # (m + p - 1) slots of forward + backward
     assert all(1 - b / step == pytest.approx(ideal_bubble(p, m)) for b in busy)
@@ -620,7 +639,7 @@ def test_played_schedule_with_equal_stages_has_the_ideal_bubble(schedule, p, m):
 
 
 def test_simulated_pipeline_stages_at_a_world_size_this_machine_lacks():
-    from remat.pipeline_parallel.simulate import simulate_pipeline
+    from remat.distributed.pipeline.simulate import simulate_pipeline
     shape = {**SHAPE, "n_layer": 4}
     sims = {s: simulate_pipeline("gpt", shape, world_size=4, microbatches=4, schedule=s) for s in ("1f1b", "gpipe")}
     one, gp = sims["1f1b"], sims["gpipe"]
@@ -651,10 +670,10 @@ def test_a_stage_that_already_fits_gets_no_boundary_even_when_replay_looks_free(
 
 def test_assembled_report_is_typed_and_round_trips_its_json():
     from remat.distributed.report import GradComparison
-    from remat.pipeline_parallel.markdown import render_pipeline_markdown
-    from remat.pipeline_parallel.plan import Side
-    from remat.pipeline_parallel.report import RankOutcome, StageResult, TimelineEvent, assemble_pipeline
-    cfg = PipelineConfig(spec="gpt", shape=SHAPE, world_size=2, microbatches=2, split_points=["h.2"],
+    from remat.receipt.pipeline_markdown import render_pipeline_markdown
+    from remat.plan.pipeline import Side
+    from remat.distributed.pipeline.report import RankOutcome, StageResult, TimelineEvent, assemble_pipeline
+    cfg = pipeline_config(spec="gpt", shape=SHAPE, world_size=2, microbatches=2, split_points=["h.2"],
                          sides=["none", "uniform"], profile={"given": True})
 
     def result(side: Side, k: int, busy_ms: float) -> StageResult:
@@ -689,4 +708,20 @@ def test_assembled_report_is_typed_and_round_trips_its_json():
     assert d["sides"]["uniform"]["per_stage"][1]["timeline"][1] == ["p2p:send", -1, pytest.approx(2.0), pytest.approx(3.0)]
     again = PipelineReport.from_json(d)
     assert again == report and again.to_json() == d
+    # the schema comes from the fields' bounds: a bubble over 1, a short timeline row or no schema_version is refused
+    for bad in ({**d, "schema_version": 2}, {k: v for k, v in d.items() if k != "schema_version"}):
+        with pytest.raises(DistributedError):
+            PipelineReport.from_json(bad)
+    for key, value in (("bubble_fraction", 1.5), ("timeline", [["forward", 0, 1.0]])):
+        bad = json.loads(json.dumps(d))
+        bad["sides"]["none"]["per_stage"][0][key] = value
+        with pytest.raises(DistributedError, match=key):
+            PipelineReport.from_json(bad)
     assert "| uniform | 1 |" in render_pipeline_markdown(again)
+    from remat.cli.pipeline_parallel import _frontier_table, render
+    from remat.cli.render import console
+    with console.capture() as cap:
+        render(again)
+        console.print(_frontier_table(again))
+    printed = cap.get()
+    assert "DIFFERENT" in printed and "stage 1: w: no gradient" in printed and "uniform *" in printed

@@ -1,5 +1,5 @@
 """The pipeline engine on models without pipeline_embed/pipeline_head, split by module path (NOTE [pipeline by
-module path] in remat/pipeline_parallel/chain.py): an unmodified HF Llama and an nn.TransformerEncoder
+module path] in remat/distributed/pipeline/chain.py): an unmodified HF Llama and an nn.TransformerEncoder
 classifier. In-process checks against the unsplit model (ground truth), the refusals, and the launch."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch.nn import functional as F
 from remat.cli.main import main
 from remat.distributed.worker import FAULT_ENV
 from remat.errors import WorkloadError
-from remat.pipeline_parallel.chain import PathChain
-from remat.pipeline_parallel.engine import build_stage_module, stage_layout
+from remat.distributed.pipeline.chain import PathChain
+from remat.distributed.pipeline.engine import build_stage_module, stage_layout
 from remat.workload import load_workload
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "pipeline_by_path.py"

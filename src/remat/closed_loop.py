@@ -19,7 +19,7 @@ per caller is a :class:`LoopSteps` (how a plan is measured, what fitting means, 
 corrected, whether a fit may be relaxed, which fallbacks exist) and its
 :class:`ClosedLoopSettings`. One device (:func:`plan_closed_loop`): a ``Plan``, measured on a
 fresh build, corrected by the margin rule, relaxed under ``compile``, with fallbacks. A
-pipeline (NOTE [pipeline closed loop], pipeline_parallel/worker.py): a ``PipelinePlan``,
+pipeline (NOTE [pipeline closed loop], remat/distributed/pipeline/worker.py): a ``PipelinePlan``,
 measured by running the whole side on every rank, corrected per stage, with no relaxing and
 no fallbacks.
 """

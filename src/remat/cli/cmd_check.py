@@ -12,11 +12,11 @@ from rich.markup import escape
 
 from ..errors import CheckFailed, ReceiptError
 from ..workload import parse_autocast
-from ..pipeline_parallel.check import check_pipeline_receipt
+from ..workflow.pipeline import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
 from ..workflow.check import CheckReport, Deadline
 from ..workflow.gate import MAX_WORLD_SIZE, limit, project_gate
-from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
+from ..receipt.pipeline import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, beat_until_first_step, bounded_int
 from .main import time_limit
 from .render import console, err_console, progress_bar, untrusted

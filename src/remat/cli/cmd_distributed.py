@@ -28,7 +28,7 @@ def add_distributed_args(p: argparse.ArgumentParser, *, required: bool = False) 
     g.add_argument("--world-size", type=bounded_int(1, 1024), default=None, required=required,
                    help="run the step on N ranks of this host and write DIR/distributed.json" +
                         ("" if required else " (default: no distributed run)"))
-    g.add_argument("--engine", choices=[e.value for e in Engine] + ["pipeline"], default=Engine.DDP.value,
+    g.add_argument("--engine", choices=[e.value for e in Engine], default=Engine.DDP.value,
                    help="ddp (DistributedDataParallel), fsdp2 (fully_shard) or pipeline (torch.distributed.pipelining, "
                         "one stage per rank: per-stage plans side by side, or with verify the planned vs the unplanned "
                         "pipeline) (default: ddp)")

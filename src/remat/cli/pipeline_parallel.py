@@ -3,7 +3,7 @@
 Writes ``OUT/pipeline.json`` (PipelineReport), ``OUT/plan.json`` (the per-stage PipelinePlan),
 ``OUT/profile.json`` (the whole model profiled at the microbatch shape, what it plans from),
 ``OUT/pipeline.md``, and the pipeline receipt: ``OUT/receipt.json``, ``OUT/report.html`` and
-``OUT/report.md`` (NOTE [pipeline receipt] in remat/pipeline_parallel/receipt.py), which
+``OUT/report.md`` (NOTE [pipeline receipt] in remat/receipt/pipeline.py), which
 ``remat check OUT/receipt.json`` re-checks.
 """
 
@@ -14,16 +14,17 @@ import shlex
 import sys
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..pipeline_parallel.engine import (PipelineConfig, check_split, check_stages_per_rank, default_split, microbatch_shape,
-                                    run_pipeline_config)
-from ..pipeline_parallel.report import PipelineReport, SideReport
+from ..distributed.config import DistributedConfig, Engine, PipelineSettings, check_stages_per_rank
+from ..distributed.pipeline.engine import check_split, default_split, microbatch_shape, run_pipeline_config
+from ..distributed.pipeline.report import PipelineReport, SideReport
 from ..plan import parse_budget, parse_reserve
-from ..pipeline_parallel.plan import PipelinePlan, Side, load_any_plan
+from ..plan.pipeline import PipelinePlan, Side, load_any_plan
 from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
-from ..pipeline_parallel.render import write_pipeline_receipt
+from ..receipt.pipeline_render import write_pipeline_receipt
 from ..workload import parse_shape
 from ..errors import DistributedError, PlanError
 from ..types import ProgressFn
@@ -69,13 +70,14 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
     mb_shape = microbatch_shape(shape, args.microbatches)
     points, source = _split(args, shape, given, v * args.world_size)
     with progress_bar() as progress:
-        config = PipelineConfig(
-            spec=args.workload, shape=shape, world_size=args.world_size, schedule=args.schedule,
-            microbatches=args.microbatches, split_points=points, split_source=source, stages_per_rank=v,
-            profile=None if given is not None else _profile(args, mb_shape, progress),
-            budget=budget, reserve=reserve, plan=None if given is None else given.to_json(), device=args.device,
-            dtype=args.dtype, steps=1 if verify_only else args.dist_steps, warmup=1 if verify_only else args.dist_warmup,
-            timeout_s=args.dist_timeout, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
+        settings = PipelineSettings(
+            schedule=args.schedule, microbatches=args.microbatches, split_points=points, split_source=source,
+            stages_per_rank=v, profile=None if given is not None else _profile(args, mb_shape, progress),
+            budget=budget, reserve=reserve, sides=["none", "uniform", "remat"] if given is None else ["none", "remat"])
+        config = DistributedConfig(
+            spec=args.workload, shape=shape, world_size=args.world_size, engine=Engine.PIPELINE, plan=given,
+            device=args.device, dtype=args.dtype, steps=1 if verify_only else args.dist_steps,
+            warmup=1 if verify_only else args.dist_warmup, timeout_s=args.dist_timeout, pipeline=settings)
         result = run_pipeline_config(config, work_dir=Path(args.out) / "distributed",
                                      wall_timeout_s=args.dist_wall_timeout, progress=progress)
     _write_outputs(args, result)
@@ -131,7 +133,7 @@ def _write_outputs(args: argparse.Namespace, result: PipelineReport) -> None:
     if result.remat_plan is not None:
         result.remat_plan.save(Path(args.out) / "plan.json")
     from .._io import atomic_write_text
-    from ..pipeline_parallel.markdown import render_pipeline_markdown
+    from ..receipt.pipeline_markdown import render_pipeline_markdown
     atomic_write_text(Path(args.out) / "pipeline.md", render_pipeline_markdown(result))
     render(result)
     console.print(f"wrote {path}")
@@ -139,7 +141,7 @@ def _write_outputs(args: argparse.Namespace, result: PipelineReport) -> None:
 
 def _write_receipt(args: argparse.Namespace, shape: dict, result: PipelineReport) -> None:
     """The pipeline receipt (NOTE [pipeline receipt]): OUT/receipt.json, report.html and report.md."""
-    from ..pipeline_parallel.check import make_pipeline_receipt
+    from ..workflow.pipeline import make_pipeline_receipt
     from ..workload.loader import load_workload
     command = " ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else ""
     receipt = make_pipeline_receipt(result, loaded=load_workload(args.workload, shape, dtype=args.dtype),
@@ -188,23 +190,22 @@ def run_pipeline_frontier(args: argparse.Namespace) -> int:
 def _frontier_table(report: PipelineReport) -> Table:
     """Each side a point: largest stage peak vs step p50, ``*`` where no other side is as good on both."""
     points = {name: (s.max_peak_bytes, s.p50_ms) for name, s in report.sides.items()}
-    table = Table(title="pipeline frontier: largest stage peak vs step p50 (* = Pareto)")
-    for col in ("side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"):
-        table.add_column(col, justify="left" if col == "side" else "right")
     budget = report.budget_bytes
+    rows = []
     for name, s in report.sides.items():
         mine = points[name]
         dominated = any(o[0] <= mine[0] and o[1] <= mine[1] and o != mine for o in points.values())
         fits = "-" if budget is None else ("yes" if s.max_peak_bytes <= budget else "no")
-        table.add_row(name.value + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.p50_ms:.1f}",
-                      f"{s.samples_per_s:.1f}", fits, f"{s.max_bubble_fraction:.3f}")
-    return table
+        rows.append([name.value + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.p50_ms:.1f}",
+                     f"{s.samples_per_s:.1f}", fits, f"{s.max_bubble_fraction:.3f}"])
+    return _table("pipeline frontier: largest stage peak vs step p50 (* = Pareto)",
+                  ["side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"], rows)
 
 
 def run_pipeline_simulate(args: argparse.Namespace) -> int:
     """``remat distributed --engine pipeline --simulate``: per-stage peaks and bubbles predicted at --world-size
     for --target-device (NOTE [simulated pipeline]); OUT/pipeline-sim.json, nothing launched."""
-    from ..pipeline_parallel.simulate import simulate_pipeline
+    from ..distributed.pipeline.simulate import simulate_pipeline
     shape = parse_shape(args.shape)
     check_out_dir(args.out, ("pipeline-sim.json",))
     points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
@@ -230,19 +231,12 @@ def run_pipeline_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_table(report: PipelineReport) -> Table:
-    table = Table(title=f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, "
-                        f"{report.microbatches} microbatches, split at {', '.join(report.split_points)} (ideal bubble "
-                        f"{report.ideal_bubble_fraction:.3f})")
-    for col in ("side", "stage", "in flight", "boundaries", "peak", "fits", "fwd ms", "bwd ms", "replay ms",
-                "p2p ms", "idle ms", "bubble"):
+def _table(title: str | None, headers: list[str], rows: list[list[str]]) -> Table:
+    table = Table(title=title)
+    for col in headers:
         table.add_column(col, justify="left" if col in ("side", "boundaries") else "right")
-    for name, side in report.sides.items():
-        for s in side.per_stage:
-            fits = "-" if s.fits_budget is None else ("yes" if s.fits_budget else "[red]no[/]")
-            table.add_row(name.value, str(s.stage), str(s.in_flight), ", ".join(s.boundaries) or "-",
-                          fmt_bytes(s.peak_bytes), fits, f"{s.forward_ms:.1f}", f"{s.backward_ms:.1f}",
-                          f"{s.replay_ms:.1f}", f"{s.p2p_ms:.1f}", f"{s.idle_ms:.1f}", f"{s.bubble_fraction:.3f}")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -253,18 +247,21 @@ def _bubble_growth(side: SideReport) -> list[str]:
 
 
 def render(report: PipelineReport) -> None:
-    console.print(_stage_table(report))
-    for name, side in report.sides.items():
-        console.print(f"[bold]{name.value}[/]: step p50 {side.p50_ms:.1f} ms, p95 {side.p95_ms:.1f} ms, "
-                      f"{side.samples_per_s:.1f} samples/s, largest stage peak {fmt_bytes(side.max_peak_bytes)}")
+    """The per-stage and per-side tables and the equivalence, in pipeline.md's cells and words."""
+    from ..receipt.pipeline_markdown import SIDE_HEADERS, STAGE_HEADERS, equivalence_text, side_cells, stage_cells
+    title = (f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, {report.microbatches} "
+             f"microbatches, split at {', '.join(report.split_points)} (ideal bubble "
+             f"{report.ideal_bubble_fraction:.3f})")
+    console.print(_table(title, STAGE_HEADERS, [stage_cells(name, s, no="[red]no[/]")
+                                                for name, side in report.sides.items() for s in side.per_stage]))
+    console.print(_table(None, SIDE_HEADERS, [side_cells(name, side) for name, side in report.sides.items()]))
     for name, side in report.sides.items():
         worse = _bubble_growth(side)
         if worse:
             console.print(f"{name.value}: bubble grew over the unplanned run on {', '.join(worse)}")
     for name, eq in report.equivalence.items():
         verdict = "[green]bitwise equal[/]" if eq.ok else "[bold red]DIFFERENT[/]"
-        console.print(f"equivalence ({name.value} vs none, same schedule and microbatches): {verdict} "
-                      f"(max |diff| {eq.max_abs_diff:.3g})")
+        console.print("equivalence: " + equivalence_text(name, eq, verdict, escape=escape))
     neg = report.negative_control_rejected
     if neg is not None:
         console.print(f"negative control (a gradient perturbed by 1e-3): {'rejected' if neg else '[bold red]ACCEPTED[/]'}")

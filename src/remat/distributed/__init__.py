@@ -9,11 +9,11 @@ exposed communication (NOTE [exposed communication] in intervals.py), the no-op-
 ablation, and gradient equivalence.
 """
 
-from .config import DistributedConfig, Engine, LaunchConfig
+from .config import DistributedConfig, Engine, PipelineSettings
 from .launch import free_port, launch_ranks, run_distributed, torchrun_command
 from .report import (CollectiveCount, DistributedReport, Equivalence, GradComparison, RankFigures, RankResult,
                      RankSide, SideReport)
 
 __all__ = ["CollectiveCount", "DistributedConfig", "DistributedReport", "Engine", "Equivalence", "GradComparison",
-           "LaunchConfig", "RankFigures", "RankResult", "RankSide", "SideReport", "free_port", "launch_ranks",
+           "PipelineSettings", "RankFigures", "RankResult", "RankSide", "SideReport", "free_port", "launch_ranks",
            "run_distributed", "torchrun_command"]

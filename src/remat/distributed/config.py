@@ -1,8 +1,11 @@
-"""What one distributed run does: the workload to rebuild on every rank, the plan, the engine.
+"""What one distributed run does: the workload to rebuild on every rank, the engine, the plan.
 
 The config is plain JSON: the launcher writes it, every rank reads it and rebuilds the
 workload itself from ``spec`` + ``shape`` (nothing torch is pickled across processes), so
 the same file drives a local run and a multi-node torchrun job (NOTE [launcher], launch.py).
+One config for every engine: DDP and FSDP2 run the control and a whole-model :class:`Plan`;
+the pipeline engine (``distributed/pipeline/``) runs its sides with a :class:`PipelinePlan`
+and its own settings (:class:`PipelineSettings`).
 """
 
 from __future__ import annotations
@@ -10,22 +13,31 @@ from __future__ import annotations
 import dataclasses
 import enum
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any
 
-from .._json import Bool, Enum, Int, JsonValue, Map, Num, Obj, Opt, Str, read_json_file, validate
+from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError, PlanError
 from ..plan.model import Plan
+from ..plan.pipeline import SIDES, PipelinePlan, Schedule, Side
+from ..plan.schema import MODULE_PATH
 
 CONFIG_SCHEMA_VERSION = 1
 
+PIPELINE_SETTINGS_SCHEMA = Obj({
+    "schedule": Enum(*(s.value for s in Schedule)), "microbatches": Int(1, 100_000),
+    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
+    "stages_per_rank": Int(1, 1000), "profile": Opt(JsonValue()), "planner": Str(max_len=200),
+    "uniform_planner": Str(max_len=200), "budget": Opt(Str(max_len=200)), "reserve": Num(0, 0.999999),
+    "sides": List(Enum(*SIDES), min_len=1, max_len=3), "perturb_control": Bool(),
+})
 CONFIG_SCHEMA = Obj({
     "schema_version": Enum(CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
     "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
-    "world_size": Int(1, 1 << 16), "engine": Enum("ddp", "fsdp2"), "plan": Opt(JsonValue()),
+    "world_size": Int(1, 1 << 16), "engine": Enum("ddp", "fsdp2", "pipeline"), "plan": Opt(JsonValue()),
     "device": Str(r"cpu|cuda(:[0-9]{1,3})?"), "dtype": Enum("float32", "bfloat16", "float16"),
-    "steps": Int(1, 1000), "warmup": Int(2, 100), "comm_steps": Int(1, 1000), "timeout_s": Num(1e-3, 7 * 86400.0),
+    "steps": Int(1, 1000), "warmup": Int(1, 100), "comm_steps": Int(1, 1000), "timeout_s": Num(1e-3, 7 * 86400.0),
     "seed": Int(0, 2 ** 63 - 1), "ablation": Bool(), "find_unused_parameters": Bool(), "use_reentrant": Bool(),
-}, {"budget_bytes": Int(1, 2 ** 53), "wall_timeout_s": Num(1e-3, 7 * 86400.0)})
+}, {"budget_bytes": Int(1, 2 ** 53), "wall_timeout_s": Num(1e-3, 7 * 86400.0), "pipeline": PIPELINE_SETTINGS_SCHEMA})
 
 REENTRANT_FIND_UNUSED_TIP = (
     "use non-reentrant checkpointing (torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which is what "
@@ -34,102 +46,86 @@ REENTRANT_FIND_UNUSED_TIP = (
 
 
 class Engine(str, enum.Enum):
-    """The data-parallel engine the step runs under (PyTorch's own, never a home-made one)."""
+    """How the step runs at world size N (PyTorch's own parallelism, never a home-made one)."""
 
     DDP = "ddp"      # torch.nn.parallel.DistributedDataParallel
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard on a 1-D device mesh
+    PIPELINE = "pipeline"   # torch.distributed.pipelining: stages of one model (NOTE [pipeline stages])
 
 
 @dataclasses.dataclass(kw_only=True)
-class LaunchConfig:
-    """What every torchrun launch carries (NOTE [launcher], launch.py): the workload each rank rebuilds from
-    ``spec`` + ``shape``, the ranks, the device and dtype, the step counts and the per-collective timeout
-    (``timeout_s``, seconds). :class:`DistributedConfig` and the pipeline's ``PipelineConfig`` extend it; each
-    validates its own limits and keeps its own file format (``FORMAT``: its fields in its file's order)."""
+class PipelineSettings:
+    """The pipeline engine's part of a run: the sides to run (``none``, ``uniform``, ``remat``) at one schedule
+    and split. ``profile`` (a ProfileReport's JSON, whole model at the microbatch shape) is what the per-stage
+    planner plans from; ``budget`` the per-device budget ("60%" of the largest unplanned stage peak, or bytes
+    such as "40MiB")."""
+
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    microbatches: int = 4
+    split_points: list[str] = dataclasses.field(default_factory=list)   # stages_per_rank x world_size - 1 of them
+    split_source: str = "given"
+    stages_per_rank: int = 1      # v: interleaved schedules run stages r, r + p, ..., r + (v - 1) p on rank r
+    profile: Any = None
+    planner: str = "optimal"
+    uniform_planner: str = "all"
+    budget: str | None = None
+    reserve: float = 0.05
+    sides: list[Side] = dataclasses.field(default_factory=lambda: list(Side))
+    perturb_control: bool = True   # the negative control: a gradient perturbed by 1e-3 must be rejected
+
+    def __post_init__(self) -> None:
+        self.schedule = Schedule(self.schedule)
+        if self.microbatches < 1:
+            raise DistributedError(f"microbatches must be >= 1, got {self.microbatches}")
+        unknown = [s for s in self.sides if s not in SIDES]
+        if unknown or not self.sides:
+            raise DistributedError(f"pipeline sides must be among {SIDES}, got {self.sides}")
+        self.sides = [Side(s) for s in self.sides]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "schedule": self.schedule.value, "sides": [s.value for s in self.sides]}
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistributedConfig:
+    """One distributed measurement: the control (no plan) and, when ``plan`` is given, the plan.
+
+    ``steps`` warm steps are timed per side (after ``warmup`` untimed ones: >= 2 for DDP and FSDP2,
+    since DDP rebuilds its buckets after the first iteration); ``comm_steps`` more run with the
+    compute timer on, for exposed communication (NOTE [exposed communication]).
+    ``timeout_s`` bounds every collective and p2p op (``init_process_group(timeout=...)``).
+    ``budget_bytes`` is the per-device peak budget every rank's planned peak is held to (None:
+    the plan's own ``budget_bytes``). ``wall_timeout_s`` is each rank's own wall-clock limit
+    for the whole run (NOTE [rank wall clock], worker.py): the multi-node path sets it, since no
+    launcher watches the ranks there; None leaves it to the local launcher. ``engine`` pipeline:
+    ``pipeline`` holds its settings and ``plan`` is a :class:`PipelinePlan` to run as the ``remat``
+    side instead of planning one.
+    """
 
     spec: str
     shape: dict[str, Any]
     world_size: int
+    engine: Engine = Engine.DDP
+    plan: Plan | PipelinePlan | None = None
     device: str = "cpu"
     dtype: str = "float32"
     steps: int = 10
     warmup: int = 2
+    comm_steps: int = 3
     timeout_s: float = 120.0
     seed: int = 0
-
-    FORMAT: ClassVar[Obj]   # the config file's schema; its field order is the file's, schema_version written last
-    WHAT: ClassVar[str]     # what the file is called in errors, e.g. "distributed config"
-
-    @property
-    def batch_size(self) -> int:
-        """The global batch: the workload's ``batch_size`` shape keyword (1 for a factory that takes none)."""
-        return int(self.shape.get("batch_size", 1))
-
-    @property
-    def backend(self) -> str:
-        """gloo on CPU, nccl on CUDA."""
-        return "nccl" if self.device.startswith("cuda") else "gloo"
-
-    def to_json(self) -> dict[str, Any]:
-        d = self.json_fields()
-        keys = [*(k for k in self.FORMAT.required if k != "schema_version"),
-                *(k for k in self.FORMAT.optional if d.get(k) is not None), "schema_version"]
-        return {k: d[k] for k in keys}
-
-    def json_fields(self) -> dict[str, Any]:
-        """Every field as JSON (enums as their values), in any order."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: Any) -> Self:
-        """Build from the config file's JSON, checked against ``FORMAT`` (each config its own)."""
-        raise NotImplementedError
-
-    def save(self, path: Path | str) -> Path:
-        from .._io import atomic_write_json
-        return atomic_write_json(path, self.to_json())
-
-    @classmethod
-    def load(cls, path: Path | str) -> Self:
-        return cls.from_json(read_json_file(path, error=DistributedError, what=cls.WHAT))
-
-
-@dataclasses.dataclass(kw_only=True)
-class DistributedConfig(LaunchConfig):
-    """One distributed measurement: control (no plan) and, when ``plan`` is given, the plan.
-
-    ``steps`` warm steps are timed per side (after ``warmup`` >= 2 untimed ones, since DDP
-    rebuilds its buckets after the first iteration); ``comm_steps`` more run with the
-    compute timer on, for exposed communication (NOTE [exposed communication]).
-    ``timeout_s`` bounds every collective (``init_process_group(timeout=...)``).
-    ``budget_bytes`` is the per-device peak budget every rank's planned peak is held to (None:
-    the plan's own ``budget_bytes``). ``wall_timeout_s`` is each rank's own wall-clock limit
-    for the whole run (NOTE [rank wall clock], worker.py): the multi-node path sets it, since no
-    launcher watches the ranks there; None leaves it to the local launcher.
-    """
-
-    engine: Engine = Engine.DDP
-    plan: Plan | None = None
-    comm_steps: int = 3
     ablation: bool = True                 # also time a no-op comm hook (same compute, no communication)
     find_unused_parameters: bool = False  # DDP only
     use_reentrant: bool = False           # the workload checkpoints itself with use_reentrant=True
     budget_bytes: int | None = None       # per-device budget, bytes (None: the plan's)
     wall_timeout_s: float | None = None   # seconds, each rank's own limit (None: the launcher's)
+    pipeline: PipelineSettings | None = None   # engine pipeline only
     schema_version: int = CONFIG_SCHEMA_VERSION
-
-    FORMAT = CONFIG_SCHEMA
-    WHAT = "distributed config"
 
     def __post_init__(self) -> None:
         self.engine = Engine(self.engine)
         if self.world_size < 1:
             raise DistributedError(f"world size must be >= 1, got {self.world_size}")
-        if self.warmup < 2:
-            raise DistributedError(
-                f"warm-up must be at least 2 steps, got {self.warmup}",
-                tip="DDP rebuilds its gradient buckets after the first iteration; the second step is the first warm one",
-            )
         if self.steps < 1 or self.comm_steps < 1:
             raise DistributedError(f"steps and comm_steps must be >= 1, got steps={self.steps} comm_steps={self.comm_steps}")
         if self.timeout_s <= 0:
@@ -141,7 +137,21 @@ class DistributedConfig(LaunchConfig):
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise DistributedError(f"device must be cpu or cuda, got {self.device!r}")
         if self.engine is not Engine.DDP and self.find_unused_parameters:
-            raise DistributedError("find_unused_parameters is a DDP option; it does not apply to fsdp2")
+            raise DistributedError(f"find_unused_parameters is a DDP option; it does not apply to {self.engine.value}")
+        if self.engine is Engine.PIPELINE:
+            self._check_pipeline()
+        else:
+            self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        if self.pipeline is not None or isinstance(self.plan, PipelinePlan):
+            raise DistributedError(f"pipeline settings and per-stage plans are for engine pipeline, not "
+                                   f"{self.engine.value}")
+        if self.warmup < 2:
+            raise DistributedError(
+                f"warm-up must be at least 2 steps, got {self.warmup}",
+                tip="DDP rebuilds its gradient buckets after the first iteration; the second step is the first warm one",
+            )
         reentrant = self.use_reentrant or bool(getattr(self.plan, "use_reentrant", False))
         if self.engine is Engine.DDP and self.find_unused_parameters and reentrant:
             raise DistributedError(
@@ -151,6 +161,45 @@ class DistributedConfig(LaunchConfig):
                 tip=REENTRANT_FIND_UNUSED_TIP,
             )
 
+    def _check_pipeline(self) -> None:
+        """NOTE [pipeline stages] (distributed/pipeline/engine.py): the stages, split and sides fit together."""
+        pp = self.pipeline
+        if pp is None:
+            raise DistributedError("engine pipeline needs its settings (schedule, microbatches, split points)")
+        if isinstance(self.plan, Plan):
+            raise DistributedError("--engine pipeline takes per-stage plans, not a whole-model plan",
+                                   tip="a pipeline plan is the plan.json that `remat distributed --engine pipeline` writes")
+        if self.world_size < 2:
+            raise DistributedError(f"a pipeline needs at least 2 stages (world size >= 2), got {self.world_size}")
+        check_stages_per_rank(pp.schedule, pp.stages_per_rank, self.world_size, pp.microbatches)
+        if len(pp.split_points) != self.n_stages - 1:
+            raise DistributedError(f"{len(pp.split_points)} split points make {len(pp.split_points) + 1} stages, "
+                                   f"but {self.world_size} ranks x {pp.stages_per_rank} stage(s) per rank make "
+                                   f"{self.n_stages}",
+                                   tip="give world size x stages per rank - 1 split points, e.g. --split-points h.2 "
+                                       "for 2 ranks of one stage")
+        if not self.device.startswith("cpu"):
+            raise DistributedError("the pipeline engine runs on CPU (gloo) only so far", tip="use --device cpu")
+        if Side.REMAT in pp.sides and self.plan is None and pp.profile is None:
+            raise DistributedError("the remat side needs a profile to plan from, or a pipeline plan")
+        if Side.UNIFORM in pp.sides and pp.profile is None:
+            raise DistributedError("the uniform side needs a profile to plan from")
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages over every rank (1 per rank but for interleaved schedules)."""
+        return self.world_size * (self.pipeline.stages_per_rank if self.pipeline is not None else 1)
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch: the workload's ``batch_size`` shape keyword (1 for a factory that takes none)."""
+        return int(self.shape.get("batch_size", 1))
+
+    @property
+    def backend(self) -> str:
+        """gloo on CPU, nccl on CUDA."""
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
     @property
     def device_budget_bytes(self) -> int | None:
         """The per-device budget each rank's planned peak must stay within (bytes), or None (nothing to hold it to)."""
@@ -158,11 +207,12 @@ class DistributedConfig(LaunchConfig):
             return self.budget_bytes
         return None if self.plan is None else self.plan.budget_bytes
 
-    def json_fields(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["engine"] = self.engine.value
-        d["plan"] = None if self.plan is None else self.plan.to_json()
-        return d
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "schema_version"}
+        d.update(engine=self.engine.value, plan=None if self.plan is None else self.plan.to_json(),
+                 pipeline=None if self.pipeline is None else self.pipeline.to_json())
+        return {**{k: v for k, v in d.items() if v is not None or k not in CONFIG_SCHEMA.optional},
+                "schema_version": self.schema_version}
 
     @classmethod
     def from_json(cls, d: Any) -> "DistributedConfig":
@@ -175,9 +225,38 @@ class DistributedConfig(LaunchConfig):
                                    f"(this remat reads {CONFIG_SCHEMA_VERSION})")
         validate(d, CONFIG_SCHEMA, error=DistributedError, what="distributed config")
         d = {k: v for k, v in d.items() if k != "schema_version"}
+        if d.get("pipeline") is not None:
+            d["pipeline"] = PipelineSettings(**d["pipeline"])
         if d.get("plan") is not None:
+            kind = PipelinePlan if d["engine"] == Engine.PIPELINE.value else Plan
             try:
-                d["plan"] = Plan.from_json(d["plan"], source="the distributed config's plan")
+                d["plan"] = kind.from_json(d["plan"], source="the distributed config's plan")
             except PlanError as exc:
                 raise DistributedError(exc.message) from None
         return cls(**d)
+
+    def save(self, path: Path | str) -> Path:
+        from .._io import atomic_write_json
+        return atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: Path | str) -> "DistributedConfig":
+        return cls.from_json(read_json_file(path, error=DistributedError, what="distributed config"))
+
+
+def check_stages_per_rank(schedule: Schedule | str, v: int, world_size: int, microbatches: int) -> None:
+    """Interleaved schedules need v >= 2 stages per rank (and torch's rounds to divide the microbatches);
+    GPipe and 1F1B run one."""
+    schedule = Schedule(schedule)
+    if schedule.multi and v < 2:
+        raise DistributedError(f"{schedule.value} runs several stages per rank; --stages-per-rank is {v}",
+                               tip="--stages-per-rank 2")
+    if not schedule.multi and v != 1:
+        raise DistributedError(f"{schedule.value} runs one stage per rank; --stages-per-rank is {v}",
+                               tip="use --schedule interleaved-1f1b for several stages per rank")
+    if schedule.multi:
+        rounds = max(1, microbatches // world_size)
+        if microbatches % rounds:
+            raise DistributedError(f"torch's {schedule.value} needs the microbatches ({microbatches}) to be a multiple "
+                                   f"of its rounds (max(1, m // p) = {rounds})",
+                                   tip=f"use a multiple of the world size ({world_size}) microbatches")

@@ -60,7 +60,7 @@ from typing import Any, Callable, Generic, TypeVar
 from .._json import Enum, Int, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError
 from ..types import ProgressFn, no_progress
-from .config import DistributedConfig, LaunchConfig
+from .config import DistributedConfig
 from .report import DistributedReport
 from .worker import REPORT_NAME, rank_file
 
@@ -304,11 +304,11 @@ class RankProgram(Generic[R]):
     report_name: str             # rank 0's report, DIR/report_name
     name: str                    # "distributed": the report is the "distributed report", a temporary DIR remat-NAME-*
     read_report: Callable[[Any], R]   # the report's JSON -> the report
-    diagnose: Callable[[Path, LaunchConfig, int | None, float | None], DistributedError]
+    diagnose: Callable[[Path, DistributedConfig, int | None, float | None], DistributedError]
     # (DIR, config, torchrun's exit code, the wall limit if hit) -> the error naming the rank at fault
 
 
-def diagnose_launch(out: Path, config: LaunchConfig, returncode: int | None, timed_out: float | None) -> DistributedError:
+def diagnose_launch(out: Path, config: DistributedConfig, returncode: int | None, timed_out: float | None) -> DistributedError:
     """:func:`diagnose` for a launch of ``config`` in ``out``."""
     return diagnose(out, config.world_size, returncode=returncode, timed_out=timed_out, log=out / "torchrun.log")
 
@@ -317,7 +317,7 @@ DISTRIBUTED_PROGRAM = RankProgram(module=WORKER_MODULE, report_name=REPORT_NAME,
                                   read_report=DistributedReport.from_json, diagnose=diagnose_launch)
 
 
-def launch_ranks(config: LaunchConfig, program: RankProgram[R], *, what: str, work_dir: Path | str | None = None,
+def launch_ranks(config: DistributedConfig, program: RankProgram[R], *, what: str, work_dir: Path | str | None = None,
            wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> R:
     """Run ``config`` on ``config.world_size`` local ranks of ``program``; its report, or a :class:`DistributedError`.
 
@@ -350,7 +350,7 @@ def launch_ranks(config: LaunchConfig, program: RankProgram[R], *, what: str, wo
     raise AssertionError("unreachable")
 
 
-def _check_devices(config: LaunchConfig) -> None:
+def _check_devices(config: DistributedConfig) -> None:
     if config.device.startswith("cuda"):
         import torch
         if torch.cuda.device_count() < config.world_size:
@@ -366,7 +366,7 @@ def _port_taken(out: Path) -> bool:
     return port_taken and rank_state(out, 0).kind in (RankStatus.NOT_STARTED, RankStatus.ERROR)
 
 
-def _launch_once(config: LaunchConfig, program: RankProgram[Any], out: Path, wall_timeout_s: float,
+def _launch_once(config: DistributedConfig, program: RankProgram[Any], out: Path, wall_timeout_s: float,
                  progress: ProgressFn, what: str) -> tuple[int | None, float | None]:
     """Run torchrun once; (its exit code, the wall limit if it was hit)."""
     _clean(out, config.world_size, program.report_name)

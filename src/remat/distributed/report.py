@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import DistributedError
 from ..types import MemorySource
 from ..percentile import percentile
-from .config import Engine
+from .config import DistributedConfig, Engine
 
 REPORT_SCHEMA_VERSION = 1
 SIDES = ("control", "plan")
@@ -314,47 +314,22 @@ def _equivalence(results: list[RankResult], criterion: str) -> Equivalence:
     )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DistributedRun:
-    """What rank 0 records beside the ranks' results: how the run was set up and measured."""
-
-    world_size: int
-    engine: Engine
-    backend: str
-    device: str
-    dtype: str
-    spec: str
-    shape: dict[str, Any]
-    steps: int                  # timed warm steps per side
-    warmup: int
-    comm_steps: int             # steps timed for communication, after the timed ones
-    comm_source: str            # how communication was timed
-    torch_version: str
-    plan_boundaries: list[str]  # the plan's modules ([] with no plan)
-    criterion: str              # "bitwise" or "allclose(...)" (worker.equivalence_criterion)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    budget_bytes: int | None = None   # per-device budget (DistributedConfig.device_budget_bytes)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "engine", Engine(self.engine))
-        if self.world_size < 1 or self.steps < 1 or self.warmup < 0 or self.comm_steps < 0:
-            raise DistributedError(f"a distributed run needs world_size >= 1, steps >= 1, warmup >= 0 and "
-                                   f"comm_steps >= 0; got {self.world_size}, {self.steps}, {self.warmup}, "
-                                   f"{self.comm_steps}")
-
-
-def assemble(results: list[RankResult], run: DistributedRun) -> DistributedReport:
-    """Rank 0: the report from every rank's :class:`RankResult` (ordered by rank)."""
+def assemble(results: list[RankResult], cfg: DistributedConfig, *, comm_source: str, torch_version: str,
+             criterion: str, notes: list[str]) -> DistributedReport:
+    """Rank 0: the report of the run of ``cfg`` from every rank's :class:`RankResult` (ordered by rank);
+    ``comm_source``: how communication was timed; ``criterion``: "bitwise" or "allclose(...)"
+    (worker.equivalence_criterion)."""
     results = sorted(results, key=lambda r: r.rank)
-    if [r.rank for r in results] != list(range(run.world_size)):
-        raise DistributedError(f"expected results from ranks 0..{run.world_size - 1}, got {[r.rank for r in results]}")
+    if [r.rank for r in results] != list(range(cfg.world_size)):
+        raise DistributedError(f"expected results from ranks 0..{cfg.world_size - 1}, got {[r.rank for r in results]}")
     control = _side_report([(r.rank, r.samples_per_step, r.control) for r in results])
     has_plan = results[0].plan is not None
     plan = _side_report([(r.rank, r.samples_per_step, r.plan) for r in results if r.plan is not None]) if has_plan else None
     return DistributedReport(
-        world_size=run.world_size, engine=run.engine, backend=run.backend, device=run.device, dtype=run.dtype,
-        spec=run.spec, shape=run.shape, steps=run.steps, warmup=run.warmup, comm_steps=run.comm_steps,
+        world_size=cfg.world_size, engine=cfg.engine, backend=cfg.backend, device=cfg.device, dtype=cfg.dtype,
+        spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup, comm_steps=cfg.comm_steps,
         samples_per_step=[r.samples_per_step for r in results], memory_source=results[0].memory_source,
-        comm_source=run.comm_source, torch_version=run.torch_version, plan_boundaries=run.plan_boundaries,
-        control=control, plan=plan, equivalence=_equivalence(results, run.criterion) if has_plan else None,
-        notes=run.notes, budget_bytes=run.budget_bytes)
+        comm_source=comm_source, torch_version=torch_version,
+        plan_boundaries=[] if cfg.plan is None else [b.module for b in cfg.plan.boundaries],
+        control=control, plan=plan, equivalence=_equivalence(results, criterion) if has_plan else None,
+        notes=notes, budget_bytes=cfg.device_budget_bytes)

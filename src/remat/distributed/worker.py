@@ -94,7 +94,7 @@ from .config import REENTRANT_FIND_UNUSED_TIP, DistributedConfig, Engine
 from .engines import EngineContext, make_context, unwrap, wrap
 from .instrument import CollectiveEvent, CommRecorder, ComputeTimer, ShardAwareTracker
 from .intervals import exposed_ns, total_ns
-from .report import (CollectiveCount, DistributedReport, DistributedRun, GradComparison, RankResult, RankSide,
+from .report import (CollectiveCount, DistributedReport, GradComparison, RankResult, RankSide,
                      assemble)
 
 REPORT_NAME = "distributed.json"
@@ -412,20 +412,6 @@ def _notes(cfg: DistributedConfig) -> list[str]:
     return notes
 
 
-def _run_description(cfg: DistributedConfig) -> DistributedRun:
-    """What the report records about this run, beside the ranks' results."""
-    return DistributedRun(
-        world_size=cfg.world_size, engine=cfg.engine, backend=cfg.backend, device=cfg.device, dtype=cfg.dtype,
-        spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup, comm_steps=cfg.comm_steps,
-        budget_bytes=cfg.device_budget_bytes,
-        comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
-                     if cfg.engine is Engine.DDP else
-                     "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
-        torch_version=torch.__version__,
-        plan_boundaries=[] if cfg.plan is None else [b.module for b in cfg.plan.boundaries],
-        criterion=equivalence_criterion(cfg.device, cfg.dtype), notes=_notes(cfg))
-
-
 def _env_int(name: str, *, default: int | None = None) -> int:
     """A torchrun environment variable as an int (``default`` when it is unset and a default is given)."""
     if default is not None and name not in os.environ:
@@ -500,7 +486,11 @@ def _share_report(result: RankResult, cfg: DistributedConfig, out: Path, files: 
     box: list[Any] = [None]
     if rank == 0:
         assert gathered is not None
-        box[0] = assemble(gathered, _run_description(cfg)).to_json()
+        box[0] = assemble(gathered, cfg, torch_version=torch.__version__, notes=_notes(cfg),
+                          comm_source=("ddp comm hook (default_hooks.allreduce_hook, end stamped in fut.then)"
+                                       if cfg.engine is Engine.DDP else
+                                       "fsdp2 custom comm (DefaultAllGather/DefaultReduceScatter, timed)"),
+                          criterion=equivalence_criterion(cfg.device, cfg.dtype)).to_json()
     files.what = "sharing the report (broadcast_object_list from rank 0)"
     dist.broadcast_object_list(box, src=0)
     if _env_int("LOCAL_RANK", default=0) == 0:
@@ -548,19 +538,26 @@ def run_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> int:
     return 0 if report.passed else 1
 
 
-def rank_main(argv: list[str] | None, *, prog: str, description: str, config_help: str, out_help: str,
-              load_config: Callable[[Path], Any], run: Callable[[Any, Path, RankFiles], int | None]) -> NoReturn:
-    """One rank's process, started by torchrun: parse, run, report any failure to the rank files, exit with
-    what ``run`` returned (None: 0) or the failure's exit code (NOTE [teardown])."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", required=True, type=Path, help=config_help)
-    parser.add_argument("--out", required=True, type=Path, help=out_help)
+def main(argv: list[str] | None = None, *, prog: str = "python -m remat.distributed.worker",
+         run: Callable[[DistributedConfig, Path, RankFiles], int] = run_rank) -> NoReturn:
+    """One rank's process of any engine, started by torchrun: parse, run, report any failure to the rank files,
+    exit with the run's verdict or the failure's exit code (NOTE [teardown]). ``prog``/``run``: another rank
+    program of DDP and FSDP2 on the same config (remat.cli.distributed_rank); the pipeline engine runs
+    ``distributed/pipeline/worker.py``'s."""
+    parser = argparse.ArgumentParser(prog=prog, description="one rank of a remat distributed run (start it with torchrun)")
+    parser.add_argument("--config", required=True, type=Path,
+                        help="distributed config JSON (DistributedConfig; remat distributed --emit-config writes one)")
+    parser.add_argument("--out", required=True, type=Path, help="folder for the report and the rank files")
     args = parser.parse_args(argv)
     files = RankFiles(args.out, int(os.environ.get("RANK", "0")))
     code = 0
     try:
         files.start()
-        code = run(load_config(args.config), args.out, files) or 0
+        cfg = DistributedConfig.load(args.config)
+        if cfg.engine is Engine.PIPELINE:
+            from .pipeline.worker import run_pipeline_rank
+            run = run_pipeline_rank
+        code = run(cfg, args.out, files) or 0
         files.done()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the error file
         try:
@@ -571,16 +568,6 @@ def rank_main(argv: list[str] | None, *, prog: str, description: str, config_hel
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # NOTE [teardown]
-
-
-def main(argv: list[str] | None = None, *, prog: str = "python -m remat.distributed.worker",
-         run: Callable[[DistributedConfig, Path, RankFiles], int] = run_rank) -> NoReturn:
-    """One rank; ``prog``/``run``: another rank program on the same config (remat.cli.distributed_rank)."""
-    rank_main(argv, prog=prog,
-              description="one rank of a remat distributed run (start it with torchrun)",
-              config_help="distributed config JSON (DistributedConfig; remat distributed --emit-config writes one)",
-              out_help="folder for distributed.json and the rank files",
-              load_config=DistributedConfig.load, run=run)
 
 
 if __name__ == "__main__":

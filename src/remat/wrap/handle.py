@@ -18,12 +18,12 @@ from .offload import HostPool, OffloadWrapper
 from .wrapper import CheckpointWrapper, SegmentPassthrough, SegmentWrapper
 
 if TYPE_CHECKING:
-    from ..pipeline_parallel.plan import PipelinePlan
+    from ..plan.pipeline import PipelinePlan
 
 
 def load_plan(plan: "Plan | PipelinePlan | str | Path", stage: int | None = None) -> Plan:
-    """A Plan; from a per-stage pipeline plan (pipeline_parallel/plan.py), the plan of ``stage``."""
-    from ..pipeline_parallel.plan import PipelinePlan, load_any_plan
+    """A Plan; from a per-stage pipeline plan (remat/plan/pipeline.py), the plan of ``stage``."""
+    from ..plan.pipeline import PipelinePlan, load_any_plan
     if isinstance(plan, (str, Path)):
         plan = load_any_plan(plan)
     if isinstance(plan, PipelinePlan):

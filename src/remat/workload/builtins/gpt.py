@@ -81,7 +81,7 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    # NOTE [pipeline stages] (remat.pipeline_parallel.engine): forward = pipeline_head(blocks(pipeline_embed(idx)))
+    # NOTE [pipeline stages] (remat.distributed.pipeline.engine): forward = pipeline_head(blocks(pipeline_embed(idx)))
     def pipeline_embed(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)

@@ -1,10 +1,10 @@
 """What a pipeline run measured (``pipeline.json``): per side, per stage, and the schedule's ideal bubble.
 
-Sides (:class:`~remat.pipeline_parallel.plan.Side`): ``none`` (no plan), ``uniform`` (the same rule on every
+Sides (:class:`~remat.plan.pipeline.Side`): ``none`` (no plan), ``uniform`` (the same rule on every
 stage, e.g. every block), ``remat`` (per-stage plans, NOTE [pipeline in-flight cost model]). Times in ms,
-bytes in bytes. NOTE [pipeline instruments] (pipeline_parallel/worker.py) says how each figure is read.
+bytes in bytes. NOTE [pipeline instruments] (remat/distributed/pipeline/worker.py) says how each figure is read.
 
-Each rank's :class:`PipelineRank.run <remat.pipeline_parallel.worker.PipelineRank>` returns a
+Each rank's :class:`PipelineRank.run <remat.distributed.pipeline.worker.PipelineRank>` returns a
 :class:`RankOutcome` (one :class:`StageResult` per side, raw ns intervals); rank 0 gathers them and
 :func:`assemble_pipeline` turns them into the :class:`PipelineReport`: per side a :class:`SideReport` of
 :class:`StageReport` rows (medians, bubbles, the last timed step's :class:`TimelineSpan` list), and per
@@ -14,17 +14,24 @@ planned side a :class:`PipelineEquivalence` against the unplanned one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any
 
-from .._json import BYTES, MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, Tuple, validate
-from ..errors import DistributedError, PlanError
-from .plan import PIPELINE_PLAN, SCHEDULES, PipelinePlan, Schedule, Side, ideal_bubble
-from ..plan.schema import MEMORY_SOURCE, MODULE_PATH
-from ..types import MemorySource
-from ..measure import p50, percentile
-from ..distributed.report import GradComparison
+from ..._codec import Bytes, JsonCodec, Len, Ms, from_json, json_field, schema
+from ..._json import MODULE_PATH, Enum, Int, JsonValue, List, Map, Num, Str, Tuple, validate
+from ...errors import DistributedError, PlanError
+from ...plan.pipeline import PIPELINE_PLAN, PipelinePlan, Schedule, Side, ideal_bubble
+from ...types import MemorySource
+from ...measure import p50, percentile
+from ..report import GradComparison
 
 PIPELINE_REPORT_SCHEMA_VERSION = 1
+
+# the bounds of the report's fields (NOTE [codecs from the types] in remat/_codec.py)
+Index = Annotated[int, Int(0, 1 << 20)]
+Share = Annotated[float, Num(0, 1)]
+Paths = Annotated[list[str], List(MODULE_PATH, max_len=100_000)]
+TIMELINE = List(Tuple(Str(max_len=100), Int(-1, 1 << 20), Num(-1e9, 1e9), Num(-1e9, 1e9)), max_len=1_000_000)
+PLANNED = r"uniform|remat"   # the sides a plan, and so an equivalence, is recorded for
 
 
 # -- what one rank measured -------------------------------------------------------------------------
@@ -54,12 +61,12 @@ class TimelineEvent(Interval):
 class StageInfo:
     """Which stage (with several stages per rank: which rank), where it ran, what it runs and holds."""
 
-    stage: int
-    rank: int
-    host: str
-    in_flight: int          # microbatches held at the peak (NOTE [pipeline in-flight cost model])
-    blocks: list[str]
-    boundaries: list[str]   # the side's checkpoint boundaries on the stage
+    stage: Index
+    rank: Index
+    host: Annotated[str, Str(max_len=300)]
+    in_flight: Annotated[int, Int(1, 1 << 20)]   # microbatches held at the peak (NOTE [pipeline in-flight cost model])
+    blocks: Paths
+    boundaries: Paths       # the side's checkpoint boundaries on the stage
 
     def info(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(StageInfo)}
@@ -110,7 +117,7 @@ class TimelineSpan(Interval):
     start_ms: float
     end_ms: float
 
-    def to_json(self) -> list[Any]:
+    def to_json(self) -> list[Any]:   # a timeline holds thousands: a row, not an object
         return [self.kind, self.mb, self.start_ms, self.end_ms]
 
     @classmethod
@@ -120,47 +127,38 @@ class TimelineSpan(Interval):
 
 
 @dataclasses.dataclass(kw_only=True)
-class StageReport(StageInfo):
+class StageReport(StageInfo, JsonCodec):
     """One stage of one side: medians over the timed steps (ms), peaks (bytes), bubble fraction."""
 
-    p50_ms: float                        # the stage's own step (its start to its end)
-    p95_ms: float
-    forward_ms: float
-    backward_ms: float
-    replay_ms: float
-    optimizer_ms: float
-    p2p_ms: float
-    exposed_p2p_ms: float
-    idle_ms: float                       # the pipeline's step - the stage's compute
-    bubble_fraction: float               # idle / the pipeline's step
-    peak_bytes: int
-    held_at_backward_bytes: list[int]
+    p50_ms: Ms                           # the stage's own step (its start to its end)
+    p95_ms: Ms
+    forward_ms: Ms
+    backward_ms: Ms
+    replay_ms: Ms
+    optimizer_ms: Ms
+    p2p_ms: Ms
+    exposed_p2p_ms: Ms
+    idle_ms: Ms                          # the pipeline's step - the stage's compute
+    bubble_fraction: Share               # idle / the pipeline's step
+    peak_bytes: Bytes
+    held_at_backward_bytes: list[Bytes]
     fits_budget: bool | None             # None: no budget
-    bubble_delta_vs_none: float | None   # bubble_fraction less the unplanned side's (None: no such side)
-    predicted_peak_bytes: int | None     # the stage plan's prediction (None: unplanned)
-    grad_sq_sum: float | None
-    timeline: list[TimelineSpan]
-
-    def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["timeline"] = [e.to_json() for e in self.timeline]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StageReport":
-        return cls(**{**d, "timeline": [TimelineSpan.from_json(e) for e in d["timeline"]]})
+    bubble_delta_vs_none: Annotated[float, Num(-1, 1)] | None   # bubble_fraction less the unplanned side's
+    predicted_peak_bytes: Annotated[int, Int(-(2 ** 53), 2 ** 53)] | None   # the stage plan's (None: unplanned)
+    grad_sq_sum: Annotated[float, Num(0, 1e300)] | None
+    timeline: Annotated[list[TimelineSpan], TIMELINE]
 
 
 @dataclasses.dataclass(kw_only=True)
-class SideReport:
+class SideReport(JsonCodec):
     """Every stage of one side; the step runs from the first stage's start to the last stage's end."""
 
     per_stage: list[StageReport]
-    p50_ms: float
-    p95_ms: float
-    samples_per_s: float                 # batch_size / p50
-    max_peak_bytes: int
-    max_bubble_fraction: float
+    p50_ms: Ms
+    p95_ms: Ms
+    samples_per_s: Annotated[float, Num(0, 1e15)]   # batch_size / p50
+    max_peak_bytes: Bytes
+    max_bubble_fraction: Share
 
     @property
     def timeline_span_ms(self) -> float | None:
@@ -168,100 +166,57 @@ class SideReport:
         events = [e for s in self.per_stage for e in s.timeline]
         return max(e.end_ms for e in events) - min(e.start_ms for e in events) if events else None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"per_stage": [s.to_json() for s in self.per_stage], "p50_ms": self.p50_ms, "p95_ms": self.p95_ms,
-                "samples_per_s": self.samples_per_s, "max_peak_bytes": self.max_peak_bytes,
-                "max_bubble_fraction": self.max_bubble_fraction}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SideReport":
-        return cls(**{**d, "per_stage": [StageReport.from_json(s) for s in d["per_stage"]]})
-
 
 @dataclasses.dataclass(kw_only=True)
-class PipelineEquivalence:
+class PipelineEquivalence(JsonCodec):
     """A planned side's first step against the unplanned one's, same schedule and microbatches: bitwise."""
 
-    criterion: str                       # "bitwise" (the only one a pipeline uses)
+    criterion: Annotated[str, Enum("bitwise")]   # the only one a pipeline uses
     bitwise_equal: bool                  # every stage's gradients, and none missing
-    max_abs_diff: float
-    params_compared: int                 # over every stage
-    mismatched: list[str]                # "stage k: <param>"
+    max_abs_diff: Annotated[float, Num(0, 1e300)]
+    params_compared: Annotated[int, Int(0, 1 << 40)]   # over every stage
+    mismatched: Annotated[list[str], List(Str(max_len=2_000), max_len=100_000)]   # "stage k: <param>"
     first_loss_equal: bool | None        # None: no loss recorded
     ok: bool                             # bitwise_equal and the first loss not different
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "PipelineEquivalence":
-        return cls(**d)
-
-
-STAGE = Obj({
-    "stage": Int(0, 1 << 20), "rank": Int(0, 1 << 20), "host": Str(max_len=300), "in_flight": Int(1, 1 << 20),
-    "blocks": List(MODULE_PATH, max_len=100_000), "boundaries": List(MODULE_PATH, max_len=100_000),
-    "p50_ms": MS, "p95_ms": MS, "forward_ms": MS, "backward_ms": MS, "replay_ms": MS, "optimizer_ms": MS,
-    "p2p_ms": MS, "exposed_p2p_ms": MS, "idle_ms": MS, "bubble_fraction": Num(0, 1),
-    "peak_bytes": BYTES, "held_at_backward_bytes": List(BYTES, max_len=100_000), "fits_budget": Opt(Bool()),
-    "bubble_delta_vs_none": Opt(Num(-1, 1)), "predicted_peak_bytes": Opt(Int(-(2 ** 53), 2 ** 53)),
-    "grad_sq_sum": Opt(Num(0, 1e300)),
-    "timeline": List(Tuple(Str(max_len=100), Int(-1, 1 << 20), Num(-1e9, 1e9), Num(-1e9, 1e9)), max_len=1_000_000),
-})
-SIDE = Obj({"per_stage": List(STAGE, max_len=100_000), "p50_ms": MS, "p95_ms": MS, "samples_per_s": Num(0, 1e15),
-            "max_peak_bytes": BYTES, "max_bubble_fraction": Num(0, 1)})
-EQUIVALENCE = Obj({"criterion": Enum("bitwise"), "bitwise_equal": Bool(), "max_abs_diff": Num(0, 1e300),
-                   "params_compared": Int(0, 1 << 40), "mismatched": List(Str(max_len=2_000), max_len=100_000),
-                   "first_loss_equal": Opt(Bool()), "ok": Bool()})
-PIPELINE_REPORT = Obj({
-    "schema_version": Enum(PIPELINE_REPORT_SCHEMA_VERSION), "spec": Str(max_len=4096),
-    "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
-    "world_size": Int(2, 1 << 16), "schedule": Enum(*SCHEDULES), "microbatches": Int(1, 100_000),
-    "stages_per_rank": Int(1, 1000),
-    "batch_size": Int(1, 1 << 40), "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
-    "ideal_bubble_fraction": Num(0, 1), "backend": Str(max_len=50), "device": Str(max_len=50),
-    "dtype": Str(max_len=50), "memory_source": MEMORY_SOURCE, "torch_version": Str(max_len=100),
-    "steps": Int(1, 1000), "warmup": Int(1, 100), "timeout_s": Num(0, 1e9), "budget_bytes": Opt(BYTES),
-    "sides": Map(SIDE, key=r"none|uniform|remat", max_len=3),
-    "equivalence": Map(EQUIVALENCE, key=r"uniform|remat", max_len=2),
-    "negative_control_rejected": Opt(Bool()),
-    "plans": Map(PIPELINE_PLAN, key=r"uniform|remat", max_len=2),
-    "notes": List(Str(max_len=4_000), max_len=100),
-})
+SIDES_MAP = Map(schema(SideReport), key=r"none|uniform|remat", max_len=3)
+EQUIVALENCE_MAP = Map(schema(PipelineEquivalence), key=PLANNED, max_len=2)
+PLANS_MAP = Map(PIPELINE_PLAN, key=PLANNED, max_len=2)
+SHAPE_MAP = Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)
+FIFTY = Annotated[str, Str(max_len=50)]
 
 
 @dataclasses.dataclass(kw_only=True)
-class PipelineReport:
+class PipelineReport(JsonCodec):
     """``pipeline.json``: the run's settings, per side the stages' figures, the equivalence and the plans."""
 
-    spec: str
-    shape: dict[str, Any]
-    world_size: int
+    spec: Annotated[str, Str(max_len=4096)]
+    shape: Annotated[dict[str, Any], SHAPE_MAP]
+    world_size: Annotated[int, Int(2, 1 << 16)]
     schedule: Schedule
-    microbatches: int
-    batch_size: int
-    split_points: list[str]
-    split_source: str
-    stages_per_rank: int
-    ideal_bubble_fraction: float
-    backend: str
-    device: str
-    dtype: str
+    microbatches: Annotated[int, Int(1, 100_000)]
+    batch_size: Annotated[int, Int(1, 1 << 40)]
+    split_points: Paths
+    split_source: Annotated[str, Str(max_len=2_000)]
+    stages_per_rank: Annotated[int, Int(1, 1000)]
+    ideal_bubble_fraction: Share
+    backend: FIFTY
+    device: FIFTY
+    dtype: FIFTY
     memory_source: MemorySource
-    torch_version: str
-    steps: int
-    warmup: int
-    timeout_s: float
-    budget_bytes: int | None             # remat's per-device budget (None: no remat side)
-    sides: dict[Side, SideReport]
-    equivalence: dict[Side, PipelineEquivalence]
+    torch_version: Annotated[str, Str(max_len=100)]
+    steps: Annotated[int, Int(1, 1000)]
+    warmup: Annotated[int, Int(1, 100)]
+    timeout_s: Annotated[float, Num(0, 1e9)]
+    budget_bytes: Bytes | None           # remat's per-device budget (None: no remat side)
+    sides: Annotated[dict[Side, SideReport], SIDES_MAP]
+    equivalence: Annotated[dict[Side, PipelineEquivalence], EQUIVALENCE_MAP]
     negative_control_rejected: bool | None
-    plans: dict[Side, PipelinePlan]
-    notes: list[str]
-    schema_version: int = PIPELINE_REPORT_SCHEMA_VERSION
-
-    def __post_init__(self) -> None:
-        self.schedule = Schedule(self.schedule)
+    plans: Annotated[dict[Side, PipelinePlan], PLANS_MAP]
+    notes: Annotated[list[Annotated[str, Str(max_len=4_000)]], Len(100)]
+    schema_version: Annotated[int, Enum(PIPELINE_REPORT_SCHEMA_VERSION)] = json_field(
+        default=PIPELINE_REPORT_SCHEMA_VERSION, required=True)
 
     def side(self, name: Side) -> SideReport | None:
         return self.sides.get(name)
@@ -297,35 +252,19 @@ class PipelineReport:
         spans = [s for side in self.sides.values() if (s := side.timeline_span_ms) is not None]
         return max(spans) if spans else None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version, "spec": self.spec, "shape": self.shape,
-            "world_size": self.world_size, "schedule": self.schedule.value, "microbatches": self.microbatches,
-            "batch_size": self.batch_size, "split_points": self.split_points, "split_source": self.split_source,
-            "stages_per_rank": self.stages_per_rank, "ideal_bubble_fraction": self.ideal_bubble_fraction,
-            "backend": self.backend, "device": self.device, "dtype": self.dtype,
-            "memory_source": self.memory_source.value, "torch_version": self.torch_version, "steps": self.steps,
-            "warmup": self.warmup, "timeout_s": self.timeout_s, "budget_bytes": self.budget_bytes,
-            "sides": {k.value: s.to_json() for k, s in self.sides.items()},
-            "equivalence": {k.value: e.to_json() for k, e in self.equivalence.items()},
-            "negative_control_rejected": self.negative_control_rejected,
-            "plans": {k.value: p.to_json() for k, p in self.plans.items()}, "notes": self.notes,
-        }
-
     @classmethod
     def from_json(cls, d: Any) -> "PipelineReport":
+        """Checked against :data:`PIPELINE_REPORT` first (NOTE [hostile JSON]); DistributedError if off."""
         if not isinstance(d, dict):
             raise DistributedError("pipeline report JSON must be an object")
         validate(d, PIPELINE_REPORT, error=DistributedError, what="pipeline report")
         try:
-            plans = {Side(k): PipelinePlan.from_json(p, source=f"the pipeline report's {k} plan")
-                     for k, p in d["plans"].items()}
+            return from_json(cls, d)
         except PlanError as exc:
             raise DistributedError(exc.message, tip=exc.tip) from exc
-        return cls(**{**d, "schedule": Schedule(d["schedule"]), "memory_source": MemorySource(d["memory_source"]),
-                      "sides": {Side(k): SideReport.from_json(s) for k, s in d["sides"].items()},
-                      "equivalence": {Side(k): PipelineEquivalence.from_json(e) for k, e in d["equivalence"].items()},
-                      "plans": plans})
+
+
+PIPELINE_REPORT = schema(PipelineReport)
 
 
 # -- assembly (rank 0) ----------------------------------------------------------------------------------
@@ -419,21 +358,21 @@ def _notes(memory_source: MemorySource, rank_notes: list[str]) -> list[str]:
 
 def assemble_pipeline(cfg: Any, gathered: list[RankOutcome], *, torch_version: str,
                       memory_source: MemorySource) -> PipelineReport:
-    """Rank 0: the report from every rank's :class:`RankOutcome` (ordered by rank); ``cfg``: the PipelineConfig."""
-    p = cfg.world_size
+    """Rank 0: the report from every rank's :class:`RankOutcome` (ordered by rank); ``cfg``: the run's DistributedConfig (engine pipeline)."""
+    p, pp = cfg.world_size, cfg.pipeline
     batch_size = cfg.batch_size
     plans = gathered[0].plans
     budget = plans[Side.REMAT].budget_bytes if Side.REMAT in plans else None
-    sides = {name: _side_report([g.results[name] for g in gathered], budget, batch_size) for name in cfg.sides}
+    sides = {name: _side_report([g.results[name] for g in gathered], budget, batch_size) for name in pp.sides}
     _compare_sides(sides, plans)
     equivalence = {name: eq for name in sides if name is not Side.NONE
                    if (eq := _equivalence(name, gathered)) is not None}
     negs = [g.negative_rejected for g in gathered]
     report = PipelineReport(
-        spec=cfg.spec, shape=dict(cfg.shape), world_size=p, schedule=cfg.schedule, microbatches=cfg.microbatches,
-        batch_size=batch_size, split_points=list(cfg.split_points), split_source=cfg.split_source,
-        stages_per_rank=cfg.stages_per_rank,
-        ideal_bubble_fraction=ideal_bubble(p, cfg.microbatches, cfg.stages_per_rank), backend=cfg.backend,
+        spec=cfg.spec, shape=dict(cfg.shape), world_size=p, schedule=pp.schedule, microbatches=pp.microbatches,
+        batch_size=batch_size, split_points=list(pp.split_points), split_source=pp.split_source,
+        stages_per_rank=pp.stages_per_rank,
+        ideal_bubble_fraction=ideal_bubble(p, pp.microbatches, pp.stages_per_rank), backend=cfg.backend,
         device=cfg.device, dtype=cfg.dtype, memory_source=memory_source, torch_version=torch_version,
         steps=cfg.steps, warmup=cfg.warmup, timeout_s=cfg.timeout_s, budget_bytes=budget, sides=sides,
         equivalence=equivalence, negative_control_rejected=None if any(x is None for x in negs) else all(negs),

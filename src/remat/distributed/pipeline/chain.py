@@ -43,7 +43,7 @@ import copy
 import dataclasses
 from typing import Any, Callable, Iterator
 
-from ..errors import WorkloadError
+from ...errors import WorkloadError
 
 PROTOCOL = ("pipeline_embed", "pipeline_head")
 
@@ -103,7 +103,7 @@ def _check_constant(value: Any, where: str) -> None:
             raise WorkloadError(f"{where} carries a gradient (it is computed from parameters), so a pipeline "
                                 "stage cannot replay it as a constant",
                                 tip="define pipeline_embed/pipeline_head (NOTE [pipeline stages] in "
-                                    "remat/pipeline_parallel/engine.py)")
+                                    "remat/distributed/pipeline/engine.py)")
         return
     if value is None or isinstance(value, (bool, int, float, str)):
         return
@@ -251,7 +251,7 @@ class PathChain(_Packing):
                                 "of the sample microbatch (they depend on the batch, e.g. a padding mask): a pipeline "
                                 "split by module path replays them as constants and would train another step",
                                 tip="define pipeline_embed/pipeline_head (NOTE [pipeline stages] in "
-                                    "remat/pipeline_parallel/engine.py)")
+                                    "remat/distributed/pipeline/engine.py)")
         return hidden
 
     def block(self, model: Any, i: int, x: Any) -> Any:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from ..receipt.write import ReceiptFiles, write_folder
+from .write import ReceiptFiles, write_folder
 from ..units import mib
-from .markdown import (SIDE_HEADERS, STAGE_HEADERS, _formula, equivalence_text, render_pipeline_markdown, side_cells,
+from .pipeline_markdown import (SIDE_HEADERS, STAGE_HEADERS, _formula, equivalence_text, render_pipeline_markdown, side_cells,
                        stage_cells)
-from .receipt import PipelineReceipt
-from .report import PipelineReport, SideReport, StageReport
-from ..receipt.render import _CSS, _html_table, e
+from .pipeline import PipelineReceipt
+from ..distributed.pipeline.report import PipelineReport, SideReport, StageReport
+from .render import _CSS, _html_table, e
 
 # kind -> (colour, lane height share); drawn in this order, so replay lies over backward
 _KINDS = (("forward", "#54aeff", 1.0), ("loss", "#bf8700", 1.0), ("backward", "#4ac26b", 1.0),

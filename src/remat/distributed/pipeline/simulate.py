@@ -31,14 +31,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..errors import DistributedError
-from .plan import PipelinePlan, Schedule, ideal_bubble, in_flight
-from ..types import Phase, ProgressFn, no_progress
+from ..._codec import JsonCodec
+from ...errors import DistributedError
+from ...plan.pipeline import PipelinePlan, Schedule, ideal_bubble, in_flight
+from ...types import Phase, ProgressFn, no_progress
 from .engine import microbatch_shape, split_batch, stage_examples, stage_layout
 
 
 @dataclasses.dataclass(kw_only=True)
-class SimulatedStage:
+class SimulatedStage(JsonCodec):
     stage: int
     blocks: list[str]
     in_flight: int
@@ -49,12 +50,9 @@ class SimulatedStage:
     peak_bytes: int          # predicted: static + (in_flight - 1) x held + one microbatch's fwd+bwd peak
     bubble_fraction: float   # from the schedule's order with these times
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(kw_only=True)
-class SimulatedPipeline:
+class SimulatedPipeline(JsonCodec):
     spec: str
     device: str
     world_size: int
@@ -65,9 +63,6 @@ class SimulatedPipeline:
     step_ms: float
     ideal_bubble_fraction: float
     stages: list[SimulatedStage]
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "schedule": self.schedule.value, "stages": [s.to_json() for s in self.stages]}
 
 
 def schedule_order(schedule: Schedule | str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -137,8 +132,8 @@ def _default_split(sim: Any, inputs: Any, targets: Any, world_size: int) -> list
     """The engine's default split (NOTE [default split]), balanced by *predicted* forward time per block."""
     import torch
 
-    from ..simulate import OpCostRecorder, predict_runtime
-    from ..workload.contract import call_user
+    from ...simulate import OpCostRecorder, predict_runtime
+    from ...workload.contract import call_user
     from .engine import balanced_bounds, find_blocks
     wl = sim.loaded.workload
     model = wl.model
@@ -161,7 +156,7 @@ def _default_split(sim: Any, inputs: Any, targets: Any, world_size: int) -> list
 
 def _apply_merged(model: Any, plan: PipelinePlan) -> None:
     """Every stage's boundaries on the whole model (they carry its names), before the stages are cut."""
-    from ..wrap import apply
+    from ...wrap import apply
     merged = dataclasses.replace(plan.stages[0].plan, boundaries=[b for st in plan.stages for b in st.plan.boundaries])
     apply(model, merged)
 
@@ -171,8 +166,8 @@ def _static_bytes(sim: Any, names: list[str]) -> int:
     Leaves zero gradients on them, so a microbatch's backward accumulates into them in place."""
     import torch
 
-    from ..simulate.semantics import prepare_optimizer
-    from ..workload.contract import call_user
+    from ...simulate.semantics import prepare_optimizer
+    from ...workload.contract import call_user
     wl = sim.loaded.workload
     model = wl.model
     # every name a parameter goes by: a tied weight (gpt's lm_head.weight is wte.weight) is on both end stages
@@ -204,9 +199,9 @@ def _microbatch_pass(sim: Any, layout: Any, k: int, stage_in: Any, targets: Any)
     tracker and the cost recorder (NOTE [simulated pipeline])."""
     import torch
 
-    from ..memory.tracker import LiveTensorTracker
-    from ..simulate import OpCostRecorder, predict_runtime
-    from ..workload.contract import call_user
+    from ...memory.tracker import LiveTensorTracker
+    from ...simulate import OpCostRecorder, predict_runtime
+    from ...workload.contract import call_user
     wl = sim.loaded.workload
     model = wl.model
     chain = layout.chain
@@ -249,7 +244,7 @@ def simulate_pipeline(spec: str, shape: dict[str, Any], *, world_size: int, micr
                       target_device: str = "cpu", dtype: str = "float32", plan: PipelinePlan | None = None,
                       progress: ProgressFn = no_progress) -> SimulatedPipeline:
     """NOTE [simulated pipeline]. ``split_points``: as the engine takes them (default: even block counts)."""
-    from ..simulate import load_simulated
+    from ...simulate import load_simulated
     schedule = Schedule(schedule)
     if schedule.multi:
         schedule_order(schedule, 0, world_size, microbatches)   # the typed refusal

@@ -1,4 +1,4 @@
-"""Making and re-checking a pipeline receipt (NOTE [pipeline receipt] in remat/pipeline_parallel/receipt.py).
+"""Making and re-checking a pipeline receipt (NOTE [pipeline receipt] in remat/receipt/pipeline.py).
 
 ``check_pipeline_receipt`` checks, in order (``quick`` stops after 4):
 1. the reports beside it name its sha256; the workload is the user's (NOTE [workload spec policy]
@@ -18,18 +18,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .engine import PipelineConfig, run_pipeline_config
-from .plan import PipelinePlan, Side
-from .report import PipelineReport
+from ..distributed.config import DistributedConfig, Engine, PipelineSettings
+from ..distributed.pipeline.engine import run_pipeline_config
+from ..plan.pipeline import PipelinePlan, Side
+from ..distributed.pipeline.report import PipelineReport
 from ..profile import fingerprint, module_revision
-from ..receipt.model import ReceiptContext, resolved_shape
-from .receipt import PipelineReceipt, StageBoundary
+from ..receipt.model import ReceiptContext
+from ..receipt.pipeline import PipelineReceipt, StageBoundary
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
-from ..workflow.check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, choose_workload,
-                              same_workload)
+from .check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, _shape_findings,
+                    choose_workload, same_workload)
 
 
 def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, command: str = "",
@@ -43,15 +44,6 @@ def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, com
     context = ReceiptContext.capture(loaded, boundary_shape=None, memory_source=report.memory_source, command=command)
     return PipelineReceipt(context=context, pipeline=report, boundaries=boundaries, check_steps=check_steps,
                            check_timeout_s=check_timeout_s)
-
-
-def _shape_findings(ctx: ReceiptContext, spec: str) -> list[CheckFinding]:
-    """2. every keyword of the factory, defaults included, as the receipt recorded it."""
-    now = resolved_shape(spec, ctx.shape)
-    then = ctx.resolved_shape
-    return [CheckFinding(kind=FindingKind.SHAPE, message=f"shape keyword {k}: {then.get(k, '<absent>')} -> "
-                                                         f"{now.get(k, '<absent>')}")
-            for k in sorted(then.keys() | now.keys()) if then.get(k, "<absent>") != now.get(k, "<absent>")]
 
 
 def _model_findings(receipt: PipelineReceipt, model: Any) -> list[CheckFinding]:
@@ -77,14 +69,15 @@ def _model_findings(receipt: PipelineReceipt, model: Any) -> list[CheckFinding]:
     return out
 
 
-def _rerun_config(receipt: PipelineReceipt, spec: str, plan: PipelinePlan) -> PipelineConfig:
+def _rerun_config(receipt: PipelineReceipt, spec: str, plan: PipelinePlan) -> DistributedConfig:
     """5. the unplanned and the planned pipeline, the receipt's schedule, microbatches, split and plans."""
     ctx, p = receipt.context, receipt.pipeline
-    return PipelineConfig(spec=spec, shape=dict(ctx.shape), world_size=p.world_size, schedule=p.schedule,
-                          microbatches=p.microbatches, split_points=list(p.split_points), split_source=p.split_source,
-                          stages_per_rank=p.stages_per_rank, plan=plan.to_json(), device=ctx.device, dtype=ctx.dtype,
-                          steps=receipt.check_steps, warmup=1, timeout_s=receipt.check_timeout_s,
-                          sides=[Side.NONE, Side.REMAT])
+    settings = PipelineSettings(schedule=p.schedule, microbatches=p.microbatches, split_points=list(p.split_points),
+                                split_source=p.split_source, stages_per_rank=p.stages_per_rank,
+                                sides=[Side.NONE, Side.REMAT])
+    return DistributedConfig(spec=spec, shape=dict(ctx.shape), world_size=p.world_size, engine=Engine.PIPELINE,
+                             plan=plan, device=ctx.device, dtype=ctx.dtype, steps=receipt.check_steps, warmup=1,
+                             timeout_s=receipt.check_timeout_s, pipeline=settings)
 
 
 def _rerun_findings(was: PipelineReport, again: PipelineReport, ledger: CheckLedger) -> None:
@@ -137,7 +130,7 @@ def check_pipeline_receipt(receipt: PipelineReceipt, *, quick: bool = False, wor
                        f"the gate's {max_world_size}")
         return ledger.report()
     progress("check", 1, 5)
-    shape = _shape_findings(ctx, spec)
+    shape = _shape_findings(receipt, spec)   # 2. reads the receipt's context only, as a receipt's check does
     failures += shape
     if not shape:
         checked.append(f"shape unchanged ({', '.join(f'{k}={v}' for k, v in ctx.resolved_shape.items())})")

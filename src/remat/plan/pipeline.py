@@ -37,13 +37,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from .._json import BYTES, Enum, Int, List, Num, Obj, Str, json_kind, read_json_file, validate
+from .._codec import Bytes, JsonCodec, Len, from_json, json_field, schema
+from .._json import Enum, Int, List, Num, Str, json_kind, read_json_file, validate
 from ..errors import BudgetError, PlanError
 from ..profile.model import CandidateCost, PeakRow, ProfileReport
-from ..plan.model import Plan
-from ..plan.schema import MODULE_PATH, PLAN
+from .model import Plan
+from .schema import MODULE_PATH
 
 PIPELINE_PLAN_SCHEMA_VERSION = 1
 
@@ -149,40 +150,28 @@ def stage_report(report: ProfileReport, prefixes: list[str], *, in_flight_count:
 
 
 @dataclasses.dataclass(kw_only=True)
-class StagePlan:
-    stage: int
-    blocks: list[str]          # module paths of the stage's blocks, e.g. ["h.0", "h.1"]
-    in_flight: int             # microbatches held at once (NOTE [pipeline in-flight cost model])
-    base_peak_bytes: int       # measured peak of the stage without a plan (bytes)
+class StagePlan(JsonCodec):
+    stage: Annotated[int, Int(0, 100_000)]
+    blocks: Annotated[list[str], List(MODULE_PATH, max_len=100_000)]   # the stage's blocks, e.g. ["h.0", "h.1"]
+    in_flight: Annotated[int, Int(1, 100_000)]   # microbatches held at once (NOTE [pipeline in-flight cost model])
+    base_peak_bytes: Bytes                       # measured peak of the stage without a plan (bytes)
     plan: Plan
-
-    def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "blocks": list(self.blocks), "in_flight": self.in_flight,
-                "base_peak_bytes": self.base_peak_bytes, "plan": self.plan.to_json()}
-
-
-PIPELINE_PLAN = Obj({
-    "schema_version": Enum(PIPELINE_PLAN_SCHEMA_VERSION), "kind": Enum("pipeline"), "schedule": Enum(*SCHEDULES),
-    "microbatches": Int(1, 100_000), "budget_bytes": Int(1, 2 ** 53), "reserve": Num(0, 0.999999),
-    "stages": List(Obj({"stage": Int(0, 100_000), "blocks": List(MODULE_PATH, max_len=100_000),
-                        "in_flight": Int(1, 100_000), "base_peak_bytes": BYTES, "plan": PLAN}),
-                   min_len=1, max_len=100_000),
-    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
-})
 
 
 @dataclasses.dataclass(kw_only=True)
-class PipelinePlan:
+class PipelinePlan(JsonCodec):
     """One plan per pipeline stage under one per-device budget (``plan.json`` with ``"kind": "pipeline"``)."""
 
+    schema_version: Annotated[int, Enum(PIPELINE_PLAN_SCHEMA_VERSION)] = json_field(
+        default=PIPELINE_PLAN_SCHEMA_VERSION, required=True)
+    kind: Annotated[str, Enum("pipeline")] = json_field(default="pipeline", required=True)   # is_pipeline_plan_json
     schedule: Schedule
-    microbatches: int
-    budget_bytes: int
-    reserve: float
-    stages: list[StagePlan]
-    split_points: list[str]       # first block of every stage after the first, e.g. ["h.3"]
-    split_source: str             # "given" or how the default split was measured
-    schema_version: int = PIPELINE_PLAN_SCHEMA_VERSION
+    microbatches: Annotated[int, Int(1, 100_000)]
+    budget_bytes: Annotated[int, Int(1, 2 ** 53)]
+    reserve: Annotated[float, Num(0, 0.999999)]
+    stages: Annotated[list[StagePlan], Len(100_000, min_len=1)]
+    split_points: Annotated[list[str], List(MODULE_PATH, max_len=100_000)]   # first block of every stage after the first
+    split_source: Annotated[str, Str(max_len=2_000)]   # "given" or how the default split was measured
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.schedule)
@@ -194,28 +183,20 @@ class PipelinePlan:
             raise PlanError(f"the pipeline plan has {len(self.stages)} stages; there is no stage {stage}")
         return self.stages[stage].plan
 
-    def to_json(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "kind": "pipeline", "schedule": self.schedule.value,
-                "microbatches": self.microbatches, "budget_bytes": self.budget_bytes, "reserve": self.reserve,
-                "stages": [s.to_json() for s in self.stages], "split_points": list(self.split_points),
-                "split_source": self.split_source}
-
     @classmethod
     def from_json(cls, d: Any, *, source: str = "pipeline plan") -> "PipelinePlan":
+        """Checked against :data:`PIPELINE_PLAN` first (NOTE [hostile JSON]); :class:`PlanError` if off."""
         if not isinstance(d, dict):
             raise PlanError(f"malformed {source}: the top level must be a JSON object")
         validate(d, PIPELINE_PLAN, error=PlanError, what=source)
-        return cls(schedule=Schedule(d["schedule"]), microbatches=d["microbatches"], budget_bytes=d["budget_bytes"],
-                   reserve=float(d["reserve"]),
-                   stages=[StagePlan(stage=s["stage"], blocks=list(s["blocks"]), in_flight=s["in_flight"],
-                                     base_peak_bytes=s["base_peak_bytes"],
-                                     plan=Plan.from_json(s["plan"], source=f"{source}, stage {s['stage']}"))
-                           for s in d["stages"]],
-                   split_points=list(d["split_points"]), split_source=d["split_source"])
+        return from_json(cls, d)
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json
         return atomic_write_json(path, self.to_json())
+
+
+PIPELINE_PLAN = schema(PipelinePlan)
 
 
 def is_pipeline_plan_json(d: Any) -> bool:
@@ -224,7 +205,7 @@ def is_pipeline_plan_json(d: Any) -> bool:
 
 def load_any_plan(path: Path | str) -> Plan | PipelinePlan:
     """``plan.json``: a whole-model :class:`Plan` or a :class:`PipelinePlan` (``"kind": "pipeline"``)."""
-    from ..plan.model import MAX_PLAN_BYTES
+    from .model import MAX_PLAN_BYTES
     data = read_json_file(path, error=PlanError, what="plan file", max_bytes=MAX_PLAN_BYTES,
                           tip="remat plan ... --out DIR writes DIR/plan.json")
     if is_pipeline_plan_json(data):
@@ -236,9 +217,9 @@ def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedul
                 base_peaks: list[int], planner: str, budget_bytes: int | None, reserve: float = 0.05,
                 allow_hazards: bool = False, in_flights: list[dict[str, int]] | None = None) -> list[Plan]:
     """One plan per stage, each from ``make_plan`` on the stage's scaled profile; BudgetError names the stage."""
-    from ..plan.budget import effective_budget
-    from ..plan.planners import make_plan
-    from ..plan.spec import PlannerSpec
+    from .budget import effective_budget
+    from .planners import make_plan
+    from .spec import PlannerSpec
     p = len(stage_blocks)
     if len(base_peaks) != p:
         raise PlanError(f"{len(base_peaks)} measured stage peaks for {p} stages")

@@ -1,7 +1,7 @@
 """``pipeline.md``: a pipeline run's per-stage table and timeline, rendered from ``pipeline.json`` alone.
 
 The table cells (:func:`stage_cells`, :func:`side_cells`) and the equivalence line are shared with
-``report.html`` (pipeline_parallel/render.py), so both say the same thing in the same words.
+``report.html`` (remat/receipt/pipeline_render.py), so both say the same thing in the same words.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..units import mib as format_bytes   # one unit (MiB) for figures read side by side
-from .plan import Side
-from .report import PipelineEquivalence, PipelineReport, SideReport, StageReport
+from ..plan.pipeline import Side
+from ..distributed.pipeline.report import PipelineEquivalence, PipelineReport, SideReport, StageReport
 
 # timeline letters, most specific first: a replay runs inside a backward
 _LETTERS = (("replay", "R"), ("backward", "B"), ("forward", "F"), ("loss", "L"), ("optimizer", "O"))

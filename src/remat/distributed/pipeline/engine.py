@@ -41,117 +41,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, validate
-from ..distributed.config import LaunchConfig
-from ..distributed.launch import RankProgram, RankStatus, diagnose_launch, launch_ranks, rank_state
-from ..errors import DistributedError, WorkloadError
-from .chain import PathChain, Placeholder, ProtocolChain, called_modules, has_protocol, make_chain
-from .plan import SCHEDULES, SIDES, Schedule, Side
+from ..config import DistributedConfig
+from ..launch import WORKER_MODULE, RankProgram, RankStatus, diagnose_launch, launch_ranks, rank_state
+from ...errors import DistributedError, WorkloadError
+from .chain import PathChain, Placeholder, ProtocolChain, has_protocol, make_chain
 from .report import PipelineReport
-from ..plan.schema import MODULE_PATH
-from ..types import ProgressFn, no_progress
+from ...types import ProgressFn, no_progress
 
-PIPELINE_WORKER_MODULE = "remat.pipeline_parallel.worker"
 PIPELINE_REPORT_NAME = "pipeline.json"
-PIPELINE_CONFIG_SCHEMA_VERSION = 1
-
-PIPELINE_CONFIG_SCHEMA = Obj({
-    "schema_version": Enum(PIPELINE_CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
-    "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
-    "world_size": Int(2, 1 << 16), "schedule": Enum(*SCHEDULES), "microbatches": Int(1, 100_000),
-    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000), "stages_per_rank": Int(1, 1000),
-    "profile": Opt(JsonValue()), "planner": Str(max_len=200), "uniform_planner": Str(max_len=200),
-    "budget": Opt(Str(max_len=200)), "reserve": Num(0, 0.999999), "plan": Opt(JsonValue()),
-    "device": Str(r"cpu"), "dtype": Enum("float32", "bfloat16", "float16"),
-    "steps": Int(1, 1000), "warmup": Int(1, 100), "timeout_s": Num(1e-3, 7 * 86400.0), "seed": Int(0, 2 ** 63 - 1),
-    "sides": List(Enum(*SIDES), min_len=1, max_len=3), "perturb_control": Bool(),
-})
-
-
-@dataclasses.dataclass(kw_only=True)
-class PipelineConfig(LaunchConfig):
-    """One pipeline launch: the sides to run (``none``, ``uniform``, ``remat``) at one schedule and split.
-
-    ``profile`` (a ProfileReport's JSON, whole model at the microbatch shape) is what the
-    per-stage planner plans from; ``plan`` a PipelinePlan's JSON to run as the ``remat`` side
-    instead of planning one. ``budget`` is the per-device budget ("60%" of the largest
-    unplanned stage peak, or bytes such as "40MiB"). ``steps`` timed steps per side follow
-    ``warmup`` untimed ones. ``timeout_s`` bounds every p2p op and collective.
-    """
-
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    microbatches: int = 4
-    split_points: list[str] = dataclasses.field(default_factory=list)   # stages_per_rank x world_size - 1 of them
-    split_source: str = "given"
-    stages_per_rank: int = 1      # v: interleaved schedules run stages r, r + p, ..., r + (v - 1) p on rank r
-    profile: Any = None
-    planner: str = "optimal"
-    uniform_planner: str = "all"
-    budget: str | None = None
-    reserve: float = 0.05
-    plan: Any = None
-    sides: list[Side] = dataclasses.field(default_factory=lambda: list(Side))
-    perturb_control: bool = True   # the negative control: a gradient perturbed by 1e-3 must be rejected
-    schema_version: int = PIPELINE_CONFIG_SCHEMA_VERSION
-
-    FORMAT = PIPELINE_CONFIG_SCHEMA
-    WHAT = "pipeline config"
-
-    def __post_init__(self) -> None:
-        self.schedule = Schedule(self.schedule)
-        if self.world_size < 2:
-            raise DistributedError(f"a pipeline needs at least 2 stages (world size >= 2), got {self.world_size}")
-        check_stages_per_rank(self.schedule, self.stages_per_rank, self.world_size, self.microbatches)
-        if len(self.split_points) != self.n_stages - 1:
-            raise DistributedError(f"{len(self.split_points)} split points make {len(self.split_points) + 1} stages, "
-                                   f"but {self.world_size} ranks x {self.stages_per_rank} stage(s) per rank make "
-                                   f"{self.n_stages}",
-                                   tip="give world size x stages per rank - 1 split points, e.g. --split-points h.2 "
-                                       "for 2 ranks of one stage")
-        if self.microbatches < 1:
-            raise DistributedError(f"microbatches must be >= 1, got {self.microbatches}")
-        if not self.device.startswith("cpu"):
-            raise DistributedError("the pipeline engine runs on CPU (gloo) only so far", tip="use --device cpu")
-        unknown = [s for s in self.sides if s not in SIDES]
-        if unknown or not self.sides:
-            raise DistributedError(f"pipeline sides must be among {SIDES}, got {self.sides}")
-        self.sides = [Side(s) for s in self.sides]
-        if "remat" in self.sides and self.plan is None and self.profile is None:
-            raise DistributedError("the remat side needs a profile to plan from, or a pipeline plan")
-        if ("uniform" in self.sides) and self.profile is None:
-            raise DistributedError("the uniform side needs a profile to plan from")
-
-    @property
-    def n_stages(self) -> int:
-        return self.world_size * self.stages_per_rank
-
-    def json_fields(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "schedule": self.schedule.value, "sides": [s.value for s in self.sides]}
-
-    @classmethod
-    def from_json(cls, d: Any) -> "PipelineConfig":
-        if not isinstance(d, dict):
-            raise DistributedError("pipeline config JSON must be an object")
-        validate(d, PIPELINE_CONFIG_SCHEMA, error=DistributedError, what="pipeline config")
-        return cls(**{k: v for k, v in d.items() if k != "schema_version"})
-
-
-def check_stages_per_rank(schedule: Schedule | str, v: int, world_size: int, microbatches: int) -> None:
-    """Interleaved schedules need v >= 2 stages per rank (and torch's rounds to divide the microbatches);
-    GPipe and 1F1B run one."""
-    schedule = Schedule(schedule)
-    if schedule.multi and v < 2:
-        raise DistributedError(f"{schedule.value} runs several stages per rank; --stages-per-rank is {v}",
-                               tip="--stages-per-rank 2")
-    if not schedule.multi and v != 1:
-        raise DistributedError(f"{schedule.value} runs one stage per rank; --stages-per-rank is {v}",
-                               tip="use --schedule interleaved-1f1b for several stages per rank")
-    if schedule.multi:
-        rounds = max(1, microbatches // world_size)
-        if microbatches % rounds:
-            raise DistributedError(f"torch's {schedule.value} needs the microbatches ({microbatches}) to be a multiple "
-                                   f"of its rounds (max(1, m // p) = {rounds})",
-                                   tip=f"use a multiple of the world size ({world_size}) microbatches")
 
 
 # -- the split ---------------------------------------------------------------------------------------
@@ -171,7 +68,7 @@ def _check_pipelinable(model: Any) -> None:
         raise WorkloadError(f"the model ({type(model).__name__}) cannot be split into pipeline stages: {exc.message}",
                             tip="define pipeline_embed(inputs) -> hidden and pipeline_head(hidden) -> outputs so that "
                                 "forward = head(blocks(embed(inputs))) (NOTE [pipeline stages] in "
-                                "remat/pipeline_parallel/engine.py)") from None
+                                "remat/distributed/pipeline/engine.py)") from None
 
 
 def find_blocks(model: Any) -> str:
@@ -263,8 +160,8 @@ def default_split(spec: str, shape: Mapping[str, Any], stages: int, microbatches
                   seed: int = 0) -> tuple[list[str], str]:
     """NOTE [default split]: (split points, how they were found)."""
     import torch
-    from ..clock import StepClock
-    from ..workload.loader import load_workload
+    from ...clock import StepClock
+    from ...workload.loader import load_workload
     torch.manual_seed(seed)
     loaded = load_workload(spec, microbatch_shape(shape, microbatches), dtype=dtype)
     wl = loaded.workload
@@ -306,7 +203,7 @@ def check_split(spec: str, shape: Mapping[str, Any], points: list[str], stages: 
     """Refuse a world size, a model or split points that cannot make the pipeline, before any measuring."""
     if stages < 2:
         raise DistributedError(f"a pipeline needs at least 2 stages (world size >= 2), got {stages}")
-    from ..workload.loader import load_workload
+    from ...workload.loader import load_workload
     wl = load_workload(spec, microbatch_shape(shape, microbatches), dtype=dtype).workload
     _check_pipelinable(wl.model)
     inputs, _ = split_batch(wl.batch(0))
@@ -317,7 +214,7 @@ def check_split(spec: str, shape: Mapping[str, Any], points: list[str], stages: 
 def split_batch(batch: Any) -> tuple[Any, Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise WorkloadError("the pipeline engine needs batches of (inputs, targets)",
-                            tip="NOTE [pipeline stages] in remat/pipeline_parallel/engine.py")
+                            tip="NOTE [pipeline stages] in remat/distributed/pipeline/engine.py")
     return batch[0], batch[1]
 
 
@@ -334,7 +231,7 @@ class _Fixed:
 def make_loss_fn(workload: Any, unpack: Callable[[Any], Any] = lambda output: output) -> Callable[[Any, Any], Any]:
     """``loss_fn(output, target)`` for torch's schedules, from ``workload.loss(model, (inputs, targets))``;
     ``unpack``: the last stage's tensors back to the model's output object (chain.py)."""
-    from ..workload.contract import call_user
+    from ...workload.contract import call_user
 
     def loss_fn(output: Any, target: Any) -> Any:
         return call_user("the workload's loss", workload.loss, _Fixed(unpack(output)), (None, target))
@@ -493,16 +390,17 @@ def _placeholders(model: Any, layout: StageLayout, ks: list[int]) -> dict[int, A
 
 # -- the launch --------------------------------------------------------------------------------------
 
-def run_pipeline_config(config: PipelineConfig, *, work_dir: Path | str | None = None,
+def run_pipeline_config(config: DistributedConfig, *, work_dir: Path | str | None = None,
                         wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> PipelineReport:
-    """Run ``config`` on ``world_size`` local ranks with the launcher of NOTE [launcher] (same rank files,
-    same diagnosis: a dead or hung stage is a DistributedError naming its rank); the PipelineReport."""
-    return launch_ranks(config, PIPELINE_PROGRAM,
-                  what=f"pipeline {config.schedule.value} x{config.world_size}, {config.microbatches} microbatches",
-                  work_dir=work_dir, wall_timeout_s=wall_timeout_s, progress=progress)
+    """Run ``config`` (engine pipeline) on ``world_size`` local ranks with the launcher of NOTE [launcher] (same
+    rank program and files, same diagnosis: a dead or hung stage is a DistributedError naming its rank)."""
+    assert config.pipeline is not None
+    return launch_ranks(config, PIPELINE_PROGRAM, what=f"pipeline {config.pipeline.schedule.value} "
+                        f"x{config.world_size}, {config.pipeline.microbatches} microbatches",
+                        work_dir=work_dir, wall_timeout_s=wall_timeout_s, progress=progress)
 
 
-def _diagnose_pipeline(out: Path, config: LaunchConfig, returncode: int | None,
+def _diagnose_pipeline(out: Path, config: DistributedConfig, returncode: int | None,
                        timed_out: float | None) -> DistributedError:
     """launch.diagnose, plus the pipeline's hung stage: its neighbours fail first (their p2p op times out
     after ``timeout_s``), the hung rank only when the launcher stops it; then it is the hung rank we name."""
@@ -519,6 +417,6 @@ def _diagnose_pipeline(out: Path, config: LaunchConfig, returncode: int | None,
     return err
 
 
-# the pipeline's rank program for the one launcher (NOTE [launcher]): its worker, report and diagnosis
-PIPELINE_PROGRAM = RankProgram(module=PIPELINE_WORKER_MODULE, report_name=PIPELINE_REPORT_NAME, name="pipeline",
+# the pipeline engine's report and diagnosis for the one launcher and rank program (NOTE [launcher])
+PIPELINE_PROGRAM = RankProgram(module=WORKER_MODULE, report_name=PIPELINE_REPORT_NAME, name="pipeline",
                                read_report=PipelineReport.from_json, diagnose=_diagnose_pipeline)

@@ -1,4 +1,4 @@
-"""The pipeline rank program: ``python -m remat.pipeline_parallel.worker --config C --out DIR``, one per stage.
+"""The pipeline engine's rank program (``python -m remat.distributed.worker --config C --out DIR``), one per stage.
 
 Started by torchrun through the launcher of NOTE [launcher] (distributed/launch.py), with the same rank
 files (NOTE [rank files] in distributed/worker.py), errors (NOTE [rank errors]) and teardown (NOTE [teardown]).
@@ -57,21 +57,22 @@ from typing import Any, Callable, Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
-from .._io import atomic_write_json
-from ..closed_loop import ClosedLoopSettings, LoopSteps, run_closed_loop
-from ..errors import BudgetError, DistributedError, PlanError
-from ..memory.measure import optimizer_state_tensors
-from ..plan.model import Plan
-from ..plan.planners import correction_margin
-from .plan import PipelinePlan, Side, StagePlan, in_flight, in_flight_from_order, plan_stages
-from ..types import MemCategory, MemorySource
-from ..workload.contract import call_user
-from ..workload.loader import load_workload
-from ..distributed.intervals import exposed_ns, total_ns, union
-from .engine import (PIPELINE_REPORT_NAME, PipelineConfig, build_stage_modules, make_loss_fn, split_batch,
+from ..._io import atomic_write_json
+from ...closed_loop import ClosedLoopSettings, LoopSteps, run_closed_loop
+from ...errors import BudgetError, DistributedError, PlanError
+from ...memory.measure import optimizer_state_tensors
+from ...plan.model import Plan
+from ...plan.planners import correction_margin
+from ...plan.pipeline import PipelinePlan, Side, StagePlan, in_flight, in_flight_from_order, plan_stages
+from ...types import MemCategory, MemorySource
+from ...workload.contract import call_user
+from ...workload.loader import load_workload
+from ..config import DistributedConfig
+from ..intervals import exposed_ns, total_ns, union
+from .engine import (PIPELINE_REPORT_NAME, build_stage_modules, make_loss_fn, split_batch,
                        stage_examples, stage_layout)
 from .report import RankOutcome, StageResult, TimelineEvent, assemble_pipeline
-from ..distributed.worker import RankFiles, _env_int, _maybe_fault, compare_grads, rank_main
+from ..worker import RankFiles, _env_int, _maybe_fault, compare_grads
 
 _COMPUTE = ("forward", "loss", "backward", "optimizer")
 
@@ -183,13 +184,14 @@ class _Side:
 
 
 class PipelineRank:
-    def __init__(self, cfg: PipelineConfig, files: RankFiles) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: DistributedConfig, files: RankFiles) -> None:
+        assert cfg.pipeline is not None   # DistributedConfig checks engine pipeline has its settings
+        self.cfg, self.pp = cfg, cfg.pipeline
         self.files = files
         self.rank, self.p = dist.get_rank(), dist.get_world_size()
         self.first, self.last = self.rank == 0, self.rank == self.p - 1
         self.done = 0
-        self.total = len(cfg.sides) * (cfg.warmup + cfg.steps + 1)
+        self.total = len(self.pp.sides) * (cfg.warmup + cfg.steps + 1)
         self.current: StageRecorder | None = None
         _patch_p2p(lambda: self.current)
         # every rank joins every group creation (collective); only the first and last use it
@@ -204,15 +206,15 @@ class PipelineRank:
         wl = loaded.workload
         model = wl.model
         inputs0, _ = split_batch(wl.batch(0))
-        mb = inputs0[: max(1, inputs0.shape[0] // cfg.microbatches)]
-        layout = stage_layout(model, cfg.split_points, cfg.n_stages, mb)
+        mb = inputs0[: max(1, inputs0.shape[0] // self.pp.microbatches)]
+        layout = stage_layout(model, self.pp.split_points, cfg.n_stages, mb)
         mine = self.local_stages()
         examples = [stage_examples(model, layout, k, mb) for k in mine]
         tied_names = layout.tied
         handle = None
         rec = StageRecorder()
         if plan is not None and plan.boundaries:
-            from ..wrap import apply
+            from ...wrap import apply
             handle = apply(model, plan)   # the whole model's names and fingerprint; then prune
             for w in handle:
                 w.observers.append(rec)
@@ -229,12 +231,12 @@ class PipelineRank:
                   for mod, k, (ex_in, ex_out) in zip(modules, mine, examples)]
         # every rank gets the loss_fn: torch's schedule decides from it whether there is a backward at all
         # (with None the first stage posts no gradient receives and its backward silently does nothing)
-        if cfg.schedule.multi:
-            schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=make_loss_fn(wl, layout.chain.unpack),
+        if self.pp.schedule.multi:
+            schedule = ScheduleInterleaved1F1B(stages, self.pp.microbatches, loss_fn=make_loss_fn(wl, layout.chain.unpack),
                                                scale_grads=True)
         else:
-            cls = Schedule1F1B if cfg.schedule.value == "1f1b" else ScheduleGPipe
-            schedule = cls(stages[0], cfg.microbatches, loss_fn=make_loss_fn(wl, layout.chain.unpack), scale_grads=True)
+            cls = Schedule1F1B if self.pp.schedule.value == "1f1b" else ScheduleGPipe
+            schedule = cls(stages[0], self.pp.microbatches, loss_fn=make_loss_fn(wl, layout.chain.unpack), scale_grads=True)
         _instrument(stages, schedule, rec)
         stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         optimizer = call_user("the workload's optimizer", wl.optimizer, list(stage_module.parameters())) \
@@ -248,14 +250,14 @@ class PipelineRank:
     def local_stages(self, rank: int | None = None) -> list[int]:
         """A rank's stages: r, r + p, ..., r + (v - 1) p (torch's looped placement for interleaved schedules)."""
         r = self.rank if rank is None else rank
-        return [r + j * self.p for j in range(self.cfg.stages_per_rank)]
+        return [r + j * self.p for j in range(self.pp.stages_per_rank)]
 
     def stage_in_flight(self, rank: int) -> dict[int, int]:
         """{stage: microbatches it holds at the rank's peak} (NOTE [pipeline in-flight cost model])."""
         cfg = self.cfg
-        if cfg.schedule.multi:
+        if self.pp.schedule.multi:
             return in_flight_from_order(self.orders[rank])
-        return {rank: in_flight(cfg.schedule, rank, self.p, cfg.microbatches)}
+        return {rank: in_flight(self.pp.schedule, rank, self.p, self.pp.microbatches)}
 
     def rank_blocks(self, rank: int) -> list[str]:
         return [b for k in self.local_stages(rank) for b in self.layout.stage_blocks(k)]
@@ -335,7 +337,7 @@ class PipelineRank:
         return result, grads, loss0
 
     def memory_step(self, side: _Side, i: int) -> tuple[int, list[int]]:
-        from ..memory.tracker import LiveTensorTracker
+        from ...memory.tracker import LiveTensorTracker
         dist.barrier()
         rec = side.rec
         rec.held_at_backward = []
@@ -381,50 +383,51 @@ class PipelineRank:
         """(uniform, remat, how to re-plan remat): both plans from the profile and the measured unplanned stage
         peaks; the re-planner only when remat's plans were made here (a given plan runs as given)."""
         cfg = self.cfg
-        from ..plan.budget import parse_budget
+        from ...plan.budget import parse_budget
         report = self.profile()
-        budget = parse_budget(cfg.budget or "80%", max(base_peaks))
+        budget = parse_budget(self.pp.budget or "80%", max(base_peaks))
         # one plan per rank: with several stages per rank they share its device and budget
         replanner = StageReplanner(report=report, stage_blocks=[self.rank_blocks(k) for k in range(self.p)],
-                                   budget_bytes=budget, planner=cfg.planner, base_peaks=base_peaks,
-                                   plan_kw=dict(schedule=cfg.schedule, microbatches=cfg.microbatches, reserve=cfg.reserve,
+                                   budget_bytes=budget, planner=self.pp.planner, base_peaks=base_peaks,
+                                   plan_kw=dict(schedule=self.pp.schedule, microbatches=self.pp.microbatches, reserve=self.pp.reserve,
                                                 in_flights=[self.block_in_flight(k) for k in range(self.p)])) \
             if report is not None else None
         uniform = remat = None
-        if Side.UNIFORM in cfg.sides and replanner is not None:
-            uniform = self.pipeline_plan(replanner.plan(planner=cfg.uniform_planner, budget_bytes=None), budget,
+        if Side.UNIFORM in self.pp.sides and replanner is not None:
+            uniform = self.pipeline_plan(replanner.plan(planner=self.pp.uniform_planner, budget_bytes=None), budget,
                                          base_peaks)
-        if Side.REMAT in cfg.sides:
+        if Side.REMAT in self.pp.sides:
             if cfg.plan is not None:
-                remat = PipelinePlan.from_json(cfg.plan, source="the pipeline config's plan")
+                remat = cfg.plan
+                assert isinstance(remat, PipelinePlan)   # DistributedConfig.from_json reads engine pipeline's so
                 if len(remat.stages) != self.p:
                     raise PlanError(f"the pipeline plan has {len(remat.stages)} stages; this run has {self.p}")
                 return uniform, remat, None
             if replanner is not None:
-                remat = self.pipeline_plan(replanner.plan(planner=cfg.planner, budget_bytes=budget), budget,
+                remat = self.pipeline_plan(replanner.plan(planner=self.pp.planner, budget_bytes=budget), budget,
                                            base_peaks)
         return uniform, remat, replanner if remat is not None else None
 
     def profile(self) -> Any:
         """The config's ProfileReport (what the per-stage plans are planned from), or None."""
-        from ..profile.model import ProfileReport
-        if self.cfg.profile is None:
+        from ...profile.model import ProfileReport
+        if self.pp.profile is None:
             return None
         try:
-            return ProfileReport.from_json(self.cfg.profile)
+            return ProfileReport.from_json(self.pp.profile)
         except (KeyError, TypeError, ValueError) as exc:
             raise DistributedError(f"the pipeline config's profile is malformed: {exc!r}") from None
 
     def pipeline_plan(self, plans: list[Plan], budget: int, base_peaks: list[int]) -> PipelinePlan:
         """Every rank's plan, with the stages' blocks, loads and measured unplanned peaks (bytes)."""
         cfg = self.cfg
-        return PipelinePlan(schedule=cfg.schedule, microbatches=cfg.microbatches, budget_bytes=budget,
-                            reserve=cfg.reserve,
+        return PipelinePlan(schedule=self.pp.schedule, microbatches=self.pp.microbatches, budget_bytes=budget,
+                            reserve=self.pp.reserve,
                             stages=[StagePlan(stage=k, blocks=self.rank_blocks(k),
                                               in_flight=sum(self.stage_in_flight(k).values()),
                                               base_peak_bytes=base_peaks[k], plan=plans[k])
                                     for k in range(self.p)],
-                            split_points=list(cfg.split_points), split_source=cfg.split_source)
+                            split_points=list(self.pp.split_points), split_source=self.pp.split_source)
 
     def gather_peaks(self, result: StageResult | None) -> list[int]:
         """Every rank's measured peak (bytes) of the side just run (a collective: every rank calls it)."""
@@ -441,7 +444,7 @@ class PipelineRank:
         losses: dict[Side, float | None] = {}
         uniform = remat = replanner = None
         notes: list[str] = []
-        for side in cfg.sides:
+        for side in self.pp.sides:
             if side in (Side.UNIFORM, Side.REMAT) and uniform is None and remat is None:
                 uniform, remat, replanner = self.plans(self.gather_peaks(results.get(Side.NONE)))
             if side is Side.REMAT and remat is not None and replanner is not None:
@@ -454,11 +457,11 @@ class PipelineRank:
     def outcome(self, results: dict[Side, StageResult], grads: dict[Side, list], losses: dict[Side, float | None],
                 notes: list[str], plans: dict[Side, PipelinePlan | None]) -> RankOutcome:
         """What this rank gathers to rank 0: its results, each planned side's gradients against ``none``'s,
-        the negative control, and the plans (``cfg.sides`` are the keys)."""
+        the negative control, and the plans (``self.pp.sides`` are the keys)."""
         control = grads.get(Side.NONE)
         comparisons = {} if control is None else \
             {name: compare_grads(control, g) for name, g in grads.items() if name is not Side.NONE}
-        negative = negative_control_rejected(control) if self.cfg.perturb_control and control is not None else None
+        negative = negative_control_rejected(control) if self.pp.perturb_control and control is not None else None
         # every parameter of the stage must have a gradient: None on both sides would compare as "equal"
         missing = {name: [n for n, g in gs if g is None] for name, gs in grads.items()}
         return RankOutcome(results=results, comparisons=comparisons, negative_rejected=negative, losses=losses,
@@ -573,7 +576,9 @@ def _stages_cost(remat: PipelinePlan) -> float:
     return sum(st.plan.predicted_overhead_ms for st in remat.stages)   # ms, predicted added time over all stages
 
 
-def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
+def run_pipeline_rank(cfg: DistributedConfig, out: Path, files: RankFiles) -> None:
+    """One rank of engine pipeline (started by ``remat.distributed.worker``): its stages, every side; rank 0
+    gathers every rank's outcome and writes ``pipeline.json``."""
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_world = _env_int("LOCAL_WORLD_SIZE", default=world_size)
     if world_size != cfg.world_size:
@@ -595,15 +600,3 @@ def run_rank(cfg: PipelineConfig, out: Path, files: RankFiles) -> None:
     files.what = "teardown"
     dist.barrier()
     dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> NoReturn:
-    rank_main(argv, prog="python -m remat.pipeline_parallel.worker",
-              description="one stage of a remat pipeline run (start it with torchrun)",
-              config_help="pipeline config JSON (PipelineConfig)",
-              out_help="folder for pipeline.json and the rank files",
-              load_config=PipelineConfig.load, run=run_rank)
-
-
-if __name__ == "__main__":
-    main()

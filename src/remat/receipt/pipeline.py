@@ -5,13 +5,13 @@ A pipeline run (``remat distributed --engine pipeline``, ``remat receipt --engin
 has no single-process trace, frontier or paired-seed verification to put in a
 :class:`~remat.receipt.Receipt`; what it proves is per stage. So it has its own receipt kind,
 ``remat-pipeline-receipt``: the context (the same fields as a receipt's), the whole
-:class:`~remat.pipeline_parallel.report.PipelineReport` (per side and stage: peak, in-flight
+:class:`~remat.distributed.pipeline.report.PipelineReport` (per side and stage: peak, in-flight
 count, forward/backward/replay/p2p/idle ms, bubble fraction, the last timed step's timeline;
 the equivalence against the unplanned pipeline and the negative control; the per-stage
 plans), and each stage boundary's revision hash. It is read through the same hardened JSON
 loader and validated field by field (NOTE [hostile JSON] in remat/_json.py); ``remat check``
 tells the two kinds apart by ``kind`` and re-checks a pipeline receipt with a world-size-p
-launch (remat/pipeline_parallel/check.py). ``report.html`` (per-stage table, SVG timeline per
+launch (remat/workflow/pipeline.py). ``report.html`` (per-stage table, SVG timeline per
 side) and ``report.md`` are rendered from it alone and name its sha256, as a receipt's do.
 """
 
@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import _json
+from .._codec import JsonCodec
 from .._json import json_kind, read_bounded_bytes
-from .report import PIPELINE_REPORT, PipelineReport
+from ..distributed.pipeline.report import PIPELINE_REPORT, PipelineReport
 from ..errors import ReceiptError, RematError
-from .plan import PipelinePlan, Side
-from ..receipt.model import ReceiptContext
-from ..receipt.schema import CONTEXT, HEX16, MODULE_PATH, SHORT, parse_json_bounded
+from ..plan.pipeline import PipelinePlan, Side
+from .model import ReceiptContext
+from .schema import CONTEXT, HEX16, MODULE_PATH, SHORT, parse_json_bounded
 
 PIPELINE_RECEIPT_KIND = "remat-pipeline-receipt"
 PIPELINE_RECEIPT_SCHEMA_VERSION = 1
@@ -44,16 +45,13 @@ PIPELINE_RECEIPT_SCHEMA = _json.Obj({
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageBoundary:
+class StageBoundary(JsonCodec):
     """One boundary of remat's per-stage plans, with the revision hash ``remat check`` compares."""
 
     stage: int
     module: str
     class_name: str
     revision: str       # remat.profile.module_revision: class sources + parameter shapes
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,7 +133,7 @@ class PipelineReceipt:
 
 def load_any_receipt_with_digest(path: Path | str) -> tuple[Any, str]:
     """(a :class:`Receipt` or a :class:`PipelineReceipt`, by its ``kind``; the sha256 of the bytes read)."""
-    from ..receipt.model import Receipt
+    from .model import Receipt
     data = read_bounded_bytes(path, error=ReceiptError, what="receipt file",
                               tip="remat receipt ... --out DIR writes DIR/receipt.json")
     parsed = parse_json_bounded(data, source=str(path))
