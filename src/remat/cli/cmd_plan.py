@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_json
-from ..closed_loop import ClosedLoopResult, plan_for_device
+from ..closed_loop import ClosedLoopResult, TimeRaceSettings, plan_for_device
 from ..memory.capacity import step_capacity
 from ..plan import PLANNER_SPECS, Plan, budget_on_device, check_budget_syntax, parse_budget, parse_capacity, parse_reserve
 from ..plan.offload import measured_pricing, modelled_pricing
@@ -48,6 +48,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-hazards", action="store_true",
                    help="plan hazardous candidates unguarded (to show verification catching them)")
     p.add_argument("--no-measure", action="store_true", help="skip the apply-and-measure closed loop")
+    p.add_argument("--no-time-race", action="store_true",
+                   help="ship the closed loop's plan without timing it against the fastest simple plan that fits "
+                        "(all blocks, every k-th, first k, checkpoint_sequential; NOTE [time race]); saves about "
+                        "21 steps and up to 3 peak measurements")
     p.add_argument("--offload", action="store_true",
                    help="also offer activation offload per boundary (saved activations wait in host memory), "
                         "priced from this machine's measured copy bandwidth; the planner picks keep, recompute "
@@ -134,7 +138,8 @@ def plan_from_args(args: argparse.Namespace, progress) -> tuple[ProfileReport, C
             return report, plan
         result = plan_for_device(loaded, report, args.planner, budget_bytes=budget, capacity_bytes=capacity,
                                  blocked=blocked, reserve=reserve, allow_hazards=args.allow_hazards, compile=compile,
-                                 offload=offload, sample=None if sample.is_single else sample, progress=progress)
+                                 offload=offload, sample=None if sample.is_single else sample, progress=progress,
+                                 race=TimeRaceSettings.unless_disabled(not args.no_time_race))
     result.plan.workload = recorded_workload(loaded)   # NOTE [plan workload]
     return report, result
 
@@ -188,6 +193,8 @@ def render_plan(plan: Plan) -> None:
         console.print(f"compiled: {plan.compile.describe()}; measured warm after compiling")
     if plan.workload is not None and plan.workload.autocast is not None:
         console.print(f"autocast: the forward ran under torch.autocast({plan.workload.autocast}); every figure is of that step")
+    if plan.time_race is not None:   # NOTE [time race]
+        console.print(f"time race: {escape(plan.time_race.describe())}", highlight=False)
     if plan.simulated:
         console.print(f"[yellow]simulated[/]: bytes from FakeTensorMode, times from the {plan.device_model} device model "
                       "(no step was run; nothing was measured)")
