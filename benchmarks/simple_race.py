@@ -52,12 +52,12 @@ HERE = Path(__file__).resolve().parent
 ZOO = HERE / "zoo"
 MODELS = {
     "gpt2": (f"{ZOO / 'hf_gpt2.py'}:build", {"batch_size": 4, "seq_len": 128, "n_layer": 4, "n_embd": 128}),
-    "qwen2moe": (f"{Path(__file__).resolve()}:build_qwen2_moe", {"batch_size": 4, "seq_len": 64}),
+    "qwen2moe": (f"{Path(__file__).resolve()}:build_qwen2_moe", {"batch_size": 8, "seq_len": 128}),
     "unet": (f"{ZOO / 'diffusers_unet2d.py'}:build", {"batch_size": 2, "sample_size": 32}),
 }
 
 
-def build_qwen2_moe(batch_size: int = 4, seq_len: int = 64, *, device="cpu", dtype=torch.float32):
+def build_qwen2_moe(batch_size: int = 8, seq_len: int = 128, *, device="cpu", dtype=torch.float32):
     """HF Qwen2-MoE, small: 4 routed experts (top 2) and a shared expert per layer, 4 layers; random init."""
     sys.path.insert(0, str(ZOO / "extra"))
     import _h

@@ -158,3 +158,29 @@ def test_the_race_is_skipped_when_disabled(monkeypatch, profiled):
                                        budget_bytes=int(report.baseline_peak_bytes * 0.8), capacity_bytes=None,
                                        reserve=0.05, steps=1).plan
     assert plan.time_race is None and plan.planner == "optimal"
+
+
+def test_arms_that_do_not_fit_side_by_side_leave_remats_plan(monkeypatch, profiled):
+    """The device refuses the three resident builds: the race records ``untimed`` and remat's plan ships; a
+    different error from the timer is not swallowed (the wrong case: a bug read as "out of memory")."""
+    import torch
+    from remat import closed_loop
+    loaded, report = profiled
+    budget = int(report.baseline_peak_bytes * 0.8)
+
+    def refuse(*a, **k):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(closed_loop, "time_round_robin", refuse)
+    plan = closed_loop.plan_for_device(loaded, copy.deepcopy(report), "optimal", budget_bytes=budget, capacity_bytes=None,
+                                       reserve=0.05, steps=1, race=closed_loop.TimeRaceSettings()).plan
+    assert plan.planner == "optimal" and plan.time_race.verdict is RaceVerdict.UNTIMED
+    assert "not timed" in plan.time_race.describe()
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(closed_loop, "time_round_robin", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        closed_loop.plan_for_device(loaded, copy.deepcopy(report), "optimal", budget_bytes=budget, capacity_bytes=None,
+                                    reserve=0.05, steps=1, race=closed_loop.TimeRaceSettings())

@@ -48,6 +48,7 @@ from .plan.timing import (MIN_RACE_ROUNDS, RaceVerdict, TimeRace, calibrate_repl
 from .profile.model import BlockedStep, ProfileReport, SampleRecord, StepSample
 from .profile.sample import sample_workloads, shape_streams
 from .types import ProgressFn, no_progress
+from .workload.contract import is_allocation_failure
 from .workload.loader import LoadedWorkload
 
 P = TypeVar("P")
@@ -606,8 +607,9 @@ def race_simple_plan(result: ClosedLoopResult, settings: TimeRaceSettings, progr
     a plan inside its own search space. So before a budget-driven plan (``optimal``, ``greedy``)
     ships, the closed loop races it against the fastest *simple* plan that fits: of ``all``,
     ``uniform:K`` (every K-th block), ``first-k:K`` and ``checkpoint_sequential:K`` (NOTE [baseline
-    families] in plan/planners.py), those predicted within the model's error of the target, in order
-    of predicted added time, the first whose *measured* peak fits (a plan the loop measured already
+    families] in plan/planners.py), those predicted to fit and then those predicted within the model's
+    error over the target, each group in order of predicted added time, the first whose *measured* peak
+    fits (a plan the loop measured already
     is not measured again; at most ``max_simple_peaks`` new builds). Then the unplanned step, remat's
     plan and the simple plan run interleaved (NOTE [interleaved timing], ``rounds`` timed rounds
     after ``warmup``), and the paired ratio remat / simple with its interval (NOTE [paired ratio
@@ -695,14 +697,15 @@ def _fastest_simple_that_fits(loop: "_OneDevice", plan: Plan, tried: list[Plan],
     target = effective_budget(loop.kw["budget_bytes"], loop.kw["reserve"])
     measured = {_key(p): p for p in [*tried, plan] if p.measured_peak_bytes is not None}
     near = sorted((p for p in _simple_plans(loop.report, loop.kw) if p.predicted_peak_bytes <= target * (1 + _MODEL_ERROR)),
-                  key=lambda p: (p.predicted_overhead_ms, p.predicted_peak_bytes, len(p.boundaries)))
+                  key=lambda p: (p.predicted_peak_bytes > target, p.predicted_overhead_ms, p.predicted_peak_bytes,
+                                 len(p.boundaries)))   # those predicted to fit first, then the model's error band
     new = 0
     for candidate in near:
         if _key(candidate) in measured:
             seen = measured[_key(candidate)]
             if _fits(seen):
                 candidate.measured_peak_bytes, candidate.measured_step_ms = seen.measured_peak_bytes, seen.measured_step_ms
-                candidate.memory_source, candidate.sample = seen.memory_source, seen.sample
+                candidate.memory_source, candidate.sample, candidate.compile = seen.memory_source, seen.sample, seen.compile
                 return candidate
             continue
         if new == max_new:
@@ -726,7 +729,9 @@ def _time_side_by_side(loop: "_OneDevice", plan: Plan, simple: Plan, settings: T
             runners.append(prepare_arm(loop.points[0], arm))
         timings = time_round_robin(runners, warmup=settings.warmup, steps=settings.rounds, progress=progress,
                                    what=f"plan: time race against {simple.planner}")
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_allocation_failure(exc):
+            raise
         return None
     finally:
         for r in reversed(runners):
