@@ -184,3 +184,16 @@ def test_arms_that_do_not_fit_side_by_side_leave_remats_plan(monkeypatch, profil
     with pytest.raises(RuntimeError, match="a bug"):
         closed_loop.plan_for_device(loaded, copy.deepcopy(report), "optimal", budget_bytes=budget, capacity_bytes=None,
                                     reserve=0.05, steps=1, race=closed_loop.TimeRaceSettings())
+
+
+def test_a_simple_planner_asked_for_is_not_raced(monkeypatch, profiled):
+    """``first-k`` at a budget is itself a simple plan: no race (the timer is never called); the twin above,
+    ``optimal``, is raced."""
+    from remat import closed_loop
+    called = []
+    monkeypatch.setattr(closed_loop, "time_round_robin", lambda *a, **k: called.append(1))
+    loaded, report = profiled
+    plan = closed_loop.plan_for_device(loaded, copy.deepcopy(report), "first-k",
+                                       budget_bytes=int(report.baseline_peak_bytes * 0.8), capacity_bytes=None,
+                                       reserve=0.05, steps=1, race=closed_loop.TimeRaceSettings()).plan
+    assert plan.time_race is None and called == [] and plan.planner == "first-k"
