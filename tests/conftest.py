@@ -23,6 +23,13 @@ def _deterministic_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_time_race(monkeypatch):
+    """No time race by default (NOTE [time race]): its verdict rests on timings, so a plan a test checks would
+    depend on the machine's load; tests/test_time_race.py races with injected timings."""
+    monkeypatch.setenv("REMAT_TIME_RACE", "0")   # remat.closed_loop.RACE_ENV_VAR (not imported: no torch here)
+
+
 @pytest.fixture
 def cpu_tracker(monkeypatch):
     """CPU peaks from the live-tensor tracker, not the allocator counter (NOTE [CPU allocator counter]):

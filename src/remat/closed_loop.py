@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
 import torch
@@ -36,13 +37,18 @@ from ._codec import JsonCodec
 from .wrap import PlanArm
 from .memory.capacity import clear_refusal, last_refusal
 from .errors import BudgetError, DeviceTooSmall, Option, PlanError, spell
-from .measure import CompileSpec, StepMeasurement, Stream, measure_arm, measure_stream_peaks
-from .plan import (InfeasibleBudget, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
+from .measure import (Arm, CompileSpec, Prepared, StepMeasurement, Stream, measure_arm, measure_stream_peaks, prepare_arm,
+                      release_memory, time_round_robin)
+from .percentile import p50
+from .plan import (InfeasibleBudget, PlannerKind, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .plan.offload import OffloadPricing
+from .plan.timing import (MIN_RACE_ROUNDS, RaceVerdict, TimeRace, calibrate_replay_ms, paired_ratio, race_verdict,
+                          time_scales)
 from .profile.model import BlockedStep, ProfileReport, SampleRecord, StepSample
 from .profile.sample import sample_workloads, shape_streams
 from .types import ProgressFn, no_progress
+from .workload.contract import is_allocation_failure
 from .workload.loader import LoadedWorkload
 
 P = TypeVar("P")
@@ -62,6 +68,9 @@ class Attempt(JsonCodec):
 class ClosedLoopResult:
     plan: Plan
     attempts: list[Attempt]
+    # how the loop planned and measured, and the plans it measured: for the time race (NOTE [time race])
+    loop: "_OneDevice | None" = None
+    tried: list[Plan] = dataclasses.field(default_factory=list)
 
 
 # -- the loop, for any kind of plan (NOTE [one closed loop]) ----------------------------------------
@@ -270,7 +279,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
         if outcome.fallback:
             # says what shipped and why: the model's pick missed (NOTE [planner specs])
             fb.planner = PlannerSpec.parse(fb.planner).after_miss_of(PlannerSpec.parse(planner)).format()
-        return ClosedLoopResult(plan=fb, attempts=attempts)
+        return ClosedLoopResult(plan=fb, attempts=attempts, loop=device, tried=[t.plan for t in outcome.tried])
     in_budget = _cheapest_in_budget([t.plan for t in outcome.tried])
     if infeasible is not None and in_budget is None:
         # the model said so from the start, and no measurement disagreed: its floor, as measured
@@ -492,10 +501,11 @@ class BudgetMissed(BudgetError):
 
 def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str, *, budget_bytes: int | None,
                     capacity_bytes: int | None, blocked: BlockedStep | None = None,
-                    **kw: Any) -> ClosedLoopResult:
+                    race: TimeRaceSettings | None = None, **kw: Any) -> ClosedLoopResult:
     """:func:`plan_closed_loop`; where the budget is the device's capacity and no plan fits it, DeviceTooSmall
     with the floor plan's peak measured at the target under the capacity (NOTE [blocked step]). The plan
-    records ``blocked``."""
+    records ``blocked``. ``race``: then time the plan against the fastest simple plan that fits and ship the
+    faster (NOTE [time race]); None: no race."""
     try:
         result = plan_closed_loop(loaded, report, planner, budget_bytes=budget_bytes, **kw)
     except (InfeasibleBudget, BudgetMissed) as exc:
@@ -514,6 +524,8 @@ def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str,
                              f"reserve with any plan: {lowest}"
                              + (f" ({blocked.describe()})" if blocked is not None else ""),
                              capacity_bytes=capacity_bytes, floor_bytes=floor) from exc
+    if race is not None and budget_bytes is not None:
+        race_simple_plan(result, race, kw.get("progress", no_progress))
     result.plan.blocked = blocked
     return result
 
@@ -558,3 +570,172 @@ def _measured_floor(loaded: LoadedWorkload, report: ProfileReport, reserve: floa
         if refusal is None:
             return floor.predicted_peak_bytes, "predicted (measuring it ran out of memory)"
         return refusal.live_bytes + refusal.requested_bytes, "measured at least"
+
+
+# -- the time race (NOTE [time race]) -----------------------------------------------------------------
+
+RACE_ENV_VAR = "REMAT_TIME_RACE"   # "0", "off", "false", "no": no time race (remat.auto; the test suite sets it)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TimeRaceSettings:
+    """How much the time race may cost (NOTE [time race]): interleaved rounds and simple plans measured."""
+
+    rounds: int = MIN_RACE_ROUNDS   # timed interleaved rounds of the three arms (NOTE [paired ratio interval])
+    warmup: int = 1                 # untimed rounds first (the optimizer's state exists from the first step)
+    max_simple_peaks: int = 3       # simple plans measured for their peak at most (each a fresh build)
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.warmup < 0 or self.max_simple_peaks < 1:
+            raise PlanError(f"the time race needs rounds >= 1, warmup >= 0 and max_simple_peaks >= 1, got "
+                            f"{self.rounds}, {self.warmup}, {self.max_simple_peaks}")
+
+    @classmethod
+    def unless_disabled(cls, enabled: bool = True) -> "TimeRaceSettings | None":
+        """The default race, or None when ``enabled`` is False or ``$REMAT_TIME_RACE`` says off."""
+        off = os.environ.get(RACE_ENV_VAR, "").strip().lower() in ("0", "off", "false", "no")
+        return cls() if enabled and not off else None
+
+
+def race_simple_plan(result: ClosedLoopResult, settings: TimeRaceSettings, progress: ProgressFn = no_progress) -> None:
+    """Race a budget-driven plan against the fastest simple plan that fits; ship the faster (in ``result``).
+
+    NOTE [time race]
+    The cost model prices a plan's added time from each boundary's replay timed alone, and it can be
+    wrong in a way no peak measurement shows: on HF GPT-2 at 70% remat's mixed selective/full plan
+    was predicted +31 ms and measured +45 ms, resolved slower than checkpointing the first 2 blocks,
+    a plan inside its own search space. So before a budget-driven plan (``optimal``, ``greedy``)
+    ships, the closed loop races it against the fastest *simple* plan that fits: of ``all``,
+    ``uniform:K`` (every K-th block), ``first-k:K`` and ``checkpoint_sequential:K`` (NOTE [baseline
+    families] in plan/planners.py), those predicted to fit and then those predicted within the model's
+    error over the target, each group in order of predicted added time, the first whose *measured* peak
+    fits (a plan the loop measured already
+    is not measured again; at most ``max_simple_peaks`` new builds). Then the unplanned step, remat's
+    plan and the simple plan run interleaved (NOTE [interleaved timing], ``rounds`` timed rounds
+    after ``warmup``), and the paired ratio remat / simple with its interval (NOTE [paired ratio
+    interval] in plan/timing.py) decides: resolved faster, remat's plan ships; resolved slower, the
+    simple plan ships (its ``planner`` reads ``optimal->first-k:2``); a tie ships the simpler, the
+    simple plan unless remat's has fewer boundaries. The shipped plan's ``time_race`` says which
+    simple plan it was raced against, by how much it won or lost, and what shipped.
+
+    The measured added times (each arm's paired difference from the unplanned step, ms) are fed back
+    into the profile's replay prices per checkpoint mode, as the closed-loop margin feeds back the
+    peak error: FULL from the simple plan, the other modes of remat's plan from what FULL leaves of
+    its time (``time_scales``; a factor outside 1/4..4 is not believed). Later plans from the same
+    profile (the frontier's, a re-plan at a new shape) are priced with them.
+
+    Skipped: no budget, a plan that is not remat's own pick (a fallback, a simple planner asked
+    for, ``floor``), no boundaries, a job (ranks must not branch on a rank-local time: NOTE [one
+    plan per job]), ``$REMAT_TIME_RACE=0`` or ``remat plan --no-time-race``. Three resident builds
+    that do not fit the device side by side record ``untimed`` and remat's plan ships.
+    Cost: ``(warmup + rounds) x 3`` steps plus up to ``max_simple_peaks`` peak measurements
+    (7 x 3 = 21 steps by default); the race's verdict is only as stable as the machine, so the
+    default needs all six rounds to agree before it overrides the simpler plan.
+    """
+    plan, loop = result.plan, result.loop
+    spec = PlannerSpec.parse(plan.planner)
+    if (loop is None or loop.loaded.ranks is not None or not plan.boundaries or spec.fallback_of is not None
+            or spec.kind not in (PlannerKind.OPTIMAL, PlannerKind.GREEDY)):
+        return
+    simple = _fastest_simple_that_fits(loop, plan, result.tried, settings.max_simple_peaks, progress)
+    if simple is None:
+        return
+    if _key(simple) == _key(plan):
+        plan.time_race = TimeRace(simple=simple.planner, simple_boundaries=len(simple.boundaries),
+                                  verdict=RaceVerdict.SAME, shipped_simple=False, rounds=0)
+        return
+    timed = _time_side_by_side(loop, plan, simple, settings, progress)
+    if timed is None:
+        plan.time_race = TimeRace(simple=simple.planner, simple_boundaries=len(simple.boundaries),
+                                  verdict=RaceVerdict.UNTIMED, shipped_simple=False, rounds=0)
+        return
+    result.plan = _decide_race(loop.report, plan, simple, *timed)
+
+
+def _decide_race(report: ProfileReport, plan: Plan, simple: Plan, unplanned: list[float], remat: list[float],
+                 simple_ms: list[float]) -> Plan:
+    """The race's verdict from the interleaved step times (ms, one per round), the time error fed back into
+    ``report``, and the plan that ships, its ``time_race`` recorded (NOTE [time race])."""
+    ratio = paired_ratio(remat, simple_ms)
+    verdict, ship_simple = race_verdict(ratio, plan, simple)
+    scales = time_scales(plan, p50([a - u for a, u in zip(remat, unplanned)]),
+                         simple, p50([b - u for b, u in zip(simple_ms, unplanned)]))
+    calibrate_replay_ms(report, scales)
+    record = TimeRace(simple=simple.planner, simple_boundaries=len(simple.boundaries), verdict=verdict,
+                      shipped_simple=ship_simple, rounds=ratio.rounds, ratio=ratio.ratio, low=ratio.low,
+                      high=ratio.high, remat_ms=p50(remat), simple_ms=p50(simple_ms), unplanned_ms=p50(unplanned),
+                      time_scale=tuple(sorted(scales.items(), key=lambda kv: kv[0].value)))
+    shipped = simple if ship_simple else plan
+    if ship_simple:   # says what shipped and why (NOTE [planner specs])
+        shipped.planner = PlannerSpec.parse(simple.planner).after_miss_of(PlannerSpec.parse(plan.planner)).format()
+    shipped.time_race = record
+    return shipped
+
+
+def _simple_plans(report: ProfileReport, kw: dict[str, Any]) -> list[Plan]:
+    """Every plan of ``all``, ``uniform:K``, ``first-k:K`` and ``checkpoint_sequential:K`` (NOTE [baseline
+    families]), one per set of boundaries (the first spec that makes it)."""
+    names = {c.name for c in report.candidates}
+    n = sum(1 for c in report.candidates if c.parent is None or c.parent not in names)
+    specs = ["all", *(f"uniform:{k}" for k in range(2, n + 1)), *(f"first-k:{k}" for k in range(1, n + 1)),
+             *(f"checkpoint_sequential:{k}" for k in range(2, n + 1))]
+    out: dict[tuple, Plan] = {}
+    for spec in specs:
+        try:
+            plan = make_plan(report, spec, **kw)
+        except PlanError:   # no chain, or a segment the profile does not offer
+            continue
+        if plan.boundaries:
+            out.setdefault(_key(plan), plan)
+    return list(out.values())
+
+
+def _fastest_simple_that_fits(loop: "_OneDevice", plan: Plan, tried: list[Plan], max_new: int,
+                              progress: ProgressFn) -> Plan | None:
+    """The simple plan of least predicted added time whose measured peak fits (NOTE [time race]); None: none of
+    those predicted near the target measured to fit within ``max_new`` new measurements."""
+    target = effective_budget(loop.kw["budget_bytes"], loop.kw["reserve"])
+    measured = {_key(p): p for p in [*tried, plan] if p.measured_peak_bytes is not None}
+    near = sorted((p for p in _simple_plans(loop.report, loop.kw) if p.predicted_peak_bytes <= target * (1 + _MODEL_ERROR)),
+                  key=lambda p: (p.predicted_peak_bytes > target, p.predicted_overhead_ms, p.predicted_peak_bytes,
+                                 len(p.boundaries)))   # those predicted to fit first, then the model's error band
+    new = 0
+    for candidate in near:
+        if _key(candidate) in measured:
+            seen = measured[_key(candidate)]
+            if _fits(seen):
+                candidate.measured_peak_bytes, candidate.measured_step_ms = seen.measured_peak_bytes, seen.measured_step_ms
+                candidate.memory_source, candidate.sample, candidate.compile = seen.memory_source, seen.sample, seen.compile
+                return candidate
+            continue
+        if new == max_new:
+            return None
+        progress(f"plan: measure the simple plan {candidate.planner} for the time race", new, max_new)
+        loop.measure(candidate)
+        new += 1
+        if _fits(candidate):
+            return candidate
+    return None
+
+
+def _time_side_by_side(loop: "_OneDevice", plan: Plan, simple: Plan, settings: TimeRaceSettings,
+                       progress: ProgressFn) -> tuple[list[float], list[float], list[float]] | None:
+    """Warm step times (ms per round) of the unplanned step, ``plan`` and ``simple``, interleaved on fresh builds
+    (NOTE [interleaved timing]); None when the three builds do not fit the device side by side."""
+    runners: list[Prepared] = []
+    arms = [Arm("unplanned", compile=loop.compile), PlanArm("remat", plan), PlanArm("simple", simple)]
+    try:
+        for arm in arms:
+            runners.append(prepare_arm(loop.points[0], arm))
+        timings = time_round_robin(runners, warmup=settings.warmup, steps=settings.rounds, progress=progress,
+                                   what=f"plan: time race against {simple.planner}")
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_allocation_failure(exc):
+            raise
+        return None
+    finally:
+        for r in reversed(runners):
+            r.close()
+        runners.clear()
+        release_memory()
+    return timings.step_ms["unplanned"], timings.step_ms["remat"], timings.step_ms["simple"]

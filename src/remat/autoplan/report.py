@@ -10,6 +10,7 @@ from .._codec import JsonCodec
 from ..types import MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
+from ..plan.timing import TimeRace
 from ..profile.blocked import BlockedStep
 from .inplace import JobEngine
 from .shapes import ShapeEnvelope, ShapeGuard
@@ -65,6 +66,9 @@ class AutoReport(JsonCodec):
     accumulation_steps: int = 1          # micro-batches per optimizer step the peaks are of (NOTE [accumulated step])
     device_memory_bytes: int | None = None   # the device capacity planned for (NOTE [device capacity]); None: none known
     blocked: BlockedStep | None = None   # the unplanned step did not fit: its evidence and how it was planned
+    # the plan timed against the fastest simple plan that fits, and which shipped (NOTE [time race] in
+    # remat/closed_loop.py); None: not raced
+    time_race: TimeRace | None = None
 
     @property
     def predicted_overhead(self) -> float:
@@ -99,6 +103,8 @@ class AutoReport(JsonCodec):
                if self.accumulation_steps > 1 else ""),
             f"  {self.verify_note}; plan cache: {self.cache.value}" + (f" ({self.cache_path})" if self.cache_path else ""),
         ]
+        if self.time_race is not None:
+            lines.append(f"  time race: {self.time_race.describe()}")
         if self.device_memory_bytes is not None:
             lines.append(f"  device capacity {fmt_bytes(self.device_memory_bytes)}"
                          + (f"; blocked: {self.blocked.describe()}" if self.blocked is not None else ""))

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import __version__
 from ..wrap import ApplyHandle, apply, check_applies, recover_handle
-from ..closed_loop import plan_for_device
+from ..closed_loop import TimeRaceSettings, plan_for_device
 from ..errors import AutoError, OptionStyle, RematError, option_style
 from ..plan import Plan, budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
 from ..profile.model import ProfileReport
@@ -533,7 +533,8 @@ def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]
     return plan_for_device(loaded, profile, settings.planner, budget_bytes=budget_bytes,
                            capacity_bytes=fit.capacity_bytes, blocked=fit.blocked, steps=1,
                            reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
-                           variants=variants, progress=settings.progress).plan
+                           variants=variants, progress=settings.progress,
+                           race=TimeRaceSettings.unless_disabled()).plan   # NOTE [time race]
 
 
 def _profile(source: ModelSource, settings: AutoSettings, sample: StepSample,
@@ -576,4 +577,4 @@ def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache:
         optimizer_assumed=optimizer.assumed, cache=cache, cache_path=cache_path, verification=verified,
         verify_note="verified (quick: 1 seed, 1 step, negative controls rejected)" if verified is VerifyStatus.PASSED
         else _HOW_TO_VERIFY,
-        seconds=seconds, accumulation_steps=source.accumulation_steps)
+        seconds=seconds, accumulation_steps=source.accumulation_steps, time_race=plan.time_race)

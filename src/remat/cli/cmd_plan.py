@@ -48,6 +48,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-hazards", action="store_true",
                    help="plan hazardous candidates unguarded (to show verification catching them)")
     p.add_argument("--no-measure", action="store_true", help="skip the apply-and-measure closed loop")
+    p.add_argument("--no-time-race", action="store_true",
+                   help="ship the closed loop's plan without timing it against the fastest simple plan that fits "
+                        "(all blocks, every k-th, first k, checkpoint_sequential; NOTE [time race]); saves about "
+                        "21 steps and up to 3 peak measurements")
     p.add_argument("--offload", action="store_true",
                    help="also offer activation offload per boundary (saved activations wait in host memory), "
                         "priced from this machine's measured copy bandwidth; the planner picks keep, recompute "
@@ -115,7 +119,7 @@ def _settings_from_args(args: argparse.Namespace) -> tuple[PlanSettings, int | N
     compile = simulate_compile_from_args(args)
     return PlanSettings(planner=args.planner, budget=args.budget, reserve=reserve, capacity_bytes=capacity,
                         candidates=candidates, allow_hazards=args.allow_hazards, measure=not args.no_measure,
-                        compile=compile), _host_budget_from_args(args, compile)
+                        compile=compile, time_race=not args.no_time_race), _host_budget_from_args(args, compile)
 
 
 def _host_budget_from_args(args: argparse.Namespace, compile) -> int | None:  # noqa: ANN001
@@ -166,6 +170,8 @@ def render_plan(plan: Plan) -> None:
         console.print(f"compiled: {plan.compile.describe()}; measured warm after compiling")
     if plan.workload is not None and plan.workload.autocast is not None:
         console.print(f"autocast: the forward ran under torch.autocast({plan.workload.autocast}); every figure is of that step")
+    if plan.time_race is not None:   # NOTE [time race]
+        console.print(f"time race: {escape(plan.time_race.describe())}", highlight=False)
     if plan.simulated:
         console.print(f"[yellow]simulated[/]: bytes from FakeTensorMode, times from the {plan.device_model} device model "
                       "(no step was run; nothing was measured)")

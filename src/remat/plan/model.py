@@ -17,6 +17,7 @@ from ..measure.compile_spec import CompileSpec
 from ..profile.model import SAMPLE, BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .offload import OffloadPricing
+from .timing import TimeRace
 
 PLAN_SCHEMA_VERSION = 1
 MAX_PLAN_BYTES = 16 * 2 ** 20   # a plan for 10,000 modules is about 2 MiB
@@ -87,7 +88,7 @@ class Plan(JsonCodec):
     memory_source: MemorySource = MemorySource.CPU_LIVE_TENSORS
     simulated: bool = False               # figures from --simulate, not a measured run
     device_model: Short | None = None
-    # The five below are left out of the JSON when None, so eager, single-step plans (and those of
+    # The six below are left out of the JSON when None, so eager, single-step plans (and those of
     # remat.auto and older files) read as they always did.
     # run compiled (torch.compile of the model; NOTE [compiled arms])
     compile: CompileSpec | None = json_field(default=None, omit=None)
@@ -100,6 +101,9 @@ class Plan(JsonCodec):
     # the unplanned step did not fit the device: its evidence and the smaller batches the plan was
     # profiled at (NOTE [blocked step] in remat/profile/blocked.py); None: the unplanned step fitted
     blocked: BlockedStep | None = json_field(default=None, omit=None)
+    # the closed loop's time race against the fastest simple plan that fits (NOTE [time race] in
+    # remat/closed_loop.py); None: not raced (no budget, a simple plan asked for, or the race skipped)
+    time_race: TimeRace | None = json_field(default=None, omit=None)
     schema_version: Annotated[int, Enum(PLAN_SCHEMA_VERSION)] = json_field(default=PLAN_SCHEMA_VERSION, required=True)
 
     def __post_init__(self) -> None:

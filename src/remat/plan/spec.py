@@ -18,7 +18,9 @@ A planner travels as text (``remat plan --planner``, ``remat frontier --plans``,
   activation_memory_budget ratio R (NOTE [budget aimed at a peak] in frontier/run.py).
 - ``origin->own`` (NOTE [closed loop fallbacks] in closed_loop.py): the closed loop asked
   ``origin`` for a plan, its pick missed the budget when measured, and the fallback ``own``
-  shipped; ``optimal->all``.
+  shipped; ``optimal->all``. Or its pick fitted but lost (or tied) the time race against the
+  simple plan ``own``, which shipped (NOTE [time race] in closed_loop.py; ``plan.time_race`` says
+  which): ``optimal->first-k:2``.
 ``format(parse(text))`` is ``text`` for every spec remat writes; parsing lower-cases and strips
 spaces, and writes K as a plain integer (``uniform:02`` formats as ``uniform:2``).
 """

@@ -17,7 +17,8 @@ From it, per candidate j:
                      instrumented steps; CUDA events on a GPU, NOTE [device-correct timing]).
   replay_ms[m]       first estimate: that time less the share spent in the ops m keeps.
                      ``profile_workload`` then replaces both by direct measurements of each
-                     (candidate, mode) alone (NOTE [measured replay costs] in replay.py).
+                     (candidate, mode) alone (NOTE [measured replay costs] in replay.py),
+                     bounded and snapped (NOTE [sane replay prices], NOTE [stable prices] in prices.py).
   replay_extra_bytes  how far j's forward rises above its entry level beyond what it saves:
                      the transients a replay re-creates during backward.
 The rows follow NOTE [peak cost model] in profile/model.py.
@@ -51,6 +52,7 @@ from .replay import ReplayEstimate, measure_replay_costs
 from .fingerprint import fingerprint
 from .hazards import HazardProbe, hook_detail, module_hooks
 from .model import NOT_CALLED, CandidateCost, HazardRecord, PeakRow, ProfileReport
+from .prices import sane_replay_prices
 from .segments import ChainProbe, is_segment, parse_segment, run_segments
 
 if TYPE_CHECKING:
@@ -812,6 +814,7 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
         apply_replay_measurements(report, *measure_replay_costs(
             step, offered, replay_step_index(warmup, repeats),
             progress=lambda done, total: progress(label, done, total)))
+        sane_replay_prices(report)   # NOTE [sane replay prices], NOTE [stable prices] in profile/prices.py
     return report
 
 

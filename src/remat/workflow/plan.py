@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..closed_loop import ClosedLoopResult, plan_for_device
+from ..closed_loop import ClosedLoopResult, TimeRaceSettings, plan_for_device
 from ..measure import CompileSpec
 from ..memory.capacity import step_capacity
 from ..plan import Plan, PlanWorkload, budget_on_device, make_plan, parse_budget
@@ -35,6 +35,7 @@ class PlanSettings:
     measure: bool = True                      # apply and measure: the closed loop (False: the planner's pick only)
     offload: OffloadPricing | None = None     # offer activation offload, priced so (NOTE [offload cost model])
     compile: CompileSpec | None = None        # run compiled (NOTE [compiled arms])
+    time_race: bool = True                    # race the plan against the fastest simple plan (NOTE [time race])
 
 
 def recorded_workload(loaded: LoadedWorkload) -> PlanWorkload:
@@ -62,7 +63,8 @@ def plan_step(loaded: LoadedWorkload, settings: PlanSettings, sample: StepSample
                 sample=None if sample.is_single else SampleRecord(sample=sample))
         result = plan_for_device(loaded, report, s.planner, budget_bytes=budget, capacity_bytes=s.capacity_bytes,
                                  blocked=blocked, reserve=s.reserve, allow_hazards=s.allow_hazards, compile=s.compile,
-                                 offload=s.offload, sample=None if sample.is_single else sample, progress=progress)
+                                 offload=s.offload, sample=None if sample.is_single else sample, progress=progress,
+                                 race=TimeRaceSettings.unless_disabled(s.time_race))
     plan = dataclasses.replace(result.plan, workload=recorded_workload(loaded))   # NOTE [plan workload]
     return report, dataclasses.replace(result, plan=plan)
 
