@@ -205,3 +205,53 @@ def test_the_pool_never_holds_more_than_the_most_ever_held_at_once():
     pool.give_back(big)
     pool.give_back(again)
     assert pool.held_bytes == 0 and pool.free_bytes <= pool.high_water_bytes
+
+
+# -- the Hugging Face drop-in ---------------------------------------------------------------------
+
+def _gpt2() -> tuple[nn.Module, Monitor]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
+                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    model, monitor = GPT2LMHeadModel(cfg), Monitor()
+    for block in model.transformer.h:   # monitoring hooks in each block's attention and MLP: never replayed
+        block.attn.c_proj.register_forward_hook(monitor)
+        block.mlp.act.register_forward_hook(monitor)
+    return model, monitor
+
+
+def _gpt2_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(2))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _enable(model: nn.Module, offload) -> remat.AutoHandle:
+    from remat.integrations.transformers import enable
+    return enable(model, _gpt2_batch(), budget=BUDGET, offload=offload, use_cache=False, measure_replays=False,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1), verify="quick" if offload else None)
+
+
+def test_hugging_face_enable_offload_true_plans_offload_where_recompute_cannot():
+    """transformers' offload=True, taken: remat plans it (verified), where the recompute-only twin is refused."""
+    from tests.test_examples import need
+    need("transformers")
+    model, monitor = _gpt2()
+    handle = _enable(model, True)
+    r = handle.report
+    assert any(b.mode is O for b in handle.plan.boundaries) and r.verification is VerifyStatus.PASSED
+    assert r.measured_peak_bytes is not None and r.measured_peak_bytes <= r.effective_budget_bytes
+    assert r.offload is not None and r.offload.host_budget_bytes == remat.autoplan.offload.default_host_budget()
+    control, _ = _gpt2()
+    grads = []
+    before = monitor.calls
+    for m in (control, model):
+        m.zero_grad(set_to_none=True)
+        m(**_gpt2_batch()).loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert monitor.calls - before == 2 * 2   # the planned model's: 2 hooks x 2 blocks, each once (nothing replayed)
+    twin, _ = _gpt2()
+    with pytest.raises(BudgetError):
+        _enable(twin, False)
+    assert not remat.recover_handle(twin).wrappers
