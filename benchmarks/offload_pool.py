@@ -26,7 +26,7 @@ from remat.plan.model import Boundary
 from remat.profile.fingerprint import fingerprint
 from remat.types import CheckpointMode
 from remat.wrap import apply
-from remat.wrap.offload import HostPool, _RegionOffload, offloading
+from remat.wrap.offload import HostPool, _RegionOffload
 
 
 def _copy_round(pool: HostPool, tensors: list[torch.Tensor]) -> float:

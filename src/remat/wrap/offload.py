@@ -108,7 +108,9 @@ class HostPool:
         self.allocations = 0         # host buffers allocated (count)
         self.reuses = 0              # buffers handed out again from the pool (count)
         self._free: dict[tuple[bool, int], list[HostBuffer]] = {}
-        self._lock = threading.Lock()   # a packed handle may be freed on autograd's device thread
+        # a packed handle may be freed on autograd's device thread, or by the cycle collector inside a locked
+        # section of this thread (re-entrant)
+        self._lock = threading.RLock()
 
     def take(self, nbytes: int, *, pinned: bool) -> HostBuffer:
         """A buffer of exactly ``nbytes``: a free one of that size, else a new one; counted as held."""
