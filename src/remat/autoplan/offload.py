@@ -13,7 +13,7 @@ and ``verify="quick"`` proves it bitwise, as for any plan). ``offload`` takes:
   (NOTE [host buffer pool] in remat/wrap/offload.py never holds more than the offload's own
   peak); physical rather than free memory, because free memory moves from call to call and the
   host budget is part of the plan cache key (NOTE [plan cache key]): a key that moved would
-  never hit. ``AutoReport.host_budget_bytes`` says which figure was used.
+  never hit. ``AutoReport.offload.host_budget_bytes`` says which figure was used.
 The copies are priced from this machine's measured device <-> host bandwidth (NOTE [link
 bandwidth], measured once and cached in the cache folder); in a job every rank prices with rank
 0's measurement, so the ranks plan alike (NOTE [one plan per job]): a rank-local measurement
