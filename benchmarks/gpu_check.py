@@ -22,6 +22,9 @@ Checks, each written to ``benchmarks/results/gpu/<name>.json`` and summarised in
 6b. ``offload_plan``: the planner's mixed keep/recompute/offload plan (``--offload``, priced from the
    measured link bandwidth) against its best recompute-only plan at the same budget: measured peaks,
    interleaved step times (goal: the mixed plan faster), and ``verify_plan`` of the mixed plan.
+6b2. ``offload_pool``: the host buffer pool (NOTE [host buffer pool]): pinned buffers reused across
+   steps against a pinned allocation per saved tensor, on raw device -> host copies and on gpt with
+   every block offloaded (interleaved step p50, host allocations).
 6c. ``lora``: ``benchmarks/lora_gpt2.py --size small`` (remat.auto against
    ``gradient_checkpointing_enable()`` on a LoRA GPT-2 step), as a subprocess with a time limit.
 7. ``compile_budget``: ``torch.compile`` with ``activation_memory_budget`` 1.0 / 0.5 / 0.2: the
@@ -406,6 +409,75 @@ def check_offload_plan(device: str, dtype: str, shape: dict) -> Check:
                   "verify_failures": verdict.failures, "shape": shape})
 
 
+def _pool_copies(device: str, pool: Any, tensors: list[torch.Tensor]) -> float:
+    """ms (device-correct) to pack every tensor into host buffers, as an offloaded region's forward does."""
+    from remat.clock import StepClock
+    from remat.wrap.offload import _RegionOffload
+
+    def pack_all() -> None:
+        region = _RegionOffload(pool, set())
+        packed = [region.pack(t) for t in tensors]
+        for p in packed:   # CUDA: the copies run on the side stream; the round ends when each is done
+            if getattr(p, "ready", None) is not None:
+                p.ready.synchronize()
+    return StepClock(torch.device(device)).time(pack_all)[1]
+
+
+def check_offload_pool(device: str, dtype: str, shape: dict, smoke: bool) -> Check:
+    """The host buffer pool (NOTE [host buffer pool]): pinned buffers reused across steps against one
+    pinned allocation per saved tensor (``HostPool(reuse=False)``, the behaviour before the pool):
+    (1) the device -> host copies of 24 tensors of 4 MiB (smoke: 64 KiB), p50 of interleaved rounds;
+    (2) gpt with every block offloaded, pool on against off: step p50 interleaved, allocations per step."""
+    from remat.clock import p50
+    from remat.plan import Plan
+    from remat.plan.model import Boundary
+    from remat.profile.fingerprint import fingerprint
+    from remat.types import CheckpointMode
+    from remat.workload import TrainingStep, load_workload
+    from remat.wrap import apply
+    from remat.wrap.offload import HostPool
+    numel = (2 ** 14 if smoke else 2 ** 20)
+    tensors = [torch.randn(numel, device=device) for _ in range(24)]
+    pools = {"pool": HostPool(), "per-tensor": HostPool(reuse=False)}
+    times: dict[str, list[float]] = {k: [] for k in pools}
+    for pool in pools.values():
+        _pool_copies(device, pool, tensors)
+    for _ in range(3 if smoke else 15):
+        for name, pool in pools.items():
+            times[name].append(_pool_copies(device, pool, tensors))
+    nbytes = 24 * numel * 4
+    copies = {k: {"p50_ms": p50(v), "gb_per_s": nbytes / p50(v) / 1e6, "allocations": pools[k].allocations}
+              for k, v in times.items()}
+
+    def build(reuse: bool) -> tuple[Any, HostPool]:
+        step = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
+        model = step.workload.model
+        plan = Plan(planner="gpu_check", budget_bytes=None, reserve=0.0,
+                    boundaries=[Boundary(module=b, mode=CheckpointMode.OFFLOAD, saved_bytes=0, replay_ms=0.0)
+                                for b in _blocks(model)],
+                    excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
+                    baseline_step_ms=0.0, fingerprint=fingerprint(model))
+        handle = apply(model, plan)
+        handle.host_pool.reuse = reuse
+        return step, handle.host_pool
+    arms = {"pool": build(True), "per-tensor": build(False)}
+    n_steps = 3 if device == "cpu" else 8
+    res = _timed([_StepRunner(k, step) for k, (step, _) in arms.items()], steps=n_steps)
+    for k, (_, pool) in arms.items():
+        res[k]["allocations"] = pool.allocations
+        res[k]["host_peak_bytes"] = pool.high_water_bytes
+    ratio = res["pool"]["p50_ms"] / res["per-tensor"]["p50_ms"]
+    pinned = device.startswith("cuda")
+    summary = (f"{'pinned' if pinned else 'CPU (no pinning)'} copies 24 x {fmt_bytes(numel * 4)}: pool "
+               f"{copies['pool']['gb_per_s']:.1f} GB/s vs per-tensor {copies['per-tensor']['gb_per_s']:.1f} GB/s; gpt "
+               f"all blocks offloaded: pool p50 {res['pool']['p50_ms']:.1f} ms vs per-tensor "
+               f"{res['per-tensor']['p50_ms']:.1f} ms ({ratio:.2f}x); host buffers allocated: pool "
+               f"{res['pool']['allocations']}, per-tensor {res['per-tensor']['allocations']}")
+    # passes when the pool reuses (fewer allocations than the per-tensor arm): the times are the measurement
+    ok = res["pool"]["allocations"] < res["per-tensor"]["allocations"]
+    return Check("offload_pool", ok, summary, {"copies": copies, "steps": res, "shape": shape, "pinned": pinned})
+
+
 def check_lora(device: str, smoke: bool) -> Check:
     """benchmarks/lora_gpt2.py as a subprocess (its own arms, interleaved; its JSON beside the others)."""
     import subprocess
@@ -615,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         ("simulate", lambda: check_simulate(dev, dt, shapes["simulate"])),
         ("offload", lambda: check_offload(dev, dt, shapes["pipeline"])),
         ("offload_plan", lambda: check_offload_plan(dev, dt, shapes["pipeline"])),
+        ("offload_pool", lambda: check_offload_pool(dev, dt, shapes["pipeline"], args.smoke)),
         ("lora", lambda: check_lora(dev, args.smoke)),
         ("blocked", lambda: check_blocked(dev, dt, shapes["pipeline"], 1.2 if args.smoke else 1.6)),
         ("compile_budget", lambda: check_compile_budget(dev, dt, shapes["pipeline"], (1.0, 0.5, 0.2),

@@ -172,7 +172,7 @@ def test_enable_takes_activation_checkpointing_enables_keywords_or_refuses_them(
     from remat.integrations.transformers import CheckpointingOptions
     ok = CheckpointingOptions(kwargs={"use_reentrant": False}, every_n_layers=3)
     assert ok.hf_call() == {"activation_checkpointing_kwargs": {"use_reentrant": False}, "every_n_layers": 3}
-    for bad, match in [(dict(offload=True), "does not plan activation offload"), (dict(kwargs={"use_reentrant": True}), "reentrant"),
+    for bad, match in [(dict(offload="50%"), "not a share"), (dict(kwargs={"use_reentrant": True}), "reentrant"),
                        (dict(kwargs={"context_fn": None}), "context_fn"), (dict(every_n_layers=0), "positive"),
                        (dict(kwargs={"preserve_rng_state": False}), "preserve_rng_state=True")]:
         with pytest.raises(AutoError, match=match):

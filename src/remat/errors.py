@@ -70,7 +70,7 @@ class DeviceTooSmall(BudgetError):
     """The step does not fit the device's capacity with any plan remat can make (exit 2): carries the
     capacity and the floor (bytes; None: no step was measured to plan from). NOTE [blocked step]."""
 
-    LEVERS = ("offload saved activations to the host (remat plan --offload with a host budget)",
+    LEVERS = ("offload saved activations to the host (remat.auto(offload=True) or remat plan --offload, with a host budget)",
               "a smaller micro-batch with gradient accumulation (remat.auto(accumulation_steps=...))",
               "sharding the parameters, gradients and optimizer state (FSDP2)")
 

@@ -11,7 +11,8 @@ value), the budget as given (``"70%"`` means 70% of this step's own peak), the r
 planner, the loss function (qualified name, bytecode, defaults, closure values; a
 ``functools.partial`` by its function, arguments and keywords), the optimizer (class, defaults,
 groups: its state is part of the peak), the autocast dtype the step runs under, the gradient
-accumulation (NOTE [accumulated step]: above 1 the gradients are alive in the forward), the device (with the CUDA
+accumulation (NOTE [accumulated step]: above 1 the gradients are alive in the forward), whether offload is
+offered and under which host budget (NOTE [auto offload]: it changes which boundaries a plan may use), the device (with the CUDA
 device name), the torch and remat versions, and for a wrapped model the job's world size and engine
 (DDP, FSDP2). The key is the sha256 of all of that as JSON; the file name is the key, and the
 file is a plain ``plan.json`` read through the hardened loader. A key that differs in any part
@@ -28,7 +29,7 @@ The file name binds an entry to its key, but the file is data anyone with write 
 directory can replace (an old remat, a copy from another machine, a hand edit, a poisoned entry).
 A hit is therefore checked against what the key says before it is applied (``stale_entry``): the
 entry's fingerprint is the key's (not only one ``apply`` would tolerate), its reserve is the key's,
-its budget in bytes is what the key's budget gives (``"70%"`` of the entry's own unplanned peak, an
+its offload is the key's (none for a recompute-only call, the key's host budget otherwise), its budget in bytes is what the key's budget gives (``"70%"`` of the entry's own unplanned peak, an
 amount exactly, the stated capacity, or the free memory to the key's 256 MiB), its figures are a
 measured run on this kind of device (not simulated; a CUDA plan's from the CUDA allocator), they fit
 that budget (the measured peak, else the predicted one), and an entry with no boundary records an
@@ -53,7 +54,7 @@ import torch
 from .._io import CACHE_ENV_VAR as ENV_VAR, default_cache_dir
 from ..errors import BudgetError, OutputError
 from ..plan import Plan, parse_budget
-from ..types import MemorySource
+from ..types import CheckpointMode, MemorySource
 from .inplace import JobEngine
 
 
@@ -102,6 +103,7 @@ class CacheKey:
     engine: JobEngine = JobEngine.NONE   # how the model is wrapped (its value in the digest)
     autocast: str | None = None    # the step's autocast dtype (NOTE [autocast steps]): it changes every peak
     accumulation_steps: int = 1    # above 1 the step runs with gradients alive (NOTE [accumulated step])
+    offload_host_budget_bytes: int | None = None   # offload offered under this host budget; None: recompute only
 
     @property
     def digest(self) -> str:
@@ -192,6 +194,9 @@ def stale_entry(plan: Plan, key: CacheKey, *, budget: str | int | None, capacity
         return f"its figures come from {plan.memory_source}, not an instrument of a {device_type} device"
     if plan.budget_bytes is None:
         return "it has no budget"
+    why = _offload_mismatch(plan, key.offload_host_budget_bytes)
+    if why is not None:
+        return why
     expected = _expected_budget(plan, budget, capacity_bytes, capacity_stated)
     if expected is not None:
         low, high = expected
@@ -209,6 +214,21 @@ def stale_entry(plan: Plan, key: CacheKey, *, budget: str | int | None, capacity
     if not plan.boundaries and plan.baseline_peak_bytes > plan.budget_bytes:
         return (f"it checkpoints nothing, and the unplanned step it records peaks at {plan.baseline_peak_bytes} "
                 f"bytes, over its budget of {plan.budget_bytes} bytes")
+    return None
+
+
+def _offload_mismatch(plan: Plan, host_budget_bytes: int | None) -> str | None:
+    """Why ``plan``'s offload is not what the key offers (NOTE [auto offload]); None when it is."""
+    offloads = sum(b.mode is CheckpointMode.OFFLOAD for b in plan.boundaries)
+    if host_budget_bytes is None:
+        if offloads or plan.offload is not None:
+            return f"it offloads ({offloads} boundaries), and the call plans recompute only (offload=False)"
+        return None
+    if plan.offload is None:
+        return "it was planned without offload, and the call offers offload"
+    if plan.offload.host_budget_bytes != host_budget_bytes:
+        return (f"its host budget is {plan.offload.host_budget_bytes} bytes, and the call's is "
+                f"{host_budget_bytes} bytes")
     return None
 
 

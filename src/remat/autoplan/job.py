@@ -89,13 +89,15 @@ class JobInputs:
     budget: str                        # as given: "70%", "8GiB", bytes
     reserve: float                     # the reserve's fraction of the budget
     accumulation_steps: int            # micro-batches per optimizer step (NOTE [accumulated step])
+    host_budget: str = "none"          # offload's host budget in bytes, "none" without offload (NOTE [auto offload])
 
     @classmethod
     def of(cls, fingerprint_digest: str, batches: list[Any], budget: str | int, reserve: float,
-           accumulation_steps: int) -> "JobInputs":
+           accumulation_steps: int, host_budget_bytes: int | None = None) -> "JobInputs":
         shapes = " | ".join("; ".join(_shape(x) for x in tree_leaves(b)) for b in batches)
         return cls(model=fingerprint_digest[:16], batch_shapes=shapes, budget=str(budget), reserve=reserve,
-                   accumulation_steps=accumulation_steps)
+                   accumulation_steps=accumulation_steps,
+                   host_budget="none" if host_budget_bytes is None else str(host_budget_bytes))
 
 
 _LABELS = {"model": ("models", "give every rank the same model, wrapped the same way, before remat.auto"),
@@ -104,7 +106,9 @@ _LABELS = {"model": ("models", "give every rank the same model, wrapped the same
            "budget": ("budgets", "pass the same budget= on every rank: it is per device (\"70%\" is of each "
                       "rank's own unplanned peak)"),
            "reserve": ("reserves", "pass the same reserve= on every rank"),
-           "accumulation_steps": ("accumulation steps", "pass the same accumulation_steps= on every rank")}
+           "accumulation_steps": ("accumulation steps", "pass the same accumulation_steps= on every rank"),
+           "host_budget": ("offload host budgets", "pass the same offload= on every rank (offload=True: half of "
+                           "each node's physical memory, which differs between unlike nodes: state it, \"16GiB\")")}
 
 
 def _peer_lost(exc: BaseException) -> BaseException | None:

@@ -7,6 +7,7 @@ import enum
 from typing import Any
 
 from .._codec import JsonCodec
+from ..plan.offload import OffloadPricing
 from ..types import MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
@@ -69,6 +70,8 @@ class AutoReport(JsonCodec):
     # the plan timed against the fastest simple plan that fits, and which shipped (NOTE [time race] in
     # remat/closed_loop.py); None: not raced
     time_race: TimeRace | None = None
+    # offload offered (NOTE [auto offload]): the measured link bandwidths and host budget the plan was priced with
+    offload: OffloadPricing | None = None
 
     @property
     def predicted_overhead(self) -> float:
@@ -108,6 +111,13 @@ class AutoReport(JsonCodec):
         if self.device_memory_bytes is not None:
             lines.append(f"  device capacity {fmt_bytes(self.device_memory_bytes)}"
                          + (f"; blocked: {self.blocked.describe()}" if self.blocked is not None else ""))
+        if self.offload is not None:
+            o = self.offload
+            offloaded = sum(b.endswith("(offload)") for b in self.boundaries)
+            budget = "no bound" if o.host_budget_bytes is None else fmt_bytes(o.host_budget_bytes)
+            lines.append(f"  offload: {offloaded} boundaries offloaded; host budget {budget}; copies priced at "
+                         f"{o.d2h_bytes_per_ms / 1e6:.2f} GB/s to the host, {o.h2d_bytes_per_ms / 1e6:.2f} GB/s back "
+                         f"({o.source})")
         if self.engine is not JobEngine.NONE:
             lines.append(f"  job: {self.engine.value} x {self.world_size} ranks, one plan (digest {self.plan_digest[:12]}); "
                          "peaks per device, the fullest rank's")
@@ -119,7 +129,7 @@ class AutoHandle(ApplyHandle):
     shape guard (NOTE [shape guard]): ``.planned_shapes``, ``.replans``; ``remove()`` takes the guard off too."""
 
     def __init__(self, handle: ApplyHandle, report: AutoReport) -> None:
-        super().__init__(handle.model, handle.plan, handle.wrappers)
+        super().__init__(handle.model, handle.plan, handle.wrappers, host_pool=handle.host_pool)
         self.report = report
         self.guard: ShapeGuard | None = None   # set by remat.auto once the plan is applied
         self.replans = 0                        # plans applied since the first (on_new_shape='replan')
@@ -136,6 +146,7 @@ class AutoHandle(ApplyHandle):
     def replace(self, handle: ApplyHandle, report: AutoReport | None = None) -> None:
         """Take over ``handle``'s wrappers (a plan just applied to this model); ``report`` is the new plan's."""
         self.plan, self.wrappers, self._active = handle.plan, handle.wrappers, True
+        self.host_pool = handle.host_pool   # its offload boundaries' (NOTE [host buffer pool] in remat/wrap/offload.py)
         if report is not None:
             self.report = report
             self.replans += 1

@@ -32,6 +32,7 @@ from .compiled import check_uncompiled
 from .cache import CacheKey, PlanCache, default_cache_dir, device_identity, stale_entry
 from .digest import StableDigest, qualified_name, sha256_json
 from .inplace import InPlaceSource, JobEngine, check_job, job_engine
+from .offload import host_budget_of, offload_pricing
 from .job import JobInputs, job_call
 from .ranks import JobRanks, agree_profile, job_ranks
 from .library_flags import DIFFUSERS, TRANSFORMERS_4, checkpointing_api, flagged_modules
@@ -97,7 +98,9 @@ class AutoSettings:
     on_new_shape: ShapePolicy | str = ShapePolicy.WARN   # NOTE [shape guard]; a string is parsed
     accumulation_steps: int = 1   # micro-batches per optimizer step (NOTE [accumulated step])
     device_memory: str | int | None = None   # the device capacity as given: bytes or "2GiB" (NOTE [device capacity])
+    offload: bool | str | int | None = False   # as given: True, "16GiB", bytes (NOTE [auto offload])
     reserve_fraction: float = dataclasses.field(init=False)   # ``reserve`` parsed (0.05 for "5%")
+    host_budget_bytes: int | None = dataclasses.field(init=False)   # ``offload`` parsed; None: recompute only
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:
@@ -108,6 +111,7 @@ class AutoSettings:
         if self.device_memory is not None:
             parse_capacity(self.device_memory)
         object.__setattr__(self, "reserve_fraction", parse_reserve(self.reserve))
+        object.__setattr__(self, "host_budget_bytes", host_budget_of(self.offload))
         object.__setattr__(self, "autocast", parse_autocast(self.autocast))
         object.__setattr__(self, "on_new_shape", ShapePolicy.parse(self.on_new_shape))
         n = self.accumulation_steps
@@ -186,7 +190,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int | None = Non
          planner: str = "optimal", copy_fn: CopyFn | None = None, measure_replays: bool = True,
          segments: bool = True, progress: ProgressFn = no_progress, autocast: str | None = None,
          on_new_shape: ShapePolicy | str = ShapePolicy.WARN, accumulation_steps: int = 1,
-         device_memory: str | int | None = None) -> AutoHandle:
+         device_memory: str | int | None = None, offload: bool | str | int = False) -> AutoHandle:
     """Fit ``model``'s training step under ``budget``: profile on copies, plan, apply; returns the handle.
 
     ``budget``: bytes, ``"8GiB"``, or ``"70%"`` of the unplanned step's measured peak; None (the
@@ -223,7 +227,11 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int | None = Non
     step; above 1, the step measured and planned is the worst micro-batch of the accumulated step,
     forward and backward with the earlier micro-batches' gradients alive, then the optimizer step
     (NOTE [accumulated step]), and ``"70%"`` is of that step's unplanned peak: pass the longest
-    micro-batch as ``example_batch``. Nothing of
+    micro-batch as ``example_batch``. ``offload=True`` or a host budget (``"16GiB"``, bytes): plan
+    keep / recompute / offload per boundary, an offloaded module's saved activations waiting in
+    host memory until its backward, the copies priced from this machine's measured link bandwidth
+    and the offloaded bytes bounded by the host budget (``True``: half of physical memory; NOTE
+    [auto offload]); ``report.offload`` records the pricing. Nothing of
     yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
@@ -234,7 +242,7 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int | None = Non
                                 cache_dir=cache_dir, use_cache=use_cache, reserve=reserve, planner=planner,
                                 copy_fn=copy_fn, measure_replays=measure_replays, segments=segments, progress=progress,
                                 autocast=autocast, on_new_shape=on_new_shape, accumulation_steps=accumulation_steps,
-                                device_memory=device_memory)
+                                device_memory=device_memory, offload=offload)
     _check_unwrapped(model)
     check_uncompiled(model)   # NOTE [compiled blocks]
     return _fit(model, example_batch, settings, t0)
@@ -392,7 +400,7 @@ def _job_watch(source: ModelSource, batches: list[Any], settings: AutoSettings) 
     if ranks is None:
         return contextlib.nullcontext()
     inputs = JobInputs.of(fingerprint(source.model).digest, batches, settings.budget, settings.reserve_fraction,
-                          settings.accumulation_steps)
+                          settings.accumulation_steps, settings.host_budget_bytes)
     return job_call(ranks, inputs).watch()
 
 
@@ -455,7 +463,8 @@ def _cache_key(source: ModelSource, settings: AutoSettings, others: list[ModelSo
         torch_version=torch.__version__, remat_version=__version__,
         world_size=ranks.world_size if ranks is not None else 1,
         engine=source.engine if isinstance(source, InPlaceSource) else JobEngine.NONE,
-        autocast=source.autocast, accumulation_steps=source.accumulation_steps)
+        autocast=source.autocast, accumulation_steps=source.accumulation_steps,
+        offload_host_budget_bytes=settings.host_budget_bytes)
 
 
 def _capacity_key(settings: AutoSettings, fit: _Fit | None) -> str:
@@ -530,10 +539,11 @@ def _plan(source: ModelSource, settings: AutoSettings, others: list[ModelSource]
         profile = agree_profile(profile, ranks)
     # one timed step per measured plan: auto's report shows it as a single run, never as an overhead
     # (NOTE [auto overhead]); each further step would be a step of the user's planning time
+    offload = offload_pricing(source.device, settings.host_budget_bytes, cache_dir=settings.cache_dir, ranks=ranks)
     return plan_for_device(loaded, profile, settings.planner, budget_bytes=budget_bytes,
                            capacity_bytes=fit.capacity_bytes, blocked=fit.blocked, steps=1,
                            reserve=settings.reserve_fraction, sample=None if sample.is_single else sample,
-                           variants=variants, progress=settings.progress,
+                           variants=variants, offload=offload, progress=settings.progress,
                            race=TimeRaceSettings.unless_disabled()).plan   # NOTE [time race]
 
 
@@ -577,4 +587,5 @@ def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache:
         optimizer_assumed=optimizer.assumed, cache=cache, cache_path=cache_path, verification=verified,
         verify_note="verified (quick: 1 seed, 1 step, negative controls rejected)" if verified is VerifyStatus.PASSED
         else _HOW_TO_VERIFY,
-        seconds=seconds, accumulation_steps=source.accumulation_steps, time_race=plan.time_race)
+        seconds=seconds, accumulation_steps=source.accumulation_steps, time_race=plan.time_race,
+        offload=plan.offload)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..autoplan import AutoHandle, auto
+from ..autoplan.offload import host_budget_of
 from ..errors import AutoError
 from . import trainer_accumulation
 
@@ -46,10 +47,16 @@ def training_step_loss(module: nn.Module, batch: Any) -> torch.Tensor:
 
 
 class RematCallback(_CallbackBase):
-    """Fit the LightningModule's training step under ``budget`` (``remat.auto``), on the first batch."""
+    """Fit the LightningModule's training step under ``budget`` (``remat.auto``), on the first batch.
 
-    def __init__(self, budget: str | int, **auto_kwargs: Any) -> None:
+    ``offload=True`` (or a host budget, ``"16GiB"``) plans activation offload beside recomputation,
+    as ``remat.auto(offload=...)`` does (NOTE [auto offload] in remat/autoplan/offload.py); a
+    malformed value is refused here, before training starts."""
+
+    def __init__(self, budget: str | int, *, offload: bool | str | int = False, **auto_kwargs: Any) -> None:
+        host_budget_of(offload)   # AutoError now rather than at the first batch
         self.budget = budget
+        self.offload = offload
         self.auto_kwargs = auto_kwargs
         self.handle: AutoHandle | None = None
 
@@ -65,7 +72,7 @@ class RematCallback(_CallbackBase):
         kwargs["accumulation_steps"] = trainer_accumulation(getattr(trainer, "accumulate_grad_batches", 1),
                                                             self.auto_kwargs, "accumulate_grad_batches")
         self.handle = auto(pl_module, batch, budget=self.budget, optimizer=optimizers[0] if optimizers else None,
-                           **kwargs)
+                           offload=self.offload, **kwargs)
         r = self.handle.report
         pl_module.log_dict({"remat_boundaries": float(len(r.boundaries)),
                             "remat_predicted_peak_bytes": float(r.predicted_peak_bytes),

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..autoplan import AutoHandle, auto
 from ..autoplan.library_flags import TRANSFORMERS_5, checkpointing_api
+from ..autoplan.offload import host_budget_of
 from ..errors import AutoError
 from . import trainer_accumulation
 from .baseline import EnableHandle, LibraryCheckpointing, replace_library_checkpointing
@@ -41,12 +42,15 @@ class CheckpointingOptions:
     preserve_rng_state=True, determinism_check="default" and debug=False (its own settings) and
     refuses any other value rather than ignore it. ``every_n_layers``: the Hugging Face
     configuration remat's plan is measured against (NOTE [library checkpointing baseline]), not
-    a constraint on the plan. ``offload=True`` (activations in pinned host memory) is refused:
-    remat.auto plans recomputation only; offload is planned by `remat plan --offload`."""
+    a constraint on the plan. ``offload=True`` (transformers' "activations in pinned host memory")
+    lets remat plan keep / recompute / offload per boundary under a default host budget, and a
+    host budget (``"16GiB"``, bytes) states it: ``remat.auto(offload=...)``, NOTE [auto offload]
+    in remat/autoplan/offload.py. Where transformers offloads every checkpointed layer, remat
+    offloads the boundaries whose copies cost less than their recomputation, within the budgets."""
 
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     every_n_layers: int | None = None
-    offload: bool = False
+    offload: bool | str | int = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kwargs, dict):
@@ -65,11 +69,7 @@ class CheckpointingOptions:
         n = self.every_n_layers
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise AutoError(f"every_n_layers must be a positive integer, got {n!r}")
-        if self.offload:
-            raise AutoError("offload=True: remat.auto does not plan activation offload yet (remat plan --offload "
-                            "does: NOTE [activation offload]); here it plans which modules to recompute",
-                            tip="drop offload=True to let remat plan recomputation under the budget, or plan offload "
-                                "with `remat plan --offload` and apply that plan with remat.apply")
+        host_budget_of(self.offload)   # malformed: refused here, before any work (NOTE [auto offload])
 
     def hf_call(self) -> dict[str, Any]:
         """The keywords of the equivalent ``activation_checkpointing_enable`` call (the baseline's)."""
@@ -79,7 +79,7 @@ class CheckpointingOptions:
 def enable(model: nn.Module, example_batch: Any, *, budget: str | int, optimizer: Any | None = None,
            activation_checkpointing_kwargs: dict[str, Any] | None = None,
            gradient_checkpointing_kwargs: dict[str, Any] | None = None, every_n_layers: int | None = None,
-           offload: bool = False, baseline: bool | None = None, **auto_kwargs: Any) -> EnableHandle:
+           offload: bool | str | int = False, baseline: bool | None = None, **auto_kwargs: Any) -> EnableHandle:
     """``remat.auto`` for a Hugging Face (or PEFT-wrapped) model: ``model(**batch).loss`` is the loss.
 
     The drop-in for ``model.activation_checkpointing_enable()`` (transformers 5) and the deprecated
@@ -91,7 +91,8 @@ def enable(model: nn.Module, example_batch: Any, *, budget: str | int, optimizer
     (``baseline=True``: N=1 when not given; ``baseline=False``: nothing measured).
     ``handle.baseline`` holds the figures (NOTE [library checkpointing baseline]). Pass the optimizer
     you will train with (its state counts in the peak); without one, AdamW over the trainable
-    parameters is assumed and ``handle.report.optimizer`` says so."""
+    parameters is assumed and ``handle.report.optimizer`` says so. ``offload=True`` (or a host budget,
+    ``"16GiB"``) plans activation offload beside recomputation (``remat.auto(offload=...)``)."""
     if activation_checkpointing_kwargs is not None and gradient_checkpointing_kwargs is not None:
         raise AutoError("both activation_checkpointing_kwargs and gradient_checkpointing_kwargs were given",
                         tip="pass one: gradient_checkpointing_kwargs is transformers 4's name for the same keywords")
@@ -107,7 +108,7 @@ def enable(model: nn.Module, example_batch: Any, *, budget: str | int, optimizer
         requested = LibraryCheckpointing(api=api, enable_kwargs=call, describe=f"{api.enable}("
                                          + ", ".join(f"{k}={v!r}" for k, v in call.items() if v is not None) + ")")
     return replace_library_checkpointing(model, example_batch, budget=budget, optimizer=optimizer, requested=requested,
-                                         baseline=baseline, auto_kwargs=auto_kwargs)
+                                         baseline=baseline, auto_kwargs={**auto_kwargs, "offload": options.offload})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,10 +5,13 @@ Activation offload (NOTE [offload cost model] in remat/plan/offload.py) is price
 bandwidth of the copies it makes, so it is *measured*, never a constant: a 64 MiB tensor
 copied device -> pinned host and back, ``_ROUNDS`` times each after one warm-up copy, median
 (``remat.clock``; on CUDA the clock synchronizes, NOTE [device-correct timing]). On CPU the
-"copy to host" is the clone the offload mechanism makes (memory bandwidth of this machine).
+copies are the ones the offload mechanism makes (memory bandwidth of this machine): to the host
+into a buffer the pool reuses (NOTE [host buffer pool] in remat/wrap/offload.py: no fresh pages
+to fault in), and back as the clone ``unpack`` makes (fresh pages, so slower).
 The result is cached in ``<cache dir>/bandwidth/<key>.json`` (the cache folder of
-``remat._io.default_cache_dir``), keyed by the device's name, the torch version and the host
-name, so a machine measures once; an unreadable or foreign entry is measured again.
+``remat._io.default_cache_dir``), keyed by the device's name, the torch version, the host
+name and what was timed (``_PROBE_KIND``), so a machine measures once; an unreadable or
+foreign entry is measured again.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..clock import StepClock, p50
 
 _PROBE_BYTES = 64 * 2 ** 20   # bytes per timed copy
 _ROUNDS = 5
+_PROBE_KIND = "pooled-host-copy"   # CPU: the copy into a reused host buffer, and the clone back
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +49,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def _cache_path(name: str, cache_dir: Path) -> Path:
-    key = hashlib.sha256(f"{name}|{torch.__version__}|{platform.node()}".encode()).hexdigest()[:16]
+    # _PROBE_KIND names what is timed: an entry timed another way is another key
+    key = hashlib.sha256(f"{name}|{torch.__version__}|{platform.node()}|{_PROBE_KIND}".encode()).hexdigest()[:16]
     return cache_dir / "bandwidth" / f"{key}.json"
 
 
@@ -64,9 +69,11 @@ def _measure(device: torch.device) -> tuple[float, float]:
         host = torch.empty(n, pin_memory=True)
         d2h = _time_copies(lambda: host.copy_(src, non_blocking=True), clock)
         h2d = _time_copies(lambda: src.copy_(host, non_blocking=True), clock)
-    else:   # the clone the CPU offload path makes, each way (NOTE [activation offload])
-        d2h = _time_copies(lambda: src.clone(), clock)
-        h2d = d2h
+    else:   # the copies the CPU offload path makes (NOTE [activation offload]): into a pooled host
+        # buffer, reused (NOTE [host buffer pool] in remat/wrap/offload.py), and back as a fresh clone
+        host = torch.empty_like(src)
+        d2h = _time_copies(lambda: host.copy_(src), clock)
+        h2d = _time_copies(lambda: host.clone(), clock)
     return _PROBE_BYTES / d2h, _PROBE_BYTES / h2d
 
 

@@ -12,7 +12,10 @@ the region's forward and its backward:
   before, so it is not counted as freed: an under-estimate the closed loop corrects);
 - extra bytes while its backward runs: 0 (the activations are back, as in the unplanned
   step; no forward transients, nothing is recomputed);
-- bytes copied each way, and held in host memory: ``saved_bytes[FULL] + input_bytes``;
+- bytes copied each way, and held in host memory: ``saved_bytes[FULL] + input_bytes +
+  saved_input_bytes``: everything an op inside the region saves, the region's own inputs that an
+  op inside saves included (allocated before the region, so no checkpoint figure counts them;
+  the profile records them so the host budget bounds what the pool really holds);
 - added time: ``copy_ms = bytes / d2h + bytes / h2d`` (ms, from the measured bandwidths, in
   bytes per ms), less what overlaps compute. On CUDA the device-to-host copy runs on a side
   stream while the forward goes on, so up to the region's own forward time (``fwd_ms``, from
@@ -68,7 +71,7 @@ class OffloadPricing(JsonCodec):
 
 def offload_bytes(c: CandidateCost) -> int:
     """Bytes an OFFLOAD boundary copies each way and holds in host memory (NOTE [offload cost model])."""
-    return int(c.saved_bytes[CheckpointMode.FULL]) + int(c.input_bytes)
+    return int(c.saved_bytes[CheckpointMode.FULL]) + int(c.input_bytes) + int(c.saved_input_bytes)
 
 
 def can_offload(c: CandidateCost) -> bool:

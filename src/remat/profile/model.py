@@ -66,6 +66,10 @@ class CandidateCost(JsonCodec):
     # forward calls per step: a shared module's costs cover every call (NOTE [shared modules] in
     # profile/step.py); replay_ms and fwd_ms are for all of them
     calls: int = json_field(default=1, omit=1)   # written only when not 1
+    # bytes of its inputs that ops inside it save for backward (allocated before it runs): a checkpoint
+    # frees none of them, but an offload copies them to the host too (NOTE [offload cost model] in
+    # remat/plan/offload.py); written only when not 0
+    saved_input_bytes: int = json_field(default=0, omit=0)
 
     @property
     def covers(self) -> tuple[str, ...]:

@@ -253,6 +253,10 @@ class _StepEvidence:
             self.packed_at[id(s.record)].append(s.event)
         self.saved_records = {id(s.record): s.record for s in rec.saved if not s.is_param}
         self.packed_keys = {s.key for s in rec.saved}
+        self.packed_events: dict[int, list[tuple[int, int]]] = defaultdict(list)   # key -> (event, bytes) of each save
+        for s in rec.saved:
+            if not s.is_param:
+                self.packed_events[s.key].append((s.event, s.nbytes))
         # the op log by event, so a window reads only its own range, not the whole log per window and
         # mode (what that scan cost: benchmarks/RESULTS.md, "Figures moved from docstrings")
         self.ops_by_event = _EventIndex(oplog.ops, lambda op: op[0])
@@ -266,6 +270,12 @@ class _StepEvidence:
         live = self.rec.tracker.records
         unsaved_inputs = sum(live[k].nbytes for k in set(w.input_keys) if k in live and k not in self.packed_keys)
         return inside - unsaved_inputs, unsaved_inputs
+
+    def saved_input_bytes(self, w: ModuleWindow) -> int:
+        """Bytes of the window's inputs an op inside it saves for backward (an offload copies them too)."""
+        fs, fe = w.fwd_start, w.fwd_end
+        return sum(max((n for ev, n in self.packed_events.get(k, ()) if fs <= ev <= fe), default=0)
+                   for k in set(w.input_keys))
 
     def policy_figures(self, w: ModuleWindow, mode: CheckpointMode) -> tuple[int, float, int]:
         """(bytes op-level ``mode`` keeps, share of forward time in the ops it keeps, number of ops)
@@ -498,7 +508,7 @@ def _offer_module(seen: _Recorded, offers: _Offers, name: str) -> None:
                          saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
                          replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
                          replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
-                         hazards=seen.hazards(name))
+                         hazards=seen.hazards(name), saved_input_bytes=seen.evidence.saved_input_bytes(w))
     _op_policy_costs(seen, name, w, full_saved, t_fwd, extra, cost)
     offers.offer(cost, (w.fwd_start, w.fwd_end, *_bwd_window(name, seen.last_window)))
 
@@ -551,7 +561,8 @@ def _offer_shared(seen: _Recorded, offers: _Offers, name: str) -> None:
                          saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: per_call * len(ws)},
                          replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
                          replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
-                         hazards=hazards, calls=len(ws))
+                         hazards=hazards, calls=len(ws),
+                         saved_input_bytes=sum(seen.evidence.saved_input_bytes(w) for w in ws))
     offers.offer(cost, *[(w.fwd_start, w.fwd_end, *_call_bwd_window(name, w, seen.windows)) for w in ws])
 
 

@@ -146,6 +146,7 @@ class ApplyHandle:
         for w in reversed(self.wrappers):   # checked above: each uninstall is a plain attribute restore
             if w.installed:
                 w.uninstall()
+        self.host_pool.clear()   # the free host buffers go (NOTE [host buffer pool] in wrap/offload.py)
         self._active = False
 
     def __iter__(self) -> Iterator[CheckpointWrapper]:

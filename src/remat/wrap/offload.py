@@ -31,6 +31,8 @@ running statistics or a Python RNG draw runs exactly once, as in the unplanned s
   recomputed: the planned step is bitwise the unplanned one, which ``verify`` proves.
 - Retained graphs: a packed tensor may be unpacked more than once (``retain_graph=True``);
   the host copy lives as long as autograd keeps the packed handle, so every unpack finds it.
+- Host buffers come from a reused pool (NOTE [host buffer pool]), never one allocation per
+  saved tensor per step.
 Not under ``torch.compile``: a compiled graph saves what AOTAutograd partitions, which these
 hooks never see; ``apply`` refuses an offload boundary in a compiled plan.
 """
@@ -38,6 +40,7 @@ hooks never see; ``apply`` refuses an offload boundary in a compiled plan.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Any, Iterator
 
@@ -46,42 +49,131 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from .._lazy import LazyModule
 from ..types import CheckpointMode
 from .wrapper import CheckpointWrapper
+
+np = LazyModule("numpy")
 
 _MIN_PACK_BYTES = 1024   # smaller saved tensors stay on the device (bytes)
 
 
+class HostBuffer:
+    """One host buffer of the pool: ``nbytes`` bytes (CUDA: a pinned uint8 tensor; CPU: a numpy uint8
+    array) and the CUDA event after which nothing reads it any more (None: never read on a stream)."""
+
+    __slots__ = ("data", "nbytes", "pinned", "read_done")
+
+    def __init__(self, data: Any, nbytes: int, pinned: bool) -> None:
+        self.data, self.nbytes, self.pinned = data, nbytes, pinned
+        self.read_done: Any = None
+
+
 class HostPool:
-    """Host bytes held by offloaded activations: now, and the peak since the last reset (bytes)."""
+    """Host memory of the offloaded activations: buffers reused across steps (NOTE [host buffer pool]),
+    the bytes they hold now and at peak since the last reset (bytes).
 
-    def __init__(self) -> None:
-        self.held_bytes = 0
-        self.peak_bytes = 0
-        self.copies_out = 0   # device -> host copies made (count)
-        self.copies_in = 0    # host -> device copies made (count)
+    NOTE [host buffer pool]
+    An offloaded step copies the same saved tensors to the host every step: the same sizes, in the
+    same order. Allocating a host buffer per saved tensor per step costs, on CUDA, a pinned
+    allocation (``cudaHostAlloc`` when torch's pinned cache misses, and that cache's own events and
+    locks when it hits) and, on the CPU, fresh pages the kernel must fault in and zero on first
+    touch. So buffers come from this pool, keyed by their exact size in bytes (one saved tensor's
+    ``numel * element_size``; a dtype and shape are a view of it): ``take`` hands a free buffer of
+    that size back when there is one and allocates otherwise; a buffer returns to the pool when
+    autograd frees the packed handle that holds it (after its backward). From the second step of a
+    loop with fixed shapes on, no host buffer is allocated at all (``allocations`` stops growing;
+    ``reuses`` counts the hits).
+    - Bounded: the bytes held plus the bytes kept free never exceed ``high_water_bytes``, the most
+      ever held at once, so the pool costs no host memory beyond the unpooled offload's own peak
+      (which the host budget bounds: NOTE [offload cost model] in remat/plan/offload.py). When a
+      step needs a size the pool lacks (a new shape), free buffers of other sizes are dropped first.
+    - CUDA: a buffer is pinned (page-locked) host memory; before its next device -> host copy
+      the side stream waits on ``read_done``, the event recorded after the last host -> device copy
+      that read it, so a reused buffer is never overwritten while a copy still reads it.
+    - CPU-only torch (no pinned memory): the buffers are numpy arrays, reused the same way.
+    ``clear()`` drops every free buffer (``ApplyHandle.remove`` calls it); ``reuse=False`` drops
+    each buffer when it is given back: one allocation per saved tensor, the unpooled behaviour the
+    benchmark compares against (``benchmarks/offload_pool.py``).
+    """
 
-    def hold(self, host: Any, nbytes: int) -> None:
-        """Count ``host`` (a pinned tensor's storage, or a numpy array) until it is collected."""
-        self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        self.copies_out += 1
-        weakref.finalize(host, self._release, nbytes)
+    def __init__(self, *, reuse: bool = True) -> None:
+        self.reuse = reuse
+        self.held_bytes = 0          # in buffers that hold a packed activation now
+        self.peak_bytes = 0          # the most held since reset_peak()
+        self.high_water_bytes = 0    # the most ever held at once: held + free stays under it
+        self.free_bytes = 0          # in free buffers kept for reuse
+        self.copies_out = 0          # device -> host copies made (count)
+        self.copies_in = 0           # host -> device copies made (count)
+        self.allocations = 0         # host buffers allocated (count)
+        self.reuses = 0              # buffers handed out again from the pool (count)
+        self._free: dict[tuple[bool, int], list[HostBuffer]] = {}
+        # a packed handle may be freed on autograd's device thread, or by the cycle collector inside a locked
+        # section of this thread (re-entrant)
+        self._lock = threading.RLock()
 
-    def _release(self, nbytes: int) -> None:
-        self.held_bytes -= nbytes
+    def take(self, nbytes: int, *, pinned: bool) -> HostBuffer:
+        """A buffer of exactly ``nbytes``: a free one of that size, else a new one; counted as held."""
+        with self._lock:
+            free = self._free.get((pinned, nbytes))
+            buf = free.pop() if free else None
+            if buf is not None:
+                self.free_bytes -= nbytes
+                self.reuses += 1
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self.high_water_bytes = max(self.high_water_bytes, self.held_bytes)
+            self.copies_out += 1
+            self._trim()
+        if buf is None:
+            buf = HostBuffer(_allocate(nbytes, pinned), nbytes, pinned)
+            with self._lock:
+                self.allocations += 1
+        return buf
+
+    def give_back(self, buf: HostBuffer) -> None:
+        """``buf`` no longer holds an activation: kept for reuse (within the bound), else dropped."""
+        with self._lock:
+            self.held_bytes -= buf.nbytes
+            if self.reuse:
+                self._free.setdefault((buf.pinned, buf.nbytes), []).append(buf)
+                self.free_bytes += buf.nbytes
+                self._trim()
+
+    def _trim(self) -> None:
+        """Drop free buffers, the largest first, until held + free fits the high-water mark (lock held)."""
+        while self.free_bytes > 0 and self.held_bytes + self.free_bytes > self.high_water_bytes:
+            key = max((k for k, bufs in self._free.items() if bufs), key=lambda k: k[1])
+            self._free[key].pop()
+            self.free_bytes -= key[1]
+
+    def clear(self) -> None:
+        """Drop every free buffer (the held ones return, and are dropped, as autograd frees them)."""
+        with self._lock:
+            self._free.clear()
+            self.free_bytes = 0
+            self.high_water_bytes = self.held_bytes
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.held_bytes
 
 
+def _allocate(nbytes: int, pinned: bool) -> Any:
+    """``nbytes`` of host memory outside torch's CPU allocator on CPU (NOTE [activation offload]), pinned on CUDA."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return np.empty(nbytes, dtype=np.uint8)
+
+
 class _Packed:
-    """One saved tensor in host memory: the host copy, where it came from, and a prefetched device copy."""
+    """One saved tensor in host memory: its pool buffer, where it came from, and a prefetched device copy."""
 
-    __slots__ = ("host", "device", "ready", "fetched", "fetch_ready", "dtype", "shape", "__weakref__")
+    __slots__ = ("buffer", "host", "device", "ready", "fetched", "fetch_ready", "dtype", "shape", "__weakref__")
 
-    def __init__(self, host: Any, device: torch.device, ready: Any, dtype: torch.dtype, shape: torch.Size) -> None:
-        self.host = host              # CUDA: a pinned tensor; CPU: a numpy uint8 array of the bytes
+    def __init__(self, buffer: HostBuffer, host: Any, device: torch.device, ready: Any, dtype: torch.dtype,
+                 shape: torch.Size) -> None:
+        self.buffer = buffer          # from the HostPool; given back when autograd frees this handle
+        self.host = host              # CUDA: a pinned tensor viewing the buffer; CPU: the buffer's bytes (numpy)
         self.dtype, self.shape = dtype, shape
         self.device = device
         self.ready = ready            # CUDA event: the device -> host copy is done (None on CPU)
@@ -118,24 +210,29 @@ class _RegionOffload:
         self.packed: list[weakref.ref] = []
 
     def pack(self, t: torch.Tensor) -> Any:
-        if (t.device.type == "meta" or t.is_sparse or t.numel() * t.element_size() < _MIN_PACK_BYTES
+        nbytes = t.numel() * t.element_size()
+        if (t.device.type == "meta" or t.is_sparse or nbytes < _MIN_PACK_BYTES
                 or _storage_ptr(t) in self.resident):
             return t
+        cuda = t.device.type == "cuda"
+        buf = self.pool.take(nbytes, pinned=cuda)   # NOTE [host buffer pool]
         with _disable_current_modes():   # the host copy is never device memory (CPU: NOTE above)
-            if t.device.type == "cuda":
-                host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+            if cuda:
+                host = buf.data.view(t.dtype).view(t.shape)
                 stream = _STREAMS.of(t.device)
                 stream.wait_stream(torch.cuda.current_stream(t.device))
+                if buf.read_done is not None:   # a reused buffer: its last host -> device copy is done
+                    stream.wait_event(buf.read_done)
                 with torch.cuda.stream(stream):
                     host.copy_(t, non_blocking=True)
                     ready = torch.cuda.Event()
                     ready.record(stream)
                 t.record_stream(stream)
-                self.pool.hold(host.untyped_storage(), host.untyped_storage().nbytes())
-            else:   # the bytes, outside torch's allocator (CPU: NOTE above)
-                host, ready = t.detach().contiguous().view(-1).view(torch.uint8).numpy().copy(), None
-                self.pool.hold(host, host.nbytes)
-        packed = _Packed(host, t.device, ready, t.dtype, t.shape)
+            else:   # the bytes, outside torch's allocator (CPU: NOTE above); no copy made but into the buffer
+                host, ready = buf.data, None
+                torch.from_numpy(host).view(t.dtype).view(t.shape).copy_(t.detach())
+        packed = _Packed(buf, host, t.device, ready, t.dtype, t.shape)
+        weakref.finalize(packed, self.pool.give_back, buf)
         self.packed.append(weakref.ref(packed))
         return packed
 
@@ -150,8 +247,11 @@ class _RegionOffload:
             out.record_stream(compute)
             return out
         if packed.device.type == "cuda":
-            torch.cuda.current_stream(packed.device).wait_event(packed.ready)
-            return packed.host.to(packed.device, non_blocking=True)
+            compute = torch.cuda.current_stream(packed.device)
+            compute.wait_event(packed.ready)
+            out = packed.host.to(packed.device, non_blocking=True)
+            packed.buffer.read_done = compute.record_event()   # the buffer may be reused after this
+            return out
         # under the tracker: device bytes again (CPU: NOTE above)
         return torch.from_numpy(packed.host).view(packed.dtype).view(packed.shape).clone()
 
@@ -167,6 +267,7 @@ class _RegionOffload:
                 packed.fetched = packed.host.to(packed.device, non_blocking=True)
                 packed.fetch_ready = torch.cuda.Event()
                 packed.fetch_ready.record(stream)
+                packed.buffer.read_done = packed.fetch_ready   # the buffer may be reused after this
         self.packed.clear()
 
 
