@@ -37,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "max-steps, timeout, max-world-size), never from the receipt alone; a receipt made at a world size "
                     "above max-world-size (default: the CPU cores) fails before anything launches. report.html and "
                     "report.md must be beside the receipt (unless --no-reports) and be the reports rendered from it "
-                    "(check renders them again and compares). Past --timeout: exit 4. A pipeline receipt "
+                    "(check renders them again and compares). The workload runs in a child process: if it dies or exits before "
+                    "reporting (os._exit, a segfault), exit 2; past --timeout it is killed with all it started: exit 4. A pipeline receipt "
                     "(remat distributed --engine pipeline) is re-checked by launching the unplanned and the planned "
                     "pipeline at its world size.")
     p.add_argument("receipt", type=Path, help="receipt.json written by remat receipt / remat demo / remat distributed --engine pipeline")
@@ -100,7 +101,8 @@ def _check_autocast(given: str | None, receipt: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     gate = gate_from_args(args)
-    # a hard limit (NOTE [exit codes]): the Deadline's checks cannot stop a factory or batch() that never returns
+    # the alarm (NOTE [exit codes]) bounds this process's own work and a pipeline receipt's; the user's
+    # workload runs in a child process stopped from here at the same limit (NOTE [workload in a child process])
     with time_limit("check", limit("timeout_s", gate, project_gate())):
         return _run(args, gate)
 
