@@ -66,7 +66,7 @@ from .._json import Enum, Int, JsonValue, Obj, Opt, Str, parse_json, validate
 from ..errors import CheckTimeout, ChildBug, RematError, Terminated, WorkloadProcessDied
 from ..types import ProgressFn, no_progress
 
-ENTRY_PREFIX = "remat."       # a child runs only remat's own functions (``remat.mod.sub:function``)
+ENTRY_PREFIX = "remat."       # a child runs only remat's own functions (a "module:function" under remat)
 MAX_MESSAGE_BYTES = 16 * 2 ** 20   # one message line (bytes): a result is a few KiB
 POLL_S = 0.1                  # how often the parent looks at the child between messages (s)
 TERM_GRACE_S = 1.0            # after SIGTERM, how long the child gets before its tree is killed (s)
