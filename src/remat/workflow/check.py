@@ -120,8 +120,8 @@ MIN_TIME_STEPS = 8     # interleaved rounds the overhead is re-measured over, at
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
 __all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FindingKind", "FixturePlan",
-           "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload", "report_findings",
-           "same_workload"]
+           "ReadyCheck", "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload",
+           "report_findings", "rerun_check", "same_workload", "start_check"]
 
 
 @dataclasses.dataclass(kw_only=True)
