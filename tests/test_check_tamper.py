@@ -340,31 +340,10 @@ def test_check_says_how_many_fixture_steps_run_and_keeps_its_time_limit(folder, 
     assert "limit" in err and "nothing was run" in err
 
 
-@pytest.mark.parametrize("hang", ["factory", "batch"])
-def test_a_hanging_factory_or_batch_stops_at_the_check_timeout(folder, capsys, monkeypatch, hang):
-    """--timeout is a hard limit (the alarm every workload command arms): the Deadline's own checks
-    run only between stages, and a factory or batch() that sleeps forever never reaches one."""
-    import time
-
-    from remat.workload.builtins import mlp
-
-    real = mlp.build
-
-    def build(*args, **kw):
-        if hang == "factory":
-            time.sleep(600)
-        wl = real(*args, **kw)
-        wl.batch = lambda step: time.sleep(600)
-        return wl
-    monkeypatch.setattr(mlp, "build", build)
-    from remat.verify import verify_plan
-    monkeypatch.setattr(check_mod, "verify_plan", verify_plan)   # not shared_runs' memo: batch() must run
-    before = sorted(p.name for p in folder.iterdir())
-    t0 = time.monotonic()
-    assert main(["check", "out/receipt.json", "--quick", "--timeout", "2"]) == 4
-    err = " ".join(capsys.readouterr().err.split())
-    assert time.monotonic() - t0 < 30 and "remat check ran past its --timeout of 2 s" in err, err
-    assert "Traceback" not in err and sorted(p.name for p in folder.iterdir()) == before
+# A hanging factory or batch() (one that ignores SIGALRM, or swallows exceptions in a retry loop) and one
+# that exits the process: remat check runs the workload in a child process and keeps --timeout from outside
+# it (NOTE [workload in a child process]); tests/test_check_child.py, on a file workload (a monkeypatch here
+# would not reach the child).
 
 
 def test_the_deadline_stops_a_running_stage():

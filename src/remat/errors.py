@@ -5,7 +5,7 @@ Exit codes (see NOTE [exit codes] in remat.cli.main):
      code (workload factory, batch, loss, model, optimizer) raised: :class:`UserCodeError`
   1  a check ran and failed (verification, receipt check)
   4  a command ran past its time limit (``--timeout``): :class:`CheckTimeout`
-  3  never raised as a RematError: any other exception is a remat bug
+  3  a remat bug: any other exception (as a RematError: a rank's, DistributedError; a child process's, ChildBug)
 """
 
 from __future__ import annotations
@@ -128,6 +128,23 @@ class CheckTimeout(RematError):
     command that runs a workload is stopped by the CLI's alarm (NOTE [exit codes])."""
 
     exit_code = 4
+
+
+class WorkloadProcessDied(RematError):
+    """The child process that ran the user's workload (``remat check``: NOTE [workload in a child process]
+    in remat/workflow/child.py) died or exited before it reported its result (a factory calling
+    ``os._exit(0)``, a segfault, a kill): nothing was decided, exit 2, naming the phase and how it ended."""
+
+
+class ChildBug(RematError):
+    """remat's own code raised an untyped exception in a child process: a remat bug (exit 3), its
+    traceback (``traceback_text``) shown by the CLI."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, tip: str | None = None, traceback_text: str | None = None) -> None:
+        super().__init__(message, tip=tip)
+        self.traceback_text = traceback_text
 
 
 class Terminated(KeyboardInterrupt):

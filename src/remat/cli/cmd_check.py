@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -13,8 +14,9 @@ from rich.markup import escape
 from ..errors import CheckFailed, ReceiptError
 from ..workload import parse_autocast
 from ..workflow.pipeline import check_pipeline_receipt
-from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
+from ..workflow import GateSettings, ReportStamps, fixture_plan
 from ..workflow.check import CheckReport, Deadline
+from ..workflow.check_child import check_receipt_in_child
 from ..workflow.gate import MAX_WORLD_SIZE, limit, project_gate
 from ..receipt.pipeline import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, beat_until_first_step, bounded_int
@@ -35,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "max-steps, timeout, max-world-size), never from the receipt alone; a receipt made at a world size "
                     "above max-world-size (default: the CPU cores) fails before anything launches. report.html and "
                     "report.md must be beside the receipt (unless --no-reports) and be the reports rendered from it "
-                    "(check renders them again and compares). Past --timeout: exit 4. A pipeline receipt "
+                    "(check renders them again and compares). The workload runs in a child process: if it dies or exits before "
+                    "reporting (os._exit, a segfault), exit 2; past --timeout it is killed with all it started: exit 4. A pipeline receipt "
                     "(remat distributed --engine pipeline) is re-checked by launching the unplanned and the planned "
                     "pipeline at its world size.")
     p.add_argument("receipt", type=Path, help="receipt.json written by remat receipt / remat demo / remat distributed --engine pipeline")
@@ -98,7 +101,8 @@ def _check_autocast(given: str | None, receipt: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     gate = gate_from_args(args)
-    # a hard limit (NOTE [exit codes]): the Deadline's checks cannot stop a factory or batch() that never returns
+    # the alarm (NOTE [exit codes]) bounds this process's own work and a pipeline receipt's; the user's
+    # workload runs in a child process stopped from here at the same limit (NOTE [workload in a child process])
     with time_limit("check", limit("timeout_s", gate, project_gate())):
         return _run(args, gate)
 
@@ -111,16 +115,19 @@ def _run(args: argparse.Namespace, gate: GateSettings) -> int:
     reports = ReportStamps(folder=args.receipt.parent, receipt=receipt, digest=digest,
                            required=not args.no_reports)
     with progress_bar() as progress:
-        beat_until_first_step("check: building the workload and running its first step")
+        first_step = threading.Event()   # the child's first step (a pipeline's runs here)
+        beat_until_first_step("check: building the workload and running its first step",
+                              until=None if isinstance(receipt, PipelineReceipt) else first_step)
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
             deadline = Deadline(limit("timeout_s", gate, project_gate()))
             report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,
                                             max_world_size=limit("max_world_size", gate, project_gate()),
                                             progress=deadline.guard(progress))
-        else:
+        else:   # the user's code runs in a child process (NOTE [workload in a child process])
             err_console.print(f"check: {escape(fixture_plan(receipt, quick=args.quick).describe())}", highlight=False)
-            report = check_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports, gate=gate,
-                                   progress=progress)
+            report = check_receipt_in_child(receipt, path=args.receipt, digest=digest, quick=args.quick,
+                                            workload=args.workload, reports=reports, gate=gate, progress=progress,
+                                            on_first_step=first_step.set)
     render_report(report)
     if not report.passed:
         raise CheckFailed(f"{len(report.failures)} check(s) failed for {args.receipt}",

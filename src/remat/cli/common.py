@@ -126,9 +126,10 @@ def load_from_args(args: argparse.Namespace) -> LoadedWorkload:
     return loaded
 
 
-def beat_until_first_step(what: str) -> None:
-    """Progress lines ``what (N s)...`` until the process's next training step ends, or the command does."""
-    _BEATS.append(start_heartbeat(what, HEARTBEAT_S, until=watch_first_step()))
+def beat_until_first_step(what: str, until: threading.Event | None = None) -> None:
+    """Progress lines ``what (N s)...`` until the process's next training step ends (or ``until`` is set: a
+    child process's step, NOTE [workload in a child process]), or the command does."""
+    _BEATS.append(start_heartbeat(what, HEARTBEAT_S, until=until or watch_first_step()))
 
 
 def stop_heartbeats() -> None:

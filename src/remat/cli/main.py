@@ -8,14 +8,20 @@ NOTE [exit codes]
        forward or backward, the optimizer): a UserCodeError, shown with that code's traceback;
        and when that code closed sys.stdout or sys.stderr (call_user reopens it, then raises)
   2    also out of memory (torch.OutOfMemoryError, or CPU "can't allocate memory"): the step does not fit
+  2    also when the child process ``remat check`` runs the workload in died or exited before it reported its
+       result (a factory calling ``os._exit(0)``, a segfault, a kill): a WorkloadProcessDied naming the
+       phase and the exit status or signal (NOTE [workload in a child process] in remat/workflow/child.py)
   3    a remat bug: any other exception that is not a RematError; the traceback is printed, please report it
   4    the command ran (or, for ``remat check``, would run) past its time limit (``--timeout``): a
        CheckTimeout, nothing decided. Every command that runs a workload takes ``--timeout``
        (``common.add_timeout_arg``) and arms an alarm (SIGALRM) that raises that CheckTimeout
        wherever the main thread is, a hanging factory or ``batch()`` included. ``remat check``
        keeps its own ``--timeout`` (default from [tool.remat], else 3600 s), checked up front
-       against the fixtures' estimate and at each progress report (remat.workflow.check.Deadline),
-       and arms the same alarm (``time_limit``) for a factory or ``batch()`` that never returns
+       against the fixtures' estimate before anything runs (remat.workflow.check.Deadline), and runs
+       the user's workload in a child process that the CLI's process watches with that deadline: past
+       it, the child and everything it started are killed (within about a second) and the check exits
+       4 naming the phase, whatever the workload does with SIGALRM or exceptions (NOTE [workload in a
+       child process]); the alarm is armed too, for the parent's own work and a pipeline receipt
   130  interrupted (Ctrl-C), at any moment, torch's import included: one line, no traceback
   143  terminated (SIGTERM), handled like Ctrl-C: the CLI's handler raises ``Terminated`` (a
        KeyboardInterrupt), so the same cleanup runs (temp files removed, ranks stopped); one line

@@ -120,8 +120,8 @@ MIN_TIME_STEPS = 8     # interleaved rounds the overhead is re-measured over, at
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
 __all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FindingKind", "FixturePlan",
-           "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload", "report_findings",
-           "same_workload"]
+           "ReadyCheck", "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload",
+           "report_findings", "rerun_check", "same_workload", "start_check"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -776,6 +776,43 @@ def _shape_text(shape: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in shape.items()) or "the default shape"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReadyCheck:
+    """What the re-run on the user's workload needs, all decided before any of the user's code runs
+    (:func:`start_check`); :func:`rerun_check` runs it, here or in a child process (NOTE [workload in a
+    child process] in workflow/child.py)."""
+
+    receipt: Receipt
+    spec: str                 # the user's workload (NOTE [workload spec policy])
+    plan: Plan
+    quick: bool
+    thresholds: Thresholds
+    deadline: Deadline
+
+
+def start_check(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
+                reports: ReportStamps | None = None, cwd: Path | None = None, gate: GateSettings | None = None
+                ) -> tuple[CheckLedger, ReadyCheck | None]:
+    """1 and the gate (module docstring), running none of the user's code: (the ledger so far, what the
+    re-run needs; None when the check is decided already: the receipt names other code, ships nothing,
+    contradicts itself or is above the world size check may launch). Raises as :func:`check_receipt`."""
+    flags, project = gate or GateSettings(), project_gate(cwd)
+    deadline = Deadline(limit("timeout_s", flags, project))
+    chosen = choose_workload(receipt.context.workload, workload, cwd=cwd)
+    ledger = CheckLedger(chosen.spec, quick, reports)
+    if not _workload_is_the_receipts(ledger, receipt, chosen, cwd):
+        return ledger, None
+    plan = _shipped_plan(ledger, receipt)
+    limits = FixtureLimits(max_seeds=limit("max_seeds", flags, project), max_steps=limit("max_steps", flags, project))
+    if plan is None or not _check_consistency(ledger, receipt, limits) or not _within_world_size(
+            ledger, receipt, flags, project):
+        return ledger, None
+    deadline.refuse_estimate(fixture_plan(receipt, quick=quick))
+    thresholds = _thresholds(ledger, receipt, flags, project)
+    return ledger, ReadyCheck(receipt=receipt, spec=chosen.spec, plan=plan, quick=quick, thresholds=thresholds,
+                              deadline=deadline)
+
+
 def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
                   reports: ReportStamps | None = None, cwd: Path | None = None, gate: GateSettings | None = None,
                   progress: ProgressFn = no_progress) -> CheckReport:
@@ -788,27 +825,24 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     :class:`ReceiptError` when no workload is named or it cannot be loaded here, and
     :class:`~remat.errors.CheckTimeout` when the fixtures would take, or take, longer than the
     time limit; check failures are data (``report.passed``), for the CLI to turn into exit code 1.
+    Everything runs in this process; ``remat check`` runs the user's part in a child process
+    (:func:`remat.workflow.check_child.check_receipt_in_child`).
     """
-    flags, project = gate or GateSettings(), project_gate(cwd)
-    deadline = Deadline(limit("timeout_s", flags, project))
-    progress = deadline.guard(progress)
-    chosen = choose_workload(receipt.context.workload, workload, cwd=cwd)
-    ledger = CheckLedger(chosen.spec, quick, reports)
-    if not _workload_is_the_receipts(ledger, receipt, chosen, cwd):
-        return ledger.report()
-    plan = _shipped_plan(ledger, receipt)
-    limits = FixtureLimits(max_seeds=limit("max_seeds", flags, project), max_steps=limit("max_steps", flags, project))
-    if plan is None or not _check_consistency(ledger, receipt, limits) or not _within_world_size(
-            ledger, receipt, flags, project):
-        return ledger.report()
-    deadline.refuse_estimate(fixture_plan(receipt, quick=quick))
-    thresholds = _thresholds(ledger, receipt, flags, project)
-    loaded = _load(receipt, chosen.spec)
+    ledger, ready = start_check(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd, gate=gate)
+    if ready is not None:
+        rerun_check(ledger, ready, progress=ready.deadline.guard(progress))
+    return ledger.report()
+
+
+def rerun_check(ledger: CheckLedger, ready: ReadyCheck, *, progress: ProgressFn = no_progress) -> None:
+    """2-7 (module docstring) on the user's workload: loads it and runs its steps, adding to ``ledger``."""
+    receipt, plan, thresholds, quick = ready.receipt, ready.plan, ready.thresholds, ready.quick
+    loaded = _load(receipt, ready.spec)
     progress("check", 1, 7)
-    _check_shape(ledger, receipt, chosen.spec)
+    _check_shape(ledger, receipt, ready.spec)
     progress("check", 2, 7)
     if not _check_model(ledger, receipt, loaded, plan):
-        return ledger.report()
+        return
     progress("check", 3, 7)
     blocked = receipt.blocked
     # NOTE [blocked receipt]: both shapes, every step under the gate's device capacity on the CPU
@@ -817,12 +851,11 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
         with _fits_device(ledger, f"the paired steps at {_shape_text(proof.shape)}", thresholds.capacity_bytes):
             _check_equivalence(ledger, receipt, proof, plan, progress)
         progress("check", 4, 7)
-        _check_world_size(ledger, receipt, plan, thresholds, None if quick else chosen.spec, progress)
+        _check_world_size(ledger, receipt, plan, thresholds, None if quick else ready.spec, progress)
         if quick:
             ledger.skipped.append("peak, per-boundary savings and step time not re-measured (--quick)")
-            return ledger.report()
+            return
         _remeasure(ledger, receipt, loaded, proof, plan, thresholds, progress)
-    return ledger.report()
 
 
 def _check_world_size(ledger: CheckLedger, receipt: Receipt, plan: Plan, thresholds: Thresholds, spec: str | None,

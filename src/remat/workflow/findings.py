@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from .._codec import JsonCodec, Text
 
 
 class FindingKind(str, enum.Enum):
@@ -33,15 +33,14 @@ class FindingKind(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckFinding:
-    """One thing that no longer holds. ``boundary`` names the module when it is about one."""
+class CheckFinding(JsonCodec):
+    """One thing that no longer holds. ``boundary`` names the module when it is about one. Its JSON
+    (``to_json``/``from_json``, NOTE [codecs from the types]) is how a check run in a child process
+    reports it (NOTE [workload in a child process] in workflow/child.py)."""
 
     kind: FindingKind
-    message: str
-    boundary: str | None = None
+    message: Text
+    boundary: Text | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", FindingKind(self.kind))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "message": self.message, "boundary": self.boundary}
