@@ -15,7 +15,7 @@ from ..workload import parse_autocast
 from ..pipeline_parallel.check import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, check_receipt, fixture_plan
 from ..workflow.check import CheckReport, Deadline
-from ..workflow.gate import MAX_WORLD_SIZE, limit, project_gate
+from ..workflow.gate import MAX_WORLD_SIZE, NO_AUTOCAST, limit, max_world_size, project_gate
 from ..pipeline_parallel.receipt import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, beat_until_first_step, bounded_int
 from .main import time_limit
@@ -56,9 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                           "of the control's step (default 10%%)")
     p.add_argument("--timeout", type=float, default=None, help="time limit for the whole check in seconds (default: "
                                                                "[tool.remat] timeout, else 3600); past it: exit 4")
-    p.add_argument("--autocast", default=None, choices=["bf16", "fp16", "bfloat16", "float16"],
-                   help="the autocast dtype you train with; must be the receipt's (default: the receipt's, under "
-                        "which check re-runs the step)")
+    p.add_argument("--autocast", default=None, choices=["none", "bf16", "fp16", "bfloat16", "float16"],
+                   help="the autocast you train with (none: without); the receipt's must be it (default: "
+                        "[tool.remat] autocast, else the receipt's, under which check re-runs the step)")
     p.add_argument("--max-world-size", type=bounded_int(1, MAX_WORLD_SIZE), default=None,
                    help="the most ranks check may launch to re-run a receipt made at a world size (default: "
                         "[tool.remat] max-world-size, else this machine's CPU cores); a receipt above it fails "
@@ -88,9 +88,10 @@ def render_report(report: CheckReport) -> None:
 
 
 def _check_autocast(given: str | None, receipt: object) -> None:
-    """``--autocast`` names the receipt's autocast dtype, or is left out: check re-runs the receipt's step as it was made."""
+    """``--autocast`` names the receipt's autocast dtype ("none": the receipt's step ran without), or is left out:
+    check re-runs the receipt's step as it was made (a pin: NOTE [gate pins] in workflow/gate.py)."""
     recorded = getattr(getattr(receipt, "context", None), "autocast", None)
-    if given is not None and parse_autocast(given) != recorded:
+    if given is not None and (None if given == NO_AUTOCAST else parse_autocast(given)) != recorded:
         raise ReceiptError(f"--autocast {given}, but the receipt was made "
                            + (f"under autocast {recorded}" if recorded else "without autocast"),
                            tip="re-run `remat receipt` with the autocast you train with, or drop --autocast")
@@ -115,7 +116,7 @@ def _run(args: argparse.Namespace, gate: GateSettings) -> int:
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
             deadline = Deadline(limit("timeout_s", gate, project_gate()))
             report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,
-                                            max_world_size=limit("max_world_size", gate, project_gate()),
+                                            max_world_size=max_world_size(gate, project_gate())[0],
                                             progress=deadline.guard(progress))
         else:
             err_console.print(f"check: {escape(fixture_plan(receipt, quick=args.quick).describe())}", highlight=False)
