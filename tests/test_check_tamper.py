@@ -59,7 +59,9 @@ def shared_runs():
 
         def memo(*args, _real=real, _cache=cache, **kw):
             plan = next((a for a in args if hasattr(a, "boundaries")), None)   # None: the control
-            key = "control" if plan is None else json.dumps(plan.to_json(), sort_keys=True)
+            wl = next((a for a in args if hasattr(a, "spec") and hasattr(a, "shape")), None)   # the shape too
+            key = json.dumps([None if wl is None else wl.shape, None if plan is None else plan.to_json()],
+                             sort_keys=True)
             if key not in _cache:
                 _cache[key] = _real(*args, **kw)
             return _cache[key]
