@@ -355,7 +355,7 @@ class FixturePlan:
     the receipt's step time."""
 
     equivalence_steps: int      # control + planned, every seed, train steps + the eval step
-    peak_steps: int
+    peak_steps: int             # the plan's peak (each sampled step), the control's peak and its trace
     saving_steps: int
     time_steps: int             # interleaved rounds x 2 arms
     world_size_steps: int = 0   # the re-run at the receipt's world size: every rank's steps, both sides
@@ -393,7 +393,11 @@ def fixture_plan(receipt: Receipt, *, quick: bool = False) -> FixturePlan:
     n = len(plan.boundaries) if plan is not None else 0
     full = not quick and plan is not None
     return FixturePlan(equivalence_steps=2 * s.verify_seeds * (s.verify_steps + 1) if n else 0,
-                       peak_steps=s.frontier_warmup + 1 + 2 * _later_points(plan) if full else 0,
+                       # the plan's peak at each sampled step, then the control's peak and its trace (NOTE
+                       # [re-measured control])
+                       peak_steps=s.frontier_warmup + 1 + 2 * _later_points(plan) + (
+                           s.frontier_warmup + 1 if receipt.blocked is None else 0) + s.trace_warmup + s.trace_steps
+                       if full else 0,
                        saving_steps=(s.saving_warmup + 1) * (n + 1) if full and n else 0,
                        time_steps=2 * (s.frontier_warmup + max(s.frontier_steps, MIN_TIME_STEPS)) if full and n else 0,
                        world_size_steps=ws.rerun_steps if full and ws is not None else 0,
