@@ -201,6 +201,8 @@ TAMPERS: list[tuple[str, Callable[[dict], None], str, str]] = [
     ("memory-source-control-point-cuda", lambda d: _control_point(d).__setitem__("memory_source", "cuda-allocator"), "",
      "statements"),
     ("memory-source-false", _set("context.memory_source", False), "", LOAD),
+    ("class-name-injected", _set("plan.boundaries.0.class_name", "ResidualMLPBlock" + INJECT), "", "model"),
+    ("class-name-another-class", _set("plan.boundaries.0.class_name", "Linear"), "", "model"),
     # 2c. what no receipt data confirms: said, never passed silently
     ("git-revision-fabricated", _set("context.git_revision", "0" * 40), "", UNCHECKED),
     ("command-fabricated", _set("context.command", "remat receipt mlp --budget 1GiB"), "", UNCHECKED),

@@ -470,6 +470,12 @@ def _boundary_findings(b: BoundaryRecord, model: nn.Module, named: list[str], fp
                               message=f"boundary {b.module} ({b.class_name}): the module is gone{hint}")],
                 [d for d in fp_diffs if d.under(b.module)])
     rev = module_revision(module)
+    named_module = dict(model.named_modules(remove_duplicate=False)).get(b.module)   # None: a segment
+    if named_module is not None and type(named_module).__qualname__ != b.class_name:
+        # the class the reports name is a claim too (and a place to hide text): it is the module's own
+        return ([CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
+                              message=f"boundary {b.module}: the receipt names class {b.class_name[:80]!r}, the module "
+                                      f"is a {type(named_module).__qualname__}")], [])
     if rev == b.revision:
         return [], []
     classes = {type(m).__qualname__ for m in module.modules()}
