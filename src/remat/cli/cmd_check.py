@@ -17,7 +17,7 @@ from ..workflow.pipeline import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, fixture_plan
 from ..workflow.check import CheckReport, Deadline
 from ..workflow.check_child import check_receipt_in_child
-from ..workflow.gate import MAX_WORLD_SIZE, limit, project_gate
+from ..workflow.gate import MAX_WORLD_SIZE, NO_AUTOCAST, limit, max_world_size, project_gate
 from ..receipt.pipeline import PipelineReceipt, load_any_receipt_with_digest
 from .common import MAX_THREADS, beat_until_first_step, bounded_int
 from .main import time_limit
@@ -35,7 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "itself fails before anything runs. Budget, reserve and tolerances come from the flags below or "
                     "[tool.remat] (budget, reserve, device-memory, peak-tolerance, saving-tolerance, time-tolerance, max-seeds, "
                     "max-steps, timeout, max-world-size), never from the receipt alone; a receipt made at a world size "
-                    "above max-world-size (default: the CPU cores) fails before anything launches. report.html and "
+                    "above max-world-size (default: the CPU cores) fails before anything launches. [tool.remat] may "
+                    "pin shape = {batch_size = 32}, dtype, autocast (\"none\") and world-size: a receipt made at "
+                    "anything else fails before anything runs. report.html and "
                     "report.md must be beside the receipt (unless --no-reports) and be the reports rendered from it "
                     "(check renders them again and compares). The workload runs in a child process: if it dies or exits before "
                     "reporting (os._exit, a segfault), exit 2; past --timeout it is killed with all it started: exit 4. A pipeline receipt "
@@ -59,9 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                           "of the control's step (default 10%%)")
     p.add_argument("--timeout", type=float, default=None, help="time limit for the whole check in seconds (default: "
                                                                "[tool.remat] timeout, else 3600); past it: exit 4")
-    p.add_argument("--autocast", default=None, choices=["bf16", "fp16", "bfloat16", "float16"],
-                   help="the autocast dtype you train with; must be the receipt's (default: the receipt's, under "
-                        "which check re-runs the step)")
+    p.add_argument("--autocast", default=None, choices=["none", "bf16", "fp16", "bfloat16", "float16"],
+                   help="the autocast you train with (none: without); the receipt's must be it (default: "
+                        "[tool.remat] autocast, else the receipt's, under which check re-runs the step)")
     p.add_argument("--max-world-size", type=bounded_int(1, MAX_WORLD_SIZE), default=None,
                    help="the most ranks check may launch to re-run a receipt made at a world size (default: "
                         "[tool.remat] max-world-size, else this machine's CPU cores); a receipt above it fails "
@@ -91,9 +93,10 @@ def render_report(report: CheckReport) -> None:
 
 
 def _check_autocast(given: str | None, receipt: object) -> None:
-    """``--autocast`` names the receipt's autocast dtype, or is left out: check re-runs the receipt's step as it was made."""
+    """``--autocast`` names the receipt's autocast dtype ("none": the receipt's step ran without), or is left out:
+    check re-runs the receipt's step as it was made (a pin: NOTE [gate pins] in workflow/gate.py)."""
     recorded = getattr(getattr(receipt, "context", None), "autocast", None)
-    if given is not None and parse_autocast(given) != recorded:
+    if given is not None and (None if given == NO_AUTOCAST else parse_autocast(given)) != recorded:
         raise ReceiptError(f"--autocast {given}, but the receipt was made "
                            + (f"under autocast {recorded}" if recorded else "without autocast"),
                            tip="re-run `remat receipt` with the autocast you train with, or drop --autocast")
@@ -121,7 +124,7 @@ def _run(args: argparse.Namespace, gate: GateSettings) -> int:
         if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
             deadline = Deadline(limit("timeout_s", gate, project_gate()))
             report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,
-                                            max_world_size=limit("max_world_size", gate, project_gate()),
+                                            max_world_size=max_world_size(gate, project_gate())[0],
                                             progress=deadline.guard(progress))
         else:   # the user's code runs in a child process (NOTE [workload in a child process])
             err_console.print(f"check: {escape(fixture_plan(receipt, quick=args.quick).describe())}", highlight=False)

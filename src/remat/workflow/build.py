@@ -338,6 +338,23 @@ def _why(shipped: FrontierPoint, plan: Plan | None, bar: _Bar, trace: StepTrace,
     return [f"Ship no checkpointing: the unmodified step's peak {mib(bar.control_peak)} already clears {bar.text}."]
 
 
+def shipped_why(frontier: FrontierReport, plan: Plan, trace: StepTrace, verification: VerifyReport | None,
+                blocked: BlockedStep | None, excluded_after_verify: dict[str, str]) -> list[str]:
+    """The first sentences of a shipping receipt's ``decision.why``, as :func:`_decide` writes them from the
+    receipt's own frontier, plan, target trace and verification (``remat check`` regenerates and compares
+    them: NOTE [receipt statements] in workflow/consistency.py); the re-plan line ends with a note the
+    receipt does not keep, so only its start up to the reason is given."""
+    assert frontier.shipped is not None
+    why = _why(frontier.shipped, plan, _Bar.of(frontier, trace, blocked), trace, verification)
+    return why + [line.rstrip(".") for line in _why_replanned(excluded_after_verify, "")]
+
+
+def context_memory_source(device: str) -> MemorySource:
+    """The instrument a receipt's context (and its traces) names for ``device``: the CUDA caching allocator, else
+    the CPU live-tensor tracker."""
+    return MemorySource.CUDA_ALLOCATOR if device.startswith("cuda") else MemorySource.CPU_LIVE_TENSORS
+
+
 def _why_replanned(excluded: dict[str, str], replan_note: str) -> list[str]:
     """What the rounds of NOTE [re-plan after verify] excluded, and why."""
     if not excluded:

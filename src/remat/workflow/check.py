@@ -1,6 +1,8 @@
 """``check_receipt``: re-run the fixtures a receipt names and say what no longer holds.
 
 What is checked, in order (``quick`` stops after 4):
+0. the receipt against the repository's pins (shape, dtype, autocast, world size: NOTE [gate
+   pins] in workflow/gate.py): a receipt outside them is refused before anything else;
 1. the receipt against itself (NOTE [receipt consistency] in workflow/consistency.py): a receipt
    that contradicts itself is refused before anything runs; then the gate's thresholds are
    chosen (NOTE [gate thresholds] in workflow/gate.py), never from the receipt alone;
@@ -13,7 +15,9 @@ What is checked, in order (``quick`` stops after 4):
    receipt's claimed peak by no more than the peak tolerance;
 6. each boundary's measured saving (NOTE [measured saving] in workflow/build.py) is not below
    its claim by more than the saving tolerance;
-7. the step time, interleaved against the control (NOTE [re-measured overhead]).
+7. the step time, interleaved against the control (NOTE [re-measured overhead]);
+8. the unplanned step itself (NOTE [re-measured control]): its peak, its target trace's peak and its
+   held bytes at the start of backward.
 If the model changed (3), 4-7 are skipped: the plan is bound to the model it was made
 for, and the failure list already says what to do (re-run ``remat receipt``).
 The whole check runs under a time limit (:class:`Deadline`, ``--timeout``).
@@ -54,6 +58,23 @@ still compared), and when the masked payloads differ from the ones rendered here
 so on a "skip" line: a plot is drawn from figures the rest of the check does compare, but a
 forged plot is not caught. A report made by another version of remat whose rendering changed
 differs too, and fails: re-run ``remat receipt`` (the finding names both versions).
+
+NOTE [re-measured control]
+The control's figures are claims like the plan's: doubling the unplanned peak everywhere says a
+plan is needed when none is, and every copy of it agrees, so no consistency check sees it. The full
+check re-measures the unplanned step (a fresh build, as the frontier measured it) and compares, in
+both directions (a claim too high is as false as one too low), within the peak tolerance:
+- ``decision.control_peak_bytes`` (the frontier's control point) with the step's peak;
+- ``traces.target.peak_bytes`` with the peak of a trace made as ``remat receipt`` made it (its
+  warm-up and steps), at the target shape (a blocked receipt's: at the verified batch, where it was
+  traced);
+- ``plan.control_held_bytes`` with the held bytes the saving measurement starts from.
+A difference is a CONTROL finding. A blocked receipt has no control peak at the target (the step does
+not fit); that it still does not fit is checked instead. The torch release the receipt names must be
+the one checking it (``torch_version``, an ENVIRONMENT finding: figures move between releases; a local
+build tag such as ``+cpu`` or ``+cu128`` is not compared). Everything else the receipt states is
+re-measured (5-8), derived from what was re-measured or from other receipt data (NOTE [receipt
+consistency], NOTE [receipt statements]), or named on the check's "unchecked" line (:data:`UNCHECKED`).
 
 NOTE [re-measured overhead]
 The control and the plan are built fresh and timed in one interleaved round-robin (NOTE
@@ -102,13 +123,14 @@ from ..plan import Plan
 from ..profile import FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress
 from ..units import mib
+from ..trace import trace_workload
 from ..verify import verify_plan
 from ..workload import BUILTINS, LoadedWorkload, load_workload
 from .build import measure_savings
 from .consistency import FixtureLimits, consistency_findings
 from .findings import CheckFinding, FindingKind
-from .gate import (PYPROJECT, GateSettings, Thresholds, first_given, limit, project_gate, resolve_thresholds,
-                   tool_remat)
+from .gate import (PYPROJECT, GateSettings, Pins, Thresholds, limit, max_world_size, merge_pins, pin_mismatches,
+                   project_gate, project_pins, resolve_thresholds, tool_remat)
 from ..receipt.model import BoundaryRecord, Receipt, ShipStatus, resolved_shape
 from ..receipt.pipeline import PipelineReceipt
 from ..receipt.write import HTML_FILE, MD_FILE, stamped_reports
@@ -117,6 +139,13 @@ MAX_REPORT_BYTES = 64 * 2 ** 20
 PROCESS_START_S = 2.0  # a process the check starts, to import torch and join the job (s; an estimate)
 MIN_TIME_STEPS = 8     # interleaved rounds the overhead is re-measured over, at least (a sign test
                        # resolves nothing in fewer than 6: NOTE [resolved differences])
+# what no re-measurement or receipt data can confirm: said on the check's "unchecked" line, never passed silently
+UNCHECKED = ("git_revision, git_dirty, command, created, hostname, platform, python_version and the notes (the "
+             "receipt's word only)", "the planner's exclusions and their reasons (plan.excluded: compared between "
+             "the plan and the frontier's copy, not re-derived)", "the figures of frontier points other than the "
+             "control and the shipped plan (compared between copies, not re-measured)", "the trace timelines, "
+             "phases and breakdowns at the peak (compared with the peak, not re-measured)", "the predicted figures "
+             "and replay times (the planner's model, not a measurement)")
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
 __all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FindingKind", "FixturePlan",
@@ -326,7 +355,7 @@ class FixturePlan:
     the receipt's step time."""
 
     equivalence_steps: int      # control + planned, every seed, train steps + the eval step
-    peak_steps: int
+    peak_steps: int             # the plan's peak (each sampled step), the control's peak and its trace
     saving_steps: int
     time_steps: int             # interleaved rounds x 2 arms
     world_size_steps: int = 0   # the re-run at the receipt's world size: every rank's steps, both sides
@@ -364,7 +393,11 @@ def fixture_plan(receipt: Receipt, *, quick: bool = False) -> FixturePlan:
     n = len(plan.boundaries) if plan is not None else 0
     full = not quick and plan is not None
     return FixturePlan(equivalence_steps=2 * s.verify_seeds * (s.verify_steps + 1) if n else 0,
-                       peak_steps=s.frontier_warmup + 1 + 2 * _later_points(plan) if full else 0,
+                       # the plan's peak at each sampled step, then the control's peak and its trace (NOTE
+                       # [re-measured control])
+                       peak_steps=s.frontier_warmup + 1 + 2 * _later_points(plan) + (
+                           s.frontier_warmup + 1 if receipt.blocked is None else 0) + s.trace_warmup + s.trace_steps
+                       if full else 0,
                        saving_steps=(s.saving_warmup + 1) * (n + 1) if full and n else 0,
                        time_steps=2 * (s.frontier_warmup + max(s.frontier_steps, MIN_TIME_STEPS)) if full and n else 0,
                        world_size_steps=ws.rerun_steps if full and ws is not None else 0,
@@ -437,6 +470,12 @@ def _boundary_findings(b: BoundaryRecord, model: nn.Module, named: list[str], fp
                               message=f"boundary {b.module} ({b.class_name}): the module is gone{hint}")],
                 [d for d in fp_diffs if d.under(b.module)])
     rev = module_revision(module)
+    named_module = dict(model.named_modules(remove_duplicate=False)).get(b.module)   # None: a segment
+    if named_module is not None and type(named_module).__qualname__ != b.class_name:
+        # the class the reports name is a claim too (and a place to hide text): it is the module's own
+        return ([CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
+                              message=f"boundary {b.module}: the receipt names class {b.class_name[:80]!r}, the module "
+                                      f"is a {type(named_module).__qualname__}")], [])
     if rev == b.revision:
         return [], []
     classes = {type(m).__qualname__ for m in module.modules()}
@@ -560,9 +599,7 @@ def _within_world_size(ledger: CheckLedger, receipt: Receipt, flags: GateSetting
     ws = receipt.world_size
     if ws is None:
         return True
-    most = limit("max_world_size", flags, project)
-    given = first_given("max_world_size", flags, project)
-    source = f"this machine's {os.cpu_count() or 1} CPU cores" if given is None else str(given[1])
+    most, source = max_world_size(flags, project)
     if ws.world_size <= most:
         ledger.checked.append(f"world size {ws.world_size} within the {most} ranks check may launch (from {source})")
         return True
@@ -572,6 +609,81 @@ def _within_world_size(ledger: CheckLedger, receipt: Receipt, flags: GateSetting
     ledger.skipped.append(f"nothing re-run and nothing launched: the receipt's world size {ws.world_size} is above "
                           f"the gate's {most}")
     return False
+
+
+def _within_pins(ledger: CheckLedger, receipt: Receipt, pins: Pins) -> bool:
+    """0. the receipt was made at the repository's pins (NOTE [gate pins]); False (nothing runs) when it was not."""
+    if not pins.describe():
+        return True
+    ctx = receipt.context
+    wrong = pin_mismatches(pins, resolved_shape=dict(ctx.resolved_shape), dtype=ctx.dtype, autocast=ctx.autocast,
+                           world_size=1 if receipt.world_size is None else receipt.world_size.world_size)
+    if not wrong:
+        ledger.checked.append(f"within the pins of {pins.source}: " + ", ".join(pins.describe()))
+        return True
+    ledger.failures += [CheckFinding(kind=FindingKind.PIN, message=f"{w} ({pins.source}): the receipt measured "
+                                                                    "another step than the one the gate is for")
+                        for w in wrong]
+    ledger.skipped.append("nothing re-run and nothing launched: the receipt is outside the repository's pins "
+                          "(re-run remat receipt at them)")
+    return False
+
+
+def _release(version: str) -> str:
+    return version.split("+", 1)[0]
+
+
+def _check_torch_release(ledger: CheckLedger, receipt: Receipt) -> None:
+    """The receipt's torch release is the one checking it (NOTE [re-measured control])."""
+    made, now = receipt.context.torch_version, torch.__version__
+    if _release(made) == _release(now):
+        ledger.checked.append(f"torch {_release(now)}: the release the receipt was made with")
+        return
+    ledger.failures.append(CheckFinding(kind=FindingKind.ENVIRONMENT, message=(
+        f"the receipt was made with torch {made}; this is torch {now}: its figures were measured under another "
+        "release (re-run remat receipt with this one)")))
+
+
+def _within(measured: int, claimed: int, tol: float) -> bool:
+    """A re-measured figure within ``tol`` of its claim, in either direction (bytes)."""
+    return abs(measured - claimed) <= tol * max(abs(claimed), 1)
+
+
+def _check_control(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, proof: LoadedWorkload,
+                   thresholds: Thresholds, held: int | None) -> None:
+    """8. the unplanned step's peak, its target trace's peak and its held bytes (NOTE [re-measured control])."""
+    tol = thresholds.peak_tolerance.value
+    figures: list[tuple[str, int | None, int | None]] = []
+    claimed = receipt.decision.control_peak_bytes
+    if receipt.blocked is None and claimed is not None:
+        peak = None
+        with _fits_device(ledger, f"the control at {_shape_text(loaded.shape)}", thresholds.capacity_bytes):
+            peak = measure_plan(loaded, None, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
+        figures.append(("the unplanned step's peak (decision.control_peak_bytes)", claimed, peak))
+    target = receipt.traces.target
+    traced = None
+    with _fits_device(ledger, f"the control's trace at {_shape_text(proof.shape)}", thresholds.capacity_bytes):
+        traced = _trace_peak(proof, warmup=target.context.warmup, steps=target.context.steps)
+    figures.append(("the target trace's peak (traces.target.peak_bytes)", target.peak_bytes, traced))
+    if receipt.plan.control_held_bytes is not None and held is not None:
+        figures.append(("the unplanned step's held bytes at backward (plan.control_held_bytes)",
+                        receipt.plan.control_held_bytes, held))
+    ok = []
+    for what, claim, now in figures:
+        if claim is None or now is None:
+            continue
+        if _within(now, claim, tol):
+            ok.append(f"{what} {mib(now)} (receipt: {mib(claim)})")
+        else:
+            ledger.failures.append(CheckFinding(kind=FindingKind.CONTROL, message=(
+                f"{what}: re-measured {mib(now)}, the receipt claims {mib(claim)} (more than {tol:.0%} apart)")))
+    if ok:
+        ledger.checked.append(f"the control re-measured within {tol:.0%} of its claims: " + "; ".join(ok))
+
+
+def _trace_peak(loaded: LoadedWorkload, *, warmup: int, steps: int) -> int:
+    """The unplanned step's peak as ``remat receipt`` traced it (bytes)."""
+    return trace_workload(loaded.rebuild(), warmup=warmup, steps=steps).peak_bytes   # a fresh build, as traced
 
 
 def _claimed_peak(receipt: Receipt, plan: Plan) -> int:
@@ -642,15 +754,17 @@ def _fits_device(ledger: CheckLedger, what: str, capacity_bytes: int | None) -> 
 
 
 def _check_savings(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
-                   thresholds: Thresholds, progress: ProgressFn) -> None:
-    """6. each boundary's measured saving (bytes) is not below its claim by more than the tolerance."""
+                   thresholds: Thresholds, progress: ProgressFn) -> int | None:
+    """6. each boundary's measured saving (bytes) is not below its claim by more than the tolerance; returns the
+    control's held bytes the savings were measured from (None: not measured)."""
     if not plan.boundaries:
-        return
+        return None
     savings: dict[str, int] | None = None
+    held = None
     with _fits_device(ledger, f"the control at {_shape_text(loaded.shape)}", thresholds.capacity_bytes):
-        _, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
+        held, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
     if savings is None:
-        return
+        return None
     tol = thresholds.saving_tolerance.value
     ok = []
     for b in receipt.plan.boundaries:
@@ -665,6 +779,7 @@ def _check_savings(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload
             ok.append(f"{b.module} {mib(now)}")
     if ok:
         ledger.checked.append(f"savings within {tol:.0%} of the claims: {', '.join(ok)}")
+    return held
 
 
 def _interleaved_ms(receipt: Receipt, loaded: LoadedWorkload, plan: Plan,
@@ -746,7 +861,8 @@ def _remeasure(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload, pr
     where the control fits (``proof``: NOTE [blocked receipt])."""
     _check_peak(ledger, receipt, loaded, plan, thresholds)
     progress("check", 5, 7)
-    _check_savings(ledger, receipt, proof, plan, thresholds, progress)
+    held = _check_savings(ledger, receipt, proof, plan, thresholds, progress)
+    _check_control(ledger, receipt, loaded, proof, thresholds, held)
     progress("check", 6, 7)
     if receipt.blocked is not None:
         _check_still_blocked(ledger, receipt, loaded)
@@ -791,8 +907,8 @@ class ReadyCheck:
 
 
 def start_check(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
-                reports: ReportStamps | None = None, cwd: Path | None = None, gate: GateSettings | None = None
-                ) -> tuple[CheckLedger, ReadyCheck | None]:
+                reports: ReportStamps | None = None, cwd: Path | None = None, gate: GateSettings | None = None,
+                pins: Pins | None = None) -> tuple[CheckLedger, ReadyCheck | None]:
     """1 and the gate (module docstring), running none of the user's code: (the ledger so far, what the
     re-run needs; None when the check is decided already: the receipt names other code, ships nothing,
     contradicts itself or is above the world size check may launch). Raises as :func:`check_receipt`."""
@@ -800,7 +916,8 @@ def start_check(receipt: Receipt, *, quick: bool = False, workload: str | None =
     deadline = Deadline(limit("timeout_s", flags, project))
     chosen = choose_workload(receipt.context.workload, workload, cwd=cwd)
     ledger = CheckLedger(chosen.spec, quick, reports)
-    if not _workload_is_the_receipts(ledger, receipt, chosen, cwd):
+    if not _workload_is_the_receipts(ledger, receipt, chosen, cwd) or not _within_pins(
+            ledger, receipt, merge_pins(pins, project_pins(cwd))):
         return ledger, None
     plan = _shipped_plan(ledger, receipt)
     limits = FixtureLimits(max_seeds=limit("max_seeds", flags, project), max_steps=limit("max_steps", flags, project))
@@ -808,6 +925,8 @@ def start_check(receipt: Receipt, *, quick: bool = False, workload: str | None =
             ledger, receipt, flags, project):
         return ledger, None
     deadline.refuse_estimate(fixture_plan(receipt, quick=quick))
+    _check_torch_release(ledger, receipt)
+    ledger.skipped.append("unchecked: " + "; ".join(UNCHECKED))
     thresholds = _thresholds(ledger, receipt, flags, project)
     return ledger, ReadyCheck(receipt=receipt, spec=chosen.spec, plan=plan, quick=quick, thresholds=thresholds,
                               deadline=deadline)
@@ -815,20 +934,22 @@ def start_check(receipt: Receipt, *, quick: bool = False, workload: str | None =
 
 def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
                   reports: ReportStamps | None = None, cwd: Path | None = None, gate: GateSettings | None = None,
-                  progress: ProgressFn = no_progress) -> CheckReport:
+                  pins: Pins | None = None, progress: ProgressFn = no_progress) -> CheckReport:
     """Re-run what ``receipt`` names on the user's workload; the report lists every failure (module docstring).
 
     ``workload`` is the user's spec (``--workload``); without it, ``pyproject.toml``'s
     ``[tool.remat] workload`` in ``cwd``, or the receipt's when it is a built-in (NOTE
     [workload spec policy]). ``reports``: the reports beside the receipt to check. ``gate``: the
-    thresholds the command line gives (NOTE [gate thresholds]), over ``[tool.remat]``'s. Raises
+    thresholds the command line gives (NOTE [gate thresholds]), over ``[tool.remat]``'s; ``pins``: the pins it
+    gives (NOTE [gate pins]), over ``[tool.remat]``'s. Raises
     :class:`ReceiptError` when no workload is named or it cannot be loaded here, and
     :class:`~remat.errors.CheckTimeout` when the fixtures would take, or take, longer than the
     time limit; check failures are data (``report.passed``), for the CLI to turn into exit code 1.
     Everything runs in this process; ``remat check`` runs the user's part in a child process
     (:func:`remat.workflow.check_child.check_receipt_in_child`).
     """
-    ledger, ready = start_check(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd, gate=gate)
+    ledger, ready = start_check(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd, gate=gate,
+                                pins=pins)
     if ready is not None:
         rerun_check(ledger, ready, progress=ready.deadline.guard(progress))
     return ledger.report()

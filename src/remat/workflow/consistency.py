@@ -21,6 +21,28 @@ receipt before running anything, one finding per contradiction:
   the control does not fit when a plan with boundaries ships, a shipped plan clears and was
   verified, and each boundary's tolerance is the settings'.
 Only a receipt that passes all of them may lend the gate its budget and reserve.
+
+NOTE [receipt statements]
+The sentences and lists a reviewer reads first are claims too, and each is a function of data the
+receipt keeps, so check regenerates it with the code ``remat receipt`` wrote it with and compares
+(``FindingKind.STATEMENTS``, before anything runs):
+- ``decision.why`` (the first line of both reports): ``shipped_why`` in workflow/build.py from the
+  frontier, the plan, the target trace and the verification;
+- ``decision.rejected``: each entry is its frontier point's decision, reason, peak and p50, and each
+  point's decision and reason are what the ship decision (``ship_decision``, frontier/pareto.py) gives
+  on the frontier's own points;
+- ``unsupported``: every mode ``unsupported_modes`` lists for the receipt's conditions is there, word
+  for word (a world-size receipt replaces the single-process line with its own);
+- the RNG policy's justification and policy: what ``_rng_policy`` (verify/runner.py) writes for the
+  plan's ``preserve_rng_state`` and the boundaries that draw random numbers, which are the ones the
+  verification's boundary records say draw;
+- ``memory_source``: the context's and each trace's is the instrument for the receipt's device
+  (``context_memory_source``); every figure's is one of that device's instruments;
+- the target trace: its peak is the largest of its steps' peaks and (CPU tracker) the sum of its
+  categories at the peak; every copy of the torch version agrees.
+What no receipt data can re-derive (``git_revision``, ``command``, the host, the creation time, the
+planner's exclusion reasons) the check lists on an "unchecked" line instead of passing it silently
+(``UNCHECKED`` in workflow/check.py); the figures re-measured are listed in check.py's docstring.
 """
 
 from __future__ import annotations
@@ -31,9 +53,11 @@ import math
 from ..clock import percentile
 from ..frontier.model import FrontierPoint, FrontierReport, OverheadInterval
 from ..frontier.pareto import overhead_interval
+from ..frontier.pareto import Verdict, ship_decision
 from ..receipt.model import Receipt, ReceiptDecision, ShipStatus
+from ..types import MemorySource
 from ..units import mib
-from .build import FIXTURE_NAME
+from .build import FIXTURE_NAME, WORLD_SIZE_MODE, context_memory_source, shipped_why, unsupported_modes
 from .findings import CheckFinding, FindingKind
 
 REL = 1e-6          # figures computed from one another agree to this (relative)
@@ -313,7 +337,163 @@ def claim_findings(receipt: Receipt) -> list[CheckFinding]:
     return out
 
 
+# -- statements (NOTE [receipt statements]) -----------------------------------------------------------
+
+def _st(message: str, boundary: str | None = None) -> CheckFinding:
+    return _f(FindingKind.STATEMENTS, message, boundary)
+
+
+def _short(text: str, n: int = 100) -> str:
+    return repr(text if len(text) <= n else text[:n - 3] + "...")
+
+
+def _why_findings(receipt: Receipt) -> list[CheckFinding]:
+    d, fr, plan = receipt.decision, receipt.frontier, receipt.plan.plan
+    if d.status is not ShipStatus.SHIP or fr is None or fr.shipped is None or plan is None:
+        return []
+    try:
+        want = shipped_why(fr, plan, receipt.traces.target, receipt.verification, receipt.blocked,
+                           receipt.plan.excluded_after_verify)
+    except (AssertionError, KeyError, LookupError, TypeError, ValueError, ZeroDivisionError):
+        return [_st("decision.why cannot be regenerated from the receipt's frontier and plan")]
+    have = list(d.why)
+    for i, line in enumerate(want):
+        got = have[i] if i < len(have) else None
+        ok = got is not None and (got == line or (line.startswith("Re-planned without") and got.startswith(line)))
+        if not ok:
+            return [_st(f"decision.why line {i + 1} is {_short(got) if got is not None else 'missing'}; the receipt's "
+                        f"own data give {_short(line)}")]
+    return []
+
+
+def _rejected_findings(receipt: Receipt) -> list[CheckFinding]:
+    d, fr = receipt.decision, receipt.frontier
+    if fr is None:
+        return []
+    out = []
+    points = {p.plan: p for p in fr.points}
+    for r in d.rejected:
+        p = points.get(r.plan)
+        if r.decision.value == "unverified":   # the picked plan that failed verification: its reason is its own
+            continue
+        if p is None or (r.decision.value, r.reason, r.peak_bytes, r.p50_ms) != \
+                (p.decision.value, p.reason, p.peak_bytes, p.p50_ms):
+            out.append(_st(f"rejected plan {r.plan}: the decision says {r.decision.value} ({_short(r.reason)}); its "
+                           f"frontier point says " + ("nothing (no such point)" if p is None else
+                                                     f"{p.decision.value} ({_short(p.reason)})")))
+    verdict = None if receipt.verification is None else Verdict(passed=receipt.verification.passed,
+                                                                failures=tuple(receipt.verification.failures))
+    try:
+        again = ship_decision(fr.points, budget_bytes=fr.budget_bytes, reserve=fr.reserve, control=fr.control,
+                              verdict=verdict)
+    except (KeyError, LookupError, TypeError, ValueError, ZeroDivisionError):
+        return out + [_st("the frontier's verdicts cannot be re-judged from its points")]
+    for p, v in zip(fr.points, again.verdicts):
+        # a plan judged over the step sample carries a note on its peak the frontier's one step does not give
+        reason = p.reason.split(" (peak: its max over the step sample")[0]
+        if (p.decision, reason) != (v.decision, v.reason):
+            out.append(_st(f"frontier point {p.plan}: {p.decision.value} ({_short(p.reason)}), but its measured "
+                           f"figures give {v.decision.value} ({_short(v.reason)})"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Conditions:
+    """What ``unsupported_modes`` reads of a loaded workload, from the receipt's context."""
+
+    autocast: str | None
+    dtype: str
+    device: str
+    shape: dict
+
+
+def _unsupported_findings(receipt: Receipt) -> list[CheckFinding]:
+    ctx, plan, fr = receipt.context, receipt.plan.plan, receipt.frontier
+    compiled = (plan is not None and plan.compile is not None) or (fr is not None and fr.context.get("compile") is not None)
+    want = unsupported_modes(_Conditions(autocast=ctx.autocast, dtype=ctx.dtype, device=ctx.device,  # type: ignore[arg-type]
+                                         shape=dict(ctx.shape)),
+                             plan, ctx.boundary_shape, compiled=compiled, blocked=receipt.blocked)
+    have = {(u.mode, u.status, u.detail) for u in receipt.unsupported}
+    out = []
+    for u in want:
+        if u.mode == WORLD_SIZE_MODE and receipt.world_size is not None:
+            continue   # replaced by the world sizes not run (NOTE [receipt at a world size])
+        if (u.mode, u.status, u.detail) not in have:
+            out.append(_st(f"unsupported: the receipt leaves out or rewrites {u.mode!r} ({u.status.value}), which "
+                           f"remat receipt lists for these conditions: {_short(u.detail)}"))
+    return out
+
+
+def _rng_findings(receipt: Receipt) -> list[CheckFinding]:
+    from ..verify.runner import _rng_policy
+    v, plan = receipt.verification, receipt.plan.plan
+    if v is None or plan is None or v.rng_policy is None:
+        return []
+    rp = v.rng_policy
+    out = []
+    drawers = [b.module for b in v.boundaries if b.draws_rng]
+    if sorted(rp.boundaries_drawing_rng) != sorted(drawers):
+        out.append(_st(f"the RNG policy names {list(rp.boundaries_drawing_rng)} as drawing random numbers; the "
+                       f"verification's boundary records say {drawers}"))
+    want = _rng_policy(plan, list(rp.boundaries_drawing_rng))
+    if (rp.preserve_rng_state, rp.policy, rp.justification) != (want.preserve_rng_state, want.policy,
+                                                                 want.justification):
+        out.append(_st(f"the RNG policy says {rp.policy.value}: {_short(rp.justification)}; the plan "
+                       f"(preserve_rng_state={plan.preserve_rng_state}) and its drawers give {want.policy.value}: "
+                       f"{_short(want.justification)}"))
+    return out
+
+
+def _memory_source_findings(receipt: Receipt) -> list[CheckFinding]:
+    ctx = receipt.context
+    want = context_memory_source(ctx.device)
+    prefix = "cuda-" if ctx.device.startswith("cuda") else "cpu-"
+    out = []
+    traces = [("traces." + k, t) for k, t in (("target", receipt.traces.target), ("boundary", receipt.traces.boundary),
+                                              ("planned", receipt.traces.planned)) if t is not None]
+    for where, got in [("context", ctx.memory_source)] + [(w, t.memory_source) for w, t in traces]:
+        if str(got) != want.value:
+            out.append(_st(f"{where}.memory_source is {got}; a receipt made on {ctx.device} measures with {want}"))
+    figures = [] if receipt.frontier is None else \
+        [(f"frontier point {p.plan}", p.memory_source) for p in receipt.frontier.points if p.memory_source]
+    plan = receipt.plan.plan
+    if plan is not None and plan.memory_source is not None:
+        figures.append(("the plan", plan.memory_source))
+    for where, got in figures:
+        if str(got) != MemorySource.SIMULATED.value and not str(got).startswith(prefix):
+            out.append(_st(f"{where}'s memory_source is {got}, not an instrument of {ctx.device}"))
+    return out
+
+
+def _trace_findings(receipt: Receipt) -> list[CheckFinding]:
+    out = []
+    ctx = receipt.context
+    named = [("traces." + k, t) for k, t in (("target", receipt.traces.target), ("boundary", receipt.traces.boundary),
+                                             ("planned", receipt.traces.planned)) if t is not None]
+    for where, t in named:
+        if t.step_peaks and t.peak_bytes != max(t.step_peaks):
+            out.append(_st(f"{where}: peak {t.peak_bytes} bytes is not the largest of its steps' peaks "
+                           f"({max(t.step_peaks)} bytes)"))
+        if t.memory_source is MemorySource.CPU_LIVE_TENSORS and t.categories_at_peak and \
+                sum(t.categories_at_peak.values()) != t.peak_bytes:
+            out.append(_st(f"{where}: peak {t.peak_bytes} bytes is not the sum of its categories at the peak "
+                           f"({sum(t.categories_at_peak.values())} bytes)"))
+    versions = {("context", ctx.torch_version)} | {(w, t.context.torch_version) for w, t in named}
+    if receipt.frontier is not None:
+        versions.add(("frontier", str(receipt.frontier.context.get("torch_version"))))
+    if len({v for _, v in versions}) > 1:
+        out.append(_st("the torch version differs between copies: " + ", ".join(f"{w} {v}" for w, v in sorted(versions))))
+    return out
+
+
+def statement_findings(receipt: Receipt) -> list[CheckFinding]:
+    """The receipt's sentences and lists against what its own data give (NOTE [receipt statements])."""
+    return (_why_findings(receipt) + _rejected_findings(receipt) + _unsupported_findings(receipt)
+            + _rng_findings(receipt) + _memory_source_findings(receipt) + _trace_findings(receipt))
+
+
 def consistency_findings(receipt: Receipt, limits: FixtureLimits) -> list[CheckFinding]:
-    """Every contradiction inside ``receipt`` (NOTE [receipt consistency]); [] when it agrees with itself."""
+    """Every contradiction inside ``receipt`` (NOTE [receipt consistency], NOTE [receipt statements]); [] when it
+    agrees with itself."""
     return (budget_findings(receipt) + record_findings(receipt) + fixture_findings(receipt, limits)
-            + claim_findings(receipt))
+            + claim_findings(receipt) + statement_findings(receipt))

@@ -19,7 +19,24 @@ that many processes, so a receipt whose ``world_size.world_size`` is above ``max
 (default: this machine's CPU cores, ``os.cpu_count()``) is refused before anything runs or
 launches (a FIXTURE finding, exit 1), ``--quick`` or not; and the up-front estimate
 (``fixture_plan`` in workflow/check.py) counts every process the check starts and every step
-they run.
+they run. A ``max-world-size`` from ``[tool.remat]`` is capped by this machine's CPU cores (a
+shared CI runner must not be oversubscribed by a file a pull request may edit along with the
+receipt); only ``--max-world-size`` on the command line goes above them.
+
+NOTE [gate pins]
+The thresholds above say how strict the check is; the pins say *what* it re-measures. Without
+them the receipt chooses: halve its batch size (and every figure with it) and check re-measures
+the smaller step, which of course clears. ``[tool.remat]`` may pin, each compared with the
+receipt before anything is loaded, measured or launched (a PIN finding, exit 1, in well under a
+second):
+- ``shape = {batch_size = 32, ...}``: each keyword's value in the receipt's resolved shape
+  (defaults included), compared by value and type (``true`` is not ``1``);
+- ``dtype = "float32"``: the receipt's dtype (aliases: fp32, bf16, fp16);
+- ``autocast = "none" | "bf16" | "fp16"``: the autocast the step ran under ("none": without);
+  ``remat check --autocast`` pins the same on the command line and wins over the file;
+- ``world-size = N``: the world size the receipt was made at (1: a single-process receipt).
+The largest fixture is pinned by ``max-seeds`` / ``max-steps`` and the most ranks by
+``max-world-size`` (above). :class:`Pins` holds them; :func:`pin_findings` compares.
 """
 
 from __future__ import annotations
@@ -181,6 +198,20 @@ class Thresholds:
                 self.time_tolerance.describe("time tolerance", f"{self.time_tolerance.value:.0%} of the step")]
 
 
+def max_world_size(flags: GateSettings, project: GateSettings) -> tuple[int, str]:
+    """(the most ranks check may launch, where that came from): the flag's; else ``[tool.remat]``'s capped by
+    this machine's CPU cores; else the cores (NOTE [gate thresholds])."""
+    cores = min(os.cpu_count() or 1, MAX_WORLD_SIZE)
+    if flags.max_world_size is not None:
+        return flags.max_world_size, str(Source.FLAG)
+    if project.max_world_size is not None:
+        if project.max_world_size > cores:
+            return cores, (f"{Source.PROJECT}'s {project.max_world_size}, capped by this machine's {cores} CPU cores; "
+                           "--max-world-size goes above them")
+        return project.max_world_size, str(Source.PROJECT)
+    return cores, f"this machine's {cores} CPU cores"
+
+
 def first_given(field: str, flags: GateSettings, project: GateSettings) -> tuple[Any, Source] | None:
     """A setting from the command line, else from ``[tool.remat]``; None when neither gives it."""
     for settings, source in ((flags, Source.FLAG), (project, Source.PROJECT)):
@@ -221,3 +252,114 @@ def limit(field: str, flags: GateSettings, project: GateSettings) -> Any:
     """A fixture limit or the timeout: the command line's, ``[tool.remat]``'s, else the default."""
     given = first_given(field, flags, project)
     return getattr(DEFAULTS, field) if given is None else given[0]
+
+
+# -- pins (NOTE [gate pins]) ---------------------------------------------------------------------------
+
+NO_AUTOCAST = "none"
+PIN_KEYS = ("shape", "dtype", "autocast", "world-size")
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16", "float64": "float64", "fp64": "float64"}
+MAX_PIN_KEYS = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pins:
+    """What the repository requires the receipt to have been made at; None: not pinned (NOTE [gate pins])."""
+
+    shape: dict[str, int | float | str | bool] | None = None   # resolved-shape keywords and their values
+    dtype: str | None = None              # canonical: float32, bfloat16, float16, float64
+    autocast: str | None = None           # canonical autocast dtype, or NO_AUTOCAST
+    world_size: int | None = None         # ranks (1: a single-process receipt)
+    source: Source = Source.PROJECT
+
+    @classmethod
+    def parse(cls, table: dict[str, Any], source: Source = Source.PROJECT) -> "Pins":
+        """Pins from ``[tool.remat]``-style keys; a bad value is a WorkloadError naming the key."""
+        return cls(shape=_pin_shape(table.get("shape")), dtype=_pin_dtype(table.get("dtype")),
+                   autocast=_pin_autocast(table.get("autocast")), world_size=_pin_world_size(table.get("world-size")),
+                   source=source)
+
+    def describe(self) -> list[str]:
+        out = [] if self.shape is None else ["shape " + ", ".join(f"{k}={v!r}" for k, v in self.shape.items())]
+        out += [] if self.dtype is None else [f"dtype {self.dtype}"]
+        out += [] if self.autocast is None else [f"autocast {self.autocast}"]
+        out += [] if self.world_size is None else [f"world size {self.world_size}"]
+        return out
+
+
+def _pin_shape(v: Any) -> dict[str, int | float | str | bool] | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not v or len(v) > MAX_PIN_KEYS:
+        raise WorkloadError(f"shape must be a table of shape keywords (shape = {{batch_size = 32}}), got {str(v)[:60]!r}")
+    for k, x in v.items():
+        ok = isinstance(x, (bool, str)) or (isinstance(x, int) and abs(x) < 2 ** 31) or \
+            (isinstance(x, float) and x == x and abs(x) != float("inf"))
+        if not k.isidentifier() or not ok or (isinstance(x, str) and len(x) > 256):
+            raise WorkloadError(f"shape keyword {k[:40]!r} = {str(x)[:40]!r}: a keyword needs a number, string or "
+                                "boolean value")
+    return dict(v)
+
+
+def _pin_dtype(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or v.lower() not in _DTYPE_NAMES:
+        raise WorkloadError(f"dtype {str(v)[:40]!r} is not one of {', '.join(sorted(set(_DTYPE_NAMES.values())))}")
+    return _DTYPE_NAMES[v.lower()]
+
+
+def _pin_autocast(v: Any) -> str | None:
+    """``"none"``: pinned to no autocast; bf16/fp16 (or their long names); None: not pinned."""
+    if v is None:
+        return None
+    if isinstance(v, str) and v.lower() == NO_AUTOCAST:
+        return NO_AUTOCAST
+    from ..workload import parse_autocast
+    if not isinstance(v, str):
+        raise WorkloadError(f"autocast must be \"none\", \"bf16\" or \"fp16\", got {str(v)[:40]!r}")
+    return parse_autocast(v)
+
+
+def _pin_world_size(v: Any) -> int | None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WORLD_SIZE):
+        raise WorkloadError(f"world-size must be an integer from 1 to {MAX_WORLD_SIZE}, got {v!r}")
+    return v
+
+
+def project_pins(cwd: Path | None = None) -> Pins:
+    """The pins ``[tool.remat]`` gives (NOTE [gate pins]); a bad value is a WorkloadError naming the key."""
+    table = tool_remat(cwd)
+    try:
+        return Pins.parse({k: table[k] for k in PIN_KEYS if k in table})
+    except WorkloadError as exc:
+        raise WorkloadError(f"{PYPROJECT} [tool.remat]: {exc.message}", tip=exc.tip) from None
+
+
+def merge_pins(flags: Pins | None, project: Pins) -> Pins:
+    """Each pin from the command line when it gives one, else from ``[tool.remat]``."""
+    if flags is None:
+        return project
+    return Pins(shape=flags.shape if flags.shape is not None else project.shape,
+                dtype=flags.dtype or project.dtype, autocast=flags.autocast or project.autocast,
+                world_size=flags.world_size or project.world_size,
+                source=Source.FLAG if any(getattr(flags, f) is not None for f in ("shape", "dtype", "autocast",
+                                                                                 "world_size")) else project.source)
+
+
+def pin_mismatches(pins: Pins, *, resolved_shape: dict[str, Any], dtype: str, autocast: str | None,
+                   world_size: int) -> list[str]:
+    """What a receipt made at these conditions does not match, one line each ([]: within every pin)."""
+    out = []
+    for k, want in (pins.shape or {}).items():
+        have = resolved_shape.get(k, "<absent>")
+        if type(have) is not type(want) or have != want:
+            out.append(f"shape keyword {k} is {have!r} in the receipt; the repository pins {want!r}")
+    if pins.dtype is not None and _DTYPE_NAMES.get(str(dtype).lower(), dtype) != pins.dtype:
+        out.append(f"dtype is {dtype} in the receipt; the repository pins {pins.dtype}")
+    if pins.autocast is not None and (autocast or NO_AUTOCAST) != pins.autocast:
+        out.append(f"autocast is {autocast or NO_AUTOCAST} in the receipt; the repository pins {pins.autocast}")
+    if pins.world_size is not None and world_size != pins.world_size:
+        out.append(f"world size is {world_size} in the receipt; the repository pins {pins.world_size}")
+    return out
