@@ -363,7 +363,7 @@ def test_a_hanging_factory_or_batch_stops_at_the_check_timeout(folder, capsys, m
     t0 = time.monotonic()
     assert main(["check", "out/receipt.json", "--quick", "--timeout", "2"]) == 4
     err = " ".join(capsys.readouterr().err.split())
-    assert time.monotonic() - t0 < 30 and "remat check ran past its --timeout of 2 s" in err, err
+    assert time.monotonic() - t0 < 60 and "remat check ran past its --timeout of 2 s" in err, err
     assert "Traceback" not in err and sorted(p.name for p in folder.iterdir()) == before
 
 
