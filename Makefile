@@ -4,6 +4,8 @@
 # (torchvision, timm, transformers: the CI-sized zoo tests) is installed with the torch
 # already in .venv pinned (.venv/constraints.txt), so it never replaces that torch; so is the
 # integrations extra (transformers, accelerate, peft, lightning: tests/test_examples.py).
+# `make test-torch-next` runs the core suite on the newest torch the index serves, in .venv-torch-next
+# (never part of `make test`: a large download).
 # `make gpu-check` runs benchmarks/gpu_check.py and the cuda-marked tests on a GPU machine.
 # `make zoo` runs remat receipt on every zoo model (benchmarks/zoo/run.py -> benchmarks/ZOO.md);
 # `make compile-zoo` runs frontier --compile and verify --compile on each (benchmarks/compile_check.py --zoo).
@@ -23,9 +25,13 @@ $(STAMP): pyproject.toml
 $(ZOO_STAMP): $(STAMP)
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install -q -e '.[test,zoo,integrations]' -c $(VENV)/constraints.txt
+	# only where PyPI's torchvision (a CUDA build) does not load beside this torch: an import hook, so a plain
+	# script imports transformers, timm and torchvision (NOTE [torchvision import hook] in benchmarks/zoo/_torchvision_cpu.py)
+	$(BIN)/python -c "import torchvision" 2>/dev/null || $(BIN)/python benchmarks/zoo/_torchvision_cpu.py --install
+	$(BIN)/python -c "import torchvision, timm, transformers, diffusers, peft"
 	touch $(ZOO_STAMP)
 
-.PHONY: install demo test test-compile compile-zoo zoo zoo-extra gpu-check
+.PHONY: install demo test test-compile test-torch-next compile-zoo zoo zoo-extra gpu-check
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -39,6 +45,24 @@ test: $(ZOO_STAMP)
 # the torch.compile tests the default run leaves out (a few minutes on 2 CPU cores)
 test-compile: $(STAMP)
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python -m pytest -m compile tests
+
+# the core suite against the newest torch the package index serves, in a venv of its own (.venv-torch-next),
+# outside `make test`: it downloads that torch (from PyPI on Linux a multi-GB CUDA build). remat itself goes in
+# with --no-deps (pyproject.toml declares only the torch versions that have run) and its other dependencies
+# from pyproject.toml. What it found goes in benchmarks/RESULTS.md; docs/TORCH-NOTES.md "Supported torch".
+NEXT_VENV := .venv-torch-next
+CORE_TESTS := $(addprefix tests/test_,$(addsuffix .py,memory apply auto profile plan verify offload hazards \
+	compile simulate distributed pipeline))
+test-torch-next:
+	$(PY) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEXT_VENV)/bin/python -m pip install -q --upgrade torch
+	$(NEXT_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(NEXT_VENV)/bin/python -m pip install -q $$($(NEXT_VENV)/bin/python -c "import tomllib; p = \
+		tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join( \
+		[d for d in p['dependencies'] if not d.startswith('torch')] + p['optional-dependencies']['test']))")
+	$(NEXT_VENV)/bin/python -c "import torch; print('core suite on torch', torch.__version__)"
+	$(NEXT_VENV)/bin/python -m pytest -rf $(CORE_TESTS)
 
 # frontier --compile and verify --compile on every zoo model at a budget halfway between remat's floor
 # and the control's peak (make zoo's rule; about 30 min on 2 CPU cores;

@@ -121,11 +121,6 @@ class _Module(nn.Module):
 
 
 def test_lightning_callback_plans_for_accumulate_grad_batches(tmp_path):
-    from _torchvision_cpu import import_torchvision   # benchmarks/zoo, on the path from tests/test_examples.py
-    try:
-        import_torchvision()   # lightning imports torchvision, which needs the CPU torch's shim
-    except ImportError:
-        pass
     pytest.importorskip("lightning")
     from remat.integrations.lightning import RematCallback
     module = _Module()

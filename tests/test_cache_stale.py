@@ -152,12 +152,6 @@ def step(knobs: Knobs | None = None, loss: Callable = plain_loss, eval_dropout: 
 
 def gpt2_step(attn_implementation: str) -> tuple:
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(ROOT / "benchmarks" / "zoo"))
-    from _torchvision_cpu import import_torchvision   # the CPU torch's torchvision shim (tests/test_examples.py)
-    try:
-        import_torchvision()
-    except ImportError:
-        pass
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     # attn_pdrop=0: CPU sdpa then runs its flash kernel, which saves no attention matrix (with dropout

@@ -47,7 +47,7 @@ def test_huge_or_tiny_budgets_are_refused_instantly(text):
     t0 = time.perf_counter()
     with pytest.raises(BudgetError):
         parse_budget(text, 10 ** 8)
-    assert time.perf_counter() - t0 < 30   # a hang bound: an unbounded parse of 1e999999999 never ends
+    assert time.perf_counter() - t0 < 60   # a hang bound: an unbounded parse of 1e999999999 never ends
 
 
 def test_ordinary_budgets_still_parse():
@@ -116,7 +116,7 @@ def test_malformed_plans_raise_plan_error_and_exit_2(mlp_plan_json, tmp_path, ca
     t0 = time.perf_counter()
     with pytest.raises(PlanError):
         Plan.load(path)
-    assert time.perf_counter() - t0 < 30   # a hang bound, not a speed claim
+    assert time.perf_counter() - t0 < 60   # a hang bound, not a speed claim
     rc = main(["verify", "--workload", "mlp", "--shape", "batch_size=2", "--plan", str(path),
                "--out", str(tmp_path / "v")])
     err = capsys.readouterr().err
@@ -131,7 +131,7 @@ def test_a_huge_plan_file_is_not_read_whole(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(PlanError, match="over"):
         Plan.load(path)
-    assert time.perf_counter() - t0 < 30   # a hang bound, not a speed claim
+    assert time.perf_counter() - t0 < 60   # a hang bound, not a speed claim
 
 
 def test_plan_from_a_fifo_or_a_folder_is_refused(tmp_path):

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..host_rng import rewinding
+from ..sac_hooks import sac_checkpoint_kwargs
 from ..types import OP_POLICY_MODES, CheckpointMode, RankReduce, is_cheap_op, sac_saves
 from ..workload.contract import TrainingStep
 from .model import CandidateCost
@@ -74,6 +75,7 @@ def _wrap(module: nn.Module, mode: CheckpointMode, tag: str | None = None) -> Ca
     if mode in OP_POLICY_MODES:
         extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
                                                 functools.partial(_sac_policy, mode))
+        extra.update(sac_checkpoint_kwargs(checkpoint))   # NOTE [SAC under saved-tensor hooks]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(lambda leaf: leaf, (args, kwargs))   # NOTE [argument containers] (apply)

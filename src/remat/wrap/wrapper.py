@@ -75,6 +75,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from ..host_rng import HostRng, rewound
+from ..sac_hooks import sac_checkpoint_kwargs
 from ..trace.recorder import instrumentation_hooks_off
 from ..types import OP_POLICY_MODES, CheckpointMode
 from .policy import OpLevelPolicy, SaveMatmulPolicy, selective_context_fn, traceable_context_fn
@@ -199,6 +200,7 @@ class CheckpointWrapper:
             extra: dict[str, Any] = {}
             if self.mode in OP_POLICY_MODES:   # NOTE [op-level policies] in remat.types
                 extra["context_fn"] = selective_context_fn(self.policy)
+                extra.update(sac_checkpoint_kwargs(checkpoint))   # NOTE [SAC under saved-tensor hooks]
             # Keyword arguments ride in a partial: a forward keyword named like one of
             # checkpoint's own (``debug``, ``context_fn``...) must not be taken by checkpoint.
             # NOTE [host RNG]: Python's and numpy's generators as this forward finds them, for its replay
