@@ -65,7 +65,6 @@ NOT_IN_REPO = {
     "path/to/file.py": "the placeholder of a workload spec, path/to/file.py:build",
     "work.py": "an example workload spec in a docstring (./work.py:build)",
     "train/remat_workload.py": "README's example of a user's [tool.remat] workload setting",
-    "docs/offload.md": "offload from remat.auto and the integrations, written on its own branch: drop this entry once it is merged",
 }
 
 # Projects whose issue numbers may be cited in src/ (the word just before "issue").
