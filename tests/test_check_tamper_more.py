@@ -19,7 +19,7 @@ import pytest
 from remat.cli.main import main
 from remat.receipt import Receipt, write_receipt
 from remat.workflow import FindingKind, GateSettings, ReportStamps, check_receipt
-from remat.pipeline_parallel.receipt import load_any_receipt_with_digest
+from remat.receipt.pipeline import load_any_receipt_with_digest
 
 from .test_check_tamper import _control_point, _restate, _set, _shipped_point, made, shared_runs  # noqa: F401
 from .test_gate_reports import _at_world_size, _evidence, no_launch  # noqa: F401

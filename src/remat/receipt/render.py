@@ -21,6 +21,7 @@ import math
 import re
 from typing import Any, Iterable, Sequence
 
+from ..workload import shape_text
 from ..frontier.model import describe_overhead, short_overhead
 from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
@@ -52,7 +53,7 @@ def _n(k: int, noun: str) -> str:
 
 
 def _shape(shape: dict[str, Any] | None) -> str:
-    return ", ".join(f"{k}={v}" for k, v in (shape or {}).items()) or "default shape"
+    return shape_text(shape, empty="default shape")
 
 
 # -- plots -----------------------------------------------------------------------------------------

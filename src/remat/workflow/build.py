@@ -104,13 +104,13 @@ from ..profile.blocked import BATCH_KEY, profile_on_device
 from ..profile.model import BlockedStep, StepSample
 from ..profile.sample import sample_workloads
 from ..trace import StepTrace, TraceContext, trace_step, trace_workload
-from ..types import Phase, ProgressFn, no_progress
+from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..verify import VerifyReport, tolerance_table, verify_plan
 from ..verify.model import RunMode
 from ..receipt.model import (BoundaryRecord, Coverage, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan,
                              ReceiptTraces, RejectedPlan, Rejection, RunSettings, ShipStatus, UnsupportedMode)
 from ..units import mib
-from ..workload import LoadedWorkload
+from ..workload import LoadedWorkload, shape_text
 
 FIXTURE_NAME = "paired-step"   # remat.verify.verify_plan: seeded control vs planned, train + eval
 
@@ -456,13 +456,11 @@ def unsupported_modes(loaded: LoadedWorkload, plan: Plan | None, boundary_shape:
     out.append(UnsupportedMode(mode=WORLD_SIZE_MODE, status=Coverage.NOT_RUN,
                                detail="one process only; `remat distributed` measures per-rank peaks and exposed "
                                       "communication at world size N"))
-    def text(shape: dict) -> str:
-        return ", ".join(f"{k}={v}" for k, v in shape.items()) or "the default shape"
-    shapes = f"the plan was measured and verified at {text(loaded.shape)} only" if blocked is None else \
-        (f"the plan was measured at {text(loaded.shape)} and verified at {BATCH_KEY}={blocked.verified_batch} "
+    shapes = f"the plan was measured and verified at {shape_text(loaded.shape)} only" if blocked is None else \
+        (f"the plan was measured at {shape_text(loaded.shape)} and verified at {BATCH_KEY}={blocked.verified_batch} "
          f"(the unmodified control does not fit the device at {BATCH_KEY}={blocked.target_batch}) only")
     if boundary_shape:
-        shapes += f"; the boundary shape {text(boundary_shape)} was traced without it"
+        shapes += f"; the boundary shape {shape_text(boundary_shape)} was traced without it"
     out.append(UnsupportedMode(mode="other shapes", status=Coverage.NOT_RUN, detail=shapes))
     if plan is not None and plan.boundaries and plan.preserve_rng_state:
         out.append(UnsupportedMode(mode="preserve_rng_state=False", status=Coverage.UNSUPPORTED,

@@ -125,7 +125,7 @@ from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..trace import trace_workload
 from ..verify import verify_plan
-from ..workload import BUILTINS, LoadedWorkload, load_workload
+from ..workload import BUILTINS, LoadedWorkload, load_workload, shape_text
 from .build import measure_savings
 from .consistency import FixtureLimits, consistency_findings
 from .findings import CheckFinding, FindingKind
@@ -576,7 +576,7 @@ def _check_equivalence(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWork
         return
     bitwise = all(s.bitwise for s in report.per_step)
     how = f" (compiled: {plan.compile.describe()}, vs the compiled control)" if plan.compile else ""
-    where = "" if receipt.blocked is None else f" at {_shape_text(loaded.shape)}, where the control fits"
+    where = "" if receipt.blocked is None else f" at {shape_text(loaded.shape)}, where the control fits"
     ledger.checked.append(f"equivalence{how}{where}: {seeds} seed{'s' * (seeds != 1)} x {steps} "
                           f"step{'s' * (steps != 1)} + eval "
                           f"{'bitwise equal' if bitwise else 'within tolerance'}; negative controls rejected")
@@ -657,12 +657,12 @@ def _check_control(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload
     claimed = receipt.decision.control_peak_bytes
     if receipt.blocked is None and claimed is not None:
         peak = None
-        with _fits_device(ledger, f"the control at {_shape_text(loaded.shape)}", thresholds.capacity_bytes):
+        with _fits_device(ledger, f"the control at {shape_text(loaded.shape)}", thresholds.capacity_bytes):
             peak = measure_plan(loaded, None, warmup=receipt.settings.frontier_warmup, steps=0).peak_bytes
         figures.append(("the unplanned step's peak (decision.control_peak_bytes)", claimed, peak))
     target = receipt.traces.target
     traced = None
-    with _fits_device(ledger, f"the control's trace at {_shape_text(proof.shape)}", thresholds.capacity_bytes):
+    with _fits_device(ledger, f"the control's trace at {shape_text(proof.shape)}", thresholds.capacity_bytes):
         traced = _trace_peak(proof, warmup=target.context.warmup, steps=target.context.steps)
     figures.append(("the target trace's peak (traces.target.peak_bytes)", target.peak_bytes, traced))
     if receipt.plan.control_held_bytes is not None and held is not None:
@@ -761,7 +761,7 @@ def _check_savings(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWorkload
         return None
     savings: dict[str, int] | None = None
     held = None
-    with _fits_device(ledger, f"the control at {_shape_text(loaded.shape)}", thresholds.capacity_bytes):
+    with _fits_device(ledger, f"the control at {shape_text(loaded.shape)}", thresholds.capacity_bytes):
         held, savings = measure_savings(loaded, plan, warmup=receipt.settings.saving_warmup, progress=progress)
     if savings is None:
         return None
@@ -881,15 +881,11 @@ def _check_still_blocked(ledger: CheckLedger, receipt: Receipt, loaded: LoadedWo
         measure_plan(loaded, None, warmup=1, steps=0)
     except torch.OutOfMemoryError:
         refusal = last_refusal()
-        ledger.checked.append(f"the unplanned step at {_shape_text(loaded.shape)} still does not fit the device"
+        ledger.checked.append(f"the unplanned step at {shape_text(loaded.shape)} still does not fit the device"
                               + (f" ({describe_refusal(refusal)})" if refusal else ""))
         return
-    ledger.checked.append(f"the unplanned step at {_shape_text(loaded.shape)} now fits the device: the plan may no "
+    ledger.checked.append(f"the unplanned step at {shape_text(loaded.shape)} now fits the device: the plan may no "
                           "longer be needed (re-run remat receipt)")
-
-
-def _shape_text(shape: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in shape.items()) or "the default shape"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -969,7 +965,7 @@ def rerun_check(ledger: CheckLedger, ready: ReadyCheck, *, progress: ProgressFn 
     # NOTE [blocked receipt]: both shapes, every step under the gate's device capacity on the CPU
     with step_capacity(thresholds.capacity_bytes if loaded.device == "cpu" else None):
         proof = loaded if blocked is None else loaded.rebuild(**{BATCH_KEY: blocked.verified_batch})
-        with _fits_device(ledger, f"the paired steps at {_shape_text(proof.shape)}", thresholds.capacity_bytes):
+        with _fits_device(ledger, f"the paired steps at {shape_text(proof.shape)}", thresholds.capacity_bytes):
             _check_equivalence(ledger, receipt, proof, plan, progress)
         progress("check", 4, 7)
         _check_world_size(ledger, receipt, plan, thresholds, None if quick else ready.spec, progress)

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import ShapeError, WorkloadError
 from ..types import RankReduce
-from .contract import Workload, call_user
 from .contract import Workload, call_user, parse_autocast, with_autocast
 
 BUILTINS: dict[str, str] = {
@@ -47,6 +46,12 @@ class LoadedWorkload:
         """Build a fresh copy (new model, same spec), optionally at another shape."""
         return load_workload(self.spec, {**self.shape, **shape_overrides}, device=self.device, dtype=self.dtype,
                              autocast=self.autocast)
+
+
+def shape_text(shape: dict[str, Any] | None, empty: str = "the default shape") -> str:
+    """``{"batch_size": 16, "seq_len": 512}`` -> ``"batch_size=16, seq_len=512"`` (``empty`` for no keywords):
+    the one way a shape is written in a message or a report."""
+    return ", ".join(f"{k}={v}" for k, v in (shape or {}).items()) or empty
 
 
 def parse_shape(text: str | None) -> dict[str, ShapeValue]:
