@@ -25,6 +25,7 @@ from remat.receipt import (RECEIPT_SCHEMA_VERSION, Receipt, RunSettings, git_rev
                            render_markdown, write_receipt)
 from remat.receipt import write as write_mod
 from remat.workload import load_workload
+from remat.workload.loader import shape_text
 
 WORKLOAD = '''"""A tiny residual MLP workload for remat's receipt tests (its source is edited by the tests)."""
 
@@ -330,6 +331,12 @@ def _set_workload(path: Path, spec: str, shape: dict | None = None) -> None:
     d["context"]["workload"] = spec
     d["traces"]["target"]["context"]["workload"] = spec
     if shape is not None:
+        # rewrite the 'other shapes' statement too, as an attacker running remat's own code would
+        # (NOTE [receipt statements]), so the edit reaches the shape-annotation check and not the consistency one
+        old_text, new_text = shape_text(d["context"]["shape"]), shape_text(shape)
+        for u in d["unsupported"]:
+            if u["mode"] == "other shapes":
+                u["detail"] = u["detail"].replace(old_text, new_text)
         d["context"]["shape"] = shape
     path.write_text(json.dumps(d))
 
