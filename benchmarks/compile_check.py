@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from remat.frontier import FrontierSettings, p50_difference, run_frontier  # noqa: E402
 from remat.measure import CompileSpec  # noqa: E402
 from remat.plan import make_plan  # noqa: E402
+from remat.plan.spec import PlannerKind  # noqa: E402
 from remat.profile import profile_workload  # noqa: E402
 from remat.verify import verify_plan  # noqa: E402
 from remat.workload import load_workload  # noqa: E402
@@ -94,7 +95,7 @@ def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, step
                                                warmup=2, capacity_key=None, compile=CompileSpec(),
                                                budget_tries=tries), report=report, progress=progress)
     points = {p.plan: p for p in fr.points}
-    torch_arm = next((p for p in fr.points if p.planner == "torch-budget"), None)
+    torch_arm = next((p for p in fr.points if p.planner.kind is PlannerKind.TORCH_BUDGET), None)
     if torch_arm is None and points.get("none+compile") is not None and points["none+compile"].fits:
         torch_arm = points["none+compile"]   # torch's default budget (1.0) already fits
     remat_arm = points.get("optimal+compile")

@@ -27,8 +27,14 @@ from pathlib import Path
 
 from remat.frontier import FrontierPoint, decide, p50_difference
 from remat.frontier.model import unresolved_why
+from remat.plan.spec import PlannerSpec
 
 REMAT_PLANS = ("none", "all", "uniform:2", "sqrt", "sac-matmuls")   # + first-k@* and remat optimal@*
+
+
+def _planner(label: str) -> PlannerSpec:
+    """An arm's label as a planner spec: ``sac-matmuls`` is selective, ``remat optimal@X`` is optimal@X."""
+    return PlannerSpec.parse("selective" if label == "sac-matmuls" else label.removeprefix("remat "))
 
 
 ship_ratios: list[float] = []
@@ -71,7 +77,7 @@ def rows_of(w: dict) -> tuple[list[str], list[float], list[float]]:
                       f"**{ratio:.2f}**", "-" if ovh is None else f"{ovh:.2f}",
                       f"{d.diff_ms:+.0f} ms [{d.low_ms:+.0f}, {d.high_ms:+.0f}] {verdict}"]
         cells += [f"{pred_step / r['p50_ms']:.2f}", f"{r['peak_bytes'] / pred_peak:.3f}"]
-        own = [FrontierPoint(plan=a["label"], planner=a["label"], peak_bytes=a["peak_bytes"], p50_ms=a["p50_ms"],
+        own = [FrontierPoint(plan=a["label"], planner=_planner(a["label"]), peak_bytes=a["peak_bytes"], p50_ms=a["p50_ms"],
                              step_ms=a["step_ms"], boundaries=a["boundaries"])
                for a in arms.values() if a.get("p50_ms") is not None and a.get("peak_bytes") is not None
                and (a["label"] in REMAT_PLANS or a["label"].startswith(("first-k@", "remat optimal@")))]

@@ -16,6 +16,7 @@ from remat.frontier import (CapacityTry, Decision, FrontierPoint, FrontierReport
 from remat.measure import Arm, percentile
 from remat.wrap import PlanArm
 from remat.plan import make_plan
+from remat.plan.spec import PlannerSpec
 from remat.profile import profile_workload
 from remat.workload import load_workload
 
@@ -56,8 +57,16 @@ def test_identical_points_are_both_pareto():
 
 # -- pure: decision --------------------------------------------------------------------------
 
+def _planner(label):
+    """A made-up label's planner: its own spec when it is one (``optimal@50%``: ``optimal``), else optimal."""
+    try:
+        return PlannerSpec.parse(label).planner
+    except PlanError:
+        return PlannerSpec.parse("optimal")
+
+
 def _pt(label, peak_mib, p50, **kw):
-    return FrontierPoint(plan=label, planner=label.split("@")[0], peak_bytes=int(peak_mib * MIB), p50_ms=p50,
+    return FrontierPoint(plan=label, planner=_planner(label), peak_bytes=int(peak_mib * MIB), p50_ms=p50,
                          p95_ms=p50 * 1.1, **kw)
 
 
@@ -255,7 +264,7 @@ def test_run_frontier_on_tiny_mlp():
     ctrl = fr.point("none")
     assert ctrl.decision is Decision.REJECT and ctrl.reason.startswith("over budget") and ctrl.overhead_pct == 0
     assert fr.point("optimal@10%").decision is Decision.INFEASIBLE and "floor" in fr.point("optimal@10%").reason
-    assert d["shipped_plan"]["planner"] == fr.shipped.planner
+    assert d["shipped_plan"]["planner"] == fr.shipped.planner.format()
     # capacity: every measured plan searched; the control's base batch does not fit, a fitting plan's does
     assert ctrl.capacity < MLP["batch_size"] and fr.shipped.capacity >= MLP["batch_size"]
     assert fr.shipped.samples_per_s and fr.shipped.samples_per_s > 0
@@ -353,7 +362,7 @@ def test_capacity_granularity_bounds_the_bisection():
 def _noisy(label, peak_mib, true_ms, n_boundaries, rng, *, noise=0.08, rounds=12, drift=None):
     """Scripted interleaved samples: per-round machine drift shared by all plans, plus own noise."""
     samples = [true_ms * (1.0 + drift[i]) * (1.0 + rng.gauss(0.0, noise)) for i in range(rounds)]
-    return FrontierPoint(plan=label, planner=label, peak_bytes=int(peak_mib * MIB), step_ms=samples,
+    return FrontierPoint(plan=label, planner=_planner(label), peak_bytes=int(peak_mib * MIB), step_ms=samples,
                          p50_ms=statistics.median(samples), p95_ms=max(samples),
                          boundaries=[f"h.{i}:full" for i in range(n_boundaries)])
 
@@ -478,9 +487,9 @@ def test_every_overhead_carries_its_interval_and_noise_is_said_to_be():
     slow = _noisy("all", 40, 65.0, 12, rng, drift=drift, noise=0.01)
     # the control's own samples, shuffled and 1% lower: a "gain" that is only noise
     shuffled = [t * 0.99 for t in random.Random(3).sample(ctrl.step_ms, len(ctrl.step_ms))]
-    same = FrontierPoint(plan="k1", planner="k1", peak_bytes=60 * MIB, step_ms=shuffled,
+    same = FrontierPoint(plan="k1", planner=_planner("k1"), peak_bytes=60 * MIB, step_ms=shuffled,
                          p50_ms=statistics.median(shuffled), p95_ms=max(shuffled), boundaries=["h.0:full"])
-    few = FrontierPoint(plan="few", planner="few", peak_bytes=50 * MIB, step_ms=[60.0, 61.0], p50_ms=60.5,
+    few = FrontierPoint(plan="few", planner=_planner("few"), peak_bytes=50 * MIB, step_ms=[60.0, 61.0], p50_ms=60.5,
                         p95_ms=61.0, boundaries=["h.0:full"])
     (ctrl, slow, same, few), _ = decide([ctrl, slow, same, few], budget_bytes=90 * MIB, reserve=0.0)
     truth = (statistics.median(slow.step_ms) - ctrl.p50_ms) / ctrl.p50_ms * 100.0
@@ -506,7 +515,7 @@ def test_an_interval_that_excludes_zero_but_fails_the_sign_test_is_not_called_no
     assert MIN_SIGN_ROUNDS == next(n for n in range(1, 20) if stats.binomtest(n, n, 0.5).pvalue < 0.05)
 
     def point(plan, ms, boundaries):
-        return FrontierPoint(plan=plan, planner=plan, peak_bytes=50 * MIB, step_ms=ms,
+        return FrontierPoint(plan=plan, planner=_planner(plan), peak_bytes=50 * MIB, step_ms=ms,
                              p50_ms=statistics.median(ms), p95_ms=max(ms), boundaries=boundaries)
     for n, resolved in ((3, False), (MIN_SIGN_ROUNDS, True)):
         ctrl = point("none", [100.0 + i for i in range(n)], [])
@@ -544,3 +553,22 @@ def test_capacity_says_what_the_reserve_costs():
     assert oom.capacity == 9 and oom.inside_reserve(budget) is None
     point = FrontierPoint(plan="p", planner="all", capacity=oom.capacity, capacity_search=oom)
     assert point.capacity_text(budget) == "9"
+
+
+def test_point_planner_is_a_typed_spec_written_as_its_text():
+    """FrontierPoint.planner is a PlannerSpec; its JSON is the spec text remat always wrote (same bytes), and a
+    planner no grammar names is refused when read. Ground truth: the spec strings written out by hand."""
+    texts = ["none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k", "first-k:3",
+             "optimal", "greedy", "floor", "torch-budget", "optimal->all", "optimal->first-k:2"]
+    for text in texts:
+        point = FrontierPoint(plan=text, planner=text)   # the old spelling: text, parsed on the way in
+        assert isinstance(point.planner, PlannerSpec)
+        d = point.to_json()
+        assert d["planner"] == text and json.dumps(d) == json.dumps(FrontierPoint.from_json(d).to_json())
+    assert FrontierPoint(plan="x", planner="optimal->all").planner.family == "optimal"
+    # the wrong case: a planner that is no spec is refused, from the constructor and from JSON
+    with pytest.raises(PlanError, match="unknown planner"):
+        FrontierPoint(plan="x", planner="sac-matmuls")
+    bad = {**FrontierPoint(plan="x", planner="all").to_json(), "planner": "sac-matmuls"}
+    with pytest.raises(PlanError, match="unknown planner"):
+        FrontierPoint.from_json(bad)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from .._codec import FloatAsWritten, JsonCodec, from_json, json_field
+from .._json import SHORT
 from ..errors import RematError
 from ..plan.model import Plan
+from ..plan.spec import PlannerSpec
 from ..types import MemorySource
 
 FRONTIER_SCHEMA_VERSION = 1
@@ -142,7 +144,8 @@ class FrontierPoint(JsonCodec):
     again keeps its bytes)."""
 
     plan: str                                  # label: "none", "uniform:2", "optimal@50%", ...
-    planner: str                               # planner spec the plan came from
+    # the planner spec the plan came from, typed; its JSON is the spec's text (NOTE [planner specs])
+    planner: Annotated[PlannerSpec, SHORT] = json_field(encode=PlannerSpec.format, decode=PlannerSpec.parse)
     plan_budget_bytes: int | None = None       # budget the planner was given (optimal/greedy)
     predicted_peak_bytes: int | None = None    # the cost model's figure (None: infeasible)
     predicted_overhead_ms: FloatAsWritten | None = None  # the cost model's added time (sum of boundary replay ms)
@@ -166,6 +169,9 @@ class FrontierPoint(JsonCodec):
     reason: str = ""
     compile: dict[str, Any] | None = None      # CompileSpec JSON: this point ran compiled (NOTE [compiled arms])
     compile_s: FloatAsWritten | None = None             # compiled: first step's wall time less a warm step's (s)
+
+    def __post_init__(self) -> None:
+        self.planner = PlannerSpec.parse(self.planner)   # its text still reads: FrontierPoint(planner="optimal")
 
     @property
     def measured(self) -> bool:

@@ -69,7 +69,6 @@ from .pareto import decide
 
 CONTROL = "none"
 COMPILED = "+compile"            # label suffix of a plan's compiled twin
-TORCH_BUDGET = PlannerKind.TORCH_BUDGET.value    # planner of the torch.compile budget arm aimed at the peak
 DEFAULT_COMPILED_PLANS: tuple[str, ...] = ("none", "all", "sqrt", "optimal")
 # the strong baselines are plans on the frontier too (NOTE [baseline families] in plan/planners.py)
 DEFAULT_PLANS: tuple[str, ...] = ("none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k",
@@ -151,7 +150,7 @@ def _make_plans(loaded: LoadedWorkload, report: ProfileReport, requests: list[Pl
     control_peak = report.baseline_peak_bytes
     for i, req in enumerate(requests):
         progress("frontier: planning", i, len(requests))
-        point = FrontierPoint(plan=req.label, planner=req.planner)
+        point = FrontierPoint(plan=req.label, planner=req.spec.planner)
         if req.closed_loop_point:
             b, r = budget_bytes, reserve
         elif req.needs_budget:
@@ -528,7 +527,7 @@ def _aim_torch_budget(loaded: LoadedWorkload, control: Plan, spec: CompileSpec, 
         out.append(BudgetTry(ratio=ratio, peak_bytes=m.peak_bytes, fits=fits,
                              compile_s=None if m.compile_s is None else round(m.compile_s, 3)))
         if fits and (best is None or ratio > (best[2].compile.memory_budget or 0.0)):  # type: ignore[union-attr]
-            point = FrontierPoint(plan=label, planner=TORCH_BUDGET, compile=plan.compile.to_json())  # type: ignore[union-attr]
+            point = FrontierPoint(plan=label, planner=PlannerSpec(kind=PlannerKind.TORCH_BUDGET), compile=plan.compile.to_json())  # type: ignore[union-attr]
             _record_peak(point, m)
             best = (arm, point, plan)
         if fits:
