@@ -252,11 +252,12 @@ def test_remat_apply_is_a_plain_function_whatever_was_imported_first(first, monk
 
 def test_fingerprint_differences_are_records_by_path():
     """A difference under module 10 is not one under module 1 (a substring test said it was)."""
-    from remat.profile import fingerprint
+    from remat.profile import DiffKind, fingerprint
     a = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(11)])
     b = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(10)], torch.nn.Linear(2, 3))
     diffs = fingerprint(a).differences(fingerprint(b))
-    assert {(d.kind, d.name) for d in diffs} == {("parameter", "10.weight"), ("parameter", "10.bias")}
+    assert {(d.kind, d.name) for d in diffs} == {(DiffKind.PARAMETER, "10.weight"),
+                                                      (DiffKind.PARAMETER, "10.bias")}
     assert all(d.under("10") and d.under("10", strictly=True) for d in diffs)
     assert not any(d.under("1") for d in diffs)
     assert "parameter 10.weight: [2, 2] float32 -> [3, 2] float32" in [str(d) for d in diffs]

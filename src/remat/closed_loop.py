@@ -296,7 +296,7 @@ _MODEL_ERROR = 0.15
 class _OneDevice:
     """NOTE [closed loop] on one device: plans from the profile, each measured on a fresh build of the workload."""
 
-    def __init__(self, loaded: LoadedWorkload, report: ProfileReport, planner: str, *, compile: CompileSpec | None,
+    def __init__(self, loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec, *, compile: CompileSpec | None,
                  steps: int, kw: dict[str, Any], sample: StepSample | None = None,
                  variants: list[LoadedWorkload] | None = None) -> None:
         self.loaded, self.report, self.planner, self.compile, self.n_steps = loaded, report, planner, compile, steps
@@ -499,7 +499,7 @@ class BudgetMissed(BudgetError):
 
 # -- a device's capacity as the budget (NOTE [device capacity] in remat/autoplan/run.py) ---------------
 
-def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str, *, budget_bytes: int | None,
+def plan_for_device(loaded: LoadedWorkload, report: ProfileReport, planner: str | PlannerSpec, *, budget_bytes: int | None,
                     capacity_bytes: int | None, blocked: BlockedStep | None = None,
                     race: TimeRaceSettings | None = None, **kw: Any) -> ClosedLoopResult:
     """:func:`plan_closed_loop`; where the budget is the device's capacity and no plan fits it, DeviceTooSmall

@@ -45,6 +45,7 @@ from ..errors import BudgetError, PlanError
 from ..profile.model import CandidateCost, PeakRow, ProfileReport
 from .model import Plan
 from .schema import MODULE_PATH
+from .spec import PlannerSpec
 
 PIPELINE_PLAN_SCHEMA_VERSION = 1
 
@@ -214,12 +215,11 @@ def load_any_plan(path: Path | str) -> Plan | PipelinePlan:
 
 
 def plan_stages(report: ProfileReport, stage_blocks: list[list[str]], *, schedule: Schedule | str, microbatches: int,
-                base_peaks: list[int], planner: str, budget_bytes: int | None, reserve: float = 0.05,
+                base_peaks: list[int], planner: str | PlannerSpec, budget_bytes: int | None, reserve: float = 0.05,
                 allow_hazards: bool = False, in_flights: list[dict[str, int]] | None = None) -> list[Plan]:
     """One plan per stage, each from ``make_plan`` on the stage's scaled profile; BudgetError names the stage."""
     from .budget import effective_budget
     from .planners import make_plan
-    from .spec import PlannerSpec
     p = len(stage_blocks)
     if len(base_peaks) != p:
         raise PlanError(f"{len(base_peaks)} measured stage peaks for {p} stages")

@@ -6,7 +6,7 @@ profile without it; the measuring functions load torch on first use (NOTE [impor
 
 from .._lazy import lazy_exports
 from .fingerprint import class_source_hash, fingerprint, module_revision   # eager: ``fingerprint`` is also a submodule's name
-from .model import (CandidateCost, FingerprintDiff, HazardRecord, ModelFingerprint, ParamSignature, PeakRow, ProfileReport,
+from .model import (CandidateCost, DiffKind, FingerprintDiff, HazardRecord, ModelFingerprint, ParamSignature, PeakRow, ProfileReport,
                     SampleRecord, StepSample)
 
 _LAZY = {
@@ -19,7 +19,7 @@ _LAZY = {
     "UnsampledBlockWarning": "remat.profile.twins",
 }
 
-__all__ = ["CandidateCost", "FingerprintDiff", "HazardRecord", "ModelFingerprint", "ParamSignature", "PeakRow", "ProfileReport",
+__all__ = ["CandidateCost", "DiffKind", "FingerprintDiff", "HazardRecord", "ModelFingerprint", "ParamSignature", "PeakRow", "ProfileReport",
            "SampleRecord", "StepSample", "UnsampledBlockWarning", "auto_candidates", "class_source_hash", "fingerprint", "module_revision", "profile_sample", "profile_simulated", "profile_step",
            "profile_workload", "resolve_candidates"]
 

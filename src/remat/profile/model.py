@@ -26,6 +26,7 @@ second call's backward only the first.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Annotated, Any
 
 from .._codec import JsonCodec, Len, Short, json_field, to_json
@@ -122,22 +123,31 @@ class ModelFingerprint(JsonCodec):
         D = FingerprintDiff
         out: list[FingerprintDiff] = []
         a, b = dict(self.modules), dict(other.modules)
-        out += [D(kind="module", name=m, text=f"module {m} missing") for m in sorted(a.keys() - b.keys())]
-        out += [D(kind="module", name=m, text=f"module {m} is new") for m in sorted(b.keys() - a.keys())]
-        out += [D(kind="module", name=m, text=f"module {m}: {a[m]} -> {b[m]}")
+        out += [D(kind=DiffKind.MODULE, name=m, text=f"module {m} missing") for m in sorted(a.keys() - b.keys())]
+        out += [D(kind=DiffKind.MODULE, name=m, text=f"module {m} is new") for m in sorted(b.keys() - a.keys())]
+        out += [D(kind=DiffKind.MODULE, name=m, text=f"module {m}: {a[m]} -> {b[m]}")
                 for m in sorted(a.keys() & b.keys()) if a[m] != b[m]]
         pa, pb = {p.name: p for p in self.params}, {p.name: p for p in other.params}
-        out += [D(kind="parameter", name=n, text=f"parameter {n} missing") for n in sorted(pa.keys() - pb.keys())]
-        out += [D(kind="parameter", name=n, text=f"parameter {n} is new") for n in sorted(pb.keys() - pa.keys())]
-        out += [D(kind="parameter", name=n,
+        out += [D(kind=DiffKind.PARAMETER, name=n, text=f"parameter {n} missing") for n in sorted(pa.keys() - pb.keys())]
+        out += [D(kind=DiffKind.PARAMETER, name=n, text=f"parameter {n} is new") for n in sorted(pb.keys() - pa.keys())]
+        out += [D(kind=DiffKind.PARAMETER, name=n,
                   text=f"parameter {n}: {list(pa[n].shape)} {pa[n].dtype} -> {list(pb[n].shape)} {pb[n].dtype}")
                 for n in sorted(pa.keys() & pb.keys()) if pa[n] != pb[n]]
         ca, cb = dict(self.class_source_hashes), dict(other.class_source_hashes)
         structural = set(self.structural_classes) | set(other.structural_classes)
-        out += [D(kind="class", name=c, text=f"source of class {c} changed" if c not in structural else
+        out += [D(kind=DiffKind.CLASS, name=c, text=f"source of class {c} changed" if c not in structural else
                   f"class {c} changed (hashed by its bytecode: no source was readable)")
                 for c in sorted(ca.keys() & cb.keys()) if ca[c] != cb[c]]
-        return out or [D(kind="digest", name="", text="fingerprint digest differs")]
+        return out or [D(kind=DiffKind.DIGEST, name="", text="fingerprint digest differs")]
+
+
+class DiffKind(str, enum.Enum):
+    """What a fingerprint difference is about (a str enum: ``kind == "class"`` still reads)."""
+
+    MODULE = "module"
+    PARAMETER = "parameter"
+    CLASS = "class"
+    DIGEST = "digest"   # nothing more specific found
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,7 +155,7 @@ class FingerprintDiff:
     """One difference between two fingerprints: a module, parameter or class (by its path or
     qualified name), with the sentence that says it."""
 
-    kind: str      # "module", "parameter", "class", or "digest" (nothing more specific found)
+    kind: DiffKind
     name: str      # module path, parameter name, or qualified class name
     text: str
 
@@ -154,7 +164,7 @@ class FingerprintDiff:
 
     def under(self, module: str, *, strictly: bool = False) -> bool:
         """Whether it is about ``module`` (unless ``strictly``) or a module or parameter inside it."""
-        if self.kind not in ("module", "parameter"):
+        if self.kind not in (DiffKind.MODULE, DiffKind.PARAMETER):
             return False
         return self.name.startswith(module + ".") or (not strictly and self.name == module)
 

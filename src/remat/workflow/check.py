@@ -120,7 +120,7 @@ from ..measure import prepare_arm, time_round_robin
 from ..wrap import PlanArm, boundary_module
 from ..errors import CandidateError, CheckTimeout, ReceiptError, WorkloadError
 from ..plan import Plan
-from ..profile import FingerprintDiff, fingerprint, module_revision
+from ..profile import DiffKind, FingerprintDiff, fingerprint, module_revision
 from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..trace import trace_workload
@@ -479,7 +479,7 @@ def _boundary_findings(b: BoundaryRecord, model: nn.Module, named: list[str], fp
     if rev == b.revision:
         return [], []
     classes = {type(m).__qualname__ for m in module.modules()}
-    mine = [d for d in fp_diffs if d.under(b.module, strictly=True) or (d.kind == "class" and d.name in classes)]
+    mine = [d for d in fp_diffs if d.under(b.module, strictly=True) or (d.kind is DiffKind.CLASS and d.name in classes)]
     why = "; ".join(str(d) for d in mine[:4]) or "its class source or parameter shapes changed"
     return ([CheckFinding(kind=FindingKind.MODEL, boundary=b.module,
                           message=f"boundary {b.module} ({b.class_name}): revision {b.revision} -> {rev} ({why})")],
