@@ -63,9 +63,6 @@ class Schedule(str, enum.Enum):
         return self is Schedule.INTERLEAVED_1F1B
 
 
-SCHEDULES = tuple(s.value for s in Schedule)
-
-
 class Side(str, enum.Enum):
     """One side of a pipeline run: which plan every stage runs under."""
 
