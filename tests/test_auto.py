@@ -352,3 +352,36 @@ def test_auto_summary_labels_its_overhead_predicted_and_never_divides_a_non_inte
     assert rep.predicted_overhead == pytest.approx(0.14)
     assert "+14.0% predicted" in text and "not interleaved" in text
     assert "184" not in text and "+84" not in text
+
+
+# -- auto's options, declared once (AutoSettings's fields) ---------------------------------------------
+
+def _option_mismatches(fn, settings_cls) -> list[str]:
+    """How ``fn``'s keyword-only parameters differ from ``settings_cls``'s init fields: names, order, defaults."""
+    import dataclasses
+    import inspect
+    params = [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    fields = [(f.name, f.default) for f in dataclasses.fields(settings_cls) if f.init]
+    if [n for n, _ in params] != [n for n, _ in fields]:
+        return [f"names: {[n for n, _ in params]} != {[n for n, _ in fields]}"]
+    return [f"{n}: default {a!r} != {b!r}" for (n, a), (_, b) in zip(params, fields) if a != b]
+
+
+def test_auto_signature_is_autosettings_fields():
+    """The signature IDEs read and the one list of options agree, name by name, in order, default by default.
+    Ground truth: inspect.signature of the real function; the wrong cases are edited copies of it."""
+    from remat.autoplan.run import AutoSettings, auto
+    assert _option_mismatches(auto, AutoSettings) == []
+    assert len([f for f in __import__("dataclasses").fields(AutoSettings) if f.init]) == 17   # counted by hand
+
+    def other_default(model, example_batch, *, budget=None, loss_fn=None, optimizer=None, verify="quick",
+                      cache_dir=None, use_cache=True, reserve=0.05, planner="optimal", copy_fn=None,
+                      measure_replays=True, segments=True, progress=None, autocast=None, on_new_shape=None,
+                      accumulation_steps=1, device_memory=None, offload=False):
+        pass
+    wrong = _option_mismatches(other_default, AutoSettings)
+    assert "verify: default 'quick' != None" in wrong and any(w.startswith("progress:") for w in wrong)
+
+    def one_missing(model, example_batch, *, budget=None):
+        pass
+    assert _option_mismatches(one_missing, AutoSettings)[0].startswith("names:")

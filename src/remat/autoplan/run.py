@@ -79,21 +79,23 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoSettings:
-    """:func:`auto`'s keywords, built once from them and validated here. Each is documented on
-    :func:`auto`, whose signature holds the defaults (it is the public API)."""
+    """:func:`auto`'s keywords and their defaults, declared here once and validated here. Each is documented
+    on :func:`auto`, whose signature spells them out for IDEs; tests/test_auto.py checks that it names these
+    fields, in this order, with these defaults, and :func:`auto` builds this from its own arguments by these
+    fields' names."""
 
-    budget: str | int | None    # bytes, "8GiB", "70%" of the unplanned step's measured peak; None: fit the device
-    loss_fn: LossFn | None      # None: default_loss(batch)
-    optimizer: torch.optim.Optimizer | None
-    verify: str | None          # one of VERIFY_MODES
-    cache_dir: str | Path | None
-    use_cache: bool
-    reserve: str | float        # as given: 0.05 or "5%"
-    planner: str
-    copy_fn: CopyFn | None
-    measure_replays: bool
-    segments: bool
-    progress: ProgressFn
+    budget: str | int | None = None   # bytes, "8GiB", "70%" of the unplanned step's measured peak; None: fit the device
+    loss_fn: LossFn | None = None     # None: default_loss(batch)
+    optimizer: torch.optim.Optimizer | None = None
+    verify: str | None = None         # one of VERIFY_MODES
+    cache_dir: str | Path | None = None
+    use_cache: bool = True
+    reserve: str | float = 0.05       # as given: 0.05 or "5%"
+    planner: str = "optimal"
+    copy_fn: CopyFn | None = None
+    measure_replays: bool = True
+    segments: bool = True
+    progress: ProgressFn = no_progress
     autocast: str | None = None   # as given: "bf16", "bfloat16", "fp16", "float16"
     on_new_shape: ShapePolicy | str = ShapePolicy.WARN   # NOTE [shape guard]; a string is parsed
     accumulation_steps: int = 1   # micro-batches per optimizer step (NOTE [accumulated step])
@@ -235,14 +237,11 @@ def auto(model: nn.Module, example_batch: Any, *, budget: str | int | None = Non
     yours is changed but the wrapped modules' ``forward``
     (NOTE [no side effects]); ``handle.remove()`` undoes that.
     """
+    given = locals()   # the arguments alone: AutoSettings's fields name the options
     t0 = time.perf_counter()
     _check_trainable(model)
     with option_style(OptionStyle.KEYWORDS):   # NOTE [option spelling]
-        settings = AutoSettings(budget=budget, loss_fn=loss_fn, optimizer=optimizer, verify=verify,
-                                cache_dir=cache_dir, use_cache=use_cache, reserve=reserve, planner=planner,
-                                copy_fn=copy_fn, measure_replays=measure_replays, segments=segments, progress=progress,
-                                autocast=autocast, on_new_shape=on_new_shape, accumulation_steps=accumulation_steps,
-                                device_memory=device_memory, offload=offload)
+        settings = AutoSettings(**{f.name: given[f.name] for f in dataclasses.fields(AutoSettings) if f.init})
     _check_unwrapped(model)
     check_uncompiled(model)   # NOTE [compiled blocks]
     return _fit(model, example_batch, settings, t0)
