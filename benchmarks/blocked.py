@@ -105,7 +105,7 @@ def run(name: str, ratio: float, steps: int, rounds: int) -> dict:
                remat_over_all_blocks_range=[min(ratios), max(ratios)],
                remat_over_first_k_median=statistics.median(ratios_fk),
                remat_over_first_k_range=[min(ratios_fk), max(ratios_fk)],
-               first_k_planner=first_k.planner, first_k_boundaries=len(first_k.boundaries),
+               first_k_planner=first_k.planner.format(), first_k_boundaries=len(first_k.boundaries),
                first_k_step_ms=1000 * statistics.median(times["first_k"]),
                remat_step_ms=1000 * statistics.median(times["remat"]),
                all_blocks_step_ms=1000 * statistics.median(times["all_blocks"]))

@@ -70,7 +70,7 @@ class Block(nn.Module):
 def _offloaded(n_blocks: int, d: int, h: int, reuse: bool) -> tuple[nn.Module, HostPool]:
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(d, h) for _ in range(n_blocks)])
-    plan = Plan(planner="bench", budget_bytes=None, reserve=0.0,
+    plan = Plan(planner="all", budget_bytes=None, reserve=0.0,
                 boundaries=[Boundary(module=str(i), mode=CheckpointMode.OFFLOAD, saved_bytes=0, replay_ms=0.0)
                             for i in range(n_blocks)],
                 excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,

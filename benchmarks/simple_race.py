@@ -99,7 +99,7 @@ def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> 
             continue
         peak = profiler_peak(loaded, p)
         if peak <= budget:
-            simples[p.planner] = (p, peak)
+            simples[p.planner.format()] = (p, peak)
     arms = [Arm("unplanned"), PlanArm("remat", shipped), *(PlanArm(name, p) for name, (p, _) in simples.items())]
     runners = [prepare_arm(loaded, a) for a in arms]
     try:
@@ -110,7 +110,7 @@ def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> 
     p50 = {label: float(np.median(ms)) for label, ms in t.step_ms.items()}
     shipped_simple = shipped.time_race is not None and shipped.time_race.shipped_simple
     candidates = list(simples) + (["remat"] if shipped_simple else [])
-    row: dict[str, Any] = dict(share=share, budget_bytes=budget, plan_seconds=round(plan_s, 1), shipped=shipped.planner,
+    row: dict[str, Any] = dict(share=share, budget_bytes=budget, plan_seconds=round(plan_s, 1), shipped=shipped.planner.format(),
                                boundaries=[f"{b.module}:{b.mode.value}" for b in shipped.boundaries],
                                shipped_peak_bytes=shipped_peak, fits=shipped_peak <= budget,
                                race=shipped.time_race.describe() if shipped.time_race else None,
@@ -120,7 +120,7 @@ def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> 
         return row
     best = min(candidates, key=lambda name: p50[name])
     ratio, low, high = bootstrap_ratio(t.step_ms["remat"], t.step_ms[best]) if best != "remat" else (1.0, 1.0, 1.0)
-    row.update(best_simple=best if best != "remat" else shipped.planner, best_simple_ms=p50[best],
+    row.update(best_simple=best if best != "remat" else shipped.planner.format(), best_simple_ms=p50[best],
                best_simple_peak_bytes=simples[best][1] if best in simples else shipped_peak,
                ratio=ratio, low=low, high=high, resolved_slower=low > 1.0, resolved_faster=high < 1.0)
     return row

@@ -49,7 +49,7 @@ def hand_plan(model, paths, *, mode=None, guarded: bool = False, preserve_rng_st
     from remat.profile import fingerprint
     from remat.types import CheckpointMode
     mode = mode or CheckpointMode.FULL
-    return Plan(planner="test", budget_bytes=None, reserve=0.0,
+    return Plan(planner="all", budget_bytes=None, reserve=0.0,
                 boundaries=[Boundary(module=p, mode=mode, saved_bytes=0, replay_ms=0.0, guarded=guarded) for p in paths],
                 excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
                 baseline_step_ms=0.0, fingerprint=fingerprint(model), preserve_rng_state=preserve_rng_state)

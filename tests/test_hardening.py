@@ -99,7 +99,7 @@ def _plan_variants(text: str) -> dict[str, str]:
         "list for object": with_(lambda dd: dd.update(fingerprint=[])),
         "null boundaries": with_(lambda dd: dd.update(boundaries=None)),
         "bad mode": with_(lambda dd: dd["boundaries"][0].update(mode="keep")),
-        "duplicate key": text.replace('"planner": "test"', '"planner": "test", "planner": "x"', 1),
+        "duplicate key": text.replace('"planner": "all"', '"planner": "all", "planner": "x"', 1),
         "not an object": "[]",
         "truncated": text[: len(text) // 2],
         "not utf-8": "\udcff",

@@ -43,7 +43,7 @@ def _model() -> nn.Sequential:
 
 
 def _plan(model: nn.Module, modes: dict[str, CheckpointMode]) -> Plan:
-    return Plan(planner="test", budget_bytes=None, reserve=0.0,
+    return Plan(planner="all", budget_bytes=None, reserve=0.0,
                 boundaries=[Boundary(module=n, mode=m, saved_bytes=0, replay_ms=0.0) for n, m in modes.items()],
                 excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
                 baseline_step_ms=0.0, fingerprint=fingerprint(model))

@@ -117,7 +117,7 @@ def test_a_baseline_family_plan_that_measures_in_budget_ships(monkeypatch):
     monkeypatch.setattr(closed_loop, "measure_plan", fake)
     shipped = closed_loop.plan_closed_loop(None, chain, "optimal", budget_bytes=budget).plan
     assert [b.module for b in shipped.boundaries] == key and shipped.measured_peak_bytes == eff - 1
-    assert shipped.planner.startswith("optimal->first-k:")
+    assert shipped.planner.format().startswith("optimal->first-k:")
     # the fallbacks before the baseline families (all, floor) are other plans: they could not have found it
     assert all([b.module for b in make_plan(chain, spec, budget_bytes=budget).boundaries] != key
                for spec in ("all", "floor"))

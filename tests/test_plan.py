@@ -430,6 +430,25 @@ def test_plan_json_round_trip(tmp_path):
     assert Plan.load(plan.save(tmp_path / "plan.json")) == plan
 
 
+def test_plan_planner_is_a_typed_spec_written_as_its_text(tmp_path):
+    """Plan.planner is a PlannerSpec; plan.json holds the spec text it always held (same bytes), the text
+    compares equal to it, and a plan.json whose planner names no planner is refused. Ground truth: the
+    JSON text written by hand; the wrong case is a hand-edited file."""
+    from remat.plan.spec import PlannerKind, PlannerSpec
+    plan = make_plan(hazard_report(), "optimal", budget_bytes=80, reserve=0.05)
+    assert isinstance(plan.planner, PlannerSpec) and plan.planner.kind is PlannerKind.OPTIMAL
+    assert plan.to_json()["planner"] == "optimal" and plan.planner == "optimal" and plan.planner != "greedy"
+    text = json.dumps(plan.to_json())
+    assert '"planner": "optimal"' in text and json.dumps(Plan.from_json(json.loads(text)).to_json()) == text
+    fallback = Plan.from_json({**plan.to_json(), "planner": "optimal->first-k:2"})
+    assert fallback.planner.fallback_of == "optimal" and fallback.to_json()["planner"] == "optimal->first-k:2"
+    with pytest.raises(PlanError, match="unknown planner 'sac-matmuls'"):
+        Plan.from_json({**plan.to_json(), "planner": "sac-matmuls"})
+    (tmp_path / "plan.json").write_text(text.replace('"planner": "optimal"', '"planner": "nonsense"'))
+    with pytest.raises(PlanError, match="unknown planner"):
+        Plan.load(tmp_path / "plan.json")
+
+
 def test_margin_knob_and_replan(chain9):
     budget = int(chain9.baseline_peak_bytes * 0.7)
     first = make_plan(chain9, "optimal", budget_bytes=budget)
@@ -495,7 +514,7 @@ def test_closed_loop_measures_fallbacks_when_the_model_says_nothing_fits(chain9,
     fake = _ScriptedMeasure(lambda p: p.predicted_peak_bytes // 2)
     monkeypatch.setattr(closed_loop, "measure_plan", fake)
     result = closed_loop.plan_closed_loop(None, chain9, "optimal", budget_bytes=budget, reserve=0.0)
-    assert result.plan.planner.startswith("optimal->") and result.plan.measured_peak_bytes <= budget
+    assert result.plan.planner.format().startswith("optimal->") and result.plan.measured_peak_bytes <= budget
     # and with honest measurements the model's InfeasibleBudget (naming the floor) stands
     honest = _ScriptedMeasure(lambda p: p.predicted_peak_bytes)
     monkeypatch.setattr(closed_loop, "measure_plan", honest)

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         prepared.close()
     budget, effective = d.budget_bytes, d.effective_budget_bytes
     out = {"instrument": "torch.profiler allocator events (remat.memory.profiler_step_peak)",
-           "plan": plan.planner, "boundaries": len(plan.boundaries), "step_indices": [nxt + i for i in range(args.steps)],
+           "plan": plan.planner.format(), "boundaries": len(plan.boundaries), "step_indices": [nxt + i for i in range(args.steps)],
            "peaks_bytes": peaks, "max_peak_bytes": max(peaks), "budget_bytes": budget,
            "effective_budget_bytes": effective, "receipt_shipped_peak_bytes": d.shipped_peak_bytes,
            "within_budget": None if budget is None else max(peaks) <= budget,

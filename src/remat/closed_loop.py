@@ -278,7 +278,7 @@ def plan_closed_loop(loaded: LoadedWorkload, report: ProfileReport, planner: str
         fb = outcome.plan
         if outcome.fallback:
             # says what shipped and why: the model's pick missed (NOTE [planner specs])
-            fb.planner = PlannerSpec.parse(fb.planner).after_miss_of(PlannerSpec.parse(planner)).format()
+            fb.planner = fb.planner.after_miss_of(PlannerSpec.parse(planner))
         return ClosedLoopResult(plan=fb, attempts=attempts, loop=device, tried=[t.plan for t in outcome.tried])
     in_budget = _cheapest_in_budget([t.plan for t in outcome.tried])
     if infeasible is not None and in_budget is None:
@@ -633,7 +633,7 @@ def race_simple_plan(result: ClosedLoopResult, settings: TimeRaceSettings, progr
     default needs all six rounds to agree before it overrides the simpler plan.
     """
     plan, loop = result.plan, result.loop
-    spec = PlannerSpec.parse(plan.planner)
+    spec = plan.planner
     if (loop is None or loop.loaded.ranks is not None or not plan.boundaries or spec.fallback_of is not None
             or spec.kind not in (PlannerKind.OPTIMAL, PlannerKind.GREEDY)):
         return
@@ -641,12 +641,12 @@ def race_simple_plan(result: ClosedLoopResult, settings: TimeRaceSettings, progr
     if simple is None:
         return
     if _key(simple) == _key(plan):
-        plan.time_race = TimeRace(simple=simple.planner, simple_boundaries=len(simple.boundaries),
+        plan.time_race = TimeRace(simple=simple.planner.format(), simple_boundaries=len(simple.boundaries),
                                   verdict=RaceVerdict.SAME, shipped_simple=False, rounds=0)
         return
     timed = _time_side_by_side(loop, plan, simple, settings, progress)
     if timed is None:
-        plan.time_race = TimeRace(simple=simple.planner, simple_boundaries=len(simple.boundaries),
+        plan.time_race = TimeRace(simple=simple.planner.format(), simple_boundaries=len(simple.boundaries),
                                   verdict=RaceVerdict.UNTIMED, shipped_simple=False, rounds=0)
         return
     result.plan = _decide_race(loop.report, plan, simple, *timed)
@@ -661,13 +661,13 @@ def _decide_race(report: ProfileReport, plan: Plan, simple: Plan, unplanned: lis
     scales = time_scales(plan, p50([a - u for a, u in zip(remat, unplanned)]),
                          simple, p50([b - u for b, u in zip(simple_ms, unplanned)]))
     calibrate_replay_ms(report, scales)
-    record = TimeRace(simple=simple.planner, simple_boundaries=len(simple.boundaries), verdict=verdict,
+    record = TimeRace(simple=simple.planner.format(), simple_boundaries=len(simple.boundaries), verdict=verdict,
                       shipped_simple=ship_simple, rounds=ratio.rounds, ratio=ratio.ratio, low=ratio.low,
                       high=ratio.high, remat_ms=p50(remat), simple_ms=p50(simple_ms), unplanned_ms=p50(unplanned),
                       time_scale=tuple(sorted(scales.items(), key=lambda kv: kv[0].value)))
     shipped = simple if ship_simple else plan
     if ship_simple:   # says what shipped and why (NOTE [planner specs])
-        shipped.planner = PlannerSpec.parse(simple.planner).after_miss_of(PlannerSpec.parse(plan.planner)).format()
+        shipped.planner = simple.planner.after_miss_of(plan.planner)
     shipped.time_race = record
     return shipped
 

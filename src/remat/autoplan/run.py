@@ -576,7 +576,7 @@ def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache:
     return AutoReport(
         plan_digest=sha256_json(plan.to_json()), world_size=ranks.world_size if ranks is not None else 1,
         engine=source.engine if isinstance(source, InPlaceSource) else JobEngine.NONE,
-        planner=plan.planner, boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
+        planner=plan.planner.format(), boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
         budget="the device" if settings.budget is None else str(settings.budget), budget_bytes=plan.budget_bytes or 0,
         effective_budget_bytes=plan.effective_budget_bytes or 0,
         baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,

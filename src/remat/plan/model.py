@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from .._codec import Bytes, JsonCodec, Len, Ms, Short, SignedBytes, SignedMs, Text, from_json, json_field, schema
-from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, Enum, Int, Num, Str, read_json_file, validate
+from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, SHORT, Enum, Int, Num, Str, read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import SAMPLE, BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .offload import OffloadPricing
+from .spec import PlannerSpec
 from .timing import TimeRace
 
 PLAN_SCHEMA_VERSION = 1
@@ -72,7 +73,9 @@ class Plan(JsonCodec):
     """A plan and the figures behind it (bytes, ms). Its JSON's optional fields are those older plan
     files may lack (read as their defaults here); every other one is required."""
 
-    planner: Short                        # "optimal", "greedy", "sqrt", "uniform:2", "all", "none", ...
+    # the planner spec it came from ("optimal", "uniform:2", "optimal->all", ...), typed; its JSON is the
+    # spec's text (NOTE [planner specs]); text given here is parsed
+    planner: Annotated[PlannerSpec, SHORT] = json_field(encode=PlannerSpec.format, decode=PlannerSpec.parse)
     budget_bytes: Annotated[int, Int(1, 2 ** 53)] | None   # whole-step peak budget (None: planner needs none)
     reserve: Annotated[float, Num(0, 0.999999)]   # fraction of the budget kept free (0.05 = 5%)
     boundaries: Annotated[list[Boundary], Len(10_000)]
@@ -107,6 +110,7 @@ class Plan(JsonCodec):
     schema_version: Annotated[int, Enum(PLAN_SCHEMA_VERSION)] = json_field(default=PLAN_SCHEMA_VERSION, required=True)
 
     def __post_init__(self) -> None:
+        self.planner = PlannerSpec.parse(self.planner)
         if not 0.0 <= self.reserve < 1.0:
             raise PlanError(f"reserve must be in [0, 1), got {self.reserve}")
         names = [b.module for b in self.boundaries]

@@ -710,7 +710,7 @@ def replan_with_correction(report: ProfileReport, previous: Plan, measured_peak_
     InfeasibleBudget when the tightened target is below the floor.
     """
     if previous.budget_bytes is None:
-        raise PlanError(f"plan by {previous.planner!r} has no budget to correct against")
+        raise PlanError(f"plan by {previous.planner.format()!r} has no budget to correct against")
     margin = correction_margin(previous, measured_peak_bytes, margin_bytes)
     plan = make_plan(report, previous.planner, budget_bytes=previous.budget_bytes, reserve=previous.reserve,
                      allow_hazards=allow_hazards, preserve_rng_state=previous.preserve_rng_state,

@@ -112,6 +112,16 @@ class PlannerSpec:
     def __str__(self) -> str:
         return self.format()
 
+    # Equal to its text, as a str enum is to its value, so a caller's ``plan.planner == "optimal"`` reads
+    # as it did when the field held the text; the hash agrees with that equality.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (str, PlannerSpec)):
+            return self.format() == str(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.format())
+
     @classmethod
     def parse(cls, text: str | PlannerSpec) -> PlannerSpec:
         """Spec text -> PlannerSpec (NOTE [planner specs]); PlanError naming the valid planners if off."""

@@ -98,7 +98,7 @@ from ..frontier import FrontierPoint, FrontierReport, FrontierSettings, run_fron
 from ..frontier.pareto import SamplePeak, ShipDecision, Verdict, ship_decision
 from ..measure import CompileSpec, held_bytes_at_phase, prepare_arm, shape_value
 from ..memory.capacity import step_capacity
-from ..plan import InfeasibleBudget, Plan, PlannerSpec, budget_on_device, check_budget_syntax
+from ..plan import InfeasibleBudget, Plan, budget_on_device, check_budget_syntax
 from ..profile import ProfileReport, module_revision
 from ..profile.blocked import BATCH_KEY, profile_on_device
 from ..profile.model import BlockedStep, StepSample
@@ -290,7 +290,7 @@ def _why_plan(shipped: FrontierPoint, plan: Plan, bar: _Bar, trace: StepTrace,
               verification: VerifyReport | None) -> list[str]:
     """A shipped plan with boundaries: which family won, the peak it clears by, its cost, its proof."""
     mods = ", ".join(f"{b.module} ({b.mode.value})" for b in plan.boundaries)
-    spec = PlannerSpec.parse(shipped.planner)
+    spec = shipped.planner
     kind = "remat's own plan" if spec.is_remats_own else "a baseline"
     why = [f"Ship {shipped.plan}: checkpoint {mods}"
            + (f", run compiled ({plan.compile.describe()})" if plan.compile is not None else "")
