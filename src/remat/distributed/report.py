@@ -192,7 +192,7 @@ class DistributedReport:
             "device": self.device,
             "dtype": self.dtype,
             "workload": {"spec": self.spec, "shape": self.shape},
-            "torch_version": self.torch_version,   # the key every other context uses (was "torch")
+            "torch_version": self.torch_version,   # the key every other context uses
             "steps": self.steps,
             "warmup": self.warmup,
             "comm_steps": self.comm_steps,
@@ -242,7 +242,7 @@ class DistributedReport:
                        shape=dict(d["workload"]["shape"]), steps=int(d["steps"]), warmup=int(d["warmup"]),
                        comm_steps=int(d["comm_steps"]), samples_per_step=[int(x) for x in d["samples_per_step"]],
                        memory_source=MemorySource(d["memory_source"]), comm_source=str(d["comm_source"]),
-                       torch_version=str(d["torch_version"] if "torch_version" in d else d["torch"]), plan_boundaries=list(d["plan_boundaries"]),
+                       torch_version=str(d["torch_version"]), plan_boundaries=list(d["plan_boundaries"]),
                        control=control, plan=sides["plan"],
                        equivalence=None if d["equivalence"] is None else Equivalence.from_json(d["equivalence"]),
                        notes=list(d.get("notes", [])), schema_version=int(d["schema_version"]),
