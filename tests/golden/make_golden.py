@@ -1,0 +1,64 @@
+"""Writes the golden files tests/test_codec_golden.py holds the codecs to (run once, before a codec change).
+
+``PYTHONPATH=src python tests/golden/make_golden.py`` makes a receipt of the tiny residual MLP of
+tests/test_receipt.py at its test sizes, adds a run at world size 2 made up from it (nothing launches
+ranks: the evidence of tests/test_gate_reports.py), and writes:
+
+- ``receipt.json``: the receipt's bytes as ``remat receipt`` writes them (receipt/write.py);
+- ``receipt_optional.json``: the same with the keys a plain receipt leaves out given (autocast,
+  the device's memory, candidates excluded after verification);
+- ``hostile.json``: for each hostile edit of tests/test_codec_golden.py (wrong type, out-of-bound
+  number, extra key, missing key), the name of the error class reading the edited receipt raised
+  (or "accepted").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))   # the repository root: tests.* importable
+
+from remat.receipt import Receipt, write_receipt  # noqa: E402
+from remat.receipt.write import receipt_bytes  # noqa: E402
+from remat.workflow import make_receipt  # noqa: E402
+from remat.workload import load_workload  # noqa: E402
+from tests.test_codec_golden import EDITS, outcome  # noqa: E402
+from tests.test_gate_reports import _evidence  # noqa: E402
+from tests.test_receipt import SETTINGS, WORKLOAD  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        try:
+            Path("work.py").write_text(WORKLOAD)
+            receipt = make_receipt(load_workload("work.py:build", {}), budget="85%", reserve=0.05,
+                                   boundary_shape={"batch_size": 512}, settings=SETTINGS, command="pytest")
+            write_receipt(receipt, Path(tmp) / "out")
+        finally:
+            os.chdir(cwd)
+    data = json.loads(receipt_bytes(receipt))
+    data["world_size"] = _evidence(data, 2)
+    receipt = Receipt.from_json(data)
+    (HERE / "receipt.json").write_bytes(receipt_bytes(receipt))
+    # the keys a plain receipt leaves out, given: they must keep their place in the bytes too
+    data = json.loads(receipt_bytes(receipt))
+    data["context"].update(autocast="bfloat16", device_memory_bytes=1 << 30)
+    data["plan"]["excluded_after_verify"] = {"blocks.1": "draws random numbers"}
+    (HERE / "receipt_optional.json").write_bytes(receipt_bytes(Receipt.from_json(data)))
+    text = (HERE / "receipt.json").read_bytes()
+    hostile = {name: outcome(text, edit) for name, edit in EDITS.items()}
+    (HERE / "hostile.json").write_text(json.dumps(hostile, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
