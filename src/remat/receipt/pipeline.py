@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import _json
-from .._codec import JsonCodec
+from .._codec import JsonCodec, schema
 from .._json import json_kind, read_bounded_bytes
 from ..distributed.pipeline.report import PIPELINE_REPORT, PipelineReport
 from ..errors import ReceiptError, RematError
 from ..plan.pipeline import PipelinePlan, Side
 from .model import ReceiptContext
-from .schema import CONTEXT, HEX16, MODULE_PATH, SHORT, parse_json_bounded
+from .._json import MODULE_PATH
+from .schema import HEX16, SHORT, parse_json_bounded
 
 PIPELINE_RECEIPT_KIND = "remat-pipeline-receipt"
 PIPELINE_RECEIPT_SCHEMA_VERSION = 1
@@ -38,7 +39,7 @@ MAX_CHECK_STEPS = 100
 STAGE_BOUNDARY = _json.Obj({"stage": _json.Int(0, 1 << 20), "module": MODULE_PATH, "class_name": SHORT,
                                "revision": HEX16})
 PIPELINE_RECEIPT_SCHEMA = _json.Obj({
-    "schema_version": _json.Int(0, 1000), "kind": _json.Enum(PIPELINE_RECEIPT_KIND), "context": CONTEXT,
+    "schema_version": _json.Int(0, 1000), "kind": _json.Enum(PIPELINE_RECEIPT_KIND), "context": schema(ReceiptContext),
     "pipeline": PIPELINE_REPORT, "boundaries": _json.List(STAGE_BOUNDARY, max_len=100_000),
     "check_steps": _json.Int(1, MAX_CHECK_STEPS), "check_timeout_s": _json.Num(1, 86400.0),
 })
