@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
-from remat.errors import RematError
+from remat.errors import DistributedError, RematError
 from remat.receipt import Receipt
 from remat.receipt.write import receipt_bytes
 
@@ -118,6 +118,23 @@ def test_the_golden_receipt_with_its_optional_keys_reads_and_writes_its_own_byte
     assert receipt_bytes(receipt) == text
 
 
+def test_the_golden_distributed_config_reads_and_writes_its_own_bytes(tmp_path):
+    """A pipeline config (distributed/config.py, PipelineSettings from its fields) read and saved again."""
+    from remat.distributed.config import DistributedConfig
+    text = (GOLDEN / "distributed_config.json").read_bytes()
+    config = DistributedConfig.from_json(json.loads(text))
+    assert config.pipeline is not None and config.pipeline.sides[-1].value == "remat"
+    assert config.save(tmp_path / "config.json").read_bytes() == text
+    edited = json.loads(text)
+    edited["pipeline"]["microbatches"] = 0   # the wrong case: out of bound, refused as before
+    with pytest.raises(DistributedError, match="microbatches"):
+        DistributedConfig.from_json(edited)
+    edited = json.loads(text)
+    del edited["pipeline"]["reserve"]        # every settings key is required
+    with pytest.raises(DistributedError, match="reserve"):
+        DistributedConfig.from_json(edited)
+
+
 def test_a_changed_figure_is_not_the_golden_bytes(golden):
     d = json.loads(golden)
     d["decision"]["budget_bytes"] += 1
@@ -147,3 +164,29 @@ def test_a_hostile_edit_meets_its_golden_outcome(golden, expected, name):
     want = TIGHTENED.get(name, expected[name])
     assert name not in TIGHTENED or expected[name] == "accepted"
     assert outcome(golden, EDITS[name]) == want
+
+
+# -- the check's own JSON: what the hand codecs wrote, written out by hand -----------------------------
+
+def test_the_check_report_is_its_fields_in_order():
+    from remat.workflow.check import CheckReport
+    from remat.workflow.findings import CheckFinding, FindingKind
+    kind = next(iter(FindingKind))
+    finding = CheckFinding(kind=kind, message="peak over budget", boundary="h.1")
+    report = CheckReport(passed=False, quick=True, workload="mlp", failures=[finding], checked=["shape"],
+                         skipped=["time: --quick"], wall_s=1.5)
+    want = {"passed": False, "quick": True, "workload": "mlp",
+            "failures": [{"kind": kind.value, "message": "peak over budget", "boundary": "h.1"}],
+            "checked": ["shape"], "skipped": ["time: --quick"], "wall_s": 1.5}
+    assert json.dumps(report.to_json()) == json.dumps(want)   # keys in this order, too
+    assert json.dumps(report.to_json()) != json.dumps(dict(reversed(want.items())))   # the wrong case
+
+
+def test_the_rerun_request_is_asdict_and_reads_back():
+    import dataclasses
+    from remat.workflow.check_child import RerunRequest
+    req = RerunRequest(receipt="/tmp/r.json", digest="ab" * 32, quick=False, workload=None, cwd="/tmp",
+                       gate={"time_tolerance": 0.25, "pins": {"torch": "2.5"}}, threads=2)
+    assert json.dumps(req.to_json()) == json.dumps(dataclasses.asdict(req))   # the hand codec was asdict
+    assert RerunRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
+    assert RerunRequest.from_json({**req.to_json(), "threads": 3}) != req   # the wrong case

@@ -7,6 +7,9 @@ ranks: the evidence of tests/test_gate_reports.py), and writes:
 - ``receipt.json``: the receipt's bytes as ``remat receipt`` writes them (receipt/write.py);
 - ``receipt_optional.json``: the same with the keys a plain receipt leaves out given (autocast,
   the device's memory, candidates excluded after verification);
+- ``distributed_config.json``: a pipeline engine's ``DistributedConfig`` (its ``PipelineSettings``
+  given field by field) as ``DistributedConfig.save`` writes it (``--config-only``: only this file,
+  nothing launched);
 - ``hostile.json``: for each hostile edit of tests/test_codec_golden.py (wrong type, out-of-bound
   number, extra key, missing key), the name of the error class reading the edited receipt raised
   (or "accepted").
@@ -34,7 +37,24 @@ from tests.test_gate_reports import _evidence  # noqa: E402
 from tests.test_receipt import SETTINGS, WORKLOAD  # noqa: E402
 
 
+def pipeline_config() -> bytes:
+    """A pipeline config with every settings field away from its default, as ``save`` writes it."""
+    from remat._io import atomic_write_json
+    from remat.distributed.config import DistributedConfig, PipelineSettings
+    from remat.plan.pipeline import Schedule
+    settings = PipelineSettings(schedule=Schedule.GPIPE, microbatches=2, split_points=["h.1"], split_source="default",
+                                profile={"peak_bytes": [1, 2.5]}, planner="greedy", uniform_planner="sqrt",
+                                budget="60%", reserve=0.1, sides=["none", "remat"], perturb_control=False)
+    config = DistributedConfig(spec="gpt", shape={"batch_size": 4}, world_size=2, engine="pipeline", pipeline=settings,
+                               budget_bytes=10, timeout_s=30.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        return atomic_write_json(Path(tmp) / "config.json", config.to_json()).read_bytes()
+
+
 def main() -> None:
+    (HERE / "distributed_config.json").write_bytes(pipeline_config())
+    if "--config-only" in sys.argv:
+        return
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         cwd = os.getcwd()
