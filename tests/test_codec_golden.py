@@ -100,6 +100,35 @@ def outcome(text: bytes, edit: Edit) -> str:
     return "accepted"
 
 
+def describe(spec: Any) -> Any:
+    """A Spec as JSON: its class and every attribute (nested Specs described the same way)."""
+    from remat._json import Spec
+    if isinstance(spec, Spec):
+        return {"spec": type(spec).__name__, **{k: describe(v) for k, v in sorted(vars(spec).items())}}
+    if isinstance(spec, dict):
+        return {str(k): describe(v) for k, v in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return [describe(x) for x in spec]
+    return repr(spec)
+
+
+def describe_schemas() -> dict[str, Any]:
+    from remat.distributed.config import CONFIG_SCHEMA
+    from remat.receipt import RECEIPT_SCHEMA
+    from remat.receipt.pipeline import PIPELINE_RECEIPT_SCHEMA
+    return {"receipt": describe(RECEIPT_SCHEMA), "pipeline receipt": describe(PIPELINE_RECEIPT_SCHEMA),
+            "distributed config": describe(CONFIG_SCHEMA)}
+
+
+def test_the_derived_schemas_are_the_hand_ones():
+    """Every key, its spec's class and bounds, as the hand schemas (tests/golden/schemas.json) had them."""
+    want = json.loads((GOLDEN / "schemas.json").read_text())
+    got = json.loads(json.dumps(describe_schemas()))
+    assert got == want
+    got["receipt"]["required"]["settings"]["required"]["trace_steps"]["hi"] = "1001"   # the wrong case
+    assert got != want
+
+
 @pytest.fixture(scope="module")
 def golden() -> bytes:
     return (GOLDEN / "receipt.json").read_bytes()

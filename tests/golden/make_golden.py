@@ -10,6 +10,9 @@ ranks: the evidence of tests/test_gate_reports.py), and writes:
 - ``distributed_config.json``: a pipeline engine's ``DistributedConfig`` (its ``PipelineSettings``
   given field by field) as ``DistributedConfig.save`` writes it (``--config-only``: only this file,
   nothing launched);
+- ``schemas.json``: the specs of the receipt, the pipeline receipt and the distributed config
+  (``describe`` of tests/test_codec_golden.py: every Spec's class and bounds, key by key), so a schema
+  derived from the types is held to the hand one it replaced (``--schemas-only``: only this file);
 - ``hostile.json``: for each hostile edit of tests/test_codec_golden.py (wrong type, out-of-bound
   number, extra key, missing key), the name of the error class reading the edited receipt raised
   (or "accepted").
@@ -32,7 +35,7 @@ from remat.receipt import Receipt, write_receipt  # noqa: E402
 from remat.receipt.write import receipt_bytes  # noqa: E402
 from remat.workflow import make_receipt  # noqa: E402
 from remat.workload import load_workload  # noqa: E402
-from tests.test_codec_golden import EDITS, outcome  # noqa: E402
+from tests.test_codec_golden import EDITS, describe_schemas, outcome  # noqa: E402
 from tests.test_gate_reports import _evidence  # noqa: E402
 from tests.test_receipt import SETTINGS, WORKLOAD  # noqa: E402
 
@@ -52,9 +55,13 @@ def pipeline_config() -> bytes:
 
 
 def main() -> None:
+    if "--schemas-only" in sys.argv:
+        (HERE / "schemas.json").write_text(json.dumps(describe_schemas(), indent=1) + "\n")
+        return
     (HERE / "distributed_config.json").write_bytes(pipeline_config())
     if "--config-only" in sys.argv:
         return
+    (HERE / "schemas.json").write_text(json.dumps(describe_schemas(), indent=1) + "\n")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         cwd = os.getcwd()
