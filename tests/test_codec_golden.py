@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
-from remat.errors import DistributedError, RematError
+from remat.errors import DistributedError, ReceiptError, RematError
 from remat.receipt import Receipt
 from remat.receipt.write import receipt_bytes
 
@@ -162,6 +162,22 @@ def test_the_golden_distributed_config_reads_and_writes_its_own_bytes(tmp_path):
     del edited["pipeline"]["reserve"]        # every settings key is required
     with pytest.raises(DistributedError, match="reserve"):
         DistributedConfig.from_json(edited)
+
+
+def test_the_golden_pipeline_receipt_reads_and_writes_its_own_bytes():
+    from remat.receipt.pipeline import PipelineReceipt
+    text = (GOLDEN / "pipeline_receipt.json").read_bytes()
+    receipt = PipelineReceipt.from_json(json.loads(text))
+    assert receipt.pipeline.spec == receipt.context.workload == "gpt"
+    assert (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8") == text
+    edited = json.loads(text)
+    edited["check_steps"] = 0   # the wrong case: out of bound, refused as before
+    with pytest.raises(ReceiptError, match="check_steps"):
+        PipelineReceipt.from_json(edited)
+    edited = json.loads(text)
+    edited["kind"] = "remat-receipt"
+    with pytest.raises(ReceiptError):
+        PipelineReceipt.from_json(edited)
 
 
 def test_a_changed_figure_is_not_the_golden_bytes(golden):

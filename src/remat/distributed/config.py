@@ -90,7 +90,7 @@ CONFIG_SCHEMA = Obj({
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistributedConfig:
+class DistributedConfig(JsonCodec):
     """One distributed measurement: the control (no plan) and, when ``plan`` is given, the plan.
 
     ``steps`` warm steps are timed per side (after ``warmup`` untimed ones: >= 2 for DDP and FSDP2,
@@ -109,7 +109,7 @@ class DistributedConfig:
     shape: dict[str, Any]
     world_size: int
     engine: Engine = Engine.DDP
-    plan: Plan | PipelinePlan | None = None
+    plan: Plan | PipelinePlan | None = None   # its own JSON; read back by engine (from_json)
     device: str = "cpu"
     dtype: str = "float32"
     steps: int = 10
@@ -120,9 +120,11 @@ class DistributedConfig:
     ablation: bool = True                 # also time a no-op comm hook (same compute, no communication)
     find_unused_parameters: bool = False  # DDP only
     use_reentrant: bool = False           # the workload checkpoints itself with use_reentrant=True
-    budget_bytes: int | None = None       # per-device budget, bytes (None: the plan's)
-    wall_timeout_s: float | None = None   # seconds, each rank's own limit (None: the launcher's)
-    pipeline: PipelineSettings | None = None   # engine pipeline only
+    # the three below are left out of the file when None: the per-device budget, bytes (None: the plan's);
+    # each rank's own wall-clock limit, s (None: the launcher's); engine pipeline's settings
+    budget_bytes: int | None = json_field(default=None, omit=None)
+    wall_timeout_s: float | None = json_field(default=None, omit=None)
+    pipeline: PipelineSettings | None = json_field(default=None, omit=None)
     schema_version: int = CONFIG_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -210,16 +212,10 @@ class DistributedConfig:
             return self.budget_bytes
         return None if self.plan is None else self.plan.budget_bytes
 
-    def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "schema_version"}
-        d.update(engine=self.engine.value, plan=None if self.plan is None else self.plan.to_json(),
-                 pipeline=None if self.pipeline is None else self.pipeline.to_json())
-        return {**{k: v for k, v in d.items() if v is not None or k not in CONFIG_SCHEMA.optional},
-                "schema_version": self.schema_version}
-
     @classmethod
     def from_json(cls, d: Any) -> "DistributedConfig":
-        """Build from config JSON checked against :data:`CONFIG_SCHEMA` (NOTE [hostile JSON]); DistributedError if off."""
+        """Build from config JSON checked against :data:`CONFIG_SCHEMA` (NOTE [hostile JSON]); DistributedError if off.
+        A hand reader: the version and schema checked first, and ``plan`` read as the engine's kind of plan."""
         if not isinstance(d, dict):
             raise DistributedError("distributed config JSON must be an object")
         version = d.get("schema_version")
