@@ -22,8 +22,8 @@ from typing import Annotated, Any
 
 from .. import __version__
 from .._codec import AS_WRITTEN, JsonCodec, Len, Short, SignedBytes, Text, from_json, json_field, schema
-from .._json import (AUTOCAST, BYTES, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, MS, SHAPE, Enum, Int, JsonValue, Map,
-                     Num, Opt, Str, read_bounded_bytes)
+from .._json import (AUTOCAST, BYTES, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, MS, SHAPE, Enum, Int, JsonValue,
+                     Map, Num, Opt, Str, read_bounded_bytes)
 from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport, OverheadInterval

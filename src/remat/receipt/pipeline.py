@@ -98,7 +98,8 @@ class PipelineReceipt(JsonCodec):
 
     @classmethod
     def from_json(cls, data: Any) -> "PipelineReceipt":
-        """A hand reader around the codec's: the version and schema checked first, the parts against each other after."""
+        """A hand reader around the codec's: the version and schema checked first, the parts against each
+        other after."""
         if not isinstance(data, dict):
             raise ReceiptError("malformed pipeline receipt: the top level must be a JSON object")
         v = data.get("schema_version")
