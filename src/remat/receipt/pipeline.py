@@ -36,7 +36,6 @@ PIPELINE_RECEIPT_SCHEMA_VERSION = 1
 MAX_CHECK_STEPS = 100
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageBoundary(JsonCodec):
     """One boundary of remat's per-stage plans, with the revision hash ``remat check`` compares."""
