@@ -553,9 +553,12 @@ def test_schema_words_are_the_enums_words():
         return {e.value for e in enum_type}
     assert set(sc.SITE.values) == words(Site) and set(sc.RUN_MODE.values) == words(RunMode)
     assert set(sc.MODE.values) == words(CheckpointMode) - {"keep"}
-    assert set(sc.REJECTED.required["decision"].values) == words(Rejection)
-    assert set(sc.UNSUPPORTED.required["status"].values) == words(Coverage)
-    assert set(sc.DECISION.required["status"].values) == words(ShipStatus)
+    # the receipt's own words: derived from its types (NOTE [codecs from the types] in remat/_codec.py)
+    from remat._codec import schema
+    from remat.receipt.model import ReceiptDecision, RejectedPlan, UnsupportedMode
+    assert set(schema(RejectedPlan).required["decision"].values) == words(Rejection)
+    assert set(schema(UnsupportedMode).required["status"].values) == words(Coverage)
+    assert set(schema(ReceiptDecision).required["status"].values) == words(ShipStatus)
     assert set(sc.VERIFICATION.required["rng_policy"].required["policy"].values) == words(RngPolicyKind)
 
 
@@ -566,7 +569,8 @@ def test_settings_without_sample_steps_are_refused_not_read_as_one_step():
     from remat._json import validate
     from remat.errors import RematError
     from remat.receipt.model import RunSettings
-    from remat.receipt.schema import SETTINGS
+    from remat._codec import schema
+    SETTINGS = schema(RunSettings)
     d = RunSettings(sample_steps=4).to_json()
     validate(d, SETTINGS, error=RematError, what="settings")
     assert RunSettings.from_json(d).sample_steps == 4

@@ -32,7 +32,12 @@ the same), and its spec is the bound in the field's annotation, ``Annotated[int,
 the type: ``Opt`` for ``X | None``, ``List`` for a list (at most ``Len(n)`` items, from the
 annotation), ``Tuple``, ``Bool``, an enum's values, a nested dataclass's own schema. A number or a
 string never goes unbounded: without a Spec in its annotation, deriving the schema is a TypeError.
-A type whose JSON is computed (``SampleRecord``) keeps a hand codec and a hand spec, side by side.
+A Spec in a nested dataclass's annotation wins over that type's own schema (the receipt holds its
+traces to its own spec of one: ``Annotated[StepTrace, STEP_TRACE]`` in remat/receipt/model.py), and
+a key written after a field (``then``) may be a constant the file carries (the receipt's ``kind``).
+A type whose JSON is computed (``SampleRecord``, ``DistributedReport``) keeps a hand codec and a
+hand spec, side by side; a file's reader that checks more than the schema (a version, the parts
+against each other: ``Receipt.from_json``) keeps a hand ``from_json`` around :func:`from_json`.
 """
 
 from __future__ import annotations

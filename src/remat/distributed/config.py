@@ -13,31 +13,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from .._json import Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt, Str, read_json_file, validate
+from .._codec import AS_WRITTEN, JsonCodec, Len, Short, json_field, schema
+from .._json import Bool, Enum, Int, JsonValue, Map, Num, Obj, Opt, Str, read_json_file, validate
 from ..errors import DistributedError, PlanError
 from ..plan.model import Plan
 from ..plan.pipeline import SIDES, PipelinePlan, Schedule, Side
 from ..plan.schema import MODULE_PATH
 
 CONFIG_SCHEMA_VERSION = 1
-
-PIPELINE_SETTINGS_SCHEMA = Obj({
-    "schedule": Enum(*(s.value for s in Schedule)), "microbatches": Int(1, 100_000),
-    "split_points": List(MODULE_PATH, max_len=100_000), "split_source": Str(max_len=2_000),
-    "stages_per_rank": Int(1, 1000), "profile": Opt(JsonValue()), "planner": Str(max_len=200),
-    "uniform_planner": Str(max_len=200), "budget": Opt(Str(max_len=200)), "reserve": Num(0, 0.999999),
-    "sides": List(Enum(*SIDES), min_len=1, max_len=3), "perturb_control": Bool(),
-})
-CONFIG_SCHEMA = Obj({
-    "schema_version": Enum(CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
-    "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
-    "world_size": Int(1, 1 << 16), "engine": Enum("ddp", "fsdp2", "pipeline"), "plan": Opt(JsonValue()),
-    "device": Str(r"cpu|cuda(:[0-9]{1,3})?"), "dtype": Enum("float32", "bfloat16", "float16"),
-    "steps": Int(1, 1000), "warmup": Int(1, 100), "comm_steps": Int(1, 1000), "timeout_s": Num(1e-3, 7 * 86400.0),
-    "seed": Int(0, 2 ** 63 - 1), "ablation": Bool(), "find_unused_parameters": Bool(), "use_reentrant": Bool(),
-}, {"budget_bytes": Int(1, 2 ** 53), "wall_timeout_s": Num(1e-3, 7 * 86400.0), "pipeline": PIPELINE_SETTINGS_SCHEMA})
 
 REENTRANT_FIND_UNUSED_TIP = (
     "use non-reentrant checkpointing (torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which is what "
@@ -53,25 +38,36 @@ class Engine(str, enum.Enum):
     PIPELINE = "pipeline"   # torch.distributed.pipelining: stages of one model (NOTE [pipeline stages])
 
 
+Name = Annotated[str, Str(max_len=200)]
+
+
+def _all_sides() -> list[Side]:
+    return list(Side)
+
+
 @dataclasses.dataclass(kw_only=True)
-class PipelineSettings:
+class PipelineSettings(JsonCodec):
     """The pipeline engine's part of a run: the sides to run (``none``, ``uniform``, ``remat``) at one schedule
     and split. ``profile`` (a ProfileReport's JSON, whole model at the microbatch shape) is what the per-stage
     planner plans from; ``budget`` the per-device budget ("60%" of the largest unplanned stage peak, or bytes
-    such as "40MiB")."""
+    such as "40MiB"). Every key is in every config file (required by its schema though the field has a default)."""
 
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    microbatches: int = 4
-    split_points: list[str] = dataclasses.field(default_factory=list)   # stages_per_rank x world_size - 1 of them
-    split_source: str = "given"
-    stages_per_rank: int = 1      # v: interleaved schedules run stages r, r + p, ..., r + (v - 1) p on rank r
-    profile: Any = None
-    planner: str = "optimal"
-    uniform_planner: str = "all"
-    budget: str | None = None
-    reserve: float = 0.05
-    sides: list[Side] = dataclasses.field(default_factory=lambda: list(Side))
-    perturb_control: bool = True   # the negative control: a gradient perturbed by 1e-3 must be rejected
+    schedule: Schedule = json_field(default=Schedule.ONE_F_ONE_B, required=True)
+    microbatches: Annotated[int, Int(1, 100_000)] = json_field(default=4, required=True)
+    # stages_per_rank x world_size - 1 of them
+    split_points: Annotated[list[Annotated[str, MODULE_PATH]], Len(100_000)] = json_field(default_factory=list,
+                                                                                          required=True)
+    split_source: Short = json_field(default="given", required=True)
+    # v: interleaved schedules run stages r, r + p, ..., r + (v - 1) p on rank r
+    stages_per_rank: Annotated[int, Int(1, 1000)] = json_field(default=1, required=True)
+    profile: Annotated[Any, Opt(JsonValue())] = json_field(default=None, required=True)
+    planner: Name = json_field(default="optimal", required=True)
+    uniform_planner: Name = json_field(default="all", required=True)
+    budget: Name | None = json_field(default=None, required=True)
+    reserve: Annotated[float, Num(0, 0.999999), AS_WRITTEN] = json_field(default=0.05, required=True)
+    sides: Annotated[list[Side], Len(3, min_len=1)] = json_field(default_factory=_all_sides, required=True)
+    # the negative control: a gradient perturbed by 1e-3 must be rejected
+    perturb_control: bool = json_field(default=True, required=True)
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.schedule)
@@ -82,12 +78,19 @@ class PipelineSettings:
             raise DistributedError(f"pipeline sides must be among {SIDES}, got {self.sides}")
         self.sides = [Side(s) for s in self.sides]
 
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "schedule": self.schedule.value, "sides": [s.value for s in self.sides]}
+
+CONFIG_SCHEMA = Obj({
+    "schema_version": Enum(CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
+    "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
+    "world_size": Int(1, 1 << 16), "engine": Enum("ddp", "fsdp2", "pipeline"), "plan": Opt(JsonValue()),
+    "device": Str(r"cpu|cuda(:[0-9]{1,3})?"), "dtype": Enum("float32", "bfloat16", "float16"),
+    "steps": Int(1, 1000), "warmup": Int(1, 100), "comm_steps": Int(1, 1000), "timeout_s": Num(1e-3, 7 * 86400.0),
+    "seed": Int(0, 2 ** 63 - 1), "ablation": Bool(), "find_unused_parameters": Bool(), "use_reentrant": Bool(),
+}, {"budget_bytes": Int(1, 2 ** 53), "wall_timeout_s": Num(1e-3, 7 * 86400.0), "pipeline": schema(PipelineSettings)})
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistributedConfig:
+class DistributedConfig(JsonCodec):
     """One distributed measurement: the control (no plan) and, when ``plan`` is given, the plan.
 
     ``steps`` warm steps are timed per side (after ``warmup`` untimed ones: >= 2 for DDP and FSDP2,
@@ -106,7 +109,7 @@ class DistributedConfig:
     shape: dict[str, Any]
     world_size: int
     engine: Engine = Engine.DDP
-    plan: Plan | PipelinePlan | None = None
+    plan: Plan | PipelinePlan | None = None   # its own JSON; read back by engine (from_json)
     device: str = "cpu"
     dtype: str = "float32"
     steps: int = 10
@@ -117,9 +120,11 @@ class DistributedConfig:
     ablation: bool = True                 # also time a no-op comm hook (same compute, no communication)
     find_unused_parameters: bool = False  # DDP only
     use_reentrant: bool = False           # the workload checkpoints itself with use_reentrant=True
-    budget_bytes: int | None = None       # per-device budget, bytes (None: the plan's)
-    wall_timeout_s: float | None = None   # seconds, each rank's own limit (None: the launcher's)
-    pipeline: PipelineSettings | None = None   # engine pipeline only
+    # the three below are left out of the file when None: the per-device budget, bytes (None: the plan's);
+    # each rank's own wall-clock limit, s (None: the launcher's); engine pipeline's settings
+    budget_bytes: int | None = json_field(default=None, omit=None)
+    wall_timeout_s: float | None = json_field(default=None, omit=None)
+    pipeline: PipelineSettings | None = json_field(default=None, omit=None)
     schema_version: int = CONFIG_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -207,16 +212,10 @@ class DistributedConfig:
             return self.budget_bytes
         return None if self.plan is None else self.plan.budget_bytes
 
-    def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "schema_version"}
-        d.update(engine=self.engine.value, plan=None if self.plan is None else self.plan.to_json(),
-                 pipeline=None if self.pipeline is None else self.pipeline.to_json())
-        return {**{k: v for k, v in d.items() if v is not None or k not in CONFIG_SCHEMA.optional},
-                "schema_version": self.schema_version}
-
     @classmethod
     def from_json(cls, d: Any) -> "DistributedConfig":
-        """Build from config JSON checked against :data:`CONFIG_SCHEMA` (NOTE [hostile JSON]); DistributedError if off."""
+        """Build from config JSON checked against :data:`CONFIG_SCHEMA` (NOTE [hostile JSON]); DistributedError if off.
+        A hand reader: the version and schema checked first, and ``plan`` read as the engine's kind of plan."""
         if not isinstance(d, dict):
             raise DistributedError("distributed config JSON must be an object")
         version = d.get("schema_version")
@@ -226,7 +225,7 @@ class DistributedConfig:
         validate(d, CONFIG_SCHEMA, error=DistributedError, what="distributed config")
         d = {k: v for k, v in d.items() if k != "schema_version"}
         if d.get("pipeline") is not None:
-            d["pipeline"] = PipelineSettings(**d["pipeline"])
+            d["pipeline"] = PipelineSettings.from_json(d["pipeline"])
         if d.get("plan") is not None:
             kind = PipelinePlan if d["engine"] == Engine.PIPELINE.value else Plan
             try:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+from .._codec import FloatAsWritten, JsonCodec, json_field
 from ..errors import DistributedError
 from ..types import MemorySource
 from ..percentile import percentile
@@ -27,14 +28,11 @@ def _finite_or_none(x: float | None) -> float | None:
 # -- what one rank measured -----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CollectiveCount:
+class CollectiveCount(JsonCodec):
     """Collectives of one op in one training step: how many calls, how many payload bytes."""
 
     count: int
     bytes: int
-
-    def to_json(self) -> dict[str, int]:
-        return {"count": self.count, "bytes": self.bytes}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,26 +76,18 @@ class RankResult:
 # -- the report ------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RankFigures:
-    """One rank's figures for one side, as ``per_rank`` lists them."""
+class RankFigures(JsonCodec):
+    """One rank's figures for one side, as ``per_rank`` lists them. The optional figures read as None
+    (``step_ms`` as no steps) when the key is missing, as they always did."""
 
     rank: int
     peak_bytes: int
     p50_ms: float
     p95_ms: float
-    exposed_comm_ms: float | None   # p50 over the comm steps
-    comm_ms: float | None           # p50 over the comm steps
-    ablation_step_ms: float | None  # p50
-    step_ms: list[float]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RankFigures":
-        return cls(rank=int(d["rank"]), peak_bytes=int(d["peak_bytes"]), p50_ms=float(d["p50_ms"]),
-                   p95_ms=float(d["p95_ms"]), exposed_comm_ms=d.get("exposed_comm_ms"), comm_ms=d.get("comm_ms"),
-                   ablation_step_ms=d.get("ablation_step_ms"), step_ms=[float(x) for x in d.get("step_ms", [])])
+    exposed_comm_ms: FloatAsWritten | None = json_field(absent=None)   # p50 over the comm steps
+    comm_ms: FloatAsWritten | None = json_field(absent=None)           # p50 over the comm steps
+    ablation_step_ms: FloatAsWritten | None = json_field(absent=None)  # p50
+    step_ms: list[float] = json_field(default_factory=list)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,31 +104,24 @@ class SideReport:
 
 
 @dataclasses.dataclass(kw_only=True)
-class Equivalence:
-    """Is the planned distributed step the same training step as the control?"""
+class Equivalence(JsonCodec):
+    """Is the planned distributed step the same training step as the control? Its JSON adds ``ok``
+    (computed, never read back)."""
 
     criterion: str                      # "bitwise" or "allclose(rtol=..., atol=...)"
     grads_match: bool                   # on every rank, per the criterion
     bitwise_equal: bool
-    max_abs_diff: float
+    max_abs_diff: FloatAsWritten
     worst: dict[str, Any] | None        # {"rank": r, "param": name}
     params_compared: int                # per rank
     mismatched: list[str]
     loss_equal: bool                    # first-step loss, every rank
     collective_counts_equal: bool       # per step, by op, on every rank
-    collective_counts: dict[str, dict[str, int]]  # side -> op -> count (rank 0)
+    collective_counts: dict[str, dict[str, int]] = json_field(then=("ok",))  # side -> op -> count (rank 0)
 
     @property
     def ok(self) -> bool:
         return self.grads_match and self.collective_counts_equal and self.loss_equal
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "ok": self.ok}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Equivalence":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -180,6 +163,8 @@ class DistributedReport:
         """The plan is the control's training step (when there is a plan) and fits the budget on every rank."""
         return (self.equivalence is None or self.equivalence.ok) and not self.over_budget
 
+    # A hand codec: the JSON is computed, each figure of the two sides laid side by side under one key
+    # (``per_rank``: {"control": [...], "plan": [...]}) and the verdict added (``passed``, ``over_budget_ranks``).
     def to_json(self) -> dict[str, Any]:
         def by_side(get: Any) -> dict[str, Any]:
             return {name: (None if (s := self.side(name)) is None else get(s)) for name in SIDES}
@@ -229,8 +214,7 @@ class DistributedReport:
                     per_rank=[RankFigures.from_json(r) for r in d["per_rank"][name]],
                     global_samples_per_s=float(d["global_samples_per_s"][name]),
                     step_ms_p50=float(d["step_ms_p50"][name]),
-                    collectives={op: CollectiveCount(count=int(c["count"]), bytes=int(c["bytes"]))
-                                 for op, c in d["collectives"][name].items()},
+                    collectives={op: CollectiveCount.from_json(c) for op, c in d["collectives"][name].items()},
                     exposed_comm_ms=d["exposed_comm_ms"][name],
                     comm_ms=d["comm_ms"][name],
                     ablation_step_ms=d["ablation_step_ms"][name],

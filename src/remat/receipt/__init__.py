@@ -6,11 +6,11 @@ atomically; ``load_receipt(path)`` reads one back, validated against its schema 
 or hostile file raises :class:`~remat.errors.ReceiptError`). ``render_html``/``render_markdown`` need nothing but the receipt.
 """
 
-from .model import (BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
+from .model import (RECEIPT_SCHEMA, BoundaryRecord, Fixture, Receipt, ReceiptContext, ReceiptDecision, ReceiptPlan, ReceiptTraces,
                     RejectedPlan, Rejection, RunSettings, ShipStatus, Coverage, UnsupportedMode, git_revision, load_receipt, load_receipt_with_digest,
                     resolved_shape)
 from .render import render_html, render_markdown, timeline_png
-from .schema import RECEIPT_SCHEMA, RECEIPT_SCHEMA_VERSION, parse_json_bounded, validate
+from .schema import RECEIPT_SCHEMA_VERSION, parse_json_bounded, validate
 from .write import ReceiptFiles, write_receipt
 
 __all__ = ["BoundaryRecord", "Coverage", "Fixture", "RECEIPT_SCHEMA", "RECEIPT_SCHEMA_VERSION", "Receipt", "ReceiptContext",

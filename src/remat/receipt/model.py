@@ -4,8 +4,9 @@ A :class:`Receipt` embeds the stage reports as their own JSON forms (``StepTrace
 ``Plan``, ``VerifyReport``, ``FrontierReport``) and adds what only the receipt knows: the
 context it was made in, per-boundary records (revision hash, measured saving, replay
 cost, the fixture that covers it), the decision and the modes it does not cover.
-``Receipt.from_json`` validates against :data:`~remat.receipt.schema.RECEIPT_SCHEMA`
-first (NOTE [hostile JSON] in remat/_json.py); every failure is a :class:`ReceiptError`.
+Each type's JSON and schema follow from its annotated fields (NOTE [codecs from the types] in
+remat/_codec.py); ``Receipt.from_json`` validates against :data:`RECEIPT_SCHEMA`, derived from
+:class:`Receipt`, first (NOTE [hostile JSON] in remat/_json.py); every failure is a :class:`ReceiptError`.
 """
 
 from __future__ import annotations
@@ -17,23 +18,35 @@ import hashlib
 import math
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from .. import __version__
-from .._json import read_bounded_bytes
+from .._codec import AS_WRITTEN, JsonCodec, Len, Short, SignedBytes, Text, from_json, json_field, schema
+from .._json import (AUTOCAST, BYTES, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, MS, SHAPE, Enum, Int, JsonValue,
+                     Map, Num, Opt, Str, read_bounded_bytes)
 from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError
 from ..frontier.model import FrontierReport, OverheadInterval
 from ..plan.model import Plan
+from ..plan.schema import COMPILE
 from ..profile.model import DEFAULT_SAMPLE_STEPS, BlockedStep
 from ..trace.model import HostContext, StepTrace
 from ..types import CheckpointMode, MemorySource
 from ..verify.model import RunMode, Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
 from .world_size import WorldSizeEvidence
-from .schema import RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, check_version, parse_json_bounded, read_json_file, validate
+from .schema import (ATTEMPT, COUNT, FRACTION, FRONTIER, HEX16, MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP,
+                     OVERHEAD_INTERVAL, PLAN, RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, STEP_TRACE, TOLERANCE, VERIFICATION,
+                     check_version, parse_json_bounded, read_json_file, validate)
 
 ShapeDict = dict[str, Any]
+
+# The receipt's floats are read as the file holds them (an int stays an int), as they always were:
+# a file read and written again keeps its bytes (NOTE [codecs from the types] in remat/_codec.py).
+Fraction = Annotated[float, FRACTION, AS_WRITTEN]   # a share in [0, 1]
+MsAsWritten = Annotated[float, MS, AS_WRITTEN]       # ms
+Share = Annotated[float, Num(0, 0.999999), AS_WRITTEN]   # a reserve: share of the budget kept free
+Figure = Annotated[float, Num(), AS_WRITTEN]         # a signed figure (%, or a share) in +-1e15
 
 
 # -- context ---------------------------------------------------------------------------------------
@@ -67,29 +80,32 @@ def resolved_shape(spec: str, shape: ShapeDict) -> ShapeDict:
 
 
 @dataclasses.dataclass(kw_only=True)
-class ReceiptContext:
+class ReceiptContext(JsonCodec):
     """Where, on what, and from which code revision the receipt was made."""
 
-    workload: str                     # the spec as given: built-in name, file.py:fn or module:fn
-    shape: ShapeDict                  # the shape keywords given (what `remat check` passes again)
-    resolved_shape: ShapeDict         # with the factory's defaults filled in
-    boundary_shape: ShapeDict | None  # the second traced shape, if any
-    dtype: str
-    device: str
-    torch_version: str
-    python_version: str
-    platform: str
-    hostname: str
-    cpu_count: int | None
-    threads: int                      # torch intra-op threads
-    remat_version: str
-    git_revision: str | None          # HEAD of the repository in the working directory, if any
+    workload: Annotated[str, Str(max_len=4096)]   # the spec as given: built-in name, file.py:fn or module:fn
+    shape: Annotated[ShapeDict, SHAPE]            # the shape keywords given (what `remat check` passes again)
+    resolved_shape: Annotated[ShapeDict, SHAPE]   # with the factory's defaults filled in
+    boundary_shape: Annotated[ShapeDict, SHAPE] | None   # the second traced shape, if any
+    dtype: Annotated[str, DTYPE]
+    device: Annotated[str, DEVICE]
+    torch_version: Short
+    python_version: Short
+    platform: Short
+    hostname: Short
+    cpu_count: Annotated[int, Int(0, 1 << 20)] | None
+    threads: Annotated[int, Int(0, 4096)]         # torch intra-op threads
+    remat_version: Short
+    git_revision: Annotated[str, Str(r"[0-9a-f]{7,64}")] | None   # HEAD of the repository in the working directory
     git_dirty: bool | None            # tracked files differ from HEAD
-    created: str                      # ISO 8601, UTC
-    command: str                      # the command line that made it ("" from the library)
-    memory_source: MemorySource       # cpu-live-tensors or cuda-allocator
-    autocast: str | None = None       # the forward ran under torch.autocast of this dtype (NOTE [autocast steps])
-    device_memory_bytes: int | None = None   # the device's stated capacity, enforced on the CPU (NOTE [blocked receipt])
+    created: Short                    # ISO 8601, UTC
+    command: Text                     # the command line that made it ("" from the library)
+    memory_source: Annotated[MemorySource, MEMORY_SOURCE]   # cpu-live-tensors or cuda-allocator
+    # the two below are left out when None: receipts made without them read as they always did
+    # the forward ran under torch.autocast of this dtype (NOTE [autocast steps])
+    autocast: Annotated[str, AUTOCAST] | None = json_field(default=None, omit=None)
+    # the device's stated capacity, enforced on the CPU (NOTE [blocked receipt])
+    device_memory_bytes: Annotated[int, Int(1, 2 ** 53)] | None = json_field(default=None, omit=None)
 
     @classmethod
     def capture(cls, loaded: LoadedWorkload, *, boundary_shape: ShapeDict | None, memory_source: MemorySource,
@@ -103,42 +119,42 @@ class ReceiptContext:
                    command=command, memory_source=memory_source, autocast=loaded.autocast,
                    device_memory_bytes=device_memory_bytes)
 
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["memory_source"] = self.memory_source.value
-        if self.autocast is None:
-            del d["autocast"]   # receipts made without autocast read as they always did
-        if self.device_memory_bytes is None:
-            del d["device_memory_bytes"]
-        return d
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ReceiptContext":
-        return cls(**{**d, "memory_source": _enum(MemorySource, d["memory_source"], "context.memory_source")})
+Warmup = Annotated[int, Int(1, MAX_WARMUP)]
+Steps = Annotated[int, Int(1, MAX_STEPS)]
+
+
+def _default_plans() -> list[str]:
+    return ["none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k", "optimal",
+            "optimal@70%", "optimal@50%"]
 
 
 @dataclasses.dataclass(kw_only=True)
-class RunSettings:
-    """How much was run. ``remat demo`` runs less than the defaults and says so in ``note``."""
+class RunSettings(JsonCodec):
+    """How much was run. ``remat demo`` runs less than the defaults and says so in ``note``. Every key
+    but ``compile`` is in every file (required by the schema though the field has a default: a count
+    a receipt does not state is not read as one)."""
 
-    trace_warmup: int = 2
-    trace_steps: int = 3
-    verify_steps: int = 3
-    verify_seeds: int = 3
-    verify_timing_steps: int = 10
-    frontier_plans: list[str] = dataclasses.field(default_factory=lambda: [
-        "none", "all", "uniform:2", "sqrt", "selective", "checkpoint_sequential", "first-k", "optimal", "optimal@70%",
-        "optimal@50%"])
-    frontier_steps: int = 10
-    frontier_warmup: int = 2
-    capacity_key: str | None = "batch_size"
-    capacity_tries: int = 6
-    capacity_steps: int = 3
-    saving_tolerance: float = 0.10    # a boundary's re-measured saving may fall this much (relative)
-    saving_warmup: int = 1
-    sample_steps: int = DEFAULT_SAMPLE_STEPS   # steps profiled and measured per shape (NOTE [step sample])
-    note: str = ""
-    compile: dict[str, Any] | None = None   # CompileSpec JSON: made with --compile (NOTE [compiled receipts])
+    trace_warmup: Warmup = json_field(default=2, required=True)
+    trace_steps: Steps = json_field(default=3, required=True)
+    verify_steps: Steps = json_field(default=3, required=True)
+    verify_seeds: Annotated[int, Int(1, MAX_SEEDS)] = json_field(default=3, required=True)
+    verify_timing_steps: Annotated[int, Int(0, MAX_STEPS)] = json_field(default=10, required=True)
+    frontier_plans: Annotated[list[Short], Len(100)] = json_field(default_factory=_default_plans, required=True)
+    frontier_steps: Steps = json_field(default=10, required=True)
+    frontier_warmup: Warmup = json_field(default=2, required=True)
+    capacity_key: Short | None = json_field(default="batch_size", required=True)
+    capacity_tries: Annotated[int, Int(1, MAX_TRIES)] = json_field(default=6, required=True)
+    capacity_steps: Steps = json_field(default=3, required=True)
+    # a boundary's re-measured saving may fall this much (relative)
+    saving_tolerance: Fraction = json_field(default=0.10, required=True)
+    saving_warmup: Warmup = json_field(default=1, required=True)
+    # steps profiled and measured per shape (NOTE [step sample])
+    sample_steps: Annotated[int, Int(1, 64)] = json_field(default=DEFAULT_SAMPLE_STEPS, required=True)
+    note: Text = json_field(default="", required=True)
+    # CompileSpec JSON: made with --compile (NOTE [compiled receipts]); left out when None, so eager
+    # receipts read as they always did
+    compile: Annotated[dict[str, Any], COMPILE] | None = json_field(default=None, omit=None)
 
     def __post_init__(self) -> None:
         for name in ("trace_warmup", "trace_steps", "verify_steps", "verify_seeds", "frontier_steps",
@@ -150,127 +166,76 @@ class RunSettings:
         if not 0.0 <= self.saving_tolerance <= 1.0:
             raise RematError(f"saving_tolerance must lie in [0, 1], got {self.saving_tolerance}")
 
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        if self.compile is None:
-            del d["compile"]   # eager receipts read as they always did
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RunSettings":
-        return cls(**{**d, "frontier_plans": list(d["frontier_plans"])})
-
 
 # -- per boundary ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Fixture:
+class Fixture(JsonCodec):
     """The equivalence fixture that covers a boundary: verify's paired control/planned runs.
 
     ``remat check`` re-runs exactly this (same seeds, steps, tolerance)."""
 
-    name: str                       # "paired-step": remat.verify.verify_plan
-    seeds: tuple[int, ...]
-    steps: int                      # training steps per seed (plus one eval step when "eval" in modes)
-    modes: tuple[RunMode, ...]      # (TRAIN, EVAL)
-    dtype: str
-    tolerance: Tolerance            # max |planned - control| <= atol + rtol * max |control|, per tensor
-    parameters: tuple[str, ...]     # the boundary's parameters whose gradients the fixture compares
+    name: Short                     # "paired-step": remat.verify.verify_plan
+    seeds: Annotated[tuple[Annotated[int, Int(0, 10_000)], ...], Len(MAX_SEEDS, min_len=1)]
+    steps: Steps                    # training steps per seed (plus one eval step when "eval" in modes)
+    modes: Annotated[tuple[RunMode, ...], Len(2)]   # (TRAIN, EVAL)
+    dtype: Annotated[str, DTYPE]
+    # max |planned - control| <= atol + rtol * max |control|, per tensor
+    tolerance: Annotated[Tolerance, TOLERANCE]
+    # the boundary's parameters whose gradients the fixture compares
+    parameters: Annotated[tuple[Annotated[str, Str(max_len=500)], ...], Len(10_000)]
     passed: bool | None             # None: not run (nothing shipped with boundaries)
-    forward_calls_per_step: int | None
-    replay_calls_per_step: int | None
+    forward_calls_per_step: Annotated[int, COUNT] | None
+    replay_calls_per_step: Annotated[int, COUNT] | None
     draws_rng: bool | None
-    negative_controls: tuple[str, ...]  # the deliberately wrong runs the fixture rejected
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "seeds": list(self.seeds), "steps": self.steps, "modes": [m.value for m in self.modes],
-                "dtype": self.dtype, "tolerance": self.tolerance.to_json(), "parameters": list(self.parameters),
-                "passed": self.passed, "forward_calls_per_step": self.forward_calls_per_step,
-                "replay_calls_per_step": self.replay_calls_per_step, "draws_rng": self.draws_rng,
-                "negative_controls": list(self.negative_controls)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Fixture":
-        return cls(name=d["name"], seeds=tuple(d["seeds"]), steps=d["steps"], modes=tuple(RunMode(m) for m in d["modes"]),
-                   dtype=d["dtype"],
-                   tolerance=Tolerance(**d["tolerance"]), parameters=tuple(d["parameters"]), passed=d["passed"],
-                   forward_calls_per_step=d["forward_calls_per_step"], replay_calls_per_step=d["replay_calls_per_step"],
-                   draws_rng=d["draws_rng"], negative_controls=tuple(d["negative_controls"]))
+    negative_controls: Annotated[tuple[Short, ...], Len(20)]   # the deliberately wrong runs the fixture rejected
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BoundaryRecord:
+class BoundaryRecord(JsonCodec):
     """Why one wrapper exists, and which check catches it going stale (seed 000)."""
 
-    module: str                     # module path, e.g. "h.2"
-    class_name: str
-    mode: CheckpointMode            # any mode but KEEP (FULL, SELECTIVE, ...)
+    module: Annotated[str, MODULE_PATH]   # module path, e.g. "h.2"
+    class_name: Short
+    mode: Annotated[CheckpointMode, MODE]   # any mode but KEEP (FULL, SELECTIVE, ...)
     guarded: bool
-    revision: str                   # remat.profile.module_revision: class sources + parameter shapes
-    predicted_saving_bytes: int     # the planner's figure (profile of the unmodified step)
-    measured_saving_bytes: int      # NOTE [measured saving] in remat/workflow/build.py
-    saving_tolerance: float         # check fails when the saving falls by more than this share
-    replay_ms: float                # measured warm forward time of the module: the added backward time
+    revision: Annotated[str, HEX16]       # remat.profile.module_revision: class sources + parameter shapes
+    predicted_saving_bytes: SignedBytes   # the planner's figure (profile of the unmodified step)
+    measured_saving_bytes: SignedBytes    # NOTE [measured saving] in remat/workflow/build.py
+    saving_tolerance: Fraction            # check fails when the saving falls by more than this share
+    replay_ms: MsAsWritten                # measured warm forward time of the module: the added backward time
     fixture: Fixture
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["mode"] = self.mode.value
-        d["fixture"] = self.fixture.to_json()
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "BoundaryRecord":
-        return cls(**{**d, "mode": _enum(CheckpointMode, d["mode"], "a boundary's mode"),
-                      "fixture": Fixture.from_json(d["fixture"])})
 
 
 # -- plan, decision, unsupported -------------------------------------------------------------------
 
+# The stages' own reports, held to the receipt's schema of them (receipt/schema.py: a trace in a
+# receipt is never nested, and so on).
+Trace = Annotated[StepTrace, STEP_TRACE]
+
+
 @dataclasses.dataclass(kw_only=True)
-class ReceiptTraces:
-    target: StepTrace                 # the unmodified step (the control) at the target shape; blocked: where it
+class ReceiptTraces(JsonCodec):
+    target: Trace                     # the unmodified step (the control) at the target shape; blocked: where it
                                       # fits, the verified batch (its context says; NOTE [blocked receipt])
-    boundary: StepTrace | None        # the unmodified step at the boundary shape
-    planned: StepTrace | None         # the shipped plan's step at the target shape
-
-    def to_json(self) -> dict[str, Any]:
-        return {"target": self.target.to_json(), "boundary": None if self.boundary is None else self.boundary.to_json(),
-                "planned": None if self.planned is None else self.planned.to_json()}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ReceiptTraces":
-        return cls(target=StepTrace.from_json(d["target"]),
-                   boundary=None if d["boundary"] is None else StepTrace.from_json(d["boundary"]),
-                   planned=None if d["planned"] is None else StepTrace.from_json(d["planned"]))
+    boundary: Trace | None            # the unmodified step at the boundary shape
+    planned: Trace | None             # the shipped plan's step at the target shape
 
 
 @dataclasses.dataclass(kw_only=True)
-class ReceiptPlan:
-    label: str | None                 # frontier label of the plan ("optimal", "none"); None: nothing to show
-    plan: Plan | None
-    boundaries: list[BoundaryRecord]
-    control_held_bytes: int | None    # live bytes at the start of backward, unmodified step
-    closed_loop: list[Attempt]        # the optimal planner's apply-measure-replan tries
-    closed_loop_boundaries: list[str]  # what that closed loop planned ("h.1:full")
-    note: str = ""
-    # candidates excluded after verification found them hazardous, module -> why (NOTE [re-plan after verify])
-    excluded_after_verify: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "plan": None if self.plan is None else self.plan.to_json(),
-                "boundaries": [b.to_json() for b in self.boundaries], "control_held_bytes": self.control_held_bytes,
-                "closed_loop": [a.to_json() for a in self.closed_loop],
-                "closed_loop_boundaries": list(self.closed_loop_boundaries), "note": self.note,
-                **({"excluded_after_verify": dict(self.excluded_after_verify)} if self.excluded_after_verify else {})}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ReceiptPlan":
-        return cls(label=d["label"], plan=None if d["plan"] is None else Plan.from_json(d["plan"]),
-                   boundaries=[BoundaryRecord.from_json(b) for b in d["boundaries"]],
-                   control_held_bytes=d["control_held_bytes"], closed_loop=[Attempt.from_json(a) for a in d["closed_loop"]],
-                   closed_loop_boundaries=list(d["closed_loop_boundaries"]), note=d["note"],
-                   excluded_after_verify=dict(d.get("excluded_after_verify", {})))
+class ReceiptPlan(JsonCodec):
+    label: Short | None               # frontier label of the plan ("optimal", "none"); None: nothing to show
+    plan: Annotated[Plan, PLAN] | None
+    boundaries: Annotated[list[BoundaryRecord], Len(10_000)]
+    control_held_bytes: Annotated[int, BYTES] | None   # live bytes at the start of backward, unmodified step
+    # the optimal planner's apply-measure-replan tries
+    closed_loop: Annotated[list[Annotated[Attempt, ATTEMPT]], Len(100)]
+    closed_loop_boundaries: list[Short]   # what that closed loop planned ("h.1:full")
+    note: Text = json_field(default="", required=True)
+    # candidates excluded after verification found them hazardous, module -> why (NOTE [re-plan after
+    # verify]); left out when empty
+    excluded_after_verify: Annotated[dict[str, str], Map(Str(max_len=20_000), max_len=100)] = json_field(
+        default_factory=dict, omit={})
 
 
 class _Value(str, enum.Enum):
@@ -299,114 +264,84 @@ class Coverage(_Value):
     UNSUPPORTED = "unsupported"  # remat refuses it
 
 
-def _enum(kind: type[enum.Enum], value: Any, what: str) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise ReceiptError(f"receipt: {what} is {value!r}, not one of {', '.join(str(k.value) for k in kind)}") from None
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RejectedPlan:
-    plan: str
+class RejectedPlan(JsonCodec):
+    plan: Short
     decision: Rejection
-    reason: str
-    peak_bytes: int | None = None
-    p50_ms: float | None = None
+    reason: Text
+    peak_bytes: Annotated[int, BYTES] | None = json_field(default=None, required=True)
+    p50_ms: MsAsWritten | None = json_field(default=None, required=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decision", Rejection(self.decision))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"plan": self.plan, "decision": self.decision.value, "reason": self.reason,
-                "peak_bytes": self.peak_bytes, "p50_ms": self.p50_ms}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RejectedPlan":
-        return cls(plan=d["plan"], decision=_enum(Rejection, d["decision"], "a rejected plan's decision"),
-                   reason=d["reason"], peak_bytes=d["peak_bytes"], p50_ms=d["p50_ms"])
-
 
 @dataclasses.dataclass(kw_only=True)
-class ReceiptDecision:
+class ReceiptDecision(JsonCodec):
     """What ships and why (NOTE [receipt decision] in remat/workflow/build.py)."""
 
     status: ShipStatus
-    shipped: str | None               # frontier label of the shipped plan
-    boundaries: list[str]             # "h.1:full"
-    budget_bytes: int
-    reserve: float                    # the required reserve: share of the budget kept free
-    effective_budget_bytes: int       # budget x (1 - reserve): what the peak must stay under
-    control_peak_bytes: int | None
-    shipped_peak_bytes: int | None
+    shipped: Short | None             # frontier label of the shipped plan
+    boundaries: list[Short]           # "h.1:full"
+    budget_bytes: Annotated[int, Int(1, 2 ** 53)]
+    reserve: Share                    # the required reserve: share of the budget kept free
+    effective_budget_bytes: SignedBytes   # budget x (1 - reserve): what the peak must stay under
+    control_peak_bytes: Annotated[int, BYTES] | None
+    shipped_peak_bytes: Annotated[int, BYTES] | None
     clears: bool                      # shipped peak <= effective budget
-    headroom_bytes: int | None        # effective budget - shipped peak
-    reserve_left: float | None        # 1 - shipped peak / budget
-    control_p50_ms: float | None
-    shipped_p50_ms: float | None
-    overhead_pct: float | None
+    headroom_bytes: SignedBytes | None   # effective budget - shipped peak
+    reserve_left: Figure | None       # 1 - shipped peak / budget
+    control_p50_ms: MsAsWritten | None
+    shipped_p50_ms: MsAsWritten | None
+    overhead_pct: Figure | None
     verified: bool | None             # None: nothing to verify (no boundaries)
-    rejected: list[RejectedPlan]
-    why: list[str]                    # the decision in a few sentences, first line first
+    rejected: Annotated[list[RejectedPlan], Len(200)]
+    why: Annotated[list[Text], Len(50)]   # the decision in a few sentences, first line first
     # the shipped plan's overhead with its interval (NOTE [overhead intervals] in frontier/model.py);
-    # `remat check` re-measures the overhead itself and only checks this against the receipt's own samples
-    overhead_interval: OverheadInterval | None = None
+    # `remat check` re-measures the overhead itself and only checks this against the receipt's own
+    # samples; left out when None
+    overhead_interval: Annotated[OverheadInterval, OVERHEAD_INTERVAL] | None = json_field(default=None, omit=None)
 
     def __post_init__(self) -> None:
         self.status = ShipStatus(self.status)
 
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["status"] = self.status.value
-        d["rejected"] = [r.to_json() for r in self.rejected]
-        if self.overhead_interval is None:
-            d.pop("overhead_interval")
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ReceiptDecision":
-        oi = d.get("overhead_interval")
-        return cls(**{**d, "status": _enum(ShipStatus, d["status"], "decision.status"),
-                      "overhead_interval": None if oi is None else OverheadInterval.from_json(oi),
-                      "rejected": [RejectedPlan.from_json(r) for r in d["rejected"]],
-                      "boundaries": list(d["boundaries"]), "why": list(d["why"])})
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class UnsupportedMode:
+class UnsupportedMode(JsonCodec):
     """An execution mode the receipt's evidence does not cover."""
 
-    mode: str                         # "torch.compile", "reentrant checkpointing", "bfloat16", ...
+    mode: Short                       # "torch.compile", "reentrant checkpointing", "bfloat16", ...
     status: Coverage
-    detail: str
+    detail: Text
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Coverage(self.status))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode, "status": self.status.value, "detail": self.detail}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "UnsupportedMode":
-        return cls(mode=d["mode"], status=_enum(Coverage, d["status"], "an unsupported mode's status"),
-                   detail=d["detail"])
 
 
 # -- the receipt -----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(kw_only=True)
-class Receipt:
+class Receipt(JsonCodec):
+    # checked first, for a precise message (check_version); ``kind`` is written after it
+    schema_version: Annotated[int, Int(0, 1000)] = json_field(default=RECEIPT_SCHEMA_VERSION, required=True,
+                                                               then=("kind",))
     context: ReceiptContext
     settings: RunSettings
     traces: ReceiptTraces
     plan: ReceiptPlan
-    verification: VerifyReport | None
-    verification_note: str            # why verification was not run, or ""
-    frontier: FrontierReport | None
+    verification: Annotated[VerifyReport, VERIFICATION] | None
+    verification_note: Text           # why verification was not run, or ""
+    frontier: Annotated[FrontierReport, FRONTIER] | None
     decision: ReceiptDecision
-    unsupported: list[UnsupportedMode]
-    world_size: WorldSizeEvidence | None = None   # NOTE [receipt at a world size] (receipt/world_size.py)
-    schema_version: int = RECEIPT_SCHEMA_VERSION
+    unsupported: Annotated[list[UnsupportedMode], Len(100)]
+    # NOTE [receipt at a world size] (receipt/world_size.py): checked field by field by
+    # WorldSizeEvidence.from_json (WORLD_SIZE_EVIDENCE), its own error path; left out when None
+    world_size: Annotated[WorldSizeEvidence | None, Opt(JsonValue())] = json_field(default=None, omit=None)
+
+    @property
+    def kind(self) -> Annotated[str, Enum(RECEIPT_KIND)]:
+        """What the file is: the top level's ``kind`` key (never read back)."""
+        return RECEIPT_KIND
 
     @property
     def blocked(self) -> BlockedStep | None:
@@ -417,41 +352,14 @@ class Receipt:
     def shipped(self) -> bool:
         return self.decision.status is ShipStatus.SHIP
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "kind": RECEIPT_KIND,
-            "context": self.context.to_json(),
-            "settings": self.settings.to_json(),
-            "traces": self.traces.to_json(),
-            "plan": self.plan.to_json(),
-            "verification": None if self.verification is None else self.verification.to_json(),
-            "verification_note": self.verification_note,
-            "frontier": None if self.frontier is None else self.frontier.to_json(),
-            "decision": self.decision.to_json(),
-            "unsupported": [u.to_json() for u in self.unsupported],
-            **({} if self.world_size is None else {"world_size": self.world_size.to_json()}),
-        }
-
     @classmethod
     def from_json(cls, data: Any) -> "Receipt":
-        """Validate (version, then schema, then cross-references) and build; :class:`ReceiptError` if anything is off."""
-        version = check_version(data)
-        validate(data)
+        """Validate (version, then schema, then cross-references) and build; :class:`ReceiptError` if anything is off.
+        A hand reader around the codec's: the checks before and after it are the receipt's own."""
+        check_version(data)
+        validate(data, RECEIPT_SCHEMA)
         try:
-            receipt = cls(
-                schema_version=version,
-                context=ReceiptContext.from_json(data["context"]),
-                settings=RunSettings.from_json(data["settings"]),
-                traces=ReceiptTraces.from_json(data["traces"]),
-                plan=ReceiptPlan.from_json(data["plan"]),
-                verification=None if data["verification"] is None else VerifyReport.from_json(data["verification"]),
-                verification_note=data["verification_note"],
-                frontier=None if data["frontier"] is None else FrontierReport.from_json(data["frontier"]),
-                decision=ReceiptDecision.from_json(data["decision"]),
-                unsupported=[UnsupportedMode.from_json(u) for u in data["unsupported"]],
-                world_size=None if data.get("world_size") is None else WorldSizeEvidence.from_json(data["world_size"]),
-            )
+            receipt = from_json(cls, data)
         except ReceiptError:
             raise
         except (RematError, KeyError, TypeError, ValueError) as exc:
@@ -484,6 +392,9 @@ class Receipt:
     @classmethod
     def load(cls, path: Path | str) -> "Receipt":
         return cls.from_json(read_json_file(path))
+
+
+RECEIPT_SCHEMA = schema(Receipt)   # the receipt file's schema, from the fields (NOTE [codecs from the types])
 
 
 def load_receipt(path: Path | str) -> Receipt:

@@ -20,50 +20,51 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from .. import _json
-from .._codec import JsonCodec
-from .._json import json_kind, read_bounded_bytes
+from .._codec import JsonCodec, Len, from_json, json_field, schema
+from .._json import MODULE_PATH, json_kind, read_bounded_bytes
 from ..distributed.pipeline.report import PIPELINE_REPORT, PipelineReport
 from ..errors import ReceiptError, RematError
 from ..plan.pipeline import PipelinePlan, Side
 from .model import ReceiptContext
-from .schema import CONTEXT, HEX16, MODULE_PATH, SHORT, parse_json_bounded
+from .schema import HEX16, SHORT, parse_json_bounded
 
 PIPELINE_RECEIPT_KIND = "remat-pipeline-receipt"
 PIPELINE_RECEIPT_SCHEMA_VERSION = 1
 MAX_CHECK_STEPS = 100
-
-STAGE_BOUNDARY = _json.Obj({"stage": _json.Int(0, 1 << 20), "module": MODULE_PATH, "class_name": SHORT,
-                               "revision": HEX16})
-PIPELINE_RECEIPT_SCHEMA = _json.Obj({
-    "schema_version": _json.Int(0, 1000), "kind": _json.Enum(PIPELINE_RECEIPT_KIND), "context": CONTEXT,
-    "pipeline": PIPELINE_REPORT, "boundaries": _json.List(STAGE_BOUNDARY, max_len=100_000),
-    "check_steps": _json.Int(1, MAX_CHECK_STEPS), "check_timeout_s": _json.Num(1, 86400.0),
-})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageBoundary(JsonCodec):
     """One boundary of remat's per-stage plans, with the revision hash ``remat check`` compares."""
 
-    stage: int
-    module: str
-    class_name: str
-    revision: str       # remat.profile.module_revision: class sources + parameter shapes
+    stage: Annotated[int, _json.Int(0, 1 << 20)]
+    module: Annotated[str, MODULE_PATH]
+    class_name: Annotated[str, SHORT]
+    revision: Annotated[str, HEX16]   # remat.profile.module_revision: class sources + parameter shapes
 
 
 @dataclasses.dataclass(kw_only=True)
-class PipelineReceipt:
+class PipelineReceipt(JsonCodec):
     """NOTE [pipeline receipt]."""
 
+    # checked first, for a precise message (from_json); ``kind`` is written after it
+    schema_version: Annotated[int, _json.Int(0, 1000)] = json_field(default=PIPELINE_RECEIPT_SCHEMA_VERSION,
+                                                                     required=True, then=("kind",))
     context: ReceiptContext
-    pipeline: PipelineReport
-    boundaries: list[StageBoundary]
-    check_steps: int = 1           # timed steps per side when `remat check` re-runs the pipeline
-    check_timeout_s: float = 60.0  # p2p/collective timeout of that re-run (s)
-    schema_version: int = PIPELINE_RECEIPT_SCHEMA_VERSION
+    pipeline: Annotated[PipelineReport, PIPELINE_REPORT]
+    boundaries: Annotated[list[StageBoundary], Len(100_000)]
+    # timed steps per side when `remat check` re-runs the pipeline
+    check_steps: Annotated[int, _json.Int(1, MAX_CHECK_STEPS)] = json_field(default=1, required=True)
+    # p2p/collective timeout of that re-run (s)
+    check_timeout_s: Annotated[float, _json.Num(1, 86400.0)] = json_field(default=60.0, required=True)
+
+    @property
+    def kind(self) -> Annotated[str, _json.Enum(PIPELINE_RECEIPT_KIND)]:
+        """What the file is: the top level's ``kind`` key (never read back)."""
+        return PIPELINE_RECEIPT_KIND
 
     @property
     def plan(self) -> PipelinePlan | None:
@@ -94,13 +95,10 @@ class PipelineReceipt:
     def holds(self) -> bool:
         return not self.why_not
 
-    def to_json(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "kind": PIPELINE_RECEIPT_KIND, "context": self.context.to_json(),
-                "pipeline": self.pipeline.to_json(), "boundaries": [b.to_json() for b in self.boundaries],
-                "check_steps": self.check_steps, "check_timeout_s": self.check_timeout_s}
-
     @classmethod
     def from_json(cls, data: Any) -> "PipelineReceipt":
+        """A hand reader around the codec's: the version and schema checked first, the parts against each
+        other after."""
         if not isinstance(data, dict):
             raise ReceiptError("malformed pipeline receipt: the top level must be a JSON object")
         v = data.get("schema_version")
@@ -110,10 +108,7 @@ class PipelineReceipt:
                                tip="re-create it with this remat (`remat distributed --engine pipeline ...`)")
         _json.validate(data, PIPELINE_RECEIPT_SCHEMA, error=ReceiptError, what="pipeline receipt")
         try:
-            receipt = cls(context=ReceiptContext.from_json(data["context"]),
-                          pipeline=PipelineReport.from_json(data["pipeline"]),
-                          boundaries=[StageBoundary(**b) for b in data["boundaries"]],
-                          check_steps=data["check_steps"], check_timeout_s=float(data["check_timeout_s"]))
+            receipt = from_json(cls, data)
             plan = receipt.plan
         except ReceiptError:
             raise
@@ -129,6 +124,10 @@ class PipelineReceipt:
         if receipt.context.workload != receipt.pipeline.spec:
             raise ReceiptError("malformed pipeline receipt: the context and the pipeline report name different workloads")
         return receipt
+
+
+# the pipeline receipt file's schema, from the fields (NOTE [codecs from the types] in remat/_codec.py)
+PIPELINE_RECEIPT_SCHEMA = schema(PipelineReceipt)
 
 
 def load_any_receipt_with_digest(path: Path | str) -> tuple[Any, str]:

@@ -3,9 +3,12 @@
 A receipt is a file someone hands to CI, so it is read through remat's one hardened JSON
 loader (NOTE [hostile JSON] in remat/_json.py: size and depth caps, duplicate keys, NaN,
 overflowing numbers and huge integers refused) and then checked field by field against
-:data:`RECEIPT_SCHEMA` (exact types, bounded numbers and counts, unknown fields refused)
-before any dataclass is built from it; every failure is a :class:`ReceiptError` naming the
-JSON path. Nothing in a receipt is imported, opened, unpickled or evaluated: ``remat
+:data:`remat.receipt.model.RECEIPT_SCHEMA` (exact types, bounded numbers and counts, unknown fields
+refused) before any dataclass is built from it; every failure is a :class:`ReceiptError` naming the
+JSON path. The receipt's own types carry their bounds in their annotations (receipt/model.py,
+NOTE [codecs from the types] in remat/_codec.py); this module holds the loader, the limits and the
+receipt's specs of the other stages' reports it embeds (a trace, a verification, a frontier).
+Nothing in a receipt is imported, opened, unpickled or evaluated: ``remat
 check`` runs the workload the *user* names and only compares the receipt's (NOTE
 [workload spec policy] in remat/workflow/check.py).
 """
@@ -16,10 +19,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import _json
-from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, AnyOf, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
+from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
                      Spec, Str, Tuple, show)
 from ..errors import ReceiptError
-from ..plan.schema import AUTOCAST, COMPILE, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, PLAN, SHAPE
+from ..plan.schema import AUTOCAST, COMPILE, DEVICE, DTYPE, MEMORY_SOURCE, MODE, PLAN, SHAPE
 from ..types import HazardKind
 
 MAX_BYTES = _json.MAX_BYTES
@@ -44,7 +47,7 @@ def read_json_file(path: Path | str) -> Any:
                                 tip="remat receipt ... --out DIR writes DIR/receipt.json")
 
 
-# -- the receipt's schema --------------------------------------------------------------------------
+# -- the receipt's specs of what it embeds ---------------------------------------------------------
 
 FRACTION = Num(0, 1)
 HEX16 = Str(r"[0-9a-f]{16}", what="a string of 16 hex digits")
@@ -75,18 +78,6 @@ STEP_TRACE = Obj({
     "boundary": Enum(None),   # the receipt keeps target and boundary traces side by side, not nested
 })
 
-FIXTURE = Obj({
-    "name": SHORT, "seeds": List(Int(0, 10_000), min_len=1, max_len=MAX_SEEDS), "steps": Int(1, MAX_STEPS),
-    "modes": List(RUN_MODE, max_len=2), "dtype": DTYPE, "tolerance": TOLERANCE,
-    "parameters": List(Str(max_len=500), max_len=10_000), "passed": Opt(Bool()),
-    "forward_calls_per_step": Opt(COUNT), "replay_calls_per_step": Opt(COUNT), "draws_rng": Opt(Bool()),
-    "negative_controls": List(SHORT, max_len=20),
-})
-BOUNDARY = Obj({
-    "module": MODULE_PATH, "class_name": SHORT, "mode": MODE, "guarded": Bool(), "revision": HEX16,
-    "predicted_saving_bytes": SIGNED_BYTES, "measured_saving_bytes": SIGNED_BYTES, "saving_tolerance": FRACTION,
-    "replay_ms": MS, "fixture": FIXTURE,
-})
 ATTEMPT = Obj({"predicted_peak_bytes": SIGNED_BYTES, "measured_peak_bytes": BYTES, "margin_bytes": SIGNED_BYTES,
                "fits": Bool()})
 
@@ -145,53 +136,7 @@ FRONTIER = Obj({
                                "compile_s": Opt(Num(0, 1e7)), "error": Opt(TEXT)}), max_len=100),
 })
 
-REJECTED = Obj({"plan": SHORT, "decision": Enum("reject", "infeasible", "failed", "unverified"), "reason": TEXT,
-                "peak_bytes": Opt(BYTES), "p50_ms": Opt(MS)})
-DECISION = Obj({
-    "status": Enum("ship", "no-plan"), "shipped": Opt(SHORT), "boundaries": List(SHORT),
-    "budget_bytes": Int(1, 2 ** 53), "reserve": Num(0, 0.999999), "effective_budget_bytes": SIGNED_BYTES,
-    "control_peak_bytes": Opt(BYTES), "shipped_peak_bytes": Opt(BYTES), "clears": Bool(),
-    "headroom_bytes": Opt(SIGNED_BYTES),
-    "reserve_left": Opt(Num()), "control_p50_ms": Opt(MS), "shipped_p50_ms": Opt(MS), "overhead_pct": Opt(Num()),
-    "verified": Opt(Bool()), "rejected": List(REJECTED, max_len=200), "why": List(TEXT, max_len=50),
-}, {"overhead_interval": Opt(OVERHEAD_INTERVAL)})
-
-CONTEXT = Obj({
-    "workload": Str(max_len=4096), "shape": SHAPE, "resolved_shape": SHAPE, "boundary_shape": Opt(SHAPE),
-    "dtype": DTYPE, "device": DEVICE, "torch_version": SHORT, "python_version": SHORT, "platform": SHORT,
-    "hostname": SHORT, "cpu_count": Opt(Int(0, 1 << 20)), "threads": Int(0, 4096), "remat_version": SHORT,
-    "git_revision": Opt(Str(r"[0-9a-f]{7,64}")), "git_dirty": Opt(Bool()), "created": SHORT, "command": TEXT,
-    "memory_source": MEMORY_SOURCE,
-}, {"autocast": Opt(AUTOCAST), "device_memory_bytes": Opt(Int(1, 2 ** 53))})
-SETTINGS = Obj({
-    "trace_warmup": Int(1, MAX_WARMUP), "trace_steps": Int(1, MAX_STEPS), "verify_steps": Int(1, MAX_STEPS),
-    "verify_seeds": Int(1, MAX_SEEDS), "verify_timing_steps": Int(0, MAX_STEPS),
-    "frontier_plans": List(SHORT, max_len=100), "frontier_steps": Int(1, MAX_STEPS),
-    "frontier_warmup": Int(1, MAX_WARMUP), "capacity_key": Opt(SHORT), "capacity_tries": Int(1, MAX_TRIES),
-    "capacity_steps": Int(1, MAX_STEPS), "saving_tolerance": FRACTION, "saving_warmup": Int(1, MAX_WARMUP),
-    "note": TEXT, "sample_steps": Int(1, 64),
-}, {"compile": Opt(COMPILE)})
-UNSUPPORTED = Obj({"mode": SHORT, "status": Enum("not run", "unsupported"), "detail": TEXT})
-
-RECEIPT_SCHEMA = Obj({
-    "schema_version": Int(0, 1000),   # checked first, for a precise message (load_receipt)
-    "kind": Enum(RECEIPT_KIND),
-    "context": CONTEXT,
-    "settings": SETTINGS,
-    "traces": Obj({"target": STEP_TRACE, "boundary": Opt(STEP_TRACE), "planned": Opt(STEP_TRACE)}),
-    "plan": Obj({"label": Opt(SHORT), "plan": Opt(PLAN), "boundaries": List(BOUNDARY, max_len=10_000),
-                 "control_held_bytes": Opt(BYTES), "closed_loop": List(ATTEMPT, max_len=100),
-                 "closed_loop_boundaries": List(SHORT), "note": TEXT},
-                {"excluded_after_verify": Map(TEXT, max_len=100)}),
-    "verification": Opt(VERIFICATION),
-    "verification_note": TEXT,
-    "frontier": Opt(FRONTIER),
-    "decision": DECISION,
-    "unsupported": List(UNSUPPORTED, max_len=100),
-}, {"world_size": Opt(JsonValue())})   # field by field in receipt/world_size.py (WORLD_SIZE_EVIDENCE)
-
-
-def validate(data: Any, spec: Spec = RECEIPT_SCHEMA, *, root: str = "$") -> None:
+def validate(data: Any, spec: Spec, *, root: str = "$") -> None:
     """Raise :class:`ReceiptError` at the first place ``data`` breaks ``spec``."""
     _json.validate(data, spec, error=ReceiptError, what="receipt", root=root)
 

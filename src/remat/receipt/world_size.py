@@ -85,6 +85,9 @@ class WorldSizeEvidence:
                            f"over the per-device budget {budget_bytes} bytes")
         return out
 
+    # A hand codec: the JSON is computed (``engine`` and ``world_size``, the report's own, written before it so a
+    # reader sees them first), and reading it checks the report against them (NOTE [codecs from the types]
+    # in remat/_codec.py).
     def to_json(self) -> dict[str, Any]:
         return {"engine": self.engine.value, "world_size": self.world_size, "report": self.report.to_json(),
                 "check_steps": self.check_steps, "check_timeout_s": self.check_timeout_s}

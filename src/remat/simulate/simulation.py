@@ -53,7 +53,9 @@ class Simulation:
         return self.trace.peak_bytes <= self.device_model.memory_bytes
 
     def to_json(self) -> dict[str, Any]:
-        """The simulation-only figures (``trace.json`` holds the trace itself)."""
+        """The simulation-only figures (``trace.json`` holds the trace itself): a hand codec, since they are
+        computed from the trace and the device model (never read back; NOTE [codecs from the types] in
+        remat/_codec.py)."""
         return {
             "device_model": self.device_model.to_json(),
             "memory_source": self.trace.memory_source.value,

@@ -102,12 +102,13 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from .. import __version__
+from .._codec import JsonCodec
 from .._json import read_bounded_bytes
 from ..closed_loop import measure_plan, sample_peaks
 from ..memory.capacity import clear_refusal, last_refusal, step_capacity
@@ -154,7 +155,7 @@ __all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Dead
 
 
 @dataclasses.dataclass(kw_only=True)
-class CheckReport:
+class CheckReport(JsonCodec):
     passed: bool
     quick: bool
     workload: str
@@ -162,11 +163,6 @@ class CheckReport:
     checked: list[str]       # what held, one line each
     skipped: list[str]       # what was not re-run, and why
     wall_s: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "quick": self.quick, "workload": self.workload,
-                "failures": [f.to_json() for f in self.failures], "checked": list(self.checked),
-                "skipped": list(self.skipped), "wall_s": self.wall_s}
 
 
 # -- the workload spec policy (NOTE [workload spec policy]) ----------------------------------------------

@@ -32,8 +32,9 @@ __all__ = ["RerunPart", "RerunRequest", "check_receipt_in_child", "rerun_in_chil
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RerunRequest:
-    """What the child re-derives the check from: the parent writes it (never a receipt), so it is trusted."""
+class RerunRequest(JsonCodec):
+    """What the child re-derives the check from: the parent writes it (never a receipt), so it is trusted
+    (read without a schema)."""
 
     receipt: str                 # receipt.json's path
     digest: str                  # the sha256 of the bytes the parent read: the child's must be the same
@@ -42,9 +43,6 @@ class RerunRequest:
     cwd: str | None
     gate: dict[str, Any]         # the flags' GateSettings, field by field
     threads: int                 # torch intra-op threads, as the parent set them
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +63,7 @@ def rerun_in_child(request: dict[str, Any], reporter: ChildReporter) -> dict[str
     """The child's entry: the check decided again from the same inputs (nothing of the user's has run yet),
     then the re-run on the user's workload, with no deadline of its own (the parent keeps it)."""
     import torch
-    req = RerunRequest(**request)
+    req = RerunRequest.from_json(request)
     torch.set_num_threads(req.threads)
     receipt, digest = load_receipt_with_digest(req.receipt)
     if digest != req.digest:

@@ -1,0 +1,237 @@
+"""The receipt's codec, held to golden files made before the codecs moved to the types (NOTE [codecs
+from the types] in remat/_codec.py).
+
+tests/golden/receipt.json is a receipt of tests/test_receipt.py's tiny MLP at test sizes with a run at
+world size 2 (tests/golden/make_golden.py made both files, on the code before the change). Ground
+truth: (1) reading the file and writing it again gives its bytes; (2) each hostile edit (wrong type,
+out-of-bound number, extra key, missing key, in every part of the receipt) is refused with the error
+class it was refused with then (tests/golden/hostile.json), and an accepted edit stays accepted.
+The wrong case: a byte changed in a figure must not round-trip to the golden bytes."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from remat.errors import DistributedError, ReceiptError, RematError
+from remat.receipt import Receipt
+from remat.receipt.write import receipt_bytes
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+Edit = Callable[[dict], None]
+
+
+def _set(path: str, value: Any) -> Edit:
+    """Set the key at ``path`` ("a.b.0.c") to ``value``."""
+    def edit(d: dict) -> None:
+        *head, last = path.split(".")
+        node = _at(d, head)
+        node[int(last) if isinstance(node, list) else last] = value
+    return edit
+
+
+def _drop(path: str) -> Edit:
+    def edit(d: dict) -> None:
+        *head, last = path.split(".")
+        del _at(d, head)[last]
+    return edit
+
+
+def _at(d: Any, keys: list[str]) -> Any:
+    for k in keys:
+        d = d[int(k)] if isinstance(d, list) else d[k]
+    return d
+
+
+# One object per migrated type: a wrong type, an out-of-bound number, an extra key, a missing key.
+_PARTS: dict[str, tuple[str, str, Any, str]] = {
+    # part: (its path, an int or str field, an out-of-bound value for a number field "name=value", a required key)
+    "context": ("context", "threads", "threads=-1", "hostname"),
+    "settings": ("settings", "trace_steps", "trace_steps=100000", "note"),
+    "fixture": ("plan.boundaries.0.fixture", "steps", "steps=0", "dtype"),
+    "boundary": ("plan.boundaries.0", "replay_ms", "saving_tolerance=1.5", "revision"),
+    "traces": ("traces", "target", "", "planned"),
+    "plan": ("plan", "note", "control_held_bytes=-1", "closed_loop"),
+    "rejected": ("decision.rejected.0", "reason", "peak_bytes=-5", "plan"),
+    "decision": ("decision", "budget_bytes", "reserve=1.0", "why"),
+    "unsupported": ("unsupported.0", "detail", "", "status"),
+    "world_size": ("world_size", "check_steps", "check_timeout_s=0.5", "report"),
+    "world_size.report": ("world_size.report", "budget_bytes", "world_size=0", "engine"),
+    "world_size.report.rank": ("world_size.report.per_rank.plan.0", "peak_bytes", "", "p50_ms"),
+    "world_size.report.equivalence": ("world_size.report.equivalence", "params_compared", "", "criterion"),
+}
+
+
+def _edits() -> dict[str, Edit]:
+    out: dict[str, Edit] = {}
+    for part, (path, field, bound, required) in _PARTS.items():
+        out[f"{part}: wrong type"] = _set(f"{path}.{field}", [1])
+        if bound:
+            name, value = bound.split("=")
+            out[f"{part}: out of bound"] = _set(f"{path}.{name}", json.loads(value))
+        out[f"{part}: extra key"] = _set(f"{path}.zz_extra", 1)
+        out[f"{part}: missing key"] = _drop(f"{path}.{required}")
+    out["status: not a status"] = _set("decision.status", "maybe")
+    out["rejected: not a decision"] = _set("decision.rejected.0.decision", "ship")
+    out["boundary: keep is no mode"] = _set("plan.boundaries.0.mode", "keep")
+    out["context: memory source"] = _set("context.memory_source", "abacus")
+    out["settings: compile given"] = _set("settings.compile", {"mode": 1})
+    out["excluded: not text"] = _set("plan.excluded_after_verify", {"h.1": 3})
+    out["fixture: no seeds"] = _set("plan.boundaries.0.fixture.seeds", [])
+    return out
+
+
+EDITS = _edits()
+
+
+def outcome(text: bytes, edit: Edit) -> str:
+    """The error class reading ``text`` edited by ``edit`` raises, or "accepted"."""
+    d = json.loads(text)
+    edit(d)
+    try:
+        Receipt.from_json(d)
+    except RematError as exc:
+        return type(exc).__name__
+    return "accepted"
+
+
+def describe(spec: Any) -> Any:
+    """A Spec as JSON: its class and every attribute (nested Specs described the same way)."""
+    from remat._json import Spec
+    if isinstance(spec, Spec):
+        return {"spec": type(spec).__name__, **{k: describe(v) for k, v in sorted(vars(spec).items())}}
+    if isinstance(spec, dict):
+        return {str(k): describe(v) for k, v in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return [describe(x) for x in spec]
+    return repr(spec)
+
+
+def describe_schemas() -> dict[str, Any]:
+    from remat.distributed.config import CONFIG_SCHEMA
+    from remat.receipt import RECEIPT_SCHEMA
+    from remat.receipt.pipeline import PIPELINE_RECEIPT_SCHEMA
+    return {"receipt": describe(RECEIPT_SCHEMA), "pipeline receipt": describe(PIPELINE_RECEIPT_SCHEMA),
+            "distributed config": describe(CONFIG_SCHEMA)}
+
+
+def test_the_derived_schemas_are_the_hand_ones():
+    """Every key, its spec's class and bounds, as the hand schemas (tests/golden/schemas.json) had them."""
+    want = json.loads((GOLDEN / "schemas.json").read_text())
+    got = json.loads(json.dumps(describe_schemas()))
+    assert got == want
+    got["receipt"]["required"]["settings"]["required"]["trace_steps"]["hi"] = "1001"   # the wrong case
+    assert got != want
+
+
+@pytest.fixture(scope="module")
+def golden() -> bytes:
+    return (GOLDEN / "receipt.json").read_bytes()
+
+
+def test_the_golden_receipt_reads_and_writes_its_own_bytes(golden):
+    receipt = Receipt.loads(golden)
+    assert receipt.world_size is not None and receipt.plan.boundaries   # every part is there to check
+    assert receipt_bytes(receipt) == golden
+
+
+def test_the_golden_receipt_with_its_optional_keys_reads_and_writes_its_own_bytes():
+    text = (GOLDEN / "receipt_optional.json").read_bytes()
+    receipt = Receipt.loads(text)
+    assert receipt.context.autocast == "bfloat16" and receipt.plan.excluded_after_verify
+    assert receipt_bytes(receipt) == text
+
+
+def test_the_golden_distributed_config_reads_and_writes_its_own_bytes(tmp_path):
+    """A pipeline config (distributed/config.py, PipelineSettings from its fields) read and saved again."""
+    from remat.distributed.config import DistributedConfig
+    text = (GOLDEN / "distributed_config.json").read_bytes()
+    config = DistributedConfig.from_json(json.loads(text))
+    assert config.pipeline is not None and config.pipeline.sides[-1].value == "remat"
+    assert config.save(tmp_path / "config.json").read_bytes() == text
+    edited = json.loads(text)
+    edited["pipeline"]["microbatches"] = 0   # the wrong case: out of bound, refused as before
+    with pytest.raises(DistributedError, match="microbatches"):
+        DistributedConfig.from_json(edited)
+    edited = json.loads(text)
+    del edited["pipeline"]["reserve"]        # every settings key is required
+    with pytest.raises(DistributedError, match="reserve"):
+        DistributedConfig.from_json(edited)
+
+
+def test_the_golden_pipeline_receipt_reads_and_writes_its_own_bytes():
+    from remat.receipt.pipeline import PipelineReceipt
+    text = (GOLDEN / "pipeline_receipt.json").read_bytes()
+    receipt = PipelineReceipt.from_json(json.loads(text))
+    assert receipt.pipeline.spec == receipt.context.workload == "gpt"
+    assert (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8") == text
+    edited = json.loads(text)
+    edited["check_steps"] = 0   # the wrong case: out of bound, refused as before
+    with pytest.raises(ReceiptError, match="check_steps"):
+        PipelineReceipt.from_json(edited)
+    edited = json.loads(text)
+    edited["kind"] = "remat-receipt"
+    with pytest.raises(ReceiptError):
+        PipelineReceipt.from_json(edited)
+
+
+def test_a_changed_figure_is_not_the_golden_bytes(golden):
+    d = json.loads(golden)
+    d["decision"]["budget_bytes"] += 1
+    assert receipt_bytes(Receipt.from_json(copy.deepcopy(d))) != golden
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, str]:
+    return json.loads((GOLDEN / "hostile.json").read_text())
+
+
+def test_every_edit_has_its_golden_outcome(expected):
+    assert set(expected) == set(EDITS)
+    assert sum(v != "accepted" for v in expected.values()) >= len(expected) - 5   # the edits are mostly refused
+
+
+# Edits the hand codecs accepted and the codecs from the types refuse, each with why (a file refused
+# before is never accepted now: only "accepted" may change, and only to a refusal).
+TIGHTENED = {
+    # Equivalence.from_json passed its keys through unread; the codec reads params_compared through int()
+    "world_size.report.equivalence: wrong type": "ReceiptError",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_a_hostile_edit_meets_its_golden_outcome(golden, expected, name):
+    want = TIGHTENED.get(name, expected[name])
+    assert name not in TIGHTENED or expected[name] == "accepted"
+    assert outcome(golden, EDITS[name]) == want
+
+
+# -- the check's own JSON: what the hand codecs wrote, written out by hand -----------------------------
+
+def test_the_check_report_is_its_fields_in_order():
+    from remat.workflow.check import CheckReport
+    from remat.workflow.findings import CheckFinding, FindingKind
+    kind = next(iter(FindingKind))
+    finding = CheckFinding(kind=kind, message="peak over budget", boundary="h.1")
+    report = CheckReport(passed=False, quick=True, workload="mlp", failures=[finding], checked=["shape"],
+                         skipped=["time: --quick"], wall_s=1.5)
+    want = {"passed": False, "quick": True, "workload": "mlp",
+            "failures": [{"kind": kind.value, "message": "peak over budget", "boundary": "h.1"}],
+            "checked": ["shape"], "skipped": ["time: --quick"], "wall_s": 1.5}
+    assert json.dumps(report.to_json()) == json.dumps(want)   # keys in this order, too
+    assert json.dumps(report.to_json()) != json.dumps(dict(reversed(want.items())))   # the wrong case
+
+
+def test_the_rerun_request_is_asdict_and_reads_back():
+    import dataclasses
+    from remat.workflow.check_child import RerunRequest
+    req = RerunRequest(receipt="/tmp/r.json", digest="ab" * 32, quick=False, workload=None, cwd="/tmp",
+                       gate={"time_tolerance": 0.25, "pins": {"torch": "2.5"}}, threads=2)
+    assert json.dumps(req.to_json()) == json.dumps(dataclasses.asdict(req))   # the hand codec was asdict
+    assert RerunRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
+    assert RerunRequest.from_json({**req.to_json(), "threads": 3}) != req   # the wrong case
