@@ -33,7 +33,6 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
