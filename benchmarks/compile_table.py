@@ -117,7 +117,7 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
            "budget arm. Times: median over rounds of arm / none+compile with a paired bootstrap 95% interval "
            "(< 1: faster than the compiled unplanned step). Peaks: compiled arms by torch.profiler's CPU allocator "
            "events (`cpu-profiler-allocator`), the eager reference by torch.profiler on a fresh build.", "",
-           "| model | budget | none+compile: peak MiB / p50 ms | torch budget@R: R, peak MiB, p50 ratio | "
+           "| model | budget | none+compile: peak MiB / p50 ms; eager unplanned's p50 ratio | torch budget@R: R, peak MiB, p50 ratio | "
            "remat optimal+compile: peak MiB, p50 ratio (boundaries) | eager optimal (reference): peak MiB, p50 ratio "
            "| budget tries (R: MiB, * fits) |",
            "|---|---|---|---|---|---|---|"]
@@ -131,7 +131,8 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
                             pts.get("optimal"))
         ratios = r["ratios"]
         mib = lambda b: "-" if b is None else f"{b / MIB:.1f}"  # noqa: E731
-        ctrl_c = "-" if ctrl is None else f"{mib(ctrl['peak_bytes'])} / {ctrl['p50_ms'] or 0:.1f}"
+        ctrl_c = "-" if ctrl is None else (f"{mib(ctrl['peak_bytes'])} ({ctrl['peak_bytes'] / r['eager_unplanned_profiler_peak_bytes']:.0%} of eager) / "
+                                           f"{ctrl['p50_ms'] or 0:.1f}; eager unplanned {_pct(ratios.get('none'))}")
         if ta is None:
             torch_c = "none fits"
         else:
@@ -141,7 +142,7 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
             remat_c = "-" if ra is None else f"{ra['decision']}: {(ra['reason'] or '')[:80]}"
         else:
             remat_c = (f"{mib(ra['peak_bytes'])}{'' if ra['fits'] else ' (over)'}, {_pct(ratios.get(ra['plan']))} "
-                       f"({len(ra['boundaries'])})")
+                       f"({len(ra['boundaries'])}: {', '.join(map(str, ra['boundaries']))})")
         eager_c = "-" if ea is None or ea["peak_bytes"] is None else (
             f"{mib(r.get('eager_optimal_profiler_peak_bytes'))}, {_pct(ratios.get('optimal'))}")
         tries = ", ".join(f"{t['ratio']:g}: " + ("-" if t["peak_bytes"] is None else f"{t['peak_bytes'] / MIB:.1f}")
