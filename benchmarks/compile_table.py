@@ -119,12 +119,12 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
            "events (`cpu-profiler-allocator`), the eager reference by torch.profiler on a fresh build.", "",
            "| model | budget | none+compile: peak MiB / p50 ms; eager unplanned's p50 ratio | torch budget@R: R, peak MiB, p50 ratio | "
            "remat optimal+compile: peak MiB, p50 ratio (boundaries) | eager optimal (reference): peak MiB, p50 ratio "
-           "| budget tries (R: MiB, * fits) |",
-           "|---|---|---|---|---|---|---|"]
+           "| remat / torch's arm that fits, paired | budget tries (R: MiB, * fits) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['model']} | {r['budget_pct']}%"
         if "crash" in r:
-            out.append(f"{head} | FAILED: {r['crash'][:200]} | | | | |")
+            out.append(f"{head} | FAILED: {r['crash'][:200]} | | | | | |")
             continue
         pts = {p["plan"]: p for p in r["points"]}
         ctrl, ta, ra, ea = (pts.get("none+compile"), pts.get(r["torch_arm"] or ""), pts.get(r["remat_arm"] or ""),
@@ -145,9 +145,10 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
                        f"({len(ra['boundaries'])}: {', '.join(map(str, ra['boundaries']))})")
         eager_c = "-" if ea is None or ea["peak_bytes"] is None else (
             f"{mib(r.get('eager_optimal_profiler_peak_bytes'))}, {_pct(ratios.get('optimal'))}")
+        vs_torch = "-" if ta is None else (f"compiled {_pct(_ratio(ra, ta))}; eager {_pct(_ratio(ea, ta))}")
         tries = ", ".join(f"{t['ratio']:g}: " + ("-" if t["peak_bytes"] is None else f"{t['peak_bytes'] / MIB:.1f}")
                           + ("*" if t["fits"] else "") for t in r["budget_search"])
-        out.append(f"{head} = {r['budget_bytes'] / MIB:.1f} MiB | {ctrl_c} | {torch_c} | {remat_c} | {eager_c} | {tries} |")
+        out.append(f"{head} = {r['budget_bytes'] / MIB:.1f} MiB | {ctrl_c} | {torch_c} | {remat_c} | {eager_c} | {vs_torch} | {tries} |")
     out += ["", "Per-point figures (every round's time, each peak's instrument, the boundaries by name) in "
             "the JSON each command wrote (`--json`; default `benchmarks/results/compile_table.json`).", ""]
     return "\n".join(out)
