@@ -2,7 +2,8 @@
 """remat vs torch.compile's budget, side by side, on the hold-out zoo models (issue 42 item 4).
 
     PYTHONPATH=src .venv/bin/python benchmarks/compile_table.py                 # gpt2, qwen2moe, unet at 70/50%
-    PYTHONPATH=src .venv/bin/python benchmarks/compile_table.py --smoke         # tiny shapes, one budget, no RESULTS.md
+    PYTHONPATH=src .venv/bin/python benchmarks/compile_table.py --smoke         # tiny gpt2 + qwen2moe, 50%, no RESULTS.md
+    PYTHONPATH=src .venv/bin/python benchmarks/compile_table.py --render a.json,b.json   # runs made side by side, one table
 
 The models and their small configs are simple_race.py's (``MODELS``: HF GPT-2, HF Qwen2-MoE, a diffusers
 UNet). Per model: the unplanned eager step's peak by torch.profiler (``simple_race.profiler_peak``), and
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shares", default="70,50", help="percent of the unplanned eager peak (torch.profiler)")
     ap.add_argument("--rounds", type=int, default=10, help="interleaved timed rounds per cell")
     ap.add_argument("--tries", type=int, default=4, help="most recompiles for torch's budget bisection")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one share, 3 rounds, 2 tries; no RESULTS.md")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, the last share, 3 rounds, 2 tries, gpt2 and qwen2moe unless --models; no RESULTS.md")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--render", default=None,
@@ -176,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     torch.set_num_threads(1)   # simple_race.py's rule: one thread, so two shared cores time the arms alike
-    if args.smoke:
+    if args.smoke:   # a few minutes: the UNet compiles for minutes even tiny, so it joins only when named
         args.shares, args.rounds, args.tries = args.shares.split(",")[-1], 3, 2
+        if args.models == ap.get_default("models"):
+            args.models = "gpt2,qwen2moe"
     shares = [int(s) for s in args.shares.split(",")]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     command = "python benchmarks/compile_table.py " + " ".join(argv if argv is not None else sys.argv[1:])
