@@ -72,13 +72,19 @@ GPT2_SMALL = {"gpt": {"batch_size": 8, "seq_len": 1024, "n_layer": 12, "d_model"
 
 
 def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, steps: int, tries: int,
-        verify: bool, log) -> dict[str, Any]:  # noqa: ANN001
+        verify: bool, log, base_peak_bytes: int | None = None, loaded=None, report=None,
+        keep: dict | None = None) -> dict[str, Any]:  # noqa: ANN001
     """``pct``: a share of the control's eager profiled peak, or "mid": halfway between remat's
-    predicted floor and that peak (``make zoo``'s rule, so every model has a budget remat can meet)."""
+    predicted floor and that peak (``make zoo``'s rule, so every model has a budget remat can meet).
+    ``base_peak_bytes``: the eager peak the share is of, when the caller measured it another way
+    (compile_table.py: torch.profiler's); ``loaded``/``report``: reuse the caller's build and profile;
+    ``keep``: gets the frontier result under "frontier" (its plans, for the caller's own measurements)."""
     t0 = time.perf_counter()
-    loaded = load_workload(spec, shape, device=device, dtype=dtype)
-    report = profile_workload(loaded)
-    if pct == "mid":
+    loaded = loaded if loaded is not None else load_workload(spec, shape, device=device, dtype=dtype)
+    report = report if report is not None else profile_workload(loaded)
+    if base_peak_bytes is not None:
+        budget = int(base_peak_bytes * int(pct) / 100)
+    elif pct == "mid":
         floor = make_plan(report, "floor").predicted_peak_bytes
         budget = (floor + report.baseline_peak_bytes) // 2
         pct = round(100 * budget / report.baseline_peak_bytes)
@@ -94,6 +100,8 @@ def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, step
     fr = run_frontier(loaded, FrontierSettings(budget_bytes=budget, reserve=0.0, plans="none,optimal", steps=steps,
                                                warmup=2, capacity_key=None, compile=CompileSpec(),
                                                budget_tries=tries), report=report, progress=progress)
+    if keep is not None:
+        keep["frontier"] = fr
     points = {p.plan: p for p in fr.points}
     torch_arm = next((p for p in fr.points if p.planner.kind is PlannerKind.TORCH_BUDGET), None)
     if torch_arm is None and points.get("none+compile") is not None and points["none+compile"].fits:
@@ -104,7 +112,7 @@ def one(spec: str, shape: dict, pct: int | str, *, device: str, dtype: str, step
         "control_eager_peak_bytes": report.baseline_peak_bytes,
         "shipped": fr.shipped.plan if fr.shipped else None,
         "points": [{k: getattr(p, k) for k in ("plan", "peak_bytes", "memory_source", "p50_ms", "p95_ms", "fits",
-                                                "decision", "reason", "compile_s", "boundaries")}
+                                                "decision", "reason", "compile_s", "boundaries", "step_ms")}
                    | {"decision": p.decision.value} for p in fr.points],
         "budget_search": [t.to_json() for t in fr.budget_search],
         "torch_arm": None if torch_arm is None else torch_arm.plan,
