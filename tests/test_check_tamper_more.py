@@ -19,7 +19,7 @@ import pytest
 from remat.cli.main import main
 from remat.receipt import Receipt, write_receipt
 from remat.workflow import FindingKind, GateSettings, ReportStamps, check_receipt
-from remat.receipt.pipeline import load_any_receipt_with_digest
+from remat.receipt.model import load_receipt_with_digest
 
 from .test_check_tamper import _control_point, _restate, _set, _shipped_point, made, shared_runs  # noqa: F401
 from .test_gate_reports import _at_world_size, _evidence, no_launch  # noqa: F401
@@ -332,7 +332,7 @@ def test_an_edited_report_fails(folder, shared_runs, tmp_path, name, file, edit)
     text = path.read_text()
     path.write_text(edit(text))
     assert path.read_text() != text
-    receipt, digest = load_any_receipt_with_digest(folder / "receipt.json")
+    receipt, digest = load_receipt_with_digest(folder / "receipt.json")
     report = check_receipt(receipt, quick=True, cwd=tmp_path, reports=ReportStamps(folder=folder, receipt=receipt,
                                                                                     digest=digest))
     assert FindingKind.REPORT in {f.kind for f in report.failures}, report.failures

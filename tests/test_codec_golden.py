@@ -115,17 +115,18 @@ def describe(spec: Any) -> Any:
 def describe_schemas() -> dict[str, Any]:
     from remat.distributed.config import CONFIG_SCHEMA
     from remat.receipt import RECEIPT_SCHEMA
-    from remat.receipt.pipeline import PIPELINE_RECEIPT_SCHEMA
-    return {"receipt": describe(RECEIPT_SCHEMA), "pipeline receipt": describe(PIPELINE_RECEIPT_SCHEMA),
-            "distributed config": describe(CONFIG_SCHEMA)}
+    return {"receipt": describe(RECEIPT_SCHEMA), "distributed config": describe(CONFIG_SCHEMA)}
 
 
 def test_the_derived_schemas_are_the_hand_ones():
-    """Every key, its spec's class and bounds, as the hand schemas (tests/golden/schemas.json) had them."""
+    """Every key, its spec's class and bounds, as the hand schemas (tests/golden/schemas.json) had them. Since
+    NOTE [one receipt] the single-process sections are optional keys of the schema, each with the spec it had
+    (a single-process file must still hold them all: Receipt.from_json), and ``world_size``'s spec is derived
+    from WorldSizeEvidence (it was checked by hand after the schema)."""
     want = json.loads((GOLDEN / "schemas.json").read_text())
     got = json.loads(json.dumps(describe_schemas()))
     assert got == want
-    got["receipt"]["required"]["settings"]["required"]["trace_steps"]["hi"] = "1001"   # the wrong case
+    got["receipt"]["optional"]["settings"]["required"]["trace_steps"]["hi"] = "1001"   # the wrong case
     assert got != want
 
 
@@ -164,20 +165,68 @@ def test_the_golden_distributed_config_reads_and_writes_its_own_bytes(tmp_path):
         DistributedConfig.from_json(edited)
 
 
-def test_the_golden_pipeline_receipt_reads_and_writes_its_own_bytes():
-    from remat.receipt.pipeline import PipelineReceipt
-    text = (GOLDEN / "pipeline_receipt.json").read_bytes()
-    receipt = PipelineReceipt.from_json(json.loads(text))
-    assert receipt.pipeline.spec == receipt.context.workload == "gpt"
-    assert (json.dumps(receipt.to_json(), indent=1, allow_nan=False) + "\n").encode("utf-8") == text
+def _one_receipt(old: dict) -> dict:
+    """The old-format pipeline receipt's parts, placed as the one receipt holds them (NOTE [one receipt] in
+    remat/receipt/model.py), by hand: the figures must be the same, byte for byte."""
+    return {"schema_version": 1, "kind": "remat-receipt", "context": old["context"],
+            "world_size": {"engine": "pipeline", "world_size": old["pipeline"]["world_size"],
+                           "pipeline": {"report": old["pipeline"], "boundaries": old["boundaries"]},
+                           "check_steps": old["check_steps"], "check_timeout_s": old["check_timeout_s"]}}
+
+
+def test_a_pipeline_run_is_one_receipt_holding_the_old_golden_figures():
+    """tests/golden/pipeline_receipt.json (the old format, made before the one receipt) moved by hand into the
+    one receipt's places reads and writes its own bytes; the wrong cases: an out-of-bound figure, a single-process
+    section beside a pipeline run, and a pipeline run's world size that is not its report's."""
+    from remat.receipt.world_size import PipelineEvidence
+    old = json.loads((GOLDEN / "pipeline_receipt.json").read_bytes())
+    text = (json.dumps(_one_receipt(old), indent=1, allow_nan=False) + "\n").encode("utf-8")
+    receipt = Receipt.loads(text)
+    assert isinstance(receipt.pipeline, PipelineEvidence) and receipt.settings is None and receipt.decision is None
+    assert receipt.pipeline.report.spec == receipt.context.workload == "gpt"
+    assert receipt_bytes(receipt) == text
+    assert json.loads(receipt_bytes(receipt))["world_size"]["pipeline"]["report"] == old["pipeline"]
     edited = json.loads(text)
-    edited["check_steps"] = 0   # the wrong case: out of bound, refused as before
+    edited["world_size"]["check_steps"] = 0   # out of bound, refused as before
     with pytest.raises(ReceiptError, match="check_steps"):
-        PipelineReceipt.from_json(edited)
+        Receipt.from_json(edited)
     edited = json.loads(text)
-    edited["kind"] = "remat-receipt"
+    edited["settings"] = json.loads((GOLDEN / "receipt.json").read_bytes())["settings"]
+    with pytest.raises(ReceiptError, match="single-process"):
+        Receipt.from_json(edited)
+    edited = json.loads(text)
+    edited["world_size"]["world_size"] = 3
+    with pytest.raises(ReceiptError, match="another world size"):
+        Receipt.from_json(edited)
+
+
+def test_a_single_process_receipt_missing_a_section_is_refused(golden):
+    """The sections are optional keys of the schema (a pipeline run has none), so the reader requires them."""
+    for key in ("settings", "verification", "verification_note", "unsupported"):
+        d = json.loads(golden)
+        del d[key]
+        with pytest.raises(ReceiptError, match=f"missing field.*{key}"):
+            Receipt.from_json(d)
+    d = json.loads(golden)
+    d["settings"] = None   # null is no section either
     with pytest.raises(ReceiptError):
-        PipelineReceipt.from_json(edited)
+        Receipt.from_json(d)
+    Receipt.from_json(json.loads(golden))   # the safe twin
+
+
+def test_an_old_format_pipeline_receipt_is_refused_with_the_command_that_makes_it_again():
+    from remat.errors import StaleReceiptFormat
+    old = json.loads((GOLDEN / "pipeline_receipt.json").read_bytes())
+    with pytest.raises(StaleReceiptFormat, match="old format") as info:
+        Receipt.from_json(old)
+    assert info.value.exit_code == 2
+    assert ("`remat distributed --engine pipeline --workload gpt --world-size 2 --schedule 1f1b --microbatches 2 "
+            "--split-points h.2 --out DIR`") in info.value.tip
+    Receipt.from_json(_one_receipt(old))   # the safe twin: the same figures in the one receipt are read
+    old["context"]["workload"] = "gpt; rm -rf /"   # a value that is not a plain word is never put in the command
+    with pytest.raises(StaleReceiptFormat) as info:
+        Receipt.from_json(old)
+    assert "--workload WORKLOAD " in info.value.tip and "rm -rf" not in info.value.tip
 
 
 def test_a_changed_figure_is_not_the_golden_bytes(golden):
@@ -235,3 +284,14 @@ def test_the_rerun_request_is_asdict_and_reads_back():
     assert json.dumps(req.to_json()) == json.dumps(dataclasses.asdict(req))   # the hand codec was asdict
     assert RerunRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
     assert RerunRequest.from_json({**req.to_json(), "threads": 3}) != req   # the wrong case
+
+
+def test_remat_check_refuses_an_old_format_pipeline_receipt_with_exit_2(tmp_path, capsys):
+    """Nothing is loaded or launched: the refusal comes from reading the file (the safe twin, a receipt in the one
+    format, is read: the tests above)."""
+    import shutil
+    from remat.cli.main import main
+    shutil.copy(GOLDEN / "pipeline_receipt.json", tmp_path / "receipt.json")
+    assert main(["check", str(tmp_path / "receipt.json"), "--quick", "--no-reports"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "old format" in err and "remat distributed --engine pipeline --workload gpt" in err

@@ -27,7 +27,7 @@ from rich.console import Console
 from remat.cli.main import main
 from remat.cli.render import untrusted
 from remat.distributed.config import Engine
-from remat.receipt.pipeline import load_any_receipt_with_digest
+from remat.receipt.model import load_receipt_with_digest
 from remat.distributed.report import DistributedReport, Equivalence, RankFigures, SideReport
 from remat.receipt import Receipt, render_html, render_markdown, write_receipt
 from remat.receipt.world_size import WorldSizeEvidence
@@ -51,7 +51,7 @@ def folder(made, tmp_path, monkeypatch) -> Path:  # noqa: F811
 
 
 def _stamps(folder: Path) -> ReportStamps:
-    receipt, digest = load_any_receipt_with_digest(folder / "receipt.json")
+    receipt, digest = load_receipt_with_digest(folder / "receipt.json")
     return ReportStamps(folder=folder, receipt=receipt, digest=digest)
 
 
@@ -397,7 +397,8 @@ def test_a_pipeline_receipt_past_the_pin_is_refused_before_anything_launches(no_
     from types import SimpleNamespace
 
     from remat.workflow.pipeline import check_pipeline_receipt
-    receipt = SimpleNamespace(context=SimpleNamespace(workload="mlp"), pipeline=SimpleNamespace(world_size=4096))
+    receipt = SimpleNamespace(context=SimpleNamespace(workload="mlp"),
+                              pipeline=SimpleNamespace(report=SimpleNamespace(world_size=4096)))
     report = check_pipeline_receipt(receipt, workload="mlp", cwd=tmp_path, max_world_size=CORES)
     assert [f.kind for f in report.failures] == [FindingKind.FIXTURE]
     assert "made at world size 4096" in report.failures[0].message and "nothing launched" in report.skipped[0]

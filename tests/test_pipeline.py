@@ -372,15 +372,16 @@ def test_pipeline_receipt_shows_the_per_stage_table_and_timelines(gpt_run):
     import re
     import xml.etree.ElementTree as ET
     from remat.profile import module_revision
-    from remat.receipt.pipeline import PipelineReceipt, load_any_receipt_with_digest
+    from remat.receipt import load_receipt_with_digest
     _, out = gpt_run
-    receipt, digest = load_any_receipt_with_digest(out / "receipt.json")
-    assert isinstance(receipt, PipelineReceipt) and receipt.holds and receipt.why_not == []
+    receipt, digest = load_receipt_with_digest(out / "receipt.json")
+    assert receipt.pipeline is not None and receipt.pipeline.why_not == [] and receipt.world_size.engine.value == "pipeline"
+    assert receipt.settings is None and receipt.decision is None   # a pipeline run has no single-process section
     assert digest == hashlib.sha256((out / "receipt.json").read_bytes()).hexdigest()
     # one boundary record per planned boundary, with the revision of that module in a fresh model
     plan = load_any_plan(out / "plan.json")
     model = load_workload("gpt", SHAPE).workload.model
-    assert [(b.stage, b.module, b.revision) for b in receipt.boundaries] == \
+    assert [(b.stage, b.module, b.revision) for b in receipt.pipeline.boundaries] == \
         [(st.stage, b.module, module_revision(model.get_submodule(b.module))) for st in plan.stages
          for b in st.plan.boundaries]
     html = (out / "report.html").read_text()
@@ -406,38 +407,40 @@ def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
     from remat.errors import ReceiptError
     from remat.workflow.pipeline import check_pipeline_receipt
     from remat.workflow.check import FindingKind
-    from remat.receipt.pipeline import PipelineReceipt
-    from remat.receipt.pipeline_render import write_pipeline_receipt
+    from remat.receipt import Receipt, write_receipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json"), "--quick"]) == 0
     data = json.loads((out / "receipt.json").read_text())
+    run = data["world_size"]["pipeline"]
 
-    def edited(fn) -> PipelineReceipt:
+    def edited(fn) -> Receipt:
         d = json.loads(json.dumps(data))
-        fn(d)
-        return PipelineReceipt.from_json(d)
+        fn(d["world_size"]["pipeline"])
+        return Receipt.from_json(d)
     # a boundary whose module changed since: MODEL, and the re-run is skipped
-    r = edited(lambda d: d["boundaries"][0].update(revision="0" * 16))
+    r = edited(lambda p: p["boundaries"][0].update(revision="0" * 16))
     rep = check_pipeline_receipt(r, quick=False)
     assert not rep.passed and [f.kind for f in rep.failures] == [FindingKind.MODEL]
-    assert rep.failures[0].boundary == data["boundaries"][0]["module"]
+    assert rep.failures[0].boundary == run["boundaries"][0]["module"]
     assert any("not re-run" in s for s in rep.skipped)
     # a receipt that recorded different gradients: DECISION
-    def differ(d):
-        d["pipeline"]["equivalence"]["remat"].update(ok=False, bitwise_equal=False, max_abs_diff=0.5)
+    def differ(p):
+        p["report"]["equivalence"]["remat"].update(ok=False, bitwise_equal=False, max_abs_diff=0.5)
     rep = check_pipeline_receipt(edited(differ), quick=True)
     assert [f.kind for f in rep.failures] == [FindingKind.DECISION] and "differ" in rep.failures[0].message
     # reports rendered from another receipt: REPORT (exit 1 from the CLI)
     folder = tmp_path / "copy"
     shutil.copytree(out, folder, ignore=shutil.ignore_patterns("distributed"))
-    write_pipeline_receipt(edited(lambda d: d["context"].update(created="2000-01-01T00:00:00+00:00")), tmp_path / "other")
+    other = Receipt.from_json(json.loads(json.dumps(data)))
+    other.context.created = "2000-01-01T00:00:00+00:00"
+    write_receipt(other, tmp_path / "other")
     shutil.copy(tmp_path / "other" / "report.md", folder / "report.md")
     assert main(["check", str(folder / "receipt.json"), "--quick"]) == 1
     # malformed: boundary records that are not the plans' (exit 2, nothing run)
     bad = json.loads(json.dumps(data))
-    bad["boundaries"] = bad["boundaries"][1:]
+    bad["world_size"]["pipeline"]["boundaries"] = run["boundaries"][1:]
     with pytest.raises(ReceiptError, match="boundary records"):
-        PipelineReceipt.from_json(bad)
+        Receipt.from_json(bad)
     (folder / "receipt.json").write_text(json.dumps(bad))
     assert main(["check", str(folder / "receipt.json"), "--quick"]) == 2
 
@@ -445,14 +448,14 @@ def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
 def test_check_pipeline_receipt_re_runs_the_pipeline(gpt_run, tmp_path):
     from remat.workflow.pipeline import check_pipeline_receipt
     from remat.workflow.check import FindingKind
-    from remat.receipt.pipeline import PipelineReceipt
+    from remat.receipt import Receipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json")]) == 0
     # the same receipt with a per-device budget below every stage's peak: the re-run still finds the gradients
     # bitwise equal, and names both stages' peaks over the budget
     d = json.loads((out / "receipt.json").read_text())
-    d["pipeline"]["budget_bytes"] = 1
-    rep = check_pipeline_receipt(PipelineReceipt.from_json(d), work_dir=tmp_path / "w", wall_timeout_s=90)
+    d["world_size"]["pipeline"]["report"]["budget_bytes"] = 1
+    rep = check_pipeline_receipt(Receipt.from_json(d), work_dir=tmp_path / "w", wall_timeout_s=90)
     assert any("bitwise equal" in c for c in rep.checked)
     assert [f.kind for f in rep.failures] == [FindingKind.PEAK, FindingKind.PEAK]
     assert [f.message.split(":")[0] for f in rep.failures] == ["stage 0", "stage 1"]
@@ -716,10 +719,10 @@ def test_assembled_report_is_typed_and_round_trips_its_json():
         with pytest.raises(DistributedError, match=key):
             PipelineReport.from_json(bad)
     assert "| uniform | 1 |" in render_pipeline_markdown(again)
-    from remat.cli.pipeline_parallel import _frontier_table, render
+    from remat.cli.cmd_distributed import _frontier_table, render_pipeline
     from remat.cli.render import console
     with console.capture() as cap:
-        render(again)
+        render_pipeline(again)
         console.print(_frontier_table(again))
     printed = cap.get()
     assert "DIFFERENT" in printed and "stage 1: w: no gradient" in printed and "uniform *" in printed

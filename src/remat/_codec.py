@@ -22,8 +22,8 @@ A missing key reads as the field's default; a key no field names is ignored (a r
 untrusted JSON checks it against its schema first, which refuses both: NOTE [hostile JSON] in
 remat/_json.py). The odd field says how it differs with :func:`json_field` (a :class:`JsonField`
 in its metadata): another key, a value for which the key is left out, a value read when the key is
-missing, properties written after it (computed figures, never read back), its own encoding, or
-no JSON at all.
+missing, properties written after it (computed figures, never read back), its own encoding, a
+condition on the whole object under which the key is left out (``omit_if``), or no JSON at all.
 
 The schema that checks a file before it is read comes from the same fields (:func:`schema`): a key
 is required unless its field has a default (``json_field(required=True)``: every file has it all
@@ -105,15 +105,19 @@ class JsonField:
     decode: Callable[[Any], Any] | None = None   # JSON -> the field's value
     skip: bool = False                   # in-process only: not in the JSON
     required: bool = False               # the schema requires the key though the field has a default
+    # the key is left out when this holds of the whole object (a receipt's single-process sections, left
+    # out of a pipeline run's: NOTE [one receipt] in remat/receipt/model.py)
+    omit_if: Callable[[Any], bool] | None = None
 
 
 def json_field(*, key: str | None = None, omit: Any = _UNSET, absent: Any = _UNSET,
                then: tuple[str | tuple[str, str], ...] = (),
                encode: Callable[[Any], Any] | None = None, decode: Callable[[Any], Any] | None = None,
-               skip: bool = False, required: bool = False, **field: Any) -> Any:
+               skip: bool = False, required: bool = False, omit_if: Callable[[Any], bool] | None = None,
+               **field: Any) -> Any:
     """``dataclasses.field(**field)`` carrying a :class:`JsonField` (the other arguments)."""
     spec = JsonField(key=key, omit=omit, absent=absent, then=tuple(then), encode=encode, decode=decode, skip=skip,
-                     required=required)
+                     required=required, omit_if=omit_if)
     return dataclasses.field(metadata={JsonField: spec}, **field)   # the class is the entry's key
 
 
@@ -318,6 +322,8 @@ def to_json(obj: Any) -> dict[str, Any]:
     d: dict[str, Any] = {}
     for s in _slots(type(obj)):
         v = getattr(obj, s.name)
+        if s.opts.omit_if is not None and s.opts.omit_if(obj):
+            continue
         if s.opts.omit is _UNSET or v != s.opts.omit:
             d[s.key] = s.encode(v)
         for key, name in s.then():

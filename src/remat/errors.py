@@ -115,6 +115,11 @@ class ReceiptError(RematError):
     """A receipt file is malformed, hostile, or of an unknown schema version."""
 
 
+class StaleReceiptFormat(ReceiptError):
+    """A receipt in a format this remat no longer reads (exit 2): the old pipeline receipt kind
+    (``remat-pipeline-receipt``). The message names the command that makes it again."""
+
+
 class CheckFailed(RematError):
     """``remat check`` re-ran a receipt's fixtures and at least one failed."""
 

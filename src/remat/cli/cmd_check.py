@@ -13,12 +13,11 @@ from rich.markup import escape
 
 from ..errors import CheckFailed, ReceiptError
 from ..workload import parse_autocast
-from ..workflow.pipeline import check_pipeline_receipt
 from ..workflow import GateSettings, ReportStamps, fixture_plan
-from ..workflow.check import CheckReport, Deadline
-from ..workflow.check_child import check_receipt_in_child
-from ..workflow.gate import MAX_WORLD_SIZE, NO_AUTOCAST, limit, max_world_size, project_gate
-from ..receipt.pipeline import PipelineReceipt, load_any_receipt_with_digest
+from ..workflow.check import CheckReport
+from ..workflow.check_child import check_any_receipt
+from ..workflow.gate import MAX_WORLD_SIZE, NO_AUTOCAST, limit, project_gate
+from ..receipt.model import load_receipt_with_digest
 from .common import MAX_THREADS, beat_until_first_step, bounded_int
 from .main import time_limit
 from .render import console, err_console, progress_bar, untrusted
@@ -111,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, gate: GateSettings) -> int:
-    receipt, digest = load_any_receipt_with_digest(args.receipt)   # before anything is imported or run
+    receipt, digest = load_receipt_with_digest(args.receipt)   # before anything is imported or run
     _check_autocast(args.autocast, receipt)
     # the receipt's conditions by default (and no oversubscribed OpenMP threads on shared CI)
     torch.set_num_threads(args.threads or max(1, min(receipt.context.threads, os.cpu_count() or 1)))
@@ -119,18 +118,13 @@ def _run(args: argparse.Namespace, gate: GateSettings) -> int:
                            required=not args.no_reports)
     with progress_bar() as progress:
         first_step = threading.Event()   # the child's first step (a pipeline's runs here)
+        pipeline = receipt.pipeline is not None   # NOTE [one receipt]: re-run at its world size, from here
         beat_until_first_step("check: building the workload and running its first step",
-                              until=None if isinstance(receipt, PipelineReceipt) else first_step)
-        if isinstance(receipt, PipelineReceipt):   # NOTE [pipeline receipt]: re-run at its world size
-            deadline = Deadline(limit("timeout_s", gate, project_gate()))
-            report = check_pipeline_receipt(receipt, quick=args.quick, workload=args.workload, reports=reports,
-                                            max_world_size=max_world_size(gate, project_gate())[0],
-                                            progress=deadline.guard(progress))
-        else:   # the user's code runs in a child process (NOTE [workload in a child process])
+                              until=None if pipeline else first_step)
+        if not pipeline:   # the user's code runs in a child process (NOTE [workload in a child process])
             err_console.print(f"check: {escape(fixture_plan(receipt, quick=args.quick).describe())}", highlight=False)
-            report = check_receipt_in_child(receipt, path=args.receipt, digest=digest, quick=args.quick,
-                                            workload=args.workload, reports=reports, gate=gate, progress=progress,
-                                            on_first_step=first_step.set)
+        report = check_any_receipt(receipt, path=args.receipt, digest=digest, quick=args.quick, workload=args.workload,
+                                   reports=reports, gate=gate, progress=progress, on_first_step=first_step.set)
     render_report(report)
     if not report.passed:
         raise CheckFailed(f"{len(report.failures)} check(s) failed for {args.receipt}",

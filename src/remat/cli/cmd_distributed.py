@@ -1,14 +1,20 @@
-"""``remat distributed``: the control and the plan at world size N (DDP or FSDP2), side by side.
+"""``remat distributed``: the control and the plan at world size N (DDP or FSDP2), side by side; or
+``--engine pipeline``: no plan, a uniform plan and remat's per-stage plans, side by side (the run and its
+receipt are remat.workflow.pipeline's ``run_pipeline_job``).
 
 ``add_distributed_args`` + ``run_distributed_from_args`` are also what ``frontier`` and
-``verify`` call to honour ``--world-size N [--engine ddp|fsdp2]``.
+``verify`` call to honour ``--world-size N [--engine ddp|fsdp2]``; ``run_pipeline_verify`` and
+``run_pipeline_frontier`` are their ``--engine pipeline``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from .._io import atomic_write_json
@@ -16,7 +22,9 @@ from ..distributed import DistributedConfig, DistributedReport, Engine, run_dist
 from ..distributed.launch import multinode_commands
 from ..plan.model import Plan
 from ..workload import parse_shape
-from ..errors import OutputError
+from ..distributed.pipeline.report import PipelineReport, SideReport
+from ..errors import DistributedError, OutputError, PlanError
+from ..plan.pipeline import PipelinePlan, Side, load_any_plan
 from ..units import fmt_bytes
 from .common import MAX_SECONDS, MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_float, bounded_int, check_out_dir
 from .render import console, progress_bar
@@ -85,8 +93,7 @@ def run_distributed_from_args(args: argparse.Namespace, plan: Plan | None, out_d
     if not getattr(args, "world_size", None):
         return None
     if args.engine == "pipeline":
-        from ..errors import DistributedError
-        # verify and frontier route --engine pipeline to cli/pipeline_parallel.py before they get here
+        # verify and frontier route --engine pipeline to run_pipeline_verify/_frontier before they get here
         raise DistributedError("--engine pipeline takes per-stage plans, not a whole-model plan",
                                tip="remat distributed --engine pipeline --world-size 2 --schedule 1f1b --microbatches 4 ...")
     config = config_from_args(args, plan, budget_bytes=budget_bytes)
@@ -185,10 +192,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":
-        from .pipeline_parallel import run_pipeline, run_pipeline_simulate
         return run_pipeline_simulate(args) if args.simulate else run_pipeline(args)
     if args.simulate:
-        from ..errors import DistributedError
         raise DistributedError("--simulate applies to --engine pipeline only", tip="remat plan --simulate for one device")
     plan = Plan.load(args.plan) if args.plan is not None else None
     if args.emit_config is not None:
@@ -216,3 +221,167 @@ def emit_config(args: argparse.Namespace, plan: Plan | None) -> int:
     for k, cmd in enumerate(commands):
         console.print(f"  node {k}: {shlex.join(cmd)}", highlight=False, soft_wrap=True)
     return 0
+
+
+# -- --engine pipeline (the run is remat.workflow.pipeline's: NOTE [one receipt] in remat/receipt/model.py) --
+
+def _given_plan(args: argparse.Namespace) -> PipelinePlan | None:
+    """``--plan``: a per-stage plan made for this schedule, microbatch count and world size (else PlanError)."""
+    from ..workflow.pipeline import check_given_plan
+    path = getattr(args, "plan", None)
+    if path is None:
+        return None
+    given = load_any_plan(path)
+    if not isinstance(given, PipelinePlan):
+        raise PlanError(f"{path} is a whole-model plan; --engine pipeline runs a per-stage pipeline plan",
+                        tip="a pipeline plan is the plan.json that `remat distributed --engine pipeline` writes")
+    check_given_plan(given, schedule=args.schedule, microbatches=args.microbatches, world_size=args.world_size,
+                     source=str(path))
+    return given
+
+
+def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineReport:
+    """``--engine pipeline``: the flags as a PipelineJob, run (remat.workflow.pipeline), its tables printed."""
+    from ..plan import parse_reserve
+    from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
+    from ..workflow.pipeline import PipelineJob, run_pipeline_job
+    if getattr(args, "emit_config", None) is not None:
+        raise DistributedError("--emit-config does not cover --engine pipeline yet",
+                               tip="run `remat distributed --engine pipeline` on one host")
+    if not getattr(args, "world_size", None):
+        raise DistributedError("--engine pipeline needs --world-size N (one stage per rank, N >= 2)")
+    reserve = parse_reserve(getattr(args, "reserve", "5%"))
+    check_out_dir(args.out, ("pipeline.json", "plan.json", RECEIPT_FILE, HTML_FILE, MD_FILE))
+    job = PipelineJob(
+        spec=args.workload, shape=parse_shape(args.shape), world_size=args.world_size, schedule=args.schedule,
+        microbatches=args.microbatches, out=Path(args.out), stages_per_rank=args.stages_per_rank,
+        split_points=[p.strip() for p in (args.split_points or "").split(",") if p.strip()], plan=_given_plan(args),
+        budget=getattr(args, "budget", None), reserve=reserve, device=args.device, dtype=args.dtype,
+        steps=args.dist_steps, warmup=args.dist_warmup, timeout_s=args.dist_timeout,
+        wall_timeout_s=args.dist_wall_timeout, verify_only=verify_only,
+        command=" ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else "")
+    with progress_bar() as progress:
+        outcome = run_pipeline_job(job, progress=progress)
+    render_pipeline(outcome.report)
+    console.print(f"wrote {outcome.report_path}")
+    if outcome.files is not None and outcome.receipt is not None and outcome.receipt.pipeline is not None:
+        why = outcome.receipt.pipeline.why_not
+        console.print(f"wrote {outcome.files.receipt}, {outcome.files.html} and {outcome.files.markdown}; re-check "
+                      f"it: remat check {outcome.files.receipt}" + ("" if not why else f" (it does NOT hold: "
+                                                                     f"{'; '.join(why)})"), highlight=False)
+    return outcome.report
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    """``remat distributed --engine pipeline``: no plan, uniform, per-stage plans side by side (or ``--plan``)."""
+    result = _launch(args)
+    if result.remat_fits is False:
+        console.print("[bold red]remat's per-stage plans measured over the per-device budget on "
+                      + ", ".join(f"stage {k}" for k in result.over_budget_stages) + "[/]")
+    return 0 if result.ok and result.remat_fits is not False else 1
+
+
+def run_pipeline_verify(args: argparse.Namespace) -> int:
+    """``remat verify --engine pipeline --plan plan.json``: the planned pipeline vs the unplanned one with the same
+    schedule, microbatches and split, bitwise on CPU; the negative control (a perturbed gradient) must be rejected.
+    Exit 1 when they differ or the control is accepted."""
+    result = _launch(args, verify_only=True)
+    eq = result.equivalence.get(Side.REMAT)
+    if eq is not None and eq.ok and result.negative_control_rejected is True:
+        console.print("[bold green]PASSED[/]: the planned pipeline trains bitwise like the unplanned one")
+        return 0
+    console.print("[bold red]FAILED[/]: " + ("the planned pipeline's gradients differ" if not (eq and eq.ok)
+                                           else "the negative control was accepted: the comparison proves nothing"))
+    return 1
+
+
+def run_pipeline_frontier(args: argparse.Namespace) -> int:
+    """``remat frontier --engine pipeline``: the pipeline's frontier points are its three sides (no plan; the
+    uniform plan on every stage; remat's per-stage plans at ``--budget``): largest stage peak vs step p50."""
+    if getattr(args, "plans", None):
+        raise DistributedError("--plans does not apply to --engine pipeline: its points are no plan, the uniform "
+                               "plan on every stage and remat's per-stage plans at --budget",
+                               tip="drop --plans; run again with another --budget for another point")
+    result = _launch(args)
+    console.print(_frontier_table(result))
+    return 0 if result.ok and result.remat_fits is not False else 1
+
+
+def _frontier_table(report: PipelineReport) -> Table:
+    """Each side a point: largest stage peak vs step p50, ``*`` where no other side is as good on both."""
+    points = {name: (s.max_peak_bytes, s.p50_ms) for name, s in report.sides.items()}
+    budget = report.budget_bytes
+    rows = []
+    for name, s in report.sides.items():
+        mine = points[name]
+        dominated = any(o[0] <= mine[0] and o[1] <= mine[1] and o != mine for o in points.values())
+        fits = "-" if budget is None else ("yes" if s.max_peak_bytes <= budget else "no")
+        rows.append([name.value + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.p50_ms:.1f}",
+                     f"{s.samples_per_s:.1f}", fits, f"{s.max_bubble_fraction:.3f}"])
+    return _table("pipeline frontier: largest stage peak vs step p50 (* = Pareto)",
+                  ["side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"], rows)
+
+
+def run_pipeline_simulate(args: argparse.Namespace) -> int:
+    """``remat distributed --engine pipeline --simulate``: per-stage peaks and bubbles predicted at --world-size
+    for --target-device (NOTE [simulated pipeline]); OUT/pipeline-sim.json, nothing launched."""
+    from ..distributed.pipeline.simulate import simulate_pipeline
+    shape = parse_shape(args.shape)
+    check_out_dir(args.out, ("pipeline-sim.json",))
+    points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
+    plan = _given_plan(args)
+    if args.schedule == "interleaved-1f1b":
+        raise DistributedError("--simulate covers gpipe and 1f1b so far", tip="--schedule 1f1b")
+    with progress_bar() as progress:
+        sim = simulate_pipeline(args.workload, shape, world_size=args.world_size, microbatches=args.microbatches,
+                                schedule=args.schedule, split_points=points or (plan.split_points if plan else None),
+                                target_device=args.target_device, dtype=args.dtype, plan=plan, progress=progress)
+    path = atomic_write_json(Path(args.out) / "pipeline-sim.json", sim.to_json())
+    table = Table(title=f"{sim.spec} simulated on {sim.world_size} x {sim.device}: {sim.schedule.value}, {sim.microbatches} "
+                        f"microbatches, split at {', '.join(sim.split_points)} (ideal bubble "
+                        f"{sim.ideal_bubble_fraction:.3f}; predicted step {sim.step_ms:.1f} ms)")
+    for col in ("stage", "blocks", "in flight", "fwd ms", "bwd ms", "held / mb", "static", "peak", "bubble"):
+        table.add_column(col, justify="left" if col == "blocks" else "right")
+    for s in sim.stages:
+        table.add_row(str(s.stage), f"{s.blocks[0]}..{s.blocks[-1]}", str(s.in_flight), f"{s.forward_ms:.2f}",
+                      f"{s.backward_ms:.2f}", fmt_bytes(s.held_bytes), fmt_bytes(s.static_bytes),
+                      fmt_bytes(s.peak_bytes), f"{s.bubble_fraction:.3f}")
+    console.print(table)
+    console.print(f"wrote {path}")
+    return 0
+
+
+def _table(title: str | None, headers: list[str], rows: list[list[str]]) -> Table:
+    table = Table(title=title)
+    for col in headers:
+        table.add_column(col, justify="left" if col in ("side", "boundaries") else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _bubble_growth(side: SideReport) -> list[str]:
+    """The stages whose bubble grew over the unplanned run's, with their replay time."""
+    return [f"stage {s.stage} +{s.bubble_delta_vs_none:.3f} (replay {s.replay_ms:.1f} ms)"
+            for s in side.per_stage if (s.bubble_delta_vs_none or 0.0) > 0.0]
+
+
+def render_pipeline(report: PipelineReport) -> None:
+    """The per-stage and per-side tables and the equivalence, in pipeline.md's cells and words."""
+    from ..receipt.pipeline_markdown import SIDE_HEADERS, STAGE_HEADERS, equivalence_text, side_cells, stage_cells
+    title = (f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, {report.microbatches} "
+             f"microbatches, split at {', '.join(report.split_points)} (ideal bubble "
+             f"{report.ideal_bubble_fraction:.3f})")
+    console.print(_table(title, STAGE_HEADERS, [stage_cells(name, s, no="[red]no[/]")
+                                                for name, side in report.sides.items() for s in side.per_stage]))
+    console.print(_table(None, SIDE_HEADERS, [side_cells(name, side) for name, side in report.sides.items()]))
+    for name, side in report.sides.items():
+        worse = _bubble_growth(side)
+        if worse:
+            console.print(f"{name.value}: bubble grew over the unplanned run on {', '.join(worse)}")
+    for name, eq in report.equivalence.items():
+        verdict = "[green]bitwise equal[/]" if eq.ok else "[bold red]DIFFERENT[/]"
+        console.print("equivalence: " + equivalence_text(name, eq, verdict, escape=escape))
+    neg = report.negative_control_rejected
+    if neg is not None:
+        console.print(f"negative control (a gradient perturbed by 1e-3): {'rejected' if neg else '[bold red]ACCEPTED[/]'}")

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                                                              " with --engine pipeline"),
                          tip="pass --budget 60%, or --device-memory 2GiB to fit the device")
     if args.engine == "pipeline":   # the pipeline's points: no plan, uniform, per-stage plans at --budget
-        from .pipeline_parallel import run_pipeline_frontier
+        from .cmd_distributed import run_pipeline_frontier
         refuse_autocast_with(args, "--engine pipeline", "the pipeline engine runs the workload's step as it is")
         return run_pipeline_frontier(args)
     if getattr(args, "world_size", None):

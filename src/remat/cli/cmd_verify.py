@@ -112,7 +112,7 @@ def render_report(report: VerifyReport, max_lines: int = 12) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "pipeline":   # per-stage plans: the planned pipeline vs the unplanned one, bitwise
-        from .pipeline_parallel import run_pipeline_verify
+        from .cmd_distributed import run_pipeline_verify
         refuse_autocast_with(args, "--engine pipeline", "the pipeline engine runs the workload's step as it is")
         for name, value in WORKLOAD_DEFAULTS.items():
             setattr(args, name, value if getattr(args, name) is None else getattr(args, name))

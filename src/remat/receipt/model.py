@@ -22,10 +22,10 @@ from typing import Annotated, Any
 
 from .. import __version__
 from .._codec import AS_WRITTEN, JsonCodec, Len, Short, SignedBytes, Text, from_json, json_field, schema
-from .._json import (AUTOCAST, BYTES, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, MS, SHAPE, Enum, Int, JsonValue,
-                     Map, Num, Opt, Str, read_bounded_bytes)
+from .._json import (AUTOCAST, BYTES, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, MS, SHAPE, Enum, Int, List,
+                     Map, Num, Str, json_kind, read_bounded_bytes)
 from ..closed_loop import Attempt
-from ..errors import ReceiptError, RematError
+from ..errors import ReceiptError, RematError, StaleReceiptFormat
 from ..frontier.model import FrontierReport, OverheadInterval
 from ..plan.model import Plan
 from ..plan.schema import COMPILE
@@ -34,7 +34,7 @@ from ..trace.model import HostContext, StepTrace
 from ..types import CheckpointMode, MemorySource
 from ..verify.model import RunMode, Tolerance, VerifyReport
 from ..workload.loader import LoadedWorkload, factory_defaults
-from .world_size import WorldSizeEvidence
+from .world_size import PipelineEvidence, WorldSizeEvidence
 from .schema import (ATTEMPT, COUNT, FRACTION, FRONTIER, HEX16, MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP,
                      OVERHEAD_INTERVAL, PLAN, RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, STEP_TRACE, TOLERANCE, VERIFICATION,
                      check_version, parse_json_bounded, read_json_file, validate)
@@ -320,23 +320,54 @@ class UnsupportedMode(JsonCodec):
 
 # -- the receipt -----------------------------------------------------------------------------------
 
+# NOTE [one receipt]
+# Every run remat vouches for writes one kind of receipt. A single-process receipt (``remat receipt``,
+# ``remat demo``) holds the sections below from ``settings`` to ``unsupported``, and may hold a run at a
+# world size (DDP or FSDP2). A pipeline run (``remat distributed --engine pipeline``) has no single-process
+# trace, frontier or paired-seed verification: what it proves is per stage, so its receipt holds the
+# context and the run at its world size alone (``world_size.engine`` is ``pipeline``; its per-stage rows,
+# plans, bubble and boundary revisions are ``world_size.pipeline``: NOTE [receipt at a world size]). The
+# single-process sections are then left out of the file (``omit_if``), and a file that mixes the two
+# shapes is refused (``_check_shape``). One renderer (receipt/render.py) and one ``remat check`` path
+# (workflow/check_child.py ``check_any_receipt``) read both. The old pipeline receipt kind
+# (``remat-pipeline-receipt``, days old when it was merged into this one) is refused with the command
+# that makes it again (:class:`~remat.errors.StaleReceiptFormat`).
+
+OLD_PIPELINE_RECEIPT_KIND = "remat-pipeline-receipt"
+# the single-process sections: all in a single-process receipt's file, none in a pipeline run's
+SINGLE_PROCESS = ("settings", "traces", "plan", "verification", "verification_note", "frontier", "decision",
+                  "unsupported")
+
+
+def _pipeline_run(r: "Receipt") -> bool:
+    return r.world_size is not None and r.world_size.pipeline is not None
+
+
+def _single(**kw: Any) -> Any:
+    """A single-process section: None in (and left out of) a pipeline run's receipt (NOTE [one receipt])."""
+    return json_field(omit_if=_pipeline_run, **({"default": None} | kw))
+
+
 @dataclasses.dataclass(kw_only=True)
 class Receipt(JsonCodec):
+    """NOTE [one receipt]."""
+
     # checked first, for a precise message (check_version); ``kind`` is written after it
     schema_version: Annotated[int, Int(0, 1000)] = json_field(default=RECEIPT_SCHEMA_VERSION, required=True,
                                                                then=("kind",))
     context: ReceiptContext
-    settings: RunSettings
-    traces: ReceiptTraces
-    plan: ReceiptPlan
-    verification: Annotated[VerifyReport, VERIFICATION] | None
-    verification_note: Text           # why verification was not run, or ""
-    frontier: Annotated[FrontierReport, FRONTIER] | None
-    decision: ReceiptDecision
-    unsupported: Annotated[list[UnsupportedMode], Len(100)]
-    # NOTE [receipt at a world size] (receipt/world_size.py): checked field by field by
-    # WorldSizeEvidence.from_json (WORLD_SIZE_EVIDENCE), its own error path; left out when None
-    world_size: Annotated[WorldSizeEvidence | None, Opt(JsonValue())] = json_field(default=None, omit=None)
+    # the single-process sections (each spec without null: a single-process file holds them all)
+    settings: Annotated[RunSettings | None, schema(RunSettings)] = _single()
+    traces: Annotated[ReceiptTraces | None, schema(ReceiptTraces)] = _single()
+    plan: Annotated[ReceiptPlan | None, schema(ReceiptPlan)] = _single()
+    verification: Annotated[VerifyReport, VERIFICATION] | None = _single()
+    verification_note: Text = _single(default="")   # why verification was not run, or ""
+    frontier: Annotated[FrontierReport, FRONTIER] | None = _single()
+    decision: Annotated[ReceiptDecision | None, schema(ReceiptDecision)] = _single()
+    unsupported: Annotated[list[UnsupportedMode] | None, List(schema(UnsupportedMode), max_len=100)] = _single()
+    # NOTE [receipt at a world size] (receipt/world_size.py): a DDP/FSDP2 run beside the single-process
+    # sections, or a pipeline run in place of them; left out when None
+    world_size: WorldSizeEvidence | None = json_field(default=None, omit=None)
 
     @property
     def kind(self) -> Annotated[str, Enum(RECEIPT_KIND)]:
@@ -344,20 +375,28 @@ class Receipt(JsonCodec):
         return RECEIPT_KIND
 
     @property
+    def pipeline(self) -> PipelineEvidence | None:
+        """The pipeline run this receipt is (None for a single-process receipt: NOTE [one receipt])."""
+        return None if self.world_size is None else self.world_size.pipeline
+
+    @property
     def blocked(self) -> BlockedStep | None:
         """The unplanned step's evidence when it did not fit the device at the target (NOTE [blocked receipt])."""
-        return None if self.plan.plan is None else self.plan.plan.blocked
+        return None if self.plan is None or self.plan.plan is None else self.plan.plan.blocked
 
     @property
     def shipped(self) -> bool:
-        return self.decision.status is ShipStatus.SHIP
+        return self.decision is not None and self.decision.status is ShipStatus.SHIP
 
     @classmethod
     def from_json(cls, data: Any) -> "Receipt":
         """Validate (version, then schema, then cross-references) and build; :class:`ReceiptError` if anything is off.
         A hand reader around the codec's: the checks before and after it are the receipt's own."""
+        if json_kind(data) == OLD_PIPELINE_RECEIPT_KIND:
+            raise stale_pipeline_receipt(data)
         check_version(data)
         validate(data, RECEIPT_SCHEMA)
+        _check_shape(data)
         try:
             receipt = from_json(cls, data)
         except ReceiptError:
@@ -370,6 +409,11 @@ class Receipt(JsonCodec):
 
     def _check_references(self) -> None:
         """The parts must agree with each other (a hand-edited receipt could mix them)."""
+        if self.pipeline is not None:
+            if self.context.workload != self.pipeline.report.spec:
+                raise ReceiptError("malformed receipt: the context and the pipeline run name different workloads")
+            return
+        assert self.plan is not None and self.decision is not None and self.traces is not None   # _check_shape
         plan = self.plan.plan
         planned = [] if plan is None else [b.module for b in plan.boundaries]
         recorded = [b.module for b in self.plan.boundaries]
@@ -381,7 +425,8 @@ class Receipt(JsonCodec):
         if self.context.workload != self.traces.target.context.workload:
             raise ReceiptError("malformed receipt: the context and the target trace name different workloads")
         ws = self.world_size
-        if ws is not None and (ws.report.spec != self.context.workload or ws.report.plan_boundaries != planned):
+        if ws is not None and ws.report is not None and (ws.report.spec != self.context.workload
+                                                         or ws.report.plan_boundaries != planned):
             raise ReceiptError("malformed receipt: the run at world size "
                                f"{ws.world_size} names another workload or other boundaries than the receipt")
 
@@ -392,6 +437,55 @@ class Receipt(JsonCodec):
     @classmethod
     def load(cls, path: Path | str) -> "Receipt":
         return cls.from_json(read_json_file(path))
+
+
+def _check_shape(data: dict[str, Any]) -> None:
+    """A single-process receipt holds every single-process section, a pipeline run's none (NOTE [one receipt]);
+    ``data`` has passed the schema."""
+    ws = data.get("world_size")
+    pipeline = isinstance(ws, dict) and ws.get("engine") == "pipeline"
+    present = [k for k in SINGLE_PROCESS if k in data]
+    if pipeline and present:
+        raise ReceiptError(f"malformed receipt: a pipeline run's receipt holds no single-process section, but this "
+                           f"one has {', '.join(present)}")
+    missing = [k for k in SINGLE_PROCESS if k not in data]
+    if not pipeline and missing:
+        raise ReceiptError(f"malformed receipt: $: missing field(s) {', '.join(missing)}")
+
+
+def _old_command(data: dict[str, Any]) -> str:
+    """``remat distributed --engine pipeline ...`` with the old receipt's own settings where they are plain (a
+    word, a number; the file is unchecked), else placeholders: the command that makes it again. A setting the
+    file leaves at its default (no shape keywords, no budget) is left out."""
+    ctx = data.get("context") if isinstance(data.get("context"), dict) else {}
+    rep = data.get("pipeline") if isinstance(data.get("pipeline"), dict) else {}
+
+    def word(v: Any, placeholder: str) -> str:
+        ok = isinstance(v, str) and 0 < len(v) <= 200 and all(c.isalnum() or c in "._-/:=," for c in v)
+        return v if ok else placeholder
+
+    def number(v: Any, placeholder: str) -> str:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 53 else placeholder
+    shape, splits, budget = ctx.get("shape"), rep.get("split_points"), rep.get("budget_bytes")
+    parts = ["remat distributed --engine pipeline", f"--workload {word(ctx.get('workload'), 'WORKLOAD')}"]
+    if shape != {}:
+        text = ",".join(f"{k}={v}" for k, v in shape.items()) if isinstance(shape, dict) else None
+        parts.append(f"--shape {word(text, 'SHAPE')}")
+    parts += [f"--world-size {number(rep.get('world_size'), 'P')}", f"--schedule {word(rep.get('schedule'), 'SCHEDULE')}",
+              f"--microbatches {number(rep.get('microbatches'), 'M')}"]
+    text = ",".join(splits) if isinstance(splits, list) and all(isinstance(x, str) for x in splits) else None
+    parts.append(f"--split-points {word(text, 'PATH.I,...')}")
+    if budget is not None:
+        parts.append(f"--budget {number(budget, 'BUDGET')}")
+    return " ".join([*parts, "--out DIR"])
+
+
+def stale_pipeline_receipt(data: dict[str, Any]) -> StaleReceiptFormat:
+    """The refusal of an old-format pipeline receipt (NOTE [one receipt]), naming the command that makes it again."""
+    return StaleReceiptFormat(
+        f"this is a pipeline receipt in the old format (kind {OLD_PIPELINE_RECEIPT_KIND!r}), which this remat no "
+        f"longer reads: a pipeline run is now a {RECEIPT_KIND!r} whose run at a world size has engine pipeline",
+        tip=f"make it again with this remat: `{_old_command(data)}`, then `remat check DIR/receipt.json`")
 
 
 RECEIPT_SCHEMA = schema(Receipt)   # the receipt file's schema, from the fields (NOTE [codecs from the types])

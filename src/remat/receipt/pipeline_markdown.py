@@ -1,7 +1,7 @@
 """``pipeline.md``: a pipeline run's per-stage table and timeline, rendered from ``pipeline.json`` alone.
 
 The table cells (:func:`stage_cells`, :func:`side_cells`) and the equivalence line are shared with
-``report.html`` (remat/receipt/pipeline_render.py), so both say the same thing in the same words.
+a pipeline run's ``report.html`` (remat/receipt/render.py), so both say the same thing in the same words.
 """
 
 from __future__ import annotations

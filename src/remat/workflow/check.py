@@ -44,7 +44,7 @@ NOTE [reports checked against the receipt]
 A reviewer reads ``report.md`` (often posted as a comment) and ``report.html``, not the JSON, so
 a pull request that edits only a report (false figures, a ``<script>``, an ``onload``) must fail
 as surely as one that edits the receipt. Both reports are functions of the receipt alone
-(remat/receipt/render.py; a pipeline receipt's in remat/receipt/pipeline_render.py), so check
+(remat/receipt/render.py, a pipeline run's too), so check
 renders them again from the receipt it loaded, stamps them with its sha256 as ``remat receipt``
 does (``stamped_reports`` in remat/receipt/write.py), and compares each file with its rendering,
 character for character: a report that names another receipt's sha256, or differs anywhere else,
@@ -133,7 +133,6 @@ from .findings import CheckFinding, FindingKind
 from .gate import (PYPROJECT, GateSettings, Pins, Thresholds, limit, max_world_size, merge_pins, pin_mismatches,
                    project_gate, project_pins, resolve_thresholds, tool_remat)
 from ..receipt.model import BoundaryRecord, Receipt, ShipStatus, resolved_shape
-from ..receipt.pipeline import PipelineReceipt
 from ..receipt.write import HTML_FILE, MD_FILE, stamped_reports
 
 MAX_REPORT_BYTES = 64 * 2 ** 20
@@ -229,7 +228,7 @@ class ReportStamps:
     and whether a missing report fails (``required``; ``--no-reports`` turns it off)."""
 
     folder: Path
-    receipt: Receipt | PipelineReceipt
+    receipt: Receipt
     digest: str
     required: bool = True
 
@@ -237,12 +236,8 @@ class ReportStamps:
     def rendered(self) -> dict[str, str]:
         """{file name: text}: the reports as ``remat receipt`` writes them for this receipt (NOTE [reports
         checked against the receipt]); rendered once, when a report is first compared."""
-        r = self.receipt
-        if isinstance(r, PipelineReceipt):
-            from ..receipt.pipeline_render import render_pipeline_html, render_pipeline_receipt_markdown
-            return stamped_reports(self.digest, render_pipeline_html(r), render_pipeline_receipt_markdown(r))
         from ..receipt.render import render_html, render_markdown
-        return stamped_reports(self.digest, render_html(r), render_markdown(r))
+        return stamped_reports(self.digest, render_html(self.receipt), render_markdown(self.receipt))
 
 
 class CheckLedger:
