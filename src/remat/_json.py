@@ -406,5 +406,5 @@ AUTOCAST = Enum("bfloat16", "float16")   # the forward ran under torch.autocast 
 
 def json_kind(data: Any) -> Any:
     """The ``"kind"`` field of a parsed JSON object (None for anything else): what a reader that accepts
-    several document types (a plan or a pipeline plan, a receipt or a pipeline receipt) dispatches on."""
+    several document types (a plan or a pipeline plan) dispatches on."""
     return data.get("kind") if isinstance(data, dict) else None

@@ -329,7 +329,8 @@ class UnsupportedMode(JsonCodec):
 # plans, bubble and boundary revisions are ``world_size.pipeline``: NOTE [receipt at a world size]). The
 # single-process sections are then left out of the file (``omit_if``), and a file that mixes the two
 # shapes is refused (``_check_shape``). One renderer (receipt/render.py) and one ``remat check`` path
-# (workflow/check_child.py ``check_any_receipt``) read both. The old pipeline receipt kind
+# (``check_receipt`` in workflow/check.py, reached through ``check_any_receipt`` in workflow/check_child.py)
+# read both. The old pipeline receipt kind
 # (``remat-pipeline-receipt``, days old when it was merged into this one) is refused with the command
 # that makes it again (:class:`~remat.errors.StaleReceiptFormat`).
 

@@ -933,8 +933,16 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     :class:`~remat.errors.CheckTimeout` when the fixtures would take, or take, longer than the
     time limit; check failures are data (``report.passed``), for the CLI to turn into exit code 1.
     Everything runs in this process; ``remat check`` runs the user's part in a child process
-    (:func:`remat.workflow.check_child.check_receipt_in_child`).
+    (:func:`remat.workflow.check_child.check_receipt_in_child`). A pipeline run's receipt (NOTE [one receipt]
+    in remat/receipt/model.py) is re-checked by :func:`remat.workflow.pipeline.check_pipeline_receipt`, held to
+    the gate's time limit and ``max-world-size``.
     """
+    if receipt.pipeline is not None:
+        from .pipeline import check_pipeline_receipt
+        flags, project = gate or GateSettings(), project_gate(cwd)
+        return check_pipeline_receipt(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd,
+                                      max_world_size=max_world_size(flags, project)[0],
+                                      progress=Deadline(limit("timeout_s", flags, project)).guard(progress))
     ledger, ready = start_check(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd, gate=gate,
                                 pins=pins)
     if ready is not None:

@@ -13,10 +13,10 @@ from ..errors import ReceiptError, WorkloadProcessDied
 from ..receipt.model import Receipt, load_receipt_with_digest
 from ..types import ProgressFn, no_progress
 from .._json import validate
-from .check import CheckLedger, CheckReport, Deadline, ReportStamps, rerun_check, start_check
+from .check import CheckLedger, CheckReport, ReportStamps, check_receipt, rerun_check, start_check
 from .child import ChildReporter, run_in_child
 from .findings import CheckFinding
-from .gate import GateSettings, limit, max_world_size, project_gate
+from .gate import GateSettings
 
 ENTRY = "remat.workflow.check_child:rerun_in_child"
 BUILDING = "building the workload (its factory)"
@@ -115,14 +115,9 @@ def check_any_receipt(receipt: Receipt, *, path: Path, digest: str, quick: bool 
                       reports: ReportStamps | None = None, gate: GateSettings | None = None,
                       progress: ProgressFn = no_progress, on_first_step: Callable[[], None] = lambda: None) -> CheckReport:
     """``remat check``'s one path (NOTE [one receipt] in remat/receipt/model.py): a pipeline run's receipt is
-    re-checked by launching its world size from this process (remat/workflow/pipeline.py), held to the gate's
-    time limit and ``max-world-size``; every other receipt by :func:`check_receipt_in_child`."""
-    gate = gate or GateSettings()
+    re-checked from this process (:func:`~remat.workflow.check.check_receipt`: its ranks are launched under
+    torchrun, with the launcher's wall limit); every other receipt by :func:`check_receipt_in_child`."""
     if receipt.pipeline is not None:
-        from .pipeline import check_pipeline_receipt
-        deadline = Deadline(limit("timeout_s", gate, project_gate()))
-        return check_pipeline_receipt(receipt, quick=quick, workload=workload, reports=reports,
-                                      max_world_size=max_world_size(gate, project_gate())[0],
-                                      progress=deadline.guard(progress))
+        return check_receipt(receipt, quick=quick, workload=workload, reports=reports, gate=gate, progress=progress)
     return check_receipt_in_child(receipt, path=path, digest=digest, quick=quick, workload=workload, reports=reports,
                                   gate=gate, progress=progress, on_first_step=on_first_step)
