@@ -11,7 +11,7 @@ What it counts (each figure says which tool produced it):
   comprehensions count, so its figures run higher than flake8's C901) over ``src/``;
 - functions and methods taking 12 or more parameters (``ast``; ``self``/``cls`` not counted);
 - string-key subscripts and ``.get("...")`` reads in the pipeline-parallel path (``ast``: a ``Subscript`` or
-  ``.get`` call whose key is a string constant, in ``src/remat/distributed/pipeline``, the ``pipeline`` modules of plan, receipt and workflow),
+  ``.get`` call whose key is a string constant, in ``src/remat/distributed/pipeline``, the ``pipeline`` modules of plan and workflow),
   the mark of a dict used as a data model; JSON (de)serialisation (``to_json``/``from_json``) is not counted,
   because a JSON object is read by its keys there and only there;
 - modules loaded by ``python -S -c "import remat.plan"`` and whether torch, numpy or scipy is among them.
@@ -31,7 +31,7 @@ SRC = ROOT / "src"
 DESIGN = ROOT / "docs" / "DESIGN.md"
 HEAVY = ("torch", "numpy", "scipy")
 PP_PATHS = [SRC / "remat" / "distributed" / "pipeline", SRC / "remat" / "plan" / "pipeline.py",
-            *sorted((SRC / "remat" / "receipt").glob("pipeline*.py")), SRC / "remat" / "workflow" / "pipeline.py"]
+            SRC / "remat" / "workflow" / "pipeline.py"]
 JSON_FUNCS = {"to_json", "from_json"}
 
 

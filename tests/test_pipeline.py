@@ -504,7 +504,7 @@ def test_a_model_without_embed_and_head_is_split_by_its_blocks_path():
 
 def test_timeline_rows_place_each_interval_in_its_columns():
     import dataclasses
-    from remat.receipt.pipeline_markdown import timeline_rows
+    from remat.receipt.render import timeline_rows
     from remat.distributed.pipeline.report import SideReport, StageReport, TimelineSpan
     blank = StageReport(stage=0, rank=0, host="h", in_flight=1, blocks=[], boundaries=[], p50_ms=0.0, p95_ms=0.0,
                         forward_ms=0.0, backward_ms=0.0, replay_ms=0.0, optimizer_ms=0.0, p2p_ms=0.0,
@@ -671,7 +671,7 @@ def test_a_stage_that_already_fits_gets_no_boundary_even_when_replay_looks_free(
 
 def test_assembled_report_is_typed_and_round_trips_its_json():
     from remat.distributed.report import GradComparison
-    from remat.receipt.pipeline_markdown import render_pipeline_markdown
+    from remat.receipt.render import render_pipeline_markdown
     from remat.plan.pipeline import Side
     from remat.distributed.pipeline.report import RankOutcome, StageResult, TimelineEvent, assemble_pipeline
     cfg = pipeline_config(spec="gpt", shape=SHAPE, world_size=2, microbatches=2, split_points=["h.2"],

@@ -368,7 +368,7 @@ def _bubble_growth(side: SideReport) -> list[str]:
 
 def render_pipeline(report: PipelineReport) -> None:
     """The per-stage and per-side tables and the equivalence, in pipeline.md's cells and words."""
-    from ..receipt.pipeline_markdown import SIDE_HEADERS, STAGE_HEADERS, equivalence_text, side_cells, stage_cells
+    from ..receipt.render import SIDE_HEADERS, STAGE_HEADERS, equivalence_text, side_cells, stage_cells
     title = (f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, {report.microbatches} "
              f"microbatches, split at {', '.join(report.split_points)} (ideal bubble "
              f"{report.ideal_bubble_fraction:.3f})")

@@ -34,7 +34,7 @@ from ..plan.pipeline import PipelinePlan, Side
 from ..distributed.pipeline.report import PipelineReport
 from ..profile import fingerprint, module_revision
 from ..receipt.model import Receipt, ReceiptContext
-from ..receipt.pipeline_markdown import render_pipeline_markdown
+from ..receipt.render import render_pipeline_markdown
 from ..receipt.world_size import PipelineEvidence, StageBoundary, WorldSizeEvidence
 from ..receipt.write import ReceiptFiles, write_receipt
 from ..types import ProgressFn, no_progress
