@@ -397,8 +397,8 @@ def test_a_pipeline_receipt_past_the_pin_is_refused_before_anything_launches(no_
     from types import SimpleNamespace
 
     from remat.workflow.pipeline import check_pipeline_receipt
-    receipt = SimpleNamespace(context=SimpleNamespace(workload="mlp"),
+    receipt = SimpleNamespace(context=SimpleNamespace(workload="mlp"), world_size=SimpleNamespace(world_size=4096),
                               pipeline=SimpleNamespace(report=SimpleNamespace(world_size=4096)))
-    report = check_pipeline_receipt(receipt, workload="mlp", cwd=tmp_path, max_world_size=CORES)
+    report = check_pipeline_receipt(receipt, workload="mlp", cwd=tmp_path, gate=GateSettings(max_world_size=CORES))
     assert [f.kind for f in report.failures] == [FindingKind.FIXTURE]
     assert "made at world size 4096" in report.failures[0].message and "nothing launched" in report.skipped[0]

@@ -16,6 +16,7 @@ import datetime
 import enum
 import hashlib
 import math
+import re
 import subprocess
 from pathlib import Path
 from typing import Annotated, Any
@@ -454,30 +455,27 @@ def _check_shape(data: dict[str, Any]) -> None:
         raise ReceiptError(f"malformed receipt: $: missing field(s) {', '.join(missing)}")
 
 
+_PLAIN = re.compile(r"[\w.:/=,-]{1,200}")   # a value put in the command as it is: no space, quote or shell character
+
+
 def _old_command(data: dict[str, Any]) -> str:
-    """``remat distributed --engine pipeline ...`` with the old receipt's own settings where they are plain (a
-    word, a number; the file is unchecked), else placeholders: the command that makes it again. A setting the
-    file leaves at its default (no shape keywords, no budget) is left out."""
-    ctx = data.get("context") if isinstance(data.get("context"), dict) else {}
-    rep = data.get("pipeline") if isinstance(data.get("pipeline"), dict) else {}
-
-    def word(v: Any, placeholder: str) -> str:
-        ok = isinstance(v, str) and 0 < len(v) <= 200 and all(c.isalnum() or c in "._-/:=," for c in v)
-        return v if ok else placeholder
-
-    def number(v: Any, placeholder: str) -> str:
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 53 else placeholder
-    shape, splits, budget = ctx.get("shape"), rep.get("split_points"), rep.get("budget_bytes")
-    parts = ["remat distributed --engine pipeline", f"--workload {word(ctx.get('workload'), 'WORKLOAD')}"]
-    if shape != {}:
-        text = ",".join(f"{k}={v}" for k, v in shape.items()) if isinstance(shape, dict) else None
-        parts.append(f"--shape {word(text, 'SHAPE')}")
-    parts += [f"--world-size {number(rep.get('world_size'), 'P')}", f"--schedule {word(rep.get('schedule'), 'SCHEDULE')}",
-              f"--microbatches {number(rep.get('microbatches'), 'M')}"]
-    text = ",".join(splits) if isinstance(splits, list) and all(isinstance(x, str) for x in splits) else None
-    parts.append(f"--split-points {word(text, 'PATH.I,...')}")
-    if budget is not None:
-        parts.append(f"--budget {number(budget, 'BUDGET')}")
+    """``remat distributed --engine pipeline ...`` with the old receipt's own settings where they are plain (the
+    file is unchecked), else placeholders: the command that makes it again. A setting the file leaves at its
+    default (no shape keywords, no budget) is left out."""
+    ctx, rep = (data.get(k) if isinstance(data.get(k), dict) else {} for k in ("context", "pipeline"))
+    shape, splits = ctx.get("shape"), rep.get("split_points")
+    given = {"--workload": ctx.get("workload"), "--world-size": rep.get("world_size"),
+             "--shape": ",".join(f"{k}={v}" for k, v in shape.items()) if isinstance(shape, dict) else "SHAPE",
+             "--schedule": rep.get("schedule"), "--microbatches": rep.get("microbatches"),
+             "--split-points": ",".join(map(str, splits)) if isinstance(splits, list) else None,
+             "--budget": rep.get("budget_bytes")}
+    needed = {"--workload": "WORKLOAD", "--world-size": "P", "--schedule": "SCHEDULE", "--microbatches": "M",
+              "--split-points": "PATH.I,..."}
+    parts = ["remat distributed --engine pipeline"]
+    for flag, v in given.items():
+        text = str(v) if v not in (None, "") and not isinstance(v, bool) and _PLAIN.fullmatch(str(v)) else None
+        if text or flag in needed or (flag == "--shape" and v):
+            parts.append(f"{flag} {text or needed.get(flag, 'SHAPE')}")
     return " ".join([*parts, "--out DIR"])
 
 

@@ -940,8 +940,7 @@ def check_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None
     if receipt.pipeline is not None:
         from .pipeline import check_pipeline_receipt
         flags, project = gate or GateSettings(), project_gate(cwd)
-        return check_pipeline_receipt(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd,
-                                      max_world_size=max_world_size(flags, project)[0],
+        return check_pipeline_receipt(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd, gate=flags,
                                       progress=Deadline(limit("timeout_s", flags, project)).guard(progress))
     ledger, ready = start_check(receipt, quick=quick, workload=workload, reports=reports, cwd=cwd, gate=gate,
                                 pins=pins)

@@ -42,7 +42,8 @@ from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
 from .check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, _shape_findings,
-                    choose_workload, same_workload)
+                    _within_world_size, choose_workload, same_workload)
+from .gate import GateSettings, project_gate
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -161,13 +162,6 @@ def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, com
     return Receipt(context=context, world_size=run)
 
 
-def _evidence(receipt: Receipt) -> PipelineEvidence:
-    pe = receipt.pipeline
-    if pe is None:
-        raise TypeError("check_pipeline_receipt takes a pipeline run's receipt")
-    return pe
-
-
 def _model_findings(pe: PipelineEvidence, model: Any) -> list[CheckFinding]:
     """3. every stage plan's whole-model fingerprint, and each boundary's revision hash."""
     plan = pe.plan
@@ -193,8 +187,9 @@ def _model_findings(pe: PipelineEvidence, model: Any) -> list[CheckFinding]:
 
 def _rerun_config(receipt: Receipt, spec: str, plan: PipelinePlan) -> DistributedConfig:
     """5. the unplanned and the planned pipeline, the receipt's schedule, microbatches, split and plans."""
-    ctx, p, ws = receipt.context, _evidence(receipt).report, receipt.world_size
-    assert ws is not None
+    ctx, ws = receipt.context, receipt.world_size
+    assert ws is not None and ws.pipeline is not None
+    p = ws.pipeline.report
     settings = PipelineSettings(schedule=p.schedule, microbatches=p.microbatches, split_points=list(p.split_points),
                                 split_source=p.split_source, stages_per_rank=p.stages_per_rank,
                                 sides=[Side.NONE, Side.REMAT])
@@ -231,11 +226,12 @@ def _rerun_findings(was: PipelineReport, again: PipelineReport, ledger: CheckLed
 def check_pipeline_receipt(receipt: Receipt, *, quick: bool = False, workload: str | None = None,
                            reports: ReportStamps | None = None, cwd: Path | None = None,
                            work_dir: Path | None = None, wall_timeout_s: float = 600.0,
-                           max_world_size: int | None = None, progress: ProgressFn = no_progress) -> CheckReport:
-    """The module docstring's checks; failures are data (``passed``), for the CLI's exit code 1. A receipt made
-    at more ranks than ``max_world_size`` fails before anything runs (NOTE [gate thresholds] in
-    remat/workflow/gate.py)."""
-    ctx, pe = receipt.context, _evidence(receipt)
+                           gate: GateSettings | None = None, progress: ProgressFn = no_progress) -> CheckReport:
+    """The module docstring's checks; failures are data (``passed``), for the CLI's exit code 1. Given ``gate``, a
+    receipt made at more ranks than its ``max-world-size`` (over ``[tool.remat]``'s in ``cwd``) fails before
+    anything runs, as every receipt's does (NOTE [gate thresholds] in remat/workflow/gate.py)."""
+    ctx, pe = receipt.context, receipt.pipeline
+    assert pe is not None, "a pipeline run's receipt"
     was = pe.report
     chosen = choose_workload(ctx.workload, workload, cwd=cwd)
     spec = chosen.spec
@@ -246,12 +242,7 @@ def check_pipeline_receipt(receipt: Receipt, *, quick: bool = False, workload: s
             f"the receipt was made for workload {ctx.workload!r}, but {chosen.source} names {spec!r}: nothing was run")))
         return ledger.report()
     checked.append(f"workload {spec} ({chosen.source}) is the receipt's")
-    if max_world_size is not None and was.world_size > max_world_size:
-        failures.append(CheckFinding(kind=FindingKind.FIXTURE, message=(
-            f"the receipt was made at world size {was.world_size}, more than the {max_world_size} ranks check may "
-            "launch; raise --max-world-size, or max-world-size in [tool.remat], if that is meant")))
-        skipped.append(f"nothing re-run and nothing launched: the receipt's world size {was.world_size} is above "
-                       f"the gate's {max_world_size}")
+    if gate is not None and not _within_world_size(ledger, receipt, gate, project_gate(cwd)):
         return ledger.report()
     progress("check", 1, 5)
     shape = _shape_findings(receipt, spec)   # 2. reads the receipt's context only, as a receipt's check does
