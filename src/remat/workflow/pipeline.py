@@ -42,7 +42,7 @@ from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
 from .check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, _shape_findings,
-                    _within_world_size, choose_workload, same_workload)
+                    _within_world_size, _workload_is_the_receipts, choose_workload)
 from .gate import GateSettings, project_gate
 
 
@@ -237,12 +237,8 @@ def check_pipeline_receipt(receipt: Receipt, *, quick: bool = False, workload: s
     spec = chosen.spec
     ledger = CheckLedger(spec, quick, reports)
     failures, checked, skipped = ledger.failures, ledger.checked, ledger.skipped
-    if not same_workload(spec, ctx.workload, cwd=cwd):
-        failures.append(CheckFinding(kind=FindingKind.WORKLOAD, message=(
-            f"the receipt was made for workload {ctx.workload!r}, but {chosen.source} names {spec!r}: nothing was run")))
-        return ledger.report()
-    checked.append(f"workload {spec} ({chosen.source}) is the receipt's")
-    if gate is not None and not _within_world_size(ledger, receipt, gate, project_gate(cwd)):
+    if not _workload_is_the_receipts(ledger, receipt, chosen, cwd) or (
+            gate is not None and not _within_world_size(ledger, receipt, gate, project_gate(cwd))):
         return ledger.report()
     progress("check", 1, 5)
     shape = _shape_findings(receipt, spec)   # 2. reads the receipt's context only, as a receipt's check does
