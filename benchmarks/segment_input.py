@@ -10,7 +10,8 @@ block 1's output, (B, D) float32.
    tracker), the host pool's peak, for the unplanned step, ``full`` and ``full-host-input``.
 2. ``time``: the three steps (forward + backward, no optimizer) interleaved round by round, p50 ms;
    the added time of ``full-host-input`` over ``full`` against the cost model's price of the copies at
-   this machine's measured bandwidth (NOTE [link bandwidth]).
+   this machine's measured bandwidth (NOTE [link bandwidth]), and the input's round trip alone (the
+   wrapper's offload + load, p50 of 50), which a shared machine's step noise would otherwise hide.
 
     PYTHONPATH=src python benchmarks/segment_input.py [--relu]    # prints a Markdown table
 """
@@ -89,6 +90,23 @@ def bench_time(args: argparse.Namespace, x: torch.Tensor) -> dict[str, float]:
     return {k: p50(v) for k, v in times.items()}
 
 
+def bench_copies(args: argparse.Namespace, rounds: int = 50) -> float:
+    """p50 ms of one input's round trip as the wrapper makes it: to a pooled host buffer and back
+    (``HostInput.offload`` then ``load``), the added work of ``full-host-input`` over ``full``."""
+    from remat.wrap.offload import HostInput, HostPool, _RegionOffload
+    x = torch.randn(args.batch, args.width)
+    pool, times = HostPool(), []
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        box = HostInput(x, _RegionOffload(pool, set()))
+        box.offload()
+        box.load()
+        if i:   # the first round allocates the pool's buffer
+            times.append((time.perf_counter() - t0) * 1e3)
+        del box
+    return p50(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=512)
@@ -117,6 +135,8 @@ def main() -> None:
     print("|---|---|")
     for label, ms in t.items():
         print(f"| {label} | {ms:.1f} |")
+    copies = bench_copies(args)
+    print(f"\none input's round trip to the host and back (offload + load, pooled buffer, p50 of 50): {copies:.2f} ms")
     print(f"\nfull-host-input - full: {t['full-host-input'] - t['full']:+.2f} ms; the cost model prices the copies at "
           f"{priced:.2f} ms ({pricing.d2h_bytes_per_ms / 1e6:.2f} GB/s to the host, "
           f"{pricing.h2d_bytes_per_ms / 1e6:.2f} GB/s back, {pricing.source})")
