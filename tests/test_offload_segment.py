@@ -223,3 +223,17 @@ def test_a_budget_only_this_mode_reaches_ships_it_verified_and_recompute_alone_i
     with pytest.raises(BudgetError):
         _auto(twin)
     assert not remat.recover_handle(twin).wrappers
+
+
+def test_remat_plan_offers_the_mode_with_offload_only(tmp_path) -> None:
+    """``remat plan --offload`` plans the mode at the budget (profile and planner, no closed loop); the same
+    command without ``--offload`` must not (the wrong twin: a mode the user did not allow)."""
+    from remat.cli.main import main
+    common = ["plan", "--workload", f"{__file__}:build", "--budget", "89.6%", "--reserve", "0", "--no-measure"]
+    assert main([*common, "--offload", "--host-budget", str(INPUT_BYTES), "--out", str(tmp_path / "on")]) == 0
+    on = Plan.load(tmp_path / "on" / "plan.json")
+    assert {b.module: b.mode for b in on.boundaries}.get(SEGMENT) is HI
+    assert on.offload is not None and on.offload.host_budget_bytes == INPUT_BYTES
+    # recompute only: refused, its predicted floor (the input above this plan's) over the budget
+    assert main([*common, "--out", str(tmp_path / "off")]) != 0
+    assert not (tmp_path / "off").exists()
