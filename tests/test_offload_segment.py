@@ -5,8 +5,9 @@ The model: four linked blocks (Linear -> activation) and a wide head whose logit
 the forward the peak, where every checkpointed segment's kept input is still held. A FULL segment
 ``blocks[2:4]`` keeps its input, block 1's output, (B, D) float32; in FULL_HOST_INPUT it goes to
 the host. Ground truths: a hand count of that tensor's bytes, the unplanned step (gradients
-bitwise), a model whose block 1 ends in ReLU (ReLU saves its output, so the input stays on the
-device whatever the segment does: the wrong case the profile must not count), and the
+bitwise), models whose block 1 ends in ReLU (ReLU saves its output) or keeps its output in an
+attribute, so the input stays on the device whatever the segment does (the wrong cases the profile
+must not count), and the
 recompute-only twin refused at a budget the mode reaches.
 """
 
@@ -36,28 +37,40 @@ SEGMENT = "blocks[2:4]"
 
 
 class Block(nn.Module):
-    def __init__(self, act: type[nn.Module] = nn.GELU, drop: float = 0.0) -> None:
+    def __init__(self, act: type[nn.Module] = nn.GELU, drop: float = 0.0, stash: bool = False) -> None:
         super().__init__()
         self.up, self.act = nn.Linear(D, D), act()
         self.drop = nn.Dropout(drop) if drop else nn.Identity()
+        self.stash = stash
+        self.kept: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.act(self.up(x)))
+        y = self.drop(self.act(self.up(x)))
+        if self.stash:   # a reference the trace cannot see as a saved tensor: kept until the next step
+            self.kept = y
+        return y
+
+
+# block 1's kind: "gelu" (its output free after the forward moves on), "relu" (ReLU saves its output for
+# backward), "stash" (GELU, and the block keeps its output in an attribute)
+KINDS = {"gelu": (nn.GELU, False), "relu": (nn.ReLU, False), "stash": (nn.GELU, True)}
 
 
 class Net(nn.Module):
-    def __init__(self, act1: type[nn.Module] = nn.GELU, drop: float = 0.0) -> None:
+    def __init__(self, kind: str = "gelu", drop: float = 0.0) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*[Block(act1 if i == 1 else nn.GELU, drop) for i in range(N)])
+        act1, stash1 = KINDS[kind]
+        self.blocks = nn.Sequential(*[Block(act1 if i == 1 else nn.GELU, drop, stash=stash1 and i == 1)
+                                      for i in range(N)])
         self.head = nn.Linear(D, V)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(x))
 
 
-def _model(act1: type[nn.Module] = nn.GELU, drop: float = 0.0) -> Net:
+def _model(kind: str = "gelu", drop: float = 0.0) -> Net:
     torch.manual_seed(0)
-    return Net(act1, drop)
+    return Net(kind, drop)
 
 
 def _batch(step: int = 0) -> torch.Tensor:
@@ -68,9 +81,9 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def build(act1: str = "gelu") -> remat.Workload:
+def build(kind: str = "gelu") -> remat.Workload:
     """This file as a workload (``tests/test_offload_segment.py:build``)."""
-    return remat.Workload(model=_model(nn.ReLU if act1 == "relu" else nn.GELU), batch=_batch, loss=_loss,
+    return remat.Workload(model=_model(kind), batch=_batch, loss=_loss,
                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
 
 
@@ -94,14 +107,15 @@ def _step(model: nn.Module) -> tuple[list[torch.Tensor], int]:
     return [p.grad.clone() for p in model.parameters()], fwd_end
 
 
-@pytest.mark.parametrize("act1, freed", [(nn.GELU, INPUT_BYTES),   # GELU saves its input: its output is free
-                                         (nn.ReLU, 0)])            # the wrong case: ReLU saves its output
-def test_the_input_frees_its_hand_counted_bytes_only_where_nothing_else_holds_it(act1, freed) -> None:
+@pytest.mark.parametrize("kind, freed", [("gelu", INPUT_BYTES),   # GELU saves its input: its output is free
+                                         ("relu", 0),              # the wrong cases: ReLU saves its output,
+                                         ("stash", 0)])            # or the block keeps it in an attribute
+def test_the_input_frees_its_hand_counted_bytes_only_where_nothing_else_holds_it(kind, freed) -> None:
     """Device bytes at the end of the forward, FULL vs FULL_HOST_INPUT on the same segment: the input's
-    hand count when block 1 ends in GELU; nothing when it ends in ReLU, though the copy is still made."""
+    hand count when block 1 ends in GELU; nothing when something else holds it, though the copy is made."""
     at_end = {}
     for mode in (F, HI):
-        model = _model(act1)
+        model = _model(kind)
         handle = apply(model, _plan(model, {SEGMENT: mode}))   # block 1 unplanned: its ReLU's save holds
         _, at_end[mode] = _step(model)
         if mode is HI:   # the host held the input once, and gave its buffer back after backward
@@ -111,12 +125,12 @@ def test_the_input_frees_its_hand_counted_bytes_only_where_nothing_else_holds_it
     assert at_end[F] - at_end[HI] == freed
 
 
-@pytest.mark.parametrize("act1, counted", [("gelu", INPUT_BYTES), ("relu", 0)])
-def test_the_profile_counts_the_input_as_freed_exactly_where_it_is(act1, counted) -> None:
+@pytest.mark.parametrize("kind, counted", [("gelu", INPUT_BYTES), ("relu", 0), ("stash", 0)])
+def test_the_profile_counts_the_input_as_freed_exactly_where_it_is(kind, counted) -> None:
     """NOTE [segment input freed] against the hand count: the input's bytes when nothing else holds it;
-    0 when ReLU saves it (the wrong case: counting it would promise bytes the step never frees); and 0
-    for a segment whose input is the batch, which the loop holds."""
-    lw = load_workload(f"{__file__}:build", {"act1": act1})
+    0 when ReLU saves it or an attribute keeps it (the wrong cases: counting them would promise bytes the
+    step never frees); and 0 for a segment whose input is the batch, which the loop holds."""
+    lw = load_workload(f"{__file__}:build", {"kind": kind})
     report = profile_workload(lw, candidates=["blocks[0:2]", SEGMENT], measure_replays=False, repeats=1)
     by_name = {c.name: c for c in report.candidates}
     assert by_name[SEGMENT].host_input_bytes == counted

@@ -293,8 +293,8 @@ class _StepEvidence:
         - is saved for backward by no op outside the segment's forward (ReLU saves its output: the
           segment after it frees nothing), and
         - died in the baseline no later than the segment's own backward: before any module's
-          backward unpacked a saved tensor after the segment's last one (before the step's end
-          when none did). A storage something else holds (a module attribute, a list the loss
+          backward unpacked a saved tensor after the segment's last one (before the optimizer
+          step when none did). A storage something else holds (a module attribute, a list the loss
           keeps) outlives that, and is not counted.
         Otherwise 0, and the planner does not offer the mode (a copy that frees nothing is pure
         cost). Conservative, both ways it can be wrong: the count is made once, on the unplanned
@@ -314,7 +314,9 @@ class _StepEvidence:
             return 0   # an op outside the segment saved it: it stays until that op's backward
         later = [e for win in self.rec.windows for e in (win.bwd_first_unpack, win.bwd_last_unpack)
                  if e is not None and e > bwd_end]
-        limit = min(later) if later else self.rec.tracker.events
+        t = self.rec.tracker   # no later unpack: the backward's end (the optimizer's mark), else the step's
+        limit = min(later) if later else next((m.event for m in t.marks if m.phase is Phase.OPTIMIZER
+                                               and m.event > bwd_end), t.events)
         return rec.nbytes if rec.free_event < limit else 0
 
     def _record_at(self, key: int, event: int) -> StorageRecord | None:
