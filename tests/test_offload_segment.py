@@ -251,3 +251,21 @@ def test_remat_plan_offers_the_mode_with_offload_only(tmp_path) -> None:
     # recompute only: refused, its predicted floor (the input above this plan's) over the budget
     assert main([*common, "--out", str(tmp_path / "off")]) != 0
     assert not (tmp_path / "off").exists()
+
+
+def test_a_copy_of_a_planned_model_runs_the_mode_with_a_pool_of_its_own() -> None:
+    """NOTE [copies of a planned model]: a deepcopy keeps the mode (bitwise the unplanned step, the input on
+    the copy's own host pool) and is removable; the original's pool is untouched by the copy's step."""
+    import copy
+    model = _model()
+    handle = apply(model, _plan(model, {SEGMENT: HI}))
+    twin = copy.deepcopy(model)
+    grads0, _ = _step(_model())
+    grads1, _ = _step(twin)
+    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+    recovered = remat.recover_handle(twin)
+    assert [w.path for w in recovered.wrappers] == [SEGMENT] and recovered.wrappers[0].replay_calls == 1
+    assert recovered.wrappers[0].pool is not handle.host_pool and recovered.wrappers[0].pool.peak_bytes == INPUT_BYTES
+    assert handle.host_pool.copies_out == 0
+    recovered.remove()
+    assert "forward" not in twin.blocks[2].__dict__

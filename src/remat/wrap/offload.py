@@ -157,6 +157,14 @@ class HostPool:
     def reset_peak(self) -> None:
         self.peak_bytes = self.held_bytes
 
+    # a copy of a planned model (NOTE [copies of a planned model] in wrap/wrapper.py) gets an empty pool of
+    # its own: buffers, counters and the lock belong to this run (a lock cannot be copied at all)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"reuse": self.reuse}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(reuse=state["reuse"])  # type: ignore[misc]
+
 
 def _allocate(nbytes: int, pinned: bool) -> Any:
     """``nbytes`` of host memory outside torch's CPU allocator on CPU (NOTE [activation offload]), pinned on CUDA."""
