@@ -81,9 +81,9 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def build(kind: str = "gelu") -> remat.Workload:
+def build(kind: str = "gelu", drop: float = 0.0) -> remat.Workload:
     """This file as a workload (``tests/test_offload_segment.py:build``)."""
-    return remat.Workload(model=_model(kind), batch=_batch, loss=_loss,
+    return remat.Workload(model=_model(kind, drop), batch=_batch, loss=_loss,
                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
 
 
@@ -146,6 +146,18 @@ def test_the_mode_is_bitwise_the_unplanned_step_with_dropout_inside_the_segment(
     assert handle.wrapper(SEGMENT).replay_calls == 1   # it did replay, from the reloaded input
     handle.remove()
     assert not remat.recover_handle(planned).wrappers and "forward" not in planned.blocks[2].__dict__
+
+
+def test_without_rng_preservation_the_replays_dropout_differs() -> None:
+    """The wrong twin of the RNG half: the same plan with ``preserve_rng_state=False`` must not be bitwise
+    the unplanned step (the replay draws other dropout masks), so the preserved one above is not luck."""
+    grads0, _ = _step(_model(drop=0.25))
+    planned = _model(drop=0.25)
+    plan = _plan(planned, {SEGMENT: HI})
+    plan.preserve_rng_state = False
+    apply(planned, plan)
+    grads1, _ = _step(planned)
+    assert not all(torch.equal(a, b) for a, b in zip(grads0, grads1))
 
 
 def test_a_wrong_reload_is_caught_by_the_same_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
