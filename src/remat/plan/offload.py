@@ -96,13 +96,15 @@ def host_bytes(c: CandidateCost, mode: CheckpointMode) -> int:
 
 
 def can_host_input(c: CandidateCost) -> bool:
-    """A segment with a measured FULL checkpoint whose input the recorded step shows freed (NOTE [segment input freed])."""
+    """A segment with a measured FULL checkpoint whose input the recorded step shows freed
+    (NOTE [segment input freed] in remat/profile/step.py)."""
     return bool(c.members) and CheckpointMode.FULL in c.saved_bytes and CheckpointMode.FULL in c.replay_ms \
         and c.host_input_bytes > 0
 
 
 def can_offload(c: CandidateCost) -> bool:
-    """A module candidate with a measured FULL checkpoint; segments are recomputed only."""
+    """A module candidate with a measured FULL checkpoint; a segment is never OFFLOADed (its input may go
+    to the host instead: ``can_host_input``)."""
     return not c.members and CheckpointMode.FULL in c.saved_bytes and c.saved_bytes[CheckpointMode.FULL] > 0
 
 
@@ -110,14 +112,12 @@ def with_offload(report: ProfileReport, pricing: OffloadPricing) -> ProfileRepor
     """``report`` with an OFFLOAD mode priced on every module candidate that can be offloaded, and a
     FULL_HOST_INPUT mode on every segment whose input it frees (NOTE [offload cost model])."""
     def priced(c: CandidateCost) -> CandidateCost:
-        if can_host_input(c):
-            full = CheckpointMode.FULL
+        if can_host_input(c):   # nothing of the input's copy counted as hidden (fwd_ms 0): NOTE above
+            full, mode = CheckpointMode.FULL, CheckpointMode.FULL_HOST_INPUT
             return dataclasses.replace(
-                c, saved_bytes={**c.saved_bytes, CheckpointMode.FULL_HOST_INPUT: int(c.saved_bytes[full]) + c.host_input_bytes},
-                replay_ms={**c.replay_ms, CheckpointMode.FULL_HOST_INPUT:
-                           float(c.replay_ms[full]) + pricing.added_ms(c.host_input_bytes, 0.0)},
-                replay_extra_bytes={**c.replay_extra_bytes,
-                                    CheckpointMode.FULL_HOST_INPUT: int(c.replay_extra_bytes.get(full, 0))})
+                c, saved_bytes={**c.saved_bytes, mode: int(c.saved_bytes[full]) + c.host_input_bytes},
+                replay_ms={**c.replay_ms, mode: float(c.replay_ms[full]) + pricing.added_ms(c.host_input_bytes, 0.0)},
+                replay_extra_bytes={**c.replay_extra_bytes, mode: int(c.replay_extra_bytes.get(full, 0))})
         if not can_offload(c):
             return c
         moved = offload_bytes(c)
