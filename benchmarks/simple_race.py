@@ -32,6 +32,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,8 @@ def bootstrap_ratio(a: list[float], b: list[float], *, n: int = 2000, seed: int 
 
 def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> dict[str, Any]:
     budget = int(unplanned_peak * share)
+    load_before = os.getloadavg()   # (1, 5, 15 min): how busy the shared machine was
+    started = time.strftime("%H:%M:%S", time.gmtime())
     t0 = time.perf_counter()
     shipped = plan_for_device(loaded, copy.deepcopy(report), "optimal", budget_bytes=budget, capacity_bytes=None,
                               reserve=0.05, steps=1, race=TimeRaceSettings()).plan
@@ -114,7 +117,10 @@ def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> 
                                boundaries=[f"{b.module}:{b.mode.value}" for b in shipped.boundaries],
                                shipped_peak_bytes=shipped_peak, fits=shipped_peak <= budget,
                                race=shipped.time_race.describe() if shipped.time_race else None,
-                               unplanned_ms=p50["unplanned"], remat_ms=p50["remat"], simple_fitting=len(simples))
+                               unplanned_ms=p50["unplanned"], remat_ms=p50["remat"], simple_fitting=len(simples),
+                               rounds=rounds, started_utc=started, finished_utc=time.strftime("%H:%M:%S", time.gmtime()),
+                               load_before=[round(x, 2) for x in load_before],
+                               load_after=[round(x, 2) for x in os.getloadavg()])
     if not candidates:
         row.update(best_simple=None)
         return row
