@@ -84,7 +84,8 @@ them when remat's own plan is not better, and says which family won:
 - ``checkpoint_sequential`` and ``first-k`` without K take a budget: the K of least predicted
   overhead whose predicted peak fits (ties: fewer boundaries).
 Each of these plans lies in the search space of ``optimal`` (segments and blocks are its
-candidates too), so ``optimal``'s predicted overhead is never above theirs at a budget.
+candidates too), so ``optimal``'s predicted overhead is never above theirs at a budget, unless
+theirs holds a candidate ``optimal`` left out as small (NOTE [small boundaries]).
 
 NOTE [small boundaries]
 A boundary that saves little (a single RMSNorm, a bare Dropout or DropPath, one ``Linear`` of an
