@@ -117,6 +117,7 @@ def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> 
                                boundaries=[f"{b.module}:{b.mode.value}" for b in shipped.boundaries],
                                shipped_peak_bytes=shipped_peak, fits=shipped_peak <= budget,
                                race=shipped.time_race.describe() if shipped.time_race else None,
+                               small=shipped.small_boundaries.describe() if shipped.small_boundaries else None,
                                unplanned_ms=p50["unplanned"], remat_ms=p50["remat"], simple_fitting=len(simples),
                                rounds=rounds, started_utc=started, finished_utc=time.strftime("%H:%M:%S", time.gmtime()),
                                load_before=[round(x, 2) for x in load_before],
