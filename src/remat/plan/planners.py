@@ -99,7 +99,8 @@ is the floor's witness and searches everything):
    ``SMALL_BOUNDARY_PEAK_SHARE`` (1%) of the unplanned step's peak: under the closed loop's own
    error between predicted and measured peaks (a few percent, NOTE [closed loop] in
    remat/closed_loop.py), so a prediction that it is what makes a plan fit is no evidence that
-   it does. The search runs without the small candidates. Only when no plan without them reaches
+   it does (on tests/test_small_boundaries.py's model each small boundary a corrected plan added was
+   predicted 33 KiB lower and measured 5 KiB higher). The search runs without the small candidates. Only when no plan without them reaches
    the target does it run again over every candidate, and the plan says so
    (``Plan.small_boundaries``: the threshold, the candidates left out, ``admitted``). The closed
    loop gets there in two ways: the model says from the start that nothing without them fits, or a
