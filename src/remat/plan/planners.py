@@ -100,8 +100,9 @@ is the floor's witness and searches everything):
    error between predicted and measured peaks (a few percent, NOTE [closed loop] in
    remat/closed_loop.py), so a prediction that it is what makes a plan fit is no evidence that
    it does (on tests/test_small_boundaries.py's model each small boundary a corrected plan added was
-   predicted 33 KiB lower and measured 5 KiB higher). The search runs without the small candidates. Only when no plan without them reaches
-   the target does it run again over every candidate, and the plan says so
+   predicted 32 KiB lower and measured 5,056 bytes higher). The search runs without the small
+   candidates. Only when no plan without them reaches the target does it run again over every
+   candidate, and the plan says so
    (``Plan.small_boundaries``: the threshold, the candidates left out, ``admitted``). The closed
    loop gets there in two ways: the model says from the start that nothing without them fits, or a
    plan without them *measured* over the budget and the corrected target (NOTE [closed-loop
