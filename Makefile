@@ -37,10 +37,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/remat demo --out out/demo
 
-# lint-imports: the [tool.importlinter] layers contract in pyproject.toml (docs/DESIGN.md's stage table)
+# lint-imports: the [tool.importlinter] layers contract in pyproject.toml (docs/DESIGN.md's stage table).
+# pytest-xdist runs TEST_WORKERS test files at once (--dist loadfile: a file's tests stay in order in one
+# worker); serial pytest kept one of CI's two cores idle. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: $(ZOO_STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # the torch.compile tests the default run leaves out (a few minutes on 2 CPU cores)
 test-compile: $(STAMP)

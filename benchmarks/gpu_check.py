@@ -25,6 +25,9 @@ Checks, each written to ``benchmarks/results/gpu/<name>.json`` and summarised in
 6b2. ``offload_pool``: the host buffer pool (NOTE [host buffer pool]): pinned buffers reused across
    steps against a pinned allocation per saved tensor, on raw device -> host copies and on gpt with
    every block offloaded (interleaved step p50, host allocations).
+6b3. ``segment_input``: a segment of gpt's blocks with its input on the host (``full-host-input``, NOTE
+   [segment input on the host]) against the same segment in ``full``: gradients, the bytes the input
+   frees at the end of the forward against its hand count, interleaved step p50.
 6c. ``lora``: ``benchmarks/lora_gpt2.py --size small`` (remat.auto against
    ``gradient_checkpointing_enable()`` on a LoRA GPT-2 step), as a subprocess with a time limit.
 7. ``compile_budget``: ``torch.compile`` with ``activation_memory_budget`` 1.0 / 0.5 / 0.2: the
@@ -452,7 +455,7 @@ def check_offload_pool(device: str, dtype: str, shape: dict, smoke: bool) -> Che
     def build(reuse: bool) -> tuple[Any, HostPool]:
         step = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
         model = step.workload.model
-        plan = Plan(planner="gpu_check", budget_bytes=None, reserve=0.0,
+        plan = Plan(planner="all", budget_bytes=None, reserve=0.0,
                     boundaries=[Boundary(module=b, mode=CheckpointMode.OFFLOAD, saved_bytes=0, replay_ms=0.0)
                                 for b in _blocks(model)],
                     excluded=[], predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0,
@@ -476,6 +479,70 @@ def check_offload_pool(device: str, dtype: str, shape: dict, smoke: bool) -> Che
     # passes when the pool reuses (fewer allocations than the per-tensor arm): the times are the measurement
     ok = res["pool"]["allocations"] < res["per-tensor"]["allocations"]
     return Check("offload_pool", ok, summary, {"copies": copies, "steps": res, "shape": shape, "pinned": pinned})
+
+
+def check_segment_input(device: str, dtype: str, shape: dict) -> Check:
+    """A segment with its input on the host (mode full-host-input; NOTE [segment input on the host]) against
+    the same segment in full, on gpt: the input's copy runs on the side stream and is prefetched on the
+    gradient, as for offload. (1) gradients of one step, full-host-input against full (the same replay:
+    equal expected) and against the unplanned step; (2) bytes allocated at the end of the forward, full
+    minus full-host-input, against the input's hand count (batch x seq x d_model x element size); (3)
+    step p50, interleaved, with the unplanned step."""
+    from remat.plan import Plan
+    from remat.plan.model import Boundary
+    from remat.profile.fingerprint import fingerprint
+    from remat.types import CheckpointMode
+    from remat.workload import TrainingStep, load_workload
+    from remat.wrap import apply
+
+    def build(mode: Any) -> Any:
+        step = TrainingStep(load_workload("gpt", shape, device=device, dtype=dtype).workload)
+        model = step.workload.model
+        blocks = _blocks(model)
+        n, container = len(blocks), blocks[0].rpartition(".")[0]
+        segment = f"{container}[{n // 2 if n >= 4 else 0}:{n}]"
+        bounds = [] if mode is None else [Boundary(module=segment, mode=mode, saved_bytes=0, replay_ms=0.0)]
+        plan = Plan(planner="all", budget_bytes=None, reserve=0.0, boundaries=bounds, excluded=[],
+                    predicted_peak_bytes=0, predicted_overhead_ms=0.0, baseline_peak_bytes=0, baseline_step_ms=0.0,
+                    fingerprint=fingerprint(model))
+        return step, apply(model, plan), segment
+
+    arms = {"none": None, "full": CheckpointMode.FULL, "full-host-input": CheckpointMode.FULL_HOST_INPUT}
+    grads, at_end, segment, pool_peak = {}, {}, "", 0
+    for label, mode in arms.items():   # one arm resident at a time: the allocator counts every resident model
+        step, handle, segment = build(mode)
+        model, wl = step.workload.model, step.workload
+        batch = wl.batch(0)
+        torch.manual_seed(0)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+        loss = wl.loss(model, batch)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            at_end[label] = int(torch.cuda.memory_allocated() - before)
+        loss.backward()
+        grads[label] = [p.grad.detach().float().cpu() for p in model.parameters() if p.grad is not None]
+        if mode is CheckpointMode.FULL_HOST_INPUT:
+            pool_peak = handle.host_pool.peak_bytes
+        del step, handle, model, loss
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    same = all(torch.equal(a, b) for a, b in zip(grads["full"], grads["full-host-input"]))
+    vs_none = max(float((a - b).abs().max()) for a, b in zip(grads["none"], grads["full-host-input"]))
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    hand = shape["batch_size"] * shape["seq_len"] * shape["d_model"] * elem
+    freed = at_end["full"] - at_end["full-host-input"] if at_end else None
+    runners = [_StepRunner(label, build(mode)[0]) for label, mode in arms.items()]
+    res = _timed(runners, steps=3 if device == "cpu" else 8)
+    summary = (f"gpt {segment}: gradients full-host-input == full: {same} (max |diff| against the unplanned "
+               f"step {vs_none:.3g}); end of forward full - full-host-input "
+               f"{'n/a' if freed is None else fmt_bytes(freed)} against the input's hand count {fmt_bytes(hand)}; "
+               f"host pool peak {fmt_bytes(pool_peak)}; p50 " + ", ".join(f"{k} {r['p50_ms']:.1f} ms" for k, r in res.items()))
+    return Check("segment_input", same, summary, {"segment": segment, "grads_equal_full": same,
+                                                   "max_abs_diff_vs_none": vs_none, "fwd_end_bytes": at_end,
+                                                   "freed_bytes": freed, "hand_count_bytes": hand,
+                                                   "host_pool_peak_bytes": pool_peak, "steps": res, "shape": shape})
 
 
 def check_lora(device: str, smoke: bool) -> Check:
@@ -688,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         ("offload", lambda: check_offload(dev, dt, shapes["pipeline"])),
         ("offload_plan", lambda: check_offload_plan(dev, dt, shapes["pipeline"])),
         ("offload_pool", lambda: check_offload_pool(dev, dt, shapes["pipeline"], args.smoke)),
+        ("segment_input", lambda: check_segment_input(dev, dt, shapes["pipeline"])),
         ("lora", lambda: check_lora(dev, args.smoke)),
         ("blocked", lambda: check_blocked(dev, dt, shapes["pipeline"], 1.2 if args.smoke else 1.6)),
         ("compile_budget", lambda: check_compile_budget(dev, dt, shapes["pipeline"], (1.0, 0.5, 0.2),

@@ -17,6 +17,16 @@ TINY = {
 }
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_dir(tmp_path_factory):
+    """A cache folder of this test session's own (per pytest-xdist worker): tests never read or write the
+    user's ~/.cache/remat, and two workers never share an entry. A test that names ``cache_dir`` or sets
+    $REMAT_CACHE_DIR itself still wins."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REMAT_CACHE_DIR", str(tmp_path_factory.mktemp("remat-cache")))   # remat._io.CACHE_ENV_VAR
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     torch.set_num_threads(1)

@@ -49,7 +49,8 @@ def test_percentile_is_the_only_one_in_src():
 def test_step_clock_reads_wall_time_in_ms():
     clock = StepClock("cpu")
     out, ms = clock.time(time.sleep, 0.02)
-    assert out is None and 19.0 <= ms < 500.0
+    # the lower bound is the check (a sleep never ends early); the upper one only catches a clock off by 1000x
+    assert out is None and 19.0 <= ms < 20_000.0
 
 
 def test_region_timer_times_nested_regions_on_cpu():

@@ -237,8 +237,10 @@ def test_bubble_matches_the_schedule_formula_for_known_stage_times(rank_env, tmp
     ideal = 1 / 5   # (p - 1) / (m + p - 1)
     for s in d["sides"]["none"]["per_stage"]:
         assert s["bubble_fraction"] == pytest.approx(ideal, abs=0.06), s
-    # the step is (m + p - 1) x (forward + backward) of one stage: 5 x 90 ms
-    assert d["sides"]["none"]["p50_ms"] == pytest.approx(450, rel=0.2)
+    # the step is (m + p - 1) x (forward + backward) of one stage: 5 x 90 ms of sleep. Only the lower bound is
+    # asserted: sleeps never end early, so a schedule that overlapped what it must not (4 x 90 ms) fails at any
+    # load, while a loaded machine only adds time (no speed is asserted in a unit test)
+    assert d["sides"]["none"]["p50_ms"] >= 450 * 0.95
 
 
 def test_dead_stage_is_named_and_leaves_no_process(rank_env, tmp_path):

@@ -267,14 +267,15 @@ def test_a_budget_one_byte_under_the_floor_is_infeasible_not_a_solver_error():
 
 def test_planning_100_candidates_is_fast():
     # A complexity bound, not a benchmark (the 1 s goal is measured by benchmarks/plan_speed.py):
-    # CPU time of this process, 5x the goal, so only a blow-up (e.g. enumeration) fails it.
+    # CPU time of this process (not wall time: load does not move it much), 20x the goal, so only a blow-up
+    # (e.g. enumeration, exponential in the 100 candidates) fails it.
     rep = chain_report(25, 3)                         # 100 candidates x 2 modes, 200 rows
     assert len(rep.candidates) == 100 and len(rep.rows) == 200
     make_plan(rep, "optimal", budget_bytes=rep.baseline_peak_bytes)   # imports (scipy) out of the timing
     for frac in (0.45, 0.7):
         start = time.process_time()
         plan = make_plan(rep, "optimal", budget_bytes=int(rep.baseline_peak_bytes * frac), reserve=0.05)
-        assert time.process_time() - start < 5.0
+        assert time.process_time() - start < 20.0
         assert plan.predicted_peak_bytes <= plan.effective_budget_bytes
 
 

@@ -85,6 +85,14 @@ class CheckpointMode(str, enum.Enum):
     SAVE_ATTENTION = "save-attention"            # SAC: only attention outputs saved, the rest recomputed
     RECOMPUTE_POINTWISE = "recompute-pointwise"  # SAC: only pointwise and norm ops recomputed, the rest saved
     OFFLOAD = "offload"      # nothing recomputed: its saved activations wait in host memory (NOTE [activation offload])
+    # a segment recomputed as in FULL, and the one thing FULL keeps, its input, waits in host memory until the
+    # replay loads it back (NOTE [segment input on the host] in remat/wrap/offload.py)
+    FULL_HOST_INPUT = "full-host-input"
+
+    @property
+    def holds_host(self) -> bool:
+        """Whether this mode keeps bytes in host memory (offload is on, and the host budget bounds it)."""
+        return self in (CheckpointMode.OFFLOAD, CheckpointMode.FULL_HOST_INPUT)
 
 
 class HazardKind(str, enum.Enum):

@@ -219,7 +219,7 @@ def stale_entry(plan: Plan, key: CacheKey, *, budget: str | int | None, capacity
 
 def _offload_mismatch(plan: Plan, host_budget_bytes: int | None) -> str | None:
     """Why ``plan``'s offload is not what the key offers (NOTE [auto offload]); None when it is."""
-    offloads = sum(b.mode is CheckpointMode.OFFLOAD for b in plan.boundaries)
+    offloads = sum(b.mode.holds_host for b in plan.boundaries)
     if host_budget_bytes is None:
         if offloads or plan.offload is not None:
             return f"it offloads ({offloads} boundaries), and the call plans recompute only (offload=False)"

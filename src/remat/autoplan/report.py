@@ -8,7 +8,7 @@ from typing import Any
 
 from .._codec import JsonCodec
 from ..plan.offload import OffloadPricing
-from ..types import MemorySource
+from ..types import CheckpointMode, MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
 from ..plan.model import SmallBoundaries
@@ -119,9 +119,11 @@ class AutoReport(JsonCodec):
                          + (f"; blocked: {self.blocked.describe()}" if self.blocked is not None else ""))
         if self.offload is not None:
             o = self.offload
-            offloaded = sum(b.endswith("(offload)") for b in self.boundaries)
+            offloaded = sum(b.endswith(f"({CheckpointMode.OFFLOAD.value})") for b in self.boundaries)
+            inputs = sum(b.endswith(f"({CheckpointMode.FULL_HOST_INPUT.value})") for b in self.boundaries)
             budget = "no bound" if o.host_budget_bytes is None else fmt_bytes(o.host_budget_bytes)
-            lines.append(f"  offload: {offloaded} boundaries offloaded; host budget {budget}; copies priced at "
+            held = f", {inputs} segment inputs on the host" if inputs else ""
+            lines.append(f"  offload: {offloaded} boundaries offloaded{held}; host budget {budget}; copies priced at "
                          f"{o.d2h_bytes_per_ms / 1e6:.2f} GB/s to the host, {o.h2d_bytes_per_ms / 1e6:.2f} GB/s back "
                          f"({o.source})")
         if self.engine is not JobEngine.NONE:

@@ -54,6 +54,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "21 steps and up to 3 peak measurements")
     p.add_argument("--offload", action="store_true",
                    help="also offer activation offload per boundary (saved activations wait in host memory), "
+                        "and a segment's input on the host while it waits for its replay (mode full-host-input), "
                         "priced from this machine's measured copy bandwidth; the planner picks keep, recompute "
                         "or offload per boundary")
     p.add_argument("--host-budget", default=None,

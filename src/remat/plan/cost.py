@@ -75,7 +75,7 @@ from ..errors import CandidateError, PlanError, spell
 from ..errors import Option as Flag   # ``Option`` below is a (candidate, mode) column of the MILP
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
-from .offload import offload_bytes
+from .offload import host_bytes as host_bytes_of
 
 np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
 
@@ -220,7 +220,7 @@ class Option:
     saved_bytes: int          # freed from fwd end of the candidate to its backward (bytes)
     extra_bytes: int          # extra live while it replays (bytes)
     replay_ms: float          # added backward time (ms)
-    host_bytes: int = 0       # held in host memory until its backward (OFFLOAD only; bytes)
+    host_bytes: int = 0       # held in host memory until its backward (OFFLOAD, FULL_HOST_INPUT; bytes)
 
 
 class CostModel:
@@ -267,7 +267,7 @@ class CostModel:
                 self.options.append(Option(candidate=c.name, index=j, mode=m, saved_bytes=int(c.saved_bytes[m]),
                                            extra_bytes=int(c.replay_extra_bytes.get(m, 0)),
                                            replay_ms=float(c.replay_ms[m]),
-                                           host_bytes=offload_bytes(c) if m is CheckpointMode.OFFLOAD else 0))
+                                           host_bytes=host_bytes_of(c, m)))
         self.option_index = {(o.candidate, o.mode): k for k, o in enumerate(self.options)}
         self.replay_ms = np.array([o.replay_ms for o in self.options], dtype=np.float64)   # (O,) ms
         self.saved = np.array([o.saved_bytes for o in self.options], dtype=np.int64)      # (O,) bytes

@@ -28,7 +28,7 @@ MAX_PLAN_BYTES = 16 * 2 ** 20   # a plan for 10,000 modules is about 2 MiB
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Boundary(JsonCodec):
     module: Annotated[str, MODULE_PATH]   # module path, as in model.named_modules()
-    mode: Annotated[CheckpointMode, MODE]   # FULL or an op-level mode (KEEP is never listed)
+    mode: Annotated[CheckpointMode, MODE]   # FULL, an op-level mode, OFFLOAD or FULL_HOST_INPUT (KEEP is never listed)
     saved_bytes: SignedBytes     # predicted bytes freed until backward
     replay_ms: SignedMs          # predicted added backward time
     guarded: bool = False        # buffers restored around the replay (BatchNorm running stats)

@@ -22,8 +22,20 @@ the region's forward and its backward:
   the profile) of it is hidden; the host-to-device copy starts when backward reaches the
   region, so it is priced in full (exposed). On CPU nothing overlaps (the copy is a clone on
   the same cores): the whole ``copy_ms`` is added.
-A host budget (bytes) bounds the sum of host bytes over the offloaded boundaries; the
-planner chooses keep / recompute / offload per boundary under the peak budget, and the
+A *segment* is never OFFLOADed (that would be offloading each of its members, which the
+planner can already do); it may instead keep its input on the host while it waits for its
+replay (mode FULL_HOST_INPUT, NOTE [segment input on the host] in remat/wrap/offload.py). It is
+priced from the segment's FULL checkpoint and the profiled freed input (``host_input_bytes``,
+NOTE [segment input freed] in remat/profile/step.py), and offered only where that is > 0:
+- device bytes saved: ``saved_bytes[FULL] + host_input_bytes`` (the segment's whole FULL saving,
+  plus the input a FULL checkpoint keeps);
+- extra bytes while it replays: FULL's (the replay loads the input back where FULL held it);
+- bytes copied each way and held in host memory: ``host_input_bytes``;
+- added time: FULL's replay plus ``copy_ms`` of those bytes, none of it counted as hidden (the
+  copy to the host starts after the segment's forward, beside whatever runs next, which the
+  profile does not price; the copy back is prefetched when backward reaches the segment).
+A host budget (bytes) bounds the sum of host bytes over the offloaded boundaries (both modes);
+the planner chooses keep / recompute / offload per boundary under the peak budget, and the
 closed loop measures the result as for any plan.
 """
 
@@ -74,14 +86,38 @@ def offload_bytes(c: CandidateCost) -> int:
     return int(c.saved_bytes[CheckpointMode.FULL]) + int(c.input_bytes) + int(c.saved_input_bytes)
 
 
+def host_bytes(c: CandidateCost, mode: CheckpointMode) -> int:
+    """Bytes ``c`` holds in host memory in ``mode`` (NOTE [offload cost model]): 0 but in a host mode."""
+    if mode is CheckpointMode.OFFLOAD:
+        return offload_bytes(c)
+    if mode is CheckpointMode.FULL_HOST_INPUT:
+        return int(c.host_input_bytes)
+    return 0
+
+
+def can_host_input(c: CandidateCost) -> bool:
+    """A segment with a measured FULL checkpoint whose input the recorded step shows freed
+    (NOTE [segment input freed] in remat/profile/step.py)."""
+    return bool(c.members) and CheckpointMode.FULL in c.saved_bytes and CheckpointMode.FULL in c.replay_ms \
+        and c.host_input_bytes > 0
+
+
 def can_offload(c: CandidateCost) -> bool:
-    """A module candidate with a measured FULL checkpoint; segments are recomputed only."""
+    """A module candidate with a measured FULL checkpoint; a segment is never OFFLOADed (its input may go
+    to the host instead: ``can_host_input``)."""
     return not c.members and CheckpointMode.FULL in c.saved_bytes and c.saved_bytes[CheckpointMode.FULL] > 0
 
 
 def with_offload(report: ProfileReport, pricing: OffloadPricing) -> ProfileReport:
-    """``report`` with an OFFLOAD mode priced on every candidate that can be offloaded."""
+    """``report`` with an OFFLOAD mode priced on every module candidate that can be offloaded, and a
+    FULL_HOST_INPUT mode on every segment whose input it frees (NOTE [offload cost model])."""
     def priced(c: CandidateCost) -> CandidateCost:
+        if can_host_input(c):   # nothing of the input's copy counted as hidden (fwd_ms 0): NOTE above
+            full, mode = CheckpointMode.FULL, CheckpointMode.FULL_HOST_INPUT
+            return dataclasses.replace(
+                c, saved_bytes={**c.saved_bytes, mode: int(c.saved_bytes[full]) + c.host_input_bytes},
+                replay_ms={**c.replay_ms, mode: float(c.replay_ms[full]) + pricing.added_ms(c.host_input_bytes, 0.0)},
+                replay_extra_bytes={**c.replay_extra_bytes, mode: int(c.replay_extra_bytes.get(full, 0))})
         if not can_offload(c):
             return c
         moved = offload_bytes(c)

@@ -32,7 +32,9 @@ inside a region (NOTE [replayed hooks] in profile/hazards.py) are kept as found.
 - no measured checkpoint mode: excluded (nothing to plan).
 - OFFLOAD (NOTE [activation offload] in remat/wrap/offload.py) replays nothing, so no replay
   hazard applies to it: a candidate excluded for its hazards keeps OFFLOAD as its one mode
-  when the plan prices offload, and its exclusion says so.
+  when the plan prices offload, and its exclusion says so. FULL_HOST_INPUT (a segment's input on
+  the host, NOTE [segment input on the host] in remat/wrap/offload.py) replays the segment as FULL
+  does, so every hazard that blocks FULL blocks it.
 Baseline planners obey the same exclusions.
 
 NOTE [top-level blocks]
@@ -718,7 +720,8 @@ def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, 
     (NOTE [closed-loop margin]). Raises PlanError (unknown planner), BudgetError (missing or
     bad budget; ``InfeasibleBudget``, naming the floor, when no plan reaches it),
     CandidateError (malformed candidates). ``offload``: also price an OFFLOAD mode per module
-    candidate from these bandwidths (NOTE [offload cost model]), under its host budget.
+    candidate, and FULL_HOST_INPUT per segment whose input the profile shows freed, from these
+    bandwidths (NOTE [offload cost model]), under its host budget.
     """
     p = planner_from_spec(planner)
     if isinstance(reserve, bool) or not (isinstance(reserve, (int, float)) and 0.0 <= reserve < 1.0):

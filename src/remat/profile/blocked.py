@@ -143,6 +143,9 @@ def _scaled(report: ProfileReport, rule: Rule, other: ProfileReport) -> ProfileR
             c, fwd_ms=rule("ms", c.fwd_ms, o.fwd_ms),
             input_bytes=round(rule("candidate", c.input_bytes, o.input_bytes)),
             saved_input_bytes=round(rule("candidate", c.saved_input_bytes, o.saved_input_bytes)),
+            # freed in both profiles, or not counted (NOTE [segment input freed] in profile/step.py)
+            host_input_bytes=round(rule("candidate", c.host_input_bytes, o.host_input_bytes))
+            if c.host_input_bytes and o.host_input_bytes else 0,
             saved_bytes=per_mode(c.saved_bytes, o.saved_bytes, True),
             replay_ms=per_mode(c.replay_ms, o.replay_ms, False),
             replay_extra_bytes=per_mode(c.replay_extra_bytes, o.replay_extra_bytes, True),

@@ -71,6 +71,10 @@ class CandidateCost(JsonCodec):
     # frees none of them, but an offload copies them to the host too (NOTE [offload cost model] in
     # remat/plan/offload.py); written only when not 0
     saved_input_bytes: int = json_field(default=0, omit=0)
+    # a segment: bytes its input frees when it waits in host memory (mode FULL_HOST_INPUT), 0 where the
+    # recorded step shows something else holds it (NOTE [segment input freed] in profile/step.py); written
+    # only when not 0
+    host_input_bytes: int = json_field(default=0, omit=0)
 
     @property
     def covers(self) -> tuple[str, ...]:

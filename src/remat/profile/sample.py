@@ -274,6 +274,7 @@ def _merge_cost(costs: list[CandidateCost]) -> CandidateCost:
     return dataclasses.replace(
         costs[0], fwd_ms=_median([c.fwd_ms for c in costs]), input_bytes=max(c.input_bytes for c in costs),
         saved_input_bytes=max(c.saved_input_bytes for c in costs),
+        host_input_bytes=min(c.host_input_bytes for c in costs),   # freed at every point, or not counted
         saved_bytes={m: max(c.saved_bytes[m] for c in costs) for m in modes},
         replay_ms={m: _median([c.replay_ms[m] for c in timed[m]]) for m in modes},
         replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in timed[m]) for m in modes},

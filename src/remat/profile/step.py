@@ -41,8 +41,8 @@ from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, p
 from ..memory.reference import tracker_error_bytes
 from ..memory.tracker import StorageRecord
 from ..trace.recorder import ModuleWindow, StepRecorder
-from ..types import (MODULE_PATH_RE, OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, ProgressFn, is_cheap_op,
-                     no_progress, sac_saves)
+from ..types import (MODULE_PATH_RE, OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, Phase, ProgressFn,
+                     is_cheap_op, no_progress, sac_saves)
 from ..workload.contract import TrainingStep
 from ..workload.loader import LoadedWorkload
 from .candidates import parent_of, resolve_candidates, segment_search
@@ -261,6 +261,7 @@ class _StepEvidence:
         # mode (what that scan cost: benchmarks/RESULTS.md, "Figures moved from docstrings")
         self.ops_by_event = _EventIndex(oplog.ops, lambda op: op[0])
         self.outputs_by_event = _EventIndex(oplog.out_records, lambda out: out[0].alloc_event)
+        self._by_key: dict[int, list[StorageRecord]] | None = None   # storage key -> its records, on first use
 
     def full_saved_bytes(self, w: ModuleWindow) -> tuple[int, int]:
         """(bytes a FULL checkpoint frees until backward, bytes of inputs it keeps that nobody saved)."""
@@ -276,6 +277,56 @@ class _StepEvidence:
         fs, fe = w.fwd_start, w.fwd_end
         return sum(max((n for ev, n in self.packed_events.get(k, ()) if fs <= ev <= fe), default=0)
                    for k in set(w.input_keys))
+
+    def host_input_bytes(self, w: ModuleWindow | _SegmentRegion, bwd_end: int | None) -> int:
+        """Bytes a FULL_HOST_INPUT segment frees by moving its input to the host: the input's storage when the
+        recorded step shows nothing else holds it, else 0 (NOTE [segment input freed]).
+
+        NOTE [segment input freed]
+        A segment whose input waits in host memory (NOTE [segment input on the host] in
+        remat/wrap/offload.py) drops only its own reference to the input; the device bytes go only
+        if nothing else holds them. The recorded baseline step says whether anything does: the
+        input (one tensor, the first member's one positional tensor input) counts as freed, its
+        whole storage, only when its storage
+        - was allocated by the forward (not the batch, not a parameter or buffer, nothing made
+          before the step),
+        - is saved for backward by no op outside the segment's forward (ReLU saves its output: the
+          segment after it frees nothing), and
+        - died in the baseline no later than the segment's own backward: before any module's
+          backward unpacked a saved tensor after the segment's last one (before the optimizer
+          step when none did). A storage something else holds (a module attribute, a list the loss
+          keeps) outlives that, and is not counted.
+        Otherwise 0, and the planner does not offer the mode (a copy that frees nothing is pure
+        cost). Conservative, both ways it can be wrong: the count is made once, on the unplanned
+        step, so a holder that a plan would itself remove (the ReLU before the segment, inside
+        another checkpointed segment, saves nothing) still makes it 0; a holder the trace cannot
+        see (a Python attribute) keeps the storage past the segment's backward, which makes it 0
+        too, never larger. What a plan really frees the closed loop measures, as for any plan
+        (``tests/test_offload_segment.py`` has both cases against a hand count).
+        """
+        keys = set(w.input_keys)
+        if len(keys) != 1 or bwd_end is None:
+            return 0
+        rec = self._record_at(w.input_keys[0], w.fwd_start)
+        if rec is None or rec.alloc_event < 0 or rec.phase is not Phase.FORWARD or rec.free_event is None:
+            return 0
+        if any(not (w.fwd_start <= ev <= w.fwd_end) for ev in self.packed_at[id(rec)]):
+            return 0   # an op outside the segment saved it: it stays until that op's backward
+        later = [e for win in self.rec.windows for e in (win.bwd_first_unpack, win.bwd_last_unpack)
+                 if e is not None and e > bwd_end]
+        t = self.rec.tracker   # no later unpack: the backward's end (the optimizer's mark), else the step's
+        limit = min(later) if later else next((m.event for m in t.marks if m.phase is Phase.OPTIMIZER
+                                               and m.event > bwd_end), t.events)
+        return rec.nbytes if rec.free_event < limit else 0
+
+    def _record_at(self, key: int, event: int) -> StorageRecord | None:
+        """The record of storage ``key`` alive at ``event`` (keys are reused after a free; records are not)."""
+        if self._by_key is None:
+            self._by_key = defaultdict(list)
+            for r in self.rec.tracker.history:
+                self._by_key[r.key].append(r)
+        return next((r for r in self._by_key.get(key, ())
+                     if r.alloc_event <= event and (r.free_event is None or r.free_event > event)), None)
 
     def policy_figures(self, w: ModuleWindow, mode: CheckpointMode) -> tuple[int, float, int]:
         """(bytes op-level ``mode`` keeps, share of forward time in the ops it keeps, number of ops)
@@ -649,14 +700,16 @@ def _offer_segment(seen: _Recorded, offers: _Offers, name: str, kids: list[str],
         return
     t_fwd = sum(seen.forward_ms(k) for k in kids)
     extra = max(0, seen.evidence.forward_rise(region) - full_saved)   # type: ignore[arg-type]
+    bwd_start, bwd_end = _segment_bwd_span(kids, seen.last_window)
     offers.offer(CandidateCost(
         name=name, class_name=f"segment of {len(kids)} ({type(seen.modules[kids[0]]).__name__})",
         order=region.fwd_start, parent=parent_of(kids[0], seen.cand_set), fwd_ms=t_fwd, input_bytes=unsaved_inputs,
         saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
         replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
         replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
-        hazards=_segment_hazards(kids, seen.modules, hazards_of), members=tuple(kids)),
-        (region.fwd_start, region.fwd_end, *_segment_bwd_span(kids, seen.last_window)))
+        hazards=_segment_hazards(kids, seen.modules, hazards_of), members=tuple(kids),
+        host_input_bytes=seen.evidence.host_input_bytes(region, bwd_end)),   # NOTE [segment input freed]
+        (region.fwd_start, region.fwd_end, bwd_start, bwd_end))
 
 
 def _renumber(costs: list[CandidateCost]) -> None:

@@ -14,7 +14,7 @@ from ..types import CheckpointMode
 from ..profile.fingerprint import fingerprint
 from .policy import SaveMatmulPolicy
 from ..profile.segments import is_segment, segment_members
-from .offload import HostPool, OffloadWrapper
+from .offload import HostInputSegmentWrapper, HostPool, OffloadWrapper
 from .wrapper import CheckpointWrapper, SegmentPassthrough, SegmentWrapper
 
 if TYPE_CHECKING:
@@ -202,6 +202,9 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, check_fingerprint: bool 
 def _wrapper(plan: Plan, b: Boundary, members: list[tuple[str, nn.Module]], policy: SaveMatmulPolicy | None,
              pool: HostPool) -> CheckpointWrapper:
     """The one wrapper a boundary gets: a segment, an offload region, or a checkpointed module."""
+    if is_segment(b.module) and b.mode is CheckpointMode.FULL_HOST_INPUT:   # NOTE [segment input on the host]
+        return HostInputSegmentWrapper(members, b.module, pool, guarded=b.guarded,
+                                       preserve_rng_state=plan.preserve_rng_state)
     if is_segment(b.module):
         return SegmentWrapper(members, b.module, b.mode, guarded=b.guarded, preserve_rng_state=plan.preserve_rng_state)
     if b.mode is CheckpointMode.OFFLOAD:
@@ -223,9 +226,14 @@ def _members_to_wrap(model: nn.Module, plan: Plan | str | Path, *, check_fingerp
     plan = load_plan(plan, stage)   # a pipeline plan: the plan of the stage this rank owns
     if check_fingerprint:
         check_plan_fingerprint(model, plan)
-    if plan.compile is not None and any(b.mode is CheckpointMode.OFFLOAD for b in plan.boundaries):
+    if plan.compile is not None and any(b.mode.holds_host for b in plan.boundaries):
         raise PlanError("this plan offloads activations and runs compiled: offload boundaries run eagerly only "
                         "(NOTE [activation offload])", tip="plan the compiled run without offload")
+    single = [b.module for b in plan.boundaries if b.mode is CheckpointMode.FULL_HOST_INPUT and not is_segment(b.module)]
+    if single:
+        raise PlanError(f"boundary {single[0]!r} is a module in mode 'full-host-input', a segment mode "
+                        "(NOTE [segment input on the host])",
+                        tip="a module's input is offloaded by mode 'offload'; re-plan with remat plan --offload")
     paths = [b.module for b in plan.boundaries]
     members = {p: boundary_members(model, p) for p in paths}   # CandidateError for a missing module/segment
     _check_not_nested(paths, {p: [q for q, _ in ms] for p, ms in members.items() if is_segment(p)})

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._lazy import LazyModule
 from ..types import CheckpointMode
-from .wrapper import CheckpointWrapper
+from .wrapper import CheckpointWrapper, SegmentWrapper, _tracing
 
 np = LazyModule("numpy")
 
@@ -156,6 +156,14 @@ class HostPool:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.held_bytes
+
+    # a copy of a planned model (NOTE [copies of a planned model] in wrap/wrapper.py) gets an empty pool of
+    # its own: buffers, counters and the lock belong to this run (a lock cannot be copied at all)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"reuse": self.reuse}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(reuse=state["reuse"])  # type: ignore[misc]
 
 
 def _allocate(nbytes: int, pinned: bool) -> Any:
@@ -328,3 +336,113 @@ class OffloadWrapper(CheckpointWrapper):
 
     def __repr__(self) -> str:
         return f"OffloadWrapper({self.path!r})"
+
+
+class HostInput:
+    """The input of one call of a FULL_HOST_INPUT segment: on the device until the checkpointed forward
+    returns, then in host memory until the replay loads it back (NOTE [segment input on the host])."""
+
+    __slots__ = ("device", "packed", "requires_grad", "region")
+
+    def __init__(self, x: torch.Tensor, region: _RegionOffload) -> None:
+        self.device: torch.Tensor | None = x   # the device tensor while the forward runs; None once on the host
+        self.packed: Any = None                 # its _Packed host copy (NOTE [activation offload])
+        self.requires_grad = x.requires_grad
+        self.region = region
+
+    def load(self) -> torch.Tensor:
+        """The input: the device tensor in the forward; in a replay a fresh device copy, with the forward's
+        ``requires_grad``, so the replay's ops save the same tensors the forward's did."""
+        if self.device is not None:
+            return self.device
+        out = self.region.unpack(self.packed)
+        return out.requires_grad_(True) if self.requires_grad else out
+
+    def offload(self) -> None:
+        """Copy the input to a pooled host buffer and drop the device reference (NOTE [host buffer pool]).
+        A tensor the pack rule keeps on the device (a parameter's storage, under ``_MIN_PACK_BYTES``)
+        stays here."""
+        assert self.device is not None
+        with torch.no_grad():
+            packed = self.region.pack(self.device.detach())
+        if not isinstance(packed, torch.Tensor):
+            self.packed, self.device = packed, None
+
+
+class HostInputSegmentWrapper(SegmentWrapper):
+    """A segment in mode FULL_HOST_INPUT: recomputed as in FULL, its input in host memory meanwhile.
+
+    NOTE [segment input on the host]
+    A FULL segment keeps one thing between its forward and its backward: its input, which torch's
+    non-reentrant checkpoint holds in its frame (``_CheckpointFrame.save_inputs``) to replay from, not
+    as a saved tensor, so the saved-tensor hooks of NOTE [activation offload] never see it. In
+    non-reentrant checkpoint the input need not be a checkpoint argument at all: the forward runs
+    under checkpoint's saved-tensor hooks with grad enabled, so the graph it records leads from the
+    output back to the input's own ``grad_fn`` and the input's gradient flows there, never through
+    checkpoint's arguments (torch/utils/checkpoint.py, ``_checkpoint_without_reentrant_generator``,
+    torch 2.13). So the wrapper hands checkpoint a :class:`HostInput` box instead of the input, plus
+    an empty tensor on the input's device (0 bytes) so that checkpoint infers the same device type
+    and stashes the same device RNG states as a plain checkpoint of the input would
+    (``_infer_device_type``, ``get_device_states``; CPU RNG is stashed either way): a replay draws
+    the same random numbers. The region's forward reads the input from the box. When checkpoint
+    returns, the box copies the input to a pooled host buffer (the pack of NOTE [activation
+    offload]: the same side stream and events on CUDA, the same uncounted numpy bytes on CPU) and
+    drops its device reference; the replay, run by backward, loads a fresh device copy of the same
+    dtype, shape and ``requires_grad`` before the members run, so it saves the same tensors
+    (checkpoint's determinism check compares their metadata). On CUDA the copy back is prefetched
+    when backward reaches the segment's output, as for an offload boundary. The host buffer returns
+    to the pool when autograd frees the checkpoint's frame, which holds the box.
+    - The device bytes are freed only if nothing else holds the input: an op outside the segment
+      that saved it (ReLU saves its output), the batch, a module attribute. Dropping the box's
+      reference then frees nothing, and the copies are pure cost. The profile counts the input as
+      freed only where the recorded step shows it (NOTE [segment input freed] in
+      remat/profile/step.py), and the planner prices the mode only there (NOTE [offload cost
+      model] in remat/plan/offload.py).
+    - The input must be the first positional argument and a tensor (a segment passes one tensor
+      along: NOTE [segment wrapper]); anything else is a PlanError at the call.
+    - Eager only, like OFFLOAD: ``apply`` refuses it in a compiled plan.
+    """
+
+    MODE = CheckpointMode.FULL_HOST_INPUT
+
+    def __init__(self, members: list[tuple[str, nn.Module]], name: str, pool: HostPool, *,
+                 guarded: bool = False, preserve_rng_state: bool = True) -> None:
+        super().__init__(members, name, CheckpointMode.FULL_HOST_INPUT, guarded=guarded,
+                         preserve_rng_state=preserve_rng_state)
+        self.pool = pool
+        self._resident: set[int] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from ..errors import PlanError
+        if _tracing():
+            raise PlanError(f"{self.path}: a segment with its input on the host cannot run under torch.compile "
+                            "(NOTE [segment input on the host])", tip="plan without offload for a compiled run")
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise PlanError(f"segment {self.path}: mode 'full-host-input' needs the segment's input as its first "
+                            f"positional argument, a tensor; got {type(args[0]).__name__ if args else 'none'}",
+                            tip="re-plan this model: remat plans the mode only where the profiled step shows it")
+        if not torch.is_grad_enabled():   # no backward: checkpoint keeps nothing, so there is nothing to move
+            return super().__call__(*args, **kwargs)
+        if self._resident is None:   # parameters do not move between steps: found once
+            self._resident = set().union(*(resident_storages(m) for m in self.members))
+        region = _RegionOffload(self.pool, self._resident)
+        box = HostInput(args[0], region)
+        anchor = torch.empty(0, device=args[0].device)   # 0 bytes: checkpoint's device inference (NOTE above)
+        out = super().__call__(box, anchor, *args[1:], **kwargs)
+        box.offload()
+        _prefetch_on_grad(out, region)
+        return out
+
+    def _region_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], HostInput):   # (box, anchor, rest...) -> (input, rest...)
+            args = (args[0].load(), *args[2:])
+        return super()._region_forward(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_resident=None)
+        return state
+
+    def __repr__(self) -> str:
+        guard = ", guarded" if self.guarded else ""
+        return f"HostInputSegmentWrapper({self.path!r}, {len(self.members)} modules{guard})"

@@ -291,11 +291,14 @@ class SegmentWrapper(CheckpointWrapper):
     forwards as before (NOTE [wrapper under compile]).
     """
 
+    MODE = CheckpointMode.FULL   # the one mode this class runs (FULL_HOST_INPUT: remat/wrap/offload.py)
+
     def __init__(self, members: list[tuple[str, nn.Module]], name: str, mode: CheckpointMode, *,
                  guarded: bool = False, preserve_rng_state: bool = True) -> None:
-        if mode is not CheckpointMode.FULL:
+        if mode is not self.MODE:
             from ..errors import PlanError
-            raise PlanError(f"segment {name}: only mode 'full' is planned for segments, got {mode.value!r}")
+            raise PlanError(f"segment {name}: a {type(self).__name__} runs mode {self.MODE.value!r}, got {mode.value!r}",
+                            tip="segments are planned in mode 'full', or 'full-host-input' with offload")
         super().__init__(members[0][1], name, mode, guarded=guarded, preserve_rng_state=preserve_rng_state)
         self.member_paths = tuple(p for p, _ in members)
         self.members = tuple(m for _, m in members)
