@@ -32,6 +32,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,11 +87,14 @@ def bootstrap_ratio(a: list[float], b: list[float], *, n: int = 2000, seed: int 
     return float(np.median(r)), float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))
 
 
-def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> dict[str, Any]:
+def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int,
+             race: TimeRaceSettings | None = None) -> dict[str, Any]:
     budget = int(unplanned_peak * share)
+    load_before = os.getloadavg()   # (1, 5, 15 min): how busy the shared machine was
+    started = time.strftime("%H:%M:%S", time.gmtime())
     t0 = time.perf_counter()
     shipped = plan_for_device(loaded, copy.deepcopy(report), "optimal", budget_bytes=budget, capacity_bytes=None,
-                              reserve=0.05, steps=1, race=TimeRaceSettings()).plan
+                              reserve=0.05, steps=1, race=race or TimeRaceSettings()).plan
     plan_s = time.perf_counter() - t0
     shipped_peak = profiler_peak(loaded, shipped)
     simples = {}
@@ -114,7 +118,11 @@ def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> 
                                boundaries=[f"{b.module}:{b.mode.value}" for b in shipped.boundaries],
                                shipped_peak_bytes=shipped_peak, fits=shipped_peak <= budget,
                                race=shipped.time_race.describe() if shipped.time_race else None,
-                               unplanned_ms=p50["unplanned"], remat_ms=p50["remat"], simple_fitting=len(simples))
+                               small=shipped.small_boundaries.describe() if shipped.small_boundaries else None,
+                               unplanned_ms=p50["unplanned"], remat_ms=p50["remat"], simple_fitting=len(simples),
+                               rounds=rounds, started_utc=started, finished_utc=time.strftime("%H:%M:%S", time.gmtime()),
+                               load_before=[round(x, 2) for x in load_before],
+                               load_after=[round(x, 2) for x in os.getloadavg()])
     if not candidates:
         row.update(best_simple=None)
         return row
@@ -126,7 +134,8 @@ def race_one(loaded, report, share: float, unplanned_peak: int, rounds: int) -> 
     return row
 
 
-def stability(spec: str, shape: dict[str, Any], share: float, runs: int) -> dict[str, Any]:
+def stability(spec: str, shape: dict[str, Any], share: float, runs: int,
+              race: TimeRaceSettings | None = None) -> dict[str, Any]:
     """Profile and plan ``runs`` times from scratch (the race included): the distinct shipped plans."""
     keys = []
     for _ in range(runs):
@@ -134,7 +143,7 @@ def stability(spec: str, shape: dict[str, Any], share: float, runs: int) -> dict
         report = profile_workload(loaded)
         budget = int(report.baseline_peak_bytes * share)
         plan = plan_for_device(loaded, report, "optimal", budget_bytes=budget, capacity_bytes=None, reserve=0.05,
-                               steps=1, race=TimeRaceSettings()).plan
+                               steps=1, race=race or TimeRaceSettings()).plan
         keys.append(f"{plan.planner}: " + ", ".join(f"{b.module}:{b.mode.value}" for b in plan.boundaries))
     return dict(share=share, runs=runs, distinct=len(set(keys)), plans=keys)
 
@@ -146,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--stability", type=int, default=0, help="extra from-scratch plans on the first model and share")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "simple_race.json")
+    ap.add_argument("--race-rounds", type=int, default=None,
+                    help="timed rounds of remat's own time race (default: TimeRaceSettings's, 6)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    race = TimeRaceSettings() if args.race_rounds is None else TimeRaceSettings(rounds=args.race_rounds)
     shares = [float(s) for s in args.shares.split(",")]
     out: dict[str, Any] = dict(command=" ".join(sys.argv), torch=torch.__version__, threads=1, rounds=args.rounds,
-                               models={})
+                               race_rounds=race.rounds, models={})
     ratios = []
     for name in args.models.split(","):
         spec, shape = MODELS[name]
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for share in shares:
             try:
-                row = race_one(loaded, report, share, unplanned, args.rounds)
+                row = race_one(loaded, report, share, unplanned, args.rounds, race)
             except Exception as exc:   # a benchmark row that failed says why, and the others still run
                 row = dict(share=share, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             rows.append(row)
@@ -171,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     out["geomean_ratio"] = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
     if args.stability:
         name = args.models.split(",")[0]
-        out["stability"] = dict(model=name, **stability(*MODELS[name], shares[0], args.stability))
+        out["stability"] = dict(model=name, **stability(*MODELS[name], shares[0], args.stability, race))
         print(json.dumps(out["stability"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remat.errors import BudgetError, CandidateError, PlanError
-from remat.plan import (InfeasibleBudget, Plan, make_plan, parse_budget, parse_reserve, peak_floor,
+from remat.plan import (CostModel, InfeasibleBudget, Plan, make_plan, parse_budget, parse_reserve, peak_floor,
                         predict_overhead_ms, predict_peak, replan_with_correction)
 from remat.profile.model import CandidateCost, HazardRecord, ModelFingerprint, PeakRow, ProfileReport
 from remat.types import CheckpointMode, HazardKind, MemorySource
@@ -245,6 +245,24 @@ def chain_report(n_blocks: int, children: int, seed: int = 0) -> ProfileReport:
         rows.append(row(base + rng.randint(0, 8) * 2 ** 20, live, (c.name,), label=f"backward of {c.name}"))
         base -= c.saved_bytes[F] if c.parent is None else 0
     return report(cands, rows)
+
+
+def test_a_budget_one_byte_under_the_floor_is_infeasible_not_a_solver_error():
+    """NOTE [exact integer check]: figures scaled by 512 for HiGHS; an answer one byte over the budget was
+    retightened a byte a try, which HiGHS cannot see, until the tries ran out (a PlanError). Ground truth: the
+    candidates are a subset of the full model's, whose floor is one byte above the budget, so nothing fits."""
+    rep = chain_report(9, 1)
+    for c in rep.candidates:
+        if c.name in ("h.4", "h.7"):
+            for d in (c.saved_bytes, c.replay_ms, c.replay_extra_bytes):
+                del d[S]
+    full = CostModel(rep)
+    budget = full.peak(full.lowest_peak_x()) - 1
+    some = CostModel(rep, {c.name: [m for m in c.saved_bytes if m is not CheckpointMode.KEEP]
+                           for c in rep.candidates if c.name not in ("h.6", "h.6.0", "h.7.0")})
+    assert some.cheapest_within(budget) is None
+    floor = some.peak(some.lowest_peak_x())          # the safe twin: at its own floor a plan is found
+    assert floor > budget and some.peak(some.cheapest_within(floor)) <= floor
 
 
 def test_planning_100_candidates_is_fast():

@@ -11,6 +11,7 @@ from ..plan.offload import OffloadPricing
 from ..types import CheckpointMode, MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
+from ..plan.model import SmallBoundaries
 from ..plan.timing import TimeRace
 from ..profile.blocked import BlockedStep
 from .inplace import JobEngine
@@ -70,6 +71,9 @@ class AutoReport(JsonCodec):
     # the plan timed against the fastest simple plan that fits, and which shipped (NOTE [time race] in
     # remat/closed_loop.py); None: not raced
     time_race: TimeRace | None = None
+    # the candidates the plan was searched without as saving too little (NOTE [small boundaries] in
+    # remat/plan/planners.py); None: none was small
+    small_boundaries: SmallBoundaries | None = None
     # offload offered (NOTE [auto offload]): the measured link bandwidths and host budget the plan was priced with
     offload: OffloadPricing | None = None
 
@@ -108,6 +112,8 @@ class AutoReport(JsonCodec):
         ]
         if self.time_race is not None:
             lines.append(f"  time race: {self.time_race.describe()}")
+        if self.small_boundaries is not None:
+            lines.append(f"  small boundaries: {self.small_boundaries.describe()}")
         if self.device_memory_bytes is not None:
             lines.append(f"  device capacity {fmt_bytes(self.device_memory_bytes)}"
                          + (f"; blocked: {self.blocked.describe()}" if self.blocked is not None else ""))

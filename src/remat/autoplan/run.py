@@ -587,4 +587,4 @@ def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache:
         verify_note="verified (quick: 1 seed, 1 step, negative controls rejected)" if verified is VerifyStatus.PASSED
         else _HOW_TO_VERIFY,
         seconds=seconds, accumulation_steps=source.accumulation_steps, time_race=plan.time_race,
-        offload=plan.offload)
+        small_boundaries=plan.small_boundaries, offload=plan.offload)

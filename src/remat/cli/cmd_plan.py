@@ -173,6 +173,8 @@ def render_plan(plan: Plan) -> None:
         console.print(f"autocast: the forward ran under torch.autocast({plan.workload.autocast}); every figure is of that step")
     if plan.time_race is not None:   # NOTE [time race]
         console.print(f"time race: {escape(plan.time_race.describe())}", highlight=False)
+    if plan.small_boundaries is not None:   # NOTE [small boundaries] in remat/plan/planners.py
+        console.print(f"small boundaries: {escape(plan.small_boundaries.describe())}", highlight=False)
     if plan.simulated:
         console.print(f"[yellow]simulated[/]: bytes from FakeTensorMode, times from the {plan.device_model} device model "
                       "(no step was run; nothing was measured)")

@@ -24,7 +24,9 @@ Bytes are scaled by a power of two (exact in floating point) so that HiGHS sees 
 below 2**20; every budget row carries ``+ 0.5`` bytes of slack (for integer data
 ``expr <= rhs + 0.5`` is the same set as ``expr <= rhs``); every solution is rounded to 0/1
 and re-checked here in exact int64 arithmetic, and if that check fails the bound is
-tightened by the overshoot and the MILP solved again (a few tries at most).
+tightened by the overshoot, at least one scale unit (a budget one byte under the floor, with figures
+scaled by 512, was tightened a byte a try, which HiGHS cannot see, until the tries ran out), and the
+MILP solved again (a few tries at most).
 
 NOTE [MILP reductions]
 Before each MILP, exact reductions (none can remove an optimal plan or change its cost):
@@ -69,7 +71,8 @@ from typing import Union
 
 from .._io import native_output_filtered
 from .._lazy import LazyModule
-from ..errors import CandidateError, Option, PlanError, spell
+from ..errors import CandidateError, PlanError, spell
+from ..errors import Option as Flag   # ``Option`` below is a (candidate, mode) column of the MILP
 from ..profile.model import CandidateCost, ProfileReport
 from ..types import CheckpointMode
 from .offload import host_bytes as host_bytes_of
@@ -421,6 +424,8 @@ class CostModel:
         if len(cols) == 0:
             x = np.zeros(len(self.options), dtype=np.int64)
             return x if budget_bytes is None or self.peak(x) <= budget_bytes else None
+        # bytes HiGHS tells apart: tightening by less changes nothing it sees (NOTE [exact integer check])
+        scale = _byte_scale(self.delta[np.ix_(rows, cols)], self.base[rows], budget_bytes)
         slack = 0
         for _ in range(_EXACT_TRIES):
             x = self._milp(rows, cols, minimise_peak=minimise_peak, budget_bytes=budget_bytes, slack=slack,
@@ -431,10 +436,10 @@ class CostModel:
             over = 0 if budget_bytes is None else self.peak(x) - budget_bytes
             if self.is_valid(x) and over <= 0:
                 return x
-            slack += max(over, 1)
+            slack += max(over, scale)
         raise PlanError("the MILP solver's answers kept missing the exact budget check "
                         f"after {_EXACT_TRIES} tries (budget {budget_bytes} bytes)",
-                        tip=f"this points at extreme byte figures in the profile; try {spell(Option.PLANNER, 'greedy')}")
+                        tip=f"this points at extreme byte figures in the profile; try {spell(Flag.PLANNER, 'greedy')}")
 
     def _reduce(self, *, minimise_peak: bool, budget_bytes: int | None) -> tuple[np.ndarray, np.ndarray, int]:
         """Rows and options the MILP needs, and a lower bound on the peak (NOTE [MILP reductions])."""
@@ -538,7 +543,7 @@ class CostModel:
         in_gap = accept_gap and res.status == 1 and _within_gap(res)
         if (res.status != 0 and not best_effort and not in_gap) or res.x is None:
             raise PlanError(f"the MILP solver did not finish: {res.message}",
-                            tip=f"try {spell(Option.PLANNER, 'greedy')}, or fewer candidates")
+                            tip=f"try {spell(Flag.PLANNER, 'greedy')}, or fewer candidates")
         x = np.zeros(len(self.options), dtype=np.int64)
         x[cols] = np.rint(res.x[:len(cols)]).astype(np.int64)
         return x

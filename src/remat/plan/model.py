@@ -16,6 +16,7 @@ from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import SAMPLE, BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
+from .budget import format_bytes
 from .offload import OffloadPricing
 from .spec import PlannerSpec
 from .timing import TimeRace
@@ -41,6 +42,35 @@ class Boundary(JsonCodec):
 class Exclusion(JsonCodec):
     module: Annotated[str, Str(max_len=500)]
     reason: Text
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SmallCandidate(JsonCodec):
+    """A candidate the search left out as saving too little (NOTE [small boundaries] in plan/planners.py)."""
+
+    module: Annotated[str, MODULE_PATH]
+    saved_bytes: SignedBytes          # the most it frees until backward in any plannable mode (bytes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SmallBoundaries(JsonCodec):
+    """Which candidates ``optimal``/``greedy`` searched without, and whether they had to be let back in
+    (NOTE [small boundaries] in plan/planners.py)."""
+
+    threshold_bytes: Bytes            # a candidate saving under this in every mode is small (bytes)
+    dropped: Annotated[list[SmallCandidate], Len(MAX_MODULES)]   # forward order
+    # True: no plan without them reached the target, so the search had every candidate and the plan
+    # may hold some of them (it ships, like every plan, only measured to fit)
+    admitted: bool = False
+
+    def describe(self) -> str:
+        """One line: how many, under what, and whether they were let back in."""
+        names = ", ".join(c.module for c in self.dropped[:3]) + (f" (+{len(self.dropped) - 3} more)"
+                                                                 if len(self.dropped) > 3 else "")
+        head = f"{len(self.dropped)} candidate(s) saving under {format_bytes(self.threshold_bytes)} each: {names}"
+        if self.admitted:
+            return f"{head}; let back in: no plan without them reached the budget"
+        return f"{head}; left out: the plan reaches the budget without them"
 
 
 # NOTE [plan workload]
@@ -91,7 +121,7 @@ class Plan(JsonCodec):
     memory_source: MemorySource = MemorySource.CPU_LIVE_TENSORS
     simulated: bool = False               # figures from --simulate, not a measured run
     device_model: Short | None = None
-    # The six below are left out of the JSON when None, so eager, single-step plans (and those of
+    # The seven below are left out of the JSON when None, so eager, single-step plans (and those of
     # remat.auto and older files) read as they always did.
     # run compiled (torch.compile of the model; NOTE [compiled arms])
     compile: CompileSpec | None = json_field(default=None, omit=None)
@@ -107,6 +137,9 @@ class Plan(JsonCodec):
     # the closed loop's time race against the fastest simple plan that fits (NOTE [time race] in
     # remat/closed_loop.py); None: not raced (no budget, a simple plan asked for, or the race skipped)
     time_race: TimeRace | None = json_field(default=None, omit=None)
+    # the candidates optimal/greedy searched without as saving too little (NOTE [small boundaries] in
+    # plan/planners.py); None: the rule did not apply (another planner, or no candidate was small)
+    small_boundaries: SmallBoundaries | None = json_field(default=None, omit=None)
     schema_version: Annotated[int, Enum(PLAN_SCHEMA_VERSION)] = json_field(default=PLAN_SCHEMA_VERSION, required=True)
 
     def __post_init__(self) -> None:

@@ -86,20 +86,42 @@ them when remat's own plan is not better, and says which family won:
 - ``checkpoint_sequential`` and ``first-k`` without K take a budget: the K of least predicted
   overhead whose predicted peak fits (ties: fewer boundaries).
 Each of these plans lies in the search space of ``optimal`` (segments and blocks are its
-candidates too), so ``optimal``'s predicted overhead is never above theirs at a budget.
+candidates too), so ``optimal``'s predicted overhead is never above theirs at a budget, unless
+theirs holds a candidate ``optimal`` left out as small (NOTE [small boundaries]).
 
 NOTE [small boundaries]
-A boundary that saves little next to the block around it (a single RMSNorm, a bare
-Dropout, one ``Linear`` of an MLP) is cheap to replay, so a least-overhead search happily
-takes it, often together with its siblings, where the block itself would do at least as
-well: the plan then carries many boundaries, each a replay to launch and a place to go
-wrong. After ``optimal`` and ``greedy`` choose, every chosen boundary that saves less than
-``SMALL_BOUNDARY_SHARE`` (10%) of what an enclosing candidate saves in FULL mode is tried
-against that candidate, innermost first: the block replaces it and every other chosen
-boundary inside the block, and is kept when the plan still fits the effective budget at no
-more predicted overhead (ms). So the rule never trades time or the budget for fewer
-boundaries: under the MILP it only breaks ties towards whole blocks; under greedy it can
-also save time.
+A boundary that saves little (a single RMSNorm, a bare Dropout or DropPath, one ``Linear`` of an
+MLP) is cheap to replay, so a least-overhead search happily takes it, often with its siblings (11
+of Gemma2's 14 boundaries were RMSNorms saving 0.5 MiB each; Qwen2-MoE at 50% shipped a
+``post_attention_layernorm``). Each is a replay to launch, a wrapper in the step and a place to go
+wrong, and what it buys is a prediction finer than the model's own error. Two rules, both only for
+the searching planners (``optimal``, ``greedy``; the baselines pick blocks by position, ``floor``
+is the floor's witness and searches everything):
+1. Admission. A candidate is *small* when what it frees in its best plannable mode is under
+   ``SMALL_BOUNDARY_PEAK_SHARE`` (1%) of the unplanned step's peak: under the closed loop's own
+   error between predicted and measured peaks (a few percent, NOTE [closed loop] in
+   remat/closed_loop.py), so a prediction that it is what makes a plan fit is no evidence that
+   it does (on tests/test_small_boundaries.py's model each small boundary a corrected plan added was
+   predicted 32 KiB lower and measured 5,056 bytes higher). The search runs without the small
+   candidates. Only when no plan without them reaches the target does it run again over every
+   candidate, and the plan says so
+   (``Plan.small_boundaries``: the threshold, the candidates left out, ``admitted``). The closed
+   loop gets there in two ways: the model says from the start that nothing without them fits, or a
+   plan without them *measured* over the budget and the corrected target (NOTE [closed-loop
+   margin]) leaves none; either way the plan holding them ships only measured to fit, like every
+   plan. Let back in, they are priced like any candidate: the rule decides whether small
+   boundaries may be planned at all, not how few.
+   Leaving them out can raise the *predicted* overhead (larger candidates cover what they
+   covered); the rule accepts that, because a small region's replay price is the profile's least
+   reliable figure (too short to time alone: NOTE [sane replay prices] in profile/prices.py), the
+   launches and wrappers it adds are priced nowhere, and the time race then measures the plan
+   against the simple plans (NOTE [time race] in remat/closed_loop.py).
+2. Blocks over small boundaries. After the search, every chosen boundary that saves less than
+   ``SMALL_BOUNDARY_SHARE`` (10%) of what an enclosing candidate saves in FULL mode is tried
+   against that candidate, innermost first: the block replaces it and every other chosen boundary
+   inside the block, and is kept when the plan still fits the effective budget at no more
+   predicted overhead (ms). This one never trades time or the budget for fewer boundaries: under
+   the MILP it only breaks ties towards whole blocks; under greedy it can also save time.
 
 NOTE [closed-loop margin]
 The closed loop (apply, measure, re-plan) corrects the model with one knob,
@@ -123,11 +145,12 @@ from ..profile.model import CandidateCost, HazardRecord, ProfileReport
 from ..types import CheckpointMode, HazardKind
 from .budget import InfeasibleBudget, effective_budget, format_bytes
 from .cost import CostModel, ancestor_chains, checkpoint_modes
-from .model import Boundary, Exclusion, Plan
+from .model import Boundary, Exclusion, Plan, SmallBoundaries, SmallCandidate
 from .offload import OffloadPricing, with_offload
 from .spec import PLANNER_SPECS, PlannerKind, PlannerSpec
 
-SMALL_BOUNDARY_SHARE = 0.10   # NOTE [small boundaries]: a boundary saving under 10% of its block's bytes
+SMALL_BOUNDARY_SHARE = 0.10        # NOTE [small boundaries]: a boundary saving under 10% of its block's bytes
+SMALL_BOUNDARY_PEAK_SHARE = 0.01   # NOTE [small boundaries]: a candidate freeing under 1% of the unplanned peak
 
 np = LazyModule("numpy")   # imported at first use: remat.plan imports without numpy (NOTE [import cost] in remat._lazy)
 
@@ -462,6 +485,56 @@ def prefer_blocks(ctx: PlanningContext, choice: dict[str, CheckpointMode]) -> di
     return choice
 
 
+def small_candidates(report: ProfileReport, eligibility: Eligibility) -> SmallBoundaries:
+    """NOTE [small boundaries], rule 1: the plannable candidates freeing under ``SMALL_BOUNDARY_PEAK_SHARE``
+    of the unplanned step's peak in every plannable mode, in forward order."""
+    threshold = int(SMALL_BOUNDARY_PEAK_SHARE * report.baseline_peak_bytes)   # bytes
+    dropped = []
+    for c in sorted(report.candidates, key=lambda c: (c.order, c.name)):
+        modes = eligibility.allowed.get(c.name)
+        if not modes:
+            continue
+        best = max(c.saved_bytes.get(m, 0) for m in modes)   # bytes, in its best mode
+        if best < threshold:
+            dropped.append(SmallCandidate(module=c.name, saved_bytes=best))
+    return SmallBoundaries(threshold_bytes=threshold, dropped=dropped)
+
+
+def _without(eligibility: Eligibility, small: SmallBoundaries) -> Eligibility:
+    """``eligibility`` with the small candidates no longer plannable (not exclusions: nothing is wrong with
+    them, and ``Plan.small_boundaries`` lists them)."""
+    names = {c.module for c in small.dropped}
+    return dataclasses.replace(eligibility, allowed={n: m for n, m in eligibility.allowed.items() if n not in names})
+
+
+def _with_eligible(base: PlanningContext, eligibility: Eligibility, host_budget_bytes: int | None) -> PlanningContext:
+    """``base`` planning over ``eligibility``, its cost model compiled over those candidates only."""
+    model = CostModel(base.report, eligibility.allowed, host_budget_bytes=host_budget_bytes)
+    return dataclasses.replace(base, model=model, eligibility=eligibility)
+
+
+def _choose(p: Planner, base: PlanningContext, host_budget_bytes: int | None
+            ) -> tuple[PlanningContext, dict[str, CheckpointMode], SmallBoundaries | None]:
+    """``p``'s choice and the context it was made in. A searching planner searches without the small
+    candidates unless nothing fits without them, and its small boundaries give way to blocks (NOTE [small
+    boundaries]); the third item says what was left out (None: nothing was)."""
+    searching = isinstance(p, (OptimalPlanner, GreedyPlanner))
+    small = small_candidates(base.report, base.eligibility) if searching else None
+    if small is not None and not small.dropped:
+        small = None
+    ctx = _with_eligible(base, base.eligibility if small is None else _without(base.eligibility, small),
+                         host_budget_bytes)
+    try:
+        choice = p.choose(ctx)
+    except BudgetError:
+        if small is None:
+            raise
+        small = dataclasses.replace(small, admitted=True)   # nothing fits without them: let them back in
+        ctx = _with_eligible(base, base.eligibility, host_budget_bytes)
+        choice = p.choose(ctx)
+    return ctx, prefer_blocks(ctx, choice) if searching else choice, small
+
+
 def _chain(ctx: PlanningContext) -> list[CandidateCost]:
     """The main chain of blocks (NOTE [baseline families]): the top-level candidates that are children
     of the container holding the most of them, in forward order."""
@@ -663,14 +736,12 @@ def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, 
     if offload is not None:
         report = with_offload(report, offload)
     elig = classify_candidates(report, allow_hazards=allow_hazards, preserve_rng_state=preserve_rng_state)
-    model = CostModel(report, elig.allowed, host_budget_bytes=None if offload is None else offload.host_budget_bytes)
-    ctx = PlanningContext(report=report, model=model, eligibility=elig, budget_bytes=target,
-                          top_level=_top_level(report),
-                          requested_budget_bytes=None if budget_bytes is None else int(budget_bytes),
-                          reserve=float(reserve), margin_bytes=int(margin_bytes))
-    choice = p.choose(ctx)
-    if isinstance(p, (OptimalPlanner, GreedyPlanner)):
-        choice = prefer_blocks(ctx, choice)
+    base = PlanningContext(report=report, model=CostModel(report, {}), eligibility=elig, budget_bytes=target,
+                           top_level=_top_level(report),
+                           requested_budget_bytes=None if budget_bytes is None else int(budget_bytes),
+                           reserve=float(reserve), margin_bytes=int(margin_bytes))
+    ctx, choice, small = _choose(p, base, None if offload is None else offload.host_budget_bytes)
+    model = ctx.model
     x = model.vector(choice)
 
     by_name = {c.name: c for c in report.candidates}
@@ -696,6 +767,7 @@ def make_plan(report: ProfileReport, planner: str | PlannerSpec = "optimal", *, 
         simulated=report.simulated,
         device_model=report.device_model,
         offload=offload,
+        small_boundaries=small,
     )
 
 
