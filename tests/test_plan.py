@@ -172,6 +172,12 @@ def check_optimal_against_brute_force(rep: ProfileReport, data) -> None:
         reserve = data.draw(st.sampled_from([0.0, 0.05, 0.1]))
     target = int(budget * (1 - reserve))
     fits = [(c, p) for c, p, _ in every if p <= target]
+    # NOTE [small boundaries]: the search leaves out candidates freeing under 1% of the unplanned peak unless no
+    # plan without them fits; the brute force applies the same admission, by hand, before choosing the cheapest
+    from remat.plan.planners import SMALL_BOUNDARY_PEAK_SHARE
+    threshold = int(SMALL_BOUNDARY_PEAK_SHARE * rep.baseline_peak_bytes)
+    small = {c.name for c in rep.candidates if max(c.saved_bytes.values(), default=0) < threshold}
+    big_fits = [(c, p) for c, p, ch in every if p <= target and not small & set(ch)]
     if not fits:
         with pytest.raises(InfeasibleBudget) as err:
             make_plan(rep, "optimal", budget_bytes=budget, reserve=reserve)
@@ -180,8 +186,9 @@ def check_optimal_against_brute_force(rep: ProfileReport, data) -> None:
         return
     plan = make_plan(rep, "optimal", budget_bytes=budget, reserve=reserve)
     choice = {b.module: b.mode for b in plan.boundaries}
-    best_cost = min(c for c, _ in fits)
-    best_peak = min(p for c, p in fits if c == best_cost)          # tie-break: lowest peak among the cheapest
+    admitted = big_fits or fits
+    best_cost = min(c for c, _ in admitted)
+    best_peak = min(p for c, p in admitted if c == best_cost)      # tie-break: lowest peak among the cheapest
     cost, peak = next((c, p) for c, p, ch in every if ch == choice)  # the plan is one of the valid assignments
     assert cost == best_cost == pytest.approx(plan.predicted_overhead_ms)
     assert peak == plan.predicted_peak_bytes == best_peak <= target
