@@ -10,7 +10,8 @@ from ._lazy import lazy_exports
 from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, CheckTimeout, ChildBug, DeviceTooSmall, DistributedError,
                      FingerprintMismatch,
                      HandleError, JobFault, MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
-                     TrainableChangedError, UserCodeError, VerificationFailed, WorkloadError, WorkloadProcessDied)
+                     StaleReceiptFormat, TrainableChangedError, UserCodeError, VerificationFailed, WorkloadError,
+                     WorkloadProcessDied)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
 
 __version__ = "0.1.0"
@@ -65,7 +66,7 @@ __all__ = [
     "HandleError", "HazardKind", "JobFault", "MemCategory", "MemoryMeasurementError", "MemorySource", "NewShapeError", "OutputError",
     "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "TrainableChangedError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
-    "ChildBug", "WorkloadProcessDied",
+    "ChildBug", "StaleReceiptFormat", "WorkloadProcessDied",
     # loaded on first use (_LAZY): the stage functions and the results they hand back
     "ApplyHandle", "AutoHandle", "AutoReport", "ExampleBatches", "LoadedWorkload", "NewShapeWarning", "Plan", "PlanCheckFn",
     "ProfileReport", "ShapePolicy", "StepTrace",
