@@ -1,4 +1,5 @@
-"""Sane and stable replay prices (NOTE [sane replay prices], NOTE [stable prices] in remat/profile/prices.py)."""
+"""Sane and stable replay prices (NOTE [sane replay prices], [stable prices] and [prices from counts] in
+remat/profile/prices.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,20 @@ import copy
 import random
 
 from remat.plan import make_plan
-from remat.profile.prices import PRICE_GRID, sane_replay_prices, snap_price
-from remat.types import CheckpointMode
+import math
+from pathlib import Path
 
-from .test_plan import F, S, cand, chain_report, report, row
+import pytest
+import torch
+from remat.profile import profile_workload
+from remat.profile.prices import PRICE_GRID, calibrate_from_counts, sane_replay_prices, snap_price
+from remat.simulate.costs import flop_registry, op_record
+from remat.simulate.devices import DEVICE_MODELS
+from remat.simulate.runtime import op_ms
+from remat.types import CheckpointMode
+from remat.workload import load_workload
+
+from .test_plan import F, K, S, cand, chain_report, report, row
 
 
 def test_replay_prices_are_bounded_by_the_forward_and_the_parent():
@@ -100,3 +111,139 @@ def test_snapping_never_zeroes_a_price():
     assert snap_price(0.0) == 0.0 and snap_price(1e-6) > 0.0
     assert snap_price(PRICE_GRID ** 3 * 1.05) == PRICE_GRID ** 3
     assert CheckpointMode.KEEP not in {m for m in ()}
+
+
+# -- NOTE [prices from counts] ------------------------------------------------------------------------
+
+def _counted_chain(n: int, seed: int = 1):
+    """n blocks of different sizes in a chain, each with recorded work (ms) in FULL and SELECTIVE: a budget that
+    needs a few of them leaves the choice to the prices."""
+    rng = random.Random(seed)
+    mib = 2 ** 20
+    cands = []
+    for i in range(n):
+        size = rng.randint(4, 20)
+        c = cand(f"h.{i}", i, saved={F: size * mib, S: size * mib // 2}, extra={F: mib, S: mib // 2},
+                 ms={F: 1.0, S: 1.0})
+        c.replay_work = {F: size * rng.uniform(0.05, 0.2), S: size * rng.uniform(0.005, 0.03)}
+        cands.append(c)
+    names = [c.name for c in cands]
+    total = 0
+    rows = []
+    for i, c in enumerate(cands):
+        total += c.saved_bytes[F]
+        rows.append(row(100 * mib + total, names[:i + 1]))
+    return report(cands, rows)
+
+
+def _measured(truth, rng, spread: tuple[float, float]):
+    """``truth`` with every replay timed alone: 1.3 x its work, times noise drawn log-uniformly from ``spread``."""
+    noisy = copy.deepcopy(truth)
+    for c in noisy.candidates:
+        for m in (F, S):
+            c.replay_ms[m] = 1.3 * c.replay_work[m] * math.exp(rng.uniform(*map(math.log, spread)))
+            c.replay_spread_ms[m] = 0.1
+        c.fwd_ms = 0.0
+    return noisy
+
+
+def test_counted_prices_hold_the_plan_where_timed_prices_move_it():
+    """NOTE [prices from counts], with injected noise: 12 profiles of one step whose replays, timed alone, read
+    0.4x to 2.5x their true time (the UNet's moved 4x between two quiet profiles) all give the plan that prices
+    exactly proportional to the work give (the ground truth, no noise). The wrong case: the same 12 profiles
+    priced by their timings (the rule without counts, snapped) give more than one plan."""
+    truth = _counted_chain(16)
+    for c in truth.candidates:
+        c.replay_ms = {K: 0.0, F: c.replay_work[F], S: c.replay_work[S]}
+    budget = int(truth.baseline_peak_bytes * 0.75)
+    expected = make_plan(truth, "optimal", budget_bytes=budget, reserve=0.0)
+    assert 1 < len(expected.boundaries) < 16
+    key = lambda p: tuple((b.module, b.mode) for b in p.boundaries)   # noqa: E731
+    rng = random.Random(0)
+    counted, timed = set(), set()
+    for _ in range(12):
+        noisy = _measured(truth, rng, (0.4, 2.5))
+        old = copy.deepcopy(noisy)
+        for c in old.candidates:
+            c.replay_work = {}                   # no work recorded: timed prices, snapped (NOTE [stable prices])
+        sane_replay_prices(old)
+        timed.add(key(make_plan(old, "optimal", budget_bytes=budget, reserve=0.0)))
+        sane_replay_prices(noisy)
+        assert set(noisy.replay_calibration) >= {F, S} and len(set(noisy.replay_calibration.values())) == 1
+        counted.add(key(make_plan(noisy, "optimal", budget_bytes=budget, reserve=0.0)))
+    assert counted == {key(expected)}
+    assert len(timed) > 1
+
+
+def test_the_calibration_is_one_snapped_median_over_every_counted_arm():
+    """Hand-made arms: FULL at 2x its work on four arms and 50x on a preempted one, SELECTIVE at 3x on two: the
+    median of the seven ratios is 2x (one preempted arm cannot move it), snapped, and every counted mode gets it.
+    Not evidence: arms copied from a shared measurement (the twin: with the four copies out, 50x and 3x are
+    left), arms below the clock's resolution, and a simulated profile (no factor at all)."""
+    cands = []
+    for i, (f_ratio, s_ratio) in enumerate(((2.0, 3.0), (2.0, 3.0), (2.0, None), (50.0, None), (2.0, None))):
+        ms = {F: f_ratio, **({S: s_ratio} if s_ratio else {})}
+        c = cand(f"b.{i}", i, saved={m: 10 for m in ms}, ms=ms)
+        c.replay_work = dict.fromkeys(ms, 1.0)
+        c.replay_spread_ms = dict.fromkeys(ms, 0.1)
+        cands.append(c)
+    rep = report(cands, [row(100)])
+    got = calibrate_from_counts(rep)
+    assert got[F] == got[S] == got[CheckpointMode.SAVE_ATTENTION] == snap_price(2.0)
+    rep.replay_shared = {"b.0": "b.3", "b.1": "b.3", "b.2": "b.3", "b.4": "b.3"}
+    assert calibrate_from_counts(rep)[F] == snap_price(50.0)
+    rep.replay_below_resolution = {"b.3": [F.value]}
+    rep.replay_shared = {}
+    assert calibrate_from_counts(rep)[F] == snap_price(2.0)
+    rep.simulated = True
+    assert calibrate_from_counts(rep) == {}
+
+
+def test_attention_pays_per_score_on_top_of_its_flops():
+    """NOTE [attention scores], by hand: a CPU flash attention of q (2, 8, 256, 4) and k, v (2, 8, 16, 4) has
+    2*8*256*16 = 65,536 scores; its time on the cpu model is its FLOPs (4 * scores * 4) at the fp32 peak plus
+    1.8 ns a score, plus the launch; a matmul has no scores. The backward op reads q and k after the gradient."""
+    cpu, reg = DEVICE_MODELS["cpu"], flop_registry()
+    q, kv = torch.randn(2, 8, 256, 4), torch.randn(2, 8, 16, 4)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    out = op(q, kv, kv)
+    rec = op_record(op, (q, kv, kv), {}, out, reg)
+    assert rec.scores == 2 * 8 * 256 * 16 and rec.flops == 4 * rec.scores * 4
+    nbytes = 4 * (q.numel() + 2 * kv.numel()) + sum(4 * t.numel() for t in out if isinstance(t, torch.Tensor))
+    want_s = max(rec.flops / cpu.peak_flops["float32"] + rec.scores * cpu.attention_score_s, nbytes / cpu.bandwidth)
+    assert op_ms(rec, cpu) == pytest.approx((want_s + cpu.launch_overhead_s) * 1e3)
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    assert op_record(torch.ops.aten.mm.default, (a, b), {}, a @ b, reg).scores == 0
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    assert op_record(bwd, (out[0], q, kv, kv, out[0], out[1]), {}, (q, kv, kv), reg).scores == 65_536
+
+
+CHAIN = f"{Path(__file__).parent / 'fixtures' / 'linear_chain.py'}:build"
+
+
+def test_replay_work_is_the_roofline_of_the_ops_a_replay_runs_again():
+    """On a real profile: each MLP block's FULL work is, by hand, the cpu device model's roofline of its two
+    addmms (2*B*D*2D FLOPs each; input, weight, bias and output bytes) plus its GELU's (bytes in and out);
+    SELECTIVE's is the GELU's alone (SAC keeps the matmuls) plus SAC's cost per op of the region (5 ops: two
+    ``t`` views, two addmms, the GELU); identical blocks get identical work; every counted price is the one
+    calibration factor times that work."""
+    B, D = 64, 256
+    rep = profile_workload(load_workload(CHAIN, {"batch_size": B, "d": D}), segments=False)
+    cpu = DEVICE_MODELS["cpu"]
+
+    def addmm_s(i: int, o: int) -> float:
+        flops, nbytes = 2 * B * i * o, 4 * (B * i + i * o + o + B * o)
+        return max(flops / cpu.peak_flops["float32"], nbytes / cpu.bandwidth) + cpu.launch_overhead_s
+    gelu_s = 4 * 2 * B * 2 * D / cpu.bandwidth + cpu.launch_overhead_s
+    by = {c.name: c for c in rep.candidates}
+    blocks = [by[f"blocks.{i}"] for i in range(3)]
+    for b in blocks:
+        assert b.replay_work[F] == pytest.approx((addmm_s(D, 2 * D) + addmm_s(2 * D, D) + gelu_s) * 1e3, rel=1e-9)
+        assert b.replay_work[S] == pytest.approx((gelu_s + 5 * cpu.sac_op_s) * 1e3, rel=1e-9)
+    assert len({b.replay_work[F] for b in blocks}) == 1
+    k = rep.replay_calibration[F]
+    assert set(rep.replay_calibration.values()) == {k}
+    for c in rep.candidates:
+        for m in rep.replay_calibration:
+            if m in c.replay_work and m in c.replay_ms and c.name not in rep.replay_composed:
+                assert c.replay_ms[m] == pytest.approx(min(k * c.replay_work[m], c.replay_ms[F]))

@@ -88,8 +88,10 @@ def _race(monkeypatch, profiled, ratio_of_round):
         plans = {r.label: getattr(r.arm, "plan", None) for r in runners}
         raced["simple"] = plans["simple"]
         simple_ms = UNPLANNED_MS + 1.5 * plans["simple"].predicted_overhead_ms
+        first = raced.setdefault("rounds", 0)   # rounds timed so far: a race may time more (NOTE [race extension])
+        raced["rounds"] += steps
         return Timings(step_ms={"unplanned": [UNPLANNED_MS] * steps, "simple": [simple_ms] * steps,
-                                "remat": [simple_ms * ratio_of_round(r) for r in range(steps)]},
+                                "remat": [simple_ms * ratio_of_round(first + r) for r in range(steps)]},
                        num_alloc_retries={"unplanned": 0, "simple": 0, "remat": 0})
 
     monkeypatch.setattr(closed_loop, "time_round_robin", fake_round_robin)
@@ -142,6 +144,24 @@ def test_a_tie_ships_the_simpler(monkeypatch, profiled):
         assert remat_boundaries < race.simple_boundaries
 
 
+def test_a_tie_that_leans_gets_more_rounds_and_resolves(monkeypatch, profiled):
+    """NOTE [race extension]: six rounds, five 10% faster and one 2% slower, are a tie whose median leans (0.90);
+    six more rounds 10% faster make twelve with one against: [r_(3), r_(10)] excludes 1, remat's plan ships. The
+    wrong case: the six more rounds alternate 5% either way, and twelve rounds are still a tie."""
+    leaning = lambda r: 1.02 if r == 0 else 0.90   # noqa: E731
+    shipped, simple, _, _ = _race(monkeypatch, profiled, leaning)
+    assert shipped is not simple and shipped.time_race.verdict is RaceVerdict.WON and shipped.time_race.rounds == 12
+    shipped, simple, _, _ = _race(monkeypatch, profiled,
+                                  lambda r: leaning(r) if r < 6 else (0.95 if r % 2 else 1.05))
+    assert shipped.time_race.verdict is RaceVerdict.TIE and shipped.time_race.rounds == 12
+
+
+def test_a_tie_that_does_not_lean_is_not_timed_longer(monkeypatch, profiled):
+    """The safe twin: rounds alternating 5% either way have a median of 1, no lean: the race stops at six rounds."""
+    shipped, _, _, _ = _race(monkeypatch, profiled, lambda r: 0.95 if r % 2 else 1.05)
+    assert shipped.time_race.verdict is RaceVerdict.TIE and shipped.time_race.rounds == 6
+
+
 def test_the_race_is_skipped_when_disabled(monkeypatch, profiled):
     """``$REMAT_TIME_RACE=0`` (the suite's default, conftest.py) gives no settings, and no race: the plan carries
     no ``time_race``; the settings' own bounds are checked."""
@@ -153,6 +173,8 @@ def test_the_race_is_skipped_when_disabled(monkeypatch, profiled):
     assert closed_loop.TimeRaceSettings.unless_disabled(False) is None
     with pytest.raises(PlanError):
         closed_loop.TimeRaceSettings(rounds=0)
+    with pytest.raises(PlanError):
+        closed_loop.TimeRaceSettings(extra_rounds=-1)
     loaded, report = profiled
     plan = closed_loop.plan_for_device(loaded, copy.deepcopy(report), "optimal",
                                        budget_bytes=int(report.baseline_peak_bytes * 0.8), capacity_bytes=None,

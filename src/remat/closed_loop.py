@@ -43,8 +43,8 @@ from .percentile import p50
 from .plan import (InfeasibleBudget, PlannerKind, PlannerSpec, Plan, effective_budget, format_bytes, make_plan,
                    min_budget_for, replan_with_correction)
 from .plan.offload import OffloadPricing
-from .plan.timing import (MIN_RACE_ROUNDS, RaceVerdict, TimeRace, calibrate_replay_ms, paired_ratio, race_verdict,
-                          time_scales)
+from .plan.timing import (MIN_RACE_ROUNDS, PairedRatio, RaceVerdict, TimeRace, calibrate_replay_ms, paired_ratio,
+                          race_verdict, time_scales)
 from .profile.model import BlockedStep, ProfileReport, SampleRecord, StepSample
 from .profile.sample import sample_workloads, shape_streams
 from .types import ProgressFn, no_progress
@@ -584,11 +584,30 @@ class TimeRaceSettings:
     rounds: int = MIN_RACE_ROUNDS   # timed interleaved rounds of the three arms (NOTE [paired ratio interval])
     warmup: int = 1                 # untimed rounds first (the optimizer's state exists from the first step)
     max_simple_peaks: int = 3       # simple plans measured for their peak at most (each a fresh build)
+    extra_rounds: int = MIN_RACE_ROUNDS   # rounds added once to a tie that leans (NOTE [race extension]); 0: never
+    lean: float = 0.03              # how far from 1 a tied ratio's median must be to add them (a ratio)
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.warmup < 0 or self.max_simple_peaks < 1:
-            raise PlanError(f"the time race needs rounds >= 1, warmup >= 0 and max_simple_peaks >= 1, got "
-                            f"{self.rounds}, {self.warmup}, {self.max_simple_peaks}")
+        if self.rounds < 1 or self.warmup < 0 or self.max_simple_peaks < 1 or self.extra_rounds < 0 or self.lean < 0:
+            raise PlanError(f"the time race needs rounds >= 1, warmup >= 0, max_simple_peaks >= 1, extra_rounds >= 0 "
+                            f"and lean >= 0, got {self.rounds}, {self.warmup}, {self.max_simple_peaks}, "
+                            f"{self.extra_rounds}, {self.lean}")
+
+    def extends(self, first: PairedRatio) -> bool:
+        """Whether a race whose first rounds read ``first`` gets ``extra_rounds`` more (NOTE [race extension]).
+
+        NOTE [race extension]
+        Six rounds resolve only what all six agree on, so on a busy machine a real difference
+        often reads as a tie: the diffusers UNet at 70%, one plan, raced five times, won four
+        (-4.7% to -10.7%) and tied once, so the same inputs shipped two plans. A tie whose
+        median leans (``|ratio - 1| >= lean``) gets ``extra_rounds`` more rounds, once, and the
+        verdict is read over all of them (at 12 rounds the interval is [r_(3), r_(10)]: two
+        rounds against the rest are allowed). A tie that does not lean is a tie: measuring
+        it longer costs steps and changes nothing that ships. The second look is a second
+        chance to resolve, so a difference that is not there resolves with probability at most
+        2 x 5% (each look at least 95%), instead of 5%, and then only for a tie that leaned.
+        """
+        return self.extra_rounds > 0 and not first.resolved and abs(first.ratio - 1.0) >= self.lean
 
     @classmethod
     def unless_disabled(cls, enabled: bool = True) -> "TimeRaceSettings | None":
@@ -629,8 +648,9 @@ def race_simple_plan(result: ClosedLoopResult, settings: TimeRaceSettings, progr
     plan per job]), ``$REMAT_TIME_RACE=0`` or ``remat plan --no-time-race``. Three resident builds
     that do not fit the device side by side record ``untimed`` and remat's plan ships.
     Cost: ``(warmup + rounds) x 3`` steps plus up to ``max_simple_peaks`` peak measurements
-    (7 x 3 = 21 steps by default); the race's verdict is only as stable as the machine, so the
-    default needs all six rounds to agree before it overrides the simpler plan.
+    (7 x 3 = 21 steps by default), and ``extra_rounds x 3`` more for a tie that leans (NOTE [race
+    extension]); the race's verdict is only as stable as the machine, so the default needs all six
+    rounds to agree (or all but two of twelve) before it overrides the simpler plan.
     """
     plan, loop = result.plan, result.loop
     spec = plan.planner
@@ -727,8 +747,13 @@ def _time_side_by_side(loop: "_OneDevice", plan: Plan, simple: Plan, settings: T
     try:
         for arm in arms:
             runners.append(prepare_arm(loop.points[0], arm))
-        timings = time_round_robin(runners, warmup=settings.warmup, steps=settings.rounds, progress=progress,
-                                   what=f"plan: time race against {simple.planner}")
+        what = f"plan: time race against {simple.planner}"
+        timings = time_round_robin(runners, warmup=settings.warmup, steps=settings.rounds, progress=progress, what=what)
+        times = [timings.step_ms[a.label] for a in arms]
+        if settings.extends(paired_ratio(times[1], times[2])):   # NOTE [race extension]
+            more = time_round_robin(runners, warmup=0, steps=settings.extra_rounds, progress=progress,
+                                    what=f"{what} (more rounds)")
+            times = [t + more.step_ms[a.label] for t, a in zip(times, arms)]
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not is_allocation_failure(exc):
             raise
@@ -738,4 +763,4 @@ def _time_side_by_side(loop: "_OneDevice", plan: Plan, simple: Plan, settings: T
             r.close()
         runners.clear()
         release_memory()
-    return timings.step_ms["unplanned"], timings.step_ms["remat"], timings.step_ms["simple"]
+    return times[0], times[1], times[2]

@@ -82,7 +82,7 @@ class LiveTensorTracker(TorchDispatchMode):
         # Optional per-op callback (func, args, out, duration_ns, first event index of the op),
         # for profiling passes only:
         # op timing, device moves, in-place writes. None on the measuring hot path.
-        self.op_observer: Callable[[Any, tuple, Any, int, int], None] | None = None
+        self.op_observer: Callable[[Any, tuple, dict, Any, int, int], None] | None = None
         self._phase: Phase | None = None
         self._closed = False
         self._refs: dict[int, weakref.ref] = {}         # storage key -> weakref whose callback frees it
@@ -120,7 +120,7 @@ class LiveTensorTracker(TorchDispatchMode):
                         if isinstance(oo, torch.Tensor):
                             self._see(oo, op=name)
         if self.op_observer is not None:  # after _see: the outputs' records exist
-            self.op_observer(func, args, out, dt, first_event)
+            self.op_observer(func, args, kwargs or {}, out, dt, first_event)
         return out
 
     def _see(self, t: torch.Tensor, op: str) -> StorageRecord | None:

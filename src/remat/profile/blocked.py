@@ -149,7 +149,8 @@ def _scaled(report: ProfileReport, rule: Rule, other: ProfileReport) -> ProfileR
             saved_bytes=per_mode(c.saved_bytes, o.saved_bytes, True),
             replay_ms=per_mode(c.replay_ms, o.replay_ms, False),
             replay_extra_bytes=per_mode(c.replay_extra_bytes, o.replay_extra_bytes, True),
-            replay_spread_ms=per_mode(c.replay_spread_ms, o.replay_spread_ms, False))
+            replay_spread_ms=per_mode(c.replay_spread_ms, o.replay_spread_ms, False),
+            replay_work=per_mode(c.replay_work, o.replay_work, False))
 
     other_rows = {_row_key(r): r for r in other.rows}
     rows = sorted((dataclasses.replace(r, base_bytes=round(rule("row", r.base_bytes,

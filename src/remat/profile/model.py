@@ -75,6 +75,10 @@ class CandidateCost(JsonCodec):
     # recorded step shows something else holds it (NOTE [segment input freed] in profile/step.py); written
     # only when not 0
     host_input_bytes: int = json_field(default=0, omit=0)
+    # the device model's time (ms) of the forward ops a replay in each mode runs again, from the recorded
+    # step's op counts (FLOPs, bytes, kernels): what its replay is priced from (NOTE [prices from counts] in
+    # profile/prices.py); empty for a profile made before prices came from counts
+    replay_work: dict[CheckpointMode, float] = json_field(default_factory=dict, omit={})
 
     @property
     def covers(self) -> tuple[str, ...]:
@@ -209,6 +213,9 @@ class ProfileReport(JsonCodec):
     # (candidate, mode values) whose measured replay cost was below the clock's resolution: priced
     # at that resolution, not zero (NOTE [measured replay costs] in profile/replay.py)
     replay_below_resolution: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # per mode priced from counts, measured ms per work ms: each such price is this times the candidate's
+    # ``replay_work`` (NOTE [prices from counts] in profile/prices.py); {} when no price came from counts
+    replay_calibration: dict[CheckpointMode, float] = json_field(default_factory=dict, omit={})
     # bytes the whole-step instrument saw at the peak beyond the tensors the rows count (kernel
     # workspaces, a checkpoint's RNG state), already added to every row's base (NOTE [untracked bytes]
     # in profile/step.py); 0 when the rows' instrument measured the baseline too

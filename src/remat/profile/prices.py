@@ -30,6 +30,37 @@ within its noise of a cell's edge can still change cells; that is the rule's lim
 race of the closed loop (NOTE [time race] in remat/closed_loop.py) is what then settles which of
 two plans is faster, by measurement. Prices below the clock's resolution keep their floor
 (NOTE [measured replay costs]): snapping rounds, it never makes a price zero.
+
+NOTE [prices from counts]
+Snapping holds a price that wobbles by a few percent; a replay timed alone moves far more. On
+the diffusers UNet (one thread) 111 of 143 (candidate, mode) prices moved between two profiles
+of the same step, a tenth of them by 4x or more, and optimal's plan at 70% moved with them (2
+plans in 3 profiles on a quiet machine, 5 in 5 under load: benchmarks/RESULTS.md). Measured
+rates per class of op (the step's own kernel times over the roofline's, attention, matmul,
+convolution, norm, other) moved too: up to 4x between three profiles at a load of 4. What does
+not move is the work. The recorded step lists every forward op inside each candidate with its
+FLOPs (FlopCounterMode's formulas), bytes and, for attention, its query x key scores; the device
+model (NOTE [roofline runtime model] in remat/simulate/runtime.py: ``cpu``, or the CUDA part torch
+names; NOTE [attention scores], NOTE [SAC op cost] in remat/simulate/devices.py) gives the time
+of what a replay in mode m adds: the ops it runs again, plus, for an op-level mode, SAC's cost
+per op of the region. That is ``CandidateCost.replay_work[m]`` (ms), the same in every profile
+of the same step on the same device.
+The replays timed alone set only the scale (``calibrate_from_counts``): one factor for every
+counted mode, the median over the arms timed on their own of measured ms / work ms, snapped
+to ``PRICE_GRID`` (no such arm: the same median over the timed forwards). Left out of the
+median: arms below the clock's resolution, copies of a shared measurement, composed segments,
+regions with no work. A counted price is ``factor x replay_work[m]``; a selective mode is still
+never priced above FULL, and a composed segment is still its members' sum.
+One factor common to every counted price moves no plan (the least added time is the same plan
+at any scale), so two profiles of one step give the same plan whatever their timings read;
+what a timing can still change is a plan that mixes counted modes with measured ones (offload).
+What that gives up: a region whose time the device model misjudges (a kernel far from its
+roofline, Python-heavy code between ops) is priced by its counts, not by its own timing; the
+closed loop's time race (NOTE [time race] in remat/closed_loop.py) measures the plan that ships
+against a simple one, and feeds the measured error back per mode. Modes that are not a replay of
+forward ops (offload, a segment's input on the host) keep their measured prices under the
+rules above, as does a profile with no work recorded (one cached before prices came from counts)
+and a simulated one (priced by its device model).
 """
 
 from __future__ import annotations
@@ -37,10 +68,11 @@ from __future__ import annotations
 import math
 
 from ..percentile import p50
-from ..types import CheckpointMode
+from ..types import OP_POLICY_MODES, CheckpointMode
 from .model import CandidateCost, ProfileReport
 
 PRICE_GRID = 2 ** 0.25   # NOTE [stable prices]: one grid step, a ratio (about 1.19)
+COUNTED_MODES = (CheckpointMode.FULL, *OP_POLICY_MODES)   # modes that replay forward ops: priced from counts
 
 _F = CheckpointMode.FULL
 
@@ -53,10 +85,12 @@ def snap_price(ms: float) -> float:
 
 
 def sane_replay_prices(report: ProfileReport) -> None:
-    """NOTE [sane replay prices] and NOTE [stable prices], in place on ``report``'s replay prices (ms)."""
+    """NOTE [prices from counts], [sane replay prices] and [stable prices], in place on ``report``'s replay prices (ms)."""
     by_name = {c.name: c for c in report.candidates}
     forward = _group_forward_ms(report)
     composed = report.replay_composed
+    factors = calibrate_from_counts(report)
+    report.replay_calibration = dict(factors)
     # parents before children; at one depth, composed segments after the members they sum
     for c in sorted(report.candidates, key=lambda c: (_depth(c, by_name), c.name in composed, c.order)):
         if c.name in composed:
@@ -64,16 +98,49 @@ def sane_replay_prices(report: ProfileReport) -> None:
                 c.replay_ms[_F] = sum(by_name[m].replay_ms[_F] for m in composed[c.name])
                 _cap_selective(c)
             continue
-        if _F in c.replay_ms:
+        counted = {m for m in factors if c.replay_work.get(m, 0.0) > 0.0 and m in c.replay_ms}
+        for mode in counted:
+            c.replay_ms[mode] = factors[mode] * c.replay_work[mode]
+        if _F in c.replay_ms and _F not in counted:
             full = snap_price(max(c.replay_ms[_F], forward[c.name]))
             parent = by_name.get(c.parent) if c.parent else None
             if parent is not None and _F in parent.replay_ms:
                 full = min(full, parent.replay_ms[_F])
             c.replay_ms[_F] = full
         for mode in c.replay_ms:
-            if mode is not CheckpointMode.KEEP and mode is not _F:
+            if mode is not CheckpointMode.KEEP and mode is not _F and mode not in counted:
                 c.replay_ms[mode] = snap_price(c.replay_ms[mode])
         _cap_selective(c)
+
+
+def calibrate_from_counts(report: ProfileReport) -> dict[CheckpointMode, float]:
+    """Per counted mode, the factor (measured ms per work ms) its prices are ``replay_work`` times: one factor for
+    them all (NOTE [prices from counts]); {} when no candidate has work recorded, and for a simulated profile
+    (priced by its device model)."""
+    if report.simulated:
+        return {}
+    ratios = [r for rs in _measured_ratios(report).values() for r in rs]
+    if not ratios:   # no replay measured: the timed forwards give the scale (all calls: both)
+        ratios = [c.fwd_ms / c.replay_work[_F] for c in report.candidates
+                  if c.replay_work.get(_F, 0.0) > 0.0 and c.fwd_ms > 0.0 and not c.members]
+    if not ratios:
+        return {}
+    return dict.fromkeys(COUNTED_MODES, snap_price(p50(ratios)))
+
+
+def _measured_ratios(report: ProfileReport) -> dict[CheckpointMode, list[float]]:
+    """Measured ms / work ms per counted mode, over the arms timed on their own (NOTE [prices from counts])."""
+    below = {(n, m) for n, modes in report.replay_below_resolution.items() for m in modes}
+    out: dict[CheckpointMode, list[float]] = {}
+    for c in report.candidates:
+        if c.name in report.replay_shared or c.name in report.replay_composed or c.name in report.replay_unmeasured:
+            continue
+        for mode in COUNTED_MODES:
+            work, ms = c.replay_work.get(mode, 0.0), c.replay_ms.get(mode)
+            if work > 0.0 and ms is not None and ms > 0.0 and mode in c.replay_spread_ms \
+                    and (c.name, mode.value) not in below:
+                out.setdefault(mode, []).append(ms / work)
+    return out
 
 
 def _cap_selective(c: CandidateCost) -> None:

@@ -279,6 +279,8 @@ def _merge_cost(costs: list[CandidateCost]) -> CandidateCost:
         replay_ms={m: _median([c.replay_ms[m] for c in timed[m]]) for m in modes},
         replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in timed[m]) for m in modes},
         replay_spread_ms={m: _median([c.replay_spread_ms[m] for c in cs]) for m, cs in replays.items() if cs},
+        replay_work={m: _median([c.replay_work[m] for c in costs]) for m in modes
+                     if all(m in c.replay_work for c in costs)},
         hazards=_hazards(costs))
 
 
@@ -286,7 +288,7 @@ def _renamed(cost: CandidateCost, name: str) -> CandidateCost:
     """``cost`` under ``name``, sharing no mutable field with it (order and parent: set by the merge)."""
     return dataclasses.replace(cost, name=name, hazards=list(cost.hazards), saved_bytes=dict(cost.saved_bytes),
                                replay_ms=dict(cost.replay_ms), replay_extra_bytes=dict(cost.replay_extra_bytes),
-                               replay_spread_ms=dict(cost.replay_spread_ms))
+                               replay_spread_ms=dict(cost.replay_spread_ms), replay_work=dict(cost.replay_work))
 
 
 def _placed(order: list[str], twins: tuple[Twin, ...]) -> list[str]:

@@ -40,6 +40,9 @@ from ..measure import RegionTimer, percentile, time_steps, warm_up
 from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, peak_costs_nothing
 from ..memory.reference import tracker_error_bytes
 from ..memory.tracker import StorageRecord
+from ..simulate.costs import flop_registry, op_record
+from ..simulate.devices import DeviceModel, device_model_for
+from ..simulate.runtime import op_ms
 from ..trace.recorder import ModuleWindow, StepRecorder
 from ..types import (MODULE_PATH_RE, OP_POLICY_MODES, CheckpointMode, HazardKind, MemorySource, Phase, ProgressFn,
                      is_cheap_op, no_progress, sac_saves)
@@ -82,10 +85,14 @@ def _draws_random(name: str, args: tuple) -> bool:
 class _OpLog:
     """Per-op observer for the profiled step: times, SAC-op share, device moves, in-place inputs."""
 
-    def __init__(self, rec: StepRecorder) -> None:
+    def __init__(self, rec: StepRecorder, device: DeviceModel) -> None:
         self.rec = rec
+        self.device = device                  # prices each op's work (NOTE [prices from counts] in prices.py)
+        self.flop_registry = flop_registry()
         # Every entry carries the innermost module running when the op ran (NOTE [op attribution]).
-        self.ops: list[tuple[int, str, str, bool, int]] = []   # (event index, module, op, pointwise, ns)
+        # (event index, module, op, pointwise, ns, work ms: the device model's time for its FLOPs and bytes,
+        # whether it returned a tensor: metadata queries and remat's own probes (``equal``) return none)
+        self.ops: list[tuple[int, str, str, bool, int, float, bool]] = []
         # storages produced by each op's tensor outputs: (record, op, pointwise), for the op-level modes
         self.out_records: list[tuple[StorageRecord, str, bool]] = []
         self.device_moves: list[tuple[int, str, str]] = []  # (event, module, "cpu -> cuda:0")
@@ -93,13 +100,16 @@ class _OpLog:
         self.rng_ops: list[tuple[int, str, str]] = []     # (event, module, op) ops that draw random numbers
         self.chain: ChainProbe | None = None              # NOTE [single tensor passed along]
 
-    def __call__(self, func: Any, args: tuple, out: Any, ns: int, ev: int) -> None:
+    def __call__(self, func: Any, args: tuple, kwargs: dict[str, Any], out: Any, ns: int, ev: int) -> None:
         name = _packet(func)
         mod = self.rec.tracker.module
         if self.chain is not None:
             self.chain.read(args, mod)
         pointwise = is_cheap_op(func)   # pointwise or a view (NOTE [op-level policies])
-        self.ops.append((ev, mod, name, pointwise, ns))
+        work = op_ms(op_record(func, args, kwargs, out, self.flop_registry), self.device)
+        tensor_out = isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list))
+                                                       and any(isinstance(t, torch.Tensor) for t in out))
+        self.ops.append((ev, mod, name, pointwise, ns, work, tensor_out))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 rec = self.rec.tracker.records.get(t.untyped_storage()._cdata)
@@ -334,10 +344,21 @@ class _StepEvidence:
         fs, fe = w.fwd_start, w.fwd_end
         kept = sum({id(r): r.nbytes for r, name, pw in self.outputs_by_event.between(fs, fe - 1)
                     if sac_saves(mode, name, pw)}.values())
-        ops = [(sac_saves(mode, name, pw), ns) for ev, mod, name, pw, ns in self.ops_by_event.between(fs, fe)
+        ops = [(sac_saves(mode, name, pw), ns) for ev, mod, name, pw, ns, *_ in self.ops_by_event.between(fs, fe)
                if _inside(w, ev, mod)]
         total_ns = sum(ns for _, ns in ops) or 1
         return kept, sum(ns for keep, ns in ops if keep) / total_ns, len(ops)
+
+    def replay_work(self, w: ModuleWindow | _SegmentRegion, mode: CheckpointMode) -> float:
+        """The device model's time (ms) of what a replay of ``w`` in ``mode`` adds: the forward ops it runs again
+        (every op for FULL, those an op-level mode does not keep otherwise), and for an op-level mode SAC's
+        own cost per op of the region (NOTE [prices from counts] in prices.py, NOTE [SAC op cost])."""
+        ops = [(name, pw, work) for ev, mod, name, pw, _, work, tensor_out
+               in self.ops_by_event.between(w.fwd_start, w.fwd_end) if tensor_out and _inside(w, ev, mod)]  # type: ignore[arg-type]
+        if mode is CheckpointMode.FULL:
+            return sum(work for *_, work in ops)
+        return (sum(work for name, pw, work in ops if not sac_saves(mode, name, pw))
+                + len(ops) * self.oplog.device.sac_op_s * 1e3)
 
     def forward_rise(self, w: ModuleWindow) -> int:
         """How far live bytes rose above the window's entry level during its forward (bytes)."""
@@ -435,7 +456,7 @@ def _record_step(step: TrainingStep, names: dict[int, str], probes: dict[str, Ha
     post_h = register_module_forward_hook(lambda m, a, o: probes[names[id(m)]].after(o) if names.get(id(m)) in probes else None)
     try:
         with StepRecorder(step, names=names) as rec:
-            oplog = _OpLog(rec)
+            oplog = _OpLog(rec, device_model_for(model_device(step)))
             if chain is not None:
                 chain.install(rec.tracker.records)
                 oplog.chain = chain
@@ -533,6 +554,7 @@ def _op_policy_costs(seen: _Recorded, name: str, w: ModuleWindow, full_saved: in
         cost.replay_ms[mode] = (t_fwd * (1.0 - save_share)     # first estimate; profile_workload measures it
                                 if seen.predicted is None else seen.predicted.replay_ms(name, mode))
         cost.replay_extra_bytes[mode] = extra
+        cost.replay_work[mode] = seen.evidence.replay_work(w, mode)
 
 
 def _offer_module(seen: _Recorded, offers: _Offers, name: str) -> None:
@@ -559,7 +581,8 @@ def _offer_module(seen: _Recorded, offers: _Offers, name: str) -> None:
                          saved_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: full_saved},
                          replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
                          replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
-                         hazards=seen.hazards(name), saved_input_bytes=seen.evidence.saved_input_bytes(w))
+                         hazards=seen.hazards(name), saved_input_bytes=seen.evidence.saved_input_bytes(w),
+                         replay_work={CheckpointMode.FULL: seen.evidence.replay_work(w, CheckpointMode.FULL)})
     _op_policy_costs(seen, name, w, full_saved, t_fwd, extra, cost)
     offers.offer(cost, (w.fwd_start, w.fwd_end, *_bwd_window(name, seen.last_window)))
 
@@ -613,7 +636,9 @@ def _offer_shared(seen: _Recorded, offers: _Offers, name: str) -> None:
                          replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
                          replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
                          hazards=hazards, calls=len(ws),
-                         saved_input_bytes=sum(seen.evidence.saved_input_bytes(w) for w in ws))
+                         saved_input_bytes=sum(seen.evidence.saved_input_bytes(w) for w in ws),
+                         replay_work={CheckpointMode.FULL: sum(seen.evidence.replay_work(w, CheckpointMode.FULL)
+                                                               for w in ws)})
     offers.offer(cost, *[(w.fwd_start, w.fwd_end, *_call_bwd_window(name, w, seen.windows)) for w in ws])
 
 
@@ -708,7 +733,8 @@ def _offer_segment(seen: _Recorded, offers: _Offers, name: str, kids: list[str],
         replay_ms={CheckpointMode.KEEP: 0.0, CheckpointMode.FULL: t_fwd},
         replay_extra_bytes={CheckpointMode.KEEP: 0, CheckpointMode.FULL: extra},
         hazards=_segment_hazards(kids, seen.modules, hazards_of), members=tuple(kids),
-        host_input_bytes=seen.evidence.host_input_bytes(region, bwd_end)),   # NOTE [segment input freed]
+        host_input_bytes=seen.evidence.host_input_bytes(region, bwd_end),   # NOTE [segment input freed]
+        replay_work={CheckpointMode.FULL: seen.evidence.replay_work(region, CheckpointMode.FULL)}),
         (region.fwd_start, region.fwd_end, bwd_start, bwd_end))
 
 

@@ -73,6 +73,7 @@ class OpRecord:
     dtype: torch.dtype | None        # dtype of the first tensor argument (picks the peak FLOP/s)
     kernel: bool                     # False: view/alias/allocation, costs nothing
     conv: bool = False               # a convolution (TF32 by default on CUDA)
+    scores: int = 0                  # an attention op's query x key scores (batch x heads x q_len x k_len)
 
 
 def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
@@ -93,6 +94,41 @@ def _has_tensor(out: Any, func: Any) -> bool:
     return any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0])
 
 
+def flop_registry(custom_flops: dict[Any, Any] | None = None) -> dict[Any, Any]:
+    """``FlopCounterMode``'s formulas by overload packet, with the CPU flash-attention ops added (NOTE [op costs])."""
+    return FlopCounterMode(display=False, custom_mapping={**EXTRA_FLOP_FORMULAS, **(custom_flops or {})}).flop_registry
+
+
+def op_record(func: Any, args: tuple, kwargs: dict[str, Any], out: Any, registry: dict[Any, Any],
+              phase: Phase | None = None, modules: tuple[str, ...] = ()) -> OpRecord:
+    """The :class:`OpRecord` of one ATen op that ran on ``args`` / ``kwargs`` and returned ``out`` (NOTE [op costs])."""
+    if func in _NO_KERNEL or func.is_view or func.namespace == "prim" or not _has_tensor(out, func):
+        return OpRecord(str(func), phase, modules, 0, 0, None, False)
+    packet = func._overloadpacket
+    flops = 0
+    formula = registry.get(packet)
+    if formula is not None:
+        try:
+            flops = int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # noqa: BLE001  a formula that cannot read these args: count no FLOPs
+            flops = 0
+    in_bytes, dtype = _tensor_bytes((args, kwargs))
+    out_bytes, out_dtype = _tensor_bytes(out)
+    return OpRecord(str(func), phase, modules, flops, in_bytes + out_bytes, dtype or out_dtype, True, packet in _CONV,
+                    _attention_scores(packet.__name__, args))
+
+
+def _attention_scores(name: str, args: tuple) -> int:
+    """Query x key scores of a fused attention op (``q`` (..., L, E), ``k`` (..., S, E): prod(q.shape[:-1]) x S);
+    0 for any other op. A backward op takes the output's gradient first (NOTE [attention scores] in devices.py)."""
+    if "attention" not in name:
+        return 0
+    q, k = (args[1:3] if name.endswith("_backward") else args[:2]) if len(args) >= 3 else (None, None)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dim() < 2 or k.dim() < 2:
+        return 0
+    return (q.numel() // max(1, q.shape[-1])) * k.shape[-2]
+
+
 class OpCostRecorder(TorchDispatchMode):
     """Context manager recording an :class:`OpRecord` per op (NOTE [op costs]).
 
@@ -109,8 +145,7 @@ class OpCostRecorder(TorchDispatchMode):
         if names is None:
             names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self.names = names
-        self.flop_registry = FlopCounterMode(display=False,
-                                             custom_mapping={**EXTRA_FLOP_FORMULAS, **(custom_flops or {})}).flop_registry
+        self.flop_registry = flop_registry(custom_flops)
         self.ops: list[OpRecord] = []
         self.phase: Phase | None = None
         self._stack: list[str] = []
@@ -140,21 +175,7 @@ class OpCostRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _NO_KERNEL or func.is_view or func.namespace == "prim" or not _has_tensor(out, func):
-            self.ops.append(OpRecord(str(func), self.phase, self._stack_t, 0, 0, None, False))
-            return out
-        packet = func._overloadpacket
-        flops = 0
-        formula = self.flop_registry.get(packet)
-        if formula is not None:
-            try:
-                flops = int(formula(*args, **kwargs, out_val=out))
-            except Exception:  # noqa: BLE001  a formula that cannot read these args: count no FLOPs
-                flops = 0
-        in_bytes, dtype = _tensor_bytes((args, kwargs))
-        out_bytes, out_dtype = _tensor_bytes(out)
-        self.ops.append(OpRecord(str(func), self.phase, self._stack_t, flops, in_bytes + out_bytes,
-                                 dtype or out_dtype, True, packet in _CONV))
+        self.ops.append(op_record(func, args, kwargs, out, self.flop_registry, self.phase, self._stack_t))
         return out
 
     def __enter__(self) -> "OpCostRecorder":

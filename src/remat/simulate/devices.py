@@ -24,6 +24,27 @@ from one measured step.
   pinned copies reach in practice is below the link's nominal rate; measure with
   ``remat.measure.link_bandwidth`` on the machine itself); cpu: the 64 MiB copy above.
 
+NOTE [attention scores]
+A fused attention kernel's FLOPs (4 x scores x head dim, forward) say nothing of its softmax
+(an exp, a running max and a sum per query x key score), which dominates when heads are
+narrow: the diffusers UNet's heads of dim 4 and 8 ran at 5-17 GFLOP/s on one CPU thread against
+55-75 for heads of 40-160 (``benchmarks/op_costs.py``). So an attention op also costs
+``attention_score_s`` per score. cpu: 1.8 ns, fitted by that benchmark (query x key of
+(2, 8, 1024, 4) x (2, 8, 1024, 4): 37 ms, of which the FLOPs at the model's 40 GFLOP/s are 7 ms).
+The CUDA parts: 0, not measured (flash attention there is bound by its matmuls, and this
+project has not timed one); the backward op is charged the same per score as the forward, a
+floor (it recomputes the scores and more).
+
+NOTE [SAC op cost]
+An op-level (SAC) checkpoint runs its region's forward under a Python dispatch mode that asks
+the policy about every op and caches what it keeps, and replays under one in backward: a cost
+per op of the region, whatever the op's size, that no FLOP or byte count holds.
+``benchmarks/op_costs.py`` times a region of N tiny pointwise ops forward + backward plain and
+under each op-level mode, interleaved: 14-16 us per op on one CPU thread for every op-level mode
+(FULL: 1-2 us, the ops run again). cpu: 13 us (the op-level modes' cost less FULL's). The CUDA
+parts: the same figure, unmeasured there: it is host time, and on a GPU host it may hide behind
+queued kernels.
+
 Which peak an op gets: FLOPs come only from matmul/convolution/attention ops (the
 ``FlopCounterMode`` registry). On CUDA, fp32 matmuls run at the FP32 peak unless TF32 matmul is
 enabled (``torch.backends.cuda.matmul.allow_tf32``, default False), while cuDNN convolutions use
@@ -62,6 +83,8 @@ class DeviceModel(JsonCodec):
     host_link: float = 10 * _GB                # bytes/s each way between device and host (NOTE above)
     calibration: float = 1.0                   # multiplies every predicted time (fit_calibration)
     source: str = ""                           # where the figures come from
+    attention_score_s: float = 0.0             # seconds per query x key score of a fused attention op (NOTE [attention scores])
+    sac_op_s: float = 0.0                      # seconds an op-level (SAC) checkpoint adds per op of its region (NOTE [SAC op cost])
 
     def __post_init__(self) -> None:
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
@@ -79,9 +102,11 @@ class DeviceModel(JsonCodec):
             key = "tf32"
         return self.peak_flops.get(key, self.peak_flops.get("float32", min(self.peak_flops.values())))
 
-    def op_seconds(self, flops: int, nbytes: int, dtype: torch.dtype | None, *, conv: bool = False) -> float:
-        """Roofline time of one kernel (seconds), calibration included."""
-        compute = flops / self.flops_peak(dtype, conv=conv) if flops else 0.0
+    def op_seconds(self, flops: int, nbytes: int, dtype: torch.dtype | None, *, conv: bool = False,
+                   scores: int = 0) -> float:
+        """Roofline time of one kernel (seconds), calibration included; ``scores``: an attention op's query x key
+        scores, each costing ``attention_score_s`` on top of its FLOPs (NOTE [attention scores])."""
+        compute = (flops / self.flops_peak(dtype, conv=conv) if flops else 0.0) + scores * self.attention_score_s
         return (max(compute, nbytes / self.bandwidth) + self.launch_overhead_s) * self.calibration
 
     def calibrated(self, factor: float) -> "DeviceModel":
@@ -113,7 +138,9 @@ DEVICE_MODELS: dict[str, DeviceModel] = {
         semantics=KernelSemantics.CPU,
         peak_flops={"float32": 40e9, "tf32": 40e9, "bfloat16": 80e9, "float16": 20e9, "float64": 20e9},
         bandwidth=10 * _GB, launch_overhead_s=8e-6, memory_bytes=24 * 2**30,
-        source="measured: torch 2.13 matmul 1024^3 and a 64 MiB copy on one thread, rounded down"),
+        attention_score_s=1.8e-9, sac_op_s=13e-6,
+        source="measured: torch 2.13 matmul 1024^3 and a 64 MiB copy on one thread, rounded down; attention "
+               "scores and SAC's per-op cost: benchmarks/op_costs.py"),
 }
 
 
@@ -126,6 +153,19 @@ def get_device_model(name: str | DeviceModel) -> DeviceModel:
         raise SimulationError(f"unknown target device {name!r}; choose one of {', '.join(DEVICE_MODELS)}",
                               tip="or build a remat.simulate.DeviceModel with your device's figures")
     return model
+
+
+def device_model_for(device: torch.device) -> DeviceModel:
+    """The named model that prices ops run on ``device``: ``cpu`` for a CPU, else the CUDA part torch names
+    (H200, A100), the H100 when the name matches none. Prices from counts (NOTE [prices from counts] in
+    remat/profile/prices.py) use only its ratios (FLOP/s : bytes/s : launch); a measured calibration sets the scale."""
+    if device.type != "cuda":
+        return DEVICE_MODELS["cpu"]
+    try:
+        name = torch.cuda.get_device_name(device).lower()
+    except (RuntimeError, AssertionError):   # no CUDA runtime to ask
+        name = ""
+    return next((m for key, m in DEVICE_MODELS.items() if key != "cpu" and key in name), DEVICE_MODELS["h100"])
 
 
 def fit_calibration(measured_step_ms: float, predicted_step_ms: float) -> float:

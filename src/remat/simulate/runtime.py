@@ -67,7 +67,7 @@ def op_ms(op: OpRecord, device: DeviceModel) -> float:
     """Predicted time of one op (ms); 0 for ops that launch no kernel."""
     if not op.kernel:
         return 0.0
-    return device.op_seconds(op.flops, op.nbytes, op.dtype, conv=op.conv) * 1e3
+    return device.op_seconds(op.flops, op.nbytes, op.dtype, conv=op.conv, scores=op.scores) * 1e3
 
 
 def predict_runtime(ops: Iterable[OpRecord], device: DeviceModel, *, top: int = 15) -> RuntimePrediction:
