@@ -63,8 +63,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 from ..errors import RematError
-from ..memory.cuda import read_cuda_stats, reset_cuda_peak
-from ..memory.measure import PeakMeasurement, model_device
+from ..memory.measure import PeakMeasurement, cuda_step_peak, model_device
 from ..memory.reference import profiler_step_peak
 from ..types import MemorySource
 from ..workload.contract import TrainingStep
@@ -151,18 +150,11 @@ def random_ops_in_program_order() -> Iterator[None]:
         yield
 
 
-def is_compiled(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "_compiled_call_impl", None), CompiledCall)
-
-
 def compiled_step_peak(step: TrainingStep, step_index: int) -> PeakMeasurement:
     """Whole-step peak (bytes) of one step of a compiled model: the CUDA allocator, or on CPU
     torch.profiler's allocator events (never the tracker: NOTE [compiled arms])."""
     device = model_device(step)
     if device.type == "cuda":
-        reset_cuda_peak(device)
-        loss = step.run(step_index)
-        stats = read_cuda_stats(device)
-        return PeakMeasurement(stats.peak_bytes, MemorySource.CUDA_ALLOCATOR, None, stats.num_alloc_retries, loss)
+        return cuda_step_peak(step, step_index, device)
     peak = profiler_step_peak(step, step_index)
     return PeakMeasurement(peak, MemorySource.CPU_PROFILER, None, 0)

@@ -201,6 +201,14 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def discard(prepared: list[Prepared]) -> None:
+    """Close every build in ``prepared``, drop them (the list is emptied) and release their memory."""
+    for p in prepared:
+        p.close()
+    prepared.clear()
+    release_memory()
+
+
 # -- one arm alone: peak, times, held bytes ------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
