@@ -92,9 +92,8 @@ def profiler_memory_peak(fn: Callable[[], object]) -> ProfilerPeak:
     """Peak of the bytes allocated less freed while ``fn`` runs, by torch.profiler.
 
     NOTE [unseen frees]
-    The profiler can miss a free made on another thread (gloo's, freeing a
-    collective's buffer: 1 step in about 12 under load on tests/test_fsdp2_peaks.py read high by the
-    root's 266,240 B all-gather buffer while remat read the same figure every run). Two live blocks
+    The profiler can miss a free made on another thread (gloo's, freeing a collective's buffer;
+    benchmarks/RESULTS.md). Two live blocks
     cannot share an address, so an allocation at an address still live here proves the earlier block
     was freed before it: that free is counted then. A free the allocator never reuses stays unseen."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

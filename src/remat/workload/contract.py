@@ -334,7 +334,7 @@ class TrainingStep:
         self.optimizer_step()
         # accumulating: the next step starts with the gradients allocated (NOTE [accumulated step])
         self.optimizer.zero_grad(set_to_none=self.workload.accumulation_steps == 1)
-        value = float(loss.detach())   # syncs the device once per step, as it always did
+        value = float(loss.detach())   # syncs the device once per step
         if not math.isfinite(value):
             raise WorkloadError(
                 f"the workload's loss is {value} at step {step}: there is nothing to plan or verify on a step "
