@@ -18,7 +18,8 @@ from ..profile.blocked import profile_on_device
 from ..profile.model import StepSample
 from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import (MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
+from ..receipt.schema import MAX_STEPS, MAX_TRIES, MAX_WARMUP
+from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
                      check_out_dir, out_folder, compile_from_args, load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
@@ -132,12 +133,7 @@ def _checked_flags(args: argparse.Namespace, capacity: int | None) -> float:
         check_budget_syntax(args.budget)
     if capacity is not None and args.budget is not None and not str(args.budget).strip().endswith("%"):
         budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
-    parse_plan_requests(args.plans)
-    for name in ("steps", "warmup", "capacity_tries", "capacity_steps", "capacity_granularity"):
-        if getattr(args, name) < 1:
-            raise RematError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.capacity_max is not None and args.capacity_max < 1:
-        raise RematError(f"--capacity-max must be at least 1, got {args.capacity_max}")
+    parse_plan_requests(args.plans)   # the counts are at least 1 already (bounded_int)
     return reserve
 
 

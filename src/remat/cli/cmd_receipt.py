@@ -20,7 +20,8 @@ from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
 from ..frontier.run import DEFAULT_COMPILED_PLANS
-from .common import (MAX_SECONDS, MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args,
+from ..receipt.schema import MAX_SEEDS, MAX_STEPS
+from .common import (MAX_SECONDS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args,
                      bounded_float, bounded_int, check_out_dir, out_folder, compile_from_args, load_from_args)
 from .cmd_plan import add_sample_args
 from .render import console, err_console, progress_bar
@@ -110,9 +111,7 @@ def render_decision(receipt: Receipt, files: ReceiptFiles) -> None:
 
 def run(args: argparse.Namespace) -> int:
     reserve = parse_reserve(args.reserve)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise RematError(f"--threads must be at least 1, got {args.threads}")
+    if args.threads is not None:   # at least 1: bounded_int
         torch.set_num_threads(args.threads)
     capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
     if args.budget is None and capacity is None:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import OutputError, WorkloadError
-from ..receipt.schema import MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP
 from ..workload import LoadedWorkload, load_workload, parse_shape
 from ..workload.contract import watch_first_step
 

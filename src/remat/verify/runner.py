@@ -78,7 +78,8 @@ from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors
                       owner_module, python_state, short_repr, tolerance_for)
 from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
                     RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport, tolerance_table)
-from .probe import RegionProbe, RngState, StepRecorder, seed_everything
+from ..host_rng import RngState, seed_everything
+from .probe import RegionProbe, StepRecorder
 
 __all__ = ["GradientPerturbation", "measure_rng_overhead", "verify_plan"]
 
