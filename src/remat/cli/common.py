@@ -50,6 +50,17 @@ def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
     return parse
 
 
+def add_budget_args(p: argparse.ArgumentParser, *, budget_needs: str, device_memory: str) -> None:
+    """``--budget``, ``--device-memory`` and ``--reserve`` as plan, receipt and frontier take them: ``budget_needs``
+    says when --budget is required, ``device_memory`` what the capacity does in that command."""
+    p.add_argument("--budget", default=None,
+                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
+                        "no-checkpoint peak (60%%); " + budget_needs)
+    p.add_argument("--device-memory", default=None,
+                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out" + device_memory)
+    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
+
+
 def out_folder(text: str) -> Path:
     """An argparse type for ``--out``: the folder as an absolute path, resolved against the directory the
     command started in, before any workload loads. A factory may ``os.chdir`` (a training script that
