@@ -52,7 +52,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..measure import p50_along, percentile
+from ..clock import p50_along
+from ..percentile import percentile
 from ..units import mib
 from .model import Decision, FrontierPoint, OverheadInterval, describe_overhead, unresolved_why
 
