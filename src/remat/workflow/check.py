@@ -148,7 +148,7 @@ UNCHECKED = ("git_revision, git_dirty, command, created, hostname, platform, pyt
              "and replay times (the planner's model, not a measurement)")
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
-__all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FindingKind", "FixturePlan",
+__all__ = ["CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FixturePlan",
            "ReadyCheck", "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload",
            "report_findings", "rerun_check", "same_workload", "start_check"]
 
