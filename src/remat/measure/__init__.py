@@ -22,7 +22,8 @@ _LAZY = {   # name -> the module that defines it
     **dict.fromkeys(["CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak",
                      "random_ops_in_program_order"], "remat.measure.compiled"),
     **dict.fromkeys(["LinkBandwidth", "link_bandwidth"], "remat.measure.bandwidth"),
-    **dict.fromkeys(["RegionTimer", "StepClock", "p50", "p50_along", "p95", "percentile"], "remat.clock"),
+    **dict.fromkeys(["RegionTimer", "StepClock", "p50_along"], "remat.clock"),
+    **dict.fromkeys(["p50", "p95", "percentile"], "remat.percentile"),
 }
 
 __all__ = ["BACKENDS", "CompileSpec", *_LAZY]

@@ -52,7 +52,8 @@ from ..memory.tracker import LiveTensorTracker
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep, Workload, is_allocation_failure
 from ..workload.loader import LoadedWorkload, ShapeValue, factory_defaults
-from ..clock import StepClock, percentile
+from ..clock import StepClock
+from ..percentile import percentile
 from .compile_spec import CompileSpec
 from .compiled import CompiledFunction, compile_model, compiled_step_peak
 

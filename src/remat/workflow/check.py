@@ -115,7 +115,7 @@ from ..memory.capacity import clear_refusal, last_refusal, step_capacity
 from ..profile.blocked import BATCH_KEY
 from ..profile.model import describe_refusal
 from ..profile.sample import sample_workloads
-from ..clock import percentile
+from ..percentile import percentile
 from ..frontier.pareto import CONFIDENCE, p50_difference
 from ..measure import prepare_arm, time_round_robin
 from ..wrap import PlanArm, boundary_module
