@@ -157,7 +157,7 @@ def check_snapshot(device: str, dtype: str, shape: dict, keep: bool) -> Check:
 def _hook_times(step, names: dict[int, str], wanted: set[str], indices: range, *, sync: bool) -> dict[str, float]:
     """Median forward ms per candidate, host clocks in hooks, with or without synchronize around each."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-    from remat.measure import percentile
+    from remat.percentile import percentile
     starts: dict[int, int] = {}
     samples: dict[str, list[float]] = {}
     cuda = torch.cuda.is_available() and next(step.workload.model.parameters()).is_cuda

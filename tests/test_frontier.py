@@ -13,7 +13,8 @@ from remat.cli.main import main
 from remat.errors import BudgetError, PlanError
 from remat.frontier import (CapacityTry, Decision, FrontierPoint, FrontierReport, FrontierSettings, capacity_try,
                             decide, pareto_flags, parse_plan_requests, run_frontier, search_capacity)
-from remat.measure import Arm, percentile
+from remat.measure import Arm
+from remat.percentile import percentile
 from remat.wrap import PlanArm
 from remat.plan import make_plan
 from remat.plan.spec import PlannerSpec

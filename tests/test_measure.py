@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from .conftest import TINY, hand_plan
-from remat.measure import (Arm, RegionTimer, StepClock, held_bytes_at_phase, measure_arm, percentile,
-                           time_round_robin, time_steps)
+from remat.clock import RegionTimer, StepClock, percentile
+from remat.measure import Arm, held_bytes_at_phase, measure_arm, time_round_robin, time_steps
 from remat.types import Phase
 from remat.workload import TrainingStep, load_workload
 
@@ -233,7 +233,7 @@ def test_one_host_context_spelled_alike_everywhere():
 
 
 def test_p50_along_is_percentile_50_row_by_row():
-    from remat.measure import p50_along
+    from remat.clock import p50_along
     rng = np.random.default_rng(3)
     for n in (1, 2, 5, 10):
         a = rng.uniform(0, 100, size=(7, n))

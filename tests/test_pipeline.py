@@ -408,7 +408,7 @@ def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
     import shutil
     from remat.errors import ReceiptError
     from remat.workflow.pipeline import check_pipeline_receipt
-    from remat.workflow.check import FindingKind
+    from remat.workflow.findings import FindingKind
     from remat.receipt import Receipt, write_receipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json"), "--quick"]) == 0
@@ -449,7 +449,7 @@ def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
 
 def test_check_pipeline_receipt_re_runs_the_pipeline(gpt_run, tmp_path):
     from remat.workflow.pipeline import check_pipeline_receipt
-    from remat.workflow.check import FindingKind
+    from remat.workflow.findings import FindingKind
     from remat.receipt import Receipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json")]) == 0

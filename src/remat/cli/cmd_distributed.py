@@ -26,7 +26,8 @@ from ..distributed.pipeline.report import PipelineReport, SideReport
 from ..errors import DistributedError, OutputError, PlanError
 from ..plan.pipeline import PipelinePlan, Side, load_any_plan
 from ..units import fmt_bytes
-from .common import MAX_SECONDS, MAX_STEPS, MAX_WARMUP, add_workload_args, bounded_float, bounded_int, check_out_dir
+from ..receipt.schema import MAX_STEPS, MAX_WARMUP
+from .common import MAX_SECONDS, add_workload_args, bounded_float, bounded_int, check_out_dir
 from .render import console, progress_bar
 
 

@@ -18,7 +18,8 @@ from ..profile.blocked import profile_on_device
 from ..profile.model import StepSample
 from ..units import fmt_bytes
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import (MAX_STEPS, MAX_TRIES, MAX_WARMUP, add_autocast_arg, add_compile_args, add_workload_args, bounded_int,
+from ..receipt.schema import MAX_STEPS, MAX_TRIES, MAX_WARMUP
+from .common import (add_autocast_arg, add_budget_args, add_compile_args, add_workload_args, bounded_int,
                      check_out_dir, out_folder, compile_from_args, load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
@@ -27,13 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("frontier", help="measure peak vs step time for several plans, capacity, and which to ship")
     add_workload_args(p)
     add_autocast_arg(p)
-    p.add_argument("--budget", default=None,
-                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
-                        "no-checkpoint peak (60%%); required unless --device-memory is given")
-    p.add_argument("--device-memory", default=None,
-                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out, enforced on the "
-                        "CPU; each plan's capacity is then what it unlocks on this device (NOTE [blocked step])")
-    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
+    add_budget_args(p, budget_needs="required unless --device-memory is given",
+                    device_memory=", enforced on the CPU; each plan's capacity is then what it unlocks on this device "
+                                  "(NOTE [blocked step])")
     p.add_argument("--plans", default=None,
                    help="comma-separated planner specs; planner@X plans at budget X (default: "
                         + ",".join(DEFAULT_PLANS).replace("%", "%%") + "; the control 'none' is always measured)")
@@ -132,12 +129,7 @@ def _checked_flags(args: argparse.Namespace, capacity: int | None) -> float:
         check_budget_syntax(args.budget)
     if capacity is not None and args.budget is not None and not str(args.budget).strip().endswith("%"):
         budget_on_device(args.budget, 0, capacity)   # an amount above the device: refused before profiling
-    parse_plan_requests(args.plans)
-    for name in ("steps", "warmup", "capacity_tries", "capacity_steps", "capacity_granularity"):
-        if getattr(args, name) < 1:
-            raise RematError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.capacity_max is not None and args.capacity_max < 1:
-        raise RematError(f"--capacity-max must be at least 1, got {args.capacity_max}")
+    parse_plan_requests(args.plans)   # the counts are at least 1 already (bounded_int)
     return reserve
 
 

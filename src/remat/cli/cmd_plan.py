@@ -18,7 +18,7 @@ from ..profile.model import DEFAULT_SAMPLE_STEPS, MAX_SAMPLE_STEPS, StepSample
 from ..workflow.plan import PlanSettings, plan_simulated, plan_step
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import (add_autocast_arg, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder, simulate_compile_from_args,
+from .common import (add_autocast_arg, add_budget_args, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder, simulate_compile_from_args,
                      load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 
@@ -34,14 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", default=None,
-                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
-                        "no-checkpoint peak (60%%); required by the optimal and greedy planners")
-    p.add_argument("--device-memory", default=None,
-                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out; on the CPU it is "
-                        "enforced (an allocation past it raises out of memory, as on CUDA), and a step that does "
-                        "not fit it unplanned is planned from smaller batch_size values (NOTE [blocked step])")
-    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
+    add_budget_args(p, budget_needs="required by the optimal and greedy planners",
+                    device_memory="; on the CPU it is enforced (an allocation past it raises out of memory, as on "
+                                  "CUDA), and a step that does not fit it unplanned is planned from smaller batch_size "
+                                  "values (NOTE [blocked step])")
     p.add_argument("--planner", default="optimal", help=f"one of: {', '.join(PLANNER_SPECS)} (default optimal)")
     p.add_argument("--candidates", default=None,
                    help="comma-separated module paths, class names or regexes (default: repeated blocks and their children)")

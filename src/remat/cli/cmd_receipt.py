@@ -20,7 +20,8 @@ from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
 from ..types import ProgressFn
 from ..workload import parse_shape
 from ..frontier.run import DEFAULT_COMPILED_PLANS
-from .common import (MAX_SECONDS, MAX_SEEDS, MAX_STEPS, MAX_THREADS, add_autocast_arg, add_compile_args, add_workload_args,
+from ..receipt.schema import MAX_SEEDS, MAX_STEPS
+from .common import (MAX_SECONDS, MAX_THREADS, add_autocast_arg, add_budget_args, add_compile_args, add_workload_args,
                      bounded_float, bounded_int, check_out_dir, out_folder, compile_from_args, load_from_args)
 from .cmd_plan import add_sample_args
 from .render import console, err_console, progress_bar
@@ -33,14 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--boundary-shape", default="",
                    help="a second shape, e.g. seq_len=128 (the longest batch of the run): traced, and its steps join "
                         "the step sample, so the plan holds at both shapes")
-    p.add_argument("--budget", default=None,
-                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
-                        "no-checkpoint peak (60%%); required unless --device-memory is given")
-    p.add_argument("--device-memory", default=None,
-                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out, enforced on the "
-                        "CPU; a step that does not fit unplanned is planned from smaller batches and verified where "
-                        "the control fits (NOTE [blocked receipt])")
-    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
+    add_budget_args(p, budget_needs="required unless --device-memory is given",
+                    device_memory=", enforced on the CPU; a step that does not fit unplanned is planned from smaller "
+                                  "batches and verified where the control fits (NOTE [blocked receipt])")
     p.add_argument("--candidates", default=None, help="comma-separated module paths, class names or regexes")
     add_run_args(p)
     g = p.add_argument_group("at a world size (torch.distributed, launched with torchrun)")
@@ -110,9 +106,7 @@ def render_decision(receipt: Receipt, files: ReceiptFiles) -> None:
 
 def run(args: argparse.Namespace) -> int:
     reserve = parse_reserve(args.reserve)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise RematError(f"--threads must be at least 1, got {args.threads}")
+    if args.threads is not None:   # at least 1: bounded_int
         torch.set_num_threads(args.threads)
     capacity = parse_capacity(args.device_memory) if args.device_memory is not None else None
     if args.budget is None and capacity is None:

@@ -15,7 +15,8 @@ from ..simulate import DEVICE_MODELS, simulate_workload
 from ..trace import StepTrace, to_perfetto, trace_on_device, trace_workload
 from ..workload import parse_shape
 from ..units import fmt_bytes
-from .common import (MAX_STEPS, MAX_WARMUP, add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder,
+from ..receipt.schema import MAX_STEPS, MAX_WARMUP
+from .common import (add_compile_args, add_workload_args, bounded_int, check_out_dir, out_folder,
                      simulate_compile_from_args, load_from_args)
 from .render import console, progress_bar
 

@@ -11,7 +11,8 @@ from .._io import atomic_write_json
 from ..wrap import load_plan
 from ..verify import VerifyReport, verify_plan
 from .cmd_distributed import add_distributed_args, run_distributed_from_args
-from .common import (MAX_SEEDS, MAX_STEPS, WORKLOAD_DEFAULTS, add_autocast_arg, add_compile_args, add_workload_args,
+from ..receipt.schema import MAX_SEEDS, MAX_STEPS
+from .common import (WORKLOAD_DEFAULTS, add_autocast_arg, add_compile_args, add_workload_args,
                      bounded_int, check_out_dir, out_folder, compile_from_args, fill_from_plan, load_from_args, refuse_autocast_with)
 from .render import console, progress_bar
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import OutputError, WorkloadError
-from ..receipt.schema import MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP
 from ..workload import LoadedWorkload, load_workload, parse_shape
 from ..workload.contract import watch_first_step
 
@@ -49,6 +48,17 @@ def bounded_float(lo: float, hi: float):  # noqa: ANN201 - an argparse ``type``
             raise argparse.ArgumentTypeError(f"must lie in ({lo:g}, {hi:g}], got {text[:40]}")
         return value
     return parse
+
+
+def add_budget_args(p: argparse.ArgumentParser, *, budget_needs: str, device_memory: str) -> None:
+    """``--budget``, ``--device-memory`` and ``--reserve`` as plan, receipt and frontier take them: ``budget_needs``
+    says when --budget is required, ``device_memory`` what the capacity does in that command."""
+    p.add_argument("--budget", default=None,
+                   help="whole-step peak budget: bytes with a unit (1.5GiB, 800MiB) or a share of the "
+                        "no-checkpoint peak (60%%); " + budget_needs)
+    p.add_argument("--device-memory", default=None,
+                   help="the device's capacity (e.g. 2GiB): the budget when --budget is left out" + device_memory)
+    p.add_argument("--reserve", default="5%", help="share of the budget kept free (default 5%%)")
 
 
 def out_folder(text: str) -> Path:

@@ -93,9 +93,9 @@ def _exit_at_once_on_interrupt() -> contextlib.AbstractContextManager[None]:
     """While torch, numpy, scipy and rich import, Ctrl-C (130) and SIGTERM (143) exit at once, one line.
 
     A KeyboardInterrupt raised inside those imports is not reliably ours to catch: some import
-    code swallows it (the command then ran on as if nothing happened), and one raised through
-    the interpreter's own code runner makes Python re-kill itself with SIGINT after ``main``
-    returned (exit -2); both were seen here. Nothing has been written yet, so exiting on the
+    code swallows it (the command runs on as if nothing happened), and one raised through the
+    interpreter's own code runner makes Python re-kill itself with SIGINT after ``main``
+    returns (exit -2). Nothing has been written yet, so exiting on the
     spot loses nothing. Afterwards Ctrl-C is Python's KeyboardInterrupt and SIGTERM the CLI's
     ``Terminated``, which the commands clean up after (the distributed launcher stops its ranks).
     """

@@ -20,10 +20,7 @@ _LAZY = {   # name -> the module that defines it
                      "run_frontier"], "remat.frontier.run"),
 }
 
-__all__ = ["CONTROL", "DEFAULT_PLANS", "FRONTIER_SCHEMA_VERSION", "CapacityResult", "CapacityTry", "Decision",
-           "FrontierPoint", "FrontierReport", "FrontierSettings", "MeasureFn", "OverheadInterval", "P50Difference",
-           "PlanRequest", "capacity_try", "decide", "describe_overhead", "dominates", "p50_difference", "pareto_flags",
-           "parse_plan_requests", "render_frontier_png", "run_frontier", "search_capacity",
-           "short_overhead"]
+__all__ = ["FRONTIER_SCHEMA_VERSION", "CapacityResult", "CapacityTry", "Decision", "FrontierPoint", "FrontierReport",
+           "MeasureFn", "OverheadInterval", "describe_overhead", "search_capacity", "short_overhead", *_LAZY]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -40,7 +40,7 @@ zero and, for paired samples, a two-sided sign test on the per-round differences
 the bootstrap alone calls noise resolved whenever all n differences share a sign, 1 in 8 at
 n = 4; the sign test needs at least 6 rounds all one way, or 9 of 10). Fewer than
 ``MIN_SAMPLES`` samples never resolve a difference. Points made without
-samples (``step_ms`` empty: made-up data, reports from before this rule) compare their
+samples (``step_ms`` empty: made-up data) compare their
 p50s as exact figures.
 """
 
@@ -52,7 +52,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..measure import p50_along, percentile
+from ..clock import p50_along
+from ..percentile import percentile
 from ..units import mib
 from .model import Decision, FrontierPoint, OverheadInterval, describe_overhead, unresolved_why
 

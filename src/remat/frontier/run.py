@@ -60,7 +60,7 @@ from ..trace.model import HostContext, TraceContext
 from ..types import MemorySource, ProgressFn, no_progress
 from ..workload.loader import LoadedWorkload
 from ..units import mib
-from ..measure import (Arm, CompileSpec, StepMeasurement, Timings, measure_arm, prepare_arm, probe_capacity,
+from ..measure import (Arm, CompileSpec, StepMeasurement, Timings, discard, measure_arm, prepare_arm, probe_capacity,
                        release_memory, shape_value, time_round_robin)
 from ..wrap import PlanArm
 from .capacity import search_capacity
@@ -553,19 +553,14 @@ def _time_arms(loaded: LoadedWorkload, arms: list[Arm], *, warmup: int, steps: i
     except torch.OutOfMemoryError:
         pass
     finally:
-        for p in prepared:
-            p.close()
-        prepared.clear()
-        release_memory()
+        discard(prepared)
     merged = Timings(step_ms={}, num_alloc_retries={})
     for arm in arms:
         one = [prepare_arm(loaded, arm)]
         try:
             t = time_round_robin(one, warmup=warmup, steps=steps, progress=progress, what="frontier: timing (alone)")
         finally:
-            one[0].close()
-            one.clear()
-            release_memory()
+            discard(one)
         merged.step_ms.update(t.step_ms)
         merged.num_alloc_retries.update(t.num_alloc_retries)
     return merged, False
@@ -616,10 +611,7 @@ def _capacity(loaded: LoadedWorkload, arms: list[Arm], by_label: dict[str, Front
                 note=f"not timed at capacity: {str(exc).splitlines()[0][:160]}")
         return
     finally:
-        for p in prepared:
-            p.close()
-        prepared.clear()
-        release_memory()
+        discard(prepared)
     for arm in timed:
         point = by_label[arm.label]
         point.capacity_p50_ms = timings.p50(arm.label)

@@ -30,7 +30,7 @@ from ..autoplan import AutoHandle, auto
 from ..autoplan.library_flags import CheckpointingAPI, checkpointing_api, flagged_modules
 from ..autoplan.source import ModelSource, OptimizerSpec, Parked, default_loss, model_device
 from ..errors import AutoError
-from ..measure import Arm, measure_arm_peak, prepare_arm, release_memory, time_round_robin
+from ..measure import Arm, discard, measure_arm_peak, prepare_arm, time_round_robin
 from ..types import MemorySource
 from ..units import fmt_bytes
 from ..wrap import PlanArm, apply
@@ -165,10 +165,7 @@ def _measure(source: ModelSource, setup: LibraryCheckpointing, plan: Any) -> Che
     try:
         times = time_round_robin(runners, warmup=1, steps=BASELINE_STEPS, what="baseline timing")
     finally:
-        for r in runners:
-            r.close()
-        runners.clear()
-        release_memory()
+        discard(runners)
     return CheckpointingBaseline(what=setup.describe, library=setup.api.library, peak_bytes=lib_peak.peak_bytes,
                                  plan_peak_bytes=plan_peak.peak_bytes, memory_source=lib_peak.source,
                                  step_ms=times.p50("library"), plan_step_ms=times.p50("remat"), steps=BASELINE_STEPS)

@@ -15,19 +15,17 @@ from .compile_spec import BACKENDS, CompileSpec
 
 _LAZY = {   # name -> the module that defines it
     **dict.fromkeys(["Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "Runner", "StepMeasurement", "Stream", "Timings",
-                     "Undo", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak", "measure_step_peak_within",
+                     "Undo", "discard", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak", "measure_step_peak_within",
                      "measure_stream_peaks",
                      "prepare_arm", "probe_capacity", "release_memory", "shape_value", "time_round_robin", "time_steps",
                      "warm_up"], "remat.measure.run"),
-    **dict.fromkeys(["CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled",
+    **dict.fromkeys(["CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak",
                      "random_ops_in_program_order"], "remat.measure.compiled"),
     **dict.fromkeys(["LinkBandwidth", "link_bandwidth"], "remat.measure.bandwidth"),
-    **dict.fromkeys(["RegionTimer", "StepClock", "p50", "p50_along", "p95", "percentile"], "remat.clock"),
+    **dict.fromkeys(["RegionTimer", "StepClock", "p50_along"], "remat.clock"),
+    **dict.fromkeys(["p50", "p95", "percentile"], "remat.percentile"),
 }
 
-__all__ = ["BACKENDS", "CompileSpec", "LinkBandwidth", "link_bandwidth", "CompiledCall", "CompiledFunction", "compile_model", "compiled_step_peak", "is_compiled", "random_ops_in_program_order", "Arm", "PeakLimitExceeded", "Prepared", "ProbeResult", "RegionTimer", "Runner", "StepClock",
-           "StepMeasurement", "Stream", "Timings", "Undo", "held_bytes_at_phase", "is_cuda", "measure_arm", "measure_arm_peak",
-           "measure_step_peak_within", "measure_stream_peaks", "p50", "p50_along", "p95", "percentile", "prepare_arm", "probe_capacity", "release_memory",
-           "shape_value", "time_round_robin", "time_steps", "warm_up"]
+__all__ = ["BACKENDS", "CompileSpec", *_LAZY]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

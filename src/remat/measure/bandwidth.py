@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from .._io import atomic_write_json, default_cache_dir
-from ..clock import StepClock, p50
+from ..clock import StepClock
+from ..percentile import p50
 
 _PROBE_BYTES = 64 * 2 ** 20   # bytes per timed copy
 _ROUNDS = 5

@@ -13,9 +13,7 @@ compile would graph-break at ``loss.backward()`` and ``optimizer.step()`` anyway
 *One compiled function per arm*: Dynamo caches compiled code on the Python code object it
 compiled, guarded by shapes and types, not by the module instance (inline_inbuilt_nn_modules).
 Two builds of the same model class compiled one after the other share ``Module._call_impl``'s
-code object, so the second reused the first's graph: a second arm compiled with
-``activation_memory_budget=0.0`` ran the first arm's graph (same peak to the byte, no
-recompile; measured here on ``mlp``). Each arm therefore compiles its own copy of the entry
+code object, so the second would reuse the first's graph (and its budget). Each arm therefore compiles its own copy of the entry
 function (a new code object, :func:`_fresh_entry`), so its cache, its recompiles and its
 budget are its own.
 
@@ -25,7 +23,7 @@ of an arm's compiled function runs under ``config.patch`` with the arm's value, 
 its graph is (re)partitioned it is with its own budget, whatever other arms set.
 
 *Measuring*: the live-tensor tracker is a TorchDispatchMode, and Dynamo runs a frame eagerly
-under one (and the frame stayed eager afterwards: NOTE [compiled peaks] in
+under one (and the frame stays eager afterwards: NOTE [compiled peaks] in
 benchmarks/compare.py). So a compiled arm's peak never comes from the tracker: on CUDA from
 the allocator (``cuda-allocator``, as every CUDA figure), on CPU from torch.profiler's
 allocator events (``cpu-profiler-allocator``: the running sum of the CPU allocator's
@@ -37,9 +35,7 @@ scratch a C++ kernel keeps on its own stack is not.
 *Random numbers*: inductor's own random kernels draw from a philox stream seeded once per
 compiled graph, so any two different graphs (the compiled control and a compiled plan, whose
 checkpoint regions change the partition) draw different dropout masks from the same generator
-state: on the zoo's GPT-2 (dropout 0.1) the compiled plan's step-0 loss was 6.962677 against
-the compiled control's 6.962151, and the CPU generator's state after the step differed. For a
-comparison, :func:`random_ops_in_program_order` sets inductor's ``fallback_random``: random ops
+state (benchmarks/RESULTS.md has the zoo's GPT-2 losses). For a comparison, :func:`random_ops_in_program_order` sets inductor's ``fallback_random``: random ops
 then run torch's eager kernels, which draw from the generator in program order, as eager does,
 so the two graphs draw the same masks (and the plan with RNG preservation off still draws new
 ones in its backward replay, so that negative control is still rejected). It changes how a
@@ -63,8 +59,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 from ..errors import RematError
-from ..memory.cuda import read_cuda_stats, reset_cuda_peak
-from ..memory.measure import PeakMeasurement, model_device
+from ..memory.measure import PeakMeasurement, cuda_step_peak, model_device
 from ..memory.reference import profiler_step_peak
 from ..types import MemorySource
 from ..workload.contract import TrainingStep
@@ -151,18 +146,11 @@ def random_ops_in_program_order() -> Iterator[None]:
         yield
 
 
-def is_compiled(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "_compiled_call_impl", None), CompiledCall)
-
-
 def compiled_step_peak(step: TrainingStep, step_index: int) -> PeakMeasurement:
     """Whole-step peak (bytes) of one step of a compiled model: the CUDA allocator, or on CPU
     torch.profiler's allocator events (never the tracker: NOTE [compiled arms])."""
     device = model_device(step)
     if device.type == "cuda":
-        reset_cuda_peak(device)
-        loss = step.run(step_index)
-        stats = read_cuda_stats(device)
-        return PeakMeasurement(stats.peak_bytes, MemorySource.CUDA_ALLOCATOR, None, stats.num_alloc_retries, loss)
+        return cuda_step_peak(step, step_index, device)
     peak = profiler_step_peak(step, step_index)
     return PeakMeasurement(peak, MemorySource.CPU_PROFILER, None, 0)

@@ -15,9 +15,8 @@ always runs first, right after the Python loop's bookkeeping). Warm-up rounds ar
 timed. Every runner runs the same step indices, hence the same batches, and the same random
 draws: before each runner's step of round r (outside its clock) torch's, Python's and numpy's
 global generators are seeded with ``STEP_SEED + r``, so a layerdrop or stochastic-depth model
-skips the same blocks in every arm's step r. Unseeded, each arm drew masks from wherever the
-shared generators stood, and a timed difference was partly a difference in work: a Wav2Vec2
-plan once read -63% against its control. The caller's generators are put back afterwards, so
+skips the same blocks in every arm's step r (unseeded, a timed difference would partly be a
+difference in work). The caller's generators are put back afterwards, so
 ``remat.auto`` inside a training script leaves the script's RNG where it was. Clocks are read
 device-correctly (NOTE [device-correct timing] in remat/clock.py). A time is the *whole* step:
 batch, forward, backward, optimizer step and ``zero_grad``.
@@ -30,11 +29,9 @@ on CPU the live-tensor tracker counts only what it is shown, so it would not mat
 one code path for both devices keeps the figures comparable with ``remat plan``'s.
 Every arm's build runs the same random draws: ``prepare_arm`` sets its step to seed every
 global generator with ``STEP_SEED + i`` before step i (``TrainingStep.seed``), as the
-round-robin does, and the caller's generators are put back after each measurement. Unseeded,
-each arm's steps drew from wherever earlier arms had left the shared generators, so on a
-layerdrop model (the zoo's Wav2Vec2) ``none`` peaked at 29.41 MiB on a step that ran 2 of 4
-layers and ``uniform:2`` at 39.91 MiB on one that ran 3: two peaks of different work, compared
-as if of the same step. A workload's own seeded steps (a step sample's later points seed in
+round-robin does, and the caller's generators are put back after each measurement (unseeded,
+a layerdrop model's arms would run different layers: two peaks of different work compared as
+if of the same step). A workload's own seeded steps (a step sample's later points seed in
 ``batch``, after this) keep their draws.
 """
 
@@ -55,7 +52,8 @@ from ..memory.tracker import LiveTensorTracker
 from ..types import MemorySource, Phase, ProgressFn, no_progress
 from ..workload.contract import TrainingStep, Workload, is_allocation_failure
 from ..workload.loader import LoadedWorkload, ShapeValue, factory_defaults
-from ..clock import StepClock, percentile
+from ..clock import StepClock
+from ..percentile import percentile
 from .compile_spec import CompileSpec
 from .compiled import CompiledFunction, compile_model, compiled_step_peak
 
@@ -202,6 +200,14 @@ def release_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def discard(prepared: list[Prepared]) -> None:
+    """Close every build in ``prepared``, drop them (the list is emptied) and release their memory."""
+    for p in prepared:
+        p.close()
+    prepared.clear()
+    release_memory()
 
 
 # -- one arm alone: peak, times, held bytes ------------------------------------------------

@@ -2,19 +2,17 @@
 
 NOTE [CPU allocator counter]
 The live-tensor tracker (NOTE [live-tensor tracker]) is a Python ``TorchDispatchMode``: one
-Python call per op. On the zoo's small steps that alone costs +24% (a mode that does nothing
-but call the op, diffusers SD3 and BART at 60-85 ms a step) and the tracker's bookkeeping as
-much again; torch.profiler's allocator events cost more still, most of it in turning the
-events into a trace when the profiler stops (13.6 ms of a 70 ms SD3 step, with op recording
-switched off). Neither can be +10% of a step.
+Python call per op, which on small steps costs a large share of the step; torch.profiler's
+allocator events cost more still, most of it in turning the events into a trace when the
+profiler stops. Neither can be +10% of a step.
 
 So the whole-step peaks that remat measures over and over (the profile's baseline, every plan
 the closed loop, the frontier and verify measure) come from a counter inside the CPU allocator
 itself: ``csrc/cpu_alloc_counter.cpp`` wraps ``c10::GetCPUAllocator()`` (what ``at::empty``
 allocates from) and, while a *window* is open, adds each allocation's bytes and subtracts them
 when that same window's allocation is freed, keeping the maximum. That is one mutex-guarded
-map update per allocation in C++: -3.0% to +3.7% of a step on all 22 zoo workloads, where the
-tracker costs up to +58.8% (``benchmarks/tracker_overhead.py``, ``benchmarks/RESULTS.md``).
+map update per allocation in C++ (its cost against the tracker's: ``benchmarks/tracker_overhead.py``,
+``benchmarks/RESULTS.md``).
 
 What it counts, against the tracker: every CPU allocation through the allocator, so it also
 sees what never becomes an op's output tensor (oneDNN workspaces, a kernel's temporary
@@ -25,18 +23,17 @@ window's: their frees are not subtracted (a pre-existing tensor freed mid-step r
 never low). A storage resized in place allocates from the allocator it was made with, which for
 one made before the counter was installed is not the counter: the window points such a storage
 at the counter before it resizes (NOTE [storage resizes] in memory/resize.py: FSDP2's
-all-gathered parameters, 2.1 MB of a 420 MB step read low without it). The state live when the
+all-gathered parameters). The state live when the
 step starts (parameters, buffers, gradients, optimizer state) is registered and added as the
 tracker registers it. The counter is process-wide (any thread's CPU allocations in the window
 count), and it is installed once per process, at the first CPU measurement; from then on an
 allocation outside a window is the wrapped allocator's own after one atomic load (the installed counter costs unmeasured steps
 nothing), and only one inside a window pays the map update.
 
-It is a small C++ extension, built with ``torch.utils.cpp_extension`` on first use (about 10 s
-on 2 cores; cached under torch's extension directory, ``$TORCH_EXTENSIONS_DIR`` or
+It is a small C++ extension, built with ``torch.utils.cpp_extension`` on first use (cached under torch's extension directory, ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``, in ``remat/<name>``, and imported from there directly by later
 processes). Where it cannot be built (no C++ compiler or ninja), or ``REMAT_CPU_PEAK=tracker``
-is set, CPU peaks come from the live-tensor tracker as before, and every figure's
+is set, CPU peaks come from the live-tensor tracker, and every figure's
 ``MemorySource`` says which instrument produced it (``cpu-allocator`` or ``cpu-live-tensors``).
 The cost model still predicts tensor bytes from the tracker's recorded step; NOTE [untracked
 bytes] in profile/step.py carries the gap between the two into its rows.

@@ -41,15 +41,19 @@ def track_step_state(tracker: LiveTensorTracker, step: TrainingStep) -> None:
     tracker.track(optimizer_state_tensors(step.optimizer), MemCategory.OPTIMIZER_STATE)
 
 
+def cuda_step_peak(step: TrainingStep, step_index: int, device: torch.device) -> PeakMeasurement:
+    """Run one step on CUDA and return the allocator's peak for it (bytes)."""
+    reset_cuda_peak(device)
+    loss = step.run(step_index)
+    stats = read_cuda_stats(device)
+    return PeakMeasurement(stats.peak_bytes, MemorySource.CUDA_ALLOCATOR, None, stats.num_alloc_retries, loss)
+
+
 def measure_step_peak(step: TrainingStep, step_index: int) -> PeakMeasurement:
     """Run one step and return its whole-step peak (bytes), CUDA allocator or CPU tracker."""
     device = model_device(step)
     if device.type == "cuda":
-        reset_cuda_peak(device)
-        loss = step.run(step_index)
-        stats = read_cuda_stats(device)
-        return PeakMeasurement(stats.peak_bytes, MemorySource.CUDA_ALLOCATOR, None,
-                               stats.num_alloc_retries, loss)
+        return cuda_step_peak(step, step_index, device)
     if counter_status().available and not _fake(step):
         return _counted_step_peak(step, step_index)
     with LiveTensorTracker(keep_timeline=False) as tracker:

@@ -9,22 +9,16 @@ NOTE [peaks at the edge]
 The live-tensor tracker sees tensors made through the dispatcher, the profiler sees allocations:
 buffers that never become tensors (oneDNN convolution workspaces) and tensors made outside the
 dispatcher (``torch.get_rng_state()``'s 5056 bytes, which ``torch.utils.checkpoint`` keeps per
-region with ``preserve_rng_state``: the constant 5056 B gap on checkpointed gpt below) are
-invisible to the tracker, so it reads low or equal, never high in any case measured. ``benchmarks/tracker_error.py`` compares them as
-``tests/test_memory.py`` does (whole warm step, tracker / profiler - 1): gpt and mlp unplanned
-0.000% and -0.002%; gpt with every block checkpointed -0.31% (batch 4, seq 64) and -0.96% (the
-tiny test size); the default cnn -2.58% unplanned (1.1 MB of workspace), -0.16% checkpointed;
-the tiny test cnn -47% (a 0.28 MB workspace beside a 0.3 MB step); and, as reported from the
-zoo (not re-run by the script), a checkpointed diffusers UNet -0.48%. So the error is a share
-of a large step and a fixed amount on a small one: the known error is the larger of
+region with ``preserve_rng_state``) are invisible to the tracker, so it reads low or equal, never
+high in any case measured (``benchmarks/tracker_error.py``; figures in benchmarks/RESULTS.md).
+The error is a share of a large step and a fixed amount on a small one: the known error is the larger of
 :data:`TRACKER_ERROR` of the budget and :data:`TRACKER_ERROR_BYTES` (about twice the largest
 workspace seen). A CPU plan whose tracked peak clears its budget by less than that
 (:func:`at_the_edge`) is not shipped on the tracker's word: the measurement runs one more step
 under torch.profiler and the larger of the two figures is the plan's measured peak
 (``remat.measure.measure_arm(confirm_under=)``; its ``memory_source`` says
-``cpu-profiler-allocator`` when the profiler read higher). The reported UNet step the tracker
-read at 21019556 B under a 21033356 B budget, which the profiler reads at 21096276 B, is then a
-miss. CUDA figures come from the allocator itself: nothing to confirm.
+``cpu-profiler-allocator`` when the profiler read higher). CUDA figures come from the allocator
+itself: nothing to confirm.
 """
 
 from __future__ import annotations
@@ -98,9 +92,8 @@ def profiler_memory_peak(fn: Callable[[], object]) -> ProfilerPeak:
     """Peak of the bytes allocated less freed while ``fn`` runs, by torch.profiler.
 
     NOTE [unseen frees]
-    The profiler can miss a free made on another thread (gloo's, freeing a
-    collective's buffer: 1 step in about 12 under load on tests/test_fsdp2_peaks.py read high by the
-    root's 266,240 B all-gather buffer while remat read the same figure every run). Two live blocks
+    The profiler can miss a free made on another thread (gloo's, freeing a collective's buffer;
+    benchmarks/RESULTS.md). Two live blocks
     cannot share an address, so an allocation at an address still live here proves the earlier block
     was freed before it: that free is counted then. A free the allocator never reuses stays unseen."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

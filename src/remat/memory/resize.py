@@ -13,18 +13,12 @@ first all-gather:
 - the CPU allocator counter (NOTE [CPU allocator counter] in memory/allocator.py) is installed at
   the first CPU measurement. A job that ran a step before that (``remat.auto``'s profile traces the
   step with the tracker first; a user calls it mid-training) has every all-gather storage on the
-  wrapped allocator, and its resizes go around the counter. TinyLM ``small`` (d 256, 6 blocks,
-  vocab 1024) sharded per block on 2 gloo ranks, a warm step read by both at once: torch.profiler
-  419,631,112 B over the step's start, the counter 417,529,864 B, 2,101,248 B low: exactly the
-  root unit's unsharded ``emb`` and ``head`` (FSDP2 keeps the root unsharded from forward into
-  backward). ``examples/auto_fsdp2.py --size small --budget 32%`` (near the floor, per block or per
-  sub-module) reported 134,434,804 B measured where the profiler read 136,503,284 B (-1.5%), and
-  the unplanned step 0.46% low; ``tests/test_fsdp2_peaks.py``'s wider-vocabulary job -2.0%
-  unplanned and -3.5% planned. A plan can then "fit" and run over its budget.
+  wrapped allocator, and its resizes go around the counter: it reads low by the unsharded
+  parameters FSDP2 keeps from forward into backward, and a plan can then "fit" and run over its
+  budget (figures in benchmarks/RESULTS.md, "FSDP2 peaks").
 - the live-tensor tracker sees a storage when an op outputs a view of it (the ``t()`` of a
-  weight) and never sees ``resize_(0)``, so it counted every block's unsharded parameters as
-  live to the end: 18,954,240 B high on that step (the six blocks' parameters; the root's are
-  live at the peak anyway).
+  weight) and never sees ``resize_(0)``, so it counts every block's unsharded parameters as
+  live to the end, and reads high.
 
 So while either instrument measures, ``torch.UntypedStorage.resize_`` (the Python method
 ``alloc_storage`` and ``free_storage`` call; torch's own ``torch.distributed._tools.MemTracker``
@@ -33,15 +27,10 @@ registered :class:`ResizeListener` before and after the resize: the counter poin
 itself before it allocates (``adopt`` in ``csrc/cpu_alloc_counter.cpp``), so the new buffer is
 counted like any other allocation in the window; the tracker books the new size as a new record
 and frees the old one, as the allocator does. The replacement is process-wide (like the counter)
-and removed when the last listener leaves. After it, that step reads 419,631,112 B on the
-counter and on the tracker, the profiler's to the byte; the example's planned peaks +0.02% over
-the profiler's (136,536,052 B against 136,503,284 B per block), the unplanned +0.01%. The
-profiler is not exact either at ``--size base`` (3.9 MB steps): on some ranks and steps its
-running sum ends 50,816 to 152,448 B above the counter's live bytes, whole multiples of a block's
-flat all-gather buffer (50,816 B), and its peak reads that much high. We read that as the buffer's
-free happening on gloo's thread (the profiler records the thread it runs on; the counter, any
-thread), which fits its coming and going from run to run; so compare the two on steps as large
-as ``small``'s or on the same step, not within 1% on ``base``.
+and removed when the last listener leaves. The profiler is not exact either on small FSDP2
+steps: its running sum can end whole all-gather buffers above the counter's live bytes (read as
+the buffer's free happening on gloo's thread: the profiler records the thread it runs on; the
+counter, any thread), so compare the two on large steps or on the same step.
 A ``Tensor.resize_`` (an operator, seen by the tracker) of a storage made before the counter was
 installed still goes around the counter; FSDP2 does not do that.
 """

@@ -35,7 +35,7 @@ from ..workload.contract import TrainingStep
 # recorder installs such hooks, so instrumentation would change the code path it measures.
 # The recorder registers its pack hook here, and remat's checkpoint wrapper runs with
 # remat's hooks (only remat's, only while they are on top of the stack) taken off:
-# ``instrumentation_hooks_off``. What the recorder no longer sees are the checkpoint's
+# ``instrumentation_hooks_off``. What the recorder then does not see are the checkpoint's
 # inputs being "saved" (they stay counted as live bytes, only not labelled activations).
 _REMAT_PACK_HOOKS: list[Any] = []
 

@@ -93,16 +93,13 @@ TOLERANCES: dict[str, Tolerance] = {
 # one part in a thousand) so that control is still rejected. Parameters *after the optimizer step*
 # get atol = 2 x the learning rate on top (remat.verify.runner._param_tolerances): AdamW's first
 # steps move each element by about lr x sign(grad), and gradient elements within rounding of zero
-# flip sign between two compiled graphs (seen on mlp, benchmarks/compile_check.py: every gradient
-# within 1.7e-5 relative, yet two parameters out of the plain tolerance after step 0).
+# flip sign between two compiled graphs.
 #
 # NOTE [cancelled gradients]
 # A float sum's rounding error scales with the terms summed, not with the sum. A gradient that
-# cancels to ~0 (torchvision EfficientNet-B0's features.1.0.block.2.1.bias: a BatchNorm bias
-# followed by a convolution and another BatchNorm, max |g| 4.4e-7) is all rounding, and two
-# compiled graphs disagree on it completely: the *unplanned* step eager and compiled differed
-# there by 1.5x its magnitude at step 0 and 2.3x at step 1 (3.5x on the worst parameter), and a
-# correct compiled plan by 1.65x. So under compile a gradient whose whole magnitude lies within
+# cancels to ~0 (a BatchNorm bias followed by a convolution and another BatchNorm) is all
+# rounding, and two compiled graphs (even the unplanned step eager and compiled) disagree on it
+# completely. So under compile a gradient whose whole magnitude lies within
 # ``rtol x`` the model's largest gradient is compared at that scale (atol + rtol x the largest
 # gradient), as the error of the sums it came from allows; every other gradient keeps its own
 # magnitude, so the perturbed-gradient control (one part in a thousand of a gradient that is not

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..host_rng import RngState, seed_everything
+from ..host_rng import RngState
 from ..wrap import ApplyHandle, CheckpointWrapper
 from .compare import changed_attributes, python_state
 

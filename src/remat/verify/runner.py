@@ -33,25 +33,22 @@ Dynamo run the frame eagerly, and a hook is traced into the graph and changes it
 loss, every gradient, the global grad norm, parameters after the step, buffers, Python
 attributes and generator states, all read outside the compiled code; the first divergent
 module is then named from the gradients, in parameter order. The negative controls run
-compiled too and must still be rejected, with one exception measured here: a checkpoint traced
-into the compiled graph (NOTE [wrapper under compile] in remat/wrap/wrapper.py) replays its
-random ops from the forward's RNG state whatever ``preserve_rng_state`` says (the zoo's GPT-2:
-the plan with it off matched the compiled control), so when that control matches under
-compile it is reported as not applicable, not as a failure; the perturbed-gradient control
+compiled too and must still be rejected, with one exception: a checkpoint traced into the
+compiled graph (NOTE [wrapper under compile] in remat/wrap/wrapper.py) replays its random ops
+from the forward's RNG state whatever ``preserve_rng_state`` says, so when that control matches
+under compile it is reported as not applicable, not as a failure; the perturbed-gradient control
 still has to be rejected. Verification under compile starts and ends with
-``torch._dynamo.reset()``: Dynamo's guards do not cover inductor's config, and a graph compiled
-earlier in the process (by the frontier, with inductor's own random kernels) was otherwise
-reused and failed a plan that passes in a fresh process. Every compiled side runs under
+``torch._dynamo.reset()``: Dynamo's guards do not cover inductor's config, so a graph compiled
+earlier in the process (by the frontier, with inductor's own random kernels) would otherwise be
+reused. Every compiled side runs under
 ``random_ops_in_program_order`` (NOTE [compiled arms], *Random numbers*): inductor's own
 random kernels draw other masks in any two different graphs, so without it a dropout model's
 compiled plan could never match its compiled control; the report's warnings say so.
 
 NOTE [deterministic kernels]
 On CUDA several backward kernels accumulate with atomics (embedding and index_add backward,
-some cuBLAS reductions with a split workspace), so the *unmodified* step does not repeat
-itself bitwise: on an H200, GPT-2 small's control differed from itself in the first step
-(benchmarks/gpu_check.py, pipeline_bf16, before this). Checkpointing could not then be told
-apart from nondeterminism. ``verify_plan`` therefore runs every pair on a CUDA workload under
+some cuBLAS reductions with a split workspace), so the *unmodified* step need not repeat
+itself bitwise, and checkpointing could not be told apart from nondeterminism. ``verify_plan`` therefore runs every pair on a CUDA workload under
 ``torch.use_deterministic_algorithms(True, warn_only=True)`` with cuDNN's deterministic
 algorithms and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set only when the user has not set it),
 and restores all three afterwards. ``warn_only``: an op with no deterministic kernel still
@@ -81,7 +78,8 @@ from .compare import (TensorDiff, boundary_of, changed_attributes, clone_tensors
                       owner_module, python_state, short_repr, tolerance_for)
 from .model import (PERTURBATION, TOLERANCES, BoundaryActivity, Hazard, NegativeControl, RngPolicy, RngTiming,
                     RngPolicyKind, RunMode, Site, StepComparison, Tolerance, VerifyReport, tolerance_table)
-from .probe import RegionProbe, RngState, StepRecorder, seed_everything
+from ..host_rng import RngState, seed_everything
+from .probe import RegionProbe, StepRecorder
 
 __all__ = ["GradientPerturbation", "measure_rng_overhead", "verify_plan"]
 

@@ -7,8 +7,9 @@ receipt package keeps only the receipt's model, schema and rendering.
 """
 
 from .build import held_bytes_at_backward, make_receipt, measure_savings, trace_planned, unsupported_modes
-from .check import (CheckFinding, CheckReport, ChosenWorkload, FindingKind, ReportStamps, check_receipt,
-                    choose_workload, fixture_plan, project_workload, report_findings, same_workload)
+from .check import (CheckReport, ChosenWorkload, ReportStamps, check_receipt, choose_workload, fixture_plan,
+                    project_workload, report_findings, same_workload)
+from .findings import CheckFinding, FindingKind
 from .gate import GateSettings
 
 __all__ = ["CheckFinding", "CheckReport", "ChosenWorkload", "FindingKind", "GateSettings", "ReportStamps",

@@ -78,8 +78,8 @@ with it as a member), and runs steps 3-5 again on the same profile. At most
 ``MAX_VERIFY_ROUNDS`` (3) rounds: each re-runs the closed loop, the frontier and verification
 (minutes on a real model), and a hazard found in block after block is a pattern the blocks
 share (a hook, a global), which another round would only find again; past the bound, or
-when verification fails without implicating a boundary, the last plan is listed UNVERIFIED
-as before. The exclusions and their reasons are recorded (``plan.excluded_after_verify``)
+when verification fails without implicating a boundary, the last plan is listed UNVERIFIED.
+The exclusions and their reasons are recorded (``plan.excluded_after_verify``)
 and stated in the decision; when no plan reaches the budget without them, nothing ships
 and the decision says so.
 """

@@ -115,7 +115,7 @@ from ..memory.capacity import clear_refusal, last_refusal, step_capacity
 from ..profile.blocked import BATCH_KEY
 from ..profile.model import describe_refusal
 from ..profile.sample import sample_workloads
-from ..clock import percentile
+from ..percentile import percentile
 from ..frontier.pareto import CONFIDENCE, p50_difference
 from ..measure import prepare_arm, time_round_robin
 from ..wrap import PlanArm, boundary_module
@@ -148,7 +148,7 @@ UNCHECKED = ("git_revision, git_dirty, command, created, hostname, platform, pyt
              "and replay times (the planner's model, not a measurement)")
 _STAMP = re.compile(r"receipt\.json sha256 ([0-9a-f]{64})")
 
-__all__ = ["CheckFinding", "CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FindingKind", "FixturePlan",
+__all__ = ["CheckLedger", "CheckReport", "ChosenWorkload", "Deadline", "FixturePlan",
            "ReadyCheck", "ReportStamps", "check_receipt", "choose_workload", "fixture_plan", "project_workload",
            "report_findings", "rerun_check", "same_workload", "start_check"]
 

@@ -2,10 +2,10 @@
 
 NOTE [workload in a child process]
 ``remat check`` is a CI gate: its exit code is the verdict. Run in-process, the user's code
-could fake it or outlive it: a factory calling ``os._exit(0)`` ended ``remat check`` with exit 0
-and no result; a ``batch()`` catching ``Exception`` in a retry loop swallowed the alarm's
-CheckTimeout and ran on (227 s of a 30 s ``--timeout``); a factory ignoring SIGALRM never got
-it (90 s of 20 s). So the command's process never runs the user's code. It decides everything
+could fake it or outlive it: a factory calling ``os._exit(0)`` ends the command with exit 0 and
+no result; a ``batch()`` catching ``Exception`` in a retry loop swallows the alarm's
+CheckTimeout and runs on; a factory ignoring SIGALRM never gets it. So the command's process
+never runs the user's code. It decides everything
 that needs none (the receipt read, the reports compared, the receipt against itself, the gate's
 thresholds: ``start_check``), then starts a child::
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..clock import percentile
+from ..percentile import percentile
 from ..frontier.model import FrontierPoint, FrontierReport, OverheadInterval
 from ..frontier.pareto import overhead_interval
 from ..frontier.pareto import Verdict, ship_decision

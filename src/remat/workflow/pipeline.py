@@ -41,8 +41,9 @@ from ..types import ProgressFn, no_progress
 from ..units import mib
 from ..workload import load_workload
 from ..workload.loader import LoadedWorkload
-from .check import (CheckFinding, CheckLedger, CheckReport, FindingKind, ReportStamps, _shape_findings,
-                    _within_world_size, _workload_is_the_receipts, choose_workload)
+from .check import (CheckLedger, CheckReport, ReportStamps, _shape_findings, _within_world_size,
+                    _workload_is_the_receipts, choose_workload)
+from .findings import CheckFinding, FindingKind
 from .gate import GateSettings, project_gate
 
 

@@ -284,9 +284,8 @@ def is_accumulation_count(n: object) -> bool:
 # gradients of the earlier ones alive (every trainable parameter's ``.grad``, the parameters'
 # bytes again), and each backward adds into them in place, a transient gradient at a time.
 # So the accumulated step peaks in a micro-batch after the first, at up to the gradients' bytes
-# above a plain step of the same micro-batch (a Hugging Face Trainer run with
-# ``gradient_accumulation_steps=2`` peaked 2.5% over a budget planned on one micro-batch). A
-# workload with ``accumulation_steps > 1`` therefore runs each step as that worst micro-batch:
+# above a plain step of the same micro-batch. A workload with ``accumulation_steps > 1``
+# therefore runs each step as that worst micro-batch:
 # the step ends with ``zero_grad(set_to_none=False)``, so from the second step on (every
 # measurement warms up first) the forward and backward run with the gradients allocated and
 # zeroed, as the earlier micro-batches leave them (same bytes; ``0 + g`` is ``g`` exactly, so the
@@ -334,7 +333,7 @@ class TrainingStep:
         self.optimizer_step()
         # accumulating: the next step starts with the gradients allocated (NOTE [accumulated step])
         self.optimizer.zero_grad(set_to_none=self.workload.accumulation_steps == 1)
-        value = float(loss.detach())   # syncs the device once per step, as it always did
+        value = float(loss.detach())   # syncs the device once per step
         if not math.isfinite(value):
             raise WorkloadError(
                 f"the workload's loss is {value} at step {step}: there is nothing to plan or verify on a step "

@@ -42,7 +42,7 @@ class PlanArm(Arm):
 # stopping note. The first application of a plan (``full_check``) compares the whole
 # fingerprint, class sources included; later rebuilds of the same workload in the same
 # process reuse the same classes, so they compare only the module tree (hashing every
-# class's source costs ~0.4 s a build on this CPU). The first application is the solo
+# class's source costs a fraction of a second a build). The first application is the solo
 # peak at the base shape, so a plan made for another model is still refused there, with
 # ``FingerprintMismatch``.
 

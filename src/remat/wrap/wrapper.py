@@ -45,17 +45,12 @@ When Dynamo traces a wrapper (``torch.compiler.is_compiling()``), the region is
 saved-tensor hook juggling, no observers, and the SAC policy handed over as a ``partial`` of
 a plain function (Dynamo takes ``context_fn`` only as a Python constant; a policy *object*
 is not one). Dynamo then turns the region into one checkpoint higher-order op inside the
-compiled graph, which AOTAutograd partitions like torch's own. Before this, the eager path's
-``with instrumentation_hooks_off()`` broke the graph at every planned region (Dynamo cannot
-resume inside a user context manager), so each region ran as an eager checkpoint around
-separately compiled pieces, and remat's compiled plans paid for the breaks. Guarded wrappers
-trace the same way: in a compiled graph the replay is AOTAutograd's recompute of the saved
-values, and BatchNorm's running-stat writes are functionalized outputs of the forward written
-back once, never replayed, so there is nothing for the buffer guard to restore (measured: the
-zoo U-Net's guarded plan verifies against the compiled control, buffers and
-``num_batches_tracked`` included; through the eager path its graphs differed from the
-control's and so did its gradients, by 0.93% relative after one step, as eager and compiled
-differ). A segment (NOTE [segment wrapper]) checks its chain while traced too, holding its
+compiled graph, which AOTAutograd partitions like torch's own (the eager path's
+``with instrumentation_hooks_off()`` would break the graph at every planned region: Dynamo cannot
+resume inside a user context manager). Guarded wrappers trace the same way: in a compiled graph
+the replay is AOTAutograd's recompute of the saved values, and BatchNorm's running-stat writes
+are functionalized outputs of the forward written back once, never replayed, so there is nothing
+for the buffer guard to restore. A segment (NOTE [segment wrapper]) checks its chain while traced too, holding its
 output by a strong reference that the last member drops (Dynamo cannot trace ``weakref``).
 Wrappers with observers keep the eager path. Under compile nobody counts replays:
 verify observes boundary activity on an eager pair (NOTE [verify under compile]).
