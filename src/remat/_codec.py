@@ -77,6 +77,16 @@ class Len:
     min_len: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Via:
+    """The annotation marker of a type written as another JSON value, through these two functions:
+    ``Annotated[PlannerSpec, SHORT, Via(str, PlannerSpec.parse)]`` holds the type and
+    writes its text (one alias for every field of that type: ``remat.plan.spec.PlannerText``)."""
+
+    encode: Callable[[Any], Any]   # the value -> JSON
+    decode: Callable[[Any], Any]   # JSON -> the value
+
+
 NONFINITE = _Marker("NONFINITE")
 AS_WRITTEN = _Marker("AS_WRITTEN")
 NonFinite = Annotated[float, NONFINITE]         # verify's encoding of non-finite differences
@@ -262,7 +272,23 @@ def _converter(hint: Any) -> _Conv:
     return _Free()
 
 
+class _Via(_Conv):
+    """A type written as another JSON value (:class:`Via`)."""
+
+    def __init__(self, via: Via) -> None:
+        self.via = via
+
+    def write(self, v: Any) -> Any:
+        return self.via.encode(v)
+
+    def read(self, v: Any) -> Any:
+        return self.via.decode(v)
+
+
 def _converter_annotated(hint: Any, metadata: tuple[Any, ...]) -> _Conv:
+    via = [m for m in metadata if isinstance(m, Via)]
+    if via:
+        return _Via(via[0])
     if NONFINITE in metadata:
         return _Scalar(float, nonfinite=True)
     if AS_WRITTEN in metadata:

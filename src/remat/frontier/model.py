@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Annotated, Any
+from typing import Any
 
 from .._codec import FloatAsWritten, JsonCodec, from_json, json_field
-from .._json import SHORT
 from ..errors import RematError
 from ..plan.model import Plan
-from ..plan.spec import PlannerSpec
+from ..plan.spec import PlannerSpec, PlannerText
 from ..types import MemorySource
 
 FRONTIER_SCHEMA_VERSION = 1
@@ -145,7 +144,7 @@ class FrontierPoint(JsonCodec):
 
     plan: str                                  # label: "none", "uniform:2", "optimal@50%", ...
     # the planner spec the plan came from, typed; its JSON is the spec's text (NOTE [planner specs])
-    planner: Annotated[PlannerSpec, SHORT] = json_field(encode=PlannerSpec.format, decode=PlannerSpec.parse)
+    planner: PlannerText
     plan_budget_bytes: int | None = None       # budget the planner was given (optimal/greedy)
     predicted_peak_bytes: int | None = None    # the cost model's figure (None: infeasible)
     predicted_overhead_ms: FloatAsWritten | None = None  # the cost model's added time (sum of boundary replay ms)

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from .._codec import Bytes, JsonCodec, Len, Ms, Short, SignedBytes, SignedMs, Text, from_json, json_field, schema
-from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, SHORT, Enum, Int, Num, Str, read_json_file, validate
+from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, Enum, Int, Num, Str, read_json_file, validate
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import SAMPLE, BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .budget import format_bytes
 from .offload import OffloadPricing
-from .spec import PlannerSpec
+from .spec import PlannerSpec, PlannerText
 from .timing import TimeRace
 
 PLAN_SCHEMA_VERSION = 1
@@ -105,7 +105,7 @@ class Plan(JsonCodec):
 
     # the planner spec it came from ("optimal", "uniform:2", "optimal->all", ...), typed; its JSON is the
     # spec's text (NOTE [planner specs]); text given here is parsed
-    planner: Annotated[PlannerSpec, SHORT] = json_field(encode=PlannerSpec.format, decode=PlannerSpec.parse)
+    planner: PlannerText
     budget_bytes: Annotated[int, Int(1, 2 ** 53)] | None   # whole-step peak budget (None: planner needs none)
     reserve: Annotated[float, Num(0, 0.999999)]   # fraction of the budget kept free (0.05 = 5%)
     boundaries: Annotated[list[Boundary], Len(10_000)]
