@@ -52,7 +52,8 @@ import typing
 from typing import Annotated, Any, Callable, TypeVar
 
 from ._json import (BYTES, MAX_LIST, MS, SHORT, SIGNED_BYTES, SIGNED_MS, TEXT, Bool, Enum, List, Obj, Opt, Spec,
-                    Tuple)
+                    Tuple, show, validate)
+from .errors import RematError
 
 T = TypeVar("T")
 
@@ -118,16 +119,19 @@ class JsonField:
     # the key is left out when this holds of the whole object (a receipt's single-process sections, left
     # out of a pipeline run's: NOTE [one receipt] in remat/receipt/model.py)
     omit_if: Callable[[Any], bool] | None = None
+    # the field's value, a dataclass, writes its keys into this object (no key of its own) and is read from
+    # this whole object (a SampleRecord's StepSample: its keys beside the record's own)
+    inline: bool = False
 
 
 def json_field(*, key: str | None = None, omit: Any = _UNSET, absent: Any = _UNSET,
                then: tuple[str | tuple[str, str], ...] = (),
                encode: Callable[[Any], Any] | None = None, decode: Callable[[Any], Any] | None = None,
                skip: bool = False, required: bool = False, omit_if: Callable[[Any], bool] | None = None,
-               **field: Any) -> Any:
+               inline: bool = False, **field: Any) -> Any:
     """``dataclasses.field(**field)`` carrying a :class:`JsonField` (the other arguments)."""
     spec = JsonField(key=key, omit=omit, absent=absent, then=tuple(then), encode=encode, decode=decode, skip=skip,
-                     required=required, omit_if=omit_if)
+                     required=required, omit_if=omit_if, inline=inline)
     return dataclasses.field(metadata={JsonField: spec}, **field)   # the class is the entry's key
 
 
@@ -350,7 +354,9 @@ def to_json(obj: Any) -> dict[str, Any]:
         v = getattr(obj, s.name)
         if s.opts.omit_if is not None and s.opts.omit_if(obj):
             continue
-        if s.opts.omit is _UNSET or v != s.opts.omit:
+        if s.opts.inline:
+            d.update(s.encode(v))
+        elif s.opts.omit is _UNSET or v != s.opts.omit:
             d[s.key] = s.encode(v)
         for key, name in s.then():
             d[key] = plain(getattr(obj, name))
@@ -360,7 +366,8 @@ def to_json(obj: Any) -> dict[str, Any]:
 def from_json(cls: type[T], d: dict[str, Any]) -> T:
     """``cls`` built from the JSON object ``to_json`` writes (NOTE [codecs from the types]);
     KeyError for a missing key that has no default."""
-    kw = {s.name: s.decode(d[s.key]) if s.key in d else s.missing() for s in _slots(cls)}
+    kw = {s.name: s.decode(d) if s.opts.inline else s.decode(d[s.key]) if s.key in d else s.missing()
+          for s in _slots(cls)}
     return cls(**kw)
 
 
@@ -375,7 +382,12 @@ def schema(cls: type) -> Obj:
     optional: dict[str, Spec] = {}
     for s in _slots(cls):
         has_default = s.field.default is not dataclasses.MISSING or s.field.default_factory is not dataclasses.MISSING
-        (optional if has_default and not s.opts.required else required)[s.key] = spec_of(hints[s.name], f"{cls.__name__}.{s.name}")
+        spec = spec_of(hints[s.name], f"{cls.__name__}.{s.name}")
+        if s.opts.inline and isinstance(spec, Obj):   # its keys are this object's
+            required.update(spec.required)
+            optional.update(spec.optional)
+        else:
+            (optional if has_default and not s.opts.required else required)[s.key] = spec
         for key, name in s.then():
             required[key] = spec_of(_property_hint(cls, name), f"{cls.__name__}.{name}")   # always written
     return Obj(required, optional)
@@ -429,13 +441,85 @@ def _plain_spec(hint: Any) -> Spec | None:
     return None
 
 
+# NOTE [checked reading]
+# A file's top-level type (a plan, a pipeline plan, a frontier, a receipt) is read from untrusted JSON, so
+# its ``from_json`` checks before it builds, in this order: the top level is an object; ``refuse``, a format
+# the file names that this remat no longer reads (the old pipeline receipt: a typed error that says how to
+# make it again); ``schema_version`` is an integer this remat reads (said so, rather than the schema's
+# "expected one of"); the JSON passes the type's schema (:func:`schema`; NOTE [hostile JSON] in
+# remat/_json.py); ``shape``, what the schema cannot say (which keys come together); then :func:`from_json`
+# builds it, an error among ``wrap`` becoming the type's own "malformed ..."; and ``check`` holds the built
+# parts against each other. The type says this once, as a :class:`Reading` in its class line
+# (``class Plan(JsonCodec, reading=Reading(...))``), and ``from_json(d, source=...)`` follows it; ``source``
+# (a file's path) names the JSON in the messages in place of ``what``.
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """How a top-level type's JSON is checked before and after it is built (NOTE [checked reading])."""
+
+    error: type[RematError]                 # what every refusal raises
+    what: str                               # the JSON's name in messages: "plan", "receipt"
+    version: int | None = None              # the ``schema_version`` this remat reads (None: the schema says)
+    version_tip: str | None = None          # the tip of the refusal of another version
+    schema: bool = True                     # checked against :func:`schema` (False: where it is read, by another's)
+    refuse: Callable[[dict[str, Any]], None] | None = None   # raises for a format the file names, before the rest
+    shape: Callable[[dict[str, Any]], None] | None = None    # raises for what the schema cannot say, after it
+    wrap: tuple[type[Exception], ...] = ()  # errors building it that become ``error("malformed <what>: ...")``
+    check: Callable[[Any], None] | None = None   # raises for built parts that disagree
+
+
+_READINGS: dict[type, Reading] = {}
+
+
+def read(cls: type[T], d: Any, reading: Reading, source: str | None = None) -> T:
+    """``cls`` from untrusted JSON, checked as ``reading`` says (NOTE [checked reading])."""
+    what, error = source or reading.what, reading.error
+    if not isinstance(d, dict):
+        raise error(f"malformed {what}: the top level must be a JSON object, got {show(d)}")
+    if reading.refuse is not None:
+        reading.refuse(d)
+    if reading.version is not None:
+        _check_version(d.get("schema_version"), reading, what)
+    if reading.schema:
+        validate(d, schema(cls), error=error, what=what)
+    if reading.shape is not None:
+        reading.shape(d)
+    try:
+        obj = from_json(cls, d)
+    except error:
+        raise
+    except reading.wrap as exc:
+        msg = exc.message if isinstance(exc, RematError) else f"{type(exc).__name__}: {exc}"
+        raise error(f"malformed {what}: {msg}") from exc
+    if reading.check is not None:
+        reading.check(obj)
+    return obj
+
+
+def _check_version(v: Any, reading: Reading, what: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise reading.error(f"malformed {what}: $.schema_version: expected an integer, got {show(v)}")
+    if v != reading.version:
+        raise reading.error(f"{what} schema_version {v} is not supported (this remat reads {reading.version})",
+                            tip=reading.version_tip)
+
+
 class JsonCodec:
     """``to_json``/``from_json`` from the dataclass's fields, for callers that ask the type (NOTE
-    [codecs from the types]). A type whose JSON needs more (a version check, a schema) overrides them."""
+    [codecs from the types]); a top-level type names its :class:`Reading` in its class line (NOTE
+    [checked reading]). A type whose JSON is the distributed stack's hand codec overrides them."""
+
+    def __init_subclass__(cls, *, reading: Reading | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if reading is not None:
+            _READINGS[cls] = reading
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)
 
     @classmethod
-    def from_json(cls: type[T], d: dict[str, Any]) -> T:
-        return from_json(cls, d)
+    def from_json(cls: type[T], d: Any, *, source: str | None = None) -> T:
+        """Built from ``d``; checked first when the type has a :class:`Reading` (``source`` names the JSON in its
+        messages)."""
+        reading = _READINGS.get(cls)
+        return from_json(cls, d) if reading is None else read(cls, d, reading, source)
