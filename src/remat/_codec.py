@@ -14,6 +14,8 @@ dataclass, and its JSON form follows from its fields, in field order, each value
 - ``X | None``: ``null`` or ``X``;
 - ``list[X]`` and ``tuple[X, ...]``: a list; ``tuple[X, Y]``: a list of two;
 - ``dict[K, V]``: an object, its keys ``str`` or an enum's values;
+- ``Annotated[X, Via(encode, decode)]``: through those two functions (:class:`Via`: a
+  ``PlannerSpec`` held typed and written as its text, ``remat.plan.spec.PlannerText``);
 - a nested dataclass: its own ``to_json()``/``from_json()`` when it has them, else this codec;
 - ``Any`` (and any other union): free-form JSON, written with nested dataclasses and enums
   encoded, read as it is.
@@ -23,7 +25,8 @@ untrusted JSON checks it against its schema first, which refuses both: NOTE [hos
 remat/_json.py). The odd field says how it differs with :func:`json_field` (a :class:`JsonField`
 in its metadata): another key, a value for which the key is left out, a value read when the key is
 missing, properties written after it (computed figures, never read back), its own encoding, a
-condition on the whole object under which the key is left out (``omit_if``), or no JSON at all.
+condition on the whole object under which the key is left out (``omit_if``), its value's keys written
+into this object (``inline``: a ``SampleRecord``'s ``StepSample``), or no JSON at all.
 
 The schema that checks a file before it is read comes from the same fields (:func:`schema`): a key
 is required unless its field has a default (``json_field(required=True)``: every file has it all
@@ -35,9 +38,11 @@ string never goes unbounded: without a Spec in its annotation, deriving the sche
 A Spec in a nested dataclass's annotation wins over that type's own schema (the receipt holds its
 traces to its own spec of one: ``Annotated[StepTrace, STEP_TRACE]`` in remat/receipt/model.py), and
 a key written after a field (``then``) may be a constant the file carries (the receipt's ``kind``).
-A type whose JSON is computed (``SampleRecord``, ``DistributedReport``) keeps a hand codec and a
-hand spec, side by side; a file's reader that checks more than the schema (a version, the parts
-against each other: ``Receipt.from_json``) keeps a hand ``from_json`` around :func:`from_json`.
+A type whose schema cannot follow from its fields (a ``SampleRecord``'s computed points) keeps a hand
+spec beside its fields, and the annotation that holds it names it (``Annotated[SampleRecord, SAMPLE]``).
+A file's reader that checks more than the schema (a version, an old format refused by name, the parts
+against each other) declares that as a :class:`Reading` the codec follows (NOTE [checked reading]), not
+a ``from_json`` of its own.
 """
 
 from __future__ import annotations
@@ -76,16 +81,6 @@ class Len:
 
     max_len: int
     min_len: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Via:
-    """The annotation marker of a type written as another JSON value, through these two functions:
-    ``Annotated[PlannerSpec, SHORT, Via(str, PlannerSpec.parse)]`` holds the type and
-    writes its text (one alias for every field of that type: ``remat.plan.spec.PlannerText``)."""
-
-    encode: Callable[[Any], Any]   # the value -> JSON
-    decode: Callable[[Any], Any]   # JSON -> the value
 
 
 NONFINITE = _Marker("NONFINITE")
@@ -276,23 +271,19 @@ def _converter(hint: Any) -> _Conv:
     return _Free()
 
 
-class _Via(_Conv):
-    """A type written as another JSON value (:class:`Via`)."""
+class Via(_Conv):
+    """The annotation marker of a type written as another JSON value, through two functions (itself its
+    converter): ``Annotated[PlannerSpec, SHORT, Via(str, PlannerSpec.parse)]`` holds the type and writes its
+    text (one alias for every field of that type: ``remat.plan.spec.PlannerText``)."""
 
-    def __init__(self, via: Via) -> None:
-        self.via = via
-
-    def write(self, v: Any) -> Any:
-        return self.via.encode(v)
-
-    def read(self, v: Any) -> Any:
-        return self.via.decode(v)
+    def __init__(self, encode: Callable[[Any], Any], decode: Callable[[Any], Any]) -> None:
+        self.write, self.read = encode, decode   # type: ignore[method-assign]
 
 
 def _converter_annotated(hint: Any, metadata: tuple[Any, ...]) -> _Conv:
     via = [m for m in metadata if isinstance(m, Via)]
     if via:
-        return _Via(via[0])
+        return via[0]
     if NONFINITE in metadata:
         return _Scalar(float, nonfinite=True)
     if AS_WRITTEN in metadata:
@@ -443,15 +434,13 @@ def _plain_spec(hint: Any) -> Spec | None:
 
 # NOTE [checked reading]
 # A file's top-level type (a plan, a pipeline plan, a frontier, a receipt) is read from untrusted JSON, so
-# its ``from_json`` checks before it builds, in this order: the top level is an object; ``refuse``, a format
-# the file names that this remat no longer reads (the old pipeline receipt: a typed error that says how to
-# make it again); ``schema_version`` is an integer this remat reads (said so, rather than the schema's
-# "expected one of"); the JSON passes the type's schema (:func:`schema`; NOTE [hostile JSON] in
-# remat/_json.py); ``shape``, what the schema cannot say (which keys come together); then :func:`from_json`
-# builds it, an error among ``wrap`` becoming the type's own "malformed ..."; and ``check`` holds the built
-# parts against each other. The type says this once, as a :class:`Reading` in its class line
-# (``class Plan(JsonCodec, reading=Reading(...))``), and ``from_json(d, source=...)`` follows it; ``source``
-# (a file's path) names the JSON in the messages in place of ``what``.
+# ``from_json`` checks before it builds, in this order: the top level is an object; ``refuse``: a format the
+# file names that this remat no longer reads (a typed error saying how to make it again); ``schema_version``
+# is an integer this remat reads (said so, not the schema's "expected one of"); the schema (NOTE [hostile
+# JSON] in remat/_json.py); ``shape``: what the schema cannot say (which keys come together); the build, an
+# error among ``wrap`` becoming the type's "malformed ..."; ``check``: the built parts against each other.
+# The type declares it once, in its class line (``class Plan(JsonCodec, reading=Reading(...))``);
+# ``from_json(d, source=...)`` names the JSON (a file's path) in messages in place of ``what``.
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
@@ -459,13 +448,13 @@ class Reading:
 
     error: type[RematError]                 # what every refusal raises
     what: str                               # the JSON's name in messages: "plan", "receipt"
-    version: int | None = None              # the ``schema_version`` this remat reads (None: the schema says)
-    version_tip: str | None = None          # the tip of the refusal of another version
-    schema: bool = True                     # checked against :func:`schema` (False: where it is read, by another's)
-    refuse: Callable[[dict[str, Any]], None] | None = None   # raises for a format the file names, before the rest
-    shape: Callable[[dict[str, Any]], None] | None = None    # raises for what the schema cannot say, after it
-    wrap: tuple[type[Exception], ...] = ()  # errors building it that become ``error("malformed <what>: ...")``
-    check: Callable[[Any], None] | None = None   # raises for built parts that disagree
+    version: int | None = None              # the ``schema_version`` read (None: the schema says)
+    version_tip: str | None = None
+    schema: bool = True                     # False: checked by another's schema where it is read
+    refuse: Callable[[dict[str, Any]], None] | None = None
+    shape: Callable[[dict[str, Any]], None] | None = None
+    wrap: tuple[type[Exception], ...] = ()
+    check: Callable[[Any], None] | None = None
 
 
 _READINGS: dict[type, Reading] = {}

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Annotated, Any
+from typing import Annotated
 
-from .._codec import JsonCodec, Len, Short, json_field, to_json
+from .._codec import JsonCodec, Len, Short, json_field
 from .._json import BYTES, HEX64, MAX_MODULES, SHAPE, Enum, Int, List, Obj, Opt, Str
 from ..errors import ShapeError, WorkloadError
 from ..percentile import p50
@@ -329,11 +329,6 @@ class SampleRecord(JsonCodec):
             return None
         return {"min": min(self.point_peaks), "median": int(p50(self.point_peaks)),
                 "max": max(self.point_peaks)}
-
-
-def refusal_to_json(r: Refusal) -> dict[str, Any]:
-    """``r`` as JSON (``remat.plan.schema.BLOCKED``'s ``refusal``)."""
-    return to_json(r)
 
 
 def describe_refusal(r: Refusal) -> str:
