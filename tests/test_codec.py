@@ -10,8 +10,10 @@ from typing import Annotated, Any
 
 import pytest
 
-from remat._codec import Bytes, FloatAsWritten, JsonCodec, Len, NonFinite, Short, from_json, json_field, schema, to_json
-from remat._json import Int, Map, Num, validate
+from remat._codec import (Bytes, FloatAsWritten, JsonCodec, Len, NonFinite, Reading, Short, from_json, json_field, schema,
+                          to_json)
+from remat._json import Enum, Int, Map, Num, validate
+from remat.plan.spec import PlannerText
 from remat.errors import PlanError
 
 
@@ -102,3 +104,117 @@ def test_an_unbounded_number_has_no_schema():
 
     with pytest.raises(TypeError, match="Loose.n"):
         schema(Loose)
+
+
+# -- Via, inline, and the checked reading (NOTE [checked reading]) -----------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class Planned(JsonCodec):
+    planner: PlannerText
+
+
+def test_a_planner_spec_is_held_typed_and_written_as_its_text():
+    """Via: the field holds a PlannerSpec and its JSON is the spec's text; the text a user would write is the
+    ground truth, and text no planner spells is refused as it would be on the command line."""
+    from remat.plan.spec import PlannerKind, PlannerSpec
+    spec = PlannerSpec.parse("optimal->all")
+    d = Planned(planner=spec).to_json()
+    assert d == {"planner": "optimal->all"}
+    back = Planned.from_json(d).planner
+    assert isinstance(back, PlannerSpec) and back.kind is PlannerKind.ALL and back.fallback_of.kind is PlannerKind.OPTIMAL
+    assert schema(Planned).required["planner"].check("x" * 2000, "$") is None   # SHORT: 2,000 characters fit
+    with pytest.raises(PlanError, match="unknown planner 'sac-matmuls'"):
+        Planned.from_json({"planner": "sac-matmuls"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample(JsonCodec):
+    steps: Annotated[int, Int(1, 9)] = 1
+    note: Short = ""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Record(JsonCodec):
+    sample: Sample = json_field(inline=True, then=("doubled",))
+    peaks: Annotated[list[Bytes], Len(4)] = json_field(default_factory=list)
+
+    @property
+    def doubled(self) -> Annotated[int, Int(2, 18)]:
+        return 2 * self.sample.steps
+
+
+def test_an_inline_field_writes_its_keys_into_the_object_and_reads_from_it():
+    r = Record(sample=Sample(steps=3, note="n"), peaks=[5])
+    assert json.dumps(r.to_json()) == '{"steps": 3, "note": "n", "doubled": 6, "peaks": [5]}'   # written by hand
+    assert Record.from_json(r.to_json()) == r
+    s = schema(Record)
+    assert sorted(s.required) == ["doubled"] and sorted(s.optional) == ["note", "peaks", "steps"]
+    with pytest.raises(PlanError, match=r"\$.steps"):
+        validate({**r.to_json(), "steps": 10}, s, error=PlanError, what="record")   # the inline type's bound
+    validate(r.to_json(), s, error=PlanError, what="record")   # the safe twin
+
+
+def _refuse_old(d: dict[str, Any]) -> None:
+    if d.get("kind") == "old":
+        raise PlanError("an old document: make it again")
+
+
+def _two_or_none(d: dict[str, Any]) -> None:
+    if ("a" in d) != ("b" in d):
+        raise PlanError("malformed doc: a and b come together")
+
+
+def _ordered(doc: "Doc") -> None:
+    if doc.a is not None and doc.b is not None and doc.a > doc.b:
+        raise PlanError("malformed doc: a is after b")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Doc(JsonCodec, reading=Reading(error=PlanError, what="doc", version=2, version_tip="make it again",
+                                     refuse=_refuse_old, shape=_two_or_none, check=_ordered)):
+    schema_version: Annotated[int, Int(0, 9)] = json_field(default=2, required=True)
+    kind: Annotated[str, Enum("doc", "old")] = "doc"
+    a: Annotated[int, Int(0, 9)] | None = None
+    b: Annotated[int, Int(0, 9)] | None = None
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([1], "malformed doc: the top level must be a JSON object, got list [1]"),
+    ({"schema_version": 2, "kind": "old"}, "an old document: make it again"),
+    ({"kind": "old"}, "an old document: make it again"),                      # refused before the version
+    ({"schema_version": True}, "malformed doc: $.schema_version: expected an integer, got bool True"),
+    ({}, "malformed doc: $.schema_version: expected an integer, got NoneType None"),
+    ({"schema_version": 3}, "doc schema_version 3 is not supported (this remat reads 2)\nTip: make it again"),
+    ({"schema_version": 2, "a": 10, "b": 1}, "malformed doc: $.a: expected an integer in [0, 9]"),   # the schema
+    ({"schema_version": 2, "a": 1}, "malformed doc: a and b come together"),
+    ({"schema_version": 2, "a": 2, "b": 1}, "malformed doc: a is after b"),
+])
+def test_a_checked_reading_refuses_in_order(bad, message):
+    with pytest.raises(PlanError) as exc:
+        Doc.from_json(bad)
+    assert str(exc.value).startswith(message)
+
+
+def test_a_checked_reading_names_its_source_and_reads_the_safe_twin():
+    with pytest.raises(PlanError, match="^doc /tmp/d.json schema_version 3 is not supported"):
+        Doc.from_json({"schema_version": 3}, source="doc /tmp/d.json")
+    assert Doc.from_json({"schema_version": 2, "a": 1, "b": 2}) == Doc(a=1, b=2)
+    assert Doc.from_json({"schema_version": 2}) == Doc()
+
+
+def test_a_checked_reading_wraps_only_the_errors_it_names():
+    """``wrap``: a build error it names becomes the type's "malformed ..."; any other propagates as it is."""
+    @dataclasses.dataclass(kw_only=True)
+    class Wrapped(JsonCodec, reading=Reading(error=PlanError, what="w", schema=False, wrap=(ValueError,))):
+        n: int = json_field(default=0, decode=lambda v: int(v))
+
+    with pytest.raises(PlanError, match="^malformed w: ValueError: invalid literal"):
+        Wrapped.from_json({"n": "x"})
+
+    @dataclasses.dataclass(kw_only=True)
+    class Unwrapped(JsonCodec, reading=Reading(error=PlanError, what="u", schema=False)):
+        n: int = json_field(default=0, decode=lambda v: int(v))
+
+    with pytest.raises(ValueError):
+        Unwrapped.from_json({"n": "x"})
+    assert Wrapped.from_json({"n": "3"}).n == 3

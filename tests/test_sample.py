@@ -103,7 +103,7 @@ def test_sample_points_and_their_batches():
     with pytest.raises(remat.WorkloadError):
         StepSample(steps=0)
     rec = SampleRecord(sample=s, point_peaks=[3, 1, 2, 9, 4, 5])
-    assert rec.spread() == {"min": 1, "median": 3, "max": 9}
+    assert rec.spread == {"min": 1, "median": 3, "max": 9}
     assert SampleRecord.from_json(json.loads(json.dumps(rec.to_json()))).point_peaks == rec.point_peaks
 
 

@@ -14,6 +14,8 @@ dataclass, and its JSON form follows from its fields, in field order, each value
 - ``X | None``: ``null`` or ``X``;
 - ``list[X]`` and ``tuple[X, ...]``: a list; ``tuple[X, Y]``: a list of two;
 - ``dict[K, V]``: an object, its keys ``str`` or an enum's values;
+- ``Annotated[X, Via(encode, decode)]``: through those two functions (:class:`Via`: a
+  ``PlannerSpec`` held typed and written as its text, ``remat.plan.spec.PlannerText``);
 - a nested dataclass: its own ``to_json()``/``from_json()`` when it has them, else this codec;
 - ``Any`` (and any other union): free-form JSON, written with nested dataclasses and enums
   encoded, read as it is.
@@ -23,7 +25,8 @@ untrusted JSON checks it against its schema first, which refuses both: NOTE [hos
 remat/_json.py). The odd field says how it differs with :func:`json_field` (a :class:`JsonField`
 in its metadata): another key, a value for which the key is left out, a value read when the key is
 missing, properties written after it (computed figures, never read back), its own encoding, a
-condition on the whole object under which the key is left out (``omit_if``), or no JSON at all.
+condition on the whole object under which the key is left out (``omit_if``), its value's keys written
+into this object (``inline``: a ``SampleRecord``'s ``StepSample``), or no JSON at all.
 
 The schema that checks a file before it is read comes from the same fields (:func:`schema`): a key
 is required unless its field has a default (``json_field(required=True)``: every file has it all
@@ -35,9 +38,11 @@ string never goes unbounded: without a Spec in its annotation, deriving the sche
 A Spec in a nested dataclass's annotation wins over that type's own schema (the receipt holds its
 traces to its own spec of one: ``Annotated[StepTrace, STEP_TRACE]`` in remat/receipt/model.py), and
 a key written after a field (``then``) may be a constant the file carries (the receipt's ``kind``).
-A type whose JSON is computed (``SampleRecord``, ``DistributedReport``) keeps a hand codec and a
-hand spec, side by side; a file's reader that checks more than the schema (a version, the parts
-against each other: ``Receipt.from_json``) keeps a hand ``from_json`` around :func:`from_json`.
+A type whose schema cannot follow from its fields (a ``SampleRecord``'s computed points) keeps a hand
+spec beside its fields, and the annotation that holds it names it (``Annotated[SampleRecord, SAMPLE]``).
+A file's reader that checks more than the schema (a version, an old format refused by name, the parts
+against each other) declares that as a :class:`Reading` the codec follows (NOTE [checked reading]), not
+a ``from_json`` of its own.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ import typing
 from typing import Annotated, Any, Callable, TypeVar
 
 from ._json import (BYTES, MAX_LIST, MS, SHORT, SIGNED_BYTES, SIGNED_MS, TEXT, Bool, Enum, List, Obj, Opt, Spec,
-                    Tuple)
+                    Tuple, show, validate)
+from .errors import RematError
 
 T = TypeVar("T")
 
@@ -108,16 +114,19 @@ class JsonField:
     # the key is left out when this holds of the whole object (a receipt's single-process sections, left
     # out of a pipeline run's: NOTE [one receipt] in remat/receipt/model.py)
     omit_if: Callable[[Any], bool] | None = None
+    # the field's value, a dataclass, writes its keys into this object (no key of its own) and is read from
+    # this whole object (a SampleRecord's StepSample: its keys beside the record's own)
+    inline: bool = False
 
 
 def json_field(*, key: str | None = None, omit: Any = _UNSET, absent: Any = _UNSET,
                then: tuple[str | tuple[str, str], ...] = (),
                encode: Callable[[Any], Any] | None = None, decode: Callable[[Any], Any] | None = None,
                skip: bool = False, required: bool = False, omit_if: Callable[[Any], bool] | None = None,
-               **field: Any) -> Any:
+               inline: bool = False, **field: Any) -> Any:
     """``dataclasses.field(**field)`` carrying a :class:`JsonField` (the other arguments)."""
     spec = JsonField(key=key, omit=omit, absent=absent, then=tuple(then), encode=encode, decode=decode, skip=skip,
-                     required=required, omit_if=omit_if)
+                     required=required, omit_if=omit_if, inline=inline)
     return dataclasses.field(metadata={JsonField: spec}, **field)   # the class is the entry's key
 
 
@@ -262,7 +271,19 @@ def _converter(hint: Any) -> _Conv:
     return _Free()
 
 
+class Via(_Conv):
+    """The annotation marker of a type written as another JSON value, through two functions (itself its
+    converter): ``Annotated[PlannerSpec, SHORT, Via(str, PlannerSpec.parse)]`` holds the type and writes its
+    text (one alias for every field of that type: ``remat.plan.spec.PlannerText``)."""
+
+    def __init__(self, encode: Callable[[Any], Any], decode: Callable[[Any], Any]) -> None:
+        self.write, self.read = encode, decode   # type: ignore[method-assign]
+
+
 def _converter_annotated(hint: Any, metadata: tuple[Any, ...]) -> _Conv:
+    via = [m for m in metadata if isinstance(m, Via)]
+    if via:
+        return via[0]
     if NONFINITE in metadata:
         return _Scalar(float, nonfinite=True)
     if AS_WRITTEN in metadata:
@@ -324,7 +345,9 @@ def to_json(obj: Any) -> dict[str, Any]:
         v = getattr(obj, s.name)
         if s.opts.omit_if is not None and s.opts.omit_if(obj):
             continue
-        if s.opts.omit is _UNSET or v != s.opts.omit:
+        if s.opts.inline:
+            d.update(s.encode(v))
+        elif s.opts.omit is _UNSET or v != s.opts.omit:
             d[s.key] = s.encode(v)
         for key, name in s.then():
             d[key] = plain(getattr(obj, name))
@@ -334,7 +357,8 @@ def to_json(obj: Any) -> dict[str, Any]:
 def from_json(cls: type[T], d: dict[str, Any]) -> T:
     """``cls`` built from the JSON object ``to_json`` writes (NOTE [codecs from the types]);
     KeyError for a missing key that has no default."""
-    kw = {s.name: s.decode(d[s.key]) if s.key in d else s.missing() for s in _slots(cls)}
+    kw = {s.name: s.decode(d) if s.opts.inline else s.decode(d[s.key]) if s.key in d else s.missing()
+          for s in _slots(cls)}
     return cls(**kw)
 
 
@@ -349,7 +373,12 @@ def schema(cls: type) -> Obj:
     optional: dict[str, Spec] = {}
     for s in _slots(cls):
         has_default = s.field.default is not dataclasses.MISSING or s.field.default_factory is not dataclasses.MISSING
-        (optional if has_default and not s.opts.required else required)[s.key] = spec_of(hints[s.name], f"{cls.__name__}.{s.name}")
+        spec = spec_of(hints[s.name], f"{cls.__name__}.{s.name}")
+        if s.opts.inline and isinstance(spec, Obj):   # its keys are this object's
+            required.update(spec.required)
+            optional.update(spec.optional)
+        else:
+            (optional if has_default and not s.opts.required else required)[s.key] = spec
         for key, name in s.then():
             required[key] = spec_of(_property_hint(cls, name), f"{cls.__name__}.{name}")   # always written
     return Obj(required, optional)
@@ -403,13 +432,83 @@ def _plain_spec(hint: Any) -> Spec | None:
     return None
 
 
+# NOTE [checked reading]
+# A file's top-level type (a plan, a pipeline plan, a frontier, a receipt) is read from untrusted JSON, so
+# ``from_json`` checks before it builds, in this order: the top level is an object; ``refuse``: a format the
+# file names that this remat no longer reads (a typed error saying how to make it again); ``schema_version``
+# is an integer this remat reads (said so, not the schema's "expected one of"); the schema (NOTE [hostile
+# JSON] in remat/_json.py); ``shape``: what the schema cannot say (which keys come together); the build, an
+# error among ``wrap`` becoming the type's "malformed ..."; ``check``: the built parts against each other.
+# The type declares it once, in its class line (``class Plan(JsonCodec, reading=Reading(...))``);
+# ``from_json(d, source=...)`` names the JSON (a file's path) in messages in place of ``what``.
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """How a top-level type's JSON is checked before and after it is built (NOTE [checked reading])."""
+
+    error: type[RematError]                 # what every refusal raises
+    what: str                               # the JSON's name in messages: "plan", "receipt"
+    version: int | None = None              # the ``schema_version`` read (None: the schema says)
+    version_tip: str | None = None
+    schema: bool = True                     # False: checked by another's schema where it is read
+    refuse: Callable[[dict[str, Any]], None] | None = None
+    shape: Callable[[dict[str, Any]], None] | None = None
+    wrap: tuple[type[Exception], ...] = ()
+    check: Callable[[Any], None] | None = None
+
+
+_READINGS: dict[type, Reading] = {}
+
+
+def read(cls: type[T], d: Any, reading: Reading, source: str | None = None) -> T:
+    """``cls`` from untrusted JSON, checked as ``reading`` says (NOTE [checked reading])."""
+    what, error = source or reading.what, reading.error
+    if not isinstance(d, dict):
+        raise error(f"malformed {what}: the top level must be a JSON object, got {show(d)}")
+    if reading.refuse is not None:
+        reading.refuse(d)
+    if reading.version is not None:
+        _check_version(d.get("schema_version"), reading, what)
+    if reading.schema:
+        validate(d, schema(cls), error=error, what=what)
+    if reading.shape is not None:
+        reading.shape(d)
+    try:
+        obj = from_json(cls, d)
+    except error:
+        raise
+    except reading.wrap as exc:
+        msg = exc.message if isinstance(exc, RematError) else f"{type(exc).__name__}: {exc}"
+        raise error(f"malformed {what}: {msg}") from exc
+    if reading.check is not None:
+        reading.check(obj)
+    return obj
+
+
+def _check_version(v: Any, reading: Reading, what: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise reading.error(f"malformed {what}: $.schema_version: expected an integer, got {show(v)}")
+    if v != reading.version:
+        raise reading.error(f"{what} schema_version {v} is not supported (this remat reads {reading.version})",
+                            tip=reading.version_tip)
+
+
 class JsonCodec:
     """``to_json``/``from_json`` from the dataclass's fields, for callers that ask the type (NOTE
-    [codecs from the types]). A type whose JSON needs more (a version check, a schema) overrides them."""
+    [codecs from the types]); a top-level type names its :class:`Reading` in its class line (NOTE
+    [checked reading]). A type whose JSON is the distributed stack's hand codec overrides them."""
+
+    def __init_subclass__(cls, *, reading: Reading | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if reading is not None:
+            _READINGS[cls] = reading
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)
 
     @classmethod
-    def from_json(cls: type[T], d: dict[str, Any]) -> T:
-        return from_json(cls, d)
+    def from_json(cls: type[T], d: Any, *, source: str | None = None) -> T:
+        """Built from ``d``; checked first when the type has a :class:`Reading` (``source`` names the JSON in its
+        messages)."""
+        reading = _READINGS.get(cls)
+        return from_json(cls, d) if reading is None else read(cls, d, reading, source)

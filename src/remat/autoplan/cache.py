@@ -53,7 +53,7 @@ import torch
 
 from .._io import CACHE_ENV_VAR as ENV_VAR, default_cache_dir
 from ..errors import BudgetError, OutputError
-from ..plan import Plan, parse_budget
+from ..plan import Plan, PlannerSpec, parse_budget
 from ..types import CheckpointMode, MemorySource
 from .inplace import JobEngine
 
@@ -92,7 +92,7 @@ class CacheKey:
     batch: list[Any]
     budget: str
     reserve: float
-    planner: str
+    planner: PlannerSpec           # in the digest as its text
     segments: bool                 # segment candidates offered (NOTE [segments])
     loss: str                      # qualified name : sha256 of its stable digest (code, defaults, closure)
     optimizer: list[Any]
@@ -107,7 +107,8 @@ class CacheKey:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True, default=str).encode()).hexdigest()
+        fields = dataclasses.asdict(self) | {"planner": str(self.planner)}   # its text, as when it was held
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class PlanCache:

@@ -12,6 +12,7 @@ from ..types import CheckpointMode, MemorySource
 from ..wrap import ApplyHandle
 from ..units import fmt_bytes
 from ..plan.model import SmallBoundaries
+from ..plan.spec import PlannerText
 from ..plan.timing import TimeRace
 from ..profile.blocked import BlockedStep
 from .inplace import JobEngine
@@ -44,7 +45,7 @@ class AutoReport(JsonCodec):
     world_size: int                      # 1: one process
     engine: JobEngine                    # none, ddp, fsdp2
 
-    planner: str
+    planner: PlannerText                 # the spec the plan came from; its JSON is the text
     boundaries: tuple[str, ...]          # "module path (mode)"
     budget: str                          # as given: "8GiB", "70%"
     budget_bytes: int

@@ -18,7 +18,7 @@ from .. import __version__
 from ..wrap import ApplyHandle, apply, check_applies, recover_handle
 from ..closed_loop import TimeRaceSettings, plan_for_device
 from ..errors import AutoError, OptionStyle, RematError, option_style
-from ..plan import Plan, budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
+from ..plan import Plan, PlannerSpec, budget_on_device, check_budget_syntax, parse_capacity, parse_reserve
 from ..profile.model import ProfileReport
 from ..profile import fingerprint
 from ..profile.model import StepSample
@@ -91,7 +91,7 @@ class AutoSettings:
     cache_dir: str | Path | None = None
     use_cache: bool = True
     reserve: str | float = 0.05       # as given: 0.05 or "5%"
-    planner: str = "optimal"
+    planner: str | PlannerSpec = "optimal"   # a planner spec; text is parsed here, once (NOTE [planner specs])
     copy_fn: CopyFn | None = None
     measure_replays: bool = True
     segments: bool = True
@@ -116,6 +116,7 @@ class AutoSettings:
         object.__setattr__(self, "host_budget_bytes", host_budget_of(self.offload))
         object.__setattr__(self, "autocast", parse_autocast(self.autocast))
         object.__setattr__(self, "on_new_shape", ShapePolicy.parse(self.on_new_shape))
+        object.__setattr__(self, "planner", PlannerSpec.parse(self.planner))
         n = self.accumulation_steps
         if not is_accumulation_count(n):
             raise AutoError(f"accumulation_steps={n!r}: expected an integer >= 1, the micro-batches per optimizer step",
@@ -576,7 +577,7 @@ def _auto_report(plan: Plan, settings: AutoSettings, source: ModelSource, cache:
     return AutoReport(
         plan_digest=sha256_json(plan.to_json()), world_size=ranks.world_size if ranks is not None else 1,
         engine=source.engine if isinstance(source, InPlaceSource) else JobEngine.NONE,
-        planner=plan.planner.format(), boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
+        planner=plan.planner, boundaries=tuple(f"{b.module} ({b.mode.value})" for b in plan.boundaries),
         budget="the device" if settings.budget is None else str(settings.budget), budget_bytes=plan.budget_bytes or 0,
         effective_budget_bytes=plan.effective_budget_bytes or 0,
         baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,

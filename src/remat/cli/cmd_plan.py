@@ -156,7 +156,7 @@ def render_plan(plan: Plan) -> None:
     console.print(f"peak: baseline {fmt_bytes(plan.baseline_peak_bytes)}, predicted {fmt_bytes(plan.predicted_peak_bytes)}"
                   + (f", measured {fmt_bytes(plan.measured_peak_bytes)} ({plan.memory_source})"
                      if plan.measured_peak_bytes is not None else ""))
-    spread = plan.sample.spread() if plan.sample is not None else None
+    spread = plan.sample.spread if plan.sample is not None else None
     if spread is not None:
         console.print(f"sample: {len(plan.sample.point_peaks)} steps; measured peak min {fmt_bytes(spread['min'])}, "
                       f"median {fmt_bytes(spread['median'])}, max {fmt_bytes(spread['max'])} (NOTE \\[step sample])")

@@ -10,7 +10,8 @@ from .._io import atomic_write_json
 from ..errors import DeviceTooSmall, WorkloadError
 from ..measure import Arm, measure_arm
 from ..plan import parse_capacity
-from ..profile.model import describe_refusal, refusal_to_json
+from .._codec import to_json
+from ..profile.model import describe_refusal
 from ..simulate import DEVICE_MODELS, simulate_workload
 from ..trace import StepTrace, to_perfetto, trace_on_device, trace_workload
 from ..workload import parse_shape
@@ -73,7 +74,7 @@ def _on_device(args: argparse.Namespace, capacity: int, boundary: dict, progress
     found, refusal = trace_on_device(load_from_args(args), capacity, warmup=args.warmup, steps=args.steps,
                                      boundary_shape=boundary or None, progress=progress)
     if refusal is not None:
-        atomic_write_json(args.out / "refusal.json", refusal_to_json(refusal))
+        atomic_write_json(args.out / "refusal.json", to_json(refusal))
         raise DeviceTooSmall(f"the unplanned step does not fit the device capacity of {fmt_bytes(capacity)}: "
                              f"{describe_refusal(refusal)}; wrote {args.out / 'refusal.json'}. remat plan "
                              "with the same --device-memory plans it from smaller batches",

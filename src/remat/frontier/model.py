@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Annotated, Any
+from typing import Any
 
-from .._codec import FloatAsWritten, JsonCodec, from_json, json_field
-from .._json import SHORT
+from .._codec import FloatAsWritten, JsonCodec, Reading, json_field
 from ..errors import RematError
 from ..plan.model import Plan
-from ..plan.spec import PlannerSpec
+from ..plan.spec import PlannerSpec, PlannerText
 from ..types import MemorySource
 
 FRONTIER_SCHEMA_VERSION = 1
@@ -145,7 +144,7 @@ class FrontierPoint(JsonCodec):
 
     plan: str                                  # label: "none", "uniform:2", "optimal@50%", ...
     # the planner spec the plan came from, typed; its JSON is the spec's text (NOTE [planner specs])
-    planner: Annotated[PlannerSpec, SHORT] = json_field(encode=PlannerSpec.format, decode=PlannerSpec.parse)
+    planner: PlannerText
     plan_budget_bytes: int | None = None       # budget the planner was given (optimal/greedy)
     predicted_peak_bytes: int | None = None    # the cost model's figure (None: infeasible)
     predicted_overhead_ms: FloatAsWritten | None = None  # the cost model's added time (sum of boundary replay ms)
@@ -207,8 +206,12 @@ class BudgetTry(JsonCodec):
 
 
 @dataclasses.dataclass(kw_only=True)
-class FrontierReport(JsonCodec):
-    """Every plan's point, the budget they were judged against, and where they were measured."""
+class FrontierReport(JsonCodec, reading=Reading(
+        # its schema is the receipt's (FRONTIER in remat/receipt/schema.py), checked where a frontier is read
+        error=RematError, what="frontier", version=FRONTIER_SCHEMA_VERSION, schema=False,
+        wrap=(KeyError, TypeError, ValueError))):
+    """Every plan's point, the budget they were judged against, and where they were measured;
+    ``from_json`` checks the version first (NOTE [checked reading] in remat/_codec.py)."""
 
     schema_version: int = FRONTIER_SCHEMA_VERSION
     context: dict[str, Any]                    # workload, shape, device, versions, host, date, settings
@@ -244,18 +247,3 @@ class FrontierReport(JsonCodec):
             if p.plan == label:
                 return p
         raise KeyError(label)
-
-    @classmethod
-    def from_json(cls, d: Any) -> "FrontierReport":
-        if not isinstance(d, dict):
-            raise RematError("frontier JSON must be an object")
-        try:
-            version = int(d["schema_version"])
-            if version != FRONTIER_SCHEMA_VERSION:
-                raise RematError(f"frontier schema_version {version} is not supported "
-                                 f"(this remat reads {FRONTIER_SCHEMA_VERSION})")
-            return from_json(cls, {**d, "schema_version": version})
-        except RematError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RematError(f"malformed frontier JSON: {type(exc).__name__}: {exc}") from exc

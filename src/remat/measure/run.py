@@ -43,6 +43,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from .._codec import JsonCodec, json_field
 from ..errors import RematError, WorkloadError
 from ..host_rng import RngState, seed_everything
 from ..memory.cuda import read_cuda_stats
@@ -212,31 +213,38 @@ def discard(prepared: list[Prepared]) -> None:
 
 # -- one arm alone: peak, times, held bytes ------------------------------------------------
 
+def _rounded_ms(times: list[float]) -> list[float]:
+    return [round(t, 4) for t in times]   # to 0.1 us
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StepMeasurement:
-    """One arm alone on the device: the peak of one warm step, then warm step times."""
+class StepMeasurement(JsonCodec):
+    """One arm alone on the device: the peak of one warm step, then warm step times. Its JSON (never read
+    back) rounds the times, adds their p50/p95 and leaves the confirmation's figures out."""
 
     peak_bytes: int
-    step_ms: list[float]      # warm whole steps (batch, forward, backward, optimizer), ms
     memory_source: MemorySource
+    # warm whole steps (batch, forward, backward, optimizer), ms
+    step_ms: list[float] = json_field(encode=_rounded_ms, then=(("p50_ms", "warm_p50_ms"), ("p95_ms", "warm_p95_ms")))
     num_alloc_retries: int = 0
     compile_s: float | None = None   # compiled arms: first step's wall time less a warm step's (s)
-    tracker_peak_bytes: int | None = None   # CPU, confirmed at the edge: the tracker's own figure
-                                            # (NOTE [peaks at the edge]); peak_bytes is the larger
-    then_peak_bytes: tuple[int, ...] = ()   # one step's peak per stream ``measure_arm`` ran after (``then``)
+    # CPU, confirmed at the edge: the tracker's own figure (NOTE [peaks at the edge]); peak_bytes is the larger
+    tracker_peak_bytes: int | None = json_field(default=None, skip=True)
+    # one step's peak per stream ``measure_arm`` ran after (``then``)
+    then_peak_bytes: tuple[int, ...] = json_field(default=(), skip=True)
 
     @property
     def p50_ms(self) -> float:
         return percentile(self.step_ms, 50.0)
 
-    # A hand codec: the JSON is computed (step times rounded to 0.1 us, p50/p95 added, the confirmed
-    # figures left out; never read back: NOTE [codecs from the types] in remat/_codec.py).
-    def to_json(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "memory_source": self.memory_source.value,
-                "step_ms": [round(t, 4) for t in self.step_ms],
-                "p50_ms": self.p50_ms if self.step_ms else None,
-                "p95_ms": percentile(self.step_ms, 95.0) if self.step_ms else None,
-                "num_alloc_retries": self.num_alloc_retries, "compile_s": self.compile_s}
+    @property
+    def warm_p50_ms(self) -> float | None:
+        """p50 of the warm steps (ms); None: no step was timed."""
+        return self.p50_ms if self.step_ms else None
+
+    @property
+    def warm_p95_ms(self) -> float | None:
+        return percentile(self.step_ms, 95.0) if self.step_ms else None
 
 
 # Another stream of steps on the same build: the workload running other batches (and random draws) on

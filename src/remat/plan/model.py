@@ -10,15 +10,15 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
-from .._codec import Bytes, JsonCodec, Len, Ms, Short, SignedBytes, SignedMs, Text, from_json, json_field, schema
-from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, SHORT, Enum, Int, Num, Str, read_json_file, validate
+from .._codec import Bytes, JsonCodec, Len, Ms, Reading, Short, SignedBytes, SignedMs, Text, json_field
+from .._json import AUTOCAST, DEVICE, DTYPE, MAX_MODULES, MODE, MODULE_PATH, SHAPE, Enum, Int, Num, Str, read_json_file
 from ..errors import PlanError
 from ..measure.compile_spec import CompileSpec
 from ..profile.model import SAMPLE, BlockedStep, ModelFingerprint, SampleRecord
 from ..types import CheckpointMode, MemorySource
 from .budget import format_bytes
 from .offload import OffloadPricing
-from .spec import PlannerSpec
+from .spec import PlannerSpec, PlannerText
 from .timing import TimeRace
 
 PLAN_SCHEMA_VERSION = 1
@@ -99,13 +99,14 @@ class PlanWorkload(JsonCodec):
 
 
 @dataclasses.dataclass(kw_only=True)
-class Plan(JsonCodec):
+class Plan(JsonCodec, reading=Reading(error=PlanError, what="plan", version=PLAN_SCHEMA_VERSION)):
     """A plan and the figures behind it (bytes, ms). Its JSON's optional fields are those older plan
-    files may lack (read as their defaults here); every other one is required."""
+    files may lack (read as their defaults here); every other one is required. ``from_json(d, source=...)``
+    checks ``d`` against its schema first (NOTE [checked reading] in remat/_codec.py): PlanError if off."""
 
     # the planner spec it came from ("optimal", "uniform:2", "optimal->all", ...), typed; its JSON is the
     # spec's text (NOTE [planner specs]); text given here is parsed
-    planner: Annotated[PlannerSpec, SHORT] = json_field(encode=PlannerSpec.format, decode=PlannerSpec.parse)
+    planner: PlannerText
     budget_bytes: Annotated[int, Int(1, 2 ** 53)] | None   # whole-step peak budget (None: planner needs none)
     reserve: Annotated[float, Num(0, 0.999999)]   # fraction of the budget kept free (0.05 = 5%)
     boundaries: Annotated[list[Boundary], Len(10_000)]
@@ -154,18 +155,6 @@ class Plan(JsonCodec):
     def effective_budget_bytes(self) -> int | None:
         """Budget less the reserve: what the predicted/measured peak must stay under."""
         return None if self.budget_bytes is None else int(self.budget_bytes * (1.0 - self.reserve))
-
-    @classmethod
-    def from_json(cls, d: Any, *, source: str = "plan") -> "Plan":
-        """Build from plan JSON checked against its schema (:data:`remat.plan.schema.PLAN`) first; :class:`PlanError` if off."""
-        if not isinstance(d, dict):
-            raise PlanError(f"malformed {source}: the top level must be a JSON object, got {type(d).__name__}")
-        version = d.get("schema_version")
-        if type(version) is not int or version != PLAN_SCHEMA_VERSION:
-            raise PlanError(f"{source}: schema_version {str(version)[:40]} is not supported "
-                            f"(this remat reads {PLAN_SCHEMA_VERSION})")
-        validate(d, schema(cls), error=PlanError, what=source)
-        return from_json(cls, d)
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json

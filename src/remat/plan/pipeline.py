@@ -39,8 +39,8 @@ import enum
 from pathlib import Path
 from typing import Annotated, Any
 
-from .._codec import Bytes, JsonCodec, Len, from_json, json_field, schema
-from .._json import Enum, Int, List, Num, Str, json_kind, read_json_file, validate
+from .._codec import Bytes, JsonCodec, Len, Reading, json_field, schema
+from .._json import Enum, Int, List, Num, Str, json_kind, read_json_file
 from ..errors import BudgetError, PlanError
 from ..profile.model import CandidateCost, PeakRow, ProfileReport
 from .model import Plan
@@ -157,8 +157,9 @@ class StagePlan(JsonCodec):
 
 
 @dataclasses.dataclass(kw_only=True)
-class PipelinePlan(JsonCodec):
-    """One plan per pipeline stage under one per-device budget (``plan.json`` with ``"kind": "pipeline"``)."""
+class PipelinePlan(JsonCodec, reading=Reading(error=PlanError, what="pipeline plan")):
+    """One plan per pipeline stage under one per-device budget (``plan.json`` with ``"kind": "pipeline"``);
+    ``from_json`` checks against :data:`PIPELINE_PLAN` first (NOTE [checked reading] in remat/_codec.py)."""
 
     schema_version: Annotated[int, Enum(PIPELINE_PLAN_SCHEMA_VERSION)] = json_field(
         default=PIPELINE_PLAN_SCHEMA_VERSION, required=True)
@@ -180,14 +181,6 @@ class PipelinePlan(JsonCodec):
         if not 0 <= stage < len(self.stages):
             raise PlanError(f"the pipeline plan has {len(self.stages)} stages; there is no stage {stage}")
         return self.stages[stage].plan
-
-    @classmethod
-    def from_json(cls, d: Any, *, source: str = "pipeline plan") -> "PipelinePlan":
-        """Checked against :data:`PIPELINE_PLAN` first (NOTE [hostile JSON]); :class:`PlanError` if off."""
-        if not isinstance(d, dict):
-            raise PlanError(f"malformed {source}: the top level must be a JSON object")
-        validate(d, PIPELINE_PLAN, error=PlanError, what=source)
-        return from_json(cls, d)
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json

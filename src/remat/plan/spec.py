@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Annotated
 
+from .._codec import Via
+from .._json import SHORT
 from ..errors import PlanError
 
 
@@ -130,6 +133,11 @@ class PlannerSpec:
         origin, arrow, own = str(text).strip().rpartition("->")
         spec = _parse_own(own.strip(), str(text))
         return spec if not arrow else spec.after_miss_of(cls.parse(origin))
+
+
+# A PlannerSpec field of a JSON type (plan.json, a frontier point, a verify report, remat.auto's report): held
+# typed, written as its text (NOTE [planner specs]), at most SHORT in a file
+PlannerText = Annotated[PlannerSpec, SHORT, Via(str, PlannerSpec.parse)]   # str(spec) is spec.format()
 
 
 def _parse_own(text: str, whole: str) -> PlannerSpec:

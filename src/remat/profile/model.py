@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Annotated, Any
+from typing import Annotated
 
-from .._codec import JsonCodec, Len, Short, json_field, to_json
+from .._codec import JsonCodec, Len, Short, json_field
 from .._json import BYTES, HEX64, MAX_MODULES, SHAPE, Enum, Int, List, Obj, Opt, Str
 from ..errors import ShapeError, WorkloadError
 from ..percentile import p50
@@ -305,8 +305,8 @@ class StepSample(JsonCodec):
                 for shape in ((), *self.boundary_shapes) for k in range(self.steps)]
 
 
-# SampleRecord.to_json: the steps a plan was made and measured on (NOTE [step sample]); its points
-# and spread are computed, so its schema is written here, beside its codec
+# SampleRecord's JSON: the steps a plan was made and measured on (NOTE [step sample]); its points
+# and spread are computed, so its schema is written here
 SAMPLE = Obj({
     "steps": Int(1, MAX_SAMPLE_STEPS), "boundary_shapes": List(SHAPE, max_len=16),
     "points": List(Obj({"shape": SHAPE, "offset": Int(0, 2 ** 40), "seed": Opt(Int(0, 2 ** 40))}),
@@ -317,31 +317,25 @@ SAMPLE = Obj({
 
 
 @dataclasses.dataclass(kw_only=True)
-class SampleRecord:
-    """The sample a plan was made and measured on, and its measured peak at each point (bytes)."""
+class SampleRecord(JsonCodec):
+    """The sample a plan was made and measured on, and its measured peak at each point (bytes). Its JSON is
+    the sample's keys, its points (computed, never read back), the peaks and their spread (computed)."""
 
-    sample: StepSample
-    point_peaks: list[int] = dataclasses.field(default_factory=list)   # measured, in ``sample.points()`` order
+    sample: StepSample = json_field(inline=True, then=("points",))
+    # measured, in ``sample.points()`` order (bytes)
+    point_peaks: list[int] = json_field(default_factory=list, then=(("peak_spread", "spread"),))
 
+    @property
+    def points(self) -> list[SamplePoint]:
+        return self.sample.points()
+
+    @property
     def spread(self) -> dict[str, int] | None:
         """min / median / max of the measured peaks (bytes), or None before any was measured."""
         if not self.point_peaks:
             return None
         return {"min": min(self.point_peaks), "median": int(p50(self.point_peaks)),
                 "max": max(self.point_peaks)}
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.sample.to_json(), "points": [p.to_json() for p in self.sample.points()],
-                "point_peaks": list(self.point_peaks), "peak_spread": self.spread()}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SampleRecord":
-        return cls(sample=StepSample.from_json(d), point_peaks=[int(b) for b in d.get("point_peaks", [])])
-
-
-def refusal_to_json(r: Refusal) -> dict[str, Any]:
-    """``r`` as JSON (``remat.plan.schema.BLOCKED``'s ``refusal``)."""
-    return to_json(r)
 
 
 def describe_refusal(r: Refusal) -> str:

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from .. import __version__
-from .._codec import AS_WRITTEN, JsonCodec, Len, Short, SignedBytes, Text, from_json, json_field, schema
+from .._codec import AS_WRITTEN, JsonCodec, Len, Reading, Short, SignedBytes, Text, json_field, schema
 from .._json import (AUTOCAST, BYTES, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, MS, SHAPE, Enum, Int, List,
-                     Map, Num, Str, json_kind, read_bounded_bytes)
+                     Map, Num, Str, read_bounded_bytes, show)
 from ..closed_loop import Attempt
 from ..errors import ReceiptError, RematError, StaleReceiptFormat
 from ..frontier.model import FrontierReport, OverheadInterval
@@ -38,7 +38,7 @@ from ..workload.loader import LoadedWorkload, factory_defaults
 from .world_size import PipelineEvidence, WorldSizeEvidence
 from .schema import (ATTEMPT, COUNT, FRACTION, FRONTIER, HEX16, MAX_SEEDS, MAX_STEPS, MAX_TRIES, MAX_WARMUP,
                      OVERHEAD_INTERVAL, PLAN, RECEIPT_KIND, RECEIPT_SCHEMA_VERSION, STEP_TRACE, TOLERANCE, VERIFICATION,
-                     check_version, parse_json_bounded, read_json_file, validate)
+                     parse_json_bounded, read_json_file)
 
 ShapeDict = dict[str, Any]
 
@@ -350,11 +350,43 @@ def _single(**kw: Any) -> Any:
     return json_field(omit_if=_pipeline_run, **({"default": None} | kw))
 
 
+def _refuse_other_kinds(data: dict[str, Any]) -> None:
+    """The old pipeline receipt, refused with the command that makes it again (NOTE [one receipt]), and a file
+    of another kind; before its version and schema are checked, so either is named as what it is."""
+    if data.get("kind") == OLD_PIPELINE_RECEIPT_KIND:
+        raise stale_pipeline_receipt(data)
+    if data.get("kind", RECEIPT_KIND) != RECEIPT_KIND:
+        raise ReceiptError(f"not a remat receipt: kind is {show(data.get('kind'))}, expected {RECEIPT_KIND!r}")
+
+
+def _check_shape(data: dict[str, Any]) -> None:
+    """A single-process receipt holds every single-process section, a pipeline run's none (NOTE [one receipt]);
+    ``data`` has passed the schema."""
+    ws = data.get("world_size")
+    pipeline = isinstance(ws, dict) and ws.get("engine") == "pipeline"
+    present = [k for k in SINGLE_PROCESS if k in data]
+    if pipeline and present:
+        raise ReceiptError(f"malformed receipt: a pipeline run's receipt holds no single-process section, but this "
+                           f"one has {', '.join(present)}")
+    missing = [k for k in SINGLE_PROCESS if k not in data]
+    if not pipeline and missing:
+        raise ReceiptError(f"malformed receipt: $: missing field(s) {', '.join(missing)}")
+
+
+# NOTE [checked reading] in remat/_codec.py: the kind, the version (checked first, for a precise message), the
+# schema, which sections come together, then the parts against each other; every failure a ReceiptError
+_READING = Reading(error=ReceiptError, what="receipt", version=RECEIPT_SCHEMA_VERSION,
+                   version_tip="re-create the receipt with this remat (`remat receipt ...`), or use the remat "
+                               "version that wrote it",
+                   refuse=_refuse_other_kinds, shape=_check_shape, wrap=(RematError, KeyError, TypeError, ValueError),
+                   check=lambda receipt: receipt._check_references())
+
+
 @dataclasses.dataclass(kw_only=True)
-class Receipt(JsonCodec):
+class Receipt(JsonCodec, reading=_READING):
     """NOTE [one receipt]."""
 
-    # checked first, for a precise message (check_version); ``kind`` is written after it
+    # checked first, for a precise message (_READING); ``kind`` is written after it
     schema_version: Annotated[int, Int(0, 1000)] = json_field(default=RECEIPT_SCHEMA_VERSION, required=True,
                                                                then=("kind",))
     context: ReceiptContext
@@ -390,25 +422,6 @@ class Receipt(JsonCodec):
     def shipped(self) -> bool:
         return self.decision is not None and self.decision.status is ShipStatus.SHIP
 
-    @classmethod
-    def from_json(cls, data: Any) -> "Receipt":
-        """Validate (version, then schema, then cross-references) and build; :class:`ReceiptError` if anything is off.
-        A hand reader around the codec's: the checks before and after it are the receipt's own."""
-        if json_kind(data) == OLD_PIPELINE_RECEIPT_KIND:
-            raise stale_pipeline_receipt(data)
-        check_version(data)
-        validate(data, RECEIPT_SCHEMA)
-        _check_shape(data)
-        try:
-            receipt = from_json(cls, data)
-        except ReceiptError:
-            raise
-        except (RematError, KeyError, TypeError, ValueError) as exc:
-            msg = exc.message if isinstance(exc, RematError) else f"{type(exc).__name__}: {exc}"
-            raise ReceiptError(f"malformed receipt: {msg}") from exc
-        receipt._check_references()
-        return receipt
-
     def _check_references(self) -> None:
         """The parts must agree with each other (a hand-edited receipt could mix them)."""
         if self.pipeline is not None:
@@ -439,20 +452,6 @@ class Receipt(JsonCodec):
     @classmethod
     def load(cls, path: Path | str) -> "Receipt":
         return cls.from_json(read_json_file(path))
-
-
-def _check_shape(data: dict[str, Any]) -> None:
-    """A single-process receipt holds every single-process section, a pipeline run's none (NOTE [one receipt]);
-    ``data`` has passed the schema."""
-    ws = data.get("world_size")
-    pipeline = isinstance(ws, dict) and ws.get("engine") == "pipeline"
-    present = [k for k in SINGLE_PROCESS if k in data]
-    if pipeline and present:
-        raise ReceiptError(f"malformed receipt: a pipeline run's receipt holds no single-process section, but this "
-                           f"one has {', '.join(present)}")
-    missing = [k for k in SINGLE_PROCESS if k not in data]
-    if not pipeline and missing:
-        raise ReceiptError(f"malformed receipt: $: missing field(s) {', '.join(missing)}")
 
 
 _PLAIN = re.compile(r"[\w.:/=,-]{1,200}")   # a value put in the command as it is: no space, quote or shell character

@@ -16,11 +16,11 @@ check`` runs the workload the *user* names and only compares the receipt's (NOTE
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .. import _json
 from .._json import (BYTES, MS, SIGNED_BYTES, SIGNED_MS, Bool, Enum, Int, JsonValue, List, Map, Num, Obj, Opt,
-                     Spec, Str, Tuple, show)
+                     Spec, Str, Tuple)
 from ..errors import ReceiptError
 from ..plan.schema import AUTOCAST, COMPILE, DEVICE, DTYPE, MEMORY_SOURCE, MODE, PLAN, SHAPE
 from ..types import HazardKind
@@ -141,17 +141,3 @@ def validate(data: Any, spec: Spec, *, root: str = "$") -> None:
     _json.validate(data, spec, error=ReceiptError, what="receipt", root=root)
 
 
-def check_version(data: Any, supported: Iterable[int] = (RECEIPT_SCHEMA_VERSION,)) -> int:
-    if not isinstance(data, dict):
-        raise ReceiptError(f"malformed receipt: the top level must be a JSON object, got {show(data)}")
-    if data.get("kind", RECEIPT_KIND) != RECEIPT_KIND:
-        raise ReceiptError(f"not a remat receipt: kind is {show(data.get('kind'))}, expected {RECEIPT_KIND!r}")
-    v = data.get("schema_version")
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ReceiptError(f"malformed receipt: $.schema_version: expected an integer, got {show(v)}")
-    if v not in tuple(supported):
-        raise ReceiptError(f"receipt schema_version {v} is not supported (this remat reads "
-                           f"{', '.join(str(s) for s in supported)})",
-                           tip="re-create the receipt with this remat (`remat receipt ...`), or use the remat "
-                               "version that wrote it")
-    return v

@@ -18,6 +18,7 @@ from typing import Any
 
 from torch._subclasses import fake_tensor as _ft
 
+from .._codec import JsonCodec, json_field
 from ..trace.model import StepTrace, TimelinePoint, TraceContext
 from ..trace.tracer import trace_step
 from ..types import MemorySource, Phase, ProgressFn, no_progress
@@ -37,36 +38,35 @@ _FAKE_ERRORS = tuple(e for e in (getattr(_ft, n, None) for n in (
 
 
 @dataclasses.dataclass(kw_only=True)
-class Simulation:
-    """A simulated trace with its runtime prediction, for one shape (and its boundary shape)."""
+class Simulation(JsonCodec):
+    """A simulated trace with its runtime prediction, for one shape (and its boundary shape). Its JSON holds
+    the simulation-only figures (``trace.json`` holds the trace itself), some computed from the trace and
+    the device model (written after ``device_model``; never read back)."""
 
-    trace: StepTrace                      # memory_source SIMULATED; times are predictions
+    device_model: DeviceModel = json_field(then=("memory_source", "predicted_peak_bytes", "predicted_peak_phase",
+                                                 ("fits_device_memory", "fits")))
     runtime: RuntimePrediction
-    device_model: DeviceModel
     scalar_placeholders: int              # .item() calls answered with a placeholder, per simulated run
-    wall_s: float                         # how long the simulation took on this machine
-    boundary: "Simulation | None" = None
+    wall_s: float = json_field(key="simulation_wall_s")   # how long the simulation took on this machine (s)
+    boundary: Simulation | None = None
+    trace: StepTrace = json_field(skip=True)   # memory_source SIMULATED; times are predictions
 
     @property
     def fits(self) -> bool:
         """Whether the predicted whole-step peak fits the device's memory (no headroom kept)."""
         return self.trace.peak_bytes <= self.device_model.memory_bytes
 
-    def to_json(self) -> dict[str, Any]:
-        """The simulation-only figures (``trace.json`` holds the trace itself): a hand codec, since they are
-        computed from the trace and the device model (never read back; NOTE [codecs from the types] in
-        remat/_codec.py)."""
-        return {
-            "device_model": self.device_model.to_json(),
-            "memory_source": self.trace.memory_source.value,
-            "predicted_peak_bytes": self.trace.peak_bytes,
-            "predicted_peak_phase": self.trace.peak_phase.value if self.trace.peak_phase else None,
-            "fits_device_memory": self.fits,
-            "runtime": self.runtime.to_json(),
-            "scalar_placeholders": self.scalar_placeholders,
-            "simulation_wall_s": self.wall_s,
-            "boundary": self.boundary.to_json() if self.boundary else None,
-        }
+    @property
+    def memory_source(self) -> MemorySource:
+        return self.trace.memory_source
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.trace.peak_bytes
+
+    @property
+    def predicted_peak_phase(self) -> Phase | None:
+        return self.trace.peak_phase
 
 
 def estimate_step_runtime(step: TrainingStep, device: DeviceModel, step_index: int) -> RuntimePrediction:

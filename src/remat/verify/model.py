@@ -22,6 +22,7 @@ from typing import Any
 
 from .._codec import FloatAsWritten, JsonCodec, NonFinite, json_field
 from ..errors import VerificationFailed
+from ..plan.spec import PlannerText
 from ..types import CheckpointMode, HazardKind
 
 VERIFY_SCHEMA_VERSION = 1
@@ -277,7 +278,7 @@ class VerifyReport(JsonCodec):
     shape: dict[str, Any]
     device: str
     dtype: str
-    planner: str
+    planner: PlannerText                # the plan's planner spec; its JSON is the text
     plan_digest: str                    # fingerprint digest of the model the plan is bound to
     steps: int
     seeds: list[int]

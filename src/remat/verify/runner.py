@@ -775,7 +775,7 @@ def _verify(loaded: LoadedWorkload, plan: Plan, *, steps: int, seeds: int, timin
     ticks.finish()
     return VerifyReport(
         passed=not failures, workload=loaded.spec, shape=dict(loaded.shape), device=loaded.device,
-        dtype=loaded.dtype, planner=plan.planner.format(), plan_digest=plan.fingerprint.digest, steps=steps,
+        dtype=loaded.dtype, planner=plan.planner, plan_digest=plan.fingerprint.digest, steps=steps,
         seeds=seed_values, tolerances=dict(compiled.table), perturbation=_perturbation_for(tol),
         per_step=pairs.per_step, first_divergent_module=_first_divergent_module(pairs.per_step, hazards),
         rng_policy=_rng_policy(plan, drawers), rng_timing=timing, hazards=hazards, negative_controls=negative,

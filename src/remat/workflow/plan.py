@@ -13,7 +13,7 @@ from typing import Any
 from ..closed_loop import ClosedLoopResult, TimeRaceSettings, plan_for_device
 from ..measure import CompileSpec
 from ..memory.capacity import step_capacity
-from ..plan import Plan, PlanWorkload, budget_on_device, make_plan, parse_budget
+from ..plan import Plan, PlannerSpec, PlanWorkload, budget_on_device, make_plan, parse_budget
 from ..plan.offload import OffloadPricing
 from ..profile import ProfileReport, profile_simulated
 from ..profile.blocked import profile_on_device
@@ -26,7 +26,7 @@ from ..workload import LoadedWorkload
 class PlanSettings:
     """What to plan for: the planner, the budget and what the plan may use (bytes where a figure is a size)."""
 
-    planner: str = "optimal"                  # a planner spec: "optimal", "greedy", "uniform:2", ...
+    planner: str | PlannerSpec = "optimal"    # a planner spec: "optimal", "greedy", "uniform:2", ...; text is parsed
     budget: str | int | None = None           # as ``remat plan --budget`` takes it: bytes, "800MiB", "60%"
     reserve: float = 0.05                     # share of the budget kept free
     capacity_bytes: int | None = None         # the device's stated capacity (NOTE [blocked step]); None: not stated
@@ -36,6 +36,9 @@ class PlanSettings:
     offload: OffloadPricing | None = None     # offer activation offload, priced so (NOTE [offload cost model])
     compile: CompileSpec | None = None        # run compiled (NOTE [compiled arms])
     time_race: bool = True                    # race the plan against the fastest simple plan (NOTE [time race])
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "planner", PlannerSpec.parse(self.planner))   # once, before any work
 
 
 def recorded_workload(loaded: LoadedWorkload) -> PlanWorkload:

@@ -63,6 +63,7 @@ from ...errors import BudgetError, DistributedError, PlanError
 from ...memory.measure import optimizer_state_tensors
 from ...plan.model import Plan
 from ...plan.planners import correction_margin
+from ...plan.spec import PlannerSpec
 from ...plan.pipeline import PipelinePlan, Side, StagePlan, in_flight, in_flight_from_order, plan_stages
 from ...types import MemCategory, MemorySource
 from ...workload.contract import call_user
@@ -386,9 +387,10 @@ class PipelineRank:
         from ...plan.budget import parse_budget
         report = self.profile()
         budget = parse_budget(self.pp.budget or "80%", max(base_peaks))
+        planner = PlannerSpec.parse(self.pp.planner)   # the config's text, parsed once (NOTE [planner specs])
         # one plan per rank: with several stages per rank they share its device and budget
         replanner = StageReplanner(report=report, stage_blocks=[self.rank_blocks(k) for k in range(self.p)],
-                                   budget_bytes=budget, planner=self.pp.planner, base_peaks=base_peaks,
+                                   budget_bytes=budget, planner=planner, base_peaks=base_peaks,
                                    plan_kw=dict(schedule=self.pp.schedule, microbatches=self.pp.microbatches, reserve=self.pp.reserve,
                                                 in_flights=[self.block_in_flight(k) for k in range(self.p)])) \
             if report is not None else None
@@ -404,7 +406,7 @@ class PipelineRank:
                     raise PlanError(f"the pipeline plan has {len(remat.stages)} stages; this run has {self.p}")
                 return uniform, remat, None
             if replanner is not None:
-                remat = self.pipeline_plan(replanner.plan(planner=self.pp.planner, budget_bytes=budget), budget,
+                remat = self.pipeline_plan(replanner.plan(planner=planner, budget_bytes=budget), budget,
                                            base_peaks)
         return uniform, remat, replanner if remat is not None else None
 
@@ -495,11 +497,11 @@ class StageReplanner:
     report: Any                 # ProfileReport: the whole model at the microbatch shape
     stage_blocks: list[list[str]]
     budget_bytes: int           # the per-device budget
-    planner: str
+    planner: PlannerSpec
     base_peaks: list[int]       # each stage's measured unplanned peak (bytes)
     plan_kw: dict[str, Any]     # the rest of plan_stages' keywords: schedule, microbatches, reserve, in_flights
 
-    def plan(self, *, planner: str, budget_bytes: int | None, base_peaks: list[int] | None = None) -> list[Plan]:
+    def plan(self, *, planner: str | PlannerSpec, budget_bytes: int | None, base_peaks: list[int] | None = None) -> list[Plan]:
         return plan_stages(self.report, self.stage_blocks, planner=planner, budget_bytes=budget_bytes,
                            base_peaks=self.base_peaks if base_peaks is None else base_peaks, **self.plan_kw)
 
