@@ -202,7 +202,7 @@ def test_the_calibration_is_one_snapped_median_over_every_counted_arm():
 def test_attention_pays_per_score_on_top_of_its_flops():
     """NOTE [attention scores], by hand: a CPU flash attention of q (2, 8, 256, 4) and k, v (2, 8, 16, 4) has
     2*8*256*16 = 65,536 scores; its time on the cpu model is its FLOPs (4 * scores * 4) at the fp32 peak plus
-    1.8 ns a score, plus the launch; a matmul has no scores. The backward op reads q and k after the gradient."""
+    2 ns a score, plus the launch; a matmul has no scores. The backward op reads q and k after the gradient."""
     cpu, reg = DEVICE_MODELS["cpu"], flop_registry()
     q, kv = torch.randn(2, 8, 256, 4), torch.randn(2, 8, 16, 4)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

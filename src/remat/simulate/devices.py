@@ -27,21 +27,20 @@ from one measured step.
 NOTE [attention scores]
 A fused attention kernel's FLOPs (4 x scores x head dim, forward) say nothing of its softmax
 (an exp, a running max and a sum per query x key score), which dominates when heads are
-narrow: the diffusers UNet's heads of dim 4 and 8 ran at 5-17 GFLOP/s on one CPU thread against
-55-75 for heads of 40-160 (``benchmarks/op_costs.py``). So an attention op also costs
-``attention_score_s`` per score. cpu: 1.8 ns, fitted by that benchmark (query x key of
-(2, 8, 1024, 4) x (2, 8, 1024, 4): 37 ms, of which the FLOPs at the model's 40 GFLOP/s are 7 ms).
-The CUDA parts: 0, not measured (flash attention there is bound by its matmuls, and this
-project has not timed one); the backward op is charged the same per score as the forward, a
-floor (it recomputes the scores and more).
+narrow: on one CPU thread the diffusers UNet's heads of dim 4 and 8 ran at 5-18 GFLOP/s, heads of
+40-160 at 71-73 (``benchmarks/op_costs.py``, benchmarks/results/op_costs.json). So an attention op
+also costs ``attention_score_s`` per score. cpu: 2 ns, the median of what the four narrow-head
+shapes took per score beyond their FLOPs at the model's fp32 peak (1.0-2.8 ns). The CUDA parts:
+0, not measured (flash attention there is bound by its matmuls, and this project has not timed
+one). The backward op is charged the same per score as the forward, a floor.
 
 NOTE [SAC op cost]
 An op-level (SAC) checkpoint runs its region's forward under a Python dispatch mode that asks
 the policy about every op and caches what it keeps, and replays under one in backward: a cost
 per op of the region, whatever the op's size, that no FLOP or byte count holds.
 ``benchmarks/op_costs.py`` times a region of N tiny pointwise ops forward + backward plain and
-under each op-level mode, interleaved: 14-16 us per op on one CPU thread for every op-level mode
-(FULL: 1-2 us, the ops run again). cpu: 13 us (the op-level modes' cost less FULL's). The CUDA
+under each op-level mode, interleaved: 12.8-14.4 us per op on one CPU thread for every op-level
+mode (FULL: 1.0-1.8 us, the ops run again). cpu: 13 us (about the op-level modes' cost less FULL's). The CUDA
 parts: the same figure, unmeasured there: it is host time, and on a GPU host it may hide behind
 queued kernels.
 
@@ -138,7 +137,7 @@ DEVICE_MODELS: dict[str, DeviceModel] = {
         semantics=KernelSemantics.CPU,
         peak_flops={"float32": 40e9, "tf32": 40e9, "bfloat16": 80e9, "float16": 20e9, "float64": 20e9},
         bandwidth=10 * _GB, launch_overhead_s=8e-6, memory_bytes=24 * 2**30,
-        attention_score_s=1.8e-9, sac_op_s=13e-6,
+        attention_score_s=2e-9, sac_op_s=13e-6,
         source="measured: torch 2.13 matmul 1024^3 and a 64 MiB copy on one thread, rounded down; attention "
                "scores and SAC's per-op cost: benchmarks/op_costs.py"),
 }
