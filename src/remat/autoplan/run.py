@@ -24,7 +24,8 @@ from ..profile import fingerprint
 from ..profile.model import StepSample
 from ..profile.sample import profile_sample
 from ..types import ProgressFn, no_progress
-from ..verify import RngState, tolerance_table, verify_plan
+from ..host_rng import RngState
+from ..verify import tolerance_table, verify_plan
 from ..workload import parse_autocast
 from ..workload.contract import is_accumulation_count
 from .batches import ExampleBatches

@@ -77,7 +77,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..measure import StepClock, percentile
+from ..clock import StepClock
+from ..percentile import percentile
 from ..memory.measure import model_device
 from ..types import CheckpointMode, MemorySource
 from ..workload.contract import TrainingStep

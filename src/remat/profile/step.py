@@ -36,10 +36,12 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..measure import RegionTimer, percentile, time_steps, warm_up
+from ..clock import RegionTimer
+from ..measure import time_steps, warm_up
 from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, peak_costs_nothing
 from ..memory.reference import tracker_error_bytes
 from ..memory.tracker import StorageRecord
+from ..percentile import percentile
 from ..simulate.costs import flop_registry, op_record
 from ..simulate.devices import DeviceModel, device_model_for
 from ..simulate.runtime import op_ms
