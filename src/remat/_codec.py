@@ -16,7 +16,10 @@ dataclass, and its JSON form follows from its fields, in field order, each value
 - ``dict[K, V]``: an object, its keys ``str`` or an enum's values;
 - a nested dataclass: its own ``to_json()``/``from_json()`` when it has them, else this codec;
 - ``Any`` (and any other union): free-form JSON, written with nested dataclasses and enums
-  encoded, read as it is.
+  encoded, read as it is;
+- a dataclass annotated ``Annotated[X, ROW]``: a list of its fields' values in field order, not an
+  object (a timeline holds thousands of them), read back by position; its spec a ``Tuple`` of its
+  fields' specs.
 
 A missing key reads as the field's default; a key no field names is ignored (a reader of
 untrusted JSON checks it against its schema first, which refuses both: NOTE [hostile JSON] in
@@ -35,9 +38,10 @@ string never goes unbounded: without a Spec in its annotation, deriving the sche
 A Spec in a nested dataclass's annotation wins over that type's own schema (the receipt holds its
 traces to its own spec of one: ``Annotated[StepTrace, STEP_TRACE]`` in remat/receipt/model.py), and
 a key written after a field (``then``) may be a constant the file carries (the receipt's ``kind``).
-A type whose JSON is computed (``SampleRecord``, ``DistributedReport``) keeps a hand codec and a
-hand spec, side by side; a file's reader that checks more than the schema (a version, the parts
-against each other: ``Receipt.from_json``) keeps a hand ``from_json`` around :func:`from_json`.
+A type whose JSON is computed (``SampleRecord``) keeps a hand codec and a hand spec, side by side; a
+file's reader that checks more than the schema (a version, the parts against each other:
+``Receipt.from_json``) keeps a hand ``from_json`` around :func:`from_json`, or is a
+:class:`CheckedJsonCodec`, whose ``json_check`` runs before the read and whose errors are the type's own.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ import typing
 from typing import Annotated, Any, Callable, TypeVar
 
 from ._json import (BYTES, MAX_LIST, MS, SHORT, SIGNED_BYTES, SIGNED_MS, TEXT, Bool, Enum, List, Obj, Opt, Spec,
-                    Tuple)
+                    Tuple, validate)
+from .errors import RematError
 
 T = TypeVar("T")
 
@@ -79,6 +84,7 @@ class Len:
 
 NONFINITE = _Marker("NONFINITE")
 AS_WRITTEN = _Marker("AS_WRITTEN")
+ROW = _Marker("ROW")                            # a dataclass written as a list of its fields' values
 NonFinite = Annotated[float, NONFINITE]         # verify's encoding of non-finite differences
 FloatAsWritten = Annotated[float, AS_WRITTEN]   # read without float(): an int in the file stays an int
 
@@ -211,6 +217,19 @@ class _Dataclass(_Conv):
         return self.kind.from_json(v) if hasattr(self.kind, "from_json") else from_json(self.kind, v)
 
 
+class _Row(_Conv):
+    """``Annotated[X, ROW]``: the dataclass ``X`` as the list of its fields' values, in field order."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+
+    def write(self, v: Any) -> Any:
+        return [s.encode(getattr(v, s.name)) for s in _slots(self.kind)]
+
+    def read(self, v: Any) -> Any:
+        return self.kind(**{s.name: s.decode(x) for s, x in zip(_slots(self.kind), v, strict=True)})
+
+
 class _Free(_Conv):
     """``Any``: free-form JSON; nested dataclasses and enums written as JSON, read back as they are."""
 
@@ -267,6 +286,8 @@ def _converter_annotated(hint: Any, metadata: tuple[Any, ...]) -> _Conv:
         return _Scalar(float, nonfinite=True)
     if AS_WRITTEN in metadata:
         return _Free()
+    if ROW in metadata:
+        return _Row(hint)
     return _converter(hint)
 
 
@@ -371,6 +392,9 @@ def spec_of(hint: Any, where: str, length: Len = Len(MAX_LIST)) -> Spec:
     if origin is Annotated:
         given = [m for m in hint.__metadata__ if isinstance(m, Spec)]
         lengths = [m for m in hint.__metadata__ if isinstance(m, Len)]
+        if not given and ROW in hint.__metadata__:
+            fields = _hints(args[0])
+            return Tuple(*(spec_of(fields[s.name], f"{where}.{s.name}") for s in _slots(args[0])))
         return given[0] if given else spec_of(args[0], where, *lengths)
     spec = _generic_spec(origin, args, where, length)
     if spec is None:
@@ -413,3 +437,33 @@ class JsonCodec:
     @classmethod
     def from_json(cls: type[T], d: dict[str, Any]) -> T:
         return from_json(cls, d)
+
+
+class CheckedJsonCodec(JsonCodec):
+    """A :class:`JsonCodec` whose ``from_json`` checks the JSON first (:meth:`json_check`: by default that it is an
+    object and :func:`schema` holds; a type overrides it to check a version first) and raises the type's own error
+    (``json_error``, naming ``json_what``) for anything the read refuses: a missing key, a value its type refuses,
+    another remat error (with its tip)."""
+
+    # class attributes, not annotated: an annotation would be read as a field's by the codec
+    json_error = RematError
+    json_what = "JSON"
+
+    @classmethod
+    def json_check(cls, d: Any) -> None:
+        if not isinstance(d, dict):
+            raise cls.json_error(f"{cls.json_what} must be a JSON object")
+        validate(d, schema(cls), error=cls.json_error, what=cls.json_what)
+
+    @classmethod
+    def from_json(cls: type[T], d: dict[str, Any]) -> T:
+        kind: Any = cls
+        kind.json_check(d)
+        try:
+            return from_json(cls, d)
+        except kind.json_error:
+            raise
+        except RematError as exc:
+            raise kind.json_error(exc.message, tip=exc.tip) from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise kind.json_error(f"malformed {kind.json_what}: {type(exc).__name__}: {exc}") from exc
