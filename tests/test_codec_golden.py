@@ -372,3 +372,20 @@ def test_remat_check_refuses_an_old_format_pipeline_receipt_with_exit_2(tmp_path
     assert main(["check", str(tmp_path / "receipt.json"), "--quick", "--no-reports"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "old format" in err and "remat distributed --engine pipeline --workload gpt" in err
+
+
+def test_a_pipeline_run_renders_as_it_did_before_the_one_per_rank_report():
+    """pipeline.md and the receipt's report.html + report.md of the old golden's figures, rendered from the one
+    per-rank report, are the bytes the renderers wrote from the old PipelineReport (tests/golden/pipeline_render.md
+    and pipeline_receipt_render.txt, written by that code from the same file); the wrong case: one changed figure."""
+    from remat.distributed.report import DistributedReport
+    from remat.receipt.render import render_html, render_markdown, render_pipeline_markdown
+    old = json.loads((GOLDEN / "pipeline_receipt.json").read_bytes())
+    report = DistributedReport.from_json(_one_report(old["pipeline"]))
+    assert render_pipeline_markdown(report) == (GOLDEN / "pipeline_render.md").read_text()
+    receipt = Receipt.from_json(_one_receipt(old))
+    assert render_html(receipt) + "\n=====\n" + render_markdown(receipt) == \
+        (GOLDEN / "pipeline_receipt_render.txt").read_text()
+    edited = _one_report(old["pipeline"])
+    edited["per_rank"]["none"][0]["stage"]["bubble_fraction"] = 0.5
+    assert render_pipeline_markdown(DistributedReport.from_json(edited)) != (GOLDEN / "pipeline_render.md").read_text()
