@@ -28,7 +28,8 @@ from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
 from ..units import MIB, fmt_bytes, mib
 from ..verify.model import RunMode, VerifyReport
-from ..distributed.report import DistributedReport, PipelineEquivalence, PipelineFigures, RankFigures, SideReport
+from ..distributed.report import (DistributedReport, PipelineEquivalence, PipelineFigures, RankFigures, SideReport,
+                                  StageFigures)
 from .model import Receipt, ShipStatus
 from .world_size import PipelineEvidence
 
@@ -605,23 +606,21 @@ STAGE_HEADERS = ["side", "stage", "in flight", "boundaries", "peak", "predicted"
 SIDE_HEADERS = ["side", "step p50 ms", "step p95 ms", "samples/s", "largest stage peak", "largest bubble"]
 
 
-def _stages(side: SideReport) -> list[RankFigures]:
-    """A pipeline side's rows (each with its stage)."""
-    return [r for r in side.per_rank if r.stage is not None]
+def _stages(side: SideReport) -> list[StageFigures]:
+    """A pipeline side's stages, in row order."""
+    return [r.stage for r in side.per_rank if r.stage is not None]
 
 
 def timeline_rows(side: SideReport, width: int = WIDTH) -> list[str]:
     """One text row per stage over the side's last timed step: F forward, L loss, B backward, R replay inside
     backward, O optimizer, ``-`` blocked in p2p, ``.`` idle; every column is ``end / width`` ms."""
-    events = [e for r in _stages(side) for e in r.stage.timeline]   # type: ignore[union-attr]
+    events = [e for s in _stages(side) for e in s.timeline]
     if not events:
         return []
     t0 = min(e.start_ms for e in events)
     span = max(max(e.end_ms for e in events) - t0, 1e-9)
     rows = []
-    for r in _stages(side):
-        s = r.stage
-        assert s is not None
+    for s in _stages(side):
         cells = ["."] * width
         for kind, letter in (("p2p", "-"),) + tuple(reversed(_LETTERS)):
             for e in s.timeline:
@@ -663,7 +662,7 @@ def side_cells(side: str, r: SideReport) -> list[str]:
 def stage_rows(report: DistributedReport, *, no: str) -> list[list[str]]:
     """Every side's per-stage rows (``STAGE_HEADERS``)."""
     return [stage_cells(name, r, report.budget_bytes, no=no) for name, side in sides_of(report)
-            for r in _stages(side)]
+            for r in side.per_rank]
 
 
 def sides_of(report: DistributedReport) -> list[tuple[str, SideReport]]:
@@ -730,10 +729,8 @@ WIDTH_PX = 960
 LABEL_PX = 70
 
 
-def _lane(lane: int, r: RankFigures, t0: float, span: float) -> list[str]:
+def _lane(lane: int, s: StageFigures, t0: float, span: float) -> list[str]:
     """One stage's lane of the timeline: its label, background, and a rectangle per interval, by kind."""
-    s = r.stage
-    assert s is not None, "a pipeline row"
     plot = WIDTH_PX - LABEL_PX - 10
     y = lane * LANE_PX + 2
     parts = [f'<text x="2" y="{y + LANE_PX * 0.6:.1f}">stage {int(s.stage)}</text>',
@@ -757,15 +754,15 @@ def timeline_svg(side: SideReport, *, t_max_ms: float | None = None) -> str:
     own_span = side.timeline_span_ms
     if own_span is None:
         return '<p class="muted">no intervals recorded</p>'
-    rows = _stages(side)
-    t0 = min(ev.start_ms for r in rows for ev in r.stage.timeline)   # type: ignore[union-attr]
+    stages = _stages(side)
+    t0 = min(ev.start_ms for s in stages for ev in s.timeline)
     span = max(t_max_ms if t_max_ms is not None else own_span, 1e-9)
-    height = LANE_PX * len(rows) + 24
+    height = LANE_PX * len(stages) + 24
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH_PX}" height="{height}" '
              f'font-family="sans-serif" font-size="11">']
-    for lane, r in enumerate(rows):
-        parts += _lane(lane, r, t0, span)
-    axis_y = LANE_PX * len(rows) + 16
+    for lane, s in enumerate(stages):
+        parts += _lane(lane, s, t0, span)
+    axis_y = LANE_PX * len(stages) + 16
     parts.append(f'<text x="{LABEL_PX}" y="{axis_y}">0 ms</text>'
                  f'<text x="{WIDTH_PX - 10}" y="{axis_y}" text-anchor="end">{span:.0f} ms</text></svg>')
     return "".join(parts)
