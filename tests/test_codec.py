@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import pytest
 
-from remat._codec import (Bytes, FloatAsWritten, JsonCodec, Len, NonFinite, Reading, Short, from_json, json_field, schema,
-                          to_json)
+from remat._codec import (ROW, Bytes, CheckedJsonCodec, FloatAsWritten, JsonCodec, Len, NonFinite, Reading, Short,
+                          from_json, json_field, schema, to_json)
 from remat._json import Enum, Int, Map, Num, validate
 from remat.plan.spec import PlannerText
 from remat.errors import PlanError
@@ -218,3 +218,30 @@ def test_a_checked_reading_wraps_only_the_errors_it_names():
     with pytest.raises(ValueError):
         Unwrapped.from_json({"n": "x"})
     assert Wrapped.from_json({"n": "3"}).n == 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Span:
+    kind: Short
+    mb: Annotated[int, Int(-1, 10)]
+    start_ms: Annotated[float, Num(0, 1e3)]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Spans(CheckedJsonCodec):
+    json_error = PlanError
+    json_what = "spans file"
+    spans: list[Annotated[Span, ROW]]
+
+
+def test_a_row_is_a_list_of_its_fields_and_a_checked_codec_refuses_with_its_own_error():
+    """ROW: a dataclass as the list of its fields' values; its spec a Tuple of theirs. CheckedJsonCodec checks the
+    schema before reading and raises the type's own error; the safe twin reads back what it wrote."""
+    s = Spans(spans=[Span(kind="forward", mb=1, start_ms=2.0), Span(kind="p2p:send", mb=-1, start_ms=0.5)])
+    d = json.loads(json.dumps(s.to_json()))
+    assert d == {"spans": [["forward", 1, 2.0], ["p2p:send", -1, 0.5]]}
+    assert Spans.from_json(d) == s
+    for bad, words in (({"spans": [["forward", 1]]}, "list of 3"), ({"spans": [["forward", 11, 2.0]]}, "in \\[-1, 10\\]"),
+                       ([], "must be a JSON object"), ({"spans": [], "zz": 1}, "unknown field")):
+        with pytest.raises(PlanError, match=words):
+            Spans.from_json(bad)

@@ -165,19 +165,68 @@ def test_the_golden_distributed_config_reads_and_writes_its_own_bytes(tmp_path):
         DistributedConfig.from_json(edited)
 
 
-def _one_receipt(old: dict) -> dict:
+_STAGE_KEYS = ("stage", "host", "in_flight", "blocks", "boundaries", "forward_ms", "backward_ms", "replay_ms",
+               "optimizer_ms", "idle_ms", "bubble_fraction", "held_at_backward_bytes", "bubble_delta_vs_none",
+               "predicted_peak_bytes", "grad_sq_sum", "timeline")
+
+
+def _one_report(old: dict) -> dict:
+    """An old-layout pipeline report's figures placed, by hand, as the one per-rank report holds them (NOTE [one
+    per-rank report] in remat/distributed/report.py): a stage row is a rank's row (its p2p the row's communication)
+    with its ``stage``; each side's figures laid side by side; the pipeline's own figures under ``pipeline``."""
+    from remat.distributed.pipeline.report import COMM_SOURCE
+    sides = old["sides"]
+
+    def row(s: dict) -> dict:
+        return {"rank": s["rank"], "peak_bytes": s["peak_bytes"], "p50_ms": s["p50_ms"], "p95_ms": s["p95_ms"],
+                "exposed_comm_ms": s["exposed_p2p_ms"], "comm_ms": s["p2p_ms"], "ablation_step_ms": None,
+                "step_ms": [], "stage": {k: s[k] for k in _STAGE_KEYS}}
+
+    def by(get) -> dict:
+        return {name: get(side) for name, side in sides.items()}
+
+    plans = old["plans"]
+    planned = [b["module"] for st in plans["remat"]["stages"] for b in st["plan"]["boundaries"]] \
+        if "remat" in plans else []
+    over = [s["rank"] for s in sides.get("remat", {}).get("per_stage", [])
+            if old["budget_bytes"] is not None and s["peak_bytes"] > old["budget_bytes"]]
+    return {"schema_version": 1, "world_size": old["world_size"], "engine": "pipeline", "backend": old["backend"],
+            "device": old["device"], "dtype": old["dtype"], "workload": {"spec": old["spec"], "shape": old["shape"]},
+            "torch_version": old["torch_version"], "steps": old["steps"], "warmup": old["warmup"], "comm_steps": 0,
+            "samples_per_step": [old["batch_size"]] * old["world_size"], "memory_source": old["memory_source"],
+            "comm_source": COMM_SOURCE, "plan_boundaries": planned,
+            "per_rank": by(lambda side: [row(s) for s in side["per_stage"]]),
+            "global_samples_per_s": by(lambda side: side["samples_per_s"]),
+            "step_ms_p50": by(lambda side: side["p50_ms"]), "collectives": by(lambda side: {}),
+            "exposed_comm_ms": by(lambda side: max(s["exposed_p2p_ms"] for s in side["per_stage"])),
+            "comm_ms": by(lambda side: max(s["p2p_ms"] for s in side["per_stage"])),
+            "ablation_step_ms": by(lambda side: None), "equivalence": None, "budget_bytes": old["budget_bytes"],
+            "over_budget_ranks": over,
+            "passed": all(e["ok"] for e in old["equivalence"].values()) and old["negative_control_rejected"] is not False
+            and not over,
+            "notes": old["notes"],
+            "pipeline": {k: old[k] for k in ("schedule", "microbatches", "batch_size", "split_points", "split_source",
+                                             "stages_per_rank", "ideal_bubble_fraction", "timeout_s")}
+            | {"step_ms_p95": by(lambda side: side["p95_ms"])}
+            | {k: old[k] for k in ("equivalence", "negative_control_rejected", "plans")}}
+
+
+def _one_receipt(old: dict, report: dict | None = None) -> dict:
     """The old-format pipeline receipt's parts, placed as the one receipt holds them (NOTE [one receipt] in
-    remat/receipt/model.py), by hand: the figures must be the same, byte for byte."""
+    remat/receipt/model.py), by hand: the figures must be the same, byte for byte. ``report``: its pipeline report
+    (default: the old one's figures in the one per-rank report, :func:`_one_report`)."""
     return {"schema_version": 1, "kind": "remat-receipt", "context": old["context"],
             "world_size": {"engine": "pipeline", "world_size": old["pipeline"]["world_size"],
-                           "pipeline": {"report": old["pipeline"], "boundaries": old["boundaries"]},
+                           "pipeline": {"report": _one_report(old["pipeline"]) if report is None else report,
+                                        "boundaries": old["boundaries"]},
                            "check_steps": old["check_steps"], "check_timeout_s": old["check_timeout_s"]}}
 
 
 def test_a_pipeline_run_is_one_receipt_holding_the_old_golden_figures():
     """tests/golden/pipeline_receipt.json (the old format, made before the one receipt) moved by hand into the
-    one receipt's places reads and writes its own bytes; the wrong cases: an out-of-bound figure, a single-process
-    section beside a pipeline run, and a pipeline run's world size that is not its report's."""
+    one receipt's places, its report into the one per-rank report's, reads and writes its own bytes; the wrong
+    cases: an out-of-bound figure, a single-process section beside a pipeline run, and a pipeline run's world size
+    that is not its report's."""
     from remat.receipt.world_size import PipelineEvidence
     old = json.loads((GOLDEN / "pipeline_receipt.json").read_bytes())
     text = (json.dumps(_one_receipt(old), indent=1, allow_nan=False) + "\n").encode("utf-8")
@@ -185,10 +234,18 @@ def test_a_pipeline_run_is_one_receipt_holding_the_old_golden_figures():
     assert isinstance(receipt.pipeline, PipelineEvidence) and receipt.settings is None and receipt.decision is None
     assert receipt.pipeline.report.spec == receipt.context.workload == "gpt"
     assert receipt_bytes(receipt) == text
-    assert json.loads(receipt_bytes(receipt))["world_size"]["pipeline"]["report"] == old["pipeline"]
+    report = receipt.pipeline.report
+    none = report.side("none")
+    assert none is not None and none.step_ms_p95 == old["pipeline"]["sides"]["none"]["p95_ms"]
+    assert none.max_bubble_fraction == old["pipeline"]["sides"]["none"]["max_bubble_fraction"]
+    assert none.max_peak_bytes == old["pipeline"]["sides"]["none"]["max_peak_bytes"]
     edited = json.loads(text)
     edited["world_size"]["check_steps"] = 0   # out of bound, refused as before
     with pytest.raises(ReceiptError, match="check_steps"):
+        Receipt.from_json(edited)
+    edited = json.loads(text)
+    edited["world_size"]["pipeline"]["report"]["per_rank"]["none"][0]["stage"]["bubble_fraction"] = 1.5
+    with pytest.raises(ReceiptError, match="bubble_fraction"):   # the report's bounds, as pipeline.json's were
         Receipt.from_json(edited)
     edited = json.loads(text)
     edited["settings"] = json.loads((GOLDEN / "receipt.json").read_bytes())["settings"]
@@ -198,6 +255,26 @@ def test_a_pipeline_run_is_one_receipt_holding_the_old_golden_figures():
     edited["world_size"]["world_size"] = 3
     with pytest.raises(ReceiptError, match="another world size"):
         Receipt.from_json(edited)
+
+
+def test_an_old_layout_pipeline_report_is_refused_with_the_command_that_makes_it_again():
+    """The pipeline report of the layout before the one per-rank report: in a one receipt, StaleReceiptFormat
+    (exit 2); as a pipeline.json, StaleReportFormat; each naming the command. The safe twin: the same figures in
+    the one per-rank report are read."""
+    from remat.distributed.report import DistributedReport
+    from remat.errors import StaleReceiptFormat, StaleReportFormat
+    old = json.loads((GOLDEN / "pipeline_receipt.json").read_bytes())
+    command = ("`remat distributed --engine pipeline --workload gpt --world-size 2 --schedule 1f1b --microbatches 2 "
+               "--split-points h.2 --out DIR`")
+    with pytest.raises(StaleReceiptFormat, match="old format") as info:
+        Receipt.from_json(_one_receipt(old, report=old["pipeline"]))
+    assert info.value.exit_code == 2 and command in info.value.tip
+    Receipt.from_json(_one_receipt(old))
+    with pytest.raises(StaleReportFormat, match="old layout") as err:
+        DistributedReport.from_json(old["pipeline"])
+    assert err.value.exit_code == 2 and command.replace("--world-size 2", "--world-size 2 --shape n_layer=4,d_model=32,"
+                                                        "n_head=2,seq_len=16,batch_size=8,vocab=64") in err.value.tip
+    DistributedReport.from_json(_one_report(old["pipeline"]))
 
 
 def test_a_single_process_receipt_missing_a_section_is_refused(golden):
@@ -295,3 +372,20 @@ def test_remat_check_refuses_an_old_format_pipeline_receipt_with_exit_2(tmp_path
     assert main(["check", str(tmp_path / "receipt.json"), "--quick", "--no-reports"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "old format" in err and "remat distributed --engine pipeline --workload gpt" in err
+
+
+def test_a_pipeline_run_renders_as_it_did_before_the_one_per_rank_report():
+    """pipeline.md and the receipt's report.html + report.md of the old golden's figures, rendered from the one
+    per-rank report, are the bytes the renderers wrote from the old PipelineReport (tests/golden/pipeline_render.md
+    and pipeline_receipt_render.txt, written by that code from the same file); the wrong case: one changed figure."""
+    from remat.distributed.report import DistributedReport
+    from remat.receipt.render import render_html, render_markdown, render_pipeline_markdown
+    old = json.loads((GOLDEN / "pipeline_receipt.json").read_bytes())
+    report = DistributedReport.from_json(_one_report(old["pipeline"]))
+    assert render_pipeline_markdown(report) == (GOLDEN / "pipeline_render.md").read_text()
+    receipt = Receipt.from_json(_one_receipt(old))
+    assert render_html(receipt) + "\n=====\n" + render_markdown(receipt) == \
+        (GOLDEN / "pipeline_receipt_render.txt").read_text()
+    edited = _one_report(old["pipeline"])
+    edited["per_rank"]["none"][0]["stage"]["bubble_fraction"] = 0.5
+    assert render_pipeline_markdown(DistributedReport.from_json(edited)) != (GOLDEN / "pipeline_render.md").read_text()

@@ -295,11 +295,12 @@ def _evidence(data: dict, world_size: int) -> dict[str, Any]:
                      params_compared=1, mismatched=[], loss_equal=True, collective_counts_equal=True,
                      collective_counts={})
     ctx = data["context"]
-    report = DistributedReport(world_size=world_size, engine=Engine.DDP, backend="gloo", device="cpu",
+    report = DistributedReport.of({"control": side, "plan": side}, world_size=world_size, engine=Engine.DDP,
+                                  backend="gloo", device="cpu",
                                dtype=ctx["dtype"], spec=ctx["workload"], shape=dict(ctx["shape"]), steps=1, warmup=2,
                                comm_steps=1, samples_per_step=[1] * world_size, memory_source=MemorySource.CPU_ALLOCATOR, comm_source="gloo",
                                torch_version=ctx["torch_version"],
-                               plan_boundaries=[b["module"] for b in data["plan"]["boundaries"]], control=side, plan=side,
+                               plan_boundaries=[b["module"] for b in data["plan"]["boundaries"]],
                                equivalence=eq, budget_bytes=data["decision"]["effective_budget_bytes"])
     return WorldSizeEvidence(report=report, check_steps=1, check_timeout_s=30.0).to_json()
 

@@ -19,10 +19,10 @@ from remat.distributed.config import DistributedConfig, Engine, PipelineSettings
 from remat.distributed.launch import WORKER_MODULE, _alive_rank_pid
 from remat.distributed.pipeline.engine import (balanced_bounds, build_stage_module, run_pipeline_config, split_batch,
                                                stage_layout)
-from remat.distributed.pipeline.report import PipelineReport
+from remat.distributed.report import DistributedReport
 from remat.distributed.worker import FAULT_ENV
 from remat.errors import BudgetError, DistributedError, PlanError
-from remat.plan.pipeline import PipelinePlan, Schedule, ideal_bubble, in_flight, load_any_plan, plan_stages
+from remat.plan.pipeline import PipelinePlan, Schedule, Side, ideal_bubble, in_flight, load_any_plan, plan_stages
 from remat.profile.fingerprint import fingerprint
 from remat.profile.model import CandidateCost, PeakRow, ProfileReport
 from remat.types import CheckpointMode, MemorySource
@@ -188,28 +188,39 @@ def gpt_run(tmp_path_factory):
     return code, out
 
 
+def stage_rows(d: dict, side: str) -> list[dict]:
+    """One side's rows of a pipeline run's report JSON, each row's figures and its stage's as one object (NOTE [one
+    per-rank report]: a pipeline row is a rank's row with its ``stage``)."""
+    return [{**{k: v for k, v in r.items() if k != "stage"}, **r["stage"]} for r in d["per_rank"][side]]
+
+
+def sides_run(d: dict) -> set[str]:
+    return {name for name, rows in d["per_rank"].items() if rows is not None}
+
+
 def test_pipeline_cli_per_stage_plans_bitwise_equal_and_side_by_side(gpt_run):
     code, out = gpt_run
     assert code == 0
     d = json.loads((out / "pipeline.json").read_text())
-    assert PipelineReport.from_json(json.loads(json.dumps(d))).to_json() == d
-    assert set(d["sides"]) == {"none", "uniform", "remat"} and d["split_points"] == ["h.2"]
-    assert d["ideal_bubble_fraction"] == pytest.approx(1 / 5)
-    none, uni, rem = (d["sides"][s]["per_stage"] for s in ("none", "uniform", "remat"))
+    assert DistributedReport.from_json(json.loads(json.dumps(d))).to_json() == d
+    assert d["engine"] == "pipeline" and d["passed"] is True and d["over_budget_ranks"] == []
+    assert sides_run(d) == {"none", "uniform", "remat"} and d["pipeline"]["split_points"] == ["h.2"]
+    assert d["pipeline"]["ideal_bubble_fraction"] == pytest.approx(1 / 5)
+    none, uni, rem = (stage_rows(d, s) for s in ("none", "uniform", "remat"))
     assert [s["in_flight"] for s in none] == [2, 1]
     assert [s["blocks"] for s in none] == [["h.0", "h.1"], ["h.2", "h.3"]]
     # uniform: every block of every stage; remat: per stage, and only where the budget needs it
     assert [s["boundaries"] for s in uni] == [["h.0", "h.1"], ["h.2", "h.3"]]
     assert rem[0]["boundaries"] and all(b.startswith(("h.0", "h.1")) for b in rem[0]["boundaries"])
     assert rem[0]["peak_bytes"] < none[0]["peak_bytes"] and uni[0]["peak_bytes"] < none[0]["peak_bytes"]
-    assert all(s["fits_budget"] for s in rem)
+    assert all(s["peak_bytes"] <= d["budget_bytes"] for s in rem)
     for side in (none, uni, rem):
         for s in side:
             assert s["peak_bytes"] > 0 and len(s["held_at_backward_bytes"]) == 4
             assert 0 < s["p50_ms"] <= s["p95_ms"] and 0.0 <= s["bubble_fraction"] < 1.0
             kinds = [e[0] for e in s["timeline"]]
             assert kinds.count("forward") == 4 and kinds.count("backward") == 4
-            assert s["exposed_p2p_ms"] <= s["p2p_ms"] + 1e-6
+            assert s["exposed_comm_ms"] <= s["comm_ms"] + 1e-6   # a pipeline's communication is p2p
     assert all(s["replay_ms"] > 0 for s in uni) and all(s["replay_ms"] == 0 for s in none)
     # 1F1B, p=2: stage 0 holds 2 microbatches as its first three backwards start, 1 at the last
     held = none[0]["held_at_backward_bytes"]
@@ -219,10 +230,10 @@ def test_pipeline_cli_per_stage_plans_bitwise_equal_and_side_by_side(gpt_run):
     # remat's plan on stage 0 was predicted from the measured unplanned peak; the prediction is conservative
     assert rem[0]["predicted_peak_bytes"] >= rem[0]["peak_bytes"] * 0.9
     for name in ("uniform", "remat"):
-        eq = d["equivalence"][name]
+        eq = d["pipeline"]["equivalence"][name]
         assert eq["bitwise_equal"] and eq["max_abs_diff"] == 0.0 and eq["first_loss_equal"] and eq["ok"]
         assert eq["params_compared"] > 0
-    assert d["negative_control_rejected"] is True
+    assert d["pipeline"]["negative_control_rejected"] is True
     md = (out / "pipeline.md").read_text()
     assert "| remat | 0 | 2 |" in md and md.count("stage 0 |") == 3 and "bitwise equal" in md
     plan = load_any_plan(out / "plan.json")
@@ -235,12 +246,12 @@ def test_bubble_matches_the_schedule_formula_for_known_stage_times(rank_env, tmp
                          split_points=["blocks.1"], sides=["none"], steps=3, warmup=1, timeout_s=30)
     d = run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=90).to_json()
     ideal = 1 / 5   # (p - 1) / (m + p - 1)
-    for s in d["sides"]["none"]["per_stage"]:
+    for s in stage_rows(d, "none"):
         assert s["bubble_fraction"] == pytest.approx(ideal, abs=0.06), s
     # the step is (m + p - 1) x (forward + backward) of one stage: 5 x 90 ms of sleep. Only the lower bound is
     # asserted: sleeps never end early, so a schedule that overlapped what it must not (4 x 90 ms) fails at any
     # load, while a loaded machine only adds time (no speed is asserted in a unit test)
-    assert d["sides"]["none"]["p50_ms"] >= 450 * 0.95
+    assert d["step_ms_p50"]["none"] >= 450 * 0.95
 
 
 def test_dead_stage_is_named_and_leaves_no_process(rank_env, tmp_path):
@@ -314,11 +325,11 @@ def test_verify_engine_pipeline_rejects_a_plan_that_changes_the_gradients(rank_e
                  "--plan", str(path), "--world-size", "2", "--engine", "pipeline", "--microbatches", "4",
                  "--out", str(tmp_path / "v"), "--dist-timeout", "20", "--dist-wall-timeout", "90"])
     assert code == 1
-    report = PipelineReport.from_json(json.loads((tmp_path / "v" / "pipeline.json").read_text()))
-    assert set(report.sides) == {"none", "remat"}
-    eq = report.equivalence["remat"]
+    report = DistributedReport.from_json(json.loads((tmp_path / "v" / "pipeline.json").read_text()))
+    assert report.sides == ["none", "remat"] and report.pipeline is not None
+    eq = report.pipeline.equivalence[Side.REMAT]
     assert not eq.bitwise_equal and not eq.ok and eq.max_abs_diff > 0
-    assert not report.ok
+    assert not report.pipeline.ok and not report.passed
     # the receipt written beside it records the failure, and check fails on it without a launch
     assert main(["check", str(tmp_path / "v" / "receipt.json"), "--quick"]) == 1
 
@@ -330,9 +341,9 @@ def test_verify_engine_pipeline_passes_the_per_stage_plans(gpt_run, tmp_path, ca
                  "--out", str(tmp_path / "v"), "--dist-timeout", "20", "--dist-wall-timeout", "90"])
     assert code == 0, capsys.readouterr()
     d = json.loads((tmp_path / "v" / "pipeline.json").read_text())
-    assert set(d["sides"]) == {"none", "remat"} and d["split_points"] == ["h.2"]   # the plan's split
-    assert d["equivalence"]["remat"]["bitwise_equal"] and d["negative_control_rejected"] is True
-    assert [s["boundaries"] for s in d["sides"]["remat"]["per_stage"]] == \
+    assert sides_run(d) == {"none", "remat"} and d["pipeline"]["split_points"] == ["h.2"]   # the plan's split
+    assert d["pipeline"]["equivalence"]["remat"]["bitwise_equal"] and d["pipeline"]["negative_control_rejected"] is True
+    assert [s["boundaries"] for s in stage_rows(d, "remat")] == \
         [[b.module for b in st.plan.boundaries] for st in load_any_plan(out / "plan.json").stages]
 
 
@@ -427,7 +438,7 @@ def test_check_pipeline_receipt_quick_and_what_it_rejects(gpt_run, tmp_path):
     assert any("not re-run" in s for s in rep.skipped)
     # a receipt that recorded different gradients: DECISION
     def differ(p):
-        p["report"]["equivalence"]["remat"].update(ok=False, bitwise_equal=False, max_abs_diff=0.5)
+        p["report"]["pipeline"]["equivalence"]["remat"].update(ok=False, bitwise_equal=False, max_abs_diff=0.5)
     rep = check_pipeline_receipt(edited(differ), quick=True)
     assert [f.kind for f in rep.failures] == [FindingKind.DECISION] and "differ" in rep.failures[0].message
     # reports rendered from another receipt: REPORT (exit 1 from the CLI)
@@ -453,14 +464,16 @@ def test_check_pipeline_receipt_re_runs_the_pipeline(gpt_run, tmp_path):
     from remat.receipt import Receipt
     _, out = gpt_run
     assert main(["check", str(out / "receipt.json")]) == 0
-    # the same receipt with a per-device budget below every stage's peak: the re-run still finds the gradients
-    # bitwise equal, and names both stages' peaks over the budget
+    # the same receipt with a per-device budget below every stage's peak: its recorded peaks are over it (a row's
+    # fit is its peak against the report's budget, NOTE [one per-rank report]), and the re-run still finds the
+    # gradients bitwise equal and names both stages' peaks over the budget
     d = json.loads((out / "receipt.json").read_text())
     d["world_size"]["pipeline"]["report"]["budget_bytes"] = 1
     rep = check_pipeline_receipt(Receipt.from_json(d), work_dir=tmp_path / "w", wall_timeout_s=90)
     assert any("bitwise equal" in c for c in rep.checked)
-    assert [f.kind for f in rep.failures] == [FindingKind.PEAK, FindingKind.PEAK]
-    assert [f.message.split(":")[0] for f in rep.failures] == ["stage 0", "stage 1"]
+    assert [f.kind for f in rep.failures] == [FindingKind.DECISION, FindingKind.PEAK, FindingKind.PEAK]
+    assert "stage 0, stage 1" in rep.failures[0].message
+    assert [f.message.split(":")[0] for f in rep.failures[1:]] == ["stage 0", "stage 1"]
 
 
 # -- a zoo transformer ---------------------------------------------------------------------------------
@@ -507,17 +520,18 @@ def test_a_model_without_embed_and_head_is_split_by_its_blocks_path():
 def test_timeline_rows_place_each_interval_in_its_columns():
     import dataclasses
     from remat.receipt.render import timeline_rows
-    from remat.distributed.pipeline.report import SideReport, StageReport, TimelineSpan
-    blank = StageReport(stage=0, rank=0, host="h", in_flight=1, blocks=[], boundaries=[], p50_ms=0.0, p95_ms=0.0,
-                        forward_ms=0.0, backward_ms=0.0, replay_ms=0.0, optimizer_ms=0.0, p2p_ms=0.0,
-                        exposed_p2p_ms=0.0, idle_ms=0.0, bubble_fraction=0.0, peak_bytes=0, held_at_backward_bytes=[],
-                        fits_budget=None, bubble_delta_vs_none=None, predicted_peak_bytes=None, grad_sq_sum=None,
-                        timeline=[])
+    from remat.distributed.report import RankFigures, SideReport, StageFigures, TimelineSpan
+    blank = StageFigures(stage=0, host="h", in_flight=1, blocks=[], boundaries=[], forward_ms=0.0, backward_ms=0.0,
+                         replay_ms=0.0, optimizer_ms=0.0, idle_ms=0.0, bubble_fraction=0.0, held_at_backward_bytes=[],
+                         bubble_delta_vs_none=None, predicted_peak_bytes=None, grad_sq_sum=None, timeline=[])
     timelines = [[["forward", 0, 0.0, 25.0], ["p2p:fwd_send", -1, 25.0, 50.0], ["backward", 0, 50.0, 100.0],
                   ["replay", -1, 50.0, 75.0]], [["forward", 0, 25.0, 50.0], ["loss", 0, 50.0, 75.0]]]
-    side = SideReport(per_stage=[dataclasses.replace(blank, stage=k, timeline=[TimelineSpan.from_json(e) for e in t])
-                                 for k, t in enumerate(timelines)],
-                      p50_ms=0.0, p95_ms=0.0, samples_per_s=0.0, max_peak_bytes=0, max_bubble_fraction=0.0)
+    rows = [RankFigures(rank=k, peak_bytes=0, p50_ms=0.0, p95_ms=0.0, exposed_comm_ms=None, comm_ms=None,
+                        ablation_step_ms=None, stage=dataclasses.replace(
+                blank, stage=k, timeline=[TimelineSpan(kind=e[0], mb=e[1], start_ms=e[2], end_ms=e[3]) for e in t]))
+            for k, t in enumerate(timelines)]
+    side = SideReport(per_rank=rows, global_samples_per_s=0.0, step_ms_p50=0.0, collectives={}, exposed_comm_ms=None,
+                      comm_ms=None, ablation_step_ms=None)
     rows = timeline_rows(side, width=8)
     assert rows[0] == "stage 0 |FF--RRBB|"      # replay drawn over the backward it runs in
     assert rows[1] == "stage 1 |..FFLL..|"      # idle where nothing was recorded
@@ -545,11 +559,11 @@ def test_interleaved_1f1b_gradients_match_the_unsplit_model(rank_env, tmp_path):
                          microbatches=4, split_points=["h.1", "h.2", "h.3"], sides=["none"], steps=1, warmup=1,
                          timeout_s=30)
     d = run_pipeline_config(cfg, work_dir=tmp_path, wall_timeout_s=120).to_json()
-    ranks = d["sides"]["none"]["per_stage"]
+    ranks = stage_rows(d, "none")
     # rank r runs stages r and r + 2; torch's order warms up (v - 1) p + 2 (p - 1 - r) forwards, then one more
     assert [s["blocks"] for s in ranks] == [["h.0", "h.2"], ["h.1", "h.3"]]
     assert [s["in_flight"] for s in ranks] == [5, 3]
-    assert d["ideal_bubble_fraction"] == pytest.approx(1 / 9) and d["stages_per_rank"] == 2
+    assert d["pipeline"]["ideal_bubble_fraction"] == pytest.approx(1 / 9) and d["pipeline"]["stages_per_rank"] == 2
     for s in ranks:
         kinds = [e[0] for e in s["timeline"]]
         assert kinds.count("forward") == 8 and kinds.count("backward") == 8   # v x m chunks per rank
@@ -698,33 +712,38 @@ def test_assembled_report_is_typed_and_round_trips_its_json():
                            missing_grads={Side.NONE: [], Side.UNIFORM: missing}, notes=["rank note"], plans={})
     report = assemble_pipeline(cfg, [outcome(0, []), outcome(1, ["w"])], torch_version="t",
                                memory_source=MemorySource.CPU_LIVE_TENSORS)
-    assert list(report.sides) == [Side.NONE, Side.UNIFORM] and report.schedule is Schedule.ONE_F_ONE_B
-    uni = report.sides[Side.UNIFORM].per_stage
+    assert report.sides == ["none", "uniform"] and report.engine is Engine.PIPELINE
+    assert report.pipeline is not None and report.pipeline.schedule is Schedule.ONE_F_ONE_B
+    uni = [r.stage for r in report.side("uniform").per_rank]
     # the pipeline step is 11 ms (stage 0 starts at 1 ms, stage 1 ends at 12): idle 3 ms unplanned, 6 ms uniform
     assert uni[0].bubble_delta_vs_none == pytest.approx(3 / 11)
-    assert report.sides[Side.NONE].per_stage[0].bubble_delta_vs_none is None
+    assert report.side("none").per_rank[0].stage.bubble_delta_vs_none is None
+    assert report.side("none").step_ms_p50 == pytest.approx(11.0) and report.side("none").step_ms_p95 == pytest.approx(11.0)
     assert uni[1].timeline[0].start_ms == pytest.approx(1.0) and uni[1].timeline[1].category == "p2p"
-    eq = report.equivalence[Side.UNIFORM]
+    eq = report.pipeline.equivalence[Side.UNIFORM]
     assert not eq.ok and eq.mismatched == ["stage 1: w: no gradient"] and eq.params_compared == 6 and eq.first_loss_equal
-    assert not report.ok and report.remat_fits is None and report.remat_plan is None and report.notes[-1] == "rank note"
+    assert not report.passed and report.over_budget == [] and report.remat_plan is None
+    assert report.notes[-1] == "rank note"
     d = json.loads(json.dumps(report.to_json()))
-    assert d["sides"]["uniform"]["per_stage"][1]["timeline"][1] == ["p2p:send", -1, pytest.approx(2.0), pytest.approx(3.0)]
-    again = PipelineReport.from_json(d)
+    assert d["per_rank"]["uniform"][1]["stage"]["timeline"][1] == ["p2p:send", -1, pytest.approx(2.0),
+                                                                   pytest.approx(3.0)]
+    assert d["per_rank"]["uniform"][0]["comm_ms"] == pytest.approx(0.1)   # the row's p2p
+    again = DistributedReport.from_json(d)
     assert again == report and again.to_json() == d
     # the schema comes from the fields' bounds: a bubble over 1, a short timeline row or no schema_version is refused
     for bad in ({**d, "schema_version": 2}, {k: v for k, v in d.items() if k != "schema_version"}):
         with pytest.raises(DistributedError):
-            PipelineReport.from_json(bad)
+            DistributedReport.from_json(bad)
     for key, value in (("bubble_fraction", 1.5), ("timeline", [["forward", 0, 1.0]])):
         bad = json.loads(json.dumps(d))
-        bad["sides"]["none"]["per_stage"][0][key] = value
+        bad["per_rank"]["none"][0]["stage"][key] = value
         with pytest.raises(DistributedError, match=key):
-            PipelineReport.from_json(bad)
+            DistributedReport.from_json(bad)
     assert "| uniform | 1 |" in render_pipeline_markdown(again)
-    from remat.cli.cmd_distributed import _frontier_table, render_pipeline
+    from remat.cli.cmd_distributed import _frontier_table, render_report
     from remat.cli.render import console
     with console.capture() as cap:
-        render_pipeline(again)
+        render_report(again)
         console.print(_frontier_table(again))
     printed = cap.get()
     assert "DIFFERENT" in printed and "stage 1: w: no gradient" in printed and "uniform *" in printed

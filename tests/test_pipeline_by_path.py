@@ -122,8 +122,8 @@ def test_frontier_engine_pipeline_world_size_2_on_a_model_as_people_bring_it(ran
                  "--out", str(tmp_path), "--dist-steps", "1", "--dist-timeout", "30", "--dist-wall-timeout", "300"])
     d = json.loads((tmp_path / "pipeline.json").read_text())
     for side in ("uniform", "remat"):
-        eq = d["equivalence"][side]
+        eq = d["pipeline"]["equivalence"][side]
         assert eq["bitwise_equal"] and eq["ok"] and not eq["mismatched"] and eq["params_compared"] > 0, eq
-    assert d["negative_control_rejected"] is True
-    assert any(s["boundaries"] for s in d["sides"]["uniform"]["per_stage"])
+    assert d["pipeline"]["negative_control_rejected"] is True
+    assert any(r["stage"]["boundaries"] for r in d["per_rank"]["uniform"])
     assert code == 0

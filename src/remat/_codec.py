@@ -18,7 +18,10 @@ dataclass, and its JSON form follows from its fields, in field order, each value
   ``PlannerSpec`` held typed and written as its text, ``remat.plan.spec.PlannerText``);
 - a nested dataclass: its own ``to_json()``/``from_json()`` when it has them, else this codec;
 - ``Any`` (and any other union): free-form JSON, written with nested dataclasses and enums
-  encoded, read as it is.
+  encoded, read as it is;
+- a dataclass annotated ``Annotated[X, ROW]``: a list of its fields' values in field order, not an
+  object (a timeline holds thousands of them), read back by position; its spec a ``Tuple`` of its
+  fields' specs.
 
 A missing key reads as the field's default; a key no field names is ignored (a reader of
 untrusted JSON checks it against its schema first, which refuses both: NOTE [hostile JSON] in
@@ -43,6 +46,8 @@ spec beside its fields, and the annotation that holds it names it (``Annotated[S
 A file's reader that checks more than the schema (a version, an old format refused by name, the parts
 against each other) declares that as a :class:`Reading` the codec follows (NOTE [checked reading]), not
 a ``from_json`` of its own.
+A type whose check is the schema and a version only may instead be a :class:`CheckedJsonCodec`, whose
+``json_check`` runs before the read and whose errors are the type's own.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class Len:
 
 NONFINITE = _Marker("NONFINITE")
 AS_WRITTEN = _Marker("AS_WRITTEN")
+ROW = _Marker("ROW")                            # a dataclass written as a list of its fields' values
 NonFinite = Annotated[float, NONFINITE]         # verify's encoding of non-finite differences
 FloatAsWritten = Annotated[float, AS_WRITTEN]   # read without float(): an int in the file stays an int
 
@@ -220,6 +226,19 @@ class _Dataclass(_Conv):
         return self.kind.from_json(v) if hasattr(self.kind, "from_json") else from_json(self.kind, v)
 
 
+class _Row(_Conv):
+    """``Annotated[X, ROW]``: the dataclass ``X`` as the list of its fields' values, in field order."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+
+    def write(self, v: Any) -> Any:
+        return [s.encode(getattr(v, s.name)) for s in _slots(self.kind)]
+
+    def read(self, v: Any) -> Any:
+        return self.kind(**{s.name: s.decode(x) for s, x in zip(_slots(self.kind), v, strict=True)})
+
+
 class _Free(_Conv):
     """``Any``: free-form JSON; nested dataclasses and enums written as JSON, read back as they are."""
 
@@ -288,6 +307,8 @@ def _converter_annotated(hint: Any, metadata: tuple[Any, ...]) -> _Conv:
         return _Scalar(float, nonfinite=True)
     if AS_WRITTEN in metadata:
         return _Free()
+    if ROW in metadata:
+        return _Row(hint)
     return _converter(hint)
 
 
@@ -400,6 +421,9 @@ def spec_of(hint: Any, where: str, length: Len = Len(MAX_LIST)) -> Spec:
     if origin is Annotated:
         given = [m for m in hint.__metadata__ if isinstance(m, Spec)]
         lengths = [m for m in hint.__metadata__ if isinstance(m, Len)]
+        if not given and ROW in hint.__metadata__:
+            fields = _hints(args[0])
+            return Tuple(*(spec_of(fields[s.name], f"{where}.{s.name}") for s in _slots(args[0])))
         return given[0] if given else spec_of(args[0], where, *lengths)
     spec = _generic_spec(origin, args, where, length)
     if spec is None:
@@ -512,3 +536,33 @@ class JsonCodec:
         messages)."""
         reading = _READINGS.get(cls)
         return from_json(cls, d) if reading is None else read(cls, d, reading, source)
+
+
+class CheckedJsonCodec(JsonCodec):
+    """A :class:`JsonCodec` whose ``from_json`` checks the JSON first (:meth:`json_check`: by default that it is an
+    object and :func:`schema` holds; a type overrides it to check a version first) and raises the type's own error
+    (``json_error``, naming ``json_what``) for anything the read refuses: a missing key, a value its type refuses,
+    another remat error (with its tip)."""
+
+    # class attributes, not annotated: an annotation would be read as a field's by the codec
+    json_error = RematError
+    json_what = "JSON"
+
+    @classmethod
+    def json_check(cls, d: Any) -> None:
+        if not isinstance(d, dict):
+            raise cls.json_error(f"{cls.json_what} must be a JSON object")
+        validate(d, schema(cls), error=cls.json_error, what=cls.json_what)
+
+    @classmethod
+    def from_json(cls: type[T], d: dict[str, Any]) -> T:
+        kind: Any = cls
+        kind.json_check(d)
+        try:
+            return from_json(cls, d)
+        except kind.json_error:
+            raise
+        except RematError as exc:
+            raise kind.json_error(exc.message, tip=exc.tip) from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise kind.json_error(f"malformed {kind.json_what}: {type(exc).__name__}: {exc}") from exc

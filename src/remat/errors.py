@@ -111,6 +111,11 @@ class DistributedError(RematError):
             self.exit_code = 3
 
 
+class StaleReportFormat(DistributedError):
+    """A distributed run's report in a layout this remat no longer reads (exit 2): a pipeline report of its own
+    layout (``sides``), before NOTE [one per-rank report]. The message names the command that makes it again."""
+
+
 class ReceiptError(RematError):
     """A receipt file is malformed, hostile, or of an unknown schema version."""
 

@@ -21,7 +21,10 @@ ranks: the evidence of tests/test_gate_reports.py), and writes:
 ``remat-pipeline-receipt``, before NOTE [one receipt] in remat/receipt/model.py), made by this script
 then around the report tests/test_pipeline.py assembles from made-up stage results, its context the
 receipt's. It is kept as it was: the old format a reader must refuse, and the figures the one receipt
-must hold unchanged (tests/test_codec_golden.py).
+must hold unchanged (tests/test_codec_golden.py). Its report is in the layout before the one per-rank report
+(NOTE [one per-rank report] in remat/distributed/report.py): ``pipeline_render.md`` (its ``pipeline.md``) and
+``pipeline_receipt_render.txt`` (the one receipt's report.html, a ``=====`` line, its report.md) are what the
+renderers wrote from it before that change, kept as they were: the renderers of the one report must write them.
 """
 
 from __future__ import annotations

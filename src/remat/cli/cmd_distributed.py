@@ -22,7 +22,7 @@ from ..distributed import DistributedConfig, DistributedReport, Engine, run_dist
 from ..distributed.launch import multinode_commands
 from ..plan.model import Plan
 from ..workload import parse_shape
-from ..distributed.pipeline.report import PipelineReport, SideReport
+from ..distributed.report import SideReport
 from ..errors import DistributedError, OutputError, PlanError
 from ..plan.pipeline import PipelinePlan, Side, load_any_plan
 from ..units import fmt_bytes
@@ -112,6 +112,10 @@ def _ms(x: float | None) -> str:
 
 
 def render_report(report: DistributedReport) -> None:
+    """The report's tables: per rank and side (a pipeline's: per stage and side, NOTE [one per-rank report])."""
+    if report.pipeline is not None:
+        render_pipeline(report)
+        return
     table = Table(title=f"{report.spec} on {report.world_size} ranks, {report.engine.value} over {report.backend} "
                         f"({report.steps} timed steps per rank)")
     for col in ("side", "rank", "p50 ms", "p95 ms", "peak", "exposed comm ms", "comm ms", "no-comm ms"):
@@ -241,7 +245,7 @@ def _given_plan(args: argparse.Namespace) -> PipelinePlan | None:
     return given
 
 
-def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineReport:
+def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> DistributedReport:
     """``--engine pipeline``: the flags as a PipelineJob, run (remat.workflow.pipeline), its tables printed."""
     from ..plan import parse_reserve
     from ..receipt.write import HTML_FILE, MD_FILE, RECEIPT_FILE
@@ -263,7 +267,7 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
         command=" ".join(shlex.quote(a) for a in ["remat", *sys.argv[1:]]) if sys.argv else "")
     with progress_bar() as progress:
         outcome = run_pipeline_job(job, progress=progress)
-    render_pipeline(outcome.report)
+    render_report(outcome.report)
     console.print(f"wrote {outcome.report_path}")
     if outcome.files is not None and outcome.receipt is not None and outcome.receipt.pipeline is not None:
         why = outcome.receipt.pipeline.why_not
@@ -276,10 +280,10 @@ def _launch(args: argparse.Namespace, *, verify_only: bool = False) -> PipelineR
 def run_pipeline(args: argparse.Namespace) -> int:
     """``remat distributed --engine pipeline``: no plan, uniform, per-stage plans side by side (or ``--plan``)."""
     result = _launch(args)
-    if result.remat_fits is False:
+    if result.over_budget:
         console.print("[bold red]remat's per-stage plans measured over the per-device budget on "
                       + ", ".join(f"stage {k}" for k in result.over_budget_stages) + "[/]")
-    return 0 if result.ok and result.remat_fits is not False else 1
+    return exit_code(result)
 
 
 def run_pipeline_verify(args: argparse.Namespace) -> int:
@@ -287,8 +291,9 @@ def run_pipeline_verify(args: argparse.Namespace) -> int:
     schedule, microbatches and split, bitwise on CPU; the negative control (a perturbed gradient) must be rejected.
     Exit 1 when they differ or the control is accepted."""
     result = _launch(args, verify_only=True)
-    eq = result.equivalence.get(Side.REMAT)
-    if eq is not None and eq.ok and result.negative_control_rejected is True:
+    assert result.pipeline is not None
+    eq = result.pipeline.equivalence.get(Side.REMAT)
+    if eq is not None and eq.ok and result.pipeline.negative_control_rejected is True:
         console.print("[bold green]PASSED[/]: the planned pipeline trains bitwise like the unplanned one")
         return 0
     console.print("[bold red]FAILED[/]: " + ("the planned pipeline's gradients differ" if not (eq and eq.ok)
@@ -305,20 +310,22 @@ def run_pipeline_frontier(args: argparse.Namespace) -> int:
                                tip="drop --plans; run again with another --budget for another point")
     result = _launch(args)
     console.print(_frontier_table(result))
-    return 0 if result.ok and result.remat_fits is not False else 1
+    return exit_code(result)
 
 
-def _frontier_table(report: PipelineReport) -> Table:
+def _frontier_table(report: DistributedReport) -> Table:
     """Each side a point: largest stage peak vs step p50, ``*`` where no other side is as good on both."""
-    points = {name: (s.max_peak_bytes, s.p50_ms) for name, s in report.sides.items()}
+    from ..receipt.render import sides_of
+    sides = sides_of(report)
+    points = {name: (s.max_peak_bytes, s.step_ms_p50) for name, s in sides}
     budget = report.budget_bytes
     rows = []
-    for name, s in report.sides.items():
+    for name, s in sides:
         mine = points[name]
         dominated = any(o[0] <= mine[0] and o[1] <= mine[1] and o != mine for o in points.values())
         fits = "-" if budget is None else ("yes" if s.max_peak_bytes <= budget else "no")
-        rows.append([name.value + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.p50_ms:.1f}",
-                     f"{s.samples_per_s:.1f}", fits, f"{s.max_bubble_fraction:.3f}"])
+        rows.append([name + ("" if dominated else " *"), fmt_bytes(s.max_peak_bytes), f"{s.step_ms_p50:.1f}",
+                     f"{s.global_samples_per_s:.1f}", fits, f"{s.max_bubble_fraction or 0.0:.3f}"])
     return _table("pipeline frontier: largest stage peak vs step p50 (* = Pareto)",
                   ["side", "largest stage peak", "step p50 ms", "samples/s", "fits", "largest bubble"], rows)
 
@@ -364,25 +371,26 @@ def _table(title: str | None, headers: list[str], rows: list[list[str]]) -> Tabl
 def _bubble_growth(side: SideReport) -> list[str]:
     """The stages whose bubble grew over the unplanned run's, with their replay time."""
     return [f"stage {s.stage} +{s.bubble_delta_vs_none:.3f} (replay {s.replay_ms:.1f} ms)"
-            for s in side.per_stage if (s.bubble_delta_vs_none or 0.0) > 0.0]
+            for r in side.per_rank if (s := r.stage) is not None and (s.bubble_delta_vs_none or 0.0) > 0.0]
 
 
-def render_pipeline(report: PipelineReport) -> None:
-    """The per-stage and per-side tables and the equivalence, in pipeline.md's cells and words."""
-    from ..receipt.render import SIDE_HEADERS, STAGE_HEADERS, equivalence_text, side_cells, stage_cells
-    title = (f"{report.spec} pipeline: {report.world_size} stages, {report.schedule.value}, {report.microbatches} "
-             f"microbatches, split at {', '.join(report.split_points)} (ideal bubble "
-             f"{report.ideal_bubble_fraction:.3f})")
-    console.print(_table(title, STAGE_HEADERS, [stage_cells(name, s, no="[red]no[/]")
-                                                for name, side in report.sides.items() for s in side.per_stage]))
-    console.print(_table(None, SIDE_HEADERS, [side_cells(name, side) for name, side in report.sides.items()]))
-    for name, side in report.sides.items():
+def render_pipeline(report: DistributedReport) -> None:
+    """A pipeline run's per-stage and per-side tables and the equivalence, in pipeline.md's cells and words."""
+    from ..receipt.render import SIDE_HEADERS, STAGE_HEADERS, equivalence_text, side_cells, sides_of, stage_rows
+    f = report.pipeline
+    assert f is not None
+    title = (f"{report.spec} pipeline: {report.world_size} stages, {f.schedule.value}, {f.microbatches} "
+             f"microbatches, split at {', '.join(f.split_points)} (ideal bubble "
+             f"{f.ideal_bubble_fraction:.3f})")
+    console.print(_table(title, STAGE_HEADERS, stage_rows(report, no="[red]no[/]")))
+    console.print(_table(None, SIDE_HEADERS, [side_cells(name, side) for name, side in sides_of(report)]))
+    for name, side in sides_of(report):
         worse = _bubble_growth(side)
         if worse:
-            console.print(f"{name.value}: bubble grew over the unplanned run on {', '.join(worse)}")
-    for name, eq in report.equivalence.items():
+            console.print(f"{name}: bubble grew over the unplanned run on {', '.join(worse)}")
+    for side_name, eq in f.equivalence.items():
         verdict = "[green]bitwise equal[/]" if eq.ok else "[bold red]DIFFERENT[/]"
-        console.print("equivalence: " + equivalence_text(name, eq, verdict, escape=escape))
-    neg = report.negative_control_rejected
+        console.print("equivalence: " + equivalence_text(side_name.value, eq, verdict, escape=escape))
+    neg = f.negative_control_rejected
     if neg is not None:
         console.print(f"negative control (a gradient perturbed by 1e-3): {'rejected' if neg else '[bold red]ACCEPTED[/]'}")

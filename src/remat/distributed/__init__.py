@@ -6,7 +6,8 @@ ranks with torchrun (NOTE [launcher] in launch.py), each rank rebuilds the workl
 the control and the plan under the same engine configuration, and rank 0 writes
 ``distributed.json`` (:class:`DistributedReport`): per-rank step time and peak, collectives,
 exposed communication (NOTE [exposed communication] in intervals.py), the no-op-comm
-ablation, and gradient equivalence.
+ablation, and gradient equivalence. A pipeline run's ``pipeline.json`` is the same report, each row with its
+stage (NOTE [one per-rank report] in report.py).
 """
 
 from .config import DistributedConfig, Engine, PipelineSettings

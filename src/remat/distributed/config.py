@@ -15,11 +15,11 @@ import enum
 from pathlib import Path
 from typing import Annotated, Any
 
-from .._codec import AS_WRITTEN, JsonCodec, Len, Short, json_field, schema
-from .._json import Bool, Enum, Int, JsonValue, Map, Num, Obj, Opt, Str, read_json_file, validate
-from ..errors import DistributedError, PlanError
+from .._codec import AS_WRITTEN, CheckedJsonCodec, JsonCodec, Len, Short, json_field, schema
+from .._json import DTYPE, Enum, Int, JsonValue, Map, Num, Opt, Str, read_json_file, validate
+from ..errors import DistributedError
 from ..plan.model import Plan
-from ..plan.pipeline import SIDES, PipelinePlan, Schedule, Side
+from ..plan.pipeline import SIDES, PipelinePlan, Schedule, Side, is_pipeline_plan_json
 from ..plan.schema import MODULE_PATH
 
 CONFIG_SCHEMA_VERSION = 1
@@ -79,18 +79,21 @@ class PipelineSettings(JsonCodec):
         self.sides = [Side(s) for s in self.sides]
 
 
-CONFIG_SCHEMA = Obj({
-    "schema_version": Enum(CONFIG_SCHEMA_VERSION), "spec": Str(max_len=4096),
-    "shape": Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100),
-    "world_size": Int(1, 1 << 16), "engine": Enum("ddp", "fsdp2", "pipeline"), "plan": Opt(JsonValue()),
-    "device": Str(r"cpu|cuda(:[0-9]{1,3})?"), "dtype": Enum("float32", "bfloat16", "float16"),
-    "steps": Int(1, 1000), "warmup": Int(1, 100), "comm_steps": Int(1, 1000), "timeout_s": Num(1e-3, 7 * 86400.0),
-    "seed": Int(0, 2 ** 63 - 1), "ablation": Bool(), "find_unused_parameters": Bool(), "use_reentrant": Bool(),
-}, {"budget_bytes": Int(1, 2 ** 53), "wall_timeout_s": Num(1e-3, 7 * 86400.0), "pipeline": schema(PipelineSettings)})
+def _read_plan(d: Any) -> Plan | PipelinePlan | None:
+    """The config's plan: a :class:`PipelinePlan` (``"kind": "pipeline"``), a whole-model :class:`Plan`, or none;
+    the config refuses the one its engine does not run (``__post_init__``)."""
+    if d is None:
+        return None
+    if is_pipeline_plan_json(d):
+        return PipelinePlan.from_json(d, source="the distributed config's plan")
+    return Plan.from_json(d, source="the distributed config's plan")
+
+
+Seconds = Annotated[float, Num(1e-3, 7 * 86400.0)]
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistributedConfig(JsonCodec):
+class DistributedConfig(CheckedJsonCodec):
     """One distributed measurement: the control (no plan) and, when ``plan`` is given, the plan.
 
     ``steps`` warm steps are timed per side (after ``warmup`` untimed ones: >= 2 for DDP and FSDP2,
@@ -105,27 +108,36 @@ class DistributedConfig(JsonCodec):
     side instead of planning one.
     """
 
-    spec: str
-    shape: dict[str, Any]
-    world_size: int
-    engine: Engine = Engine.DDP
-    plan: Plan | PipelinePlan | None = None   # its own JSON; read back by engine (from_json)
-    device: str = "cpu"
-    dtype: str = "float32"
-    steps: int = 10
-    warmup: int = 2
-    comm_steps: int = 3
-    timeout_s: float = 120.0
-    seed: int = 0
-    ablation: bool = True                 # also time a no-op comm hook (same compute, no communication)
-    find_unused_parameters: bool = False  # DDP only
-    use_reentrant: bool = False           # the workload checkpoints itself with use_reentrant=True
+    json_error = DistributedError
+    json_what = "distributed config"
+
+    # every key but the last three is in every file (required by the schema though its field has a default)
+    spec: Annotated[str, Str(max_len=4096)]
+    shape: Annotated[dict[str, Any], Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)]
+    world_size: Annotated[int, Int(1, 1 << 16)]
+    engine: Engine = json_field(default=Engine.DDP, required=True)
+    # its own JSON, checked by its own reader; the engine's kind (a pipeline's: per-stage plans)
+    plan: Annotated[Plan | PipelinePlan | None, Opt(JsonValue())] = json_field(default=None, required=True,
+                                                                              decode=_read_plan)
+    device: Annotated[str, Str(r"cpu|cuda(:[0-9]{1,3})?")] = json_field(default="cpu", required=True)
+    dtype: Annotated[str, DTYPE] = json_field(default="float32", required=True)
+    steps: Annotated[int, Int(1, 1000)] = json_field(default=10, required=True)
+    warmup: Annotated[int, Int(1, 100)] = json_field(default=2, required=True)
+    comm_steps: Annotated[int, Int(1, 1000)] = json_field(default=3, required=True)
+    timeout_s: Seconds = json_field(default=120.0, required=True)
+    seed: Annotated[int, Int(0, 2 ** 63 - 1)] = json_field(default=0, required=True)
+    # also time a no-op comm hook (same compute, no communication)
+    ablation: bool = json_field(default=True, required=True)
+    find_unused_parameters: bool = json_field(default=False, required=True)   # DDP only
+    # the workload checkpoints itself with use_reentrant=True
+    use_reentrant: bool = json_field(default=False, required=True)
     # the three below are left out of the file when None: the per-device budget, bytes (None: the plan's);
     # each rank's own wall-clock limit, s (None: the launcher's); engine pipeline's settings
-    budget_bytes: int | None = json_field(default=None, omit=None)
-    wall_timeout_s: float | None = json_field(default=None, omit=None)
-    pipeline: PipelineSettings | None = json_field(default=None, omit=None)
-    schema_version: int = CONFIG_SCHEMA_VERSION
+    budget_bytes: Annotated[int | None, Int(1, 2 ** 53)] = json_field(default=None, omit=None)
+    wall_timeout_s: Annotated[float | None, Num(1e-3, 7 * 86400.0)] = json_field(default=None, omit=None)
+    pipeline: Annotated[PipelineSettings | None, schema(PipelineSettings)] = json_field(default=None, omit=None)
+    schema_version: Annotated[int, Enum(CONFIG_SCHEMA_VERSION)] = json_field(default=CONFIG_SCHEMA_VERSION,
+                                                                            required=True)
 
     def __post_init__(self) -> None:
         self.engine = Engine(self.engine)
@@ -213,9 +225,8 @@ class DistributedConfig(JsonCodec):
         return None if self.plan is None else self.plan.budget_bytes
 
     @classmethod
-    def from_json(cls, d: Any) -> "DistributedConfig":
-        """Build from config JSON checked against :data:`CONFIG_SCHEMA` (NOTE [hostile JSON]); DistributedError if off.
-        A hand reader: the version and schema checked first, and ``plan`` read as the engine's kind of plan."""
+    def json_check(cls, d: Any) -> None:
+        """The version first (its own message), then :data:`CONFIG_SCHEMA` (NOTE [hostile JSON])."""
         if not isinstance(d, dict):
             raise DistributedError("distributed config JSON must be an object")
         version = d.get("schema_version")
@@ -223,16 +234,6 @@ class DistributedConfig(JsonCodec):
             raise DistributedError(f"distributed config schema_version {str(version)[:40]} is not supported "
                                    f"(this remat reads {CONFIG_SCHEMA_VERSION})")
         validate(d, CONFIG_SCHEMA, error=DistributedError, what="distributed config")
-        d = {k: v for k, v in d.items() if k != "schema_version"}
-        if d.get("pipeline") is not None:
-            d["pipeline"] = PipelineSettings.from_json(d["pipeline"])
-        if d.get("plan") is not None:
-            kind = PipelinePlan if d["engine"] == Engine.PIPELINE.value else Plan
-            try:
-                d["plan"] = kind.from_json(d["plan"], source="the distributed config's plan")
-            except PlanError as exc:
-                raise DistributedError(exc.message) from None
-        return cls(**d)
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json
@@ -241,6 +242,9 @@ class DistributedConfig(JsonCodec):
     @classmethod
     def load(cls, path: Path | str) -> "DistributedConfig":
         return cls.from_json(read_json_file(path, error=DistributedError, what="distributed config"))
+
+
+CONFIG_SCHEMA = schema(DistributedConfig)   # the config file's schema, from the fields (NOTE [codecs from the types])
 
 
 def check_stages_per_rank(schedule: Schedule | str, v: int, world_size: int, microbatches: int) -> None:

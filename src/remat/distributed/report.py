@@ -1,24 +1,30 @@
-"""Results of a distributed run: what each rank measured, and the report (``distributed.json``).
+"""Results of a distributed run: what each rank measured, and the one per-rank report (``distributed.json``;
+a pipeline run's is ``pipeline.json``).
 
-Each rank produces a :class:`RankResult`; rank 0 gathers them and assembles the
-:class:`DistributedReport`, whose ``to_json()`` lays the control and the plan side by side
-under every top-level figure (``per_rank``, ``collectives``, ``exposed_comm_ms``...).
+Each rank produces a :class:`RankResult` (a pipeline rank, its ``RankOutcome``: remat/distributed/pipeline/
+report.py); rank 0 gathers them and assembles the :class:`DistributedReport`, which lays its sides (the control
+and the plan; a pipeline's ``none``, ``uniform`` and ``remat``) side by side under every figure (``per_rank``,
+``collectives``, ``exposed_comm_ms``...). NOTE [one per-rank report] says what a pipeline run adds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from .._codec import FloatAsWritten, JsonCodec, json_field
-from ..errors import DistributedError
+from .._codec import AS_WRITTEN, ROW, Bytes, CheckedJsonCodec, JsonCodec, Len, Ms, json_field, schema
+from .._json import MEMORY_SOURCE, MODULE_PATH, MS, Enum, Int, JsonValue, List, Map, Num, Opt, Str, Tuple, validate
+from ..errors import DistributedError, StaleReportFormat
+from ..plan.pipeline import PIPELINE_PLAN, PipelinePlan, Schedule, Side
 from ..types import MemorySource
 from ..percentile import percentile
 from .config import DistributedConfig, Engine
 
 REPORT_SCHEMA_VERSION = 1
-SIDES = ("control", "plan")
+CONTROL, PLAN = "control", "plan"
+SIDES = (CONTROL, PLAN)   # DDP and FSDP2; a pipeline's sides are remat.plan.pipeline.Side's values
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -26,14 +32,6 @@ def _finite_or_none(x: float | None) -> float | None:
 
 
 # -- what one rank measured -----------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CollectiveCount(JsonCodec):
-    """Collectives of one op in one training step: how many calls, how many payload bytes."""
-
-    count: int
-    bytes: int
-
 
 @dataclasses.dataclass(kw_only=True)
 class RankSide:
@@ -75,32 +73,132 @@ class RankResult:
 
 # -- the report ------------------------------------------------------------------------------------
 
+# NOTE [one per-rank report]
+# Every engine's run is one DistributedReport: per side, one row per rank (RankFigures: step p50/p95, peak,
+# communication), the side's figures beside it, the equivalence, the per-device budget and the verdict
+# (``passed``). A pipeline run (engine pipeline) has the sides ``none``, ``uniform`` and ``remat`` (the
+# planned one) in place of ``control`` and ``plan``; each row gains its ``stage`` (StageFigures: which
+# stage, what it ran and held, its bubble and the last timed step's timeline), and the report gains
+# ``pipeline`` (PipelineFigures: schedule, split, ideal bubble, each side's step p95, the equivalence of
+# each planned side against ``none`` and the negative control, the per-stage plans). A pipeline row's
+# ``comm_ms`` and ``exposed_comm_ms`` are its p2p figures (NOTE [pipeline instruments]). The file of a
+# pipeline run is checked against the schema derived from these fields before it is read, as pipeline.json
+# always was (NOTE [hostile JSON]); a DDP or FSDP2 file only for its version, as distributed.json always was.
+# pipeline.json of the layout before this report (its own ``sides`` object) is refused with the command
+# that makes it again (StaleReportFormat).
+
+Index = Annotated[int, Int(0, 1 << 20)]
+Share = Annotated[float, Num(0, 1)]
+Paths = Annotated[list[str], List(MODULE_PATH, max_len=100_000)]
+MsAsWritten = Annotated[float, AS_WRITTEN, MS]   # read as the file holds it: a figure read and written keeps its bytes
+SIDE_KEY = "|".join([*SIDES, *(s.value for s in Side)])
+PLANNED = r"uniform|remat"   # the pipeline sides a plan, and so an equivalence, is recorded for
+TIMELINE = List(Tuple(Str(max_len=100), Int(-1, 1 << 20), Num(-1e9, 1e9), Num(-1e9, 1e9)), max_len=1_000_000)
+
+
+def _by_side(value: Any) -> Map:
+    """The spec of one figure laid side by side: ``{side: value}``."""
+    return Map(value, key=SIDE_KEY, max_len=3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Interval:
+    """What one interval of a pipeline stage's step ran (NOTE [pipeline instruments])."""
+
+    kind: str        # forward, loss, backward, replay, optimizer, p2p:<what>
+    mb: int          # microbatch, -1 when none
+
+    @property
+    def category(self) -> str:
+        """The kind with every p2p interval as one: ``p2p``."""
+        return "p2p" if self.kind.startswith("p2p:") else self.kind
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimelineSpan(Interval):
+    """One interval of a side's last timed step: ms from the earliest stage's start (one host clock). Written as a
+    row ``[kind, mb, start_ms, end_ms]`` (ROW): a timeline holds thousands."""
+
+    start_ms: float
+    end_ms: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageFigures(JsonCodec):
+    """A pipeline row's stage (with several stages per rank: the rank's): which one, what it ran and held. Medians
+    over the timed steps (ms), bytes in bytes."""
+
+    stage: Index
+    host: Annotated[str, Str(max_len=300)]
+    in_flight: Annotated[int, Int(1, 1 << 20)]   # microbatches held at the peak (NOTE [pipeline in-flight cost model])
+    blocks: Paths
+    boundaries: Paths                    # the side's checkpoint boundaries on the stage
+    forward_ms: Ms
+    backward_ms: Ms
+    replay_ms: Ms
+    optimizer_ms: Ms
+    idle_ms: Ms                          # the pipeline's step - the stage's compute
+    bubble_fraction: Share               # idle / the pipeline's step
+    held_at_backward_bytes: list[Bytes]
+    bubble_delta_vs_none: Annotated[float, Num(-1, 1)] | None   # bubble_fraction less the unplanned side's
+    predicted_peak_bytes: Annotated[int, Int(-(2 ** 53), 2 ** 53)] | None   # the stage plan's (None: unplanned)
+    grad_sq_sum: Annotated[float, Num(0, 1e300)] | None
+    timeline: Annotated[list[Annotated[TimelineSpan, ROW]], TIMELINE]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RankFigures(JsonCodec):
-    """One rank's figures for one side, as ``per_rank`` lists them. The optional figures read as None
-    (``step_ms`` as no steps) when the key is missing, as they always did."""
+    """One rank's figures for one side, as ``per_rank`` lists them (a pipeline's: one stage's, ``stage``). The
+    optional figures read as None (``step_ms`` as no steps) when the key is missing."""
 
-    rank: int
-    peak_bytes: int
-    p50_ms: float
-    p95_ms: float
-    exposed_comm_ms: FloatAsWritten | None = json_field(absent=None)   # p50 over the comm steps
-    comm_ms: FloatAsWritten | None = json_field(absent=None)           # p50 over the comm steps
-    ablation_step_ms: FloatAsWritten | None = json_field(absent=None)  # p50
-    step_ms: list[float] = json_field(default_factory=list)
+    rank: Index
+    peak_bytes: Bytes
+    p50_ms: Ms
+    p95_ms: Ms
+    exposed_comm_ms: MsAsWritten | None = json_field(absent=None)   # p50 over the comm steps
+    comm_ms: MsAsWritten | None = json_field(absent=None)           # p50 over the comm steps
+    ablation_step_ms: MsAsWritten | None = json_field(absent=None)  # p50
+    step_ms: list[Ms] = json_field(default_factory=list)
+    stage: StageFigures | None = json_field(default=None, omit=None)   # a pipeline's row
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveCount(JsonCodec):
+    """Collectives of one op in one training step: how many calls, how many payload bytes."""
+
+    count: Annotated[int, Int(0, 1 << 40)]
+    bytes: Bytes
 
 
 @dataclasses.dataclass(kw_only=True)
 class SideReport:
-    """All ranks, one side. Global figures follow the slowest rank (it sets the step time)."""
+    """All ranks, one side, as :meth:`DistributedReport.side` reads them. Global figures follow the slowest rank
+    (it sets the step time); a pipeline's, its step from the first stage's start to the last stage's end."""
 
     per_rank: list[RankFigures]
-    global_samples_per_s: float          # sum of samples per step over ranks / slowest rank's p50
-    step_ms_p50: float                   # slowest rank's p50
+    global_samples_per_s: float          # samples per step over ranks / the step p50
+    step_ms_p50: float
     collectives: dict[str, CollectiveCount]
     exposed_comm_ms: float | None        # slowest (largest) per-rank p50
     comm_ms: float | None
     ablation_step_ms: float | None       # slowest per-rank p50 with the no-op comm hook
+    step_ms_p95: float | None = None     # a pipeline's step p95
+
+    @property
+    def max_peak_bytes(self) -> int:
+        return max(r.peak_bytes for r in self.per_rank)
+
+    @property
+    def max_bubble_fraction(self) -> float | None:
+        """The largest stage bubble (None: not a pipeline)."""
+        bubbles = [r.stage.bubble_fraction for r in self.per_rank if r.stage is not None]
+        return max(bubbles) if bubbles else None
+
+    @property
+    def timeline_span_ms(self) -> float | None:
+        """From the earliest to the latest recorded interval of the last timed step (None: none recorded)."""
+        events = [e for r in self.per_rank if r.stage is not None for e in r.stage.timeline]
+        return max(e.end_ms for e in events) - min(e.start_ms for e in events) if events else None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,16 +206,17 @@ class Equivalence(JsonCodec):
     """Is the planned distributed step the same training step as the control? Its JSON adds ``ok``
     (computed, never read back)."""
 
-    criterion: str                      # "bitwise" or "allclose(rtol=..., atol=...)"
+    criterion: Annotated[str, Str(max_len=200)]   # "bitwise" or "allclose(rtol=..., atol=...)"
     grads_match: bool                   # on every rank, per the criterion
     bitwise_equal: bool
-    max_abs_diff: FloatAsWritten
-    worst: dict[str, Any] | None        # {"rank": r, "param": name}
-    params_compared: int                # per rank
-    mismatched: list[str]
+    max_abs_diff: Annotated[float, AS_WRITTEN, Num(nonfinite=True)]
+    worst: Annotated[dict[str, Any] | None, Opt(JsonValue())]   # {"rank": r, "param": name}
+    params_compared: Annotated[int, Int(0, 1 << 40)]   # per rank
+    mismatched: Annotated[list[str], List(Str(max_len=2_000))]
     loss_equal: bool                    # first-step loss, every rank
     collective_counts_equal: bool       # per step, by op, on every rank
-    collective_counts: dict[str, dict[str, int]] = json_field(then=("ok",))  # side -> op -> count (rank 0)
+    # side -> op -> count (rank 0)
+    collective_counts: Annotated[dict[str, dict[str, int]], Map(JsonValue())] = json_field(then=("ok",))
 
     @property
     def ok(self) -> bool:
@@ -125,114 +224,229 @@ class Equivalence(JsonCodec):
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistributedReport:
-    world_size: int
+class PipelineEquivalence(JsonCodec):
+    """A planned side's first step against the unplanned one's, same schedule and microbatches: bitwise."""
+
+    criterion: Annotated[str, Enum("bitwise")]   # the only one a pipeline uses
+    bitwise_equal: bool                  # every stage's gradients, and none missing
+    max_abs_diff: Annotated[float, Num(0, 1e300)]
+    params_compared: Annotated[int, Int(0, 1 << 40)]   # over every stage
+    mismatched: Annotated[list[str], List(Str(max_len=2_000), max_len=100_000)]   # "stage k: <param>"
+    first_loss_equal: bool | None        # None: no loss recorded
+    ok: bool                             # bitwise_equal and the first loss not different
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelineFigures(JsonCodec):
+    """What a pipeline run adds to the report (NOTE [one per-rank report]): its schedule and split, the ideal
+    bubble, each side's step p95, each planned side's equivalence, the negative control, the per-stage plans."""
+
+    schedule: Schedule
+    microbatches: Annotated[int, Int(1, 100_000)]
+    batch_size: Annotated[int, Int(1, 1 << 40)]
+    split_points: Paths
+    split_source: Annotated[str, Str(max_len=2_000)]
+    stages_per_rank: Annotated[int, Int(1, 1000)]
+    ideal_bubble_fraction: Share
+    timeout_s: Annotated[float, Num(0, 1e9)]
+    step_ms_p95: Annotated[dict[Side, float], Map(MS, key=r"none|uniform|remat", max_len=3)]
+    equivalence: Annotated[dict[Side, PipelineEquivalence], Map(schema(PipelineEquivalence), key=PLANNED, max_len=2)]
+    negative_control_rejected: bool | None
+    plans: Annotated[dict[Side, PipelinePlan], Map(PIPELINE_PLAN, key=PLANNED, max_len=2)]
+
+    @property
+    def ok(self) -> bool:
+        """Every planned side bitwise equal to the unplanned run, and the negative control rejected."""
+        return all(e.ok for e in self.equivalence.values()) and self.negative_control_rejected is not False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkloadRef(JsonCodec):
+    """The workload every rank rebuilt: its spec and shape keywords."""
+
+    spec: Annotated[str, Str(max_len=4096)]
+    shape: Annotated[dict[str, Any], Map(JsonValue(), key=r"[A-Za-z_][A-Za-z0-9_]{0,99}", max_len=100)]
+
+
+Figure = Annotated[dict[str, MsAsWritten | None], _by_side(Opt(MS))]
+Name = Annotated[str, Str(max_len=200)]
+Fifty = Annotated[str, Str(max_len=50)]
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistributedReport(CheckedJsonCodec):
+    """The one per-rank report of a run at world size N (NOTE [one per-rank report]): each figure side by side
+    (``{side: figure}``; a side not run holds None), then the equivalence, the budget and the verdict
+    (``over_budget_ranks``, ``passed``: computed, never read back)."""
+
+    json_error = DistributedError
+    json_what = "distributed.json"
+
+    schema_version: Annotated[int, Enum(REPORT_SCHEMA_VERSION)] = json_field(default=REPORT_SCHEMA_VERSION,
+                                                                            required=True)
+    world_size: Annotated[int, Int(1, 1 << 16)]
     engine: Engine
-    backend: str
-    device: str
-    dtype: str
-    spec: str
-    shape: dict[str, Any]
-    steps: int
-    warmup: int
-    comm_steps: int
-    samples_per_step: list[int]          # per rank
-    memory_source: MemorySource
-    comm_source: str
-    torch_version: str
-    plan_boundaries: list[str]
-    control: SideReport
-    plan: SideReport | None
+    backend: Fifty
+    device: Fifty
+    dtype: Fifty
+    workload: WorkloadRef
+    torch_version: Annotated[str, Str(max_len=100)]
+    steps: Annotated[int, Int(1, 1000)]
+    warmup: Annotated[int, Int(1, 100)]
+    comm_steps: Annotated[int, Int(0, 1000)]      # 0: none run (a pipeline)
+    samples_per_step: Annotated[list[int], List(Int(0, 1 << 40), max_len=1 << 16)]   # per rank
+    memory_source: Annotated[MemorySource, MEMORY_SOURCE]
+    comm_source: Name
+    plan_boundaries: Paths
+    per_rank: Annotated[dict[str, list[RankFigures] | None], _by_side(Opt(List(schema(RankFigures), max_len=1 << 16)))]
+    global_samples_per_s: Annotated[dict[str, float | None], _by_side(Opt(Num(0, 1e15)))]
+    step_ms_p50: Annotated[dict[str, float | None], _by_side(Opt(MS))]
+    collectives: Annotated[dict[str, dict[str, CollectiveCount] | None],
+                           _by_side(Opt(Map(schema(CollectiveCount), max_len=1000)))]
+    exposed_comm_ms: Figure
+    comm_ms: Figure
+    ablation_step_ms: Figure
     equivalence: Equivalence | None
-    notes: list[str] = dataclasses.field(default_factory=list)
-    budget_bytes: int | None = None      # per-device budget the planned peaks are held to (None: none given)
-    schema_version: int = REPORT_SCHEMA_VERSION
+    # the per-device budget the planned peaks are held to (None: none given)
+    # (a file always has both keys; a DDP or FSDP2 file is read without its schema, so they read as their defaults)
+    budget_bytes: Bytes | None = json_field(default=None, then=("over_budget_ranks", "passed"), required=True)
+    notes: Annotated[list[Annotated[str, Str(max_len=4_000)]], Len(100)] = json_field(default_factory=list,
+                                                                                     required=True)
+    pipeline: PipelineFigures | None = json_field(default=None, omit=None)   # engine pipeline's own figures
+
+    @classmethod
+    def of(cls, sides: dict[str, SideReport | None], *, spec: str, shape: dict[str, Any], **fields: Any) \
+            -> "DistributedReport":
+        """The report of ``sides`` (in the order given; None: a side not run), each figure laid side by side."""
+        def by(get: Any) -> dict[str, Any]:
+            return {name: None if s is None else get(s) for name, s in sides.items()}
+
+        return cls(workload=WorkloadRef(spec=spec, shape=shape), per_rank=by(lambda s: s.per_rank),
+                   global_samples_per_s=by(lambda s: s.global_samples_per_s), step_ms_p50=by(lambda s: s.step_ms_p50),
+                   collectives=by(lambda s: s.collectives), exposed_comm_ms=by(lambda s: s.exposed_comm_ms),
+                   comm_ms=by(lambda s: s.comm_ms), ablation_step_ms=by(lambda s: s.ablation_step_ms), **fields)
+
+    @property
+    def spec(self) -> str:
+        return self.workload.spec
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        return self.workload.shape
+
+    @property
+    def sides(self) -> list[str]:
+        """The sides run, in order."""
+        return [name for name, rows in self.per_rank.items() if rows is not None]
 
     def side(self, name: str) -> SideReport | None:
-        return self.control if name == "control" else self.plan
+        rows = self.per_rank.get(name)
+        if rows is None:
+            return None
+        p95 = None if self.pipeline is None else self.pipeline.step_ms_p95.get(Side(name))
+        return SideReport(per_rank=rows, global_samples_per_s=float(self.global_samples_per_s.get(name) or 0.0),
+                          step_ms_p50=float(self.step_ms_p50.get(name) or 0.0),
+                          collectives=self.collectives.get(name) or {}, exposed_comm_ms=self.exposed_comm_ms.get(name),
+                          comm_ms=self.comm_ms.get(name), ablation_step_ms=self.ablation_step_ms.get(name),
+                          step_ms_p95=p95)
+
+    @property
+    def control(self) -> SideReport:
+        side = self.side(CONTROL)
+        if side is None:
+            raise DistributedError(f"a {self.engine.value} report has no control side")
+        return side
+
+    @property
+    def plan(self) -> SideReport | None:
+        """The planned side: ``plan`` (a pipeline's: ``remat``)."""
+        return self.side(self.planned)
+
+    @property
+    def planned(self) -> str:
+        """The side whose peaks are held to the budget."""
+        return Side.REMAT.value if self.pipeline is not None else PLAN
+
+    @property
+    def remat_plan(self) -> PipelinePlan | None:
+        """A pipeline's per-stage plans (None: not a pipeline, or it had no ``remat`` side)."""
+        return None if self.pipeline is None else self.pipeline.plans.get(Side.REMAT)
 
     @property
     def over_budget(self) -> list[RankFigures]:
-        """The ranks whose planned peak is above the per-device budget (none without a plan or a budget)."""
-        if self.plan is None or self.budget_bytes is None:
+        """The rows of the planned side whose peak is above the per-device budget (none without a plan or budget)."""
+        plan = self.plan
+        if plan is None or self.budget_bytes is None:
             return []
-        return [r for r in self.plan.per_rank if r.peak_bytes > self.budget_bytes]
+        return [r for r in plan.per_rank if r.peak_bytes > self.budget_bytes]
+
+    @property
+    def over_budget_ranks(self) -> Annotated[list[int], List(Int(0, 1 << 20), max_len=1 << 16)]:
+        return [r.rank for r in self.over_budget]
+
+    @property
+    def over_budget_stages(self) -> list[int]:
+        """A pipeline's stages over the budget on its planned side."""
+        return [r.stage.stage for r in self.over_budget if r.stage is not None]
 
     @property
     def passed(self) -> bool:
-        """The plan is the control's training step (when there is a plan) and fits the budget on every rank."""
-        return (self.equivalence is None or self.equivalence.ok) and not self.over_budget
+        """The plan is the control's training step (a pipeline's: every planned side bitwise the unplanned one's
+        and the negative control rejected) and fits the budget on every rank."""
+        return ((self.equivalence is None or self.equivalence.ok) and (self.pipeline is None or self.pipeline.ok)
+                and not self.over_budget)
 
-    # A hand codec: the JSON is computed, each figure of the two sides laid side by side under one key
-    # (``per_rank``: {"control": [...], "plan": [...]}) and the verdict added (``passed``, ``over_budget_ranks``).
-    def to_json(self) -> dict[str, Any]:
-        def by_side(get: Any) -> dict[str, Any]:
-            return {name: (None if (s := self.side(name)) is None else get(s)) for name in SIDES}
-
-        return {
-            "schema_version": self.schema_version,
-            "world_size": self.world_size,
-            "engine": self.engine.value,
-            "backend": self.backend,
-            "device": self.device,
-            "dtype": self.dtype,
-            "workload": {"spec": self.spec, "shape": self.shape},
-            "torch_version": self.torch_version,   # the key every other context uses
-            "steps": self.steps,
-            "warmup": self.warmup,
-            "comm_steps": self.comm_steps,
-            "samples_per_step": self.samples_per_step,
-            "memory_source": self.memory_source.value,
-            "comm_source": self.comm_source,
-            "plan_boundaries": self.plan_boundaries,
-            "per_rank": by_side(lambda s: [r.to_json() for r in s.per_rank]),
-            "global_samples_per_s": by_side(lambda s: s.global_samples_per_s),
-            "step_ms_p50": by_side(lambda s: s.step_ms_p50),
-            "collectives": by_side(lambda s: {op: c.to_json() for op, c in s.collectives.items()}),
-            "exposed_comm_ms": by_side(lambda s: s.exposed_comm_ms),
-            "comm_ms": by_side(lambda s: s.comm_ms),
-            "ablation_step_ms": by_side(lambda s: s.ablation_step_ms),
-            "equivalence": None if self.equivalence is None else self.equivalence.to_json(),
-            "budget_bytes": self.budget_bytes,
-            "over_budget_ranks": [r.rank for r in self.over_budget],
-            "passed": self.passed,
-            "notes": self.notes,
-        }
+    @property
+    def timeline_span_ms(self) -> float | None:
+        """The longest side's last timed step (ms): one time axis for every side's timeline."""
+        spans = [t for name in self.sides if (side := self.side(name)) and (t := side.timeline_span_ms) is not None]
+        return max(spans) if spans else None
 
     @classmethod
-    def from_json(cls, d: Any) -> "DistributedReport":
+    def json_check(cls, d: Any) -> None:
+        """The version, then the old pipeline layout (refused with the command that makes it again), then a
+        pipeline run's schema (NOTE [one per-rank report])."""
+        if isinstance(d, dict) and "sides" in d and "engine" not in d:
+            raise stale_pipeline_report(d)
         if not isinstance(d, dict) or d.get("schema_version") != REPORT_SCHEMA_VERSION:
             raise DistributedError("not a distributed.json of schema version "
                                    f"{REPORT_SCHEMA_VERSION}: {str(d)[:80]!r}")
-        try:
-            sides: dict[str, SideReport | None] = {}
-            for name in SIDES:
-                if d["per_rank"].get(name) is None:
-                    sides[name] = None
-                    continue
-                sides[name] = SideReport(
-                    per_rank=[RankFigures.from_json(r) for r in d["per_rank"][name]],
-                    global_samples_per_s=float(d["global_samples_per_s"][name]),
-                    step_ms_p50=float(d["step_ms_p50"][name]),
-                    collectives={op: CollectiveCount.from_json(c) for op, c in d["collectives"][name].items()},
-                    exposed_comm_ms=d["exposed_comm_ms"][name],
-                    comm_ms=d["comm_ms"][name],
-                    ablation_step_ms=d["ablation_step_ms"][name],
-                )
-            control = sides["control"]
-            assert control is not None
-            return cls(world_size=int(d["world_size"]), engine=Engine(d["engine"]), backend=str(d["backend"]),
-                       device=str(d["device"]), dtype=str(d["dtype"]), spec=str(d["workload"]["spec"]),
-                       shape=dict(d["workload"]["shape"]), steps=int(d["steps"]), warmup=int(d["warmup"]),
-                       comm_steps=int(d["comm_steps"]), samples_per_step=[int(x) for x in d["samples_per_step"]],
-                       memory_source=MemorySource(d["memory_source"]), comm_source=str(d["comm_source"]),
-                       torch_version=str(d["torch_version"]), plan_boundaries=list(d["plan_boundaries"]),
-                       control=control, plan=sides["plan"],
-                       equivalence=None if d["equivalence"] is None else Equivalence.from_json(d["equivalence"]),
-                       notes=list(d.get("notes", [])), schema_version=int(d["schema_version"]),
-                       budget_bytes=None if d.get("budget_bytes") is None else int(d["budget_bytes"]))
-        except (KeyError, TypeError, ValueError, AssertionError) as exc:
-            raise DistributedError(f"malformed distributed.json: {type(exc).__name__}: {exc}") from exc
+        if d.get("engine") == Engine.PIPELINE.value:
+            validate(d, schema(cls), error=DistributedError, what="pipeline report")
+
+
+_PLAIN = re.compile(r"[\w.:/=,-]{1,200}")   # a value put in the command as it is: no space, quote or shell character
+
+
+def remake_pipeline_command(report: Any, workload: Any = None, shape: Any = None) -> str:
+    """``remat distributed --engine pipeline ...`` with an old pipeline report's own settings where they are plain
+    (the file is unchecked), else placeholders: the command that makes it again. ``workload`` and ``shape``: the
+    receipt context's (default: the report's own). A setting left at its default (no shape, no budget) is left out."""
+    rep = report if isinstance(report, dict) else {}
+    workload = rep.get("spec") if workload is None else workload
+    shape = rep.get("shape") if shape is None else shape
+    splits = rep.get("split_points")
+    given = {"--workload": workload, "--world-size": rep.get("world_size"),
+             "--shape": ",".join(f"{k}={v}" for k, v in shape.items()) if isinstance(shape, dict) else "SHAPE",
+             "--schedule": rep.get("schedule"), "--microbatches": rep.get("microbatches"),
+             "--split-points": ",".join(map(str, splits)) if isinstance(splits, list) else None,
+             "--budget": rep.get("budget_bytes")}
+    needed = {"--workload": "WORKLOAD", "--world-size": "P", "--schedule": "SCHEDULE", "--microbatches": "M",
+              "--split-points": "PATH.I,..."}
+    parts = ["remat distributed --engine pipeline"]
+    for flag, v in given.items():
+        text = str(v) if v not in (None, "") and not isinstance(v, bool) and _PLAIN.fullmatch(str(v)) else None
+        if text or flag in needed or (flag == "--shape" and v):
+            parts.append(f"{flag} {text or needed.get(flag, 'SHAPE')}")
+    return " ".join([*parts, "--out DIR"])
+
+
+def stale_pipeline_report(d: dict[str, Any]) -> StaleReportFormat:
+    """The refusal of a pipeline report of the layout before NOTE [one per-rank report]."""
+    return StaleReportFormat(
+        "this is a pipeline report in the old layout (its own 'sides' object), which this remat no longer reads: a "
+        "pipeline run is now reported through the one per-rank report (engine pipeline)",
+        tip=f"make it again with this remat: `{remake_pipeline_command(d)}`")
 
 
 # -- assembly (rank 0) ------------------------------------------------------------------------------
@@ -249,15 +463,17 @@ def _side_report(ranks: list[tuple[int, int, RankSide]]) -> SideReport:
     slowest = max(f.p50_ms for f in per_rank)
     samples = sum(n for _, n, _ in ranks)
 
-    def worst(values: list[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return max(present) if present and len(present) == len(values) else None
-
     return SideReport(per_rank=per_rank, global_samples_per_s=samples / (slowest / 1e3), step_ms_p50=slowest,
                       collectives=ranks[0][2].collectives,
                       exposed_comm_ms=worst([f.exposed_comm_ms for f in per_rank]),
                       comm_ms=worst([f.comm_ms for f in per_rank]),
                       ablation_step_ms=worst([f.ablation_step_ms for f in per_rank]))
+
+
+def worst(values: list[float | None]) -> float | None:
+    """The largest per-rank figure: the slowest rank's (None when a rank has none)."""
+    present = [v for v in values if v is not None]
+    return max(present) if present and len(present) == len(values) else None
 
 
 def _op_counts(side: RankSide) -> dict[str, int]:
@@ -309,11 +525,11 @@ def assemble(results: list[RankResult], cfg: DistributedConfig, *, comm_source: 
     control = _side_report([(r.rank, r.samples_per_step, r.control) for r in results])
     has_plan = results[0].plan is not None
     plan = _side_report([(r.rank, r.samples_per_step, r.plan) for r in results if r.plan is not None]) if has_plan else None
-    return DistributedReport(
+    return DistributedReport.of(
+        {CONTROL: control, PLAN: plan},
         world_size=cfg.world_size, engine=cfg.engine, backend=cfg.backend, device=cfg.device, dtype=cfg.dtype,
         spec=cfg.spec, shape=cfg.shape, steps=cfg.steps, warmup=cfg.warmup, comm_steps=cfg.comm_steps,
         samples_per_step=[r.samples_per_step for r in results], memory_source=results[0].memory_source,
         comm_source=comm_source, torch_version=torch_version,
         plan_boundaries=[] if cfg.plan is None else [b.module for b in cfg.plan.boundaries],
-        control=control, plan=plan, equivalence=_equivalence(results, criterion) if has_plan else None,
-        notes=notes, budget_bytes=cfg.device_budget_bytes)
+        equivalence=_equivalence(results, criterion) if has_plan else None, notes=notes, budget_bytes=cfg.device_budget_bytes)

@@ -16,7 +16,6 @@ import datetime
 import enum
 import hashlib
 import math
-import re
 import subprocess
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,8 +23,9 @@ from typing import Annotated, Any
 from .. import __version__
 from .._codec import AS_WRITTEN, JsonCodec, Len, Reading, Short, SignedBytes, Text, json_field, schema
 from .._json import (AUTOCAST, BYTES, DEVICE, DTYPE, MEMORY_SOURCE, MODE, MODULE_PATH, MS, SHAPE, Enum, Int, List,
-                     Map, Num, Str, read_bounded_bytes, show)
+                     Map, Num, Str, json_kind, read_bounded_bytes, show)
 from ..closed_loop import Attempt
+from ..distributed.report import remake_pipeline_command
 from ..errors import ReceiptError, RematError, StaleReceiptFormat
 from ..frontier.model import FrontierReport, OverheadInterval
 from ..plan.model import Plan
@@ -353,7 +353,7 @@ def _single(**kw: Any) -> Any:
 def _refuse_other_kinds(data: dict[str, Any]) -> None:
     """The old pipeline receipt, refused with the command that makes it again (NOTE [one receipt]), and a file
     of another kind; before its version and schema are checked, so either is named as what it is."""
-    if data.get("kind") == OLD_PIPELINE_RECEIPT_KIND:
+    if data.get("kind") == OLD_PIPELINE_RECEIPT_KIND or _old_pipeline_report(data) is not None:
         raise stale_pipeline_receipt(data)
     if data.get("kind", RECEIPT_KIND) != RECEIPT_KIND:
         raise ReceiptError(f"not a remat receipt: kind is {show(data.get('kind'))}, expected {RECEIPT_KIND!r}")
@@ -454,35 +454,30 @@ class Receipt(JsonCodec, reading=_READING):
         return cls.from_json(read_json_file(path))
 
 
-_PLAIN = re.compile(r"[\w.:/=,-]{1,200}")   # a value put in the command as it is: no space, quote or shell character
+def _old_pipeline_report(data: Any) -> dict[str, Any] | None:
+    """A one receipt's pipeline report in the layout before NOTE [one per-rank report] (its own ``sides``), else
+    None (the file is unchecked)."""
+    ws = data.get("world_size") if isinstance(data, dict) else None
+    pipe = ws.get("pipeline") if isinstance(ws, dict) else None
+    rep = pipe.get("report") if isinstance(pipe, dict) else None
+    return rep if isinstance(rep, dict) and "sides" in rep and "engine" not in rep else None
 
 
 def _old_command(data: dict[str, Any]) -> str:
     """``remat distributed --engine pipeline ...`` with the old receipt's own settings where they are plain (the
-    file is unchecked), else placeholders: the command that makes it again. A setting the file leaves at its
-    default (no shape keywords, no budget) is left out."""
-    ctx, rep = (data.get(k) if isinstance(data.get(k), dict) else {} for k in ("context", "pipeline"))
-    shape, splits = ctx.get("shape"), rep.get("split_points")
-    given = {"--workload": ctx.get("workload"), "--world-size": rep.get("world_size"),
-             "--shape": ",".join(f"{k}={v}" for k, v in shape.items()) if isinstance(shape, dict) else "SHAPE",
-             "--schedule": rep.get("schedule"), "--microbatches": rep.get("microbatches"),
-             "--split-points": ",".join(map(str, splits)) if isinstance(splits, list) else None,
-             "--budget": rep.get("budget_bytes")}
-    needed = {"--workload": "WORKLOAD", "--world-size": "P", "--schedule": "SCHEDULE", "--microbatches": "M",
-              "--split-points": "PATH.I,..."}
-    parts = ["remat distributed --engine pipeline"]
-    for flag, v in given.items():
-        text = str(v) if v not in (None, "") and not isinstance(v, bool) and _PLAIN.fullmatch(str(v)) else None
-        if text or flag in needed or (flag == "--shape" and v):
-            parts.append(f"{flag} {text or needed.get(flag, 'SHAPE')}")
-    return " ".join([*parts, "--out DIR"])
+    file is unchecked), else placeholders: the command that makes it again."""
+    ctx = data.get("context") if isinstance(data.get("context"), dict) else {}
+    rep = _old_pipeline_report(data) or data.get("pipeline")
+    return remake_pipeline_command(rep, ctx.get("workload"), ctx.get("shape") if "shape" in ctx else "SHAPE")
 
 
 def stale_pipeline_receipt(data: dict[str, Any]) -> StaleReceiptFormat:
     """The refusal of an old-format pipeline receipt (NOTE [one receipt]), naming the command that makes it again."""
+    what = (f"kind {OLD_PIPELINE_RECEIPT_KIND!r}" if json_kind(data) == OLD_PIPELINE_RECEIPT_KIND else
+            "its pipeline report in the layout before the one per-rank report")
     return StaleReceiptFormat(
-        f"this is a pipeline receipt in the old format (kind {OLD_PIPELINE_RECEIPT_KIND!r}), which this remat no "
-        f"longer reads: a pipeline run is now a {RECEIPT_KIND!r} whose run at a world size has engine pipeline",
+        f"this is a pipeline receipt in the old format ({what}), which this remat no longer reads: a pipeline run "
+        f"is now a {RECEIPT_KIND!r} whose run at a world size has engine pipeline, reported by one per-rank report",
         tip=f"make it again with this remat: `{_old_command(data)}`, then `remat check DIR/receipt.json`")
 
 

@@ -28,8 +28,8 @@ from ..frontier.plot import render_frontier_png
 from ..trace.model import StepTrace
 from ..units import MIB, fmt_bytes, mib
 from ..verify.model import RunMode, VerifyReport
-from ..distributed.pipeline.report import PipelineEquivalence, PipelineReport, SideReport, StageReport
-from ..plan.pipeline import Side
+from ..distributed.report import (DistributedReport, PipelineEquivalence, PipelineFigures, RankFigures, SideReport,
+                                  StageFigures)
 from .model import Receipt, ShipStatus
 from .world_size import PipelineEvidence
 
@@ -606,16 +606,21 @@ STAGE_HEADERS = ["side", "stage", "in flight", "boundaries", "peak", "predicted"
 SIDE_HEADERS = ["side", "step p50 ms", "step p95 ms", "samples/s", "largest stage peak", "largest bubble"]
 
 
+def _stages(side: SideReport) -> list[StageFigures]:
+    """A pipeline side's stages, in row order."""
+    return [r.stage for r in side.per_rank if r.stage is not None]
+
+
 def timeline_rows(side: SideReport, width: int = WIDTH) -> list[str]:
     """One text row per stage over the side's last timed step: F forward, L loss, B backward, R replay inside
     backward, O optimizer, ``-`` blocked in p2p, ``.`` idle; every column is ``end / width`` ms."""
-    events = [e for s in side.per_stage for e in s.timeline]
+    events = [e for s in _stages(side) for e in s.timeline]
     if not events:
         return []
     t0 = min(e.start_ms for e in events)
     span = max(max(e.end_ms for e in events) - t0, 1e-9)
     rows = []
-    for s in side.per_stage:
+    for s in _stages(side):
         cells = ["."] * width
         for kind, letter in (("p2p", "-"),) + tuple(reversed(_LETTERS)):
             for e in s.timeline:
@@ -630,69 +635,87 @@ def timeline_rows(side: SideReport, width: int = WIDTH) -> list[str]:
     return rows
 
 
-def _formula(report: PipelineReport) -> str:
+def _formula(p: PipelineFigures) -> str:
     """The schedule's ideal bubble formula, as the report's figure was computed (plan/pipeline.ideal_bubble)."""
-    return "(p - 1) / (m + p - 1)" if report.stages_per_rank == 1 else \
-        f"(p - 1) / (v m + p - 1) with v = {report.stages_per_rank} stages per rank"
+    return "(p - 1) / (m + p - 1)" if p.stages_per_rank == 1 else \
+        f"(p - 1) / (v m + p - 1) with v = {p.stages_per_rank} stages per rank"
 
 
-def stage_cells(side: Side, s: StageReport, *, no: str) -> list[str]:
+def stage_cells(side: str, r: RankFigures, budget_bytes: int | None, *, no: str) -> list[str]:
     """One row of the per-stage table (``STAGE_HEADERS``); ``no``: how a stage over the budget is marked."""
-    return [side.value, str(s.stage), str(s.in_flight), ", ".join(s.boundaries) or "-", mib(s.peak_bytes),
+    s = r.stage
+    assert s is not None, "a pipeline row"
+    return [side, str(s.stage), str(s.in_flight), ", ".join(s.boundaries) or "-", mib(r.peak_bytes),
             "-" if s.predicted_peak_bytes is None else mib(s.predicted_peak_bytes),
-            "-" if s.fits_budget is None else ("yes" if s.fits_budget else no),
-            f"{s.forward_ms:.1f}", f"{s.backward_ms:.1f}", f"{s.replay_ms:.1f}", f"{s.p2p_ms:.1f}",
-            f"{s.exposed_p2p_ms:.1f}", f"{s.idle_ms:.1f}", f"{s.bubble_fraction:.3f}",
+            "-" if budget_bytes is None else ("yes" if r.peak_bytes <= budget_bytes else no),
+            f"{s.forward_ms:.1f}", f"{s.backward_ms:.1f}", f"{s.replay_ms:.1f}", f"{r.comm_ms or 0.0:.1f}",
+            f"{r.exposed_comm_ms or 0.0:.1f}", f"{s.idle_ms:.1f}", f"{s.bubble_fraction:.3f}",
             "-" if s.bubble_delta_vs_none is None else f"{s.bubble_delta_vs_none:+.3f}"]
 
 
-def side_cells(side: Side, r: SideReport) -> list[str]:
+def side_cells(side: str, r: SideReport) -> list[str]:
     """One row of the per-side table (``SIDE_HEADERS``)."""
-    return [side.value, f"{r.p50_ms:.1f}", f"{r.p95_ms:.1f}", f"{r.samples_per_s:.2f}",
-            mib(r.max_peak_bytes), f"{r.max_bubble_fraction:.3f}"]
+    return [side, f"{r.step_ms_p50:.1f}", f"{r.step_ms_p95 or 0.0:.1f}", f"{r.global_samples_per_s:.2f}",
+            mib(r.max_peak_bytes), f"{r.max_bubble_fraction or 0.0:.3f}"]
 
 
-def equivalence_text(side: Side, eq: PipelineEquivalence, verdict: str,
+def stage_rows(report: DistributedReport, *, no: str) -> list[list[str]]:
+    """Every side's per-stage rows (``STAGE_HEADERS``)."""
+    return [stage_cells(name, r, report.budget_bytes, no=no) for name, side in sides_of(report)
+            for r in side.per_rank]
+
+
+def sides_of(report: DistributedReport) -> list[tuple[str, SideReport]]:
+    """(name, side) of every side run, in order."""
+    return [(name, side) for name in report.sides if (side := report.side(name)) is not None]
+
+
+def equivalence_text(side: str, eq: PipelineEquivalence, verdict: str,
                      escape: Callable[[str], str] = str) -> str:
     """``side`` against the unplanned pipeline, with up to five mismatches (``escape``d for HTML)."""
-    return (f"{escape(side.value)} vs none (same schedule and microbatches): {verdict} over {eq.params_compared} "
+    return (f"{escape(side)} vs none (same schedule and microbatches): {verdict} over {eq.params_compared} "
             f"parameters (max |diff| {eq.max_abs_diff:.3g})" + "".join(f"; {escape(m)}" for m in eq.mismatched[:5]))
+
+
+def _figures(report: DistributedReport) -> PipelineFigures:
+    assert report.pipeline is not None, "a pipeline run's report"
+    return report.pipeline
 
 
 def _pipe_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers), *["| " + " | ".join(r) + " |" for r in rows]]
 
 
-def _intro(report: PipelineReport) -> list[str]:
-    v, p = report.stages_per_rank, report.world_size
+def _intro(report: DistributedReport) -> list[str]:
+    f = _figures(report)
+    v, p = f.stages_per_rank, report.world_size
     where = f"{p} stages" if v == 1 else f"{p} ranks x {v} stages (a row is a rank)"
     budget = "" if report.budget_bytes is None else f" Per-device budget {mib(report.budget_bytes)}."
     return [f"# Pipeline: {report.spec} on {where} ({report.backend})", "",
-            f"Schedule {report.schedule.value}, {report.microbatches} microbatches of batch {report.batch_size}, "
-            f"split at {', '.join(report.split_points)} ({report.split_source}). Ideal bubble {_formula(report)} = "
-            f"{report.ideal_bubble_fraction:.3f}." + budget, ""]
+            f"Schedule {f.schedule.value}, {f.microbatches} microbatches of batch {f.batch_size}, "
+            f"split at {', '.join(f.split_points)} ({f.split_source}). Ideal bubble {_formula(f)} = "
+            f"{f.ideal_bubble_fraction:.3f}." + budget, ""]
 
 
-def _equivalence_lines(report: PipelineReport) -> list[str]:
+def _equivalence_lines(report: DistributedReport) -> list[str]:
     out = ["", "## Equivalence", ""]
-    out += [f"- {equivalence_text(name, eq, 'bitwise equal' if eq.ok else 'DIFFERENT')}"
-            for name, eq in report.equivalence.items()]
-    neg = report.negative_control_rejected
+    out += [f"- {equivalence_text(name.value, eq, 'bitwise equal' if eq.ok else 'DIFFERENT')}"
+            for name, eq in _figures(report).equivalence.items()]
+    neg = _figures(report).negative_control_rejected
     if neg is not None:
         out.append(f"- negative control (a gradient perturbed by 1e-3): {'rejected' if neg else 'ACCEPTED'}")
     return out
 
 
-def render_pipeline_markdown(report: PipelineReport) -> str:
+def render_pipeline_markdown(report: DistributedReport) -> str:
     out = _intro(report)
-    out += _pipe_table(STAGE_HEADERS, [stage_cells(name, s, no="**no**") for name, side in report.sides.items()
-                                  for s in side.per_stage])
-    out += [""] + _pipe_table(SIDE_HEADERS, [side_cells(name, side) for name, side in report.sides.items()])
+    out += _pipe_table(STAGE_HEADERS, stage_rows(report, no="**no**"))
+    out += [""] + _pipe_table(SIDE_HEADERS, [side_cells(name, side) for name, side in sides_of(report)])
     out += _equivalence_lines(report)
     out += ["", "## Timelines (last timed step)", "",
             "F forward, L loss, B backward, R replay (inside backward), O optimizer, - blocked in p2p, . idle", ""]
-    for name, side in report.sides.items():
-        out += [f"{name.value}:", "", "```", *timeline_rows(side), "```", ""]
+    for name, side in sides_of(report):
+        out += [f"{name}:", "", "```", *timeline_rows(side), "```", ""]
     out += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
     return "\n".join(out)
 
@@ -706,7 +729,7 @@ WIDTH_PX = 960
 LABEL_PX = 70
 
 
-def _lane(lane: int, s: StageReport, t0: float, span: float) -> list[str]:
+def _lane(lane: int, s: StageFigures, t0: float, span: float) -> list[str]:
     """One stage's lane of the timeline: its label, background, and a rectangle per interval, by kind."""
     plot = WIDTH_PX - LABEL_PX - 10
     y = lane * LANE_PX + 2
@@ -731,14 +754,15 @@ def timeline_svg(side: SideReport, *, t_max_ms: float | None = None) -> str:
     own_span = side.timeline_span_ms
     if own_span is None:
         return '<p class="muted">no intervals recorded</p>'
-    t0 = min(ev.start_ms for s in side.per_stage for ev in s.timeline)
+    stages = _stages(side)
+    t0 = min(ev.start_ms for s in stages for ev in s.timeline)
     span = max(t_max_ms if t_max_ms is not None else own_span, 1e-9)
-    height = LANE_PX * len(side.per_stage) + 24
+    height = LANE_PX * len(stages) + 24
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH_PX}" height="{height}" '
              f'font-family="sans-serif" font-size="11">']
-    for lane, s in enumerate(side.per_stage):
+    for lane, s in enumerate(stages):
         parts += _lane(lane, s, t0, span)
-    axis_y = LANE_PX * len(side.per_stage) + 16
+    axis_y = LANE_PX * len(stages) + 16
     parts.append(f'<text x="{LABEL_PX}" y="{axis_y}">0 ms</text>'
                  f'<text x="{WIDTH_PX - 10}" y="{axis_y}" text-anchor="end">{span:.0f} ms</text></svg>')
     return "".join(parts)
@@ -759,8 +783,8 @@ def _pipeline_headline(p: PipelineEvidence) -> str:
 
 def _pipeline_head(r: Receipt, pe: PipelineEvidence) -> list[str]:
     """The page's head, title, provenance line and verdict."""
-    p, c = pe.report, r.context
-    title = (f"remat pipeline receipt: {p.spec} on {p.world_size} stages, {p.schedule.value}, {p.microbatches} "
+    p, f, c = pe.report, pe.figures, r.context
+    title = (f"remat pipeline receipt: {p.spec} on {p.world_size} stages, {f.schedule.value}, {f.microbatches} "
              f"microbatches")
     return [f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>'
             f"<style>{_CSS}</style></head><body><h1>{e(title)}</h1>"
@@ -769,34 +793,34 @@ def _pipeline_head(r: Receipt, pe: PipelineEvidence) -> list[str]:
             f'<div class="verdict {"noplan" if pe.why_not else "ship"}"><h2>{e(_pipeline_headline(pe))}</h2></div>']
 
 
-def _pipeline_settings(r: Receipt, p: PipelineReport) -> str:
+def _pipeline_settings(r: Receipt, p: DistributedReport) -> str:
+    f = _figures(p)
     return _html_table(None, [
-        ["split", f"{', '.join(p.split_points)} ({p.split_source})"],
-        ["batch", f"{p.batch_size} in {p.microbatches} microbatches"],
-        ["ideal bubble " + _formula(p), f"{p.ideal_bubble_fraction:.3f}"],
+        ["split", f"{', '.join(f.split_points)} ({f.split_source})"],
+        ["batch", f"{f.batch_size} in {f.microbatches} microbatches"],
+        ["ideal bubble " + _formula(f), f"{f.ideal_bubble_fraction:.3f}"],
         ["per-device budget", "-" if p.budget_bytes is None else mib(p.budget_bytes)],
         ["memory source", p.memory_source], ["command", r.context.command or "-"]], cls="kv")
 
 
-def _pipeline_figures(p: PipelineReport) -> list[str]:
+def _pipeline_figures(p: DistributedReport) -> list[str]:
     """The per-stage and per-side tables, and every side's timeline on one time axis (a side that replays is
     visibly longer)."""
     parts = ["<h2>Per stage</h2>",
-             _html_table(STAGE_HEADERS, [stage_cells(name, s, no="NO") for name, side in p.sides.items()
-                                         for s in side.per_stage]),
-             _html_table(SIDE_HEADERS, [side_cells(name, side) for name, side in p.sides.items()]),
+             _html_table(STAGE_HEADERS, stage_rows(p, no="NO")),
+             _html_table(SIDE_HEADERS, [side_cells(name, side) for name, side in sides_of(p)]),
              "<h2>Per-stage timelines (last timed step)</h2>" + _legend()]
     t_max = p.timeline_span_ms
-    parts += [f"<h3>{e(name.value)}</h3>" + timeline_svg(side, t_max_ms=t_max) for name, side in p.sides.items()]
+    parts += [f"<h3>{e(name)}</h3>" + timeline_svg(side, t_max_ms=t_max) for name, side in sides_of(p)]
     return parts
 
 
-def _pipeline_equivalence(p: PipelineReport) -> list[str]:
+def _pipeline_equivalence(p: DistributedReport) -> list[str]:
     parts = ["<h2>Equivalence</h2><ul>"]
-    for name, eq in p.equivalence.items():
+    for name, eq in _figures(p).equivalence.items():
         verdict = '<span class="pass">bitwise equal</span>' if eq.ok else '<span class="fail">DIFFERENT</span>'
-        parts.append(f"<li>{equivalence_text(name, eq, verdict, escape=e)}</li>")
-    neg = p.negative_control_rejected
+        parts.append(f"<li>{equivalence_text(name.value, eq, verdict, escape=e)}</li>")
+    neg = _figures(p).negative_control_rejected
     if neg is not None:
         verdict = "rejected" if neg else '<span class="fail">ACCEPTED</span>'
         parts.append(f"<li>negative control (a gradient perturbed by 1e-3): {verdict}</li>")

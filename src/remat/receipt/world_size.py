@@ -14,8 +14,9 @@ report's own ``budget_bytes``) and, unless ``--quick``, re-runs the same launch 
 with ``check_steps`` timed steps (workflow/world_size.py).
 
 A pipeline run (``remat distributed --engine pipeline``) is the same section with
-``engine: "pipeline"``: in place of ``report`` it holds ``pipeline`` (:class:`PipelineEvidence`), and
-the receipt holds no single-process section (NOTE [one receipt] in remat/receipt/model.py).
+``engine: "pipeline"``: in place of ``report`` it holds ``pipeline`` (:class:`PipelineEvidence`: the same
+DistributedReport, of engine pipeline, and the boundary revisions), and the receipt holds no single-process
+section (NOTE [one receipt] in remat/receipt/model.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ import dataclasses
 from typing import Annotated
 
 from .. import _json
-from .._codec import JsonCodec, Len, json_field
+from .._codec import JsonCodec, Len, json_field, schema
 from .._json import MODULE_PATH
 from ..distributed.config import Engine
-from ..distributed.pipeline.report import PIPELINE_REPORT, PipelineReport
-from ..distributed.report import DistributedReport
+from ..distributed.report import DistributedReport, PipelineFigures
 from ..errors import ReceiptError
 from ..plan.pipeline import PipelinePlan, Side
 from .schema import HEX16, SHORT
@@ -66,7 +66,8 @@ class PipelineEvidence(JsonCodec):
     equivalence against the unplanned pipeline and the negative control; the per-stage plans) and
     each stage boundary's revision hash."""
 
-    report: Annotated[PipelineReport, PIPELINE_REPORT]
+    # the one per-rank report of engine pipeline (NOTE [one per-rank report]), checked against its whole schema
+    report: Annotated[DistributedReport, schema(DistributedReport)]
     boundaries: Annotated[list[StageBoundary], Len(100_000)]
 
     @property
@@ -75,28 +76,37 @@ class PipelineEvidence(JsonCodec):
         return self.report.remat_plan
 
     @property
+    def figures(self) -> PipelineFigures:
+        """The report's pipeline figures (``check_parts``: a pipeline run's report has them)."""
+        assert self.report.pipeline is not None, "checked by check_parts"
+        return self.report.pipeline
+
+    @property
     def why_not(self) -> list[str]:
         """Why this run proves nothing to ship (empty when it does): the decision ``check`` re-checks, against
         the run's own per-device budget."""
-        report = self.report
+        report, figures = self.report, self.figures
         out = []
         if report.remat_plan is None:
             out.append("the run has no per-stage plans (no remat side)")
-        eq = report.equivalence.get(Side.REMAT)
+        eq = figures.equivalence.get(Side.REMAT)
         if eq is None:
             out.append("the per-stage plans were not compared with the unplanned pipeline")
         elif not eq.ok:
             out.append(f"the per-stage plans' gradients differ from the unplanned pipeline's "
                        f"(max |diff| {eq.max_abs_diff:.3g})")
-        if report.negative_control_rejected is False:
+        if figures.negative_control_rejected is False:
             out.append("the negative control (a perturbed gradient) was accepted: the comparison proves nothing")
-        if report.remat_fits is False:
+        if report.over_budget:
             out.append("a stage's measured peak is over the per-device budget: "
                        + ", ".join(f"stage {k}" for k in report.over_budget_stages))
         return out
 
     def check_parts(self) -> None:
-        """The boundary records are the per-stage plans' (a hand-edited receipt could mix them)."""
+        """The report is a pipeline run's, and the boundary records are its per-stage plans' (a hand-edited receipt
+        could mix them)."""
+        if self.report.engine is not Engine.PIPELINE or self.report.pipeline is None:
+            raise ReceiptError("malformed receipt: $.world_size.pipeline.report is not a pipeline run's report")
         plan = self.plan
         planned = [] if plan is None else [(s.stage, b.module) for s in plan.stages for b in s.plan.boundaries]
         recorded = [(b.stage, b.module) for b in self.boundaries]

@@ -31,7 +31,7 @@ from ..distributed.pipeline.engine import check_split, default_split, microbatch
 from ..errors import PlanError
 from ..plan import parse_budget
 from ..plan.pipeline import PipelinePlan, Side
-from ..distributed.pipeline.report import PipelineReport
+from ..distributed.report import DistributedReport
 from ..profile import fingerprint, module_revision
 from ..receipt.model import Receipt, ReceiptContext
 from ..receipt.render import render_pipeline_markdown
@@ -74,7 +74,7 @@ class PipelineJob:
 
 @dataclasses.dataclass(kw_only=True)
 class PipelineOutcome:
-    report: PipelineReport
+    report: DistributedReport          # engine pipeline (NOTE [one per-rank report])
     report_path: Path                  # OUT/pipeline.json
     receipt: Receipt | None            # None when the run had no per-stage plans
     files: ReceiptFiles | None
@@ -148,7 +148,7 @@ def run_pipeline_job(job: PipelineJob, *, progress: ProgressFn = no_progress) ->
     return PipelineOutcome(report=result, report_path=path, receipt=receipt, files=files)
 
 
-def make_pipeline_receipt(report: PipelineReport, *, loaded: LoadedWorkload, command: str = "",
+def make_pipeline_receipt(report: DistributedReport, *, loaded: LoadedWorkload, command: str = "",
                           check_steps: int = 1, check_timeout_s: float = 60.0) -> Receipt:
     """The receipt of one pipeline run (NOTE [one receipt]); ``loaded`` is the workload at the run's
     (whole-batch) shape."""
@@ -190,37 +190,40 @@ def _rerun_config(receipt: Receipt, spec: str, plan: PipelinePlan) -> Distribute
     """5. the unplanned and the planned pipeline, the receipt's schedule, microbatches, split and plans."""
     ctx, ws = receipt.context, receipt.world_size
     assert ws is not None and ws.pipeline is not None
-    p = ws.pipeline.report
+    p = ws.pipeline.figures
     settings = PipelineSettings(schedule=p.schedule, microbatches=p.microbatches, split_points=list(p.split_points),
                                 split_source=p.split_source, stages_per_rank=p.stages_per_rank,
                                 sides=[Side.NONE, Side.REMAT])
-    return DistributedConfig(spec=spec, shape=dict(ctx.shape), world_size=p.world_size, engine=Engine.PIPELINE,
+    return DistributedConfig(spec=spec, shape=dict(ctx.shape), world_size=ws.world_size, engine=Engine.PIPELINE,
                              plan=plan, device=ctx.device, dtype=ctx.dtype, steps=ws.check_steps, warmup=1,
                              timeout_s=ws.check_timeout_s, pipeline=settings)
 
 
-def _rerun_findings(was: PipelineReport, again: PipelineReport, ledger: CheckLedger) -> None:
+def _rerun_findings(was: DistributedReport, again: DistributedReport, ledger: CheckLedger) -> None:
     """5. the re-run's equivalence, negative control and per-stage peaks, against the receipt's budget."""
-    eq = again.equivalence.get(Side.REMAT)
+    f = again.pipeline
+    assert f is not None and was.plan is not None and again.plan is not None, "pipeline runs with a remat side"
+    eq = f.equivalence.get(Side.REMAT)
     if eq is not None and eq.ok:
-        ledger.checked.append(f"re-run at world size {again.world_size} ({again.schedule.value}, {again.microbatches} "
+        ledger.checked.append(f"re-run at world size {again.world_size} ({f.schedule.value}, {f.microbatches} "
                               f"microbatches): gradients bitwise equal to the unplanned pipeline over "
                               f"{eq.params_compared} parameters")
     else:
         ledger.failures.append(CheckFinding(kind=FindingKind.EQUIVALENCE, message=(
             "re-run: the planned pipeline's gradients differ from the unplanned one's"
             + ("" if eq is None else f" (max |diff| {eq.max_abs_diff:.3g}; " + "; ".join(eq.mismatched[:3]) + ")"))))
-    if again.negative_control_rejected is False:
+    if f.negative_control_rejected is False:
         ledger.failures.append(CheckFinding(kind=FindingKind.EQUIVALENCE,
                                             message="re-run: the negative control (a perturbed gradient) was accepted"))
     budget = was.budget_bytes
-    for s, before in zip(again.sides[Side.REMAT].per_stage, was.sides[Side.REMAT].per_stage):
+    for s, before in zip(again.plan.per_rank, was.plan.per_rank):
+        stage = s.rank if s.stage is None else s.stage.stage
         if budget is not None and s.peak_bytes > budget:
             ledger.failures.append(CheckFinding(kind=FindingKind.PEAK, message=(
-                f"stage {s.stage}: peak {mib(s.peak_bytes)} with its plan is over the per-device budget "
+                f"stage {stage}: peak {mib(s.peak_bytes)} with its plan is over the per-device budget "
                 f"{mib(budget)} (the receipt measured {mib(before.peak_bytes)})")))
         else:
-            ledger.checked.append(f"stage {s.stage}: peak {mib(s.peak_bytes)} within {mib(budget)} "
+            ledger.checked.append(f"stage {stage}: peak {mib(s.peak_bytes)} within {mib(budget)} "
                                   f"(receipt: {mib(before.peak_bytes)})")
 
 

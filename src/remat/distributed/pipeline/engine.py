@@ -45,7 +45,7 @@ from ..config import DistributedConfig
 from ..launch import WORKER_MODULE, RankProgram, RankStatus, diagnose_launch, launch_ranks, rank_state
 from ...errors import DistributedError, WorkloadError
 from .chain import PathChain, Placeholder, ProtocolChain, has_protocol, make_chain
-from .report import PipelineReport
+from ..report import DistributedReport
 from ...types import ProgressFn, no_progress
 
 PIPELINE_REPORT_NAME = "pipeline.json"
@@ -391,7 +391,7 @@ def _placeholders(model: Any, layout: StageLayout, ks: list[int]) -> dict[int, A
 # -- the launch --------------------------------------------------------------------------------------
 
 def run_pipeline_config(config: DistributedConfig, *, work_dir: Path | str | None = None,
-                        wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> PipelineReport:
+                        wall_timeout_s: float | None = None, progress: ProgressFn = no_progress) -> DistributedReport:
     """Run ``config`` (engine pipeline) on ``world_size`` local ranks with the launcher of NOTE [launcher] (same
     rank program and files, same diagnosis: a dead or hung stage is a DistributedError naming its rank)."""
     assert config.pipeline is not None
@@ -419,4 +419,4 @@ def _diagnose_pipeline(out: Path, config: DistributedConfig, returncode: int | N
 
 # the pipeline engine's report and diagnosis for the one launcher and rank program (NOTE [launcher])
 PIPELINE_PROGRAM = RankProgram(module=WORKER_MODULE, report_name=PIPELINE_REPORT_NAME, name="pipeline",
-                               read_report=PipelineReport.from_json, diagnose=_diagnose_pipeline)
+                               read_report=DistributedReport.from_json, diagnose=_diagnose_pipeline)

@@ -401,7 +401,7 @@ class PipelineRank:
         if Side.REMAT in self.pp.sides:
             if cfg.plan is not None:
                 remat = cfg.plan
-                assert isinstance(remat, PipelinePlan)   # DistributedConfig.from_json reads engine pipeline's so
+                assert isinstance(remat, PipelinePlan)   # DistributedConfig refuses a whole-model plan here
                 if len(remat.stages) != self.p:
                     raise PlanError(f"the pipeline plan has {len(remat.stages)} stages; this run has {self.p}")
                 return uniform, remat, None
