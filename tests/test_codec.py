@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import pytest
 
-from remat._codec import (ROW, Bytes, CheckedJsonCodec, FloatAsWritten, JsonCodec, Len, NonFinite, Reading, Short,
+from remat._codec import (ROW, Bytes, FloatAsWritten, JsonCodec, Len, NonFinite, Reading, Short,
                           from_json, json_field, schema, to_json)
 from remat._json import Enum, Int, Map, Num, validate
 from remat.plan.spec import PlannerText
@@ -228,15 +228,13 @@ class Span:
 
 
 @dataclasses.dataclass(kw_only=True)
-class Spans(CheckedJsonCodec):
-    json_error = PlanError
-    json_what = "spans file"
+class Spans(JsonCodec, reading=Reading(error=PlanError, what="spans file")):
     spans: list[Annotated[Span, ROW]]
 
 
-def test_a_row_is_a_list_of_its_fields_and_a_checked_codec_refuses_with_its_own_error():
-    """ROW: a dataclass as the list of its fields' values; its spec a Tuple of theirs. CheckedJsonCodec checks the
-    schema before reading and raises the type's own error; the safe twin reads back what it wrote."""
+def test_a_row_is_a_list_of_its_fields_and_a_reading_refuses_with_its_own_error():
+    """ROW: a dataclass as the list of its fields' values; its spec a Tuple of theirs. A Reading checks the schema
+    before reading and raises the type's own error; the safe twin reads back what it wrote."""
     s = Spans(spans=[Span(kind="forward", mb=1, start_ms=2.0), Span(kind="p2p:send", mb=-1, start_ms=0.5)])
     d = json.loads(json.dumps(s.to_json()))
     assert d == {"spans": [["forward", 1, 2.0], ["p2p:send", -1, 0.5]]}

@@ -46,8 +46,6 @@ spec beside its fields, and the annotation that holds it names it (``Annotated[S
 A file's reader that checks more than the schema (a version, an old format refused by name, the parts
 against each other) declares that as a :class:`Reading` the codec follows (NOTE [checked reading]), not
 a ``from_json`` of its own.
-A type whose check is the schema and a version only may instead be a :class:`CheckedJsonCodec`, whose
-``json_check`` runs before the read and whose errors are the type's own.
 """
 
 from __future__ import annotations
@@ -537,32 +535,3 @@ class JsonCodec:
         reading = _READINGS.get(cls)
         return from_json(cls, d) if reading is None else read(cls, d, reading, source)
 
-
-class CheckedJsonCodec(JsonCodec):
-    """A :class:`JsonCodec` whose ``from_json`` checks the JSON first (:meth:`json_check`: by default that it is an
-    object and :func:`schema` holds; a type overrides it to check a version first) and raises the type's own error
-    (``json_error``, naming ``json_what``) for anything the read refuses: a missing key, a value its type refuses,
-    another remat error (with its tip)."""
-
-    # class attributes, not annotated: an annotation would be read as a field's by the codec
-    json_error = RematError
-    json_what = "JSON"
-
-    @classmethod
-    def json_check(cls, d: Any) -> None:
-        if not isinstance(d, dict):
-            raise cls.json_error(f"{cls.json_what} must be a JSON object")
-        validate(d, schema(cls), error=cls.json_error, what=cls.json_what)
-
-    @classmethod
-    def from_json(cls: type[T], d: dict[str, Any]) -> T:
-        kind: Any = cls
-        kind.json_check(d)
-        try:
-            return from_json(cls, d)
-        except kind.json_error:
-            raise
-        except RematError as exc:
-            raise kind.json_error(exc.message, tip=exc.tip) from exc
-        except (KeyError, TypeError, ValueError) as exc:
-            raise kind.json_error(f"malformed {kind.json_what}: {type(exc).__name__}: {exc}") from exc

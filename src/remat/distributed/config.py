@@ -15,9 +15,9 @@ import enum
 from pathlib import Path
 from typing import Annotated, Any
 
-from .._codec import AS_WRITTEN, CheckedJsonCodec, JsonCodec, Len, Short, json_field, schema
+from .._codec import AS_WRITTEN, JsonCodec, Len, Reading, Short, json_field, schema
 from .._json import DTYPE, Enum, Int, JsonValue, Map, Num, Opt, Str, read_json_file, validate
-from ..errors import DistributedError
+from ..errors import DistributedError, RematError
 from ..plan.model import Plan
 from ..plan.pipeline import SIDES, PipelinePlan, Schedule, Side, is_pipeline_plan_json
 from ..plan.schema import MODULE_PATH
@@ -92,8 +92,13 @@ def _read_plan(d: Any) -> Plan | PipelinePlan | None:
 Seconds = Annotated[float, Num(1e-3, 7 * 86400.0)]
 
 
+# NOTE [checked reading] in remat/_codec.py: the version first (its own message), then the derived schema
+_READING = Reading(error=DistributedError, what="distributed config", version=CONFIG_SCHEMA_VERSION,
+                   wrap=(RematError, KeyError, TypeError, ValueError))
+
+
 @dataclasses.dataclass(kw_only=True)
-class DistributedConfig(CheckedJsonCodec):
+class DistributedConfig(JsonCodec, reading=_READING):
     """One distributed measurement: the control (no plan) and, when ``plan`` is given, the plan.
 
     ``steps`` warm steps are timed per side (after ``warmup`` untimed ones: >= 2 for DDP and FSDP2,
@@ -108,8 +113,6 @@ class DistributedConfig(CheckedJsonCodec):
     side instead of planning one.
     """
 
-    json_error = DistributedError
-    json_what = "distributed config"
 
     # every key but the last three is in every file (required by the schema though its field has a default)
     spec: Annotated[str, Str(max_len=4096)]
@@ -223,17 +226,6 @@ class DistributedConfig(CheckedJsonCodec):
         if self.budget_bytes is not None:
             return self.budget_bytes
         return None if self.plan is None else self.plan.budget_bytes
-
-    @classmethod
-    def json_check(cls, d: Any) -> None:
-        """The version first (its own message), then :data:`CONFIG_SCHEMA` (NOTE [hostile JSON])."""
-        if not isinstance(d, dict):
-            raise DistributedError("distributed config JSON must be an object")
-        version = d.get("schema_version")
-        if type(version) is not int or version != CONFIG_SCHEMA_VERSION:
-            raise DistributedError(f"distributed config schema_version {str(version)[:40]} is not supported "
-                                   f"(this remat reads {CONFIG_SCHEMA_VERSION})")
-        validate(d, CONFIG_SCHEMA, error=DistributedError, what="distributed config")
 
     def save(self, path: Path | str) -> Path:
         from .._io import atomic_write_json

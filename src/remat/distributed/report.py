@@ -14,9 +14,9 @@ import math
 import re
 from typing import Annotated, Any
 
-from .._codec import AS_WRITTEN, ROW, Bytes, CheckedJsonCodec, JsonCodec, Len, Ms, json_field, schema
+from .._codec import AS_WRITTEN, ROW, Bytes, JsonCodec, Len, Ms, Reading, json_field, schema
 from .._json import MEMORY_SOURCE, MODULE_PATH, MS, Enum, Int, JsonValue, List, Map, Num, Opt, Str, Tuple, validate
-from ..errors import DistributedError, StaleReportFormat
+from ..errors import DistributedError, RematError, StaleReportFormat
 from ..plan.pipeline import PIPELINE_PLAN, PipelinePlan, Schedule, Side
 from ..types import MemorySource
 from ..percentile import percentile
@@ -273,14 +273,31 @@ Name = Annotated[str, Str(max_len=200)]
 Fifty = Annotated[str, Str(max_len=50)]
 
 
+def _refuse_old_layout(d: dict[str, Any]) -> None:
+    """A pipeline report in the layout before NOTE [one per-rank report], refused with the command that makes it
+    again."""
+    if "sides" in d and "engine" not in d:
+        raise stale_pipeline_report(d)
+
+
+def _pipeline_schema(d: dict[str, Any]) -> None:
+    """A pipeline run's report is held to the derived schema; a DDP/FSDP2 one to its version (NOTE [one per-rank
+    report])."""
+    if d.get("engine") == Engine.PIPELINE.value:
+        validate(d, schema(DistributedReport), error=DistributedError, what="pipeline report")
+
+
+# NOTE [checked reading] in remat/_codec.py
+_READING = Reading(error=DistributedError, what="distributed.json", version=REPORT_SCHEMA_VERSION, schema=False,
+                   refuse=_refuse_old_layout, shape=_pipeline_schema, wrap=(RematError, KeyError, TypeError, ValueError))
+
+
 @dataclasses.dataclass(kw_only=True)
-class DistributedReport(CheckedJsonCodec):
+class DistributedReport(JsonCodec, reading=_READING):
     """The one per-rank report of a run at world size N (NOTE [one per-rank report]): each figure side by side
     (``{side: figure}``; a side not run holds None), then the equivalence, the budget and the verdict
     (``over_budget_ranks``, ``passed``: computed, never read back)."""
 
-    json_error = DistributedError
-    json_what = "distributed.json"
 
     schema_version: Annotated[int, Enum(REPORT_SCHEMA_VERSION)] = json_field(default=REPORT_SCHEMA_VERSION,
                                                                             required=True)
@@ -401,18 +418,6 @@ class DistributedReport(CheckedJsonCodec):
         """The longest side's last timed step (ms): one time axis for every side's timeline."""
         spans = [t for name in self.sides if (side := self.side(name)) and (t := side.timeline_span_ms) is not None]
         return max(spans) if spans else None
-
-    @classmethod
-    def json_check(cls, d: Any) -> None:
-        """The version, then the old pipeline layout (refused with the command that makes it again), then a
-        pipeline run's schema (NOTE [one per-rank report])."""
-        if isinstance(d, dict) and "sides" in d and "engine" not in d:
-            raise stale_pipeline_report(d)
-        if not isinstance(d, dict) or d.get("schema_version") != REPORT_SCHEMA_VERSION:
-            raise DistributedError("not a distributed.json of schema version "
-                                   f"{REPORT_SCHEMA_VERSION}: {str(d)[:80]!r}")
-        if d.get("engine") == Engine.PIPELINE.value:
-            validate(d, schema(cls), error=DistributedError, what="pipeline report")
 
 
 _PLAIN = re.compile(r"[\w.:/=,-]{1,200}")   # a value put in the command as it is: no space, quote or shell character

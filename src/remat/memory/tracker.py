@@ -232,6 +232,11 @@ class LiveTensorTracker(TorchDispatchMode):
             if rec.alloc_event <= event and (rec.free_event is None or rec.free_event > event):
                 yield rec
 
+    @property
+    def phase(self) -> Phase | None:
+        """The phase running now (the last ``mark``)."""
+        return self._phase
+
     def phase_at(self, event: int) -> Phase | None:
         phase = None
         for m in self.marks:

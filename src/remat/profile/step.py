@@ -108,7 +108,9 @@ class _OpLog:
         if self.chain is not None:
             self.chain.read(args, mod)
         pointwise = is_cheap_op(func)   # pointwise or a view (NOTE [op-level policies])
-        work = op_ms(op_record(func, args, kwargs, out, self.flop_registry), self.device)
+        # only a forward op can be replayed; counting the others would cost a FLOP formula each (about 20-90 us)
+        work = (op_ms(op_record(func, args, kwargs, out, self.flop_registry), self.device)
+                if self.rec.tracker.phase is Phase.FORWARD else 0.0)
         tensor_out = isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list))
                                                        and any(isinstance(t, torch.Tensor) for t in out))
         self.ops.append((ev, mod, name, pointwise, ns, work, tensor_out))
@@ -880,7 +882,8 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
     offers per-module boundaries only (what torch's per-module checkpoint_wrapper can express).
 
     ``measure_replays``: measure each (candidate, mode)'s replay cost alone (NOTE [measured
-    replay costs]); False keeps the first estimates (faster, less exact).
+    replay costs]); False prices every counted mode from its work scaled by the timed forwards (NOTE [prices
+    from counts]), faster and blind to what a replay costs beyond its ops.
 
     ``dry_run_settled``: candidates an earlier sampled step's dry runs already settled (NOTE [step
     sample]); only the others are dry-run here.
@@ -906,7 +909,9 @@ def profile_workload(loaded: LoadedWorkload, *, candidates: list[str] | None = N
         apply_replay_measurements(report, *measure_replay_costs(
             step, offered, replay_step_index(warmup, repeats),
             progress=lambda done, total: progress(label, done, total)))
-        sane_replay_prices(report)   # NOTE [sane replay prices], NOTE [stable prices] in profile/prices.py
+    # NOTE [prices from counts], [sane replay prices], [stable prices] in profile/prices.py: unmeasured, the
+    # timed forwards set the counted prices' scale
+    sane_replay_prices(report)
     return report
 
 

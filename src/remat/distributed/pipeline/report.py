@@ -206,5 +206,5 @@ def assemble_pipeline(cfg: Any, gathered: list[RankOutcome], *, torch_version: s
         plan_boundaries=[] if remat is None else [b.module for st in remat.stages for b in st.plan.boundaries],
         equivalence=None, budget_bytes=budget, notes=_notes(memory_source, gathered[0].notes), pipeline=figures)
     # never write a pipeline.json that the launcher (DistributedReport.from_json) would refuse
-    DistributedReport.json_check(report.to_json())
+    DistributedReport.from_json(report.to_json())
     return report
