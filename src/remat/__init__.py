@@ -10,7 +10,7 @@ from ._lazy import lazy_exports
 from .errors import (AutoError, BudgetError, CandidateError, CheckFailed, CheckTimeout, ChildBug, DeviceTooSmall, DistributedError,
                      FingerprintMismatch,
                      HandleError, JobFault, MemoryMeasurementError, NewShapeError, OutputError, PlanError, ReceiptError, RematError, ShapeError,
-                     StaleReceiptFormat, TrainableChangedError, UserCodeError, VerificationFailed, WorkloadError,
+                     StaleReceiptFormat, StaleReportFormat, TrainableChangedError, UserCodeError, VerificationFailed, WorkloadError,
                      WorkloadProcessDied)
 from .types import CheckpointMode, HazardKind, MemCategory, MemorySource, Phase
 
@@ -58,6 +58,8 @@ _LAZY = {
     "CpuCapacity": "remat.memory.capacity",
     "CapacityError": "remat.memory.capacity",
     "BlockedStep": "remat.profile.model",
+    # the device model that prices a profile's replays (NOTE [prices from counts]) loads its error class
+    "SimulationError": "remat.simulate",
 }
 
 __all__ = [
@@ -66,7 +68,7 @@ __all__ = [
     "HandleError", "HazardKind", "JobFault", "MemCategory", "MemoryMeasurementError", "MemorySource", "NewShapeError", "OutputError",
     "Phase", "PlanError",
     "ReceiptError", "RematError", "ShapeError", "TrainableChangedError", "UserCodeError", "VerificationFailed", "WorkloadError", "__version__",
-    "ChildBug", "StaleReceiptFormat", "WorkloadProcessDied",
+    "ChildBug", "StaleReceiptFormat", "StaleReportFormat", "WorkloadProcessDied",
     # loaded on first use (_LAZY): the stage functions and the results they hand back
     "ApplyHandle", "AutoHandle", "AutoReport", "ExampleBatches", "LoadedWorkload", "NewShapeWarning", "Plan", "PlanCheckFn",
     "ProfileReport", "ShapePolicy", "StepTrace",
@@ -74,6 +76,7 @@ __all__ = [
     "StepSample", "TrainableChangedWarning", "UnsampledBlockWarning", "profile_workload", "recover_handle", "trace_workload", "verify_plan",
     "BrokenCacheEntryWarning", "BudgetMissed", "InfeasibleBudget", "PeakLimitExceeded", "PlanCacheWarning",
     "UnusableCacheDirWarning", "StaleCacheEntryWarning", "CpuCapacity", "CapacityError", "DeviceTooSmall", "BlockedStep",
+    "SimulationError",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)   # dir(remat) lists the lazy names too
