@@ -48,11 +48,12 @@ def one_profile(name: str):
         counted = profile_workload(load_workload(spec, shape))
     finally:
         profile_step.sane_replay_prices = sane_replay_prices
-    timed = before["report"]
+    raw = before["report"]
+    timed = copy.deepcopy(raw)
     for c in timed.candidates:
         c.replay_work = {}
     sane_replay_prices(timed)
-    return counted, timed, before["report"]
+    return counted, timed, raw
 
 
 def plan_key(report, share: float) -> str:

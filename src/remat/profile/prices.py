@@ -101,16 +101,23 @@ def sane_replay_prices(report: ProfileReport) -> None:
         counted = {m for m in factors if c.replay_work.get(m, 0.0) > 0.0 and m in c.replay_ms}
         for mode in counted:
             c.replay_ms[mode] = factors[mode] * c.replay_work[mode]
-        if _F in c.replay_ms and _F not in counted:
-            full = snap_price(max(c.replay_ms[_F], forward[c.name]))
-            parent = by_name.get(c.parent) if c.parent else None
-            if parent is not None and _F in parent.replay_ms:
-                full = min(full, parent.replay_ms[_F])
-            c.replay_ms[_F] = full
-        for mode in c.replay_ms:
-            if mode is not CheckpointMode.KEEP and mode is not _F and mode not in counted:
-                c.replay_ms[mode] = snap_price(c.replay_ms[mode])
+        _bound_measured(c, by_name, forward[c.name], counted)
         _cap_selective(c)
+
+
+def _bound_measured(c: CandidateCost, by_name: dict[str, CandidateCost], forward_ms: float,
+                    counted: set[CheckpointMode]) -> None:
+    """The measured prices of ``c`` that did not come from counts, bounded and snapped (NOTE [sane replay prices],
+    NOTE [stable prices])."""
+    if _F in c.replay_ms and _F not in counted:
+        full = snap_price(max(c.replay_ms[_F], forward_ms))
+        parent = by_name.get(c.parent) if c.parent else None
+        if parent is not None and _F in parent.replay_ms:
+            full = min(full, parent.replay_ms[_F])
+        c.replay_ms[_F] = full
+    for mode in c.replay_ms:
+        if mode is not CheckpointMode.KEEP and mode is not _F and mode not in counted:
+            c.replay_ms[mode] = snap_price(c.replay_ms[mode])
 
 
 def calibrate_from_counts(report: ProfileReport) -> dict[CheckpointMode, float]:

@@ -108,12 +108,7 @@ class _OpLog:
         if self.chain is not None:
             self.chain.read(args, mod)
         pointwise = is_cheap_op(func)   # pointwise or a view (NOTE [op-level policies])
-        # only a forward op can be replayed; counting the others would cost a FLOP formula each (about 20-90 us)
-        work = (op_ms(op_record(func, args, kwargs, out, self.flop_registry), self.device)
-                if self.rec.tracker.phase is Phase.FORWARD else 0.0)
-        tensor_out = isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list))
-                                                       and any(isinstance(t, torch.Tensor) for t in out))
-        self.ops.append((ev, mod, name, pointwise, ns, work, tensor_out))
+        self.ops.append((ev, mod, name, pointwise, ns, self._work(func, args, kwargs, out), _returns_tensor(out)))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 rec = self.rec.tracker.records.get(t.untyped_storage()._cdata)
@@ -127,6 +122,18 @@ class _OpLog:
             self.rng_ops.append((ev, mod, name))
         if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
             self.inplace.append((ev, mod, args[0].untyped_storage()._cdata))
+
+    def _work(self, func: Any, args: tuple, kwargs: dict[str, Any], out: Any) -> float:
+        """The device model's time of one op (ms; NOTE [prices from counts] in prices.py). Only a forward op can
+        be replayed; counting the others would cost a FLOP formula each (about 20-90 us)."""
+        if self.rec.tracker.phase is not Phase.FORWARD:
+            return 0.0
+        return op_ms(op_record(func, args, kwargs, out, self.flop_registry), self.device)
+
+
+def _returns_tensor(out: Any) -> bool:
+    """Metadata queries and remat's own probes (``equal``) return no tensor: no op of the region's replay."""
+    return isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in out))
 
 
 def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int,
