@@ -247,3 +247,24 @@ def test_replay_work_is_the_roofline_of_the_ops_a_replay_runs_again():
         for m in rep.replay_calibration:
             if m in c.replay_work and m in c.replay_ms and c.name not in rep.replay_composed:
                 assert c.replay_ms[m] == pytest.approx(min(k * c.replay_work[m], c.replay_ms[F]))
+
+
+def test_a_common_factor_leaves_the_milp_and_its_ties_unchanged():
+    """NOTE [scale-free costs]: 8 identical blocks (every plan of k of them costs the same) priced at five different
+    calibration factors give the MILP the same integer costs, and the same plan, ties broken alike. The ground
+    truth: the integer costs are equal arrays; the milliseconds are not."""
+    from remat.plan.cost import CostModel
+    base = _identical_chain(8, 1.0, 0.3)
+    budget = int(base.baseline_peak_bytes * 0.8)
+    key = lambda p: tuple((b.module, b.mode) for b in p.boundaries)   # noqa: E731
+    plans, units, ms = set(), [], []
+    for factor in (1.0, 1.3, 2.7, 0.37, math.pi):
+        rep = copy.deepcopy(base)
+        for c in rep.candidates:
+            c.replay_ms = {m: v * factor for m, v in c.replay_ms.items()}
+        model = CostModel(rep)
+        units.append(tuple(model.replay_units))
+        ms.append(tuple(model.replay_ms))
+        plans.add(key(make_plan(rep, "optimal", budget_bytes=budget, reserve=0.0)))
+    assert len(set(units)) == 1 and len(set(ms)) == 5
+    assert len(plans) == 1 and 0 < len(next(iter(plans))) < 8

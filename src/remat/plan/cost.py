@@ -88,7 +88,7 @@ _EXACT_TIME_LIMIT_S = 2.0     # NOTE [overhead gap]: the least overhead proven e
 _OVERHEAD_REL_GAP = 0.01      # NOTE [overhead gap]: then within 1% of it
 _TIE_BREAK_TIME_LIMIT_S = 0.25   # the lower-peak tie-break among equally cheap plans is best effort
 _EXACT_TRIES = 4              # NOTE [exact integer check]
-_COST_TIE_RTOL = 1e-6         # overheads this close (relative to max(1 ms, overhead)) count as equally cheap
+_COST_UNITS = 2 ** 30         # NOTE [scale-free costs]: the dearest option's replay, in integer units
 _SCALE_BITS = 20              # NOTE [exact integer check]
 _DOMINANCE_MAX_ROWS = 400     # O(R^2 C) dominance pruning above this would cost more than it saves
 
@@ -192,8 +192,25 @@ def _within_gap(res) -> bool:  # noqa: ANN001 - scipy's OptimizeResult
     return res.x is not None and gap is not None and math.isfinite(gap) and gap <= _OVERHEAD_REL_GAP
 
 
+def _cost_units(replay_ms: np.ndarray) -> np.ndarray:
+    """Each option's replay in integer units of the dearest one's 1/_COST_UNITS (NOTE [scale-free costs]).
+
+    NOTE [scale-free costs]
+    Prices from counts (NOTE [prices from counts] in remat/profile/prices.py) are one factor times a
+    work that does not change between profiles, so the cheapest plan does not change either, except
+    where plans tie: identical blocks cost exactly the same, and which of two equally cheap plans
+    HiGHS returns can follow the factor's last bits (GPT-2 at 70%, three profiles: ``h.1`` selective
+    in one plan, ``h.2`` in another, at one cost). So the MILPs do not see milliseconds: each option's
+    replay is an integer count of 1/2^30 of the dearest option's, the same integers whatever the
+    factor, and the same MILP gives the same plan. Equally cheap means the same count up to one unit
+    per option (each was rounded once); 2^30 units keep a price of 1 ns in a 1 s replay apart from 0."""
+    top = float(np.abs(replay_ms).max()) if replay_ms.size else 0.0
+    return np.rint(replay_ms * (_COST_UNITS / top)) if top > 0.0 else np.zeros_like(replay_ms)
+
+
 def _overhead_constraint(ms: np.ndarray, n_var: int, max_overhead_ms: float):
-    """Total replay ms of the chosen options <= ``max_overhead_ms`` (t, if any, has no cost)."""
+    """Total replay cost of the chosen options <= ``max_overhead_ms`` (in the units ``ms`` is in; t, if any, has no
+    cost)."""
     from scipy.optimize import LinearConstraint
     from scipy.sparse import csr_array
 
@@ -270,6 +287,7 @@ class CostModel:
                                            host_bytes=host_bytes_of(c, m)))
         self.option_index = {(o.candidate, o.mode): k for k, o in enumerate(self.options)}
         self.replay_ms = np.array([o.replay_ms for o in self.options], dtype=np.float64)   # (O,) ms
+        self.replay_units = _cost_units(self.replay_ms)   # (O,) what the MILPs minimise (NOTE [scale-free costs])
         self.saved = np.array([o.saved_bytes for o in self.options], dtype=np.int64)      # (O,) bytes
         self.host = np.array([o.host_bytes for o in self.options], dtype=np.int64)        # (O,) bytes
 
@@ -387,7 +405,7 @@ class CostModel:
     def cheapest_within(self, budget_bytes: int) -> np.ndarray | None:
         """The least-overhead valid x with peak(x) <= budget_bytes, exact under the model; None if none exists.
 
-        Among equally cheap choices (overheads within 1e-6 x max(1 ms, overhead)) the lowest
+        Among equally cheap choices (the same cost in the MILP's units, NOTE [scale-free costs]) the lowest
         peak wins: a second MILP minimises the peak with the overhead capped at the optimum
         found by the first, so the tie-break can never make the plan more expensive. The
         tie-break is best effort: it gets a short time limit (its best answer so far is
@@ -396,16 +414,16 @@ class CostModel:
         x1 = self._solve_exact(minimise_peak=False, budget_bytes=budget_bytes)
         if x1 is None:
             return None
-        cost1 = self.overhead_ms(x1)
-        cap_ms = cost1 + _COST_TIE_RTOL * max(1.0, abs(cost1))
+        # equally cheap: the same integer cost, up to each option's rounding (NOTE [scale-free costs])
+        cap_units = float(self.replay_units @ x1) + len(self.options)
         if self.peak(x1) <= int(self._row_bounds()[1].max()):
             return x1      # already at the peak's lower bound: nothing to break
         try:
-            x2 = self._solve_exact(minimise_peak=True, budget_bytes=budget_bytes, max_overhead_ms=cap_ms,
+            x2 = self._solve_exact(minimise_peak=True, budget_bytes=budget_bytes, max_overhead_units=cap_units,
                                    time_limit_s=_TIE_BREAK_TIME_LIMIT_S, best_effort=True)
         except PlanError:
             return x1
-        if x2 is not None and self.peak(x2) < self.peak(x1) and self.overhead_ms(x2) <= cap_ms:
+        if x2 is not None and self.peak(x2) < self.peak(x1) and float(self.replay_units @ x2) <= cap_units:
             return x2
         return x1
 
@@ -415,7 +433,7 @@ class CostModel:
         assert x is not None   # unconstrained: the all-KEEP choice is always valid
         return x
 
-    def _solve_exact(self, *, minimise_peak: bool, budget_bytes: int | None, max_overhead_ms: float | None = None,
+    def _solve_exact(self, *, minimise_peak: bool, budget_bytes: int | None, max_overhead_units: float | None = None,
                      time_limit_s: float = _SOLVER_TIME_LIMIT_S, best_effort: bool = False) -> np.ndarray | None:
         """Reduce, solve, round, re-check exactly; retighten on a tolerance overshoot (NOTE [exact integer check])."""
         rows, cols, t_lb = self._reduce(minimise_peak=minimise_peak, budget_bytes=budget_bytes)
@@ -429,7 +447,7 @@ class CostModel:
         slack = 0
         for _ in range(_EXACT_TRIES):
             x = self._milp(rows, cols, minimise_peak=minimise_peak, budget_bytes=budget_bytes, slack=slack,
-                           max_overhead_ms=max_overhead_ms, t_lb=t_lb, time_limit_s=time_limit_s,
+                           max_overhead_units=max_overhead_units, t_lb=t_lb, time_limit_s=time_limit_s,
                            best_effort=best_effort)
             if x is None:
                 return None
@@ -481,7 +499,7 @@ class CostModel:
         return rows[alive]
 
     def _milp(self, rows: np.ndarray, cols: np.ndarray, *, minimise_peak: bool, budget_bytes: int | None,
-              slack: int, max_overhead_ms: float | None, t_lb: int, time_limit_s: float,
+              slack: int, max_overhead_units: float | None, t_lb: int, time_limit_s: float,
               best_effort: bool) -> np.ndarray | None:
         """One HiGHS MILP over options ``cols`` and rows ``rows``: least overhead under the budget, or
         (``minimise_peak``) least peak; returns the full 0/1 option vector, None when infeasible."""
@@ -495,9 +513,9 @@ class CostModel:
         constraints = [*_row_constraints(delta, base, scale, minimise_peak=minimise_peak, budget_bytes=budget_bytes,
                                          slack=slack),
                        *self._clique_constraints(cols, n_var)]
-        ms = self.replay_ms[cols]
-        if max_overhead_ms is not None:
-            constraints.append(_overhead_constraint(ms, n_var, max_overhead_ms))
+        ms = self.replay_units[cols]
+        if max_overhead_units is not None:
+            constraints.append(_overhead_constraint(ms, n_var, max_overhead_units))
         if self.host_budget_bytes is not None and self.host[cols].any():
             constraints.append(_host_constraint(self.host[cols], n_var, self.host_budget_bytes))
         lb, ub, c = np.zeros(n_var), np.ones(n_var), ms.astype(np.float64)
