@@ -79,7 +79,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.live_after: list[int] = []                  # per event: live bytes after it
         self.marks: list[PhaseMark] = []
         self.module = ""                                 # set by StepRecorder (trace/profile)
-        # Optional per-op callback (func, args, out, duration_ns, first event index of the op),
+        # Optional per-op callback (func, args, kwargs, out, duration_ns, first event index of the op),
         # for profiling passes only:
         # op timing, device moves, in-place writes. None on the measuring hot path.
         self.op_observer: Callable[[Any, tuple, dict, Any, int, int], None] | None = None
