@@ -74,7 +74,7 @@ def main() -> int:
         runs.append(dict(counted={s: plan_key(counted, s) for s in SHARES}, timed={s: plan_key(timed, s) for s in SHARES},
                          raw={f"{c.name}:{m.value}": ms for c in raw.candidates for m, ms in c.replay_ms.items()
                               if m.value != "keep" and m in c.replay_spread_ms},
-                         factor=counted.replay_calibration.get(next(iter(counted.replay_calibration), None)),
+                         factor=counted.replay_calibration,
                          seconds=round(time.time() - t0, 1), load=os.getloadavg()[0]))
         print(json.dumps(dict(profile=i, seconds=runs[-1]["seconds"], load=runs[-1]["load"])), file=sys.stderr, flush=True)
     arms = set.intersection(*(set(r["raw"]) for r in runs))

@@ -213,9 +213,10 @@ class ProfileReport(JsonCodec):
     # (candidate, mode values) whose measured replay cost was below the clock's resolution: priced
     # at that resolution, not zero (NOTE [measured replay costs] in profile/replay.py)
     replay_below_resolution: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-    # per mode priced from counts, measured ms per work ms: each such price is this times the candidate's
-    # ``replay_work`` (NOTE [prices from counts] in profile/prices.py); {} when no price came from counts
-    replay_calibration: dict[CheckpointMode, float] = json_field(default_factory=dict, omit={})
+    # measured ms per work ms: every price of a mode that replays forward ops (FULL, the op-level modes) is this
+    # times the candidate's ``replay_work`` (NOTE [prices from counts] in profile/prices.py); 0 when no price came
+    # from counts
+    replay_calibration: float = json_field(default=0.0, omit=0.0)
     # bytes the whole-step instrument saw at the peak beyond the tensors the rows count (kernel
     # workspaces, a checkpoint's RNG state), already added to every row's base (NOTE [untracked bytes]
     # in profile/step.py); 0 when the rows' instrument measured the baseline too

@@ -89,8 +89,7 @@ def sane_replay_prices(report: ProfileReport) -> None:
     by_name = {c.name: c for c in report.candidates}
     forward = _group_forward_ms(report)
     composed = report.replay_composed
-    factors = calibrate_from_counts(report)
-    report.replay_calibration = dict(factors)
+    factor = report.replay_calibration = calibrate_from_counts(report)
     # parents before children; at one depth, composed segments after the members they sum
     for c in sorted(report.candidates, key=lambda c: (_depth(c, by_name), c.name in composed, c.order)):
         if c.name in composed:
@@ -98,9 +97,9 @@ def sane_replay_prices(report: ProfileReport) -> None:
                 c.replay_ms[_F] = sum(by_name[m].replay_ms[_F] for m in composed[c.name])
                 _cap_selective(c)
             continue
-        counted = {m for m in factors if c.replay_work.get(m, 0.0) > 0.0 and m in c.replay_ms}
+        counted = {m for m in COUNTED_MODES if factor and c.replay_work.get(m, 0.0) > 0.0 and m in c.replay_ms}
         for mode in counted:
-            c.replay_ms[mode] = factors[mode] * c.replay_work[mode]
+            c.replay_ms[mode] = factor * c.replay_work[mode]
         _bound_measured(c, by_name, forward[c.name], counted)
         _cap_selective(c)
 
@@ -120,34 +119,26 @@ def _bound_measured(c: CandidateCost, by_name: dict[str, CandidateCost], forward
             c.replay_ms[mode] = snap_price(c.replay_ms[mode])
 
 
-def calibrate_from_counts(report: ProfileReport) -> dict[CheckpointMode, float]:
-    """Per counted mode, the factor (measured ms per work ms) its prices are ``replay_work`` times: one factor for
-    them all (NOTE [prices from counts]); {} when no candidate has work recorded, and for a simulated profile
-    (priced by its device model)."""
+def calibrate_from_counts(report: ProfileReport) -> float:
+    """The factor (measured ms per work ms) every counted price is ``replay_work`` times (NOTE [prices from
+    counts]); 0.0 when no candidate has work recorded, and for a simulated profile (priced by its device model)."""
     if report.simulated:
-        return {}
-    ratios = [r for rs in _measured_ratios(report).values() for r in rs]
+        return 0.0
+    ratios = _measured_ratios(report)
     if not ratios:   # no replay measured: the timed forwards give the scale (all calls: both)
         ratios = [c.fwd_ms / c.replay_work[_F] for c in report.candidates
                   if c.replay_work.get(_F, 0.0) > 0.0 and c.fwd_ms > 0.0 and not c.members]
-    if not ratios:
-        return {}
-    return dict.fromkeys(COUNTED_MODES, snap_price(p50(ratios)))
+    return snap_price(p50(ratios)) if ratios else 0.0
 
 
-def _measured_ratios(report: ProfileReport) -> dict[CheckpointMode, list[float]]:
-    """Measured ms / work ms per counted mode, over the arms timed on their own (NOTE [prices from counts])."""
+def _measured_ratios(report: ProfileReport) -> list[float]:
+    """Measured ms / work ms over every counted arm timed on its own (NOTE [prices from counts])."""
     below = {(n, m) for n, modes in report.replay_below_resolution.items() for m in modes}
-    out: dict[CheckpointMode, list[float]] = {}
-    for c in report.candidates:
-        if c.name in report.replay_shared or c.name in report.replay_composed or c.name in report.replay_unmeasured:
-            continue
-        for mode in COUNTED_MODES:
-            work, ms = c.replay_work.get(mode, 0.0), c.replay_ms.get(mode)
-            if work > 0.0 and ms is not None and ms > 0.0 and mode in c.replay_spread_ms \
-                    and (c.name, mode.value) not in below:
-                out.setdefault(mode, []).append(ms / work)
-    return out
+    skipped = report.replay_shared.keys() | report.replay_composed.keys() | report.replay_unmeasured.keys()
+    return [c.replay_ms[m] / c.replay_work[m] for c in report.candidates if c.name not in skipped
+            for m in COUNTED_MODES
+            if c.replay_work.get(m, 0.0) > 0.0 and c.replay_ms.get(m, 0.0) > 0.0 and m in c.replay_spread_ms
+            and (c.name, m.value) not in below]
 
 
 def _cap_selective(c: CandidateCost) -> None:

@@ -279,13 +279,12 @@ def _merge_cost(costs: list[CandidateCost]) -> CandidateCost:
         replay_ms={m: _median([c.replay_ms[m] for c in timed[m]]) for m in modes},
         replay_extra_bytes={m: max(c.replay_extra_bytes.get(m, 0) for c in timed[m]) for m in modes},
         replay_spread_ms={m: _median([c.replay_spread_ms[m] for c in cs]) for m, cs in replays.items() if cs},
-        replay_work=_common_median(costs, "replay_work", modes),
+        replay_work=_common_median([c.replay_work for c in costs], modes),
         hazards=_hazards(costs))
 
 
-def _common_median(costs: list[CandidateCost], field: str, modes: list[CheckpointMode]) -> dict[CheckpointMode, float]:
-    """Per mode every point has in ``field`` (a per-mode dict of ``CandidateCost``), the points' median."""
-    tables = [getattr(c, field) for c in costs]
+def _common_median(tables: list[dict[CheckpointMode, float]], modes: list[CheckpointMode]) -> dict[CheckpointMode, float]:
+    """Per mode of ``modes`` that every point's table holds, the points' median."""
     return {m: _median([t[m] for t in tables]) for m in modes if all(m in t for t in tables)}
 
 

@@ -42,7 +42,7 @@ from ..memory.measure import PeakMeasurement, measure_step_peak, model_device, p
 from ..memory.reference import tracker_error_bytes
 from ..memory.tracker import StorageRecord
 from ..percentile import percentile
-from ..simulate.costs import flop_registry, op_record
+from ..simulate.costs import flop_registry, has_tensor, op_record
 from ..simulate.devices import DeviceModel, device_model_for
 from ..simulate.runtime import op_ms
 from ..trace.recorder import ModuleWindow, StepRecorder
@@ -108,7 +108,7 @@ class _OpLog:
         if self.chain is not None:
             self.chain.read(args, mod)
         pointwise = is_cheap_op(func)   # pointwise or a view (NOTE [op-level policies])
-        self.ops.append((ev, mod, name, pointwise, ns, self._work(func, args, kwargs, out), _returns_tensor(out)))
+        self.ops.append((ev, mod, name, pointwise, ns, self._work(func, args, kwargs, out), has_tensor(out, func)))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 rec = self.rec.tracker.records.get(t.untyped_storage()._cdata)
@@ -129,11 +129,6 @@ class _OpLog:
         if self.rec.tracker.phase is not Phase.FORWARD:
             return 0.0
         return op_ms(op_record(func, args, kwargs, out, self.flop_registry), self.device)
-
-
-def _returns_tensor(out: Any) -> bool:
-    """Metadata queries and remat's own probes (``equal``) return no tensor: no op of the region's replay."""
-    return isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in out))
 
 
 def _time_forwards(step: TrainingStep, names: dict[int, str], wanted: set[str], steps: int, start: int,

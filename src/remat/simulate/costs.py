@@ -86,7 +86,7 @@ def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
     return total, dtype
 
 
-def _has_tensor(out: Any, func: Any) -> bool:
+def has_tensor(out: Any, func: Any) -> bool:
     """Metadata queries (sizes, strides, ``is_contiguous``) return no tensor and launch nothing;
     ``.item()`` returns none either but is a device-to-host copy and a sync."""
     if isinstance(out, torch.Tensor) or func is _aten._local_scalar_dense.default:
@@ -102,7 +102,7 @@ def flop_registry(custom_flops: dict[Any, Any] | None = None) -> dict[Any, Any]:
 def op_record(func: Any, args: tuple, kwargs: dict[str, Any], out: Any, registry: dict[Any, Any],
               phase: Phase | None = None, modules: tuple[str, ...] = ()) -> OpRecord:
     """The :class:`OpRecord` of one ATen op that ran on ``args`` / ``kwargs`` and returned ``out`` (NOTE [op costs])."""
-    if func in _NO_KERNEL or func.is_view or func.namespace == "prim" or not _has_tensor(out, func):
+    if func in _NO_KERNEL or func.is_view or func.namespace == "prim" or not has_tensor(out, func):
         return OpRecord(str(func), phase, modules, 0, 0, None, False)
     packet = func._overloadpacket
     flops = 0
